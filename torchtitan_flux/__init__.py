@@ -1,0 +1,1 @@
+"""torchtitan_flux: asynchronous GRPO on torchtitan."""

@@ -1,0 +1,374 @@
+"""Job-config sections torchtitan_flux adds to torchtitan's ``JobConfig``.
+
+torchtitan 0.2.2 merges a ``JobConfig`` dataclass named by ``[job] custom_config_module`` into its own
+(``ConfigManager._merge_configs``); ``torchtitan_flux.train`` names this module automatically, so every TOML
+and ``--section.field`` override below works without the user setting it.
+
+``validate_config`` checks types, ranges and cross-field consistency and raises ``ConfigError`` naming the
+field and what is allowed. It runs on every rank before any engine process is started.
+
+Simplification: torchtitan's own sections are validated by torchtitan; we check only the fields we rely on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad config value. The message names the field (``section.field``) and the allowed values."""
+
+
+@dataclass
+class Grpo:
+    """``[grpo]``: the GRPO objective."""
+
+    group_size: int = 8
+    """Completions sampled per prompt (G). Advantages are normalised within each group. Must be >= 2."""
+
+    clip_low: float = 0.2
+    """Lower clip bound epsilon_low: the policy ratio is clipped at 1 - clip_low. In (0, 1)."""
+
+    clip_high: float = 0.28
+    """Upper clip bound epsilon_high: the policy ratio is clipped at 1 + clip_high (DAPO's clip-higher). > 0."""
+
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty against a frozen copy of the initial policy. 0 disables it (and the
+    reference model is then not built). >= 0."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator on sampled tokens: k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, k3 = ref/pi - log(ref/pi) - 1."""
+
+    loss_normalization: Literal["token", "sequence"] = "token"
+    """"token": sum of per-token losses over all completion tokens of the batch divided by their count (DAPO);
+    "sequence": mean over completions of each completion's mean token loss (original GRPO)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the rollout engines; the trainer divides its logits by it too, so behaviour and
+    trainer log-probabilities refer to the same distribution. > 0."""
+
+    tis_cap: float = 2.0
+    """Truncated importance sampling: each token's loss is weighted by min(pi_trainer / pi_behaviour, tis_cap)
+    (detached) and the clipped ratio is taken against the trainer's current policy (decoupled PPO). 0 disables
+    it: the clipped ratio is then taken against the behaviour (engine) log-probabilities directly. >= 0."""
+
+    advantage_std_normalize: bool = True
+    """Divide group-centred rewards by the group's standard deviation (+1e-4). Groups whose rewards are all equal
+    get advantage 0 either way: they contribute no policy gradient (only KL, if enabled) and are counted in
+    the ``zero_variance_groups`` metric."""
+
+    staleness_discount: float = 0.0
+    """Weight of a sample is multiplied by (1 + version_gap) ** -staleness_discount (a staleness-adaptive step
+    size). 0 disables it. >= 0."""
+
+
+@dataclass
+class Rollout:
+    """``[rollout]``: where completions come from and what they are scored on."""
+
+    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
+    """Rollout engine: "embedded" (a child process holding its own copy of the policy; the default, needs no
+    server), "vllm" or "sglang" (HTTP servers; see ``urls``)."""
+
+    num_engines: int = 1
+    """Number of embedded engine processes (embedded only; servers are counted by ``urls``). >= 1."""
+
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of vLLM / SGLang servers, e.g. ["http://127.0.0.1:8000"]. Required for those engines."""
+
+    prompts_per_step: int = 4
+    """Prompts per training step; the batch holds prompts_per_step * grpo.group_size completions. >= 1."""
+
+    max_new_tokens: int = 16
+    """Maximum completion length in tokens. >= 1."""
+
+    top_k: int = 0
+    """Sample only from the top-k tokens; 0 disables. Behaviour log-probabilities then refer to the truncated
+    distribution, so keep 0 unless you know you want it. >= 0."""
+
+    task: str = "digits"
+    """Task: "digits" (dense reward: fraction of completion characters that are digits; a random-init model
+    learns it in minutes), "arithmetic" (exact-match sums with answer extraction), or "jsonl" (user
+    prompt/answer records in ``dataset_path`` scored by ``reward_fn``)."""
+
+    dataset_path: str = ""
+    """JSONL file of {"prompt": ..., "answer": ...} records; required for task "jsonl"."""
+
+    reward_fn: str = ""
+    """Reward function for task "jsonl", named "package.module:function"; called as fn(prompt, completion,
+    answer) -> float."""
+
+    engine_threads: int = 1
+    """torch intra-op threads of each embedded engine process. >= 1."""
+
+    seed: int = 0
+    """Base seed of the engines' samplers (each request derives its own generator from it)."""
+
+
+@dataclass
+class WeightSync:
+    """``[weight_sync]``: how trained weights reach the engines."""
+
+    async_weight_update: bool = False
+    """false: after each optimizer step the trainer blocks until every engine holds the new weights.
+    true: the weights are snapshotted into a staging buffer and pushed by a background thread while the
+    trainer goes on; the trainer never waits on an engine."""
+
+    timeout_seconds: float = 60.0
+    """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
+    serving its old version, and gets a full resync when it answers again. > 0."""
+
+    bucket_size_mb: float = 64.0
+    """Weights are flattened into buckets of about this size for transfer. > 0."""
+
+    interval: int = 1
+    """Push every N optimizer steps. >= 1."""
+
+    method: Literal["full", "delta"] = "full"
+    """"full" sends all weights; "delta" sends only tensors that changed since the last push."""
+
+    master_addr: str = "127.0.0.1"
+    """Address the trainer's weight-sync rendezvous binds to. Loopback by default."""
+
+    master_port: int = 0
+    """Port of the weight-sync rendezvous; 0 picks a free port. 0..65535."""
+
+
+@dataclass
+class PhaseSpec:
+    """One phase of ``adaptive_async.phase_schedule``."""
+
+    steps: int = 0
+    """Length of the phase in steps (ignored for "main", which lasts between warmup and cooldown). >= 0."""
+
+    target_staleness: float = -1.0
+    """Target staleness during the phase; negative means ``adaptive_async.target_staleness``."""
+
+
+@dataclass
+class PhaseSchedule:
+    """``[adaptive_async.phase_schedule]``: warmup, main and cooldown phases."""
+
+    warmup: PhaseSpec = field(default_factory=PhaseSpec)
+    """Warmup phase: the first ``warmup.steps`` steps."""
+
+    main: PhaseSpec = field(default_factory=PhaseSpec)
+    """Main phase: between warmup and cooldown."""
+
+    cooldown: PhaseSpec = field(default_factory=PhaseSpec)
+    """Cooldown phase: the last ``cooldown.steps`` steps of ``training.steps``."""
+
+
+@dataclass
+class AdaptiveAsync:
+    """``[adaptive_async]``: the controller that sets how asynchronous the run is."""
+
+    enabled: bool = False
+    """Turn the controller on. When off, ``weight_sync.async_weight_update`` alone decides (ratio 0 or 1)."""
+
+    target_staleness: float = 0.15
+    """Staleness (in [0, 1]) the controller steers to. In [0, 1]."""
+
+    min_async_ratio: float = 0.0
+    """Lower bound of async_ratio. In [0, 1], <= max_async_ratio."""
+
+    max_async_ratio: float = 1.0
+    """Upper bound of async_ratio. In [0, 1], >= min_async_ratio."""
+
+    initial_async_ratio: float = 0.5
+    """async_ratio at step 1. Within the bounds."""
+
+    kp: float = 0.1
+    """Proportional gain. >= 0."""
+
+    ki: float = 0.01
+    """Integral gain. >= 0."""
+
+    kd: float = 0.05
+    """Derivative gain (on the measurement, not the error). >= 0."""
+
+    ema_alpha: float = 0.1
+    """EMA weight of the newest staleness sample. In (0, 1]."""
+
+    max_version_gap: int = 4
+    """No sample older than this many policy versions is trained on. >= 1."""
+
+    sync_threshold: float = 0.5
+    """When smoothed staleness exceeds this, the next step is forced synchronous. In (0, 1]."""
+
+    kl_weight: float = 0.4
+    """Weight of min(1, KL / kl_norm) in staleness. >= 0 (weights must sum to a positive number)."""
+
+    iw_var_weight: float = 0.3
+    """Weight of min(1, importance-weight variance / iw_var_norm) in staleness. >= 0."""
+
+    version_gap_weight: float = 0.3
+    """Weight of min(1, mean version gap / version_gap_norm) in staleness. >= 0."""
+
+    kl_norm: float = 0.1
+    """KL at which the KL term saturates. > 0."""
+
+    iw_var_norm: float = 2.0
+    """Importance-weight variance at which that term saturates. > 0."""
+
+    version_gap_norm: float = 5.0
+    """Version gap at which that term saturates. > 0."""
+
+    controller: str = "pid"
+    """"pid", or "package.module:Class" naming a subclass of ``torchtitan_flux.controller.BaseAsyncController``."""
+
+    phase_schedule: PhaseSchedule = field(default_factory=PhaseSchedule)
+    """Per-phase targets: ``[adaptive_async.phase_schedule.warmup]`` etc."""
+
+
+@dataclass
+class JobConfig:
+    """The sections merged into torchtitan's JobConfig."""
+
+    grpo: Grpo = field(default_factory=Grpo)
+    rollout: Rollout = field(default_factory=Rollout)
+    weight_sync: WeightSync = field(default_factory=WeightSync)
+    adaptive_async: AdaptiveAsync = field(default_factory=AdaptiveAsync)
+
+
+SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "adaptive_async": AdaptiveAsync}
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _allowed(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_type(name: str, value: Any, tp: Any) -> None:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{name} = {value!r} is not allowed; allowed values: {_allowed(tp)}")
+        return
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{name} must be a list of {item.__name__}, got {value!r}")
+        return
+    if dataclasses.is_dataclass(tp):
+        if not dataclasses.is_dataclass(value):
+            raise ConfigError(f"{name} must be a table with fields {[f.name for f in dataclasses.fields(tp)]}")
+        _check_dataclass(name, value)
+        return
+    ok = (
+        isinstance(value, bool)
+        if tp is bool
+        else isinstance(value, tp) and not isinstance(value, bool)
+        if tp is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if tp is float
+        else isinstance(value, tp)
+    )
+    if not ok:
+        raise ConfigError(f"{name} must be of type {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _check_dataclass(prefix: str, obj: Any) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        _check_type(f"{prefix}.{f.name}", getattr(obj, f.name), hints[f.name])
+
+
+def _require(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name} = {value!r} is out of range; allowed: {allowed}")
+
+
+def _importable(name: str, spec: str) -> Any:
+    if ":" not in spec:
+        raise ConfigError(f"{name} = {spec!r} must be of the form 'package.module:attribute'")
+    mod, _, attr = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
+    if not callable(obj):
+        raise ConfigError(f"{name} = {spec!r} is not callable")
+    return obj
+
+
+def validate_config(job_config: Any) -> None:
+    """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
+    for sec in SECTIONS:
+        _check_dataclass(sec, getattr(job_config, sec))
+    g, r, w, a = job_config.grpo, job_config.rollout, job_config.weight_sync, job_config.adaptive_async
+
+    _require(g.group_size >= 2, "grpo.group_size", g.group_size, "an integer >= 2")
+    _require(0 < g.clip_low < 1, "grpo.clip_low", g.clip_low, "0 < clip_low < 1")
+    _require(g.clip_high > 0, "grpo.clip_high", g.clip_high, "> 0")
+    _require(g.kl_coef >= 0, "grpo.kl_coef", g.kl_coef, ">= 0")
+    _require(g.temperature > 0, "grpo.temperature", g.temperature, "> 0")
+    _require(g.tis_cap >= 0, "grpo.tis_cap", g.tis_cap, ">= 0 (0 disables)")
+    _require(g.staleness_discount >= 0, "grpo.staleness_discount", g.staleness_discount, ">= 0")
+
+    _require(r.num_engines >= 1, "rollout.num_engines", r.num_engines, "an integer >= 1")
+    _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
+    _require(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0")
+    _require(r.engine_threads >= 1, "rollout.engine_threads", r.engine_threads, ">= 1")
+    tasks = ("digits", "arithmetic", "jsonl")
+    _require(r.task in tasks, "rollout.task", r.task, " | ".join(tasks))
+    if r.engine in ("vllm", "sglang") and not r.urls:
+        raise ConfigError(f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL")
+    if r.task == "jsonl":
+        if not r.dataset_path or not os.path.isfile(r.dataset_path):
+            raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} is not a file; task 'jsonl' needs one")
+        _importable("rollout.reward_fn", r.reward_fn)
+
+    _require(w.timeout_seconds > 0, "weight_sync.timeout_seconds", w.timeout_seconds, "> 0")
+    _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
+    _require(w.interval >= 1, "weight_sync.interval", w.interval, "an integer >= 1")
+    _require(0 <= w.master_port <= 65535, "weight_sync.master_port", w.master_port, "0..65535")
+
+    for f in ("target_staleness", "min_async_ratio", "max_async_ratio", "initial_async_ratio"):
+        v = getattr(a, f)
+        _require(0 <= v <= 1, f"adaptive_async.{f}", v, "a number in [0, 1]")
+    if a.min_async_ratio > a.max_async_ratio:
+        raise ConfigError(
+            f"adaptive_async.min_async_ratio = {a.min_async_ratio} exceeds adaptive_async.max_async_ratio = "
+            f"{a.max_async_ratio}; need min_async_ratio <= max_async_ratio"
+        )
+    _require(
+        a.min_async_ratio <= a.initial_async_ratio <= a.max_async_ratio,
+        "adaptive_async.initial_async_ratio",
+        a.initial_async_ratio,
+        f"within [min_async_ratio, max_async_ratio] = [{a.min_async_ratio}, {a.max_async_ratio}]",
+    )
+    for f in ("kp", "ki", "kd", "kl_weight", "iw_var_weight", "version_gap_weight"):
+        _require(getattr(a, f) >= 0, f"adaptive_async.{f}", getattr(a, f), ">= 0")
+    if a.kl_weight + a.iw_var_weight + a.version_gap_weight <= 0:
+        raise ConfigError("adaptive_async.kl_weight + iw_var_weight + version_gap_weight must be > 0")
+    for f in ("kl_norm", "iw_var_norm", "version_gap_norm"):
+        _require(getattr(a, f) > 0, f"adaptive_async.{f}", getattr(a, f), "> 0")
+    _require(0 < a.ema_alpha <= 1, "adaptive_async.ema_alpha", a.ema_alpha, "0 < ema_alpha <= 1")
+    _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap, "an integer >= 1")
+    _require(0 < a.sync_threshold <= 1, "adaptive_async.sync_threshold", a.sync_threshold, "0 < x <= 1")
+    for ph in ("warmup", "main", "cooldown"):
+        spec = getattr(a.phase_schedule, ph)
+        _require(spec.steps >= 0, f"adaptive_async.phase_schedule.{ph}.steps", spec.steps, ">= 0")
+        _require(spec.target_staleness <= 1, f"adaptive_async.phase_schedule.{ph}.target_staleness", spec.target_staleness,
+                 "<= 1 (negative = use adaptive_async.target_staleness)")
+    if a.controller != "pid":
+        _importable("adaptive_async.controller", a.controller)
+
+    hf = job_config.model.hf_assets_path
+    for fname in ("tokenizer.json", "config.json"):
+        if not os.path.isfile(os.path.join(hf, fname)):
+            raise ConfigError(
+                f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
+                "(build the tiny one with `python scripts/build_tiny_model.py`)"
+            )
