@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Plot the adaptive async controller of a run: ``python scripts/plot_controller.py RUN_DIR -o out.png``.
+
+Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per training step, with ``step`` and, when
+``adaptive_async.enabled`` was on, the controller's metrics) and draws three stacked panels over steps:
+
+1. smoothed staleness (and the raw per-batch value, faint, if logged) against the target (dashed); steps
+   with a forced sync are marked;
+2. async ratio with its bounds (``min_async_ratio`` / ``max_async_ratio``, dotted, if logged); ``reward_mean``
+   on a second axis if logged;
+3. PID error (target - staleness) with a zero line.
+
+Keys are matched exactly or as the last ``/``-separated component (``controller/staleness`` works too).
+Lines that are not JSON objects (a half-written last line of a running job, say) are skipped with a note.
+
+Exit status 2, with a message naming the file, if ``metrics.jsonl`` is missing or holds no controller metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import NoReturn
+
+REQUIRED = ("staleness", "target_staleness", "async_ratio", "pid_error")
+
+
+def _fail(msg: str) -> NoReturn:
+    print(f"plot_controller: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _get(row: dict, key: str):
+    if key in row:
+        return row[key]
+    for k, v in row.items():
+        if isinstance(k, str) and k.rsplit("/", 1)[-1] == key:
+            return v
+    return None
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def load_rows(path: str) -> list[dict]:
+    """Controller rows of ``path``, sorted by step (a resumed run's repeated steps: the last one wins)."""
+    if not os.path.isfile(path):
+        _fail(f"{path} not found (expected the run's metrics.jsonl)")
+    rows: dict[int, dict] = {}
+    skipped = 0
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1
+                continue
+            if not isinstance(row, dict) or _get(row, "step") is None:
+                skipped += 1
+                continue
+            if any(_get(row, k) is None for k in REQUIRED):
+                continue
+            rows[int(_num(_get(row, "step")))] = row
+    if skipped:
+        print(f"plot_controller: note: skipped {skipped} line(s) of {path} that are not step records", file=sys.stderr)
+    if not rows:
+        _fail(
+            f"{path} has no controller metrics (no line has all of {', '.join(REQUIRED)}); "
+            "was adaptive_async.enabled on?"
+        )
+    return [rows[s] for s in sorted(rows)]
+
+
+def plot(rows: list[dict], out: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [int(_num(_get(r, "step"))) for r in rows]
+
+    def series(key: str) -> list[float] | None:
+        vals = [_get(r, key) for r in rows]
+        if all(v is None for v in vals):
+            return None
+        return [_num(v) for v in vals]
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+
+    ax = axes[0]
+    raw = series("staleness_raw")
+    if raw is not None:
+        ax.plot(steps, raw, color="tab:blue", alpha=0.25, linewidth=0.8, label="raw")
+    ax.plot(steps, series("staleness"), color="tab:blue", label="staleness (EMA)")
+    ax.plot(steps, series("target_staleness"), color="tab:red", linestyle="--", label="target")
+    fs = series("force_sync")
+    if fs is not None:
+        sync_steps = [s for s, v in zip(steps, fs) if v > 0.5]
+        if sync_steps:
+            ax.scatter(sync_steps, [0.0] * len(sync_steps), marker="|", color="black", s=60,
+                       label=f"forced sync ({len(sync_steps)})", zorder=3)
+    ax.set_ylabel("Staleness")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    ax.plot(steps, series("async_ratio"), color="tab:green", label="async ratio")
+    for key, lab in (("min_async_ratio", "min"), ("max_async_ratio", "max")):
+        b = series(key)
+        if b is not None:
+            ax.plot(steps, b, color="gray", linestyle=":", label=lab)
+    ax.set_ylabel("Async Ratio")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    reward = series("reward_mean")
+    if reward is not None:
+        ax2 = ax.twinx()
+        ax2.plot(steps, reward, color="tab:purple", alpha=0.6, linewidth=0.9, label="reward_mean")
+        ax2.set_ylabel("Reward (mean)")
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="upper right", fontsize="small")
+
+    ax = axes[2]
+    ax.plot(steps, series("pid_error"), color="tab:orange", label="error = target - staleness")
+    ax.axhline(y=0.0, color="tab:red", linestyle="--", linewidth=1)
+    ax.set_ylabel("PID Error")
+    ax.set_xlabel("Step")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.grid(alpha=0.3)
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(out))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="run folder holding metrics.jsonl")
+    p.add_argument("-o", "--output", default=None, help="PNG to write (default: RUN_DIR/controller.png)")
+    p.add_argument("--title", default=None, help="figure title (default: the run folder's name)")
+    args = p.parse_args(argv)
+    path = os.path.join(args.run_dir, "metrics.jsonl")
+    rows = load_rows(path)
+    out = args.output or os.path.join(args.run_dir, "controller.png")
+    title = args.title if args.title is not None else os.path.basename(os.path.normpath(args.run_dir))
+    plot(rows, out, title)
+    print(f"wrote {out} ({len(rows)} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Idempotent setup: creates .venv (if missing), installs torchtitan_flux with its dev extras, and builds the
+# tiny local model the debug config uses. On a machine without CUDA it installs the CPU torch build.
+# Re-running is cheap: the install step is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+stamp=.venv/.flux-install-stamp
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    "$VPY" -m pip install -q "torch>=2.10"
+  else
+    "$VPY" -m pip install -q "torch==2.13.0"   # CPU build; an unpinned torch would pull a CUDA build
+  fi
+  "$VPY" -m pip install -q -e ".[dev]"
+  echo "$want" > "$stamp"
+fi
+"$VPY" scripts/build_tiny_model.py --out assets/tiny-llama --flavor tiny

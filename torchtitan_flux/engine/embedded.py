@@ -1,0 +1,264 @@
+"""The embedded rollout engine: a child process holding its own copy of the policy (the default engine).
+
+Process model: the trainer's weight-sync rank spawns each engine with ``multiprocessing`` (spawn). The child
+asks the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``) and also exits when its control pipe
+closes, so no engine outlives its trainer.
+
+Threads inside the engine:
+  * the main thread serves the control pipe in order: it generates with the live weights and, between requests
+    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version;
+  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
+Both send on the pipe; ``_send`` serialises them with a lock.
+
+Trainer side, ``EmbeddedEngine`` is the ``EngineHandler``: one reader thread turns pipe messages into events.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+
+from torchtitan_flux.engine.base import (
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    WeightAck,
+    WeightGroupInfo,
+)
+
+logger = logging.getLogger("torchtitan_flux")
+
+
+# ------------------------------------------------------------------------------------------ engine process
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the closed control pipe still ends the loop
+        pass
+
+
+class _EngineProcess:
+    """State of one engine process. Runs in the child."""
+
+    def __init__(self, conn, name: str, model_dir: str, threads: int, device: str):
+        import json
+
+        from torchtitan_flux import inference
+
+        self.conn, self.name = conn, name
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.inference = inference
+        torch.set_num_threads(threads)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        self.shape = inference.LlamaShape.from_hf_config(cfg)
+        self.eos_id, self.pad_id = int(cfg["eos_token_id"]), int(cfg.get("pad_token_id", 0))
+        self.receiver = None
+        self.stall_s = 0.0  # fault injection: sleep before each generation
+        self._send_lock = threading.Lock()
+        self._has_weights = threading.Event()
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def join(self, info: WeightGroupInfo) -> None:
+        from torchtitan_flux import compat, transport
+
+        def make_group():
+            store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
+            prefixed = torch.distributed.PrefixStore(info.prefix, store)
+            return compat.new_weight_sync_group(
+                info.backend, prefixed, 1, 2, timedelta(seconds=info.timeout_s), device=self.device
+            )
+
+        def on_received(version: int) -> None:
+            self._has_weights.set()
+            self._send(("ack", version, time.time()))
+
+        def on_error(e: BaseException) -> None:
+            self._send(("error", f"weight receiver: {type(e).__name__}: {e}", False))
+
+        if self.receiver is None:
+            plan = transport.plan_buckets(info.specs, info.bucket_bytes)
+            self.receiver = transport.WeightReceiver(plan, self.device, on_received, on_error)
+        self.receiver.start(make_group)  # a re-join (resync) keeps serving the live version meanwhile
+
+    def generate(self, req: GenerationRequest) -> None:
+        if self.stall_s:
+            time.sleep(self.stall_s)
+        self._has_weights.wait()
+        version = self.receiver.swap()
+        t0 = time.perf_counter()
+        prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
+        gen = torch.Generator(device=self.device).manual_seed(req.seed)
+        tokens, logprobs, lengths = self.inference.generate(
+            self.receiver.live.views,
+            self.shape,
+            prompts,
+            max_new_tokens=req.max_new_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            generator=gen,
+        )
+        tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu()
+        dt = time.perf_counter() - t0
+        self._send(("result", req.req_id, tokens, logprobs, lengths, version, self.receiver.newest()[0], dt))
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except EOFError:
+                return
+            kind = msg[0]
+            if kind == "generate":
+                self.generate(msg[1])
+            elif kind == "join":
+                self.join(msg[1])
+            elif kind == "checksum":
+                version, weights = self.receiver.newest() if self.receiver else (-1, None)
+                self._send(("checksum", version, weights.checksum() if weights is not None else ""))
+            elif kind == "fault":
+                self.fault(*msg[1:])
+            elif kind == "shutdown":
+                return
+
+    def fault(self, what: str, arg: float) -> None:
+        """Fault injection for the fault tests: stall generation or weight receipt, or die."""
+        if what == "stall_generate":
+            self.stall_s = arg
+        elif what == "stall_receive":
+            self.receiver.fault_stall_s = arg
+        elif what == "crash":
+            os._exit(17)
+
+
+def _engine_main(conn, name: str, model_dir: str, threads: int, device: str) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
+    try:
+        proc = _EngineProcess(conn, name, model_dir, threads, device)
+        proc.serve()
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc(), True))
+        except (OSError, EOFError):
+            pass
+        raise
+    finally:
+        if proc := locals().get("proc"):
+            if proc.receiver is not None:
+                proc.receiver.stop()
+        os._exit(0)  # do not wait on the receiver thread's blocking collective
+
+
+# ---------------------------------------------------------------------------------------- trainer handler
+
+
+class EmbeddedEngine:
+    """``EngineHandler`` for one embedded engine process (see the module docstring)."""
+
+    def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu"):
+        self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
+        self.device = device
+        self._proc: mp.Process | None = None
+        self._conn = None
+        self._reader: threading.Thread | None = None
+        self._replies: queue.Queue = queue.Queue()  # synchronous replies (checksum)
+        self._closing = False
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=_engine_main, args=(child, self.name, self.model_dir, self.threads, self.device), name=self.name, daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, EOFError, BrokenPipeError) as e:
+            self.events.put(EngineError(self.name, f"control pipe closed: {e}", fatal=True))
+
+    def _read(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                if not self._closing:
+                    self.events.put(EngineError(self.name, "engine process exited", fatal=True))
+                return
+            kind = msg[0]
+            if kind == "result":
+                _, req_id, tokens, logprobs, lengths, version, newest, dt = msg
+                self.events.put(GenerationResult(req_id, self.name, tokens, logprobs, lengths, version, newest, dt))
+            elif kind == "ack":
+                self.events.put(WeightAck(self.name, msg[1], msg[2]))
+            elif kind == "error":
+                self.events.put(EngineError(self.name, msg[1], fatal=msg[2]))
+            elif kind == "checksum":
+                self._replies.put((msg[1], msg[2]))
+
+    def submit(self, request: GenerationRequest) -> None:
+        self._send(("generate", request))
+
+    def join_weight_group(self, info: WeightGroupInfo) -> None:
+        self._send(("join", info))
+
+    def begin_update(self, version: int) -> None:
+        pass  # the receiver thread stages the push; nothing to open
+
+    def finish_update(self, version: int) -> None:
+        pass  # the engine acks on its own once the push is complete
+
+    def checksum(self, timeout: float = 30.0) -> tuple[int, str]:
+        """(newest received version, sha256 of its weights). Served between generation requests."""
+        self._send(("checksum",))
+        return self._replies.get(timeout=timeout)
+
+    def inject_fault(self, what: str, arg: float = 0.0) -> None:
+        self._send(("fault", what, arg))
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        self._closing = True
+        self._send(("shutdown",))
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=5)
+        self._conn.close()
+        self._proc = None

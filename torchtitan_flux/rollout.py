@@ -1,0 +1,235 @@
+"""Rollout scheduling on the trainer's rank 0: prompts -> engine requests -> scored, versioned training batches.
+
+``RolloutScheduler`` dispatches the prompts of training step ``k`` to the engines as soon as admission allows
+(``lookahead``: how many steps ahead of the one being trained generation may run) and collects the results.
+Every sample carries the engine's policy version that generated it (stamped by the engine for the whole
+request) and the trainer version at dispatch.
+
+Concurrency: everything here runs on the main thread. Engines report through one ``events`` queue; ``pump``
+is the only consumer and routes acks/errors to the ``WeightSyncer`` and results to their step. A dead engine's
+in-flight requests are re-dispatched to the engines still alive (or to its restarted replacement), so no prompt
+is lost.
+
+Simplification: prompts are split across engines by group in proportion to each engine's measured throughput
+(EMA of completions/s); with one engine the split is trivial.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
+from torchtitan_flux.tasks import Prompt, Task, check_reward
+
+logger = logging.getLogger("torchtitan_flux")
+
+
+@dataclass
+class RolloutBatch:
+    """One training step's samples (B = prompts * group_size), laid out for teacher forcing."""
+
+    step: int
+    tokens: torch.Tensor  # [B, L] int64: prompt + completion, right-padded
+    loss_mask: torch.Tensor  # [B, L-1] float32: 1 where position t predicts a completion token t+1
+    behaviour_logprobs: torch.Tensor  # [B, L-1] float32, aligned with loss_mask
+    rewards: torch.Tensor  # [B] float32
+    versions: torch.Tensor  # [B] int64: engine policy version that generated each sample
+    dispatch_version: int  # trainer version when the step's prompts were dispatched
+    newest_seen: int  # newest version any engine had received when its part finished
+    gen_time_s: float  # max engine-side generation time over the step's parts
+    completions: list[str] = field(default_factory=list)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+@dataclass
+class _Part:
+    request: GenerationRequest
+    engine: EngineHandler
+    first: int  # index of its first prompt in the step's prompt list
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Step:
+    step: int
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    parts: list[_Part]
+    dispatched_at: float
+
+
+class RolloutScheduler:
+    def __init__(
+        self,
+        engines: list[EngineHandler],
+        events: queue.Queue,
+        task: Task,
+        tokenizer,
+        *,
+        group_size: int,
+        prompts_per_step: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        seed: int,
+        pad_id: int,
+        on_weight_event: Callable[[object], None],
+        on_engine_dead: Callable[[EngineHandler], EngineHandler | None],
+    ):
+        self.engines = list(engines)
+        self.events, self.task, self.tokenizer = events, task, tokenizer
+        self.group_size, self.prompts_per_step = group_size, prompts_per_step
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.seed, self.pad_id = seed, pad_id
+        self.on_weight_event, self.on_engine_dead = on_weight_event, on_engine_dead
+        self._req_ids = itertools.count()
+        self._steps: dict[int, _Step] = {}
+        self._by_req: dict[int, _Part] = {}
+        self.speed = {e.name: 1.0 for e in self.engines}  # EMA of completions/s per engine
+        self.redispatched = 0
+        self.engine_deaths = 0
+
+    # ---------------------------------------------------------------------------------------- dispatch
+
+    def dispatched(self, step: int) -> bool:
+        return step in self._steps
+
+    def dispatch(self, step: int, trainer_version: int) -> None:
+        prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
+        ids = [self.tokenizer.encode(p.text, add_bos=True, add_eos=False) for p in prompts]
+        st = _Step(step, prompts, ids, [], time.perf_counter())
+        alive = [e for e in self.engines if e.alive()]
+        if not alive:
+            raise RuntimeError("no rollout engine is alive")
+        first = 0
+        for engine, n in zip(alive, self._split(len(prompts), alive)):
+            if n:
+                st.parts.append(self._submit(step, engine, ids[first : first + n], first, trainer_version))
+            first += n
+        self._steps[step] = st
+
+    def _split(self, n: int, engines: list[EngineHandler]) -> list[int]:
+        """Prompts per engine in proportion to measured speed (largest remainder)."""
+        speeds = [self.speed[e.name] for e in engines]
+        total = sum(speeds)
+        raw = [n * s / total for s in speeds]
+        counts = [int(r) for r in raw]
+        for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: n - sum(counts)]:
+            counts[i] += 1
+        return counts
+
+    def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int) -> _Part:
+        req = GenerationRequest(
+            req_id=next(self._req_ids), step=step, prompt_ids=ids, group_size=self.group_size,
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+            seed=(self.seed * 1_000_003 + step) * 131 + first, dispatch_version=trainer_version,
+        )
+        part = _Part(req, engine, first)
+        self._by_req[req.req_id] = part
+        engine.submit(req)
+        return part
+
+    # --------------------------------------------------------------------------------------- events
+
+    def pump(self, timeout: float) -> None:
+        """Handle at most one engine event, waiting up to ``timeout`` seconds for it."""
+        try:
+            ev = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(ev, GenerationResult):
+            part = self._by_req.pop(ev.req_id, None)
+            if part is not None:  # None: a re-dispatched request's late original
+                part.result = ev
+                n = ev.tokens.shape[0]
+                self.speed[ev.engine] = 0.8 * self.speed[ev.engine] + 0.2 * n / max(ev.gen_time_s, 1e-6)
+        elif isinstance(ev, WeightAck):
+            self.on_weight_event(ev)
+        elif isinstance(ev, EngineError):
+            self.on_weight_event(ev)
+            if ev.fatal:
+                self._engine_died(ev.engine, ev.message)
+            else:
+                logger.warning(f"engine {ev.engine}: {ev.message}")
+
+    def _engine_died(self, name: str, message: str) -> None:
+        dead = next((e for e in self.engines if e.name == name), None)
+        if dead is None:
+            return
+        self.engine_deaths += 1
+        logger.error(f"rollout engine {name} died: {message.strip().splitlines()[-1] if message else ''}")
+        replacement = self.on_engine_dead(dead)
+        self.engines = [replacement if e is dead else e for e in self.engines if e is not dead or replacement]
+        if replacement is not None:
+            self.speed[replacement.name] = self.speed.pop(name, 1.0)
+        for part in [p for p in self._by_req.values() if p.engine is dead]:
+            alive = [e for e in self.engines if e.alive()]
+            if not alive:
+                raise RuntimeError("every rollout engine died")
+            target = max(alive, key=lambda e: self.speed[e.name])
+            del self._by_req[part.request.req_id]
+            part.request.req_id = next(self._req_ids)
+            part.engine = target
+            self._by_req[part.request.req_id] = part
+            target.submit(part.request)
+            self.redispatched += 1
+
+    # --------------------------------------------------------------------------------------- collect
+
+    def collect(self, step: int) -> RolloutBatch:
+        """Wait for every part of ``step`` and build its batch (scored, laid out for training)."""
+        st = self._steps[step]
+        while any(p.result is None for p in st.parts):
+            self.pump(0.05)
+        del self._steps[step]
+        return self._build(st)
+
+    def _build(self, st: _Step) -> RolloutBatch:
+        G = self.group_size
+        parts = sorted(st.parts, key=lambda p: p.first)
+        tokens = torch.cat([p.result.tokens for p in parts])
+        logprobs = torch.cat([p.result.logprobs for p in parts])
+        lengths = torch.cat([p.result.lengths for p in parts])
+        versions = torch.cat([torch.full((p.result.tokens.shape[0],), p.result.version) for p in parts])
+        prompt_ids = [ids for ids in st.prompt_ids for _ in range(G)]
+        B = len(prompt_ids)
+        plen = torch.tensor([len(x) for x in prompt_ids])
+        L = int((plen + lengths).max().item())
+        seq = torch.full((B, L), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros(B, L - 1)
+        behaviour = torch.zeros(B, L - 1)
+        completions, rewards = [], []
+        for i in range(B):
+            p, c = len(prompt_ids[i]), int(lengths[i])
+            seq[i, :p] = torch.tensor(prompt_ids[i])
+            seq[i, p : p + c] = tokens[i, :c]
+            mask[i, p - 1 : p - 1 + c] = 1.0
+            behaviour[i, p - 1 : p - 1 + c] = logprobs[i, :c]
+            text = self.tokenizer.decode(tokens[i, :c].tolist(), skip_special_tokens=True)
+            completions.append(text)
+            rewards.append(check_reward(self.task, self.task.reward(st.prompts[i // G], text)))
+        return RolloutBatch(
+            step=st.step, tokens=seq, loss_mask=mask, behaviour_logprobs=behaviour,
+            rewards=torch.tensor(rewards, dtype=torch.float32), versions=versions,
+            dispatch_version=parts[0].request.dispatch_version,
+            newest_seen=max(p.result.newest_seen for p in parts),
+            gen_time_s=max(p.result.gen_time_s for p in parts), completions=completions,
+        )
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Forget outstanding requests (shutdown); results that still arrive are dropped."""
+        deadline = time.monotonic() + timeout
+        while self._by_req and time.monotonic() < deadline:
+            self.pump(0.05)
+        self._steps.clear()
+        self._by_req.clear()

@@ -1,0 +1,371 @@
+"""``FluxTrainer``: torchtitan's ``Trainer`` turned into a GRPO trainer fed by rollout engines.
+
+What is torchtitan's and what is ours: model construction, FSDP2 parallelisation, optimizers, LR schedulers,
+gradient clipping, ``CheckpointManager`` and the entry point are torchtitan's, used as they are. We replace the
+data path (rollouts instead of a text dataloader), the loss (GRPO, ``loss.py``) and the step loop (``train``),
+and add engines, weight sync and metrics.
+
+One training step (policy version = number of optimizer steps done = ``self.step`` after the step):
+  1. rank 0 makes sure the prompts of steps ``k .. k + lookahead`` are dispatched (lookahead 0 when
+     ``weight_sync.async_weight_update`` is false, else 1), then waits for step ``k``'s rollouts; samples older
+     than ``adaptive_async.max_version_gap`` are discarded and regenerated (counted);
+  2. the batch is broadcast to every rank; each rank trains on its contiguous slice, in micro-batches of
+     ``training.local_batch_size`` sequences; the loss is normalised by the global token (or sequence) count;
+  3. gradient clipping, ``optimizer.step()``, LR step; then ``WeightSyncer.after_optimizer_step``: blocking
+     push (sync mode) or snapshot + background push (async mode);
+  4. checkpoint (torchtitan's manager; our ``state_dict`` adds the RNG state), metrics.
+
+Simplifications: one optimizer step per batch (so the "proximal" policy of decoupled PPO is the current one,
+detached); no pipeline parallelism (``pipelining_fn`` is None).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.train import Trainer
+
+from torchtitan_flux import loss as grpo
+from torchtitan_flux.config import ConfigError, validate_config
+from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.metrics import MetricsWriter
+from torchtitan_flux.model import export_hf_weights, load_hf_weights
+from torchtitan_flux.rollout import RolloutBatch, RolloutScheduler
+from torchtitan_flux.tasks import Prompt, build_task, check_reward
+from torchtitan_flux.weight_sync import WeightSyncer
+
+logger = logging.getLogger("torchtitan_flux")
+
+
+class FluxTrainer(Trainer):
+    def __init__(self, job_config):
+        validate_config(job_config)
+        self.task = build_task(job_config.rollout)
+        probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
+        check_reward(self.task, self.task.reward(probe, ""))  # bad reward functions fail before any spawn
+        if job_config.rollout.engine != "embedded":
+            raise ConfigError(
+                f"rollout.engine = {job_config.rollout.engine!r} is not available yet in this build; "
+                "allowed: 'embedded'"
+            )
+        _set_cpu_threads(job_config)
+        super().__init__(job_config)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        batch = job_config.rollout.prompts_per_step * job_config.grpo.group_size
+        if batch % self.world:
+            raise ConfigError(
+                f"rollout.prompts_per_step * grpo.group_size = {batch} must be divisible by the number of "
+                f"trainer ranks ({self.world})"
+            )
+        self.model = self.model_parts[0]
+        load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
+        self.ref_model = self._build_reference_model() if job_config.grpo.kl_coef > 0 else None
+        self.step_callbacks: list = []
+        self.engines: list[EmbeddedEngine] = []
+        self.scheduler: RolloutScheduler | None = None
+        self.metrics_writer: MetricsWriter | None = None
+        self._events: queue.Queue = queue.Queue()
+        self._engine_restarts = 0
+        self.discarded_rollouts = 0
+        self._step_ends: list[float] = []
+        if self.rank == 0:
+            self._start_engines()
+        self.syncer = WeightSyncer(
+            job_config.weight_sync, self.model, self.engines, device=self.device, is_sender=self.rank == 0,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+        )
+        if self.rank == 0:
+            self.syncer.pump = self._pump
+            self.scheduler = self._build_scheduler()
+            self.metrics_writer = MetricsWriter(job_config.job.dump_folder, job_config.training.steps)
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    def _build_reference_model(self) -> torch.nn.Module:
+        """A frozen copy of the initial policy, built and sharded the same way (for the KL penalty)."""
+        with torch.device("meta"):
+            ref = self.train_spec.model_cls(self.model_args)
+        ref = self.train_spec.parallelize_fn(ref, self.parallel_dims, self.job_config)
+        ref.to_empty(device=self.device)
+        with torch.no_grad():
+            ref.init_weights(buffer_device=None)
+        load_hf_weights(ref, self.job_config.model.hf_assets_path, self.model_args)
+        ref.eval().requires_grad_(False)
+        return ref
+
+    def _new_engine(self, index: int) -> EmbeddedEngine:
+        r = self.job_config.rollout
+        e = EmbeddedEngine(
+            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._engine_device()
+        )
+        e.start()
+        return e
+
+    def _engine_device(self) -> str:
+        d = self.job_config.rollout.engine_device
+        if d != "auto":
+            return d
+        if self.device.type != "cuda":
+            return "cpu"
+        return f"cuda:{int(os.environ.get('LOCAL_WORLD_SIZE', '1'))}"
+
+    def _start_engines(self) -> None:
+        self.engines = [self._new_engine(i) for i in range(self.job_config.rollout.num_engines)]
+
+    def _restart_engine(self, dead: EmbeddedEngine):
+        """A dead embedded engine is replaced by a fresh process that rejoins and gets the newest weights."""
+        dead.close()
+        self._engine_restarts += 1
+        idx = self.engines.index(dead)
+        new = self._new_engine(idx)
+        self.engines[idx] = new
+        self.syncer.replace_engine(dead, new)
+        return new
+
+    def _build_scheduler(self) -> RolloutScheduler:
+        jc = self.job_config
+        return RolloutScheduler(
+            self.engines, self._events, self.task, self.tokenizer,
+            group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
+            max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
+            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer),
+            on_weight_event=self.syncer.on_event, on_engine_dead=self._restart_engine,
+        )
+
+    def _pump(self, timeout: float) -> None:
+        self.scheduler.pump(timeout)
+
+    def add_step_callback(self, fn) -> Any:
+        """Register ``fn(step, metrics)``, called on rank 0 after every step; returns ``fn`` (decorator use)."""
+        self.step_callbacks.append(fn)
+        return fn
+
+    # ------------------------------------------------------------------------------------------- loop
+
+    @property
+    def lookahead(self) -> int:
+        return 1 if self.job_config.weight_sync.async_weight_update else 0
+
+    def train(self):
+        jc = self.job_config
+        self.checkpointer.load(step=jc.checkpoint.load_step)
+        logger.info(f"Training starts at step {self.step + 1}")
+        if self.rank == 0:
+            self.syncer.connect()
+        self.syncer.flush(self.step)  # engines start from the trainer's (possibly resumed) weights
+        try:
+            while self.should_continue_training():
+                self.step += 1
+                self.gc_handler.run(self.step)
+                t0 = time.perf_counter()
+                batch, rollout_wait = self._next_batch(self.step)
+                t1 = time.perf_counter()
+                metrics = self.train_on(batch)
+                t2 = time.perf_counter()
+                self.syncer.after_optimizer_step(self.step)
+                t3 = time.perf_counter()
+                self.checkpointer.save(self.step, last_step=(self.step == jc.training.steps))
+                if self.rank == 0:
+                    self._log(batch, metrics, t0, t1, t2, t3, rollout_wait)
+                    self._step_ends.append(time.perf_counter())
+                if self.step == 1:
+                    dist_utils.set_pg_timeouts(
+                        timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
+                    )
+            self.syncer.flush(self.step)
+            self._export_final()
+            if self.rank == 0:
+                self._write_summary()
+        finally:
+            if self.rank == 0 and self.scheduler is not None:
+                self.scheduler.drain(timeout=1.0)
+
+    def _next_batch(self, step: int) -> tuple[RolloutBatch | None, float]:
+        """Rank 0 collects (dispatching ahead per ``lookahead``); every rank gets the batch."""
+        t0 = time.perf_counter()
+        batch = None
+        if self.rank == 0:
+            sched = self.scheduler
+            for k in range(step, min(step + self.lookahead, self.job_config.training.steps) + 1):
+                if not sched.dispatched(k):
+                    sched.dispatch(k, self.step - 1)
+            while True:
+                batch = sched.collect(step)
+                gap = (self.step - 1) - int(batch.versions.min())
+                if gap <= self.job_config.adaptive_async.max_version_gap:
+                    break
+                self.discarded_rollouts += batch.tokens.shape[0]
+                logger.warning(f"step {step}: rollouts {gap} versions old exceed max_version_gap; regenerating")
+                sched.dispatch(step, self.step - 1)
+            self.syncer.check_timeouts()
+        wait = time.perf_counter() - t0
+        if self.world > 1:
+            obj = [batch]
+            dist.broadcast_object_list(obj, src=0)
+            batch = obj[0]
+        return batch, wait
+
+    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
+        """One GRPO optimizer step on ``batch`` (all ranks)."""
+        jc, g = self.job_config, self.job_config.grpo
+        self.optimizers.zero_grad()
+        adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)
+        gap = (self.step - 1 - batch.versions).clamp(min=0).float()
+        weights = (1.0 + gap) ** -g.staleness_discount if g.staleness_discount > 0 else None
+        num_tokens = batch.loss_mask.sum()
+        rows = batch.tokens.shape[0] // self.world
+        lo = self.rank * rows
+        mbs = jc.training.local_batch_size
+        sums: dict[str, torch.Tensor] = {}
+        loss_total = torch.zeros((), device=self.device)
+        for s in range(lo, lo + rows, mbs):
+            sl = slice(s, min(s + mbs, lo + rows))
+            tokens = batch.tokens[sl].to(self.device)
+            mask = batch.loss_mask[sl].to(self.device)
+            with self.train_context(), self.maybe_enable_amp:
+                logits = self.model(tokens)
+                logprobs = grpo.token_logprobs(logits[:, :-1].float(), tokens[:, 1:], g.temperature)
+                del logits
+                ref = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref = grpo.token_logprobs(self.ref_model(tokens)[:, :-1].float(), tokens[:, 1:], g.temperature)
+                loss, m = grpo.grpo_loss(
+                    logprobs, batch.behaviour_logprobs[sl].to(self.device), adv[sl].to(self.device), mask,
+                    proximal_logprobs=logprobs.detach() if g.tis_cap > 0 else None,
+                    ref_logprobs=ref, sample_weights=None if weights is None else weights[sl].to(self.device),
+                    clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
+                    normalization=g.loss_normalization, tis_cap=g.tis_cap,
+                    num_tokens=num_tokens, num_sequences=batch.tokens.shape[0],
+                )
+            loss.backward()
+            loss_total += loss.detach()
+            ntok = mask.sum()
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v.detach() * ntok
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], jc.training.max_norm, foreach=True,
+            pp_mesh=None, ep_enabled=False,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.syncer.before_optimizer_step()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.ntokens_seen += int(num_tokens)
+
+        stats = torch.stack([loss_total] + [sums[k] for k in sorted(sums)])
+        if self.world > 1:
+            dist.all_reduce(stats)
+        out = {"loss": stats[0].item()}
+        out.update({k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))})
+        out["grad_norm"] = grad_norm.item()
+        out["zero_variance_groups"] = zero_groups
+        out["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        return out
+
+    def _log(self, batch: RolloutBatch, m: dict, t0, t1, t2, t3, rollout_wait: float) -> None:
+        gap = (self.step - 1 - batch.versions).float()
+        ntok = batch.num_completion_tokens
+        step_time = t3 - t0
+        m.update(
+            reward_mean=batch.rewards.mean().item(),
+            reward_std=batch.rewards.std(unbiased=False).item(),
+            policy_version=self.step,
+            step_time_s=step_time,
+            rollout_time_s=rollout_wait,
+            gen_time_s=batch.gen_time_s,
+            train_time_s=t2 - t1,
+            tokens_per_s=ntok / max(step_time, 1e-9),
+            samples_per_s=batch.tokens.shape[0] / max(step_time, 1e-9),
+            completion_len_mean=ntok / batch.tokens.shape[0],
+            version_gap_mean=gap.mean().item(),
+            version_gap_max=gap.max().item(),
+            rollout_version_min=int(batch.versions.min()),
+            discarded_rollouts=self.discarded_rollouts,
+            engine_restarts=self._engine_restarts,
+            redispatched_requests=self.scheduler.redispatched,
+            **self.syncer.metrics(),
+        )
+        m["weight_sync_s"] = t3 - t2
+        self.metrics_writer.log(self.step, m)
+        for fn in self.step_callbacks:
+            fn(self.step, m)
+
+    def _write_summary(self) -> None:
+        """``summary.json``: final versions and checksums of trainer vs every engine, and throughput."""
+        import json
+
+        trainer_sum = self.syncer.staging.checksum()
+        engines = {}
+        for e in self.engines:
+            version, checksum = e.checksum()
+            engines[e.name] = {"version": version, "checksum": checksum}
+        ends = self._step_ends
+        warm = min(2, len(ends) - 1)
+        summary = {
+            "final_version": self.step,
+            "trainer_checksum": trainer_sum,
+            "engines": engines,
+            "final_engine_version": min((v["version"] for v in engines.values()), default=-1),
+            "checksums_match": all(v["checksum"] == trainer_sum for v in engines.values()),
+            "steps_per_s": (len(ends) - 1 - warm) / (ends[-1] - ends[warm]) if len(ends) > warm + 1 else 0.0,
+            "weight_sync": self.syncer.metrics(),
+        }
+        with open(os.path.join(self.job_config.job.dump_folder, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if not summary["checksums_match"]:
+            logger.error(f"engine weights differ from the trainer's after the final sync: {engines}")
+
+    def _export_final(self) -> None:
+        out = os.path.join(self.job_config.job.dump_folder, "hf_final")
+        export_hf_weights(self.model, out, self.model_args, self.job_config.model.hf_assets_path)
+        if self.rank == 0:
+            logger.info(f"final policy exported to {out}")
+
+    # ----------------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rng": torch.get_rng_state(), "discarded_rollouts": self.discarded_rollouts}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        torch.set_rng_state(state_dict["rng"])
+        self.discarded_rollouts = int(state_dict["discarded_rollouts"])
+
+    def close(self) -> None:
+        if getattr(self, "syncer", None) is not None:
+            self.syncer.close()
+        for e in getattr(self, "engines", []):
+            e.close()
+        if getattr(self, "metrics_writer", None) is not None:
+            self.metrics_writer.close()
+        super().close()
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
+    return 0 if pad is None else pad
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def _set_cpu_threads(job_config) -> None:
+    """On CPU, leave the engines their cores: trainer threads = (cores - engine threads) / local ranks."""
+    if torch.cuda.is_available() or job_config.rollout.engine != "embedded":
+        return
+    r = job_config.rollout
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    engine_cores = r.engine_threads * r.num_engines
+    torch.set_num_threads(max(1, ((os.cpu_count() or 1) - engine_cores) // local))

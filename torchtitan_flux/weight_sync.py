@@ -1,0 +1,386 @@
+"""Trainer-side weight sync: snapshot after ``optimizer.step()``, bucketed push to every engine, versions, timeouts.
+
+``WeightSyncer`` is built on every trainer rank. Rank 0 (the sending rank of the one data-parallel replica we
+support; see below) holds the staging copy and one weight-sync group per engine; the other ranks only take part
+in the bucket-by-bucket gathers of FSDP shards.
+
+Concurrency invariants (who waits for what):
+  * Main thread, every rank: ``after_optimizer_step(version)`` is called right after ``optimizer.step()``. If a
+    push is due and the push thread is idle, the parameters are copied bucket by bucket into the staging buffer
+    (gathering FSDP shards with collectives on the trainer's group, in the same order on every rank), then the
+    push is handed to the push thread. If the previous push is still in flight, the new version is *coalesced*:
+    nothing is copied, ``coalesced`` is counted, and the next step boundary with an idle push thread sends the
+    then-newest weights. On multi-rank runs rank 0 broadcasts that idle/busy decision first, so every rank agrees
+    on whether to gather. On GPU the copy runs on a side stream (``compat.SideStream``) and the next
+    ``optimizer.step()`` waits only for that copy (``before_optimizer_step``).
+  * Push thread, rank 0 only: the only thread that issues collectives on the weight-sync groups. For one push it
+    issues header + buckets on every usable engine's group, then waits for each engine's Works with the
+    deadline ``timeout_seconds``; the staging buffer is read-only to it and owned by it while ``_busy`` is set.
+  * Joiner threads, rank 0: one per (re)joining engine; they only create that engine's group (a rendezvous).
+  * Acks and engine errors are delivered by ``RolloutScheduler.pump`` on the main thread to ``on_event``.
+  An engine whose push Works or ack miss ``timeout_seconds`` is marked lagging and skipped: it keeps serving its
+  old version (its rollouts carry that version). When it acks again it is resynced with a full push; if its
+  group broke, it rejoins on a fresh group first. The trainer never waits on an engine in async mode; in
+  blocking mode it waits at most ``timeout_seconds`` per push.
+
+Simplification: one data-parallel replica sends (rank 0 of the whole job). With HSDP/several replicas, every
+replica holds the same weights, so one sender is enough; spreading engines over replicas is future work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_flux import compat, transport
+from torchtitan_flux.engine.base import EngineError, EngineHandler, WeightAck, WeightGroupInfo
+
+logger = logging.getLogger("torchtitan_flux")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_specs(model: torch.nn.Module) -> list[transport.TensorSpec]:
+    """The ordered parameter list a push carries (global shapes; FSDP shards are gathered)."""
+    return [transport.TensorSpec(n, tuple(p.shape), _dtype_name(p.dtype)) for n, p in model.named_parameters()]
+
+
+@dataclass
+class EngineLink:
+    """Rank 0's view of one engine. Mutated under ``WeightSyncer._lock``."""
+
+    handler: EngineHandler
+    epoch: int = 0
+    pg: object | None = None
+    joining: bool = False
+    sent: int = -1  # newest version sent
+    sent_at: float = 0.0
+    acked: int = -1  # newest version the engine acked
+    lagging: bool = False
+    broken: bool = False  # its group must be rebuilt before the next push
+    dead: bool = False
+
+
+@dataclass
+class SyncStats:
+    pushes: int = 0
+    coalesced: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    resyncs: int = 0
+    bytes_sent: int = 0
+    last_push_s: float = 0.0  # wall time of the last push on the push thread (or main thread, blocking)
+    last_snapshot_s: float = 0.0
+    blocked_s: float = 0.0  # main-thread time spent in sync during the last step
+    failures: list[str] = field(default_factory=list)
+
+
+class WeightSyncer:
+    """See the module docstring for the ordering invariants."""
+
+    def __init__(
+        self,
+        cfg,  # config.WeightSync
+        model: torch.nn.Module,
+        engines: list[EngineHandler],
+        *,
+        device: torch.device,
+        is_sender: bool,
+        backend: str = "gloo",
+    ):
+        self.cfg, self.model, self.is_sender, self.backend = cfg, model, is_sender, backend
+        self.async_mode = cfg.async_weight_update
+        self.specs = tensor_specs(model)
+        self.bucket_bytes = int(cfg.bucket_size_mb * 2**20)
+        self.plan = transport.plan_buckets(self.specs, self.bucket_bytes)
+        self._params = dict(model.named_parameters())
+        self.stats = SyncStats()
+        self.side = compat.SideStream(device)
+        self._lock = threading.Lock()
+        self._busy = threading.Event()  # set while the push thread owns the staging buffer
+        self._work = threading.Condition(self._lock)
+        self._job: int | None = None
+        self._closed = False
+        self.version = -1  # newest version snapshotted
+        self.links = [EngineLink(e) for e in engines] if is_sender else []
+        self.staging = self.plan.allocate(device) if is_sender else None
+        self._store = None
+        if is_sender:
+            self._store = transport.connect_store(cfg.master_addr, cfg.master_port, cfg.timeout_seconds, True)
+            self._thread = threading.Thread(target=self._push_loop, name="flux-weight-push", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------------------------------ groups
+
+    def connect(self) -> None:
+        """Create every engine's group (rank 0; blocks until each engine joined or timed out)."""
+        joiners = [self._start_join(link) for link in self.links]
+        for j in joiners:
+            j.join()
+        failed = [link.handler.name for link in self.links if link.pg is None]
+        if failed:
+            raise RuntimeError(f"engines {failed} did not join the weight-sync group within "
+                               f"weight_sync.timeout_seconds = {self.cfg.timeout_seconds}")
+
+    def _start_join(self, link: EngineLink) -> threading.Thread:
+        link.epoch += 1
+        link.joining, link.pg = True, None
+        info = WeightGroupInfo(
+            self.cfg.master_addr, self._store.port, f"flux_ws/{link.handler.name}/{link.epoch}", self.backend,
+            self.cfg.timeout_seconds, list(self.specs), self.bucket_bytes,
+        )
+        link.handler.join_weight_group(info)
+
+        def join():
+            try:
+                store = dist.PrefixStore(info.prefix, self._store)
+                pg = compat.new_weight_sync_group(
+                    self.backend, store, 0, 2, timedelta(seconds=self.cfg.timeout_seconds)
+                )
+                with self._lock:
+                    link.pg, link.broken, link.lagging = pg, False, False
+                    link.sent = link.acked = -1  # a new group starts with a full push
+            except Exception as e:  # noqa: BLE001 - counted, logged, retried at the next push
+                self._fail(link, f"join failed: {e}")
+            finally:
+                link.joining = False
+
+        t = threading.Thread(target=join, name=f"flux-join-{link.handler.name}", daemon=True)
+        t.start()
+        return t
+
+    def _fail(self, link: EngineLink, why: str) -> None:
+        self.stats.errors += 1
+        msg = f"weight sync to {link.handler.name}: {why}"
+        self.stats.failures.append(msg)
+        logger.warning(msg)
+
+    # ------------------------------------------------------------------------------------- main thread
+
+    def before_optimizer_step(self) -> None:
+        """GPU: the optimizer must not overwrite parameters the side stream is still copying."""
+        self.side.wait_copy_done()
+
+    def after_optimizer_step(self, version: int, force: bool = False) -> None:
+        """Called by every rank right after ``optimizer.step()``; see the module docstring."""
+        t0 = time.perf_counter()
+        due = force or version % self.cfg.interval == 0
+        if not due:
+            self.stats.blocked_s = 0.0
+            return
+        if self.async_mode:
+            idle = self._agree(not self._busy.is_set())
+            if idle:
+                self._snapshot(version)
+                with self._lock:
+                    self._busy.set()
+                    self._job = version
+                    self._work.notify()
+            else:
+                self.stats.coalesced += 1
+        else:
+            self._snapshot(version)
+            if self.is_sender:
+                self._push(version)
+                self._wait_acks(version)
+        self.stats.blocked_s = time.perf_counter() - t0
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's decision, seen by every rank (one tiny broadcast on multi-rank runs)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.staging_device)
+        dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    @property
+    def staging_device(self) -> torch.device:
+        return next(iter(self._params.values())).device
+
+    @torch.no_grad()
+    def _snapshot(self, version: int) -> None:
+        """Copy (gathering shards) the parameters into the staging buffer, bucket by bucket."""
+        t0 = time.perf_counter()
+        self.side.record_after_main()
+        for i, bucket in enumerate(self.plan.buckets):
+            specs = self.plan.specs[bucket.start : bucket.end]
+            srcs = [self._full(self._params[s.name]) for s in specs]
+            if self.is_sender:
+                with self.side.copy_context():
+                    torch._foreach_copy_(self.staging.bucket_views(i), srcs)
+        self.version = version
+        self.stats.last_snapshot_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _full(p: torch.Tensor) -> torch.Tensor:
+        full_tensor = getattr(p, "full_tensor", None)  # DTensor (FSDP2 shard): all-gather this one tensor
+        return full_tensor() if full_tensor is not None else p.detach()
+
+    def on_event(self, ev) -> None:
+        """Acks and engine errors, delivered on the main thread by ``RolloutScheduler.pump``."""
+        with self._lock:
+            link = next((lk for lk in self.links if lk.handler.name == ev.engine), None)
+            if link is None:
+                return
+            if isinstance(ev, WeightAck):
+                link.acked = max(link.acked, ev.version)
+                if link.lagging and link.acked >= link.sent:
+                    link.lagging = False
+                    link.sent = -1  # answered again: next push is a full resync
+                    self.stats.resyncs += 1
+                    logger.info(f"weight sync: {link.handler.name} answered again; resyncing")
+            elif isinstance(ev, EngineError):
+                self._fail(link, ev.message.strip().splitlines()[-1] if ev.message else "error")
+                if ev.fatal:
+                    link.dead = True
+                else:
+                    link.broken = True
+
+    def check_timeouts(self) -> None:
+        """Mark engines whose last push was not acked within ``timeout_seconds`` as lagging (main thread)."""
+        now = time.time()
+        with self._lock:
+            for link in self.links:
+                if not link.lagging and link.sent > link.acked and now - link.sent_at > self.cfg.timeout_seconds:
+                    link.lagging = True
+                    self.stats.timeouts += 1
+                    self._fail(link, f"version {link.sent} not acked within {self.cfg.timeout_seconds}s; lagging")
+
+    def replace_engine(self, old: EngineHandler, new: EngineHandler) -> None:
+        """A restarted engine rejoins on a fresh group and gets the newest version."""
+        with self._lock:
+            link = next(lk for lk in self.links if lk.handler is old)
+            link.handler, link.dead, link.lagging = new, False, False
+        self._start_join(link)
+
+    # ------------------------------------------------------------------------------------- push thread
+
+    def _push_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._job is None and not self._closed:
+                    self._work.wait()
+                if self._closed:
+                    return
+                version = self._job
+            try:
+                self._push(version)
+            except Exception as e:  # noqa: BLE001 - never lose the thread; counted and logged
+                self.stats.errors += 1
+                self.stats.failures.append(f"push {version}: {e}")
+                logger.exception("weight push failed")
+            finally:
+                with self._lock:
+                    self._job = None
+                    self._busy.clear()
+
+    def _push(self, version: int) -> None:
+        """Send staging (holding ``version``) to every usable engine; wait on Works up to the deadline."""
+        t0 = time.perf_counter()
+        self.side.synchronize_copy()
+        with self._lock:
+            for link in self.links:
+                if link.broken and not link.joining and not link.dead and link.handler.alive():
+                    self.stats.resyncs += 1
+                    self._start_join(link)
+            targets = [lk for lk in self.links if lk.pg is not None and not (lk.lagging or lk.broken or lk.dead)]
+        ids = list(range(len(self.plan.buckets)))
+        header = transport.encode_header(self.plan, version, ids, transport.METHOD_FULL)
+        pending = []
+        for link in targets:
+            try:
+                link.handler.begin_update(version)
+                works = [compat.broadcast(link.pg, header.clone())]
+                works += [compat.broadcast(link.pg, self.staging.flats[i]) for i in ids]
+                link.sent, link.sent_at = version, time.time()
+                pending.append((link, works))
+            except Exception as e:  # noqa: BLE001
+                with self._lock:
+                    link.broken = True
+                    self._fail(link, f"push {version} failed to start: {e}")
+        deadline = time.monotonic() + self.cfg.timeout_seconds
+        for link, works in pending:
+            try:
+                for w in works:
+                    w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                link.handler.finish_update(version)
+                self.stats.bytes_sent += self.plan.nbytes
+            except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
+                with self._lock:
+                    link.broken = link.lagging = True
+                    self.stats.timeouts += 1
+                    self._fail(link, f"push {version} did not complete: {e}")
+        self.stats.pushes += 1
+        self.stats.last_push_s = time.perf_counter() - t0
+
+    # ----------------------------------------------------------------------------------- blocking path
+
+    def _wait_acks(self, version: int) -> None:
+        """Blocking mode: wait until every usable engine acked ``version`` (events pumped by ``pump``)."""
+        deadline = time.monotonic() + self.cfg.timeout_seconds
+        while True:
+            with self._lock:
+                waiting = [lk for lk in self.links if lk.sent == version and lk.acked < version and not lk.lagging]
+            if not waiting or time.monotonic() > deadline:
+                break
+            self.pump(min(0.05, max(0.0, deadline - time.monotonic())))
+        if waiting:
+            self.check_timeouts()
+
+    @staticmethod
+    def pump(timeout: float) -> None:
+        """Deliver engine events; the trainer replaces it with ``RolloutScheduler.pump`` on rank 0."""
+        time.sleep(timeout)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the push thread is idle (end of training, checkpoints, tests)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._busy.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.pump(0.01)
+        return True
+
+    def flush(self, version: int) -> None:
+        """Make sure ``version`` is pushed (end of training): wait for the push thread, push if needed."""
+        if self.async_mode:
+            self.wait_idle(self.cfg.timeout_seconds)
+            if self.version < version:
+                self.after_optimizer_step(version, force=True)
+            self.wait_idle(self.cfg.timeout_seconds)
+            if self.is_sender:
+                self._wait_acks(version)
+        elif self.version < version:
+            self.after_optimizer_step(version, force=True)
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            lagging = sum(lk.lagging or lk.broken for lk in self.links)
+            min_acked = min((lk.acked for lk in self.links), default=-1)
+        s = self.stats
+        return {
+            "weight_sync_s": s.blocked_s,
+            "weight_push_s": s.last_push_s,
+            "weight_snapshot_s": s.last_snapshot_s,
+            "weight_pushes": s.pushes,
+            "weight_coalesced": s.coalesced,
+            "weight_sync_timeouts": s.timeouts,
+            "weight_sync_errors": s.errors,
+            "weight_resyncs": s.resyncs,
+            "engines_lagging": lagging,
+            "engine_min_version": min_acked,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._work.notify()
+
