@@ -206,8 +206,10 @@ class AdaptiveAsync:
     ema_alpha: float = 0.1
     """EMA weight of the newest staleness sample. In (0, 1]."""
 
-    max_version_gap: int = 4
-    """No sample older than this many policy versions is trained on. >= 1."""
+    max_version_gap: int = 1
+    """No sample older than this many policy versions is trained on, and generation may run at most this many
+    steps ahead of training (``async_ratio * max_version_gap``). Applies to fixed async mode
+    (``weight_sync.async_weight_update = true`` runs at async_ratio 1) as well as to the controller. >= 1."""
 
     sync_threshold: float = 0.5
     """When smoothed staleness exceeds this, the next step is forced synchronous. In (0, 1]."""

@@ -226,9 +226,8 @@ def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[
         out[f"layers.{layer}.{_FROM_HF[rest]}"] = value.contiguous()
     if "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]  # tied embeddings
-    return {k: out[k] for k in weight_names(shape) if k in out} | {
-        k: v for k, v in out.items() if k not in weight_shapes(shape)
-    }
+    order = {k: i for i, k in enumerate(weight_names(shape))}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
 def load_hf_weights_dict(

@@ -65,7 +65,7 @@ class _Step:
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
     parts: list[_Part]
-    dispatched_at: float
+    n_dispatched: int = 0  # prompts [0, n_dispatched) have been sent to engines
 
 
 class RolloutScheduler:
@@ -101,22 +101,30 @@ class RolloutScheduler:
 
     # ---------------------------------------------------------------------------------------- dispatch
 
-    def dispatched(self, step: int) -> bool:
-        return step in self._steps
+    def dispatched(self, step: int) -> int:
+        """How many of ``step``'s prompts have been sent to engines."""
+        st = self._steps.get(step)
+        return 0 if st is None else st.n_dispatched
 
-    def dispatch(self, step: int, trainer_version: int) -> None:
-        prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
-        ids = [self.tokenizer.encode(p.text, add_bos=True, add_eos=False) for p in prompts]
-        st = _Step(step, prompts, ids, [], time.perf_counter())
+    def dispatch(self, step: int, trainer_version: int, upto: int | None = None) -> None:
+        """Send ``step``'s prompts ``[already sent, upto)`` (default: all) to the engines."""
+        st = self._steps.get(step)
+        if st is None:
+            prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
+            ids = [self.tokenizer.encode(p.text, add_bos=True, add_eos=False) for p in prompts]
+            st = self._steps[step] = _Step(step, prompts, ids, [])
+        upto = len(st.prompts) if upto is None else min(upto, len(st.prompts))
+        if upto <= st.n_dispatched:
+            return
         alive = [e for e in self.engines if e.alive()]
         if not alive:
             raise RuntimeError("no rollout engine is alive")
-        first = 0
-        for engine, n in zip(alive, self._split(len(prompts), alive)):
+        first = st.n_dispatched
+        for engine, n in zip(alive, self._split(upto - first, alive)):
             if n:
-                st.parts.append(self._submit(step, engine, ids[first : first + n], first, trainer_version))
+                st.parts.append(self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version))
             first += n
-        self._steps[step] = st
+        st.n_dispatched = upto
 
     def _split(self, n: int, engines: list[EngineHandler]) -> list[int]:
         """Prompts per engine in proportion to measured speed (largest remainder)."""
@@ -186,8 +194,10 @@ class RolloutScheduler:
 
     # --------------------------------------------------------------------------------------- collect
 
-    def collect(self, step: int) -> RolloutBatch:
-        """Wait for every part of ``step`` and build its batch (scored, laid out for training)."""
+    def collect(self, step: int, trainer_version: int) -> RolloutBatch:
+        """Dispatch what is left of ``step``, wait for all its parts and build its batch (scored, laid out for
+        training)."""
+        self.dispatch(step, trainer_version)
         st = self._steps[step]
         while any(p.result is None for p in st.parts):
             self.pump(0.05)
@@ -221,10 +231,16 @@ class RolloutScheduler:
         return RolloutBatch(
             step=st.step, tokens=seq, loss_mask=mask, behaviour_logprobs=behaviour,
             rewards=torch.tensor(rewards, dtype=torch.float32), versions=versions,
-            dispatch_version=parts[0].request.dispatch_version,
+            dispatch_version=min(p.request.dispatch_version for p in parts),
             newest_seen=max(p.result.newest_seen for p in parts),
             gen_time_s=max(p.result.gen_time_s for p in parts), completions=completions,
         )
+
+    def discard(self, step: int) -> None:
+        """Forget ``step``'s requests (their results will be dropped); the next dispatch starts it afresh."""
+        st = self._steps.pop(step, None)
+        for part in st.parts if st else []:
+            self._by_req.pop(part.request.req_id, None)
 
     def drain(self, timeout: float = 5.0) -> None:
         """Forget outstanding requests (shutdown); results that still arrive are dropped."""

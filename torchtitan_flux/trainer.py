@@ -6,9 +6,12 @@ data path (rollouts instead of a text dataloader), the loss (GRPO, ``loss.py``) 
 and add engines, weight sync and metrics.
 
 One training step (policy version = number of optimizer steps done = ``self.step`` after the step):
-  1. rank 0 makes sure the prompts of steps ``k .. k + lookahead`` are dispatched (lookahead 0 when
-     ``weight_sync.async_weight_update`` is false, else 1), then waits for step ``k``'s rollouts; samples older
-     than ``adaptive_async.max_version_gap`` are discarded and regenerated (counted);
+  1. admission: generation may run ``lookahead = async_ratio * adaptive_async.max_version_gap`` steps ahead of
+     training (whole steps, then the matching fraction of the next step's prompts). ``async_ratio`` is 0 with
+     ``weight_sync.async_weight_update = false``, 1 with it true, and the controller's output when
+     ``adaptive_async.enabled``. At lookahead 0 the engines first get the newest weights (a synchronous,
+     on-policy step). Rank 0 dispatches, then waits for step ``k``'s rollouts; a batch with samples older than
+     ``max_version_gap`` is discarded and regenerated (counted);
   2. the batch is broadcast to every rank; each rank trains on its contiguous slice, in micro-batches of
      ``training.local_batch_size`` sequences; the loss is normalised by the global token (or sequence) count;
   3. gradient clipping, ``optimizer.step()``, LR step; then ``WeightSyncer.after_optimizer_step``: blocking
@@ -34,6 +37,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.config import ConfigError, validate_config
+from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
 from torchtitan_flux.engine.embedded import EmbeddedEngine
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights
@@ -76,6 +80,12 @@ class FluxTrainer(Trainer):
         self._engine_restarts = 0
         self.discarded_rollouts = 0
         self._step_ends: list[float] = []
+        aa = job_config.adaptive_async
+        self.controller = AdaptiveAsyncController(aa, job_config.training.steps) if aa.enabled else None
+        self.async_ratio = (
+            self.controller.async_ratio if self.controller else float(job_config.weight_sync.async_weight_update)
+        )
+        self.force_sync = False
         if self.rank == 0:
             self._start_engines()
         self.syncer = WeightSyncer(
@@ -151,8 +161,11 @@ class FluxTrainer(Trainer):
     # ------------------------------------------------------------------------------------------- loop
 
     @property
-    def lookahead(self) -> int:
-        return 1 if self.job_config.weight_sync.async_weight_update else 0
+    def lookahead(self) -> float:
+        """How many steps ahead of training generation may run (see the module docstring)."""
+        if self.force_sync:
+            return 0.0
+        return self.async_ratio * self.job_config.adaptive_async.max_version_gap
 
     def train(self):
         jc = self.job_config
@@ -163,12 +176,13 @@ class FluxTrainer(Trainer):
         self.syncer.flush(self.step)  # engines start from the trainer's (possibly resumed) weights
         try:
             while self.should_continue_training():
-                self.step += 1
-                self.gc_handler.run(self.step)
+                self.gc_handler.run(self.step + 1)
                 t0 = time.perf_counter()
-                batch, rollout_wait = self._next_batch(self.step)
+                batch, rollout_wait = self._next_batch(self.step + 1)
+                self.step += 1
                 t1 = time.perf_counter()
                 metrics = self.train_on(batch)
+                metrics.update(self._control(batch, metrics))
                 t2 = time.perf_counter()
                 self.syncer.after_optimizer_step(self.step)
                 t3 = time.perf_counter()
@@ -189,22 +203,26 @@ class FluxTrainer(Trainer):
                 self.scheduler.drain(timeout=1.0)
 
     def _next_batch(self, step: int) -> tuple[RolloutBatch | None, float]:
-        """Rank 0 collects (dispatching ahead per ``lookahead``); every rank gets the batch."""
+        """Rank 0 admits and collects; every rank gets the batch. Returns (batch, seconds waited)."""
         t0 = time.perf_counter()
+        lookahead = self.lookahead
+        if lookahead == 0 and self.job_config.weight_sync.async_weight_update:
+            self.syncer.flush(self.step)  # on-policy step: engines must hold the newest weights first
         batch = None
         if self.rank == 0:
-            sched = self.scheduler
-            for k in range(step, min(step + self.lookahead, self.job_config.training.steps) + 1):
-                if not sched.dispatched(k):
-                    sched.dispatch(k, self.step - 1)
+            sched, last, n = self.scheduler, self.job_config.training.steps, self.job_config.rollout.prompts_per_step
+            whole, frac = int(lookahead), lookahead - int(lookahead)
+            for k in range(step, min(step + whole, last) + 1):
+                sched.dispatch(k, self.step)
+            if frac > 0 and step + whole + 1 <= last:
+                sched.dispatch(step + whole + 1, self.step, upto=round(frac * n))
             while True:
-                batch = sched.collect(step)
-                gap = (self.step - 1) - int(batch.versions.min())
+                batch = sched.collect(step, self.step)
+                gap = self.step - int(batch.versions.min())
                 if gap <= self.job_config.adaptive_async.max_version_gap:
                     break
                 self.discarded_rollouts += batch.tokens.shape[0]
                 logger.warning(f"step {step}: rollouts {gap} versions old exceed max_version_gap; regenerating")
-                sched.dispatch(step, self.step - 1)
             self.syncer.check_timeouts()
         wait = time.perf_counter() - t0
         if self.world > 1:
@@ -212,6 +230,22 @@ class FluxTrainer(Trainer):
             dist.broadcast_object_list(obj, src=0)
             batch = obj[0]
         return batch, wait
+
+    def _control(self, batch: RolloutBatch, m: dict[str, float]) -> dict[str, float]:
+        """Staleness of the batch just trained -> the controller -> async_ratio of the next admission.
+        Runs on every rank with identical (all-reduced / broadcast) inputs, so every rank agrees."""
+        gap = (self.step - 1 - batch.versions).float()
+        out = {"async_ratio": self.async_ratio}
+        if self.controller is None:
+            return out
+        sample = StalenessSample(
+            kl=m["behaviour_kl"], iw_var=m["iw_var"], version_gap_mean=gap.mean().item(),
+            version_gap_max=gap.max().item(), ess_fraction=m["ess_fraction"],
+        )
+        out = self.controller.step(self.step, sample)
+        self.async_ratio = out["async_ratio"]
+        self.force_sync = bool(out["force_sync"])
+        return out
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
         """One GRPO optimizer step on ``batch`` (all ranks)."""
@@ -333,12 +367,22 @@ class FluxTrainer(Trainer):
     # ----------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rng": torch.get_rng_state(), "discarded_rollouts": self.discarded_rollouts}
+        return {
+            **super().state_dict(),
+            "rng": torch.get_rng_state(),
+            "discarded_rollouts": self.discarded_rollouts,
+            "async_ratio": self.async_ratio,
+            "force_sync": self.force_sync,
+            "controller": self.controller.state_dict() if self.controller else {},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         torch.set_rng_state(state_dict["rng"])
         self.discarded_rollouts = int(state_dict["discarded_rollouts"])
+        self.async_ratio, self.force_sync = float(state_dict["async_ratio"]), bool(state_dict["force_sync"])
+        if self.controller is not None and state_dict["controller"]:
+            self.controller.load_state_dict(state_dict["controller"])
 
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:

@@ -180,10 +180,11 @@ class WeightSyncer:
             idle = self._agree(not self._busy.is_set())
             if idle:
                 self._snapshot(version)
-                with self._lock:
-                    self._busy.set()
-                    self._job = version
-                    self._work.notify()
+                if self.is_sender:
+                    with self._lock:
+                        self._busy.set()
+                        self._job = version
+                        self._work.notify()
             else:
                 self.stats.coalesced += 1
         else:
