@@ -8,34 +8,17 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import json
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-# torchtitan 0.2.2 imports triton (MoE kernels) at import time; on CPU-only machines
-# torchtitan_flux.patches.apply_patches() deals with that.
-# TEMPORARY: until apply_patches exists, stub the one torchtitan module that needs triton.
-try:
-    from torchtitan_flux.patches import apply_patches  # type: ignore[attr-defined]
-except ImportError:
-    apply_patches = None
-if apply_patches is not None:
-    apply_patches()
-elif importlib.util.find_spec("triton") is None and "torchtitan.models.moe.kernels" not in sys.modules:
-    _kernels = types.ModuleType("torchtitan.models.moe.kernels")
+# torchtitan 0.2.2 imports triton at import time; the patches make it importable on CPU-only machines.
+from torchtitan_flux.patches import apply_patches  # noqa: E402
 
-    def _no_triton(*args, **kwargs):
-        raise RuntimeError("triton is not available")
-
-    _kernels.generate_permute_indices = _no_triton
-    _kernels.fill_indices_wrapper = _no_triton
-    sys.modules["torchtitan.models.moe.kernels"] = _kernels
+apply_patches()
 
 from torchtitan_flux import assets, inference  # noqa: E402
 from torchtitan_flux.inference import LlamaShape, forward_logits, generate, score  # noqa: E402
@@ -227,6 +210,37 @@ def test_export_hf_weights_roundtrip(model_dir, tmp_path):
         assert torch.equal(v, sd[k]), k
 
 
+def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
+    """Single-process gloo group: the model's parameters are FSDP2 DTensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.llama3 import Transformer
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        args = FluxLlamaArgs.from_hf_dir(model_dir, max_seq_len=32)
+        model = Transformer(args)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert isinstance(model.layers["0"].attention.wq.weight, DTensor)
+        load_hf_weights(model, model_dir, args)
+        ref_sd = reference[0].state_dict()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v.full_tensor(), ref_sd[k]), k
+        out = export_hf_weights(model, tmp_path / "export", args, model_dir)
+    finally:
+        dist.destroy_process_group()
+    weights, _ = inference.load_hf_weights_dict(out)
+    for k, v in weights.items():
+        assert torch.equal(v, ref_sd[k]), k
+
+
 # ------------------------------------------------------------------------------------------------
 # inference.py
 # ------------------------------------------------------------------------------------------------
@@ -253,6 +267,27 @@ def test_weight_names_and_shapes_match_torchtitan(reference, engine, model_dir):
     assert list(weights) == list(sd)
     for k, v in weights.items():
         assert torch.equal(v, sd[k]), k
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    ["as_built", None, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}],
+)
+def test_rope_table_matches_torchtitan(model_dir, rope_scaling):
+    from torchtitan.models.llama3.model.model import precompute_freqs_cis
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if rope_scaling != "as_built":
+        cfg["rope_scaling"] = rope_scaling  # None: no scaling (factor 1)
+    shape = LlamaShape.from_hf_config(cfg)
+    args = FluxLlamaArgs().apply_hf_config(cfg)
+    ref = precompute_freqs_cis(args.dim // args.n_heads, 4096, args.rope_theta, args.rope_scaling_args)
+    assert torch.equal(inference.precompute_freqs_cis(shape, 4096), ref)
+    # the cached table used by generate/score: positions do not depend on the table length
+    for end in (10, 3000):
+        table = inference._freqs_cis(shape, end, torch.device("cpu"))
+        assert table.shape[0] >= end and torch.equal(table[:4096], ref[: table.shape[0]])
 
 
 def test_score_matches_torchtitan(reference, engine):

@@ -108,7 +108,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # unique: ranks may build concurrently
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
@@ -146,7 +146,7 @@ def build_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 2048) ->
     )
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
-    tmp = out / "tokenizer.json.tmp"
+    tmp = out / f".tokenizer.json.{os.getpid()}.tmp"
     tok.save(str(tmp))
     os.replace(tmp, out / "tokenizer.json")
 

@@ -12,13 +12,50 @@ import sys
 from torchtitan_flux.patches import apply_patches
 
 
+def _bool_kind(path: str) -> str | None:
+    """"value" for a boolean of our sections (takes True/False); "flag" for anything else given true/false,
+    i.e. torchtitan's booleans, which are tyro flags (--x.y / --x.no_y). Imports no torchtitan: this runs
+    before ``ConfigManager`` is imported (see ``main``)."""
+    import typing
+
+    from torchtitan_flux import config as flux_config
+
+    section, _, name = path.partition(".")
+    cls = flux_config.SECTIONS.get(section)
+    if cls is None:
+        return "flag"
+    for part in name.split("."):
+        hints = typing.get_type_hints(cls) if isinstance(cls, type) else {}
+        if part not in hints:
+            return None
+        cls = hints[part]
+    return "value" if cls is bool else None
+
+
 def _normalise_argv(argv: list[str]) -> list[str]:
-    """Name our config module unless one is given, and accept true/false for our boolean fields (tyro wants
-    True/False)."""
-    argv = [a.capitalize() if a.lower() in ("true", "false") else a for a in argv]
-    if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv):
-        return argv
-    return argv + ["--job.custom_config_module", "torchtitan_flux.config"]
+    """Accept ``--section.field true|false`` for every boolean (torchtitan's are tyro flags, ours take a value),
+    and name our config module unless one is given."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if a.startswith("--") and "=" not in a and nxt.lower() in ("true", "false"):
+            kind = _bool_kind(a[2:].replace("-", "_"))
+            if kind == "flag":
+                section, _, name = a[2:].rpartition(".")
+                out.append(a if nxt.lower() == "true" else f"--{section}.no_{name}")
+                i += 2
+                continue
+            if kind == "value":
+                out += [a, nxt.capitalize()]
+                i += 2
+                continue
+        out.append(a)
+        i += 1
+    if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in out):
+        return out
+    return out + ["--job.custom_config_module", "torchtitan_flux.config"]
 
 
 def main() -> None:

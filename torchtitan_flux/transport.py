@@ -144,10 +144,12 @@ class WeightReceiver:
     Concurrency invariants (two buffers, three owners):
       * ``live`` is read only by the generation thread; it is never written while referenced as live.
       * The receiver thread writes only into a buffer it took under ``_lock``: the unpublished ``pending``
-        one (a newer push supersedes it: engine-side coalescing) or a free one.
+        one (a newer push supersedes it: engine-side coalescing) or a free one. A superseded loop (``start``
+        again) takes no buffer any more, so it never steals a version the new loop published.
       * ``swap()`` is called by the generation thread between requests; under ``_lock`` it makes ``pending``
         live and frees the old live buffer. So a request always runs on one complete version.
-      * live + pending + free + the one being received are always exactly the two allocated buffers.
+      * live + pending + free + the one being received are always exactly the two allocated buffers (plus one
+        replacement per buffer an abandoned loop still holds, see ``_take_buffer``).
     All collectives on the group are issued by the receiver thread alone, in push order.
     """
 
@@ -180,8 +182,11 @@ class WeightReceiver:
             target=self._run, args=(make_group, self._stop), name="flux-weight-receiver", daemon=True
         ).start()
 
-    def _take_buffer(self) -> FlatWeights:
+    def _take_buffer(self, stop: threading.Event) -> FlatWeights | None:
+        """A buffer to receive into, or None if this loop was superseded (it must not touch any buffer then)."""
         with self._lock:
+            if stop.is_set():
+                return None
             if self._pending is not None:
                 buf, self._pending = self._pending[1], None
                 return buf
@@ -200,7 +205,9 @@ class WeightReceiver:
                 version, ids, method = decode_header(header)
                 if self.fault_stall_s:
                     stop.wait(self.fault_stall_s)
-                buf = self._take_buffer()
+                buf = self._take_buffer(stop)
+                if buf is None:  # superseded (e.g. during a stall): the new loop owns pending and free
+                    return
                 if method == METHOD_DELTA:
                     if self._newest is None:
                         raise RuntimeError("delta push received before any full push")

@@ -5,23 +5,36 @@ support; see below) holds the staging copy and one weight-sync group per engine;
 in the bucket-by-bucket gathers of FSDP shards.
 
 Concurrency invariants (who waits for what):
+  * ``_busy`` is the claim on the staging buffer and on the weight-sync groups. It is set, under ``_lock``, by
+    the one that takes it (the main thread before a snapshot, or ``_kick_locked`` for the push thread) and
+    cleared only by its holder, so staging is never written while it is being sent, and collectives on the
+    weight-sync groups are issued by one thread at a time, in push order.
   * Main thread, every rank: ``after_optimizer_step(version)`` is called right after ``optimizer.step()``. If a
-    push is due and the push thread is idle, the parameters are copied bucket by bucket into the staging buffer
-    (gathering FSDP shards with collectives on the trainer's group, in the same order on every rank), then the
-    push is handed to the push thread. If the previous push is still in flight, the new version is *coalesced*:
-    nothing is copied, ``coalesced`` is counted, and the next step boundary with an idle push thread sends the
-    then-newest weights. On multi-rank runs rank 0 broadcasts that idle/busy decision first, so every rank agrees
-    on whether to gather. On GPU the copy runs on a side stream (``compat.SideStream``) and the next
-    ``optimizer.step()`` waits only for that copy (``before_optimizer_step``).
-  * Push thread, rank 0 only: the only thread that issues collectives on the weight-sync groups. For one push it
-    issues header + buckets on every usable engine's group, then waits for each engine's Works with the
-    deadline ``timeout_seconds``; the staging buffer is read-only to it and owned by it while ``_busy`` is set.
-  * Joiner threads, rank 0: one per (re)joining engine; they only create that engine's group (a rendezvous).
+    push is due and rank 0 can claim ``_busy`` (the push thread is idle), the parameters are copied bucket by
+    bucket into the staging buffer (gathering FSDP shards with collectives on the trainer's group, in the same
+    order on every rank), then the push is handed to the push thread. If a push is still in flight, the new
+    version is *coalesced*: nothing is copied, ``coalesced`` is counted, and the next step boundary with an idle
+    push thread sends the then-newest weights. On multi-rank runs rank 0 broadcasts that idle/busy decision
+    first, so every rank agrees on whether to gather. On GPU the copy runs on a side stream
+    (``compat.SideStream``) and the next ``optimizer.step()`` waits only for that copy (``before_optimizer_step``).
+    Blocking mode: the main thread waits for the claim, then snapshots, pushes and waits for acks itself.
+  * Push thread, rank 0 only: sends every push it is handed while holding ``_busy`` (every push in async mode;
+    only resyncs in blocking mode, where the main thread sends the regular pushes). For one push it issues
+    header + buckets on every usable engine's group, then waits for each engine's Works with the deadline
+    ``timeout_seconds``; the staging buffer is read-only to it. Before letting go of ``_busy`` it re-sends the
+    staged version to engines that became usable meanwhile (rejoined or answered again), so a restarted engine
+    gets weights without waiting for the next optimizer step.
+  * Joiner threads, rank 0: one per (re)joining engine; they only create that engine's group (a rendezvous) and
+    then ask the push thread (``_kick_locked``) to send it the staged version.
+  * Every ``EngineLink`` field is written under ``_lock``. ``epoch`` counts an engine's groups: a joiner or a
+    push whose epoch is no longer the link's (the engine was replaced or rejoined meanwhile) counts and logs
+    its failure but leaves the link alone.
   * Acks and engine errors are delivered by ``RolloutScheduler.pump`` on the main thread to ``on_event``.
   An engine whose push Works or ack miss ``timeout_seconds`` is marked lagging and skipped: it keeps serving its
   old version (its rollouts carry that version). When it acks again it is resynced with a full push; if its
-  group broke, it rejoins on a fresh group first. The trainer never waits on an engine in async mode; in
-  blocking mode it waits at most ``timeout_seconds`` per push.
+  group broke, it rejoins on a fresh group first (at the next push) and then gets the staged version. The
+  trainer never waits on an engine in async mode; in blocking mode it waits at most ``timeout_seconds`` per push
+  (plus, at most, one in-flight resync push of the push thread).
 
 Simplification: one data-parallel replica sends (rank 0 of the whole job). With HSDP/several replicas, every
 replica holds the same weights, so one sender is enough; spreading engines over replicas is future work.
@@ -108,6 +121,7 @@ class WeightSyncer:
         self._busy = threading.Event()  # set while the push thread owns the staging buffer
         self._work = threading.Condition(self._lock)
         self._job: int | None = None
+        self._job_links: list[EngineLink] | None = None  # None: every usable engine
         self._closed = False
         self.version = -1  # newest version snapshotted
         self.links = [EngineLink(e) for e in engines] if is_sender else []
@@ -122,7 +136,8 @@ class WeightSyncer:
 
     def connect(self) -> None:
         """Create every engine's group (rank 0; blocks until each engine joined or timed out)."""
-        joiners = [self._start_join(link) for link in self.links]
+        with self._lock:
+            joiners = [self._start_join(link) for link in self.links]
         for j in joiners:
             j.join()
         failed = [link.handler.name for link in self.links if link.pg is None]
@@ -131,7 +146,9 @@ class WeightSyncer:
                                f"weight_sync.timeout_seconds = {self.cfg.timeout_seconds}")
 
     def _start_join(self, link: EngineLink) -> threading.Thread:
+        """Start ``link``'s rendezvous on a fresh group (caller holds ``_lock``)."""
         link.epoch += 1
+        epoch = link.epoch
         link.joining, link.pg = True, None
         info = WeightGroupInfo(
             self.cfg.master_addr, self._store.port, f"flux_ws/{link.handler.name}/{link.epoch}", self.backend,
@@ -146,18 +163,28 @@ class WeightSyncer:
                     self.backend, store, 0, 2, timedelta(seconds=self.cfg.timeout_seconds)
                 )
                 with self._lock:
-                    link.pg, link.broken, link.lagging = pg, False, False
+                    if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
+                        return
+                    link.pg, link.broken, link.lagging, link.joining = pg, False, False, False
                     link.sent = link.acked = -1  # a new group starts with a full push
-            except Exception as e:  # noqa: BLE001 - counted, logged, retried at the next push
-                self._fail(link, f"join failed: {e}")
-            finally:
-                link.joining = False
+                    self._kick_locked()
+            except Exception as e:  # noqa: BLE001 - counted, logged, retried
+                with self._lock:
+                    self._fail(link, f"join failed: {e}")
+                    if link.epoch == epoch:
+                        link.joining, link.broken = False, True
+                        if not (self._closed or link.dead) and link.handler.alive():
+                            # retry now, not at the next push: a restarted engine may still be starting up,
+                            # and the trainer may be waiting on its rollouts (no push comes until they do)
+                            self.stats.resyncs += 1
+                            self._start_join(link)
 
         t = threading.Thread(target=join, name=f"flux-join-{link.handler.name}", daemon=True)
         t.start()
         return t
 
     def _fail(self, link: EngineLink, why: str) -> None:
+        """Count and log one failure (caller holds ``_lock``)."""
         self.stats.errors += 1
         msg = f"weight sync to {link.handler.name}: {why}"
         self.stats.failures.append(msg)
@@ -177,22 +204,68 @@ class WeightSyncer:
             self.stats.blocked_s = 0.0
             return
         if self.async_mode:
-            idle = self._agree(not self._busy.is_set())
+            idle = self._agree(self._claim() if self.is_sender else True)
             if idle:
-                self._snapshot(version)
+                try:
+                    self._snapshot(version)
+                except BaseException:
+                    if self.is_sender:
+                        with self._lock:
+                            self._release_locked()
+                    raise
                 if self.is_sender:
                     with self._lock:
-                        self._busy.set()
-                        self._job = version
+                        self._job, self._job_links = version, None
                         self._work.notify()
             else:
                 self.stats.coalesced += 1
         else:
-            self._snapshot(version)
-            if self.is_sender:
-                self._push(version)
-                self._wait_acks(version)
+            while self.is_sender and not self._claim():  # a resync push of the push thread is in flight
+                self.pump(0.01)
+            try:
+                self._snapshot(version)
+                if self.is_sender:
+                    self._push(version)
+                    self._wait_acks(version)
+            finally:
+                if self.is_sender:
+                    with self._lock:
+                        self._release_locked()
         self.stats.blocked_s = time.perf_counter() - t0
+
+    def _claim(self) -> bool:
+        """Rank 0: take ``_busy`` (staging + weight-sync groups) if nobody holds it."""
+        with self._lock:
+            if self._busy.is_set():
+                return False
+            self._busy.set()
+            return True
+
+    def _kick_locked(self) -> None:
+        """If ``_busy`` is free, have the push thread send the staged version to engines that do not have it
+        (rejoined, or answered again after lagging). Caller holds ``_lock``."""
+        if self._busy.is_set() or self._closed:
+            return
+        late = self._late_links()
+        if late:
+            self._busy.set()
+            self._job, self._job_links = self.version, late
+            self._work.notify()
+
+    def _late_links(self) -> list[EngineLink]:
+        if self.version < 0:
+            return []
+        return [
+            lk for lk in self.links
+            if lk.pg is not None and lk.sent < self.version
+            and not (lk.joining or lk.lagging or lk.broken or lk.dead)
+        ]
+
+    def _release_locked(self) -> None:
+        """The holder of ``_busy`` lets it go, first serving engines that became usable meanwhile."""
+        self._job = self._job_links = None
+        self._busy.clear()
+        self._kick_locked()
 
     def _agree(self, flag: bool) -> bool:
         """Rank 0's decision, seen by every rank (one tiny broadcast on multi-rank runs)."""
@@ -238,6 +311,7 @@ class WeightSyncer:
                     link.sent = -1  # answered again: next push is a full resync
                     self.stats.resyncs += 1
                     logger.info(f"weight sync: {link.handler.name} answered again; resyncing")
+                    self._kick_locked()
             elif isinstance(ev, EngineError):
                 self._fail(link, ev.message.strip().splitlines()[-1] if ev.message else "error")
                 if ev.fatal:
@@ -259,8 +333,8 @@ class WeightSyncer:
         """A restarted engine rejoins on a fresh group and gets the newest version."""
         with self._lock:
             link = next(lk for lk in self.links if lk.handler is old)
-            link.handler, link.dead, link.lagging = new, False, False
-        self._start_join(link)
+            link.handler, link.dead, link.lagging, link.broken = new, False, False, False
+            self._start_join(link)
 
     # ------------------------------------------------------------------------------------- push thread
 
@@ -271,52 +345,61 @@ class WeightSyncer:
                     self._work.wait()
                 if self._closed:
                     return
-                version = self._job
+                version, only = self._job, self._job_links
             try:
-                self._push(version)
+                self._push(version, only)
             except Exception as e:  # noqa: BLE001 - never lose the thread; counted and logged
-                self.stats.errors += 1
-                self.stats.failures.append(f"push {version}: {e}")
+                with self._lock:
+                    self.stats.errors += 1
+                    self.stats.failures.append(f"push {version}: {e}")
                 logger.exception("weight push failed")
             finally:
                 with self._lock:
-                    self._job = None
-                    self._busy.clear()
+                    self._release_locked()
 
-    def _push(self, version: int) -> None:
-        """Send staging (holding ``version``) to every usable engine; wait on Works up to the deadline."""
+    def _push(self, version: int, only: list[EngineLink] | None = None) -> None:
+        """Send staging (holding ``version``) to every usable engine (or to those of ``only``: a resync); wait on
+        Works up to the deadline. The caller holds ``_busy``."""
         t0 = time.perf_counter()
         self.side.synchronize_copy()
         with self._lock:
-            for link in self.links:
-                if link.broken and not link.joining and not link.dead and link.handler.alive():
-                    self.stats.resyncs += 1
-                    self._start_join(link)
-            targets = [lk for lk in self.links if lk.pg is not None and not (lk.lagging or lk.broken or lk.dead)]
+            if only is None:
+                for link in self.links:
+                    if link.broken and not link.joining and not link.dead and link.handler.alive():
+                        self.stats.resyncs += 1
+                        self._start_join(link)
+            targets = [
+                (lk, lk.epoch, lk.pg, lk.handler) for lk in (self.links if only is None else only)
+                if lk.pg is not None and not (lk.joining or lk.lagging or lk.broken or lk.dead)
+            ]
         ids = list(range(len(self.plan.buckets)))
         header = transport.encode_header(self.plan, version, ids, transport.METHOD_FULL)
         pending = []
-        for link in targets:
+        for link, epoch, pg, handler in targets:
             try:
-                link.handler.begin_update(version)
-                works = [compat.broadcast(link.pg, header.clone())]
-                works += [compat.broadcast(link.pg, self.staging.flats[i]) for i in ids]
-                link.sent, link.sent_at = version, time.time()
-                pending.append((link, works))
+                handler.begin_update(version)
+                works = [compat.broadcast(pg, header.clone())]
+                works += [compat.broadcast(pg, self.staging.flats[i]) for i in ids]
+                with self._lock:
+                    if link.epoch == epoch:
+                        link.sent, link.sent_at = version, time.time()
+                pending.append((link, epoch, handler, works))
             except Exception as e:  # noqa: BLE001
                 with self._lock:
-                    link.broken = True
+                    if link.epoch == epoch:
+                        link.broken = True
                     self._fail(link, f"push {version} failed to start: {e}")
         deadline = time.monotonic() + self.cfg.timeout_seconds
-        for link, works in pending:
+        for link, epoch, handler, works in pending:
             try:
                 for w in works:
                     w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                link.handler.finish_update(version)
+                handler.finish_update(version)
                 self.stats.bytes_sent += self.plan.nbytes
             except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
                 with self._lock:
-                    link.broken = link.lagging = True
+                    if link.epoch == epoch:  # else it was replaced/rejoined meanwhile: its new group is fine
+                        link.broken = link.lagging = True
                     self.stats.timeouts += 1
                     self._fail(link, f"push {version} did not complete: {e}")
         self.stats.pushes += 1

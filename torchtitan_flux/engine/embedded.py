@@ -6,15 +6,20 @@ closes, so no engine outlives its trainer.
 
 Threads inside the engine:
   * the main thread serves the control pipe in order: it generates with the live weights and, between requests
-    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version;
+    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Generation requests that
+    arrive before the first weights are queued (in order) while the other messages (join, fault, checksum,
+    shutdown) are still served, so a (re)join that arrives after a request is never stuck behind it;
   * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
 Both send on the pipe; ``_send`` serialises them with a lock.
 
 Trainer side, ``EmbeddedEngine`` is the ``EngineHandler``: one reader thread turns pipe messages into events.
+It reports the engine's death (a fatal ``EngineError``) at most once, and not at all after ``close()``: the
+scheduler restarts an engine by name, so a second report would restart its replacement.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import multiprocessing as mp
@@ -122,14 +127,23 @@ class _EngineProcess:
         self._send(("result", req.req_id, tokens, logprobs, lengths, version, self.receiver.newest()[0], dt))
 
     def serve(self) -> None:
+        waiting: collections.deque = collections.deque()  # requests that arrived before the first weights
         while True:
+            if waiting and self._has_weights.is_set():
+                self.generate(waiting.popleft())
+                continue
             try:
+                if waiting and not self.conn.poll(0.05):
+                    continue
                 msg = self.conn.recv()
             except EOFError:
                 return
             kind = msg[0]
             if kind == "generate":
-                self.generate(msg[1])
+                if waiting or not self._has_weights.is_set():
+                    waiting.append(msg[1])
+                else:
+                    self.generate(msg[1])
             elif kind == "join":
                 self.join(msg[1])
             elif kind == "checksum":
@@ -183,6 +197,8 @@ class EmbeddedEngine:
         self._reader: threading.Thread | None = None
         self._replies: queue.Queue = queue.Queue()  # synchronous replies (checksum)
         self._closing = False
+        self._dead_lock = threading.Lock()
+        self._dead_reported = False
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -209,7 +225,17 @@ class EmbeddedEngine:
             with self._send_lock:
                 self._conn.send(msg)
         except (OSError, EOFError, BrokenPipeError) as e:
-            self.events.put(EngineError(self.name, f"control pipe closed: {e}", fatal=True))
+            self._report_dead(f"control pipe closed: {e}")
+
+    def _report_dead(self, message: str) -> None:
+        """Emit the fatal event once per engine process (see the module docstring); later ones are logged."""
+        with self._dead_lock:
+            first = not (self._dead_reported or self._closing)
+            self._dead_reported = True
+        if first:
+            self.events.put(EngineError(self.name, message, fatal=True))
+        else:
+            logger.info(f"engine {self.name}: {message.strip().splitlines()[-1] if message else ''} (already reported)")
 
     def _read(self) -> None:
         conn = self._conn
@@ -217,8 +243,9 @@ class EmbeddedEngine:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                if not self._closing:
-                    self.events.put(EngineError(self.name, "engine process exited", fatal=True))
+                proc = self._proc
+                code = proc.exitcode if proc is not None else None
+                self._report_dead("engine process exited" + (f" (exit code {code})" if code is not None else ""))
                 return
             kind = msg[0]
             if kind == "result":
@@ -227,7 +254,10 @@ class EmbeddedEngine:
             elif kind == "ack":
                 self.events.put(WeightAck(self.name, msg[1], msg[2]))
             elif kind == "error":
-                self.events.put(EngineError(self.name, msg[1], fatal=msg[2]))
+                if msg[2]:
+                    self._report_dead(msg[1])
+                else:
+                    self.events.put(EngineError(self.name, msg[1], fatal=False))
             elif kind == "checksum":
                 self._replies.put((msg[1], msg[2]))
 

@@ -1,0 +1,495 @@
+#!/usr/bin/env python
+"""torchtitan_flux vs Hugging Face TRL's GRPOTrainer, side by side on CPU, same model, task and hyper-parameters.
+
+    bash scripts/setup_trl.sh                         # once: .venv-trl with TRL (and the model check)
+    .venv/bin/python benchmarks/vs_trl.py             # full: 2 workloads x (sync, async, adaptive, TRL) x 3 seeds
+    .venv/bin/python benchmarks/vs_trl.py --quick     # smoke: 1 seed, few steps, no speedup claims
+
+Workloads (both: digits task, G = 8 completions per prompt, 4 prompts per step, temperature 1, AdamW with a
+constant LR, betas (0.9, 0.95), eps 1e-8, weight decay 0, grad clip 1.0, no KL, token-level loss
+normalisation, group-std-scaled advantages, one optimizer step per generation batch):
+
+* small: ``tiny`` flavor (279k params), 16 new tokens, lr 3e-3, target mean reward 0.8;
+* long:  ``small`` flavor (1.54M params), 128 new tokens, lr 3e-3, target mean reward 0.8 (generation dominates).
+
+Both systems load the same HF folder (``torchtitan_flux.assets.build_model_dir``; its logits in transformers
+equal ours, see ``benchmarks/trl_runner.py --check-model``) and train on the same prompts (the prompt list of
+``DigitsTask().prompts(seed, step, 4)``, steps 1..N, handed to TRL in step order, unshuffled).
+
+Threads: TRL is one process with 2 torch threads. Ours runs as launched in the README (one trainer rank + one
+embedded engine process); ``_set_cpu_threads`` gives the engine ``rollout.engine_threads`` = 1 thread and the
+trainer the remaining core: both systems use the machine's 2 cores.
+
+Timing (wall clock, the same definition for both):
+* ``time_s`` of step k = time from the start of step 1 to the end of step k. TRL: a TrainerCallback
+  (on_step_begin of step 1, on_step_end of step k). Ours: the timestamps of the per-step log lines (written right
+  after each step's metrics), with step 1's start = its log time - its ``step_time_s``. This includes everything
+  between steps (metrics, TensorBoard, logging), which the trainer's own ``step_time_s`` leaves out.
+* time to target: ``time_s`` of the first step at which the mean reward over the trailing ``--window`` steps
+  reaches the target. It EXCLUDES process startup (imports, model load, engine spawn / trainer construction);
+  the "incl. startup" column adds the time from process launch to the start of step 1.
+* samples/s: completions trained per second over the whole run (steps * prompts * G / time_s of the last step);
+  s/step: median of the per-step wall periods.
+
+Runs are interleaved (seed by seed, the order of the systems rotated per seed) so that machine noise spreads over
+all systems; tables report medians over seeds. One discarded warm-up run per system fills the page cache first.
+
+Output: ``--out`` (default outputs/vs_trl): ``runs/<workload>/<system>/seed<N>/`` (ours: the dump folder with
+metrics.jsonl and train.log; TRL: trl.jsonl), ``curve.jsonl`` in each (step, reward_mean, time_s, step_time_s,
+samples_per_s), ``results.json`` (every run), ``report.txt`` (the tables) and ``curves_<workload>.png``
+(``scripts/plot_runs.py``, seed 0 of every system). The last lines printed are
+``speedup_vs_trl_small=X`` and ``speedup_vs_trl_long=Y``: TRL's median time to target divided by the best
+median time to target among our modes whose reward quality matches TRL's (reached the target on at least as
+many seeds, and median final reward >= TRL's - 0.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+OUR_MODES = {
+    "sync": ["--weight_sync.async_weight_update", "false", "--adaptive_async.enabled", "false"],
+    "async": ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "false",
+              "--adaptive_async.max_version_gap", "1"],
+    "async2": ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "false",
+               "--adaptive_async.max_version_gap", "2"],
+    "adaptive": ["--weight_sync.async_weight_update", "false", "--adaptive_async.enabled", "true"],
+}
+SYSTEMS = list(OUR_MODES) + ["trl"]
+DEFAULT_SYSTEMS = ["sync", "async", "adaptive", "trl"]
+
+
+@dataclass
+class Workload:
+    name: str
+    flavor: str
+    max_new_tokens: int
+    steps: int
+    lr: float
+    target: float
+    seq_len: int
+    group_size: int = 8
+    prompts_per_step: int = 4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_norm: float = 1.0
+
+
+WORKLOADS = {
+    "small": Workload("small", "tiny", max_new_tokens=16, steps=40, lr=3e-3, target=0.8, seq_len=64),
+    "long": Workload("long", "small", max_new_tokens=128, steps=60, lr=3e-3, target=0.8, seq_len=160),
+}
+QUICK_STEPS = {"small": 25, "long": 6}
+
+
+@dataclass
+class RunResult:
+    workload: str
+    system: str
+    seed: int
+    ok: bool
+    error: str = ""
+    steps: int = 0
+    median_step_s: float | None = None
+    samples_per_s: float | None = None
+    time_to_target_s: float | None = None
+    steps_to_target: int | None = None
+    startup_s: float | None = None
+    final_reward: float | None = None
+    process_wall_s: float | None = None
+    run_dir: str = ""
+    curve: list[dict] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def model_dir(out: Path, flavor: str) -> Path:
+    from torchtitan_flux.assets import build_model_dir
+
+    return build_model_dir(out / "models" / flavor, flavor=flavor, seed=0)
+
+
+def step_prompts(seed: int, steps: int, n: int) -> list[list[str]]:
+    from torchtitan_flux.tasks import DigitsTask
+
+    t = DigitsTask()
+    return [[p.text for p in t.prompts(seed, s, n)] for s in range(1, steps + 1)]
+
+
+def time_to_target(curve: list[dict], target: float, window: int) -> tuple[float | None, int | None]:
+    rewards = [r["reward_mean"] for r in curve]
+    for i in range(len(curve)):
+        lo = max(0, i - window + 1)
+        if i + 1 >= window and sum(rewards[lo : i + 1]) / (i + 1 - lo) >= target:
+            return curve[i]["time_s"], curve[i]["step"]
+    return None, None
+
+
+def summarise(res: RunResult, curve: list[dict], wl: Workload, window: int, first_start_epoch: float | None,
+              launch_epoch: float) -> RunResult:
+    res.curve = curve
+    res.steps = len(curve)
+    if not curve:
+        res.ok, res.error = False, res.error or "no steps recorded"
+        return res
+    periods = [curve[0]["time_s"]] + [b["time_s"] - a["time_s"] for a, b in zip(curve, curve[1:])]
+    res.median_step_s = statistics.median(periods)
+    res.samples_per_s = len(curve) * wl.prompts_per_step * wl.group_size / max(curve[-1]["time_s"], 1e-9)
+    res.time_to_target_s, res.steps_to_target = time_to_target(curve, wl.target, window)
+    tail = [r["reward_mean"] for r in curve[-5:]]
+    res.final_reward = sum(tail) / len(tail)
+    if first_start_epoch is not None:
+        res.startup_s = first_start_epoch - launch_epoch
+    return res
+
+
+def write_curve(path: Path, curve: list[dict]) -> None:
+    with open(path, "w") as f:
+        for r in curve:
+            f.write(json.dumps(r) + "\n")
+
+
+# -------------------------------------------------------------------------------------------------- ours
+
+_LOG_STEP = re.compile(r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - torchtitan_flux - INFO - step\s+(\d+)/")
+
+
+def _our_curve(run_dir: Path, log_path: Path) -> tuple[list[dict], float | None]:
+    metrics = {}
+    with open(run_dir / "metrics.jsonl") as f:
+        for line in f:
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(d, dict) and "step" in d:
+                metrics[int(d["step"])] = d
+    stamps = {}
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = _LOG_STEP.match(line)
+            if m:
+                stamps[int(m.group(2))] = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    steps = sorted(metrics)
+    if not steps:
+        return [], None
+    first = steps[0]
+    curve = []
+    if all(s in stamps for s in steps):  # wall clock from the log lines (includes inter-step work)
+        start = stamps[first] - metrics[first]["step_time_s"]
+        for s in steps:
+            t = stamps[s] - start
+            curve.append(_point(s, metrics[s]["reward_mean"], t, curve))
+        return curve, start
+    # fallback: cumulative step_time_s (misses the small work between steps)
+    t = 0.0
+    for s in steps:
+        t += metrics[s]["step_time_s"]
+        curve.append(_point(s, metrics[s]["reward_mean"], t, curve))
+    return curve, None
+
+
+def _point(step: int, reward: float, t: float, curve: list[dict]) -> dict:
+    prev = curve[-1]["time_s"] if curve else 0.0
+    return {"step": step, "reward_mean": reward, "time_s": t, "step_time_s": t - prev}
+
+
+def run_ours(mode: str, wl: Workload, seed: int, steps: int, mdir: Path, run_dir: Path, window: int,
+             timeout: float) -> RunResult:
+    res = RunResult(wl.name, mode, seed, ok=False, run_dir=str(run_dir))
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [
+        torchrun, "--nproc_per_node=1", "--standalone", "-m", "torchtitan_flux.train",
+        "--job.config_file", str(REPO / "train_configs" / "debug_cpu.toml"),
+        "--job.dump_folder", str(run_dir),
+        "--model.hf_assets_path", str(mdir),
+        "--training.steps", str(steps),
+        "--training.seq_len", str(wl.seq_len),
+        "--training.max_norm", str(wl.max_norm),
+        "--optimizer.lr", str(wl.lr), "--optimizer.beta1", str(wl.beta1), "--optimizer.beta2", str(wl.beta2),
+        "--optimizer.eps", str(wl.eps), "--optimizer.weight_decay", str(wl.weight_decay),
+        # constant LR, as TRL's lr_scheduler_type="constant" (warmup 1 = factor 1 from the first step)
+        "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.0",
+        "--grpo.group_size", str(wl.group_size), "--grpo.temperature", "1.0", "--grpo.kl_coef", "0.0",
+        "--grpo.loss_normalization", "token",
+        "--rollout.task", "digits", "--rollout.prompts_per_step", str(wl.prompts_per_step),
+        "--rollout.max_new_tokens", str(wl.max_new_tokens), "--rollout.top_k", "0",
+        "--rollout.seed", str(seed), "--debug.seed", str(seed),
+        "--checkpoint.enable", "false",
+        *OUR_MODES[mode],
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    log_path = run_dir / "train.log"
+    launch = time.time()
+    t0 = time.perf_counter()
+    try:
+        with open(log_path, "w") as log:
+            log.write(" ".join(cmd) + "\n")
+            log.flush()
+            p = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    res.process_wall_s = time.perf_counter() - t0
+    if rc != 0:
+        res.error = f"exit {rc}; see {log_path}"
+    curve, start = _our_curve(run_dir, log_path) if (run_dir / "metrics.jsonl").is_file() else ([], None)
+    res.ok = rc == 0
+    summarise(res, curve, wl, window, start, launch)
+    write_curve(run_dir / "curve.jsonl", curve)
+    return res
+
+
+# --------------------------------------------------------------------------------------------------- TRL
+
+
+def run_trl(wl: Workload, seed: int, steps: int, mdir: Path, run_dir: Path, window: int, timeout: float,
+            trl_python: str, attn: str, cache: str | None) -> RunResult:
+    res = RunResult(wl.name, "trl", seed, ok=False, run_dir=str(run_dir))
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    spec = {
+        "model_dir": str(mdir), "prompts": step_prompts(seed, steps, wl.prompts_per_step),
+        "group_size": wl.group_size, "max_new_tokens": wl.max_new_tokens, "lr": wl.lr, "beta1": wl.beta1,
+        "beta2": wl.beta2, "eps": wl.eps, "weight_decay": wl.weight_decay, "max_norm": wl.max_norm,
+        "seed": seed, "threads": 2, "out": str(run_dir / "trl.jsonl"),
+        "attn_implementation": attn, "cache_implementation": cache,
+    }
+    with open(run_dir / "spec.json", "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    cmd = [trl_python, str(REPO / "benchmarks" / "trl_runner.py"), "--spec", str(run_dir / "spec.json")]
+    log_path = run_dir / "train.log"
+    launch = time.time()
+    t0 = time.perf_counter()
+    try:
+        with open(log_path, "w") as log:
+            p = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    res.process_wall_s = time.perf_counter() - t0
+    res.ok = rc == 0
+    if rc != 0:
+        res.error = f"exit {rc}; see {log_path}"
+    curve, start = [], None
+    if (run_dir / "trl.jsonl").is_file():
+        with open(run_dir / "trl.jsonl") as f:
+            for line in f:
+                try:
+                    d = json.loads(line)
+                except ValueError:
+                    continue
+                if d.get("event") == "start":
+                    start = d.get("start_epoch")
+                elif "step" in d:
+                    curve.append({k: d[k] for k in ("step", "reward_mean", "time_s", "step_time_s")})
+    summarise(res, curve, wl, window, start, launch)
+    write_curve(run_dir / "curve.jsonl", curve)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def aggregate(results: list[RunResult], wl: Workload, systems: list[str]) -> dict[str, dict]:
+    agg = {}
+    for s in systems:
+        rs = [r for r in results if r.workload == wl.name and r.system == s and r.curve]
+        if not rs:
+            continue
+        reached = [r for r in rs if r.time_to_target_s is not None]
+        agg[s] = {
+            "seeds": len(rs),
+            "failed": sum(not r.ok for r in results if r.workload == wl.name and r.system == s),
+            "median_step_s": _med([r.median_step_s for r in rs]),
+            "samples_per_s": _med([r.samples_per_s for r in rs]),
+            "reached": len(reached),
+            # median over the seeds that reached the target; a seed that did not counts as +inf
+            "ttt_s": _med_inf([r.time_to_target_s for r in rs]),
+            "ttt_incl_startup_s": _med_inf([None if r.time_to_target_s is None or r.startup_s is None
+                                            else r.time_to_target_s + r.startup_s for r in rs]),
+            "steps_to_target": _med_inf([r.steps_to_target for r in rs]),
+            "startup_s": _med([r.startup_s for r in rs]),
+            "final_reward": _med([r.final_reward for r in rs]),
+        }
+    return agg
+
+
+def _med_inf(xs):
+    """Median where None (did not reach the target) counts as +inf; None if the median itself is +inf."""
+    if not xs:
+        return None
+    vals = sorted(float("inf") if x is None else float(x) for x in xs)
+    m = statistics.median(vals)
+    return None if m == float("inf") else m
+
+
+def table(wl: Workload, agg: dict[str, dict], window: int) -> str:
+    lines = [
+        f"== workload {wl.name}: flavor {wl.flavor}, G={wl.group_size}, prompts/step={wl.prompts_per_step}, "
+        f"max_new_tokens={wl.max_new_tokens}, lr={wl.lr}, target mean reward {wl.target} "
+        f"(trailing {window}-step mean)",
+        f"{'system':<10} {'seeds':>5} {'s/step':>8} {'samples/s':>10} {'ttt_s':>8} {'reached':>8} "
+        f"{'steps':>6} {'ttt+startup_s':>14} {'startup_s':>10} {'final_reward':>13}",
+    ]
+    for s, a in agg.items():
+        name = f"ours:{s}" if s != "trl" else "trl"
+        lines.append(
+            f"{name:<10} {a['seeds']:>5} {_fmt(a['median_step_s'], '.4f'):>8} {_fmt(a['samples_per_s'], '.1f'):>10} "
+            f"{_fmt(a['ttt_s'], '.2f'):>8} {str(a['reached']) + '/' + str(a['seeds']):>8} "
+            f"{_fmt(a['steps_to_target'], '.0f'):>6} {_fmt(a['ttt_incl_startup_s'], '.2f'):>14} "
+            f"{_fmt(a['startup_s'], '.2f'):>10} {_fmt(a['final_reward'], '.3f'):>13}"
+            + (f"  ({a['failed']} failed)" if a["failed"] else "")
+        )
+    return "\n".join(lines)
+
+
+def speedup(agg: dict[str, dict]) -> tuple[float | None, str]:
+    trl = agg.get("trl")
+    if not trl:
+        return None, "no TRL runs"
+    ours = {s: a for s, a in agg.items() if s != "trl"}
+    ok = {s: a for s, a in ours.items()
+          if a["ttt_s"] is not None and a["reached"] >= trl["reached"]
+          and (trl["final_reward"] is None or (a["final_reward"] or 0) >= trl["final_reward"] - 0.05)}
+    if not ok:
+        return None, "no mode of ours matched TRL's reward quality"
+    best = min(ok, key=lambda s: ok[s]["ttt_s"])
+    if trl["ttt_s"] is None:
+        # TRL did not reach the target (median): its whole run is a lower bound of its time to target
+        return None, f"TRL did not reach the target; best of ours: {best} {ok[best]['ttt_s']:.2f}s"
+    return trl["ttt_s"] / ok[best]["ttt_s"], f"best of ours: {best}"
+
+
+# -------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, few steps, no warm-up")
+    ap.add_argument("--out", default="outputs/vs_trl", help="output folder (default outputs/vs_trl)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2; --quick: 0)")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=DEFAULT_SYSTEMS,
+                    help=f"our modes and/or trl (default {' '.join(DEFAULT_SYSTEMS)}; also: async2 = fixed bound 2)")
+    ap.add_argument("--steps", type=int, default=None, help="override the steps of every workload")
+    ap.add_argument("--window", type=int, default=3, help="trailing window of the time-to-target mean (default 3)")
+    ap.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    ap.add_argument("--trl-attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="TRL model attn_implementation (default sdpa: fastest here, see the report)")
+    ap.add_argument("--trl-cache", default=None, help="TRL cache_implementation (default: transformers' dynamic)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run of each system")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per-run timeout in seconds")
+    args = ap.parse_args(argv)
+
+    out = (REPO / args.out) if not os.path.isabs(args.out) else Path(args.out)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    systems = args.systems
+    if "trl" in systems and not os.access(args.trl_python, os.X_OK):
+        print(f"vs_trl: error: {args.trl_python} not found; run `bash scripts/setup_trl.sh` first", file=sys.stderr)
+        return 2
+    wls = [WORKLOADS[w] for w in args.workloads]
+    steps_of = {w.name: args.steps or (QUICK_STEPS[w.name] if args.quick else w.steps) for w in wls}
+    mdirs = {w.flavor: model_dir(out, w.flavor) for w in wls}
+
+    def one(system: str, wl: Workload, seed: int, steps: int, run_dir: Path) -> RunResult:
+        mdir = mdirs[wl.flavor]
+        if system == "trl":
+            return run_trl(wl, seed, steps, mdir, run_dir, args.window, args.timeout, args.trl_python,
+                           args.trl_attn, args.trl_cache)
+        return run_ours(system, wl, seed, steps, mdir, run_dir, args.window, args.timeout)
+
+    t_start = time.perf_counter()
+    if not args.quick and not args.no_warmup:
+        wl0 = wls[0]
+        for s in systems:
+            r = one(s, wl0, 0, 3, out / "runs" / "_warmup" / s)
+            print(f"warm-up {s}: {'ok' if r.ok else r.error} ({r.process_wall_s:.1f}s)", flush=True)
+
+    results: list[RunResult] = []
+    for i, seed in enumerate(seeds):
+        for wl in wls:
+            order = systems[i % len(systems):] + systems[: i % len(systems)]  # rotate per seed
+            for s in order:
+                run_dir = out / "runs" / wl.name / s / f"seed{seed}"
+                r = one(s, wl, seed, steps_of[wl.name], run_dir)
+                results.append(r)
+                print(f"[{time.perf_counter() - t_start:7.1f}s] {wl.name:<5} {s:<8} seed {seed}: "
+                      + (f"{r.steps} steps, {_fmt(r.median_step_s, '.4f')} s/step, "
+                         f"{_fmt(r.samples_per_s, '.1f')} samples/s, ttt {_fmt(r.time_to_target_s, '.2f')}s "
+                         f"(step {r.steps_to_target}), final reward {_fmt(r.final_reward)}, "
+                         f"startup {_fmt(r.startup_s, '.1f')}s" if r.curve else "")
+                      + ("" if r.ok else f"  FAILED: {r.error}"), flush=True)
+
+    with open(out / "results.json", "w") as f:
+        json.dump({"args": vars(args), "workloads": {w.name: asdict(w) | {"steps": steps_of[w.name]} for w in wls},
+                   "runs": [asdict(r) for r in results]}, f, indent=1)
+
+    report, keyvals = [], []
+    for wl in wls:
+        agg = aggregate(results, wl, systems)
+        report.append(table(wl, agg, args.window))
+        sp, why = speedup(agg)
+        report.append(f"speedup (TRL time to target / ours, {why}): {_fmt(sp, '.2f')}")
+        keyvals.append(f"speedup_vs_trl_{wl.name}={_fmt(sp, '.2f') if sp is not None else 'nan'}")
+        first = [r for r in results if r.workload == wl.name and r.seed == seeds[0] and r.curve]
+        if first:
+            png = out / f"curves_{wl.name}.png"
+            cmd = [sys.executable, str(REPO / "scripts" / "plot_runs.py"),
+                   *[f"{Path(r.run_dir) / 'curve.jsonl'}:{'ours ' + r.system if r.system != 'trl' else 'TRL'}"
+                     for r in first],
+                   "-o", str(png), "--title", f"{wl.name}: digits reward, seed {seeds[0]}",
+                   "--target", str(wl.target)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            report.append(f"curves: {png}" if p.returncode == 0 else f"plot failed: {p.stderr.strip()}")
+    text = "\n".join(report)
+    note = ("time to target excludes process startup (imports, model load, engine spawn); the ttt+startup "
+            "column includes it. Medians over seeds; a seed that never reached the target counts as +inf.")
+    with open(out / "report.txt", "w") as f:
+        f.write(text + "\n" + note + "\n" + "\n".join(keyvals) + "\n")
+    print()
+    print(text)
+    print(note)
+    print(f"total benchmark wall time: {time.perf_counter() - t_start:.0f}s; raw runs under {out / 'runs'}")
+    if args.quick:
+        print("(--quick: short runs on one seed; the speedups below are a smoke test, not a measurement)")
+    for kv in keyvals:
+        print(kv)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

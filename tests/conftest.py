@@ -1,0 +1,61 @@
+"""Shared fixtures: the tiny local model (built once per session) and a torchrun helper."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_TOML = ROOT / "train_configs" / "debug_cpu.toml"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from torchtitan_flux.assets import build_model_dir
+
+    return Path(build_model_dir(ROOT / "assets" / "tiny-llama", flavor="tiny", seed=0))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(dump: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "-m", "torchtitan_flux.train", "--job.config_file", str(DEBUG_TOML),
+        "--job.dump_folder", str(dump), *overrides,
+    ]
+
+
+def run_train(dump: Path, *overrides: str, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        torchrun_cmd(dump, *overrides, nproc=nproc), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    """metrics.jsonl rows; for a resumed run the last row of each step wins."""
+    rows: dict[int, dict] = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows[r["step"]] = r
+    return [rows[k] for k in sorted(rows)]
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_env(monkeypatch):
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

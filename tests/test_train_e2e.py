@@ -1,0 +1,122 @@
+"""End-to-end runs of ``torchrun -m torchtitan_flux.train`` on the debug config (embedded engine, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from conftest import ROOT, read_metrics, run_train, torchrun_cmd
+
+REQUIRED = [
+    "step", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "policy_version", "step_time_s",
+    "rollout_time_s", "train_time_s", "weight_sync_s", "tokens_per_s",
+]
+
+
+def test_sync_run_learns_and_engine_matches_trainer(tiny_model_dir, tmp_path):
+    run_train(tmp_path, "--training.steps", "40")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in REQUIRED:
+        assert all(key in r for r in rows), key
+    assert [r["policy_version"] for r in rows] == list(range(1, 41))
+    assert all(r["version_gap_max"] == 0 for r in rows)  # sync mode is on-policy
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last - first >= 0.3, (first, last)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 40
+    assert (tmp_path / "hf_final" / "model.safetensors").is_file()
+    assert (tmp_path / "hf_final" / "config.json").is_file()
+    assert any((tmp_path / "tb").iterdir())
+
+
+def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
+    run_train(tmp_path, "--training.steps", "12", "--weight_sync.async_weight_update", "true")
+    rows = read_metrics(tmp_path)
+    assert rows[0]["version_gap_max"] == 0  # step 1 is generated from the initial weights
+    assert all(r["version_gap_max"] <= 1 for r in rows)  # max_version_gap = 1 bounds it
+    assert sum(r["version_gap_mean"] for r in rows[1:]) > 0  # and it does run ahead
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 12
+
+
+def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
+    run_train(tmp_path / "sync", "--training.steps", "6")
+    run_train(
+        tmp_path / "ratio0", "--training.steps", "6", "--weight_sync.async_weight_update", "true",
+        "--adaptive_async.enabled", "true", "--adaptive_async.min_async_ratio", "0",
+        "--adaptive_async.max_async_ratio", "0", "--adaptive_async.initial_async_ratio", "0",
+    )
+    a, b = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "ratio0")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
+    assert all(r["async_ratio"] == 0 for r in b)
+
+
+def test_two_trainer_processes(tiny_model_dir, tmp_path):
+    run_train(tmp_path, "--training.steps", "4", nproc=2)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 4 and all(r["loss"] == r["loss"] for r in rows)
+    assert json.loads((tmp_path / "summary.json").read_text())["checksums_match"]
+
+
+def _tree(root_pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(root_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killed_run_resumes_with_the_same_next_step_loss(tiny_model_dir, tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--training.steps", "8"]
+    run_train(tmp_path / "full", *ckpt)
+    full = read_metrics(tmp_path / "full")
+
+    dump = tmp_path / "killed"
+    proc = subprocess.Popen(
+        torchrun_cmd(dump, *ckpt, "--training.steps", "40"), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    metrics = dump / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(x)["step"] >= 5 for x in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.05)
+    tree = _tree(proc.pid)
+    engines = [p for p in tree if "multiprocessing" in " ".join(p.cmdline())]
+    assert engines, "expected engine processes under the trainer"
+    # a crash of the trainer: SIGKILL to torchrun and its workers, nothing to the engines
+    for p in [psutil.Process(proc.pid)] + [p for p in tree if p not in engines]:
+        p.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(tree), [p.cmdline() for p in _alive(tree)]
+
+    run_train(dump, *ckpt)  # resumes from step 4 and runs to 8
+    resumed = read_metrics(dump)
+    for step in range(5, 9):
+        assert resumed[step - 1]["loss"] == full[step - 1]["loss"], step
+        assert resumed[step - 1]["reward_mean"] == full[step - 1]["reward_mean"], step
+
+
+@pytest.mark.slow
+def test_debug_config_as_shipped_learns(tiny_model_dir, tmp_path):
+    """The README's run command, unchanged except for the dump folder."""
+    run_train(tmp_path)
+    rows = read_metrics(tmp_path)
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last - first >= 0.3

@@ -1,0 +1,213 @@
+"""Weight sync at component level: a real ``EmbeddedEngine`` child process, a ``WeightSyncer(is_sender=True)`` on
+gloo/loopback and a ``RolloutScheduler`` pumping the events (see ``_sync_harness``). No torchrun.
+
+What "in sync" means everywhere below: the engine's newest complete version has the sha256 of the trainer's
+staging buffer (``EmbeddedEngine.checksum()`` == ``WeightSyncer.staging.checksum()``), and the staging buffer
+holds the model's parameters bitwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from _sync_harness import Harness, params_snapshot, perturb
+
+from torchtitan_flux import inference
+from torchtitan_flux.transport import _DTYPES
+
+LOG = "torchtitan_flux"
+
+
+def staging_holds(h: Harness, params: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(h.syncer.staging.views[n], p) for n, p in params.items())
+
+
+def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:
+    assert h.engine_checksum(i) == (version, h.staging_checksum())
+    assert staging_holds(h, params_snapshot(h.model))
+
+
+@pytest.fixture
+def harness_factory(tiny_model_dir):
+    made: list[Harness] = []
+
+    def make(**kw) -> Harness:
+        h = Harness(tiny_model_dir, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+# ------------------------------------------------------------------------------------------ blocking push
+
+
+def test_blocking_push_versions_acks_and_bitwise_equal_buckets(harness_factory):
+    h = harness_factory(async_mode=False, bucket_size_mb=0.01, timeout_s=5.0)
+    plan, syncer = h.syncer.plan, h.syncer
+
+    # the plan: many buckets, in parameter order, each within the budget unless it holds one big tensor
+    assert len(plan.buckets) > 1
+    assert plan.buckets[0].start == 0 and plan.buckets[-1].end == len(plan.specs)
+    assert all(a.end == b.start for a, b in zip(plan.buckets, plan.buckets[1:]))
+    for b in plan.buckets:
+        nbytes = b.numel * _DTYPES[b.dtype].itemsize
+        assert nbytes <= syncer.bucket_bytes or b.end - b.start == 1
+    assert [s.name for s in plan.specs] == [n for n, _ in h.model.named_parameters()]
+
+    syncer.flush(0)  # the trainer's first sync: version 0 = the initial weights
+    assert (h.link.sent, h.link.acked) == (0, 0)
+    assert_in_sync(h, 0)
+
+    sums = {h.staging_checksum()}
+    for v in (1, 2, 3):
+        perturb(h.model, seed=v)
+        t0 = time.perf_counter()
+        syncer.after_optimizer_step(v)
+        dt = time.perf_counter() - t0
+        assert (h.link.sent, h.link.acked) == (v, v)  # blocking: returns once the engine acked v
+        assert syncer.version == v
+        assert_in_sync(h, v)
+        sums.add(h.staging_checksum())
+        assert dt < 2.0, f"blocking push of {plan.nbytes} B in {len(plan.buckets)} buckets took {dt:.3f}s"
+    assert len(sums) == 4  # every version really changed the weights
+
+    m = syncer.metrics()
+    assert m["weight_pushes"] == 4 and m["engine_min_version"] == 3
+    assert m["weight_sync_timeouts"] == m["weight_sync_errors"] == m["engines_lagging"] == 0
+    assert syncer.stats.bytes_sent == 4 * plan.nbytes
+    assert not syncer.stats.failures
+    print(f"\nblocking push: {len(plan.buckets)} buckets, {plan.nbytes} B, last push {syncer.stats.last_push_s:.4f}s, "
+          f"after_optimizer_step (snapshot + push + ack) {syncer.stats.blocked_s:.4f}s")
+
+
+# ---------------------------------------------------------------------------------------------- async push
+
+
+def test_async_push_returns_at_once_and_coalesces_while_busy(harness_factory):
+    h = harness_factory(async_mode=True, bucket_size_mb=0.01, timeout_s=3.0)
+    syncer, eng = h.syncer, h.engines[0]
+    syncer.flush(0)
+    assert_in_sync(h, 0)
+
+    stall = 1.5  # < timeout: a slow engine, not a lagging one
+    eng.inject_fault("stall_receive", stall)
+    eng.checksum()  # round trip: the fault is in place
+
+    perturb(h.model, seed=1)
+    t0 = time.perf_counter()
+    syncer.after_optimizer_step(1)
+    dt1 = time.perf_counter() - t0
+    assert dt1 < 0.25, dt1  # snapshot only; the push runs on the push thread
+    v1_sum = h.staging_checksum()
+    assert syncer._busy.is_set() and h.link.acked == 0  # v1 is still in flight
+
+    dts = []
+    for v in (2, 3):  # due while v1 is in flight: coalesced, nothing copied
+        perturb(h.model, seed=v)
+        t0 = time.perf_counter()
+        syncer.after_optimizer_step(v)
+        dts.append(time.perf_counter() - t0)
+        assert syncer.stats.coalesced == v - 1
+        assert h.staging_checksum() == v1_sum
+    assert max(dts) < 0.05, dts
+    assert syncer.metrics()["weight_coalesced"] == 2
+
+    eng.inject_fault("stall_receive", 0.0)  # the stall in progress finishes; later pushes are fast
+    assert syncer.wait_idle(stall + 3.0)
+    h.pump_until(lambda: h.link.acked == 1, 5.0, "ack of v1")
+    assert syncer.stats.last_push_s >= stall * 0.9  # the push thread did wait for the stalled engine
+    assert_in_sync_staging = h.engine_checksum() == (1, v1_sum)
+    assert assert_in_sync_staging
+
+    syncer.flush(3)  # the newest (coalesced) version goes out at the next idle boundary
+    assert (h.link.sent, h.link.acked) == (3, 3)
+    assert_in_sync(h, 3)
+    assert syncer.stats.pushes == 3  # v0, v1, v3: v2 was never sent
+    assert syncer.stats.timeouts == 0 and not h.link.lagging
+    print(f"\nasync: after_optimizer_step {dt1 * 1e3:.2f} ms with the engine stalled {stall}s; coalesced calls "
+          f"{max(dts) * 1e3:.2f} ms; stalled push {syncer.stats.last_push_s:.2f}s on the push thread")
+
+
+def test_lagging_by_missed_ack_then_resynced_when_the_ack_arrives(harness_factory, caplog):
+    """The other lagging path: the push's Works completed but the ack was not seen within timeout_seconds."""
+    h = harness_factory(async_mode=True, timeout_s=1.0)
+    syncer = h.syncer
+    syncer.flush(0)
+    perturb(h.model, seed=1)
+    syncer.after_optimizer_step(1)
+    assert syncer.wait_idle(5.0)  # Works done; the ack waits, unpumped, in the event queue
+    time.sleep(1.2)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        syncer.check_timeouts()
+    assert h.link.lagging and syncer.stats.timeouts == 1
+    assert syncer.metrics()["engines_lagging"] == 1
+    assert any("not acked within" in r.getMessage() for r in caplog.records)
+
+    resyncs = syncer.stats.resyncs
+    h.pump_until(lambda: not h.link.lagging, 5.0, "late ack")  # it answers again -> full resync of v1
+    assert syncer.stats.resyncs == resyncs + 1
+    h.pump_until(lambda: h.link.acked == 1 and not syncer._busy.is_set(), 5.0, "resync ack")
+    assert_in_sync(h, 1)
+    assert syncer.metrics()["engines_lagging"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- atomic swap
+
+
+def _reference_tokens(weights: dict[str, torch.Tensor], shape, req) -> torch.Tensor:
+    """What ``_EngineProcess.generate`` computes for ``req`` with ``weights`` (1 thread, like the engine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
+        gen = torch.Generator().manual_seed(req.seed)
+        tokens, _, _ = inference.generate(
+            weights, shape, prompts, max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+            top_k=req.top_k, eos_id=2, pad_id=0, generator=gen,
+        )
+        return tokens
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_push_landing_mid_request_is_swapped_in_only_between_requests(harness_factory):
+    # one request of 256 completions x 96 tokens: ~1 s of generation on one thread
+    h = harness_factory(async_mode=False, prompts_per_step=16, group_size=16, max_new_tokens=96, timeout_s=5.0)
+    syncer, sched = h.syncer, h.scheduler
+    syncer.flush(0)
+    w0 = params_snapshot(h.model)
+
+    sched.dispatch(1, trainer_version=0)
+    part = sched._steps[1].parts[0]
+    time.sleep(0.2)  # the engine has swapped in v0 and is generating
+    perturb(h.model, seed=1, scale=0.5)
+    w1 = params_snapshot(h.model)
+    syncer.after_optimizer_step(1)  # blocking: returns once the engine acked v1 ...
+    assert h.link.acked == 1
+    assert part.result is None  # ... while the request is still running
+
+    batch = sched.collect(1, trainer_version=1)
+    res = part.result
+    assert res.version == 0 and res.newest_seen == 1  # stamped with the version live at its start
+    assert batch.versions.tolist() == [0] * batch.tokens.shape[0]
+    assert batch.dispatch_version == 0 and batch.newest_seen == 1
+    # one version throughout: bit-identical to generating the whole request with v0
+    ref0 = _reference_tokens(w0, h.shape, part.request)
+    assert torch.equal(res.tokens, ref0)
+    assert not torch.equal(_reference_tokens(w1, h.shape, part.request), ref0)  # (v1 would differ)
+
+    sched.dispatch(2, trainer_version=1)  # the next request runs on v1
+    part2 = sched._steps[2].parts[0]
+    batch2 = sched.collect(2, trainer_version=1)
+    assert part2.result.version == part2.result.newest_seen == 1
+    assert batch2.versions.tolist() == [1] * batch2.tokens.shape[0] and batch2.dispatch_version == 1
+    assert torch.equal(part2.result.tokens, _reference_tokens(w1, h.shape, part2.request))
+    assert_in_sync(h, 1)
+    print(f"\natomic swap: request took {res.gen_time_s:.2f}s; push of v1 (blocking, acked) "
+          f"{syncer.stats.blocked_s:.3f}s landed during it")

@@ -1,0 +1,279 @@
+"""vLLM worker extension: receive torchtitan_flux weight pushes through vLLM's official RL weight-update API.
+
+Runs INSIDE the vLLM server's worker processes, so it imports only torch and vllm (never torchtitan or the rest of
+torchtitan_flux). Load it with::
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension \\
+        --weight-transfer-config '{"backend":"gloo"}'          # CPU; '{"backend":"flux_nccl"}' on GPU
+
+(``scripts/launch_vllm.sh`` does this.) vLLM resolves ``--worker-extension-cls`` in each worker before it loads the
+model, and creates the weight-transfer engine right after loading; importing this module registers our engines
+with ``WeightTransferEngineFactory`` first, so the ``--weight-transfer-config`` backend resolves:
+
+* ``gloo``: ``FluxGlooWeightTransferEngine`` (CPU servers; vLLM's own backends all need CUDA);
+* ``flux_nccl``: ``FluxNcclWeightTransferEngine`` (GPU servers; a torch ``ProcessGroupNCCL`` on the trainer's
+  store, so the trainer side needs no vLLM; vLLM's built-in ``nccl`` backend uses its own rendezvous instead).
+
+Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP, and what the trainer's
+``WeightSyncer`` broadcasts; see ``torchtitan_flux/transport.py``):
+
+* ``POST /init_weight_transfer_engine {"init_info": FluxInitInfo}``: connect to the trainer's TCPStore and build a
+  2-member group on ``PrefixStore(store_prefix)`` (trainer = rank 0, this worker = ``rank_offset``). It blocks
+  until the trainer creates its side, which it does concurrently.
+* ``POST /start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU
+  because vLLM repacks Linear weights after loading).
+* ``POST /update_weights {"update_info": FluxUpdateInfo}``: once per bucket, in bucket order. The first call of
+  a push has ``header_len > 0``: it first receives the push header (int64 ``[MAGIC, version, n, method, ids..]``)
+  and checks it is a full push of ``version``. Each call then receives ONE flat tensor (the bucket: the listed
+  tensors, in order, HF names and HF layout) and hands its views to ``model.load_weights``.
+* ``POST /finish_weight_update {"weight_version": "N"}``: finalize the reload.
+
+``FluxWorkerExtension`` adds two methods callable through ``POST /collective_rpc``: ``flux_model_info`` (the
+served model's config and the configured transfer engine, for the handler's start-up checks) and
+``flux_weights_checksum`` (sha256 over the bytes of the last complete push, bucket by bucket: equal to the
+trainer's staging-buffer checksum when the engine holds exactly the trainer's weights).
+
+Simplification: tensor parallelism 1 (the trainer's weight-sync groups have two members); the engine refuses
+other world sizes at init.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+# Must equal torchtitan_flux.transport.MAGIC / METHOD_FULL (this module may not import torchtitan_flux).
+HEADER_MAGIC = 0x46_4C_55_58
+METHOD_FULL = 0
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXT_VERSION = 1
+
+
+@dataclass
+class FluxInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    store_prefix: str
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+    checksum: bool = True  # hash every received bucket (flux_weights_checksum); off for very large models
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"init_info.backend = {self.backend!r}; allowed: 'gloo' | 'nccl'")
+        if not self.store_prefix:
+            raise ValueError("init_info.store_prefix must be a non-empty string")
+        if self.world_size != self.rank_offset + 1:
+            raise ValueError(
+                f"init_info world_size={self.world_size}, rank_offset={self.rank_offset}: torchtitan_flux weight "
+                "sync supports one trainer rank and one worker (tensor_parallel_size 1)"
+            )
+
+
+@dataclass
+class FluxUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    bucket: int  # index of this bucket in the push
+    num_buckets: int
+    version: int  # the trainer's policy version of this push
+    header_len: int = 0  # > 0 on the first bucket: receive the push header (int64[header_len]) first
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if n == 0 or len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"update_info needs equally long, non-empty names/dtype_names/shapes; got "
+                f"{n}/{len(self.dtype_names)}/{len(self.shapes)}"
+            )
+        if len(set(self.dtype_names)) != 1 or self.dtype_names[0] not in _DTYPES:
+            raise ValueError(f"a bucket holds one dtype of {sorted(_DTYPES)}; got {sorted(set(self.dtype_names))}")
+        if not 0 <= self.bucket < self.num_buckets:
+            raise ValueError(f"update_info.bucket = {self.bucket} not in [0, {self.num_buckets})")
+        if (self.bucket == 0) != (self.header_len > 0):
+            raise ValueError("the push header travels with bucket 0 and only with it")
+
+
+class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInfo]):
+    """Receives the bucketed pushes of torchtitan_flux (see the module docstring)."""
+
+    init_info_cls = FluxInitInfo
+    update_info_cls = FluxUpdateInfo
+    supports_draft_weight_update = False
+    BACKEND = ""
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self._store = None
+        self._checksum_enabled = True
+        self._hash = None
+        self._next_bucket = 0
+        self._push_version = None
+        self.last_checksum: tuple[int, str | None] = (-1, None)
+
+    # ------------------------------------------------------------------------------------------ group
+
+    def init_transfer_engine(self, init_info: FluxInitInfo) -> None:
+        if init_info.backend != self.BACKEND:
+            raise ValueError(
+                f"the trainer asks for a {init_info.backend!r} weight-sync group but this server was started with "
+                f"--weight-transfer-config backend for {self.BACKEND!r}"
+            )
+        pc = self.parallel_config
+        if pc.world_size * pc.data_parallel_size != 1:
+            raise ValueError("torchtitan_flux weight sync supports tensor/pipeline/data parallel size 1 per server")
+        self.shutdown()  # a re-join (resync after a failure) replaces the previous group
+        timeout = timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(
+            init_info.master_address, init_info.master_port, None, is_master=False, wait_for_workers=False,
+            timeout=timeout,
+        )
+        prefixed = dist.PrefixStore(init_info.store_prefix, store)
+        rank = init_info.rank_offset + pc.rank
+        if self.BACKEND == "gloo":
+            group = dist.ProcessGroupGloo(prefixed, rank, init_info.world_size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, rank, init_info.world_size, opts)
+            if hasattr(group, "eager_connect_single_device"):
+                group.eager_connect_single_device(self.device)
+        self.group, self._store = group, store
+        self._checksum_enabled = init_info.checksum
+
+    def shutdown(self) -> None:
+        self.group = None  # raw groups are not registered with torch.distributed; dropping them closes them
+        self._store = None
+
+    # ---------------------------------------------------------------------------------------- session
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._next_bucket = 0
+        self._push_version = None
+        self._hash = hashlib.sha256() if self._checksum_enabled else None
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        if self._push_version is not None:
+            self.last_checksum = (self._push_version, self._hash.hexdigest() if self._hash is not None else None)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+
+    def receive_weights(self, info: FluxUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("weight-sync group not initialized: call /init_weight_transfer_engine first")
+        if info.bucket != self._next_bucket:
+            raise RuntimeError(f"bucket {info.bucket} arrived, expected bucket {self._next_bucket} (buckets go in order)")
+        if info.header_len:
+            header = torch.empty(info.header_len, dtype=torch.int64, device=self._wire_device)
+            self._broadcast(header)
+            vals = header.tolist()
+            if vals[0] != HEADER_MAGIC:
+                raise RuntimeError(f"push header has bad magic {vals[0]:#x}: trainer and server disagree on the plan")
+            version, n, method, ids = vals[1], vals[2], vals[3], vals[4 : 4 + vals[2]]
+            if version != info.version:
+                raise RuntimeError(f"push header carries version {version}, the HTTP request says {info.version}")
+            if method != METHOD_FULL or ids != list(range(info.num_buckets)):
+                raise RuntimeError(
+                    f"only full pushes of all {info.num_buckets} buckets are supported; header has method {method}, "
+                    f"buckets {ids[:8]}{'...' if n > 8 else ''}"
+                )
+            self._push_version = version
+        elif info.version != self._push_version:
+            raise RuntimeError(f"bucket {info.bucket} of version {info.version} inside the push of {self._push_version}")
+        dtype = _DTYPES[info.dtype_names[0]]
+        numels = [_numel(s) for s in info.shapes]
+        flat = torch.empty(sum(numels), dtype=dtype, device=self._wire_device)  # fresh per bucket: the reload
+        self._broadcast(flat)  # may keep views of it until its layer is complete
+        if self._hash is not None:
+            self._hash.update(flat.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        weights, off = [], 0
+        for name, shape, n in zip(info.names, info.shapes, numels):
+            weights.append((name, flat[off : off + n].view(shape)))
+            off += n
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+        self._next_bucket += 1
+
+    @property
+    def _wire_device(self) -> torch.device:
+        return torch.device("cpu") if self.BACKEND == "gloo" else self.device
+
+
+class FluxGlooWeightTransferEngine(_FluxWeightTransferEngine):
+    BACKEND = "gloo"
+
+
+class FluxNcclWeightTransferEngine(_FluxWeightTransferEngine):
+    BACKEND = "nccl"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+REGISTERED = {"gloo": FluxGlooWeightTransferEngine, "flux_nccl": FluxNcclWeightTransferEngine}
+for _name, _cls in REGISTERED.items():
+    try:
+        WeightTransferEngineFactory.register_engine(_name, _cls)
+    except ValueError:  # registered already (module imported twice, or another extension owns the name)
+        pass
+
+
+class FluxWorkerExtension:
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``; methods callable via ``/collective_rpc``."""
+
+    def flux_model_info(self) -> dict:
+        cfg = self.vllm_config.model_config
+        hf = cfg.hf_text_config if hasattr(cfg, "hf_text_config") else cfg.hf_config
+        engine = getattr(self, "weight_transfer_engine", None)
+        pc = self.vllm_config.parallel_config
+        return {
+            "ext_version": EXT_VERSION,
+            "model": str(cfg.model),
+            "dtype": str(cfg.dtype).removeprefix("torch."),
+            "max_model_len": int(cfg.max_model_len),
+            "hf_config": {
+                k: getattr(hf, k, None)
+                for k in (
+                    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size", "tie_word_embeddings", "architectures", "eos_token_id",
+                )
+            },
+            "transfer_engine": type(engine).__name__ if engine is not None else None,
+            "transfer_backend": getattr(engine, "BACKEND", None),
+            "world_size": int(pc.world_size * pc.data_parallel_size),
+        }
+
+    def flux_weights_checksum(self) -> dict:
+        engine = getattr(self, "weight_transfer_engine", None)
+        version, digest = getattr(engine, "last_checksum", (-1, None))
+        return {"version": version, "sha256": digest}
