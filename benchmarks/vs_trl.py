@@ -264,7 +264,7 @@ def run_ours(mode: str, wl: Workload, seed: int, steps: int, mdir: Path, run_dir
 
 
 def run_trl(wl: Workload, seed: int, steps: int, mdir: Path, run_dir: Path, window: int, timeout: float,
-            trl_python: str, attn: str, cache: str | None) -> RunResult:
+            trl_python: str, attn: str, cache: str | None, threads: int = 2) -> RunResult:
     res = RunResult(wl.name, "trl", seed, ok=False, run_dir=str(run_dir))
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -273,12 +273,12 @@ def run_trl(wl: Workload, seed: int, steps: int, mdir: Path, run_dir: Path, wind
         "model_dir": str(mdir), "prompts": step_prompts(seed, steps, wl.prompts_per_step),
         "group_size": wl.group_size, "max_new_tokens": wl.max_new_tokens, "lr": wl.lr, "beta1": wl.beta1,
         "beta2": wl.beta2, "eps": wl.eps, "weight_decay": wl.weight_decay, "max_norm": wl.max_norm,
-        "seed": seed, "threads": 2, "out": str(run_dir / "trl.jsonl"),
+        "seed": seed, "threads": threads, "out": str(run_dir / "trl.jsonl"),
         "attn_implementation": attn, "cache_implementation": cache,
     }
     with open(run_dir / "spec.json", "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     cmd = [trl_python, str(REPO / "benchmarks" / "trl_runner.py"), "--spec", str(run_dir / "spec.json")]
     log_path = run_dir / "train.log"
@@ -309,6 +309,36 @@ def run_trl(wl: Workload, seed: int, steps: int, mdir: Path, run_dir: Path, wind
     summarise(res, curve, wl, window, start, launch)
     write_curve(run_dir / "curve.jsonl", curve)
     return res
+
+
+def tune_trl(args, wls: list[Workload], mdirs: dict, out: Path, seeds: list[int]) -> int:
+    """Median s/step of TRL variants; runs interleaved (variant order rotated per repeat)."""
+    variants = [(t, a, c) for t in (1, 2) for a in ("sdpa", "eager") for c in (None, "static")]
+    steps = {"small": 12, "long": 4} if args.steps is None else {w.name: args.steps for w in wls}
+    repeats = max(len(seeds), 2)
+    got: dict[tuple, list[float]] = {}
+    for rep in range(repeats):
+        for wl in wls:
+            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            for t, a, c in order:
+                run_dir = out / "runs" / "_tune" / wl.name / f"t{t}_{a}_{c or 'dynamic'}"
+                r = run_trl(wl, 0, steps[wl.name], mdirs[wl.flavor], run_dir, args.window, args.timeout,
+                            args.trl_python, a, c, t)
+                # drop the first step (allocator / kernel warm-up) from the median
+                periods = [x["step_time_s"] for x in r.curve[1:]] or [x["step_time_s"] for x in r.curve]
+                if r.ok and periods:
+                    got.setdefault((wl.name, t, a, c), []).append(statistics.median(periods))
+                print(f"{wl.name:<5} threads={t} attn={a:<5} cache={c or 'dynamic':<7} rep {rep}: "
+                      + (f"{statistics.median(periods):.4f} s/step" if r.ok and periods else f"FAILED {r.error}"),
+                      flush=True)
+    print()
+    for wl in wls:
+        rows = sorted(((statistics.median(v), k) for k, v in got.items() if k[0] == wl.name))
+        print(f"== TRL variants, workload {wl.name} (median over {repeats} runs of the median s/step, fastest first)")
+        for m, (_, t, a, c) in rows:
+            print(f"threads={t} attn_implementation={a:<5} cache_implementation={c or 'dynamic (default)':<18} "
+                  f"{m:.4f} s/step")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -361,13 +391,13 @@ def table(wl: Workload, agg: dict[str, dict], window: int) -> str:
         f"== workload {wl.name}: flavor {wl.flavor}, G={wl.group_size}, prompts/step={wl.prompts_per_step}, "
         f"max_new_tokens={wl.max_new_tokens}, lr={wl.lr}, target mean reward {wl.target} "
         f"(trailing {window}-step mean)",
-        f"{'system':<10} {'seeds':>5} {'s/step':>8} {'samples/s':>10} {'ttt_s':>8} {'reached':>8} "
+        f"{'system':<13} {'seeds':>5} {'s/step':>8} {'samples/s':>10} {'ttt_s':>8} {'reached':>8} "
         f"{'steps':>6} {'ttt+startup_s':>14} {'startup_s':>10} {'final_reward':>13}",
     ]
     for s, a in agg.items():
         name = f"ours:{s}" if s != "trl" else "trl"
         lines.append(
-            f"{name:<10} {a['seeds']:>5} {_fmt(a['median_step_s'], '.4f'):>8} {_fmt(a['samples_per_s'], '.1f'):>10} "
+            f"{name:<13} {a['seeds']:>5} {_fmt(a['median_step_s'], '.4f'):>8} {_fmt(a['samples_per_s'], '.1f'):>10} "
             f"{_fmt(a['ttt_s'], '.2f'):>8} {str(a['reached']) + '/' + str(a['seeds']):>8} "
             f"{_fmt(a['steps_to_target'], '.0f'):>6} {_fmt(a['ttt_incl_startup_s'], '.2f'):>14} "
             f"{_fmt(a['startup_s'], '.2f'):>10} {_fmt(a['final_reward'], '.3f'):>13}"
@@ -411,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-attn", default="sdpa", choices=["sdpa", "eager"],
                     help="TRL model attn_implementation (default sdpa: fastest here, see the report)")
     ap.add_argument("--trl-cache", default=None, help="TRL cache_implementation (default: transformers' dynamic)")
+    ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2)")
+    ap.add_argument("--tune-trl", action="store_true",
+                    help="only measure TRL variants (threads x attention x KV cache), interleaved, a few steps each "
+                         "per workload, print their median s/step and exit: how the TRL defaults here were chosen")
     ap.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run of each system")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per-run timeout in seconds")
     args = ap.parse_args(argv)
@@ -429,8 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         mdir = mdirs[wl.flavor]
         if system == "trl":
             return run_trl(wl, seed, steps, mdir, run_dir, args.window, args.timeout, args.trl_python,
-                           args.trl_attn, args.trl_cache)
+                           args.trl_attn, args.trl_cache, args.trl_threads)
         return run_ours(system, wl, seed, steps, mdir, run_dir, args.window, args.timeout)
+
+    if args.tune_trl:
+        return tune_trl(args, wls, mdirs, out, seeds)
 
     t_start = time.perf_counter()
     if not args.quick and not args.no_warmup:

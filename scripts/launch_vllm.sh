@@ -35,6 +35,10 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
   exit 2
 fi
 export VLLM_SERVER_DEV_MODE=1
+# Loopback only, no telemetry, no hub: vLLM's internal sockets bind VLLM_HOST_IP (else it probes a public route),
+# usage stats are off, and the model comes from MODEL_DIR only.
+export VLLM_HOST_IP=${VLLM_HOST_IP:-127.0.0.1}
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the worker extension, even without the editable install
 args=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import resource
 import time
 from typing import Any
 
@@ -351,6 +352,9 @@ class FluxTrainer(Trainer):
             "final_engine_version": min((v["version"] for v in engines.values()), default=-1),
             "checksums_match": all(v["checksum"] == trainer_sum for v in engines.values()),
             "steps_per_s": (len(ends) - 1 - warm) / (ends[-1] - ends[warm]) if len(ends) > warm + 1 else 0.0,
+            "weight_bytes": self.syncer.plan.nbytes,
+            "weight_buckets": len(self.syncer.plan.buckets),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "weight_sync": self.syncer.metrics(),
         }
         with open(os.path.join(self.job_config.job.dump_folder, "summary.json"), "w") as f:

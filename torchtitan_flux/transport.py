@@ -29,6 +29,9 @@ from torchtitan_flux import compat
 logger = logging.getLogger("torchtitan_flux")
 
 MAGIC = 0x46_4C_55_58  # "FLUX"
+# Waiting for the next push's header is idle time, not a failure: it gets this timeout instead of the group's
+# ``timeout_s`` (which still bounds every bucket of a push once its header arrived).
+IDLE_TIMEOUT = timedelta(days=7)
 METHOD_FULL, METHOD_DELTA = 0, 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -138,6 +141,14 @@ def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torc
     )
 
 
+def _broadcast_idle(pg, tensor: torch.Tensor):
+    """``compat.broadcast`` from rank 0 with ``IDLE_TIMEOUT`` (``BroadcastOptions.timeout``: torch >= 1.8)."""
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    opts.timeout = IDLE_TIMEOUT
+    return pg.broadcast([tensor], opts)
+
+
 class WeightReceiver:
     """Engine side: receives pushes on its own thread and publishes each complete version for an atomic swap.
 
@@ -150,7 +161,9 @@ class WeightReceiver:
         live and frees the old live buffer. So a request always runs on one complete version.
       * live + pending + free + the one being received are always exactly the two allocated buffers (plus one
         replacement per buffer an abandoned loop still holds, see ``_take_buffer``).
-    All collectives on the group are issued by the receiver thread alone, in push order.
+    All collectives on the group are issued by the receiver thread alone, in push order. The wait for the next
+    header has no deadline (``IDLE_TIMEOUT``): the time between pushes is the trainer's business, and a receiver
+    whose trainer gave up on it is abandoned by the next ``start``.
     """
 
     def __init__(
@@ -201,7 +214,7 @@ class WeightReceiver:
             pg = make_group()
             while not stop.is_set():
                 header = torch.empty(self.plan.header_len, dtype=torch.int64)
-                compat.broadcast(pg, header).wait()
+                _broadcast_idle(pg, header).wait()
                 version, ids, method = decode_header(header)
                 if self.fault_stall_s:
                     stop.wait(self.fault_stall_s)

@@ -1,0 +1,143 @@
+"""Async vs blocking weight push on one config, side by side in one run.
+
+Runs ``train_configs/debug_cpu.toml`` (or ``--config``) with ``weight_sync.async_weight_update`` false and true,
+``--reps`` times each, interleaved, and reports per-step medians after ``--warmup`` steps:
+
+* steps/s of each mode and ``async_speedup`` = async / sync;
+* ``overlap_limit`` = (T + G + S) / max(T, G) from the sync run's train time T, engine generation time G and
+  blocking sync time S: the best an ideal overlap of generation with training could do;
+* ``fraction_of_limit`` = async_speedup / overlap_limit;
+* ``blocked_fraction``: trainer time spent in weight sync per async step / async step time;
+* ``push_bandwidth_ratio``: bytes per second of our blocking push (header + buckets, timed on the sending
+  thread until its Works complete) / a raw gloo broadcast of one contiguous buffer of the same bytes between
+  two processes, timed the same way on the sender.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(config: str, out: str, steps: int, async_mode: bool, extra: list[str]) -> tuple[list[dict], dict]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_port()}", "-m", "torchtitan_flux.train", "--job.config_file", config,
+        "--job.dump_folder", out, "--training.steps", str(steps),
+        "--weight_sync.async_weight_update", str(async_mode).lower(), *extra,
+    ]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr[-6000:])
+        raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    return rows, json.load(open(os.path.join(out, "summary.json")))
+
+
+def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=rank == 0, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, timedelta(seconds=60))
+    buf = torch.zeros(nbytes // 4)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    for _ in range(5):
+        pg.broadcast([buf], opts).wait()
+    times = []
+    for _ in range(iters):
+        pg.barrier().wait()
+        t0 = time.perf_counter()
+        pg.broadcast([buf], opts).wait()
+        times.append(time.perf_counter() - t0)  # on the sender, as our push is timed
+    if rank == 0:
+        q.put(statistics.median(times))
+
+
+def raw_broadcast_seconds(nbytes: int, iters: int = 30) -> float:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_raw_broadcast, args=(r, port, nbytes, iters, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    t = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+    return t
+
+
+def med(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=os.path.join(ROOT, "train_configs/debug_cpu.toml"))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
+    args = ap.parse_args()
+
+    per_mode: dict[str, list[dict]] = {"sync": [], "async": []}
+    summaries: dict[str, list[dict]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="flux_bench_") as tmp:
+        for rep in range(args.reps):
+            for mode in ("sync", "async"):
+                rows, summary = run(args.config, os.path.join(tmp, f"{mode}{rep}"), args.steps, mode == "async",
+                                    args.extra)
+                per_mode[mode] += rows[args.warmup :]
+                summaries[mode].append(summary)
+    s, a = per_mode["sync"], per_mode["async"]
+    sps = {m: statistics.median(x["steps_per_s"] for x in summaries[m]) for m in summaries}
+    T, G, S = med(s, "train_time_s"), med(s, "gen_time_s"), med(s, "weight_sync_s")
+    limit = (T + G + S) / max(T, G)
+    speedup = sps["async"] / sps["sync"]
+    blocked = med(a, "weight_sync_s") / med(a, "step_time_s")
+    nbytes = summaries["sync"][0]["weight_bytes"]
+    push_s = med(s, "weight_push_s")
+    raw_s = raw_broadcast_seconds(nbytes)
+    bw, raw_bw = nbytes / push_s, nbytes / raw_s
+
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {__import__('torch').__version__}; "
+          f"{time.strftime('%Y-%m-%d')}; {args.reps} reps x {args.steps} steps, first {args.warmup} dropped")
+    print(f"{'mode':<6} {'steps/s':>8} {'step ms':>8} {'train ms':>9} {'gen ms':>7} {'wait ms':>8} "
+          f"{'sync ms':>8} {'push ms':>8} {'gap':>5}")
+    for mode, rows in per_mode.items():
+        print(f"{mode:<6} {sps[mode]:>8.2f} {1e3 * med(rows, 'step_time_s'):>8.1f} "
+              f"{1e3 * med(rows, 'train_time_s'):>9.1f} {1e3 * med(rows, 'gen_time_s'):>7.1f} "
+              f"{1e3 * med(rows, 'rollout_time_s'):>8.1f} {1e3 * med(rows, 'weight_sync_s'):>8.2f} "
+              f"{1e3 * med(rows, 'weight_push_s'):>8.2f} {statistics.mean(r['version_gap_mean'] for r in rows):>5.2f}")
+    print(f"push: {nbytes / 1e6:.2f} MB in {1e3 * push_s:.2f} ms = {bw / 1e9:.3f} GB/s; raw gloo broadcast of the "
+          f"same bytes {1e3 * raw_s:.2f} ms = {raw_bw / 1e9:.3f} GB/s")
+    print(f"async_speedup={speedup:.3f}")
+    print(f"overlap_limit={limit:.3f}")
+    print(f"fraction_of_limit={speedup / limit:.3f}")
+    print(f"blocked_fraction={blocked:.4f}")
+    print(f"push_bandwidth_ratio={bw / raw_bw:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Bad input: each case gets one clear error naming the field (or resource) and what is allowed, before any
+process is spawned. Table-driven over the real parse path (torchtitan's ConfigManager + our sections)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import DEBUG_TOML, ROOT
+
+from torchtitan_flux.patches import apply_patches
+
+apply_patches()
+
+from torchtitan.config import ConfigManager  # noqa: E402
+
+from torchtitan_flux.config import ConfigError, validate_config  # noqa: E402
+from torchtitan_flux.train import _normalise_argv  # noqa: E402
+
+
+def parse(*overrides: str, toml: str | None = None):
+    args = ["--job.config_file", toml or str(DEBUG_TOML), *overrides]
+    return ConfigManager().parse_args(_normalise_argv(args))
+
+
+def good_reward(prompt, completion, answer):
+    return 1.0
+
+
+def nan_reward(prompt, completion, answer):
+    return float("nan")
+
+
+def str_reward(prompt, completion, answer):
+    return "yes"
+
+
+CASES = [
+    (("--grpo.group_size", "1"), "grpo.group_size"),
+    (("--grpo.clip_low", "0"), "grpo.clip_low"),
+    (("--grpo.clip_high", "-0.1"), "grpo.clip_high"),
+    (("--grpo.kl_coef", "-1"), "grpo.kl_coef"),
+    (("--grpo.temperature", "0"), "grpo.temperature"),
+    (("--grpo.tis_cap", "-2"), "grpo.tis_cap"),
+    (("--rollout.prompts_per_step", "0"), "rollout.prompts_per_step"),
+    (("--rollout.max_new_tokens", "0"), "rollout.max_new_tokens"),
+    (("--rollout.num_engines", "0"), "rollout.num_engines"),
+    (("--rollout.task", "poetry"), "rollout.task = 'poetry' is out of range; allowed: digits | arithmetic | jsonl"),
+    (("--rollout.engine_device", "tpu"), "rollout.engine_device"),
+    (("--rollout.engine", "vllm"), "rollout.urls"),
+    (("--rollout.task", "jsonl", "--rollout.dataset_path", "/nonexistent.jsonl"), "rollout.dataset_path"),
+    (("--weight_sync.timeout_seconds", "-1"), "weight_sync.timeout_seconds"),
+    (("--weight_sync.bucket_size_mb", "0"), "weight_sync.bucket_size_mb"),
+    (("--weight_sync.interval", "0"), "weight_sync.interval"),
+    (("--weight_sync.master_port", "70000"), "weight_sync.master_port"),
+    (("--adaptive_async.min_async_ratio", "0.8", "--adaptive_async.max_async_ratio", "0.2"),
+     "min_async_ratio <= max_async_ratio"),
+    (("--adaptive_async.target_staleness", "1.5"), "adaptive_async.target_staleness"),
+    (("--adaptive_async.ema_alpha", "0"), "adaptive_async.ema_alpha"),
+    (("--adaptive_async.max_version_gap", "0"), "adaptive_async.max_version_gap"),
+    (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),
+    (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
+    (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
+    (("--model.hf_assets_path", "/nonexistent/model"), "model.hf_assets_path"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", CASES, ids=[c[1] + ":" + " ".join(c[0]) for c in CASES])
+def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle):
+    cfg = parse(*overrides)
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert needle in str(e.value)
+
+
+def test_debug_config_is_valid(tiny_model_dir):
+    validate_config(parse())
+
+
+def _write(tmp_path, text: str) -> str:
+    p = tmp_path / "bad.toml"
+    p.write_text(DEBUG_TOML.read_text() + "\n" + text)
+    return str(p)
+
+
+def test_wrong_type_in_toml(tiny_model_dir, tmp_path):
+    cfg = parse(toml=_write(tmp_path, "[adaptive_async]\nenabled = 'yes'\n"))
+    with pytest.raises(ConfigError, match=r"adaptive_async.enabled must be of type bool"):
+        validate_config(cfg)
+
+
+def test_wrong_type_list_in_toml(tiny_model_dir, tmp_path):
+    text = DEBUG_TOML.read_text().replace('task = "digits"', 'task = "digits"\nurls = "http://x"')
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=r"rollout.urls must be a list of str"):
+        validate_config(parse(toml=str(p)))
+
+
+def test_unknown_key_in_toml(tiny_model_dir, tmp_path):
+    text = DEBUG_TOML.read_text().replace("group_size = 8", "group_size = 8\ngroupsize = 4")
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match="groupsize"):
+        parse(toml=str(p))
+
+
+def test_unknown_section_in_toml(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="grpoo"):
+        parse(toml=_write(tmp_path, "[grpoo]\ngroup_size = 4\n"))
+
+
+def test_toml_syntax_error(tiny_model_dir, tmp_path):
+    import tomllib
+
+    with pytest.raises(tomllib.TOMLDecodeError):
+        parse(toml=_write(tmp_path, "[grpo\n"))
+
+
+def test_reward_function_checks(tiny_model_dir, tmp_path):
+    from torchtitan_flux.tasks import build_task, check_reward
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for fn, match in [("test_config:nan_reward", "finite"), ("test_config:str_reward", "finite")]:
+        cfg = parse("--rollout.task", "jsonl", "--rollout.dataset_path", str(data), "--rollout.reward_fn", fn)
+        validate_config(cfg)
+        task = build_task(cfg.rollout)
+        with pytest.raises(ValueError, match=match):
+            check_reward(task, task.reward(task.prompts(0, 1, 1)[0], ""))
+    cfg = parse("--rollout.task", "jsonl", "--rollout.dataset_path", str(data), "--rollout.reward_fn",
+                "test_config:missing")
+    with pytest.raises(ConfigError, match="rollout.reward_fn"):
+        validate_config(cfg)
+
+
+def test_bad_jsonl_record(tiny_model_dir, tmp_path):
+    from torchtitan_flux.tasks import build_task
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"answer": "2"}\n')
+    cfg = parse("--rollout.task", "jsonl", "--rollout.dataset_path", str(data), "--rollout.reward_fn",
+                "test_config:good_reward")
+    with pytest.raises(ValueError, match="line 1"):
+        build_task(cfg.rollout)
+
+
+def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):
+    """Through torchrun: non-zero exit, the message names the field, and no engine process was started."""
+    from conftest import torchrun_cmd
+
+    proc = subprocess.run(
+        torchrun_cmd(tmp_path, "--grpo.group_size", "1"), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert "grpo.group_size = 1 is out of range; allowed: an integer >= 2" in proc.stderr + proc.stdout
+    assert "engine0" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()
+

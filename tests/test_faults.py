@@ -1,0 +1,312 @@
+"""Fault tests of async weight sync: an engine stalled past ``timeout_seconds``, an engine killed during a push,
+and the trainer interrupted (SIGTERM / SIGKILL) mid-run.
+
+The engine faults run at component level (``_sync_harness``: real engine process, ``WeightSyncer``,
+``RolloutScheduler``, restarts through ``WeightSyncer.replace_engine`` like ``FluxTrainer._restart_engine``); the
+trainer interruption runs the real trainer under torchrun. After every sync the engine's checksum equals the
+trainer's staging checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from _sync_harness import Harness, params_snapshot, perturb
+from conftest import ROOT, read_metrics, run_train, torchrun_cmd
+
+LOG = "torchtitan_flux"
+
+
+def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:
+    assert h.engine_checksum(i) == (version, h.staging_checksum())
+    params = params_snapshot(h.model)
+    assert all(h.syncer.staging.views[n].equal(p) for n, p in params.items())
+
+
+def gone(pid: int, create_time: float | None = None) -> bool:
+    try:
+        p = psutil.Process(pid)
+        if create_time is not None and p.create_time() != create_time:
+            return True  # pid reused
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(procs: dict[int, tuple[float, str]], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [f"{pid}: {cmd}" for pid, (ct, cmd) in procs.items() if not gone(pid, ct)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def harness_factory(tiny_model_dir):
+    made: list[Harness] = []
+
+    def make(**kw) -> Harness:
+        h = Harness(tiny_model_dir, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+# ---------------------------------------------------------------------------------- engine stalled
+
+
+def test_engine_stalled_past_timeout_lags_keeps_serving_then_resyncs(harness_factory, caplog):
+    caplog.set_level(logging.INFO, logger=LOG)
+    timeout = 2.0
+    h = harness_factory(async_mode=True, timeout_s=timeout, bucket_size_mb=0.01)
+    syncer, sched, eng = h.syncer, h.scheduler, h.engines[0]
+    syncer.flush(0)
+    assert_in_sync(h, 0)
+
+    eng.inject_fault("stall_receive", 60.0)  # stuck in the middle of every push
+    eng.checksum()
+
+    perturb(h.model, seed=1)
+    t0 = time.perf_counter()
+    syncer.after_optimizer_step(1)
+    dt1 = time.perf_counter() - t0
+    assert dt1 < 0.2, dt1  # the trainer does not wait for the stalled engine
+
+    # meanwhile the engine keeps generating, with the version it has
+    b1 = sched.collect(1, trainer_version=1)
+    assert set(b1.versions.tolist()) == {0} and b1.dispatch_version == 1 and b1.newest_seen == 0
+
+    perturb(h.model, seed=2)
+    t0 = time.perf_counter()
+    syncer.after_optimizer_step(2)  # the v1 push is still waiting on the engine: coalesced
+    dt2 = time.perf_counter() - t0
+    assert dt2 < 0.2 and syncer.stats.coalesced == 1
+
+    t_idle = h.pump_until(lambda: not syncer._busy.is_set(), timeout + 3.0, "push thread to give up")
+    push_s = syncer.stats.last_push_s
+    assert timeout * 0.9 <= push_s <= timeout + 1.0, push_s  # the push thread gave up at the deadline
+    assert h.link.lagging and h.link.acked == 0
+    m = syncer.metrics()
+    assert m["engines_lagging"] == 1 and m["weight_sync_timeouts"] == 1 and m["weight_sync_errors"] >= 1
+    assert m["engine_min_version"] == 0
+    assert any("push 1 did not complete" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert any("push 1 did not complete" in f for f in syncer.stats.failures)
+    syncer.check_timeouts()
+    assert syncer.stats.timeouts == 1  # counted once
+
+    b2 = sched.collect(2, trainer_version=2)  # lagging: still serving v0, and its rollouts say so
+    assert set(b2.versions.tolist()) == {0} and b2.dispatch_version == 2
+
+    # it answers again: the next push rejoins it on a fresh group and it gets the newest weights
+    eng.inject_fault("stall_receive", 0.0)
+    resyncs = syncer.stats.resyncs
+    perturb(h.model, seed=3)
+    t0 = time.perf_counter()
+    syncer.after_optimizer_step(3)
+    dt3 = time.perf_counter() - t0
+    assert dt3 < 0.2
+    t_resync = h.pump_until(lambda: h.link.acked == 3, 10.0, "resync to v3")
+    assert syncer.stats.resyncs > resyncs and h.link.epoch == 2
+    assert not (h.link.lagging or h.link.broken)
+    assert_in_sync(h, 3)
+    b3 = sched.collect(3, trainer_version=3)
+    assert set(b3.versions.tolist()) == {3}
+    m = syncer.metrics()
+    assert m["engines_lagging"] == 0 and m["engine_min_version"] == 3
+    print(f"\nstall: after_optimizer_step {dt1 * 1e3:.2f} / {dt2 * 1e3:.2f} / {dt3 * 1e3:.2f} ms (timeout {timeout}s); "
+          f"push thread gave up after {push_s:.2f}s ({t_idle:.2f}s of waiting here); resynced to v3 {t_resync:.2f}s "
+          "after the next step")
+
+
+# ----------------------------------------------------------------------------------- engine killed
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "blocking"])
+def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redispatched(harness_factory, async_mode):
+    timeout = 3.0
+    h = harness_factory(async_mode=async_mode, timeout_s=timeout, bucket_size_mb=0.01)
+    syncer, sched, eng = h.syncer, h.scheduler, h.engines[0]
+    syncer.flush(0)
+    old_pid = eng.pid
+    old_ct = psutil.Process(old_pid).create_time()
+
+    eng.inject_fault("stall_receive", 60.0)  # the push will be in flight when the engine dies
+    eng.inject_fault("stall_generate", 60.0)  # and so will this step's request
+    eng.checksum()
+    sched.dispatch(1, trainer_version=0)
+
+    perturb(h.model, seed=1)
+    killer = threading.Timer(0.5, os.kill, (old_pid, signal.SIGKILL))
+    killer.start()
+    t0 = time.perf_counter()
+    syncer.after_optimizer_step(1)
+    dt = time.perf_counter() - t0
+    killer.join()
+    if async_mode:
+        assert dt < 0.2, dt
+    else:  # blocking: bounded by the push deadline, not by the dead engine
+        assert dt < timeout + 1.0, dt
+
+    t_dead = h.pump_until(lambda: sched.engine_deaths == 1, 10.0, "the fatal event")
+    assert syncer.wait_idle(timeout + 2.0)  # the push thread did not hang on the dead engine
+    assert len(h.restarts) == 1 and h.restarts[0][0] == old_pid
+    new = h.engines[0]
+    assert new is not eng and new.pid != old_pid and h.link.handler is new
+    assert gone(old_pid, old_ct)
+    assert any("exited" in f for f in syncer.stats.failures)
+
+    # the dead engine's request was re-dispatched to the replacement and completes there, on the newest weights
+    t0 = time.perf_counter()
+    batch = sched.collect(1, trainer_version=1)
+    t_collect = time.perf_counter() - t0
+    assert sched.redispatched == 1
+    assert set(batch.versions.tolist()) == {1} and batch.dispatch_version == 0
+    assert h.link.epoch == 2 and not (h.link.dead or h.link.lagging or h.link.broken)
+    assert_in_sync(h, 1)
+
+    # the next push reaches the replacement
+    perturb(h.model, seed=2)
+    syncer.after_optimizer_step(2)
+    h.pump_until(lambda: h.link.acked == 2, 10.0, "v2 on the replacement")
+    assert_in_sync(h, 2)
+    h.drain(0.5)
+    assert sched.engine_deaths == 1 and len(h.restarts) == 1  # one death, one restart
+    print(f"\nkill ({'async' if async_mode else 'blocking'}): after_optimizer_step {dt:.3f}s; death delivered "
+          f"{t_dead:.2f}s later; re-dispatched request done {t_collect:.2f}s after that")
+
+
+def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path):
+    """PR_SET_PDEATHSIG: SIGKILL only the process that spawned the engine; the engine goes too."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import queue, sys, time
+        from torchtitan_flux.engine.embedded import EmbeddedEngine
+        if __name__ == "__main__":
+            e = EmbeddedEngine("engine0", sys.argv[1], 1, queue.Queue())
+            e.start()
+            e.checksum(timeout=60)
+            print(e.pid, flush=True)
+            time.sleep(600)
+    """))
+    p = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+        ct = psutil.Process(pid).create_time()
+        assert not gone(pid, ct)
+        p.kill()
+        p.wait(10)
+        assert not wait_gone({pid: (ct, "engine")}, 5.0)
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+# --------------------------------------------------------------------------------- trainer interrupted
+
+
+def _complete_ckpts(dump: Path) -> list[int]:
+    d = dump / "checkpoint"
+    if not d.is_dir():
+        return []
+    out = []
+    for f in d.iterdir():
+        m = re.fullmatch(r"step-(\d+)", f.name)
+        if m and (f / ".metadata").is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+class _Run:
+    """A torchrun trainer in its own session, with every descendant it ever had recorded."""
+
+    def __init__(self, dump: Path, log: Path, *overrides: str):
+        self.log = log
+        self.proc = subprocess.Popen(
+            torchrun_cmd(dump, *overrides), cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.seen: dict[int, tuple[float, str]] = {}
+
+    def scan(self) -> None:
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for c in kids:
+            try:
+                self.seen.setdefault(c.pid, (c.create_time(), " ".join(c.cmdline())))
+            except psutil.Error:
+                pass
+
+    @property
+    def engines(self) -> list[int]:
+        return [pid for pid, (_, cmd) in self.seen.items() if "spawn_main" in cmd]
+
+    def wait_for(self, cond, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            self.scan()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"trainer exited ({self.proc.returncode}) before {what}:\n"
+                                     f"{self.log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.log.read_text()[-4000:]}")
+            time.sleep(0.05)
+        self.scan()
+
+    def start_step(self) -> int | None:
+        m = re.search(r"Training starts at step (\d+)", self.log.read_text())
+        return int(m.group(1)) if m else None
+
+
+@pytest.mark.slow
+def test_trainer_interrupted_leaves_no_orphans_and_a_loadable_checkpoint(tiny_model_dir, tmp_path):
+    dump = tmp_path / "run"
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true")
+
+    # 1) SIGTERM to torchrun (what a job scheduler sends), mid-run, right after a checkpoint
+    run = _Run(dump, tmp_path / "run1.log", *args, "--training.steps", "40")
+    run.wait_for(lambda: _complete_ckpts(dump) and run.engines, 120, "a first checkpoint")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    rc = run.proc.wait(60)
+    assert rc != 0
+    assert not wait_gone(run.seen, 10.0), "processes outlived a SIGTERMed trainer"
+    k1 = _complete_ckpts(dump)[-1]
+
+    # 2) resume: the newest complete checkpoint loads; then SIGKILL the whole process group mid-run
+    run = _Run(dump, tmp_path / "run2.log", *args, "--training.steps", "40")
+    run.wait_for(lambda: _complete_ckpts(dump)[-1] >= k1 + 2 and run.engines, 120, "a checkpoint after the resume")
+    assert run.start_step() == k1 + 1
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    run.proc.wait(60)
+    assert not wait_gone(run.seen, 10.0), "processes outlived a SIGKILLed trainer"
+    k2 = _complete_ckpts(dump)[-1]
+    assert k2 > k1
+
+    # 3) the checkpoint written before the SIGKILL loads, and training goes on from the step after it
+    before = len((dump / "metrics.jsonl").read_text().splitlines())
+    proc = run_train(dump, *args, "--training.steps", str(k2 + 2))
+    assert f"Training starts at step {k2 + 1}" in proc.stdout + proc.stderr
+    new_rows = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()[before:]]
+    assert [r["step"] for r in new_rows] == [k2 + 1, k2 + 2]
+    assert read_metrics(dump)[-1]["step"] == k2 + 2
+    summary = json.loads((dump / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == k2 + 2
+    print(f"\ninterrupts: SIGTERM after checkpoint {k1} (torchrun rc {rc}), SIGKILL after checkpoint {k2}; "
+          f"engines seen {len(run.engines)}; resumed at {k2 + 1}")

@@ -1,0 +1,163 @@
+"""``VllmEngine``: the rollout-engine handler for a vLLM (>= 0.32) OpenAI-compatible server.
+
+Start the server with ``scripts/launch_vllm.sh MODEL_DIR PORT`` (dev-mode RL endpoints, our worker extension
+``torchtitan_flux.engine.vllm_ext`` and its transfer backend, processed log-probs). Everything shared with SGLang
+(worker threads, version gate, health, the push loop, name/layout conversion) is in ``engine/http.py``; this
+module holds only the vLLM endpoints and payloads:
+
+* generation: ``POST /v1/completions`` with token-id prompts (a batch: one list per prompt), ``n = group_size``,
+  ``max_tokens``, ``temperature``, ``top_k``, ``seed``, ``logprobs = 1``, ``return_tokens_as_token_ids`` and
+  ``return_token_ids``. Choices come back indexed ``prompt * n + sample``; vLLM gives child sample ``j`` the
+  seed ``seed + j``. Each choice's sampled-token log-probs are ``log_softmax(logits / T)`` (the server runs with
+  ``--logprobs-mode processed_logprobs``).
+* weights: once, ``/init_weight_transfer_engine`` (concurrent with the trainer creating rank 0); per push
+  ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` once per bucket (the first also takes
+  the push header) -> ``/finish_weight_update {"weight_version": "N"}`` -> ``/reset_prefix_cache`` -> ``/resume``.
+* checks at ``start()``: reachable, RL endpoints on (``/weight_info``), the extension loaded and a ``gloo`` /
+  ``flux_nccl`` transfer engine configured, one worker, same model config and same tokenizer as the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
+from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
+
+EXTENSION = "torchtitan_flux.engine.vllm_ext.FluxWorkerExtension"
+CONFIG_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "tie_word_embeddings",
+)
+
+
+class VllmEngine(HttpEngine):
+    kind = "vLLM"
+    launch_hint = "Start one with scripts/launch_vllm.sh MODEL_DIR PORT."
+
+    def __init__(self, *args, checksum: bool = True, **kw):
+        super().__init__(*args, **kw)
+        self.checksum_pushes = checksum  # the server hashes received buckets (see checksum())
+        self.served_model: str | None = None
+        self.max_model_len: int | None = None
+        self.server_info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------- checks
+
+    def _check_server(self) -> None:
+        self._check_reachable()
+        models = self.client.get("/v1/models")["data"]
+        if not models:
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} serves no model")
+        self.served_model = models[0]["id"]
+        self.max_model_len = models[0].get("max_model_len")
+        try:
+            self.client.get("/weight_info")
+        except HttpError as e:
+            if e.status == 404:
+                raise EngineStartError(
+                    f"{self.name}: the vLLM server at {self.url} has no RL weight-update endpoints (GET /weight_info "
+                    "-> 404). Start it with VLLM_SERVER_DEV_MODE=1, --worker-extension-cls "
+                    f"{EXTENSION} and --weight-transfer-config (scripts/launch_vllm.sh does)."
+                ) from e
+            raise
+        try:
+            (info, *_rest) = self.client.post("/collective_rpc", {"method": "flux_model_info"}, idempotent=True)[
+                "results"
+            ]
+        except HttpError as e:
+            raise EngineStartError(
+                f"{self.name}: the vLLM server at {self.url} does not have our worker extension ({e.detail[:200]}). "
+                f"Start it with --worker-extension-cls {EXTENSION} (scripts/launch_vllm.sh does)."
+            ) from e
+        self.server_info = info
+        if info.get("transfer_backend") not in ("gloo", "nccl"):
+            raise EngineStartError(
+                f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
+                f"{info.get('transfer_engine')!r}, not one of ours. Start it with --weight-transfer-config "
+                "'{\"backend\":\"gloo\"}' (CPU) or '{\"backend\":\"flux_nccl\"}' (GPU)."
+            )
+        if info.get("world_size") != 1:
+            raise EngineStartError(
+                f"{self.name}: the vLLM server at {self.url} runs {info.get('world_size')} workers; weight sync "
+                "supports tensor/pipeline/data parallel size 1 per server (run more servers instead)"
+            )
+        self._check_config(info["hf_config"], CONFIG_KEYS, f"serving {info.get('model')}")
+        self._check_tokenizer(
+            lambda text: self.client.post(
+                "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False},
+                idempotent=True,
+            )["tokens"]
+        )
+
+    # ---------------------------------------------------------------------------------- generation
+
+    def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
+        body: dict[str, Any] = {
+            "model": self.served_model,
+            "prompt": req.prompt_ids,
+            "n": req.group_size,
+            "max_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": 1.0,
+            "seed": req.seed,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if req.top_k > 0:
+            body["top_k"] = req.top_k
+        out = self.client.post("/v1/completions", body, idempotent=True)  # generation has no side effects
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        completions = []
+        for c in choices:
+            lp = c["logprobs"]
+            ids = c.get("token_ids")
+            if ids is None:
+                ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+            completions.append((list(ids), [float(x) for x in lp["token_logprobs"]]))
+        return completions
+
+    # -------------------------------------------------------------------------------------- weights
+
+    def _init_group(self, info: WeightGroupInfo) -> None:
+        init = {
+            "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
+            "store_prefix": info.prefix, "backend": info.backend, "timeout_s": info.timeout_s,
+            "checksum": self.checksum_pushes,
+        }
+        self.client.post("/init_weight_transfer_engine", {"init_info": init}, timeout_s=self._weight_timeout_s)
+
+    def _pause(self) -> None:
+        self.client.post("/pause", params={"mode": "wait"}, timeout_s=self._weight_timeout_s)
+
+    def _open(self, version: int) -> None:
+        self.client.post("/start_weight_update")
+
+    def _send_bucket(self, i, n, names, dtypes, shapes, version) -> None:
+        update = {
+            "names": names, "dtype_names": dtypes, "shapes": shapes, "bucket": i, "num_buckets": n,
+            "version": version, "header_len": self._plan.header_len if i == 0 else 0,
+        }
+        self.client.post("/update_weights", {"update_info": update}, timeout_s=self._weight_timeout_s)
+
+    def _close(self, version: int) -> None:
+        self.client.post("/finish_weight_update", {"weight_version": str(version)})
+        self.client.post("/reset_prefix_cache")
+
+    def _resume(self) -> None:
+        self.client.post("/resume")
+
+    # --------------------------------------------------------------------------------------- extras
+
+    def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
+        """(version of the last complete push, sha256 over its buckets as received) -- equal to the trainer's
+        ``staging.checksum()`` when the staging buffer is in wire (HF) layout. (-1, None) before any push."""
+        res = self.client.post("/collective_rpc", {"method": "flux_weights_checksum"}, timeout_s=timeout,
+                               idempotent=True)["results"][0]
+        return int(res["version"]), res["sha256"]
+
+    def weight_version(self) -> str:
+        """The version the server reports (``GET /weight_info``); ``str(version)`` after our pushes."""
+        return self.client.get("/weight_info")["weight_version"]
