@@ -93,8 +93,9 @@ class Rollout:
     """Maximum completion length in tokens. >= 1."""
 
     top_k: int = 0
-    """Sample only from the top-k tokens; 0 disables. Behaviour log-probabilities then refer to the truncated
-    distribution, so keep 0 unless you know you want it. >= 0."""
+    """Sample only from the top-k tokens; 0 disables. The reported behaviour log-probabilities stay those of the
+    full tempered distribution (what the trainer recomputes), so top-k sampling is slightly off-policy; keep 0
+    unless you want that. >= 0."""
 
     task: str = "digits"
     """Task: "digits" (dense reward: fraction of completion characters that are digits; a random-init model

@@ -412,9 +412,8 @@ class HttpEngine:
 
     def adapter(self):
         if self._adapter is None:
-            from torchtitan.models.llama3 import Llama3StateDictAdapter
-
-            from torchtitan_flux.model import FluxLlamaArgs
+            from torchtitan_flux.model import FluxLlamaArgs  # first: applies the CPU patches torchtitan needs
+            from torchtitan.models.llama3 import Llama3StateDictAdapter  # noqa: I001
 
             self._adapter = Llama3StateDictAdapter(FluxLlamaArgs.from_hf_dir(self.model_dir), None)
         return self._adapter

@@ -8,7 +8,7 @@ module holds only the vLLM endpoints and payloads:
 * generation: ``POST /v1/completions`` with token-id prompts (a batch: one list per prompt), ``n = group_size``,
   ``max_tokens``, ``temperature``, ``top_k``, ``seed``, ``logprobs = 1``, ``return_tokens_as_token_ids`` and
   ``return_token_ids``. Choices come back indexed ``prompt * n + sample``; vLLM gives child sample ``j`` the
-  seed ``seed + j``. Each choice's sampled-token log-probs are ``log_softmax(logits / T)`` (the server runs with
+  seed ``seed + j``. Greedy requests (temperature 0, where vLLM refuses n > 1) repeat each prompt instead. Each choice's sampled-token log-probs are ``log_softmax(logits / T)`` (the server runs with
   ``--logprobs-mode processed_logprobs``).
 * weights: once, ``/init_weight_transfer_engine`` (concurrent with the trainer creating rank 0); per push
   ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` once per bucket (the first also takes
@@ -93,10 +93,12 @@ class VllmEngine(HttpEngine):
     # ---------------------------------------------------------------------------------- generation
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
+        greedy = req.temperature == 0  # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead
+        prompts = [p for p in req.prompt_ids for _ in range(req.group_size)] if greedy else req.prompt_ids
         body: dict[str, Any] = {
             "model": self.served_model,
-            "prompt": req.prompt_ids,
-            "n": req.group_size,
+            "prompt": prompts,
+            "n": 1 if greedy else req.group_size,
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
             "top_p": 1.0,

@@ -1,0 +1,171 @@
+"""``SglangEngine``: the rollout-engine handler for an SGLang (0.5.23) server.
+
+Start the server with ``scripts/launch_sglang.sh MODEL_DIR PORT`` (GPU only: SGLang has no CPU build on PyPI).
+Everything shared with vLLM is in ``engine/http.py``; this module holds only the SGLang endpoints and payloads
+(``sglang/srt/entrypoints/http_server.py`` and ``managers/io_struct.py`` of 0.5.23):
+
+* generation: ``POST /generate`` with ``input_ids`` (one list per completion: each prompt repeated
+  ``group_size`` times, so the output order is unambiguous), per-completion ``sampling_params``
+  (``max_new_tokens``, ``temperature``, ``top_k``, ``sampling_seed = seed + sample``) and ``return_logprob``.
+  Tokens and log-probs come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``); SGLang
+  returns ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
+* weights: once per group, ``/init_weights_update_group`` (SGLang joins with ``init_custom_process_group``,
+  group name = our store prefix; ``trainer_group`` builds rank 0 on the same store prefixes). Per push:
+  ``/pause_generation {"mode": "retract"}`` -> ``/begin_weight_update`` -> ``/update_weights_from_distributed``
+  once per bucket with ``load_format = "flattened_bucket"`` (the bucket travels as ONE uint8 tensor, so
+  ``wire_tensors`` sends uint8 views and no header), ``flush_cache`` and ``weight_version`` on the last bucket
+  only -> ``/end_weight_update`` -> ``/continue_generation``.
+* checks at ``start()``: reachable, a generation model of the trainer's architecture, weight endpoints present
+  (``/get_weights_by_name``), hidden size, tensor/data parallel size 1, same tokenizer.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from torchtitan_flux import compat
+from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
+from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
+
+
+class SglangEngine(HttpEngine):
+    kind = "SGLang"
+    launch_hint = "Start one with scripts/launch_sglang.sh MODEL_DIR PORT (needs a CUDA GPU)."
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.model_info: dict[str, Any] = {}
+        self._group: str | None = None
+
+    # ------------------------------------------------------------------------------------- checks
+
+    def _check_server(self) -> None:
+        self._check_reachable()
+        self.model_info = info = self.client.get("/model_info")
+        if not info.get("is_generation", True):
+            raise EngineStartError(f"{self.name}: the SGLang server at {self.url} serves a non-generation model")
+        self._check_config(info, ("architectures", "model_type"), f"serving {info.get('model_path')}")
+        server = self.client.get("/server_info")
+        for key in ("tp_size", "dp_size", "pp_size"):
+            if int(server.get(key) or 1) != 1:
+                raise EngineStartError(
+                    f"{self.name}: the SGLang server at {self.url} has {key} = {server.get(key)}; weight sync supports "
+                    "1 (run more servers instead)"
+                )
+        try:
+            row = self.client.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 100000},
+                                   idempotent=True)
+        except HttpError as e:
+            if e.status == 404:
+                raise EngineStartError(
+                    f"{self.name}: the SGLang server at {self.url} has no weight-update endpoints "
+                    "(POST /get_weights_by_name -> 404); use SGLang >= 0.5.23"
+                ) from e
+            raise
+        if isinstance(row, dict):
+            row = row.get("parameter", row)
+        self._check_config({"hidden_size": len(row)}, ("hidden_size",), "model.norm.weight")
+        self._check_tokenizer(
+            lambda text: self.client.post("/tokenize", {"prompt": text, "add_special_tokens": False},
+                                          idempotent=True)["tokens"]
+        )
+
+    # ---------------------------------------------------------------------------------- generation
+
+    def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
+        G = req.group_size
+        input_ids = [p for p in req.prompt_ids for _ in range(G)]
+        params = []
+        for i in range(len(input_ids)):
+            sp: dict[str, Any] = {
+                "max_new_tokens": req.max_new_tokens,
+                "temperature": req.temperature,
+                "sampling_seed": req.seed + i % G,
+            }
+            if req.top_k > 0:
+                sp["top_k"] = req.top_k
+            params.append(sp)
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "stream": False}
+        out = self.client.post("/generate", body, idempotent=True)  # generation has no side effects
+        if isinstance(out, dict):
+            out = [out]
+        completions = []
+        for o in out:
+            triples = o["meta_info"]["output_token_logprobs"]
+            ids = [int(t[1]) for t in triples]
+            if "output_ids" in o and list(o["output_ids"]) != ids:
+                raise RuntimeError("output_ids and output_token_logprobs disagree")
+            completions.append((ids, [float(t[0]) for t in triples]))
+        return completions
+
+    # -------------------------------------------------------------------------------------- weights
+
+    def trainer_group(self, store: Any, info: WeightGroupInfo) -> Any:
+        """Rank 0 on the store prefixes SGLang's ``init_custom_process_group`` uses on its side:
+        ``PrefixStore(group_name)`` around the rendezvous store, then torch's ``_new_process_group_helper`` adds
+        ``"{group_name}/"`` and one ``"{device}/"`` backend per device of the backend (gloo: cpu and cuda, created
+        in that order; every one of them rendezvouses, so we create them all). Nothing is registered with
+        ``torch.distributed``'s global state."""
+        from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+        base = torch.distributed.PrefixStore(f"{info.prefix}/", torch.distributed.PrefixStore(info.prefix, store))
+        timeout = timedelta(seconds=info.timeout_s)
+        groups = {}
+        for device, backend in BackendConfig(Backend(info.backend)).get_device_backend_map().items():
+            dev_store = torch.distributed.PrefixStore(f"{device}/", base)
+            groups[device] = compat.new_weight_sync_group(str(backend), dev_store, 0, 2, timeout)
+        return groups["cpu" if info.backend == "gloo" else "cuda"]
+
+    def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [f.view(torch.uint8) for f in flats]  # flattened_bucket receives raw bytes; no push header
+
+    def _init_group(self, info: WeightGroupInfo) -> None:
+        old, self._group = self._group, info.prefix
+        if old is not None:
+            try:
+                self.client.post("/destroy_weights_update_group", {"group_name": old})
+            except HttpError:
+                pass  # a broken group may already be gone
+        self.client.post(
+            "/init_weights_update_group",
+            {
+                "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
+                "group_name": info.prefix, "backend": info.backend,
+            },
+            timeout_s=self._weight_timeout_s,
+        )
+
+    def _pause(self) -> None:
+        self.client.post("/pause_generation", {"mode": "retract"})
+
+    def _open(self, version: int) -> None:
+        self.client.post("/begin_weight_update", {"selector": "all"})
+
+    def _send_bucket(self, i, n, names, dtypes, shapes, version) -> None:
+        last = i == n - 1
+        self.client.post(
+            "/update_weights_from_distributed",
+            {
+                "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self._group,
+                "flush_cache": last, "abort_all_requests": False, "weight_version": str(version) if last else None,
+                "load_format": "flattened_bucket",
+            },
+            timeout_s=self._weight_timeout_s,
+        )
+
+    def _close(self, version: int) -> None:
+        self.client.post("/end_weight_update", {})
+
+    def _resume(self) -> None:
+        self.client.post("/continue_generation", {})
+
+    def weight_version(self) -> str | None:
+        return self.client.get("/model_info").get("weight_version")
+
+    def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
+        """SGLang has no checksum of the received bytes (``/weights_checker`` hashes its own loaded layout):
+        (version, None)."""
+        return self._version, None
