@@ -50,6 +50,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -93,9 +94,9 @@ class Workload:
 
 WORKLOADS = {
     "small": Workload("small", "tiny", max_new_tokens=16, steps=40, lr=3e-3, target=0.8, seq_len=64),
-    "long": Workload("long", "small", max_new_tokens=128, steps=60, lr=3e-3, target=0.8, seq_len=160),
+    "long": Workload("long", "small", max_new_tokens=128, steps=30, lr=3e-3, target=0.8, seq_len=160),
 }
-QUICK_STEPS = {"small": 25, "long": 6}
+QUICK_STEPS = {"small": 25, "long": 12}
 
 
 @dataclass
@@ -212,7 +213,7 @@ def _point(step: int, reward: float, t: float, curve: list[dict]) -> dict:
 
 
 def run_ours(mode: str, wl: Workload, seed: int, steps: int, mdir: Path, run_dir: Path, window: int,
-             timeout: float) -> RunResult:
+             timeout: float, extra: list[str] | None = None) -> RunResult:
     res = RunResult(wl.name, mode, seed, ok=False, run_dir=str(run_dir))
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -237,6 +238,7 @@ def run_ours(mode: str, wl: Workload, seed: int, steps: int, mdir: Path, run_dir
         "--rollout.seed", str(seed), "--debug.seed", str(seed),
         "--checkpoint.enable", "false",
         *OUR_MODES[mode],
+        *(extra or []),
     ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     log_path = run_dir / "train.log"
@@ -441,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-attn", default="sdpa", choices=["sdpa", "eager"],
                     help="TRL model attn_implementation (default sdpa: fastest here, see the report)")
     ap.add_argument("--trl-cache", default=None, help="TRL cache_implementation (default: transformers' dynamic)")
+    ap.add_argument("--ours-args", default="",
+                    help="extra overrides for every run of ours, e.g. \"--rollout.engine_threads 2\" (as configured "
+                         "by default: debug_cpu.toml + the workload's overrides)")
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2)")
     ap.add_argument("--tune-trl", action="store_true",
                     help="only measure TRL variants (threads x attention x KV cache), interleaved, a few steps each "
@@ -464,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         if system == "trl":
             return run_trl(wl, seed, steps, mdir, run_dir, args.window, args.timeout, args.trl_python,
                            args.trl_attn, args.trl_cache, args.trl_threads)
-        return run_ours(system, wl, seed, steps, mdir, run_dir, args.window, args.timeout)
+        return run_ours(system, wl, seed, steps, mdir, run_dir, args.window, args.timeout,
+                        shlex.split(args.ours_args))
 
     if args.tune_trl:
         return tune_trl(args, wls, mdirs, out, seeds)

@@ -16,40 +16,22 @@ Runs ``train_configs/debug_cpu.toml`` (or ``--config``) with ``weight_sync.async
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import DEBUG_CONFIG, free_port, median, run_training  # noqa: E402
 
 
 def run(config: str, out: str, steps: int, async_mode: bool, extra: list[str]) -> tuple[list[dict], dict]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{_port()}", "-m", "torchtitan_flux.train", "--job.config_file", config,
-        "--job.dump_folder", out, "--training.steps", str(steps),
-        "--weight_sync.async_weight_update", str(async_mode).lower(), *extra,
-    ]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.stderr.write(p.stderr[-6000:])
-        raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")
-    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    return rows, json.load(open(os.path.join(out, "summary.json")))
+    return run_training(out, "--training.steps", str(steps), "--weight_sync.async_weight_update",
+                        str(async_mode).lower(), *extra, config=config)
 
 
 def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, q) -> None:
@@ -78,7 +60,7 @@ def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, q) -> None:
 def raw_broadcast_seconds(nbytes: int, iters: int = 30) -> float:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_raw_broadcast, args=(r, port, nbytes, iters, q)) for r in range(2)]
     for p in procs:
         p.start()
@@ -88,13 +70,9 @@ def raw_broadcast_seconds(nbytes: int, iters: int = 30) -> float:
     return t
 
 
-def med(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=os.path.join(ROOT, "train_configs/debug_cpu.toml"))
+    ap.add_argument("--config", default=DEBUG_CONFIG)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2)
@@ -112,12 +90,12 @@ def main() -> None:
                 summaries[mode].append(summary)
     s, a = per_mode["sync"], per_mode["async"]
     sps = {m: statistics.median(x["steps_per_s"] for x in summaries[m]) for m in summaries}
-    T, G, S = med(s, "train_time_s"), med(s, "gen_time_s"), med(s, "weight_sync_s")
+    T, G, S = median(s, "train_time_s"), median(s, "gen_time_s"), median(s, "weight_sync_s")
     limit = (T + G + S) / max(T, G)
     speedup = sps["async"] / sps["sync"]
-    blocked = med(a, "weight_sync_s") / med(a, "step_time_s")
+    blocked = median(a, "weight_sync_s") / median(a, "step_time_s")
     nbytes = summaries["sync"][0]["weight_bytes"]
-    push_s = med(s, "weight_push_s")
+    push_s = median(s, "weight_push_s")
     raw_s = raw_broadcast_seconds(nbytes)
     bw, raw_bw = nbytes / push_s, nbytes / raw_s
 
@@ -126,10 +104,10 @@ def main() -> None:
     print(f"{'mode':<6} {'steps/s':>8} {'step ms':>8} {'train ms':>9} {'gen ms':>7} {'wait ms':>8} "
           f"{'sync ms':>8} {'push ms':>8} {'gap':>5}")
     for mode, rows in per_mode.items():
-        print(f"{mode:<6} {sps[mode]:>8.2f} {1e3 * med(rows, 'step_time_s'):>8.1f} "
-              f"{1e3 * med(rows, 'train_time_s'):>9.1f} {1e3 * med(rows, 'gen_time_s'):>7.1f} "
-              f"{1e3 * med(rows, 'rollout_time_s'):>8.1f} {1e3 * med(rows, 'weight_sync_s'):>8.2f} "
-              f"{1e3 * med(rows, 'weight_push_s'):>8.2f} {statistics.mean(r['version_gap_mean'] for r in rows):>5.2f}")
+        print(f"{mode:<6} {sps[mode]:>8.2f} {1e3 * median(rows, 'step_time_s'):>8.1f} "
+              f"{1e3 * median(rows, 'train_time_s'):>9.1f} {1e3 * median(rows, 'gen_time_s'):>7.1f} "
+              f"{1e3 * median(rows, 'rollout_time_s'):>8.1f} {1e3 * median(rows, 'weight_sync_s'):>8.2f} "
+              f"{1e3 * median(rows, 'weight_push_s'):>8.2f} {statistics.mean(r['version_gap_mean'] for r in rows):>5.2f}")
     print(f"push: {nbytes / 1e6:.2f} MB in {1e3 * push_s:.2f} ms = {bw / 1e9:.3f} GB/s; raw gloo broadcast of the "
           f"same bytes {1e3 * raw_s:.2f} ms = {raw_bw / 1e9:.3f} GB/s")
     print(f"async_speedup={speedup:.3f}")
