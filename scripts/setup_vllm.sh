@@ -17,12 +17,10 @@ VPY="$VENV/bin/python"
 stamp="$VENV/.flux-vllm-stamp"
 want="$PKG $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$VPY" -m pip install -q --upgrade pip
   "$VPY" -m pip install -q "$PKG"
-  # The engine extension (torchtitan_flux/engine/vllm_ext.py) needs only torch + vllm; the handler side
-  # (tests, launch checks) needs httpx, safetensors and tokenizers, which vllm already brings.
+  # The worker extension (torchtitan_flux/engine/vllm_ext.py) imports only torch + vllm, so the package goes in
+  # without its dependencies (torchtitan etc. stay in the trainer's .venv).
   "$VPY" -m pip install -q --no-deps -e .
-  "$VPY" -m pip install -q "httpx>=0.27" "safetensors>=0.4" "tokenizers>=0.15"
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$VPY" -c "import vllm, torch; from vllm.distributed.weight_transfer import WeightTransferEngineFactory; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   echo "$want" > "$stamp"

@@ -1,9 +1,36 @@
-"""Version guards: every torch API whose location or signature changed between torch 2.3 and today.
+"""Version guards: every torch API we use whose location, signature or default changed between torch 2.3 and 2.13.
 
-The engine-side weight receiver (``transport.py``) runs inside inference-engine environments that pin their own
-torch, so it and this module import nothing from torchtitan and work on torch >= 2.3. Each guard names the
-versions it distinguishes. Tests simulate the older API by monkeypatching (tests/test_compat.py), and
-``scripts/check_old_torch.sh`` runs the receiver tests under an older torch.
+The engine-side weight receiver (``transport.py``, ``inference.py``, ``engine/embedded.py``) runs inside
+inference-engine environments that pin their own torch, so it and this module import nothing from torchtitan and
+work on torch >= 2.3. Each guard names the versions it distinguishes and picks by feature (is the API there?),
+so a backport or a removal takes the right path; only a behaviour change (``op_timeout_honoured``) is decided by
+the version number. Tests simulate the older API by monkeypatching
+(``tests/test_compat.py``); ``scripts/check_old_torch.sh`` runs the receiver's tests under torch 2.3.1.
+
+Guards (older -> newer):
+  * ``DTensor`` / ``is_dtensor``: ``torch.distributed._tensor`` (<= 2.4) -> ``torch.distributed.tensor`` (2.5+).
+  * ``fully_shard`` / ``FSDPModule``: ``torch.distributed._composable.fsdp`` (2.3: the class is named ``FSDP``;
+    2.4-2.5: ``FSDPModule``) -> ``torch.distributed.fsdp`` (2.6+).
+  * ``accelerator_available``: ``torch.cuda`` only (<= 2.5) -> ``torch.accelerator`` (2.6+).
+  * ``SideStream``: the per-device module (``torch.get_device_module``, 2.4+; before: ``getattr(torch, type)``).
+  * ``torch_load``: ``weights_only`` default False (<= 2.5) -> True (2.6+); we always pass it.
+  * ``rms_norm``: ``F.rms_norm`` (2.4+), else the same math by hand (2.3).
+  * ``op_timeout_honoured`` / ``new_weight_sync_group(idle_timeout=)``: gloo ignores per-collective timeouts
+    before 2.9, so there the receiver's group gets the idle timeout itself.
+
+Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one):
+  * ``ProcessGroupGloo(store, rank, size, timeout)`` and ``ProcessGroupNCCL(store, rank, size, Options)`` with
+    ``Options._timeout``, ``eager_connect_single_device``. We build groups with these constructors rather than
+    ``distributed_c10d._new_process_group_helper``, whose options keyword was renamed ``pg_options`` (<= 2.5) ->
+    ``backend_options`` (2.6+): that is why no guard for it exists.
+  * ``BroadcastOptions`` (``rootRank``, ``timeout``), ``Work.wait(timeout)``, ``PrefixStore``. But gloo ignores
+    ``BroadcastOptions.timeout`` before torch 2.9: see ``op_timeout_honoured`` (a behaviour guard).
+  * ``TCPStore(host, port, world_size=None, is_master, timeout, wait_for_workers)``; only ``use_libuv``'s default
+    changed (False -> True in 2.4), which we leave to torch. Across versions, a 2.3.1 client works with a 2.13
+    server (the trainer hosts the store), but a 2.13 client cannot connect to a 2.3.1 server (its connect-time
+    ping is unknown there): the newer side must host the store.
+  * ``torch.dtype.itemsize`` (2.1+), ``Tensor.view(dtype)``, ``torch.Generator(device=)``, and
+    ``F.scaled_dot_product_attention`` with a bool ``attn_mask`` (2.0+).
 """
 
 from __future__ import annotations
@@ -14,38 +41,122 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+def _parse_version(v: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: ``"2.3.1+cu121"``, ``"2.5.0a0+git1234"``, ``"2.10.0.dev2025"``."""
+    major, minor = v.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+TORCH_VERSION = _parse_version(torch.__version__)  # for messages and tests; guards test for features instead
+
+
+# ------------------------------------------------------------------------------------- DTensor and FSDP2
+
+
+def _load_dtensor() -> type | None:
+    try:  # torch >= 2.5 (in 2.3/2.4 the package exists, for tensor parallelism, but has no DTensor)
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        try:  # torch <= 2.4
+            from torch.distributed._tensor import DTensor
+        except ImportError:  # torch built without distributed support
+            return None
+    return DTensor
+
+
+def _load_fsdp2() -> tuple[Any, type | None]:
+    try:  # torch >= 2.6
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        try:  # torch 2.4, 2.5
+            from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+        except ImportError:
+            try:  # torch 2.3: FSDP2's first release calls the class FSDP
+                from torch.distributed._composable.fsdp import FSDP as FSDPModule, fully_shard
+            except ImportError:  # no FSDP2
+                return None, None
+    return fully_shard, FSDPModule
+
+
+def __getattr__(name: str) -> Any:
+    """``compat.DTensor``, ``compat.fully_shard``, ``compat.FSDPModule`` (None where absent), imported on first
+    use: engines never pay for the distributed-tensor imports."""
+    if name == "DTensor":
+        return _load_dtensor()
+    if name == "fully_shard":
+        return _load_fsdp2()[0]
+    if name == "FSDPModule":
+        return _load_fsdp2()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = _load_dtensor()
+    return cls is not None and isinstance(t, cls)
+
+
+# ---------------------------------------------------------------------------------------- process groups
+
+
+def op_timeout_honoured(backend: str) -> bool:
+    """Whether a per-collective timeout (``BroadcastOptions.timeout``) overrides the group's.
+
+    gloo: from torch 2.9 (pytorch#158128); before, it is silently ignored and the group's timeout applies
+    (measured: ignored on 2.3.1 and 2.8.0, honoured on 2.13). This is behaviour, not API, so the guard has to
+    compare version numbers. nccl: treated as ignored on every version (``ProcessGroupNCCL`` gives each work the
+    group's timeout in the sources read; not measured here, no GPU).
+    """
+    return backend == "gloo" and TORCH_VERSION >= (2, 9)
 
 
 def new_weight_sync_group(
-    backend: str, store: Any, rank: int, world_size: int, timeout: timedelta, device: torch.device | None = None
+    backend: str,
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    device: torch.device | None = None,
+    idle_timeout: timedelta | None = None,
 ) -> Any:
     """A process group on ``store`` that is not registered with ``torch.distributed``'s global state.
 
-    It never clashes with the trainer's default group and needs no ``init_process_group``. gloo: the
-    ``ProcessGroupGloo(store, rank, size, timeout)`` constructor, unchanged since torch 1.x. nccl:
-    ``ProcessGroupNCCL(store, rank, size, options)``; the ``Options`` object gained ``is_high_priority_stream`` in
-    torch 2.0 and is optional everywhere we support.
+    It never clashes with the trainer's default group and needs no ``init_process_group``. The constructors are
+    the same from torch 2.3 to 2.13 (see the module docstring); ``eager_connect_single_device`` is looked up
+    because only NCCL builds of torch >= 2.2 have it.
+
+    ``idle_timeout``: the longest per-collective timeout this group's owner passes to ``broadcast(timeout=)``
+    (the receiver's wait for the next push). Where that is not honoured (``op_timeout_honoured``), the group
+    itself gets the longer of the two timeouts, so the idle wait does not expire; every collective of the group
+    is then bounded by it only, and a stuck push is detected by the sender's deadline instead.
     """
+    if idle_timeout is not None and not op_timeout_honoured(backend):
+        timeout = max(timeout, idle_timeout)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout  # the Options field is private in every version we support (2.3 .. 2.13)
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        if device is not None and hasattr(pg, "eager_connect_single_device"):  # torch >= 2.3
+        if device is not None and hasattr(pg, "eager_connect_single_device"):
             pg.eager_connect_single_device(device)
         return pg
     raise ValueError(f"weight-sync backend {backend!r} is not supported; allowed: 'gloo' | 'nccl'")
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0) -> Any:
-    """Issue ``broadcast`` on a raw process-group object; returns its Work. The ``BroadcastOptions`` API is the
-    same from torch 1.8 to 2.13."""
+def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, timeout: timedelta | None = None) -> Any:
+    """Issue ``broadcast`` on a raw process-group object; returns its Work. ``timeout`` overrides the group's
+    for this one collective (``BroadcastOptions.timeout``; unset = the group's)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
+    if timeout is not None:
+        opts.timeout = timeout
     return pg.broadcast([tensor], opts)
+
+
+# -------------------------------------------------------------------------------- devices and streams
 
 
 def accelerator_available() -> bool:
@@ -56,29 +167,43 @@ def accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
+def device_module(device: torch.device) -> Any:
+    """The runtime module of ``device``'s type (``torch.cuda``, ``torch.xpu``, ...): ``torch.get_device_module``
+    (torch 2.4+), before that the attribute of ``torch`` named after the type."""
+    get = getattr(torch, "get_device_module", None)
+    return get(device) if get is not None else getattr(torch, device.type, None)
+
+
 class SideStream:
     """A side stream for weight-sync copies, or a no-op on CPU.
 
-    ``torch.Stream``/``torch.Event`` are device-generic from torch 2.5; before that we use ``torch.cuda.Stream`` and
-    ``torch.cuda.Event``. On CPU every method is a no-op, because copies are synchronous there.
+    Uses the device module's ``Stream``/``Event``/``current_stream``/``stream``, which are the same from torch
+    2.3 to 2.13. The device-generic ``torch.Stream``/``torch.Event`` (``torch.Event`` from 2.5) are not used:
+    the matching ``torch.accelerator.current_stream``/``set_stream`` only exist from 2.6. On CPU (or a device
+    whose module has no streams) every method is a no-op, because copies are synchronous there.
 
     Ordering contract: ``record_after_main()`` is called on the main stream right after ``optimizer.step()``;
-    the copy then runs inside ``copy_context()`` and waits for that event first; ``record_copy_done()`` marks
-    its end, and the next ``optimizer.step()`` calls ``wait_copy_done()`` so it never overwrites a parameter
+    the copy then runs inside ``copy_context()``, which waits for that event first and records the copy's end on
+    leaving; the next ``optimizer.step()`` calls ``wait_copy_done()`` so it never overwrites a parameter
     that is still being copied. The push thread waits on ``synchronize_copy()`` before sending.
     """
 
     def __init__(self, device: torch.device):
-        self.enabled = device.type == "cuda"
+        device = torch.device(device)
+        mod = device_module(device) if device.type not in ("cpu", "meta") else None
+        self.enabled = mod is not None and all(
+            hasattr(mod, a) for a in ("Stream", "Event", "current_stream", "stream")
+        )
         if not self.enabled:
             return
-        self.stream = torch.cuda.Stream(device=device)
-        self.ready = torch.cuda.Event()
-        self.done = torch.cuda.Event()
+        self.mod, self.device = mod, device
+        self.stream = mod.Stream(device=device)
+        self.ready = mod.Event()
+        self.done = mod.Event()
 
     def record_after_main(self) -> None:
         if self.enabled:
-            self.ready.record(torch.cuda.current_stream())
+            self.ready.record(self.mod.current_stream(self.device))
 
     @contextlib.contextmanager
     def copy_context(self):
@@ -86,20 +211,36 @@ class SideStream:
             yield
             return
         self.stream.wait_event(self.ready)
-        with torch.cuda.stream(self.stream):
+        with self.mod.stream(self.stream):
             yield
         self.done.record(self.stream)
 
     def wait_copy_done(self) -> None:
         if self.enabled:
-            torch.cuda.current_stream().wait_event(self.done)
+            self.mod.current_stream(self.device).wait_event(self.done)
 
     def synchronize_copy(self) -> None:
         if self.enabled:
             self.done.synchronize()
 
 
-def torch_load(path: str, **kw: Any) -> Any:
-    """``torch.load`` with ``weights_only`` explicit: its default flipped to True in torch 2.6."""
+# --------------------------------------------------------------------------------------- serialization
+
+
+def torch_load(path: Any, **kw: Any) -> Any:
+    """``torch.load`` with ``weights_only`` explicit (default True here): torch's own default flipped from
+    False (<= 2.5) to True (2.6+)."""
     kw.setdefault("weights_only", True)
     return torch.load(path, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- math
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``F.rms_norm`` (torch 2.4+), else the same math by hand (torch 2.3)."""
+    fn = getattr(F, "rms_norm", None)
+    if fn is not None:
+        return fn(x, (x.shape[-1],), w, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w

@@ -55,11 +55,6 @@ class FluxTrainer(Trainer):
         self.task = build_task(job_config.rollout)
         probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
         check_reward(self.task, self.task.reward(probe, ""))  # bad reward functions fail before any spawn
-        if job_config.rollout.engine != "embedded":
-            raise ConfigError(
-                f"rollout.engine = {job_config.rollout.engine!r} is not available yet in this build; "
-                "allowed: 'embedded'"
-            )
         _set_cpu_threads(job_config)
         super().__init__(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -112,8 +107,16 @@ class FluxTrainer(Trainer):
         ref.eval().requires_grad_(False)
         return ref
 
-    def _new_engine(self, index: int) -> EmbeddedEngine:
+    def _new_engine(self, index: int):
         r = self.job_config.rollout
+        if r.engine in ("vllm", "sglang"):  # a server we did not start: connect and check it (start() raises)
+            if r.engine == "vllm":
+                from torchtitan_flux.engine.vllm import VllmEngine as cls
+            else:
+                from torchtitan_flux.engine.sglang import SglangEngine as cls
+            e = cls(f"{r.engine}{index}", r.urls[index], self._events, model_dir=self.job_config.model.hf_assets_path)
+            e.start()
+            return e
         e = EmbeddedEngine(
             f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._engine_device()
         )
@@ -129,14 +132,24 @@ class FluxTrainer(Trainer):
         return f"cuda:{int(os.environ.get('LOCAL_WORLD_SIZE', '1'))}"
 
     def _start_engines(self) -> None:
-        self.engines = [self._new_engine(i) for i in range(self.job_config.rollout.num_engines)]
+        r = self.job_config.rollout
+        n = len(r.urls) if r.engine in ("vllm", "sglang") else r.num_engines
+        self.engines = [self._new_engine(i) for i in range(n)]
 
     def _restart_engine(self, dead: EmbeddedEngine):
         """A dead embedded engine is replaced by a fresh process that rejoins and gets the newest weights."""
         dead.close()
         self._engine_restarts += 1
         idx = self.engines.index(dead)
-        new = self._new_engine(idx)
+        if hasattr(dead, "reconnect"):  # an HTTP server is not ours to restart: reconnect if it is back
+            try:
+                new = dead.reconnect()
+            except Exception as e:  # noqa: BLE001
+                logger.error(f"{dead.name}: server gone ({e}); going on without it")
+                self.engines.remove(dead)
+                return None
+        else:
+            new = self._new_engine(idx)
         self.engines[idx] = new
         self.syncer.replace_engine(dead, new)
         return new
@@ -350,7 +363,9 @@ class FluxTrainer(Trainer):
             "trainer_checksum": trainer_sum,
             "engines": engines,
             "final_engine_version": min((v["version"] for v in engines.values()), default=-1),
-            "checksums_match": all(v["checksum"] == trainer_sum for v in engines.values()),
+            "checksums_match": all(
+                v["checksum"] == trainer_sum for v in engines.values() if v["checksum"] is not None
+            ),
             "steps_per_s": (len(ends) - 1 - warm) / (ends[-1] - ends[warm]) if len(ends) > warm + 1 else 0.0,
             "weight_bytes": self.syncer.plan.nbytes,
             "weight_buckets": len(self.syncer.plan.buckets),

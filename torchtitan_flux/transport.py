@@ -30,7 +30,9 @@ logger = logging.getLogger("torchtitan_flux")
 
 MAGIC = 0x46_4C_55_58  # "FLUX"
 # Waiting for the next push's header is idle time, not a failure: it gets this timeout instead of the group's
-# ``timeout_s`` (which still bounds every bucket of a push once its header arrived).
+# ``timeout_s`` (which still bounds every bucket of a push once its header arrived, where the backend honours
+# per-collective timeouts: see ``compat.op_timeout_honoured``; the receiver's group is built with
+# ``new_weight_sync_group(idle_timeout=IDLE_TIMEOUT)``).
 IDLE_TIMEOUT = timedelta(days=7)
 METHOD_FULL, METHOD_DELTA = 0, 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,11 +144,8 @@ def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torc
 
 
 def _broadcast_idle(pg, tensor: torch.Tensor):
-    """``compat.broadcast`` from rank 0 with ``IDLE_TIMEOUT`` (``BroadcastOptions.timeout``: torch >= 1.8)."""
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank = 0
-    opts.timeout = IDLE_TIMEOUT
-    return pg.broadcast([tensor], opts)
+    """``compat.broadcast`` from rank 0 with ``IDLE_TIMEOUT`` instead of the group's timeout."""
+    return compat.broadcast(pg, tensor, timeout=IDLE_TIMEOUT)
 
 
 class WeightReceiver:

@@ -125,6 +125,11 @@ class WeightSyncer:
         self._closed = False
         self.version = -1  # newest version snapshotted
         self.links = [EngineLink(e) for e in engines] if is_sender else []
+        # Wire-layout hook: HTTP engines load HF-layout tensors; converting while snapshotting keeps one staging
+        # buffer holding exactly what goes on the wire. All engines of a run must agree on the layout.
+        if len({getattr(type(e), "wire_tensor", None) for e in engines}) > 1:
+            raise ValueError("engines with different wire layouts cannot share one staging buffer")
+        self._wire = getattr(engines[0], "wire_tensor", None) if engines else None
         self.staging = self.plan.allocate(device) if is_sender else None
         self._store = None
         if is_sender:
@@ -158,10 +163,14 @@ class WeightSyncer:
 
         def join():
             try:
-                store = dist.PrefixStore(info.prefix, self._store)
-                pg = compat.new_weight_sync_group(
-                    self.backend, store, 0, 2, timedelta(seconds=self.cfg.timeout_seconds)
-                )
+                trainer_group = getattr(link.handler, "trainer_group", None)  # hook: the engine's store layout
+                if trainer_group is not None:
+                    pg = trainer_group(self._store, info)
+                else:
+                    store = dist.PrefixStore(info.prefix, self._store)
+                    pg = compat.new_weight_sync_group(
+                        self.backend, store, 0, 2, timedelta(seconds=self.cfg.timeout_seconds)
+                    )
                 with self._lock:
                     if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
                         return
@@ -289,14 +298,15 @@ class WeightSyncer:
             srcs = [self._full(self._params[s.name]) for s in specs]
             if self.is_sender:
                 with self.side.copy_context():
+                    if self._wire is not None:  # hook: torchtitan -> HF layout (q/k rows), on the copy stream
+                        srcs = [self._wire(s.name, t) for s, t in zip(specs, srcs)]
                     torch._foreach_copy_(self.staging.bucket_views(i), srcs)
         self.version = version
         self.stats.last_snapshot_s = time.perf_counter() - t0
 
     @staticmethod
     def _full(p: torch.Tensor) -> torch.Tensor:
-        full_tensor = getattr(p, "full_tensor", None)  # DTensor (FSDP2 shard): all-gather this one tensor
-        return full_tensor() if full_tensor is not None else p.detach()
+        return p.full_tensor() if compat.is_dtensor(p) else p.detach()  # FSDP2 shard: all-gather this one tensor
 
     def on_event(self, ev) -> None:
         """Acks and engine errors, delivered on the main thread by ``RolloutScheduler.pump``."""
@@ -378,8 +388,10 @@ class WeightSyncer:
         for link, epoch, pg, handler in targets:
             try:
                 handler.begin_update(version)
-                works = [compat.broadcast(pg, header.clone())]
-                works += [compat.broadcast(pg, self.staging.flats[i]) for i in ids]
+                flats = [self.staging.flats[i] for i in ids]
+                wire_tensors = getattr(handler, "wire_tensors", None)  # hook: what this engine receives
+                tensors = wire_tensors(header.clone(), flats) if wire_tensors else [header.clone(), *flats]
+                works = [compat.broadcast(pg, t) for t in tensors]
                 with self._lock:
                     if link.epoch == epoch:
                         link.sent, link.sent_at = version, time.time()

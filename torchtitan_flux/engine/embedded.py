@@ -88,7 +88,8 @@ class _EngineProcess:
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
             prefixed = torch.distributed.PrefixStore(info.prefix, store)
             return compat.new_weight_sync_group(
-                info.backend, prefixed, 1, 2, timedelta(seconds=info.timeout_s), device=self.device
+                info.backend, prefixed, 1, 2, timedelta(seconds=info.timeout_s), device=self.device,
+                idle_timeout=transport.IDLE_TIMEOUT,  # the receiver's wait for the next push (see compat)
             )
 
         def on_received(version: int) -> None:

@@ -37,8 +37,14 @@ wire must already be in HF layout; vLLM takes the same, and doing it once for bo
 
 Failure policy: a push that fails after the server's update session opened leaves the server's weights partly
 updated; the handler then declares itself dead (fatal ``EngineError``), since nothing could be trusted from it,
-and the scheduler re-dispatches its requests. A push that fails before that (pause/open refused) is a non-fatal
-error: the server keeps its old, consistent weights and the syncer resyncs it.
+and the scheduler re-dispatches its requests (``reconnect()`` gives the trainer a fresh handler once the server
+is usable again). A push that fails before that (pause/open refused) is a non-fatal error: the server keeps its
+old, consistent weights and the syncer resyncs it.
+
+Simplifications: one server = one weight-sync rank (tensor/pipeline/data parallel size 1 per server; run more
+servers for more throughput); full pushes only (the header's bucket list is checked by the vLLM extension);
+the update waits for in-flight generations of this handler to finish, so ``weight_sync.timeout_seconds`` must
+exceed one generation request.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from torchtitan_flux.engine.base import (
 logger = logging.getLogger("torchtitan_flux")
 
 RETRY_STATUS = frozenset({500, 502, 503, 504})
+_HTTPX_LOG = logging.getLogger("httpx")
 
 
 class EngineStartError(RuntimeError):
@@ -118,6 +125,8 @@ class HttpClient:
     ):
         self.base_url = base_url.rstrip("/")
         self.label = label
+        if _HTTPX_LOG.level == logging.NOTSET:  # httpx logs every request at INFO; keep trainer logs readable
+            _HTTPX_LOG.setLevel(logging.WARNING)
         self.retries, self.backoff_s, self.backoff_max_s = retries, backoff_s, backoff_max_s
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=connect_timeout_s)
         self._client = httpx.Client(
@@ -303,6 +312,12 @@ class HttpEngine:
         health_failures: int = 3,
         transport: httpx.BaseTransport | None = None,
     ):
+        self._init_args = (name, url, events)
+        self._init_kw = dict(
+            model_dir=model_dir, max_inflight=max_inflight, request_timeout_s=request_timeout_s,
+            connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
+            health_interval_s=health_interval_s, health_failures=health_failures, transport=transport,
+        )
         self.name, self.url, self.events = name, url.rstrip("/"), events
         self.model_dir = Path(model_dir)
         self.max_inflight = max_inflight
@@ -377,6 +392,14 @@ class HttpEngine:
 
     def finish_update(self, version: int) -> None:
         pass  # the control thread acks when the server confirmed the last bucket (see the module docstring)
+
+    def reconnect(self) -> "HttpEngine":
+        """A new, started handler for the same server (what the trainer uses to "restart" a dead HTTP engine: the
+        server itself is not ours to restart). Raises ``EngineStartError`` if the server is still unusable. The
+        syncer must then rejoin it (``WeightSyncer.replace_engine``): its weights are whatever it holds."""
+        new = type(self)(*self._init_args, **self._init_kw)
+        new.start()
+        return new
 
     def close(self) -> None:
         if self._closing:

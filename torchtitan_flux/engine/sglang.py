@@ -10,7 +10,8 @@ Everything shared with vLLM is in ``engine/http.py``; this module holds only the
   Tokens and log-probs come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``); SGLang
   returns ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
 * weights: once per group, ``/init_weights_update_group`` (SGLang joins with ``init_custom_process_group``,
-  group name = our store prefix; ``trainer_group`` builds rank 0 on the same store prefixes). Per push:
+  group name = our store prefix + a random suffix, since SGLang refuses names it already holds and a server
+  outlives trainer runs; ``trainer_group`` builds rank 0 on the same store prefixes). Per push:
   ``/pause_generation {"mode": "retract"}`` -> ``/begin_weight_update`` -> ``/update_weights_from_distributed``
   once per bucket with ``load_format = "flattened_bucket"`` (the bucket travels as ONE uint8 tensor, so
   ``wire_tensors`` sends uint8 views and no header), ``flush_cache`` and ``weight_version`` on the last bucket
@@ -21,6 +22,7 @@ Everything shared with vLLM is in ``engine/http.py``; this module holds only the
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +40,8 @@ class SglangEngine(HttpEngine):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.model_info: dict[str, Any] = {}
-        self._group: str | None = None
+        self._group: str | None = None  # the group the server holds for us
+        self._group_names: dict[str, str] = {}  # our store prefix -> SGLang group name
 
     # ------------------------------------------------------------------------------------- checks
 
@@ -103,27 +106,34 @@ class SglangEngine(HttpEngine):
 
     # -------------------------------------------------------------------------------------- weights
 
+    def join_weight_group(self, info: WeightGroupInfo) -> None:
+        # SGLang refuses a group name it already holds, and a server outlives trainer runs (whose store prefixes
+        # repeat: flux_ws/<engine>/<epoch>), so each join gets a fresh group name.
+        self._group_names[info.prefix] = f"{info.prefix}#{uuid.uuid4().hex[:12]}"
+        super().join_weight_group(info)
+
     def trainer_group(self, store: Any, info: WeightGroupInfo) -> Any:
-        """Rank 0 on the store prefixes SGLang's ``init_custom_process_group`` uses on its side:
-        ``PrefixStore(group_name)`` around the rendezvous store, then torch's ``_new_process_group_helper`` adds
-        ``"{group_name}/"`` and one ``"{device}/"`` backend per device of the backend (gloo: cpu and cuda, created
-        in that order; every one of them rendezvouses, so we create them all). Nothing is registered with
+        """Rank 0 on the store prefixes SGLang's ``init_custom_process_group`` uses on its side: it wraps the
+        rendezvous store in ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` adds
+        ``"{group_name}/"`` and ``"{device}/"`` for the first device of the backend (gloo: cpu, nccl: cuda; one
+        backend object serves every device when they all use the same backend). Nothing is registered with
         ``torch.distributed``'s global state."""
         from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-        base = torch.distributed.PrefixStore(f"{info.prefix}/", torch.distributed.PrefixStore(info.prefix, store))
-        timeout = timedelta(seconds=info.timeout_s)
-        groups = {}
-        for device, backend in BackendConfig(Backend(info.backend)).get_device_backend_map().items():
-            dev_store = torch.distributed.PrefixStore(f"{device}/", base)
-            groups[device] = compat.new_weight_sync_group(str(backend), dev_store, 0, 2, timeout)
-        return groups["cpu" if info.backend == "gloo" else "cuda"]
+        device_map = BackendConfig(Backend(info.backend)).get_device_backend_map()
+        if len(set(device_map.values())) != 1:
+            raise ValueError(f"{self.name}: mixed-backend weight-sync groups are not supported ({device_map})")
+        device = next(iter(device_map))
+        name = self._group_names[info.prefix]
+        base = torch.distributed.PrefixStore(f"{name}/", torch.distributed.PrefixStore(name, store))
+        dev_store = torch.distributed.PrefixStore(f"{device}/", base)
+        return compat.new_weight_sync_group(info.backend, dev_store, 0, 2, timedelta(seconds=info.timeout_s))
 
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         return [f.view(torch.uint8) for f in flats]  # flattened_bucket receives raw bytes; no push header
 
     def _init_group(self, info: WeightGroupInfo) -> None:
-        old, self._group = self._group, info.prefix
+        old, self._group = self._group, self._group_names[info.prefix]
         if old is not None:
             try:
                 self.client.post("/destroy_weights_update_group", {"group_name": old})
@@ -133,7 +143,7 @@ class SglangEngine(HttpEngine):
             "/init_weights_update_group",
             {
                 "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
-                "group_name": info.prefix, "backend": info.backend,
+                "group_name": self._group, "backend": info.backend,
             },
             timeout_s=self._weight_timeout_s,
         )

@@ -8,8 +8,10 @@ module holds only the vLLM endpoints and payloads:
 * generation: ``POST /v1/completions`` with token-id prompts (a batch: one list per prompt), ``n = group_size``,
   ``max_tokens``, ``temperature``, ``top_k``, ``seed``, ``logprobs = 1``, ``return_tokens_as_token_ids`` and
   ``return_token_ids``. Choices come back indexed ``prompt * n + sample``; vLLM gives child sample ``j`` the
-  seed ``seed + j``. Greedy requests (temperature 0, where vLLM refuses n > 1) repeat each prompt instead. Each choice's sampled-token log-probs are ``log_softmax(logits / T)`` (the server runs with
-  ``--logprobs-mode processed_logprobs``).
+  seed ``seed + j``. Greedy requests (temperature 0, where vLLM refuses n > 1) repeat each prompt instead.
+  Each sampled token's log-prob is ``log_softmax(logits / T)`` (the server runs with ``--logprobs-mode
+  processed_logprobs``); with ``top_k > 0`` vLLM reports it under the top-k-truncated distribution, not the full
+  tempered one the embedded engine reports.
 * weights: once, ``/init_weight_transfer_engine`` (concurrent with the trainer creating rank 0); per push
   ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` once per bucket (the first also takes
   the push header) -> ``/finish_weight_update {"weight_version": "N"}`` -> ``/reset_prefix_cache`` -> ``/resume``.
@@ -19,12 +21,14 @@ module holds only the vLLM endpoints and payloads:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
 
 EXTENSION = "torchtitan_flux.engine.vllm_ext.FluxWorkerExtension"
+logger = logging.getLogger("torchtitan_flux")
 CONFIG_KEYS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "tie_word_embeddings",
@@ -37,6 +41,7 @@ class VllmEngine(HttpEngine):
 
     def __init__(self, *args, checksum: bool = True, **kw):
         super().__init__(*args, **kw)
+        self._init_kw["checksum"] = checksum
         self.checksum_pushes = checksum  # the server hashes received buckets (see checksum())
         self.served_model: str | None = None
         self.max_model_len: int | None = None
@@ -156,8 +161,12 @@ class VllmEngine(HttpEngine):
     def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
         """(version of the last complete push, sha256 over its buckets as received) -- equal to the trainer's
         ``staging.checksum()`` when the staging buffer is in wire (HF) layout. (-1, None) before any push."""
-        res = self.client.post("/collective_rpc", {"method": "flux_weights_checksum"}, timeout_s=timeout,
-                               idempotent=True)["results"][0]
+        try:
+            res = self.client.post("/collective_rpc", {"method": "flux_weights_checksum"}, timeout_s=timeout,
+                                   idempotent=True)["results"][0]
+        except HttpError as e:  # a dead server has no checksum; the summary must still be written
+            logger.warning(f"{self.name}: no weights checksum: {e}")
+            return self._version, None
         return int(res["version"]), res["sha256"]
 
     def weight_version(self) -> str:

@@ -186,7 +186,9 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         if self.group is None:
             raise RuntimeError("weight-sync group not initialized: call /init_weight_transfer_engine first")
         if info.bucket != self._next_bucket:
-            raise RuntimeError(f"bucket {info.bucket} arrived, expected bucket {self._next_bucket} (buckets go in order)")
+            raise RuntimeError(
+                f"bucket {info.bucket} arrived, expected bucket {self._next_bucket} (buckets go in order)"
+            )
         if info.header_len:
             header = torch.empty(info.header_len, dtype=torch.int64, device=self._wire_device)
             self._broadcast(header)
@@ -203,7 +205,9 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
                 )
             self._push_version = version
         elif info.version != self._push_version:
-            raise RuntimeError(f"bucket {info.bucket} of version {info.version} inside the push of {self._push_version}")
+            raise RuntimeError(
+                f"bucket {info.bucket} of version {info.version} inside the push of {self._push_version}"
+            )
         dtype = _DTYPES[info.dtype_names[0]]
         numels = [_numel(s) for s in info.shapes]
         flat = torch.empty(sum(numels), dtype=dtype, device=self._wire_device)  # fresh per bucket: the reload

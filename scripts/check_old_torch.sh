@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Run the engine-side receiver's tests (tests/test_transport.py, tests/test_compat.py) under an OLD torch.
+#
+# The receiver (torchtitan_flux/transport.py, compat.py, inference.py, engine/embedded.py) runs inside inference
+# engines that pin their own torch, so it must work on torch >= 2.3 without torchtitan. This script builds a
+# throwaway venv with only an old torch + numpy<2 + pytest (NOT our package's dependencies: no torchtitan),
+# puts the repository on PYTHONPATH and runs those two test files there.
+#
+#   scripts/check_old_torch.sh                       # torch 2.3.1 (default)
+#   FLUX_OLD_TORCH=2.4.1 scripts/check_old_torch.sh  # another version
+#   scripts/check_old_torch.sh --clean               # delete the venv afterwards (it is reused otherwise)
+#   scripts/check_old_torch.sh -- -k swap            # extra pytest arguments after --
+#
+# Environment: FLUX_OLD_TORCH (torch version, default 2.3.1), FLUX_OLD_TORCH_VENV (default
+# ${TMPDIR:-/tmp}/flux_old_torch), PYTHON (interpreter that creates the venv, default python3; torch 2.3 ships
+# wheels for CPython 3.8-3.12), FLUX_NEW_PYTHON (default: the repository's .venv/bin/python): step 2 runs the
+# 2-process push tests with the sender (and the TCPStore) on that interpreter's torch and the receiver on the old
+# torch, i.e. the two versions talk over one store + gloo group, as a trainer and a pinned engine do.
+#
+# PyPI's Linux x86_64 wheels of torch 2.3.1 are CUDA 12.1 builds: pip also pulls the nvidia-* runtime wheels
+# (5.0 GB installed in all, about 1.5 min here). ``import torch`` needs them even on a CPU-only machine, because
+# it loads libtorch_cuda.so and its CUDA libraries (it then finds no GPU and runs on CPU).
+# Exit status: pytest's (non-zero on failure), or 3 if torchtitan is importable in the venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TORCH_VERSION="${FLUX_OLD_TORCH:-2.3.1}"
+VENV="${FLUX_OLD_TORCH_VENV:-${TMPDIR:-/tmp}/flux_old_torch}"
+PY="${PYTHON:-python3}"
+CLEAN=0
+PYTEST_ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --clean) CLEAN=1; shift ;;
+    --) shift; PYTEST_ARGS=("$@"); break ;;
+    *) echo "usage: $0 [--clean] [-- pytest args]" >&2; exit 2 ;;
+  esac
+done
+
+t0=$(date +%s)
+have="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
+if [[ "${have%%+*}" != "$TORCH_VERSION" ]]; then
+  echo "== creating $VENV with torch==$TORCH_VERSION (was: ${have:-none})"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --no-cache-dir --upgrade pip
+  # --no-cache-dir: do not keep a second copy of the multi-GB wheels in ~/.cache/pip
+  "$VENV/bin/python" -m pip install --quiet --no-cache-dir "torch==$TORCH_VERSION" "numpy<2" "pytest>=8"
+else
+  echo "== reusing $VENV (torch $have)"
+fi
+t1=$(date +%s)
+
+if "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torchtitan") is None)'; then
+  echo "error: torchtitan is importable in $VENV; this check must run without it" >&2
+  exit 3
+fi
+
+echo "== torch: $("$VENV/bin/python" -c 'import torch, sys; print(torch.__version__, "python", sys.version.split()[0], "cuda available:", torch.cuda.is_available())')"
+echo "== venv size: $(du -sh "$VENV" | cut -f1)   setup: $((t1 - t0))s"
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=1
+cd "$ROOT"
+rc=0
+# 1. everything under the old torch (-p no:cacheprovider: no .pytest_cache from the old interpreter in the tree)
+echo "== 1/2: tests/test_transport.py tests/test_compat.py on torch $TORCH_VERSION"
+FLUX_PEER_PYTHON= "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+  tests/test_transport.py tests/test_compat.py "${PYTEST_ARGS[@]}" || rc=$?
+
+# 2. the deployment direction: the trainer's torch sends (and hosts the store), the receiver runs on the old torch
+NEW="${FLUX_NEW_PYTHON:-$ROOT/.venv/bin/python}"
+if [[ -x "$NEW" ]]; then
+  echo "== 2/2: sender on $NEW (torch $("$NEW" -c 'import torch; print(torch.__version__)')), receiver on torch $TORCH_VERSION"
+  FLUX_PEER_PYTHON="$VENV/bin/python" "$NEW" -m pytest -q -p no:cacheprovider tests/test_transport.py \
+    -k peer-python "${PYTEST_ARGS[@]}" || rc=$?
+else
+  echo "== 2/2: skipped (no $NEW; set FLUX_NEW_PYTHON to the trainer's interpreter)"
+fi
+t2=$(date +%s)
+echo "== tests: $((t2 - t1))s   total: $((t2 - t0))s   rc=$rc"
+
+if [[ $CLEAN == 1 ]]; then
+  rm -rf "$VENV"
+  echo "== removed $VENV"
+fi
+exit $rc

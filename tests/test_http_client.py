@@ -1,0 +1,201 @@
+"""``HttpClient`` (engine/http.py): retries with exponential backoff, timeouts, keep-alive and the bounded pool,
+against a local flaky HTTP server on 127.0.0.1 (in-process, bounded in time and requests)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from torchtitan_flux.engine import http as flux_http
+from torchtitan_flux.engine.http import HttpClient, HttpError
+
+
+class Flaky(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.hits: Counter = Counter()
+        self.connections: set = set()
+        self.active = 0
+        self.max_active = 0
+        self.lock = threading.Lock()
+        self.requests = 0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 10
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _do(self) -> None:
+        srv: Flaky = self.server
+        url = urlparse(self.path)
+        q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if int(self.headers.get("Content-Length") or 0):
+            self.rfile.read(int(self.headers["Content-Length"]))
+        with srv.lock:
+            srv.requests += 1
+            if srv.requests > 500:  # bounded: a runaway client cannot keep it busy
+                threading.Thread(target=srv.shutdown, daemon=True).start()
+            srv.connections.add(self.client_address)
+            srv.hits[url.path + "?" + q.get("key", "")] += 1
+            hit = srv.hits[url.path + "?" + q.get("key", "")]
+            srv.active += 1
+            srv.max_active = max(srv.max_active, srv.active)
+        try:
+            if url.path == "/flaky":  # 503 for the first `fail` hits of `key`, then 200
+                if hit <= int(q["fail"]):
+                    self._reply(503, {"detail": f"busy (hit {hit})"})
+                else:
+                    self._reply(200, {"hit": hit})
+            elif url.path == "/boom":
+                self._reply(500, {"error": {"message": "kaboom", "type": "InternalServerError"}})
+            elif url.path == "/bad":
+                self._reply(400, {"detail": "missing field 'names'"})
+            elif url.path == "/slow":
+                time.sleep(float(q["s"]))
+                self._reply(200, {"slept": float(q["s"])})
+            elif url.path == "/drop":  # close the connection without an answer
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+            else:
+                self._reply(200, {"path": url.path})
+        finally:
+            with srv.lock:
+                srv.active -= 1
+
+    do_GET = do_POST = _do
+
+
+@pytest.fixture
+def server():
+    srv = Flaky()
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    deadline = threading.Timer(60, srv.shutdown)  # bounded in time whatever happens
+    deadline.daemon = True
+    deadline.start()
+    yield srv
+    deadline.cancel()
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """Record backoff sleeps instead of sleeping (the backoff policy is what is tested)."""
+    got: list[float] = []
+    monkeypatch.setattr(flux_http.time, "sleep", got.append)
+    return got
+
+
+def url(srv: Flaky) -> str:
+    return f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_idempotent_request_retries_5xx_with_exponential_backoff(server, sleeps):
+    c = HttpClient(url(server), retries=4, backoff_s=0.1, backoff_max_s=10)
+    assert c.get("/flaky", params={"fail": 3, "key": "a"}) == {"hit": 4}
+    assert c.attempts == 4
+    assert len(sleeps) == 3
+    for i, d in enumerate(sleeps):  # 0.1, 0.2, 0.4 with +-10% jitter
+        assert 0.1 * 2**i * 0.9 <= d <= 0.1 * 2**i * 1.1
+    c.close()
+
+
+def test_retries_are_bounded_and_the_error_names_server_and_status(server, sleeps):
+    c = HttpClient(url(server), label="vLLM server X", retries=2, backoff_s=0.01)
+    with pytest.raises(HttpError) as e:
+        c.get("/flaky", params={"fail": 10, "key": "b"})
+    assert e.value.status == 503 and c.attempts == 3
+    assert "vLLM server X: GET /flaky -> HTTP 503: busy (hit 3)" in str(e.value)
+    c.close()
+
+
+def test_non_idempotent_requests_are_not_repeated(server, sleeps):
+    c = HttpClient(url(server), retries=5, backoff_s=0.01)
+    with pytest.raises(HttpError, match="HTTP 500: kaboom"):
+        c.post("/boom", {"x": 1})  # e.g. /update_weights: repeating it would consume a second broadcast
+    assert c.attempts == 1 and sleeps == []
+    with pytest.raises(HttpError, match="no response"):
+        c.post("/drop", {})
+    assert c.attempts == 2
+    c.close()
+
+
+def test_4xx_is_not_retried_and_carries_the_detail(server, sleeps):
+    c = HttpClient(url(server), retries=5)
+    with pytest.raises(HttpError, match=r"HTTP 400: missing field 'names'") as e:
+        c.post("/bad", {}, idempotent=True)
+    assert e.value.status == 400 and c.attempts == 1 and sleeps == []
+    c.close()
+
+
+def test_connection_refused_is_retried_then_reported(sleeps):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    c = HttpClient(f"http://127.0.0.1:{port}", retries=3, backoff_s=0.05, backoff_max_s=0.1)
+    with pytest.raises(HttpError) as e:
+        c.post("/update_weights", {})  # never reached the server: safe to retry even when not idempotent
+    assert e.value.status is None and "ConnectError" in e.value.detail
+    assert c.attempts == 4
+    assert len(sleeps) == 3 and max(sleeps) <= 0.1 * 1.1  # capped
+    c.close()
+
+
+def test_read_timeout_is_enforced(server):
+    c = HttpClient(url(server), timeout_s=0.3, retries=3)
+    t0 = time.monotonic()
+    with pytest.raises(HttpError, match="ReadTimeout"):
+        c.post("/slow", params={"s": 2})  # not idempotent: one attempt only
+    assert time.monotonic() - t0 < 1.5 and c.attempts == 1
+    assert c.post("/slow", params={"s": 0.5}, timeout_s=3) == {"slept": 0.5}  # per-request override
+    c.close()
+
+
+def test_keep_alive_reuses_one_connection(server):
+    c = HttpClient(url(server))
+    for _ in range(20):
+        c.get("/ok")
+    assert server.requests == 20 and len(server.connections) == 1
+    c.close()
+
+
+def test_pool_is_bounded(server):
+    c = HttpClient(url(server), max_connections=2, timeout_s=10)
+    threads = [threading.Thread(target=c.post, args=("/slow",), kwargs={"params": {"s": 0.3}}) for _ in range(6)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert server.max_active == 2 and len(server.connections) == 2
+    assert time.monotonic() - t0 >= 0.85  # 6 calls of 0.3 s through 2 connections: 3 rounds
+    c.close()
+
+
+def test_backoff_is_capped_and_jittered():
+    c = HttpClient("http://127.0.0.1:1", backoff_s=0.5, backoff_max_s=2.0)
+    values = [c.backoff(a) for a in range(1, 12)]
+    assert all(v <= 2.2 for v in values) and values[0] >= 0.45
+    assert len({round(c.backoff(1), 6) for _ in range(20)}) > 1  # jitter spreads simultaneous retries
+    c.close()

