@@ -72,7 +72,7 @@ NEW="${FLUX_NEW_PYTHON:-$ROOT/.venv/bin/python}"
 if [[ -x "$NEW" ]]; then
   echo "== 2/2: sender on $NEW (torch $("$NEW" -c 'import torch; print(torch.__version__)')), receiver on torch $TORCH_VERSION"
   FLUX_PEER_PYTHON="$VENV/bin/python" "$NEW" -m pytest -q -p no:cacheprovider tests/test_transport.py \
-    -k peer-python "${PYTEST_ARGS[@]}" || rc=$?
+    -k peer-python || rc=$?
 else
   echo "== 2/2: skipped (no $NEW; set FLUX_NEW_PYTHON to the trainer's interpreter)"
 fi

@@ -757,22 +757,17 @@ if __name__ != "__main__":
     @pytest.mark.slow
     def test_grpo_runs_against_contract_server(tiny, tmp_path):
         """Sync then async GRPO runs with ``--rollout.engine sglang`` against one contract server (a server outlives
-        trainer runs). Skipped while FluxTrainer refuses non-embedded engines."""
+        trainer runs)."""
         from conftest import read_metrics, run_train
 
         s = ContractServer(tiny[0], tmp_path, deadline_s=600, max_requests=20000)
         try:
             for mode in ("sync", "async"):
                 dump = tmp_path / mode
-                try:
-                    run_train(dump, "--training.steps", "4", "--rollout.engine", "sglang", "--rollout.urls", s.url,
-                              "--model.hf_assets_path", str(tiny[0]),
-                              "--weight_sync.async_weight_update", "true" if mode == "async" else "false",
-                              timeout=400)
-                except AssertionError as e:
-                    if "is not available yet in this build" in str(e):
-                        pytest.skip("FluxTrainer does not build SGLang handlers yet (rollout.engine = 'sglang')")
-                    raise
+                run_train(dump, "--training.steps", "4", "--rollout.engine", "sglang", "--rollout.urls", s.url,
+                          "--model.hf_assets_path", str(tiny[0]),
+                          "--weight_sync.async_weight_update", "true" if mode == "async" else "false",
+                          timeout=400)
                 summary = json.loads((dump / "summary.json").read_text())
                 assert summary["final_engine_version"] == 4
                 assert all(r["version_gap_max"] <= 1 for r in read_metrics(dump))

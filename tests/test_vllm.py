@@ -320,16 +320,11 @@ def test_grpo_run_with_vllm(vllm_server, small_model_dir, tmp_path, mode):
     from conftest import run_train
 
     url = vllm_server[0]
-    try:
-        run_train(
-            tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
-            "--rollout.engine", "vllm", "--rollout.urls", url,
-            "--weight_sync.async_weight_update", "true" if mode == "async" else "false", timeout=400,
-        )
-    except AssertionError as e:  # run_train asserts a zero exit status and shows the output
-        if "is not available yet in this build" in str(e):
-            pytest.skip("FluxTrainer does not build vLLM handlers yet (rollout.engine = 'vllm' raises ConfigError)")
-        raise
+    run_train(
+        tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
+        "--rollout.engine", "vllm", "--rollout.urls", url,
+        "--weight_sync.async_weight_update", "true" if mode == "async" else "false", timeout=400,
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_engine_version"] == 4
     assert summary["checksums_match"]
