@@ -33,6 +33,19 @@ Timing (wall clock, the same definition for both):
 
 Runs are interleaved (seed by seed, the order of the systems rotated per seed) so that machine noise spreads over
 all systems; tables report medians over seeds. One discarded warm-up run per system fills the page cache first.
+The CPU time other processes use in the second before each launch is recorded; the report warns when the
+machine was busy, because other
+load slows TRL's 2-thread OpenMP process far more than our single-threaded processes (measured: 10-100x slower
+TRL steps while other jobs ran), which biases the comparison in our favour. Record numbers on a quiet machine.
+
+TRL settings (trl_runner.py, all chosen to make TRL as fast as it goes here, none to slow it): use_cpu, fp32, no
+gradient checkpointing, no torch.compile, one generation per optimizer step (generation_batch_size = the train
+batch), no old-logprob recomputation (num_iterations=1), beta=0 (no reference model), loss_type="dapo" (token
+sum / token count over the batch = our "token"), scale_rewards="group", epsilon 0.2 / epsilon_high 0.28,
+adamw_torch, lr_scheduler_type="constant", logging effectively off (logging_steps=1e9), no checkpoints, no
+completion logging. Model variant: attn_implementation sdpa, transformers' default dynamic KV cache, 2 threads
+(``--trl-attn/--trl-cache/--trl-threads`` change them; ``--tune-trl`` measures all 8 combinations, interleaved,
+and prints them fastest first: re-run it on the machine that records the numbers and pass the winner).
 
 Output: ``--out`` (default outputs/vs_trl): ``runs/<workload>/<system>/seed<N>/`` (ours: the dump folder with
 metrics.jsonl and train.log; TRL: trl.jsonl), ``curve.jsonl`` in each (step, reward_mean, time_s, step_time_s,
@@ -114,6 +127,7 @@ class RunResult:
     startup_s: float | None = None
     final_reward: float | None = None
     process_wall_s: float | None = None
+    load_before: float | None = None  # cores kept busy by other processes in the second before launch
     run_dir: str = ""
     curve: list[dict] = field(default_factory=list)
 
@@ -159,6 +173,23 @@ def summarise(res: RunResult, curve: list[dict], wl: Workload, window: int, firs
     if first_start_epoch is not None:
         res.startup_s = first_start_epoch - launch_epoch
     return res
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by other processes over ``seconds`` (from /proc/stat; none of ours is running then)."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v) - idle, sum(v)
+
+    try:
+        b0, t0 = snap()
+        time.sleep(seconds)
+        b1, t1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
 
 
 def write_curve(path: Path, curve: list[dict]) -> None:
@@ -317,7 +348,7 @@ def tune_trl(args, wls: list[Workload], mdirs: dict, out: Path, seeds: list[int]
     """Median s/step of TRL variants; runs interleaved (variant order rotated per repeat)."""
     variants = [(t, a, c) for t in (1, 2) for a in ("sdpa", "eager") for c in (None, "static")]
     steps = {"small": 12, "long": 4} if args.steps is None else {w.name: args.steps for w in wls}
-    repeats = max(len(seeds), 2)
+    repeats = len(seeds)  # one repeat per seed given (default 3; --quick: 1); every repeat uses seed 0
     got: dict[tuple, list[float]] = {}
     for rep in range(repeats):
         for wl in wls:
@@ -490,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
             order = systems[i % len(systems):] + systems[: i % len(systems)]  # rotate per seed
             for s in order:
                 run_dir = out / "runs" / wl.name / s / f"seed{seed}"
+                load = busy_cores()
                 r = one(s, wl, seed, steps_of[wl.name], run_dir)
+                r.load_before = load
                 results.append(r)
                 print(f"[{time.perf_counter() - t_start:7.1f}s] {wl.name:<5} {s:<8} seed {seed}: "
                       + (f"{r.steps} steps, {_fmt(r.median_step_s, '.4f')} s/step, "
@@ -523,12 +556,20 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(report)
     note = ("time to target excludes process startup (imports, model load, engine spawn); the ttt+startup "
             "column includes it. Medians over seeds; a seed that never reached the target counts as +inf.")
+    loads = [r.load_before for r in results if r.load_before is not None]
+    if loads and max(statistics.median(loads), statistics.mean(loads)) > 0.2:
+        note += (f"\nWARNING: the machine was busy: other processes kept {statistics.mean(loads):.2f} of its "
+                 f"{os.cpu_count()} cores busy on average (median {statistics.median(loads):.2f}) just before the "
+                 "runs. Other load slows TRL's 2-thread OpenMP process far more than our "
+                 "single-threaded trainer and engine processes (seen: 10-100x slower TRL steps), so these numbers "
+                 "favour us; take the recorded numbers on a quiet machine.")
     per_run = ["", "per run (workload system seed: steps, median s/step, samples/s, time to target s (step), "
-               "startup s, final reward, process wall s)"]
+               "startup s, final reward, process wall s, cores busy with other work at launch)"]
     for r in results:
         per_run.append(f"{r.workload} {r.system} {r.seed}: {r.steps}, {_fmt(r.median_step_s, '.4f')}, "
                        f"{_fmt(r.samples_per_s, '.1f')}, {_fmt(r.time_to_target_s, '.2f')} ({r.steps_to_target}), "
-                       f"{_fmt(r.startup_s, '.2f')}, {_fmt(r.final_reward)}, {_fmt(r.process_wall_s, '.1f')}"
+                       f"{_fmt(r.startup_s, '.2f')}, {_fmt(r.final_reward)}, {_fmt(r.process_wall_s, '.1f')}, "
+                       f"busy {_fmt(r.load_before, '.2f')}"
                        + ("" if r.ok else f"  FAILED: {r.error}"))
     with open(out / "report.txt", "w") as f:
         f.write(text + "\n" + note + "\n" + "\n".join(per_run) + "\n\n" + "\n".join(keyvals) + "\n")

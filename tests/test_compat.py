@@ -110,7 +110,8 @@ def test_fsdp2_real():
     fully_shard, module_cls = compat.fully_shard, compat.FSDPModule
     assert callable(fully_shard) and isinstance(module_cls, type)
     if compat.TORCH_VERSION >= (2, 6):
-        from torch.distributed.fsdp import FSDPModule, fully_shard as public
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import fully_shard as public
 
         assert fully_shard is public and module_cls is FSDPModule
     else:
@@ -340,6 +341,7 @@ def test_torch_load_old_default_is_overridden(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ rms_norm
+# ``F.rms_norm`` (2.4+) is guarded in ``inference._rms_norm`` (inference.py imports nothing of the package).
 
 
 def _rms_ref(x, w, eps):
@@ -349,16 +351,21 @@ def _rms_ref(x, w, eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_fallback_before_2_4(monkeypatch, dtype):
+    from torchtitan_flux import inference
+
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 5, 8, generator=g).to(dtype), torch.randn(8, generator=g).to(dtype)
     monkeypatch.delattr(F, "rms_norm", raising=False)
-    out = compat.rms_norm(x, w, 1e-5)
+    monkeypatch.setattr(inference, "_HAS_RMS_NORM", False)
+    out = inference._rms_norm(x, w, 1e-5)
     assert out.dtype == dtype and out.shape == x.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), _rms_ref(x, w, 1e-5), atol=tol, rtol=tol)
 
 
 def test_rms_norm_uses_functional_when_present(monkeypatch):
+    from torchtitan_flux import inference
+
     calls = []
 
     def fake_rms_norm(x, shape, w, eps):
@@ -366,15 +373,19 @@ def test_rms_norm_uses_functional_when_present(monkeypatch):
         return torch.full_like(x, 42.0)
 
     monkeypatch.setattr(F, "rms_norm", fake_rms_norm, raising=False)
+    monkeypatch.setattr(inference, "_HAS_RMS_NORM", True)
     x = torch.randn(2, 4)
-    assert torch.equal(compat.rms_norm(x, torch.ones(4), 1e-6), torch.full_like(x, 42.0))
+    assert torch.equal(inference._rms_norm(x, torch.ones(4), 1e-6), torch.full_like(x, 42.0))
     assert calls == [((4,), 1e-6)]
 
 
 def test_rms_norm_real_matches_reference():
+    from torchtitan_flux import inference
+
+    assert inference._HAS_RMS_NORM is hasattr(F, "rms_norm")  # False on torch 2.3
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(4, 16, generator=g), torch.randn(16, generator=g)
-    torch.testing.assert_close(compat.rms_norm(x, w, 1e-5).double(), _rms_ref(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(inference._rms_norm(x, w, 1e-5).double(), _rms_ref(x, w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ process groups

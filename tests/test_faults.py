@@ -169,7 +169,7 @@ def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redisp
     new = h.engines[0]
     assert new is not eng and new.pid != old_pid and h.link.handler is new
     assert gone(old_pid, old_ct)
-    assert any("exited" in f for f in syncer.stats.failures)
+    assert any("exited" in f or "pipe closed" in f for f in syncer.stats.failures)  # counted and logged
 
     # the dead engine's request was re-dispatched to the replacement and completes there, on the newest weights
     t0 = time.perf_counter()

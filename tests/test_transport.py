@@ -148,7 +148,7 @@ def test_flat_views_share_storage():
     assert torch.equal(w.views["b"], torch.arange(12.0, 17.0))
     for name, flat_idx in (("a", 0), ("b", 0), ("c", 1), ("d", 2)):
         v = w.views[name]
-        assert v.shape == dict((s.name, s.shape) for s in _SPECS)[name]
+        assert v.shape == {s.name: s.shape for s in _SPECS}[name]
         assert v.untyped_storage().data_ptr() == w.flats[flat_idx].untyped_storage().data_ptr()
     w.views["b"].fill_(-1.0)  # writes through into the flat buffer
     assert torch.equal(w.flats[0][12:], torch.full((5,), -1.0))
@@ -313,7 +313,8 @@ class _Link:
                 msg = {"error": f"receiver exited with {self.proc.wait()}"}
             if key in msg:
                 return msg
-            raise AssertionError(f"expected {key!r}, got {msg}; receiver stderr:\n{self.stderr_path.read_text()[-4000:]}")
+            stderr = self.stderr_path.read_text()[-4000:]
+            raise AssertionError(f"expected {key!r}, got {msg}; receiver stderr:\n{stderr}")
 
     def command(self, cmd: str, key: str) -> dict:
         self.proc.stdin.write(cmd + "\n")

@@ -183,20 +183,24 @@ def _reference_tokens(weights: dict[str, torch.Tensor], shape, req) -> torch.Ten
 
 
 def test_push_landing_mid_request_is_swapped_in_only_between_requests(harness_factory):
-    # one request of 256 completions x 96 tokens: ~1 s of generation on one thread
+    # one request of 256 completions x 96 tokens: ~0.7 s of generation on one thread
     h = harness_factory(async_mode=False, prompts_per_step=16, group_size=16, max_new_tokens=96, timeout_s=5.0)
-    syncer, sched = h.syncer, h.scheduler
+    syncer, sched, eng = h.syncer, h.scheduler, h.engines[0]
     syncer.flush(0)
     w0 = params_snapshot(h.model)
+    # the push completes on the engine 0.3 s after its header arrives: well after the engine took the request
+    # below (and swapped at its start), well before that request ends
+    eng.inject_fault("stall_receive", 0.3)
+    eng.checksum()
 
     sched.dispatch(1, trainer_version=0)
     part = sched._steps[1].parts[0]
-    time.sleep(0.2)  # the engine has swapped in v0 and is generating
     perturb(h.model, seed=1, scale=0.5)
     w1 = params_snapshot(h.model)
     syncer.after_optimizer_step(1)  # blocking: returns once the engine acked v1 ...
     assert h.link.acked == 1
     assert part.result is None  # ... while the request is still running
+    eng.inject_fault("stall_receive", 0.0)
 
     batch = sched.collect(1, trainer_version=1)
     res = part.result
@@ -215,5 +219,5 @@ def test_push_landing_mid_request_is_swapped_in_only_between_requests(harness_fa
     assert batch2.versions.tolist() == [1] * batch2.tokens.shape[0] and batch2.dispatch_version == 1
     assert torch.equal(part2.result.tokens, _reference_tokens(w1, h.shape, part2.request))
     assert_in_sync(h, 1)
-    print(f"\natomic swap: request took {res.gen_time_s:.2f}s; push of v1 (blocking, acked) "
+    print(f"\natomic swap: request took {res.gen_time_s:.2f}s; push of v1 (blocking, acked, receiver stalled 0.3s) "
           f"{syncer.stats.blocked_s:.3f}s landed during it")

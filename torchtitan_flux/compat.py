@@ -14,7 +14,9 @@ Guards (older -> newer):
   * ``accelerator_available``: ``torch.cuda`` only (<= 2.5) -> ``torch.accelerator`` (2.6+).
   * ``SideStream``: the per-device module (``torch.get_device_module``, 2.4+; before: ``getattr(torch, type)``).
   * ``torch_load``: ``weights_only`` default False (<= 2.5) -> True (2.6+); we always pass it.
-  * ``rms_norm``: ``F.rms_norm`` (2.4+), else the same math by hand (2.3).
+  * ``F.rms_norm`` (2.4+), else the same math by hand (2.3): the one guard that lives elsewhere, in
+    ``inference._rms_norm``, because ``inference.py`` must import nothing of the package (it is also loaded by
+    file path alone, ``benchmarks/trl_runner.py``); ``tests/test_compat.py`` tests it with the others.
   * ``op_timeout_honoured`` / ``new_weight_sync_group(idle_timeout=)``: gloo ignores per-collective timeouts
     before 2.9, so there the receiver's group gets the idle timeout itself.
 
@@ -41,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 
 def _parse_version(v: str) -> tuple[int, int]:
@@ -50,7 +51,7 @@ def _parse_version(v: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-TORCH_VERSION = _parse_version(torch.__version__)  # for messages and tests; guards test for features instead
+TORCH_VERSION = _parse_version(torch.__version__)  # only behaviour guards use it; API guards test for the API
 
 
 # ------------------------------------------------------------------------------------- DTensor and FSDP2
@@ -75,7 +76,8 @@ def _load_fsdp2() -> tuple[Any, type | None]:
             from torch.distributed._composable.fsdp import FSDPModule, fully_shard
         except ImportError:
             try:  # torch 2.3: FSDP2's first release calls the class FSDP
-                from torch.distributed._composable.fsdp import FSDP as FSDPModule, fully_shard
+                from torch.distributed._composable.fsdp import FSDP as FSDPModule
+                from torch.distributed._composable.fsdp import fully_shard
             except ImportError:  # no FSDP2
                 return None, None
     return fully_shard, FSDPModule
@@ -94,6 +96,7 @@ def __getattr__(name: str) -> Any:
 
 
 def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (e.g. an FSDP2-sharded parameter), on either import path."""
     cls = _load_dtensor()
     return cls is not None and isinstance(t, cls)
 
@@ -124,8 +127,8 @@ def new_weight_sync_group(
     """A process group on ``store`` that is not registered with ``torch.distributed``'s global state.
 
     It never clashes with the trainer's default group and needs no ``init_process_group``. The constructors are
-    the same from torch 2.3 to 2.13 (see the module docstring); ``eager_connect_single_device`` is looked up
-    because only NCCL builds of torch >= 2.2 have it.
+    the same from torch 2.3 to 2.13 (see the module docstring); ``eager_connect_single_device`` (present in 2.3.1
+    and 2.13) is looked up rather than assumed.
 
     ``idle_timeout``: the longest per-collective timeout this group's owner passes to ``broadcast(timeout=)``
     (the receiver's wait for the next push). Where that is not honoured (``op_timeout_honoured``), the group
@@ -232,15 +235,3 @@ def torch_load(path: Any, **kw: Any) -> Any:
     False (<= 2.5) to True (2.6+)."""
     kw.setdefault("weights_only", True)
     return torch.load(path, **kw)
-
-
-# ---------------------------------------------------------------------------------------------- math
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim: ``F.rms_norm`` (torch 2.4+), else the same math by hand (torch 2.3)."""
-    fn = getattr(F, "rms_norm", None)
-    if fn is not None:
-        return fn(x, (x.shape[-1],), w, eps)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w

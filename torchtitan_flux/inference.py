@@ -2,7 +2,7 @@
 
 This module must NOT import torchtitan: it runs inside inference-engine environments that pin their own
 torch. It only uses APIs available in torch >= 2.3 (``F.scaled_dot_product_attention`` with ``attn_mask``;
-``F.rms_norm`` only when present, through ``compat.rms_norm``).
+``F.rms_norm`` only when present).
 
 The math (RoPE with llama3 frequency scaling through complex ``freqs_cis``, RMSNorm, SwiGLU, GQA) is
 copied from torchtitan's ``torchtitan/models/llama3/model/model.py`` (Copyright (c) Meta Platforms, Inc.
@@ -27,8 +27,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-
-from torchtitan_flux import compat
 
 __all__ = [
     "LlamaShape",
@@ -309,7 +307,14 @@ def _freqs_cis(shape: LlamaShape, end: int, device: torch.device) -> torch.Tenso
     return fc
 
 
-_rms_norm = compat.rms_norm  # F.rms_norm where present (torch 2.4+)
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if _HAS_RMS_NORM:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
 
 
 def _rope(x: torch.Tensor, fc: torch.Tensor) -> torch.Tensor:

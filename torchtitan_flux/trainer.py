@@ -51,6 +51,7 @@ logger = logging.getLogger("torchtitan_flux")
 
 class FluxTrainer(Trainer):
     def __init__(self, job_config):
+        self._die_with_launcher()
         validate_config(job_config)
         self.task = build_task(job_config.rollout)
         probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
@@ -94,6 +95,24 @@ class FluxTrainer(Trainer):
             self.metrics_writer = MetricsWriter(job_config.job.dump_folder, job_config.training.steps)
 
     # ------------------------------------------------------------------------------------------- setup
+
+    @staticmethod
+    def _die_with_launcher() -> None:
+        """torchrun starts each worker in a session of its own, so a SIGKILL to torchrun's process group does not
+        reach the trainer, which would train on (engines included) as an orphan. Under torchrun, ask the kernel
+        to SIGKILL this process when the agent dies (``PR_SET_PDEATHSIG``); the engines then die with it the
+        same way, and the newest checkpoint with ``.metadata`` stays the one a resume loads."""
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:  # not Linux
+            return
+        if os.getppid() == 1:  # the agent died before the prctl
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _build_reference_model(self) -> torch.nn.Module:
         """A frozen copy of the initial policy, built and sharded the same way (for the KL penalty)."""

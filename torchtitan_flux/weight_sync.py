@@ -213,15 +213,17 @@ class WeightSyncer:
             self.stats.blocked_s = 0.0
             return
         if self.async_mode:
-            idle = self._agree(self._claim() if self.is_sender else True)
-            if idle:
-                try:
+            claimed = self._claim() if self.is_sender else True
+            try:
+                idle = self._agree(claimed)
+                if idle:
                     self._snapshot(version)
-                except BaseException:
-                    if self.is_sender:
-                        with self._lock:
-                            self._release_locked()
-                    raise
+            except BaseException:
+                if self.is_sender and claimed:
+                    with self._lock:
+                        self._release_locked()
+                raise
+            if idle:
                 if self.is_sender:
                     with self._lock:
                         self._job, self._job_links = version, None
@@ -448,8 +450,10 @@ class WeightSyncer:
     def flush(self, version: int) -> None:
         """Make sure ``version`` is pushed (end of training): wait for the push thread, push if needed."""
         if self.async_mode:
-            self.wait_idle(self.cfg.timeout_seconds)
-            if self.version < version:
+            for _ in range(3):  # a resync push may take ``_busy`` between the wait and the claim: try again
+                if self.version >= version:  # the same on every rank (snapshots are agreed), so is the loop
+                    break
+                self.wait_idle(self.cfg.timeout_seconds)
                 self.after_optimizer_step(version, force=True)
             self.wait_idle(self.cfg.timeout_seconds)
             if self.is_sender:
