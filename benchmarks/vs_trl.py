@@ -453,8 +453,9 @@ def speedup(agg: dict[str, dict]) -> tuple[float | None, str]:
         return None, "no mode of ours matched TRL's reward quality"
     best = min(ok, key=lambda s: ok[s]["ttt_s"])
     if trl["ttt_s"] is None:
-        # TRL did not reach the target (median): its whole run is a lower bound of its time to target
-        return None, f"TRL did not reach the target; best of ours: {best} {ok[best]['ttt_s']:.2f}s"
+        # TRL did not reach the target (median): no ratio is claimed (its run time would only be a lower bound)
+        return None, (f"TRL did not reach the target (median); best of ours: {best} {ok[best]['ttt_s']:.2f}s; "
+                      "rerun with more --steps")
     return trl["ttt_s"] / ok[best]["ttt_s"], f"best of ours: {best}"
 
 
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=3, help="trailing window of the time-to-target mean (default 3)")
     ap.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--trl-attn", default="sdpa", choices=["sdpa", "eager"],
-                    help="TRL model attn_implementation (default sdpa: fastest here, see the report)")
+                    help="TRL model attn_implementation (default sdpa; see --tune-trl)")
     ap.add_argument("--trl-cache", default=None, help="TRL cache_implementation (default: transformers' dynamic)")
     ap.add_argument("--ours-args", default="",
                     help="extra overrides for every run of ours, e.g. \"--rollout.engine_threads 2\" (as configured "

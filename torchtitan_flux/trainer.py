@@ -85,10 +85,12 @@ class FluxTrainer(Trainer):
         self.force_sync = False
         if self.rank == 0:
             self._start_engines()
+        self.memory = {"rss_before_sync_mb": _rss_mb()}
         self.syncer = WeightSyncer(
             job_config.weight_sync, self.model, self.engines, device=self.device, is_sender=self.rank == 0,
             backend="nccl" if self.device.type == "cuda" else "gloo",
         )
+        self.memory["rss_after_staging_mb"] = _rss_mb()
         if self.rank == 0:
             self.syncer.pump = self._pump
             self.scheduler = self._build_scheduler()
@@ -228,9 +230,13 @@ class FluxTrainer(Trainer):
                         timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
                     )
             self.syncer.flush(self.step)
+            memory = [{**self.memory, "peak_rss_mb": _peak_rss_mb()}]  # before the export gathers the model
+            if self.world > 1:
+                memory = [None] * self.world
+                dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": _peak_rss_mb()})
             self._export_final()
             if self.rank == 0:
-                self._write_summary()
+                self._write_summary(memory)
         finally:
             if self.rank == 0 and self.scheduler is not None:
                 self.scheduler.drain(timeout=1.0)
@@ -366,8 +372,9 @@ class FluxTrainer(Trainer):
         for fn in self.step_callbacks:
             fn(self.step, m)
 
-    def _write_summary(self) -> None:
-        """``summary.json``: final versions and checksums of trainer vs every engine, and throughput."""
+    def _write_summary(self, memory: list[dict]) -> None:
+        """``summary.json``: final versions and checksums of trainer vs every engine, throughput, and per-rank
+        memory (RSS before and after the weight-sync staging buffer was allocated, and the run's peak)."""
         import json
 
         trainer_sum = self.syncer.staging.checksum()
@@ -388,7 +395,8 @@ class FluxTrainer(Trainer):
             "steps_per_s": (len(ends) - 1 - warm) / (ends[-1] - ends[warm]) if len(ends) > warm + 1 else 0.0,
             "weight_bytes": self.syncer.plan.nbytes,
             "weight_buckets": len(self.syncer.plan.buckets),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "bucket_bytes": self.syncer.bucket_bytes,
+            "memory_per_rank": memory,
             "weight_sync": self.syncer.metrics(),
         }
         with open(os.path.join(self.job_config.job.dump_folder, "summary.json"), "w") as f:
@@ -430,6 +438,15 @@ class FluxTrainer(Trainer):
         if getattr(self, "metrics_writer", None) is not None:
             self.metrics_writer.close()
         super().close()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:  # Linux; resident pages are the second field
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _pad_id(tokenizer) -> int:

@@ -74,7 +74,8 @@ class BucketPlan:
         return sum(b.numel * _DTYPES[b.dtype].itemsize for b in self.buckets)
 
     def allocate(self, device: torch.device | str = "cpu") -> "FlatWeights":
-        flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device) for b in self.buckets]
+        # written once, so the pages are resident from the start and memory accounting is honest
+        flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device).zero_() for b in self.buckets]
         return FlatWeights(self, flats)
 
 
