@@ -92,7 +92,7 @@ class Harness:
         self.scheduler = RolloutScheduler(
             self.engines, self.events, DigitsTask(), ByteTokenizer(),
             group_size=group_size, prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens,
-            temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID,
+            temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID, max_version_gap=10**6,  # no admission wait
             on_weight_event=self.syncer.on_event, on_engine_dead=self._restart_engine,
         )
         self.syncer.pump = self.scheduler.pump

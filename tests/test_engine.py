@@ -111,3 +111,19 @@ def test_new_weights_change_generation_and_version(rig):
     diff = max((r - after.logprobs[i, : len(r)]).abs().max().item() for i, r in enumerate(ref))
     assert diff < 1e-4, diff
     assert rig.engine.checksum() == (2, rig.syncer.staging.checksum())
+
+
+def test_request_waits_for_its_min_version(rig):
+    """Admission by version: a request that needs version v starts only once v has landed (no stale start)."""
+    rig.syncer.after_optimizer_step(3, force=True)
+    prompts = [[1, 80, 81]]
+    rig.engine.submit(GenerationRequest(10, 1, prompts, 4, 8, 1.0, 0, seed=5, dispatch_version=3, min_version=4))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        rig.pump(0.05)
+    assert 10 not in rig.results  # still waiting for version 4
+    rig.syncer.after_optimizer_step(4, force=True)
+    deadline = time.monotonic() + 30
+    while 10 not in rig.results and time.monotonic() < deadline:
+        rig.pump(0.05)
+    assert rig.results.pop(10).version == 4

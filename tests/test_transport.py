@@ -332,7 +332,7 @@ class _Link:
 
     def push(self, version: int, ids: list[int] | None = None) -> str:
         method = METHOD_FULL if ids is None else METHOD_DELTA
-        ids = list(range(len(self.plan.buckets))) if ids is None else ids
+        ids = list(range(len(self.plan.buckets))) if ids is None else [0] + [i for i in ids if i != 0]
         expected = self.fill(version, ids)
         compat.broadcast(self.pg, encode_header(self.plan, version, ids, method)).wait()
         for i in ids:

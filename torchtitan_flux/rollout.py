@@ -83,6 +83,7 @@ class RolloutScheduler:
         top_k: int,
         seed: int,
         pad_id: int,
+        max_version_gap: int,
         on_weight_event: Callable[[object], None],
         on_engine_dead: Callable[[EngineHandler], EngineHandler | None],
     ):
@@ -90,7 +91,7 @@ class RolloutScheduler:
         self.events, self.task, self.tokenizer = events, task, tokenizer
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
-        self.seed, self.pad_id = seed, pad_id
+        self.seed, self.pad_id, self.max_version_gap = seed, pad_id, max_version_gap
         self.on_weight_event, self.on_engine_dead = on_weight_event, on_engine_dead
         self._req_ids = itertools.count()
         self._steps: dict[int, _Step] = {}
@@ -141,6 +142,9 @@ class RolloutScheduler:
             req_id=next(self._req_ids), step=step, prompt_ids=ids, group_size=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
             seed=(self.seed * 1_000_003 + step) * 131 + first, dispatch_version=trainer_version,
+            # born fresh enough: step k is trained at version k-1, so it needs version >= k-1-max_version_gap;
+            # the engine waits for that push instead of generating from older weights that would be discarded
+            min_version=max(0, step - 1 - self.max_version_gap),
         )
         part = _Part(req, engine, first)
         self._by_req[req.req_id] = part

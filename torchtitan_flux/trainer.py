@@ -94,7 +94,10 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             self.syncer.pump = self._pump
             self.scheduler = self._build_scheduler()
-            self.metrics_writer = MetricsWriter(job_config.job.dump_folder, job_config.training.steps)
+            self.metrics_writer = MetricsWriter(
+                job_config.job.dump_folder, job_config.training.steps,
+                tensorboard=job_config.metrics.enable_tensorboard, tensorboard_every=job_config.metrics.log_freq,
+            )
 
     # ------------------------------------------------------------------------------------------- setup
 
@@ -181,7 +184,7 @@ class FluxTrainer(Trainer):
             self.engines, self._events, self.task, self.tokenizer,
             group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
             max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
-            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer),
+            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer), max_version_gap=jc.adaptive_async.max_version_gap,
             on_weight_event=self.syncer.on_event, on_engine_dead=self._restart_engine,
         )
 

@@ -7,7 +7,10 @@ engine workers) is:
     bucket  one flat tensor per listed bucket index, in that order
 
 Both sides derive the same ``BucketPlan`` from the same ordered ``TensorSpec`` list (sent once at connect), so
-no per-tensor metadata travels per push. ``method`` is 0 for a full push (every bucket) and 1 for a delta push
+no per-tensor metadata travels per push. Bucket 0 is always sent, first (a delta push includes it even when it
+did not change): the receiver pre-posts its receive next to the header's into a one-bucket landing buffer, so
+a small model's push costs one round trip, like a raw broadcast, instead of two (header, then the wake-up of
+the receiving thread before its bucket receives are posted). ``method`` is 0 for a full push (every bucket) and 1 for a delta push
 (only the listed buckets changed; the others keep their last values).
 
 Simplification: a tensor is never split across buckets; one larger than ``bucket_bytes`` gets a bucket of its own.
@@ -123,6 +126,8 @@ class FlatWeights:
 
 
 def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int], method: int) -> torch.Tensor:
+    """The header of a push sending ``bucket_ids`` in that order; bucket 0 must come first (see the module
+    docstring)."""
     h = torch.full((plan.header_len,), -1, dtype=torch.int64)
     h[:4] = torch.tensor([MAGIC, version, len(bucket_ids), method])
     h[4 : 4 + len(bucket_ids)] = torch.tensor(bucket_ids, dtype=torch.int64)
@@ -212,10 +217,16 @@ class WeightReceiver:
     def _run(self, make_group: Callable[[], object], stop: threading.Event) -> None:
         try:
             pg = make_group()
+            b0 = self.plan.buckets[0]
+            landing = torch.empty(b0.numel, dtype=_DTYPES[b0.dtype], device=self.device)  # one bucket
             while not stop.is_set():
                 header = torch.empty(self.plan.header_len, dtype=torch.int64)
-                _broadcast_idle(pg, header).wait()
+                header_work = _broadcast_idle(pg, header)
+                landing_work = _broadcast_idle(pg, landing)  # pre-posted: bucket 0 needs no wake-up round trip
+                header_work.wait()
                 version, ids, method = decode_header(header)
+                if not ids or ids[0] != 0:
+                    raise RuntimeError(f"push {version}: bucket 0 must travel first, got buckets {ids}")
                 if self.fault_stall_s:
                     stop.wait(self.fault_stall_s)
                 buf = self._take_buffer(stop)
@@ -226,8 +237,11 @@ class WeightReceiver:
                         raise RuntimeError("delta push received before any full push")
                     if self._newest[1] is not buf:
                         buf.copy_from(self._newest[1])
-                for i in ids:
-                    compat.broadcast(pg, buf.flats[i]).wait()
+                works = [compat.broadcast(pg, buf.flats[i]) for i in ids[1:]]  # posted before bucket 0 is copied
+                landing_work.wait()
+                buf.flats[0].copy_(landing)
+                for w in works:
+                    w.wait()
                 with self._lock:
                     if stop.is_set():  # superseded while receiving: drop this buffer, never publish it
                         return

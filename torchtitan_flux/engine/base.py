@@ -29,6 +29,7 @@ class GenerationRequest:
     top_k: int
     seed: int  # sampling seed of this request: same seed, same weights, same batch => same tokens
     dispatch_version: int  # trainer policy version when the request was dispatched
+    min_version: int = -1  # the engine starts it only once it holds this version (or after its wait bound)
 
 
 @dataclass

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 
 import torch
 
@@ -75,7 +76,8 @@ class _EngineProcess:
         self.receiver = None
         self.stall_s = 0.0  # fault injection: sleep before each generation
         self._send_lock = threading.Lock()
-        self._has_weights = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self._wait_bound_s = 60.0  # how long a request waits for its min_version; the join sets timeout_s
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
@@ -93,8 +95,8 @@ class _EngineProcess:
             )
 
         def on_received(version: int) -> None:
-            self._has_weights.set()
             self._send(("ack", version, time.time()))
+            os.write(self._wake_w, b"w")  # wakes serve(): a waiting request may now be ready
 
         def on_error(e: BaseException) -> None:
             self._send(("error", f"weight receiver: {type(e).__name__}: {e}", False))
@@ -102,12 +104,12 @@ class _EngineProcess:
         if self.receiver is None:
             plan = transport.plan_buckets(info.specs, info.bucket_bytes)
             self.receiver = transport.WeightReceiver(plan, self.device, on_received, on_error)
+        self._wait_bound_s = info.timeout_s
         self.receiver.start(make_group)  # a re-join (resync) keeps serving the live version meanwhile
 
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
-        self._has_weights.wait()
         version = self.receiver.swap()
         t0 = time.perf_counter()
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
@@ -125,26 +127,40 @@ class _EngineProcess:
         )
         tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu()
         dt = time.perf_counter() - t0
-        self._send(("result", req.req_id, tokens, logprobs, lengths, version, self.receiver.newest()[0], dt))
+        # numpy, not tensors: torch's pickler would pass each tensor as a shared-memory file descriptor through a
+        # resource-sharer connection, which costs more than copying these few kilobytes inline
+        arrays = (tokens.numpy(), logprobs.numpy(), lengths.numpy())
+        self._send(("result", req.req_id, *arrays, version, self.receiver.newest()[0], dt))
+
+    def _ready(self, req: GenerationRequest, arrived: float) -> bool:
+        """A request runs once the engine holds ``min_version`` (or has waited ``timeout_s`` for it: then it
+        runs on what it has, stamped with that older version), and never before the first weights."""
+        newest = self.receiver.newest()[0] if self.receiver is not None else -1
+        return newest >= 0 and (newest >= req.min_version or time.monotonic() - arrived > self._wait_bound_s)
 
     def serve(self) -> None:
-        waiting: collections.deque = collections.deque()  # requests that arrived before the first weights
+        """Serve the control pipe in order; generation requests queue (FIFO) until ready, while joins, checksums
+        and faults are still served. The receiver thread's ``_wake`` pipe ends a wait as soon as a push lands."""
+        waiting: collections.deque = collections.deque()  # (request, arrival time)
         while True:
-            if waiting and self._has_weights.is_set():
-                self.generate(waiting.popleft())
+            if waiting and self._ready(*waiting[0]):
+                self.generate(waiting.popleft()[0])
+                continue
+            timeout = None
+            if waiting:
+                timeout = max(0.0, waiting[0][1] + self._wait_bound_s - time.monotonic()) + 0.001
+            ready = mp_connection.wait([self.conn, self._wake_r], timeout)
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            if self.conn not in ready:
                 continue
             try:
-                if waiting and not self.conn.poll(0.05):
-                    continue
                 msg = self.conn.recv()
             except EOFError:
                 return
             kind = msg[0]
             if kind == "generate":
-                if waiting or not self._has_weights.is_set():
-                    waiting.append(msg[1])
-                else:
-                    self.generate(msg[1])
+                waiting.append((msg[1], time.monotonic()))
             elif kind == "join":
                 self.join(msg[1])
             elif kind == "checksum":
@@ -251,6 +267,7 @@ class EmbeddedEngine:
             kind = msg[0]
             if kind == "result":
                 _, req_id, tokens, logprobs, lengths, version, newest, dt = msg
+                tokens, logprobs, lengths = (torch.from_numpy(a) for a in (tokens, logprobs, lengths))
                 self.events.put(GenerationResult(req_id, self.name, tokens, logprobs, lengths, version, newest, dt))
             elif kind == "ack":
                 self.events.put(WeightAck(self.name, msg[1], msg[2]))

@@ -335,6 +335,7 @@ class HttpEngine:
         self._lock = threading.Lock()
         self._gate = _Gate()
         self._version = -1  # version the server holds; -1 = the weights it loaded from disk
+        self._version_cv = threading.Condition()  # notified when _version changes (requests wait on min_version)
         self._plan: transport.BucketPlan | None = None
         self._bucket_meta: list[tuple[list[str], list[str], list[list[int]]]] = []
         self._info: WeightGroupInfo | None = None
@@ -467,6 +468,9 @@ class HttpEngine:
     def _generate_task(self, req: GenerationRequest) -> None:
         if self._dead or self._closing:
             return
+        with self._version_cv:  # born fresh enough; after the wait bound it runs on what the server holds
+            bound = self._info.timeout_s if self._info is not None else 60.0
+            self._version_cv.wait_for(lambda: self._version >= req.min_version or self._dead, timeout=bound)
         try:
             with self._gate.shared():
                 version = self._version
@@ -540,7 +544,9 @@ class HttpEngine:
             self.events.put(EngineError(self.name, f"weight push {version} not started: {e}", fatal=False))
             return
         self.last_push_s = time.perf_counter() - t0
-        self._version = version
+        with self._version_cv:
+            self._version = version
+            self._version_cv.notify_all()
         self._gate.release()
         self.events.put(WeightAck(self.name, version, time.time()))
 
