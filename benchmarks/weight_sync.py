@@ -10,7 +10,8 @@ Runs ``train_configs/debug_cpu.toml`` (or ``--config``) with ``weight_sync.async
 * ``blocked_fraction``: trainer time spent in weight sync per async step / async step time;
 * ``push_bandwidth_ratio``: bytes per second of our blocking push (header + buckets, timed on the sending
   thread until its Works complete) / a raw gloo broadcast of one contiguous buffer of the same bytes between
-  two processes, timed the same way on the sender.
+  two processes, timed the same way on the sender, each after the same idle gap (the sync run's train time)
+  as our pushes, which follow a training step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def run(config: str, out: str, steps: int, async_mode: bool, extra: list[str]) -
                         str(async_mode).lower(), *extra, config=config)
 
 
-def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, q) -> None:
+def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, idle_s: float, q) -> None:
     import torch
     import torch.distributed as dist
 
@@ -50,6 +51,7 @@ def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, q) -> None:
     times = []
     for _ in range(iters):
         pg.barrier().wait()
+        time.sleep(idle_s)  # a push follows a training step: time both after the same idle gap (cold caches)
         t0 = time.perf_counter()
         pg.broadcast([buf], opts).wait()
         times.append(time.perf_counter() - t0)  # on the sender, as our push is timed
@@ -57,11 +59,11 @@ def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, q) -> None:
         q.put(statistics.median(times))
 
 
-def raw_broadcast_seconds(nbytes: int, iters: int = 30) -> float:
+def raw_broadcast_seconds(nbytes: int, idle_s: float, iters: int = 30) -> float:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_raw_broadcast, args=(r, port, nbytes, iters, q)) for r in range(2)]
+    procs = [ctx.Process(target=_raw_broadcast, args=(r, port, nbytes, iters, idle_s, q)) for r in range(2)]
     for p in procs:
         p.start()
     t = q.get(timeout=120)
@@ -96,7 +98,7 @@ def main() -> None:
     blocked = median(a, "weight_sync_s") / median(a, "step_time_s")
     nbytes = summaries["sync"][0]["weight_bytes"]
     push_s = median(s, "weight_push_s")
-    raw_s = raw_broadcast_seconds(nbytes)
+    raw_s = raw_broadcast_seconds(nbytes, idle_s=T)  # the sync run's train time: the gap before each push
     bw, raw_bw = nbytes / push_s, nbytes / raw_s
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {__import__('torch').__version__}; "

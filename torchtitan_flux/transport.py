@@ -127,11 +127,10 @@ class FlatWeights:
 
 def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int], method: int) -> torch.Tensor:
     """The header of a push sending ``bucket_ids`` in that order; bucket 0 must come first (see the module
-    docstring)."""
-    h = torch.full((plan.header_len,), -1, dtype=torch.int64)
-    h[:4] = torch.tensor([MAGIC, version, len(bucket_ids), method])
-    h[4 : 4 + len(bucket_ids)] = torch.tensor(bucket_ids, dtype=torch.int64)
-    return h
+    docstring). Built from one Python list: a handful of small torch ops here cost 0.3 ms, a third of a push of
+    the tiny model."""
+    pad = plan.header_len - 4 - len(bucket_ids)
+    return torch.tensor([MAGIC, version, len(bucket_ids), method, *bucket_ids, *([-1] * pad)], dtype=torch.int64)
 
 
 def decode_header(h: torch.Tensor) -> tuple[int, list[int], int]:
