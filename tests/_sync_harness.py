@@ -72,6 +72,7 @@ class Harness:
         async_mode: bool,
         timeout_s: float = 3.0,
         bucket_size_mb: float = 64.0,
+        method: str = "full",
         num_engines: int = 1,
         prompts_per_step: int = 2,
         group_size: int = 4,
@@ -86,7 +87,8 @@ class Harness:
         for e in self.engines:  # the child serves its pipe once it is up (spawn + torch import)
             e.checksum(timeout=60)
         cfg = WeightSync(
-            async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0
+            async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
+            method=method,
         )
         self.syncer = WeightSyncer(cfg, self.model, self.engines, device=torch.device("cpu"), is_sender=True)
         self.scheduler = RolloutScheduler(

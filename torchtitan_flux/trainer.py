@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import resource
+import signal
 import time
 from typing import Any
 
@@ -39,7 +40,7 @@ from torchtitan.train import Trainer
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.config import ConfigError, validate_config
 from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
-from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights
 from torchtitan_flux.rollout import RolloutBatch, RolloutScheduler
@@ -107,14 +108,7 @@ class FluxTrainer(Trainer):
         reach the trainer, which would train on (engines included) as an orphan. Under torchrun, ask the kernel
         to SIGKILL this process when the agent dies (``PR_SET_PDEATHSIG``); the engines then die with it the
         same way, and the newest checkpoint with ``.metadata`` stays the one a resume loads."""
-        if "TORCHELASTIC_RUN_ID" not in os.environ:
-            return
-        import ctypes
-        import signal
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:  # not Linux
+        if "TORCHELASTIC_RUN_ID" not in os.environ or not die_with_parent():
             return
         if os.getppid() == 1:  # the agent died before the prctl
             os.kill(os.getpid(), signal.SIGKILL)

@@ -90,6 +90,7 @@ class SyncStats:
     errors: int = 0
     resyncs: int = 0
     bytes_sent: int = 0
+    delta_buckets_skipped: int = 0  # method "delta": unchanged buckets not sent
     last_push_s: float = 0.0  # wall time of the last push on the push thread (or main thread, blocking)
     last_snapshot_s: float = 0.0
     blocked_s: float = 0.0  # main-thread time spent in sync during the last step
@@ -124,6 +125,7 @@ class WeightSyncer:
         self._job_links: list[EngineLink] | None = None  # None: every usable engine
         self._closed = False
         self.version = -1  # newest version snapshotted
+        self._delta: tuple[int, list[int]] | None = None  # method "delta": (previous version, changed buckets)
         self.links = [EngineLink(e) for e in engines] if is_sender else []
         # Wire-layout hook: HTTP engines load HF-layout tensors; converting while snapshotting keeps one staging
         # buffer holding exactly what goes on the wire. All engines of a run must agree on the layout.
@@ -295,6 +297,7 @@ class WeightSyncer:
         """Copy (gathering shards) the parameters into the staging buffer, bucket by bucket."""
         t0 = time.perf_counter()
         self.side.record_after_main()
+        changed = []
         for i, bucket in enumerate(self.plan.buckets):
             specs = self.plan.specs[bucket.start : bucket.end]
             srcs = [self._full(self._params[s.name]) for s in specs]
@@ -302,7 +305,12 @@ class WeightSyncer:
                 with self.side.copy_context():
                     if self._wire is not None:  # hook: torchtitan -> HF layout (q/k rows), on the copy stream
                         srcs = [self._wire(s.name, t) for s, t in zip(specs, srcs)]
-                    torch._foreach_copy_(self.staging.bucket_views(i), srcs)
+                    views = self.staging.bucket_views(i)
+                    # delta: staging still holds the previous snapshot, which is what the engines were sent
+                    if self.cfg.method == "delta" and not all(torch.equal(d, t) for d, t in zip(views, srcs)):
+                        changed.append(i)
+                    torch._foreach_copy_(views, srcs)
+        self._delta = (self.version, changed) if self.cfg.method == "delta" else None
         self.version = version
         self.stats.last_snapshot_s = time.perf_counter() - t0
 
@@ -384,32 +392,39 @@ class WeightSyncer:
                 (lk, lk.epoch, lk.pg, lk.handler) for lk in (self.links if only is None else only)
                 if lk.pg is not None and not (lk.joining or lk.lagging or lk.broken or lk.dead)
             ]
-        ids = list(range(len(self.plan.buckets)))
-        header = transport.encode_header(self.plan, version, ids, transport.METHOD_FULL)
+        full_ids = list(range(len(self.plan.buckets)))
+        full_header = transport.encode_header(self.plan, version, full_ids, transport.METHOD_FULL)
         pending = []
         for link, epoch, pg, handler in targets:
             try:
                 handler.begin_update(version)
-                flats = [self.staging.flats[i] for i in ids]
                 wire_tensors = getattr(handler, "wire_tensors", None)  # hook: what this engine receives
+                ids, header = full_ids, full_header
+                base = self._delta[0] if self._delta is not None else None
+                if base is not None and base >= 0 and wire_tensors is None and link.sent == link.acked == base:
+                    # the engine holds exactly the previous snapshot: send bucket 0 and the changed ones
+                    ids = [0] + [i for i in self._delta[1] if i != 0]
+                    header = transport.encode_header(self.plan, version, ids, transport.METHOD_DELTA)
+                    self.stats.delta_buckets_skipped += len(full_ids) - len(ids)
+                flats = [self.staging.flats[i] for i in ids]
                 tensors = wire_tensors(header.clone(), flats) if wire_tensors else [header.clone(), *flats]
                 works = [compat.broadcast(pg, t) for t in tensors]
                 with self._lock:
                     if link.epoch == epoch:
                         link.sent, link.sent_at = version, time.time()
-                pending.append((link, epoch, handler, works))
+                pending.append((link, epoch, handler, works, tensors))
             except Exception as e:  # noqa: BLE001
                 with self._lock:
                     if link.epoch == epoch:
                         link.broken = True
                     self._fail(link, f"push {version} failed to start: {e}")
         deadline = time.monotonic() + self.cfg.timeout_seconds
-        for link, epoch, handler, works in pending:
+        for link, epoch, handler, works, tensors in pending:
             try:
                 for w in works:
                     w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 handler.finish_update(version)
-                self.stats.bytes_sent += self.plan.nbytes
+                self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors[1:])
             except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
                 with self._lock:
                     if link.epoch == epoch:  # else it was replaced/rejoined meanwhile: its new group is fine
@@ -475,6 +490,7 @@ class WeightSyncer:
             "weight_sync_timeouts": s.timeouts,
             "weight_sync_errors": s.errors,
             "weight_resyncs": s.resyncs,
+            "weight_delta_buckets_skipped": s.delta_buckets_skipped,
             "engines_lagging": lagging,
             "engine_min_version": min_acked,
         }

@@ -48,11 +48,14 @@ logger = logging.getLogger("torchtitan_flux")
 # ------------------------------------------------------------------------------------------ engine process
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); False off Linux.
+    Used by engine processes and by trainer workers under torchrun (see ``FluxTrainer``)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the closed control pipe still ends the loop
-        pass
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:  # not Linux: engines still end when their control pipe closes
+        return False
+    return True
 
 
 class _EngineProcess:
@@ -182,7 +185,7 @@ class _EngineProcess:
 
 
 def _engine_main(conn, name: str, model_dir: str, threads: int, device: str) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:
         proc = _EngineProcess(conn, name, model_dir, threads, device)
