@@ -120,3 +120,28 @@ def test_debug_config_as_shipped_learns(tiny_model_dir, tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last - first >= 0.3
+
+
+def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_dir, tmp_path):
+    """Graceful shutdown: SIGTERM to torchrun (which forwards it) -> the step in progress completes, a
+    checkpoint of exactly the last logged step is written, engines stop, exit code is non-zero; the resume
+    starts at the next step."""
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--training.steps", "5000",
+            "--weight_sync.async_weight_update", "true"]
+    proc = subprocess.Popen(torchrun_cmd(tmp_path, *ckpt), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
+        time.sleep(0.05)
+    tree = _tree(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "checkpoint of step" in out, out[-3000:]
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert (tmp_path / "checkpoint" / f"step-{last}").is_dir()
+    time.sleep(1.0)
+    assert not _alive(tree)
+    run_train(tmp_path, *ckpt[:-2], "--training.steps", str(last + 2))
+    assert read_metrics(tmp_path)[-1]["step"] == last + 2

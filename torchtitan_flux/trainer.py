@@ -50,9 +50,21 @@ from torchtitan_flux.weight_sync import WeightSyncer
 logger = logging.getLogger("torchtitan_flux")
 
 
+class TrainingInterrupted(Exception):
+    """SIGTERM or SIGINT during training. An ``Exception`` (not ``SystemExit``) so that torchtitan's ``main``
+    calls ``trainer.close()``, which stops the engines, before the process exits non-zero."""
+
+    def __init__(self, message: str, at_step_boundary: bool):
+        super().__init__(message)
+        self.at_step_boundary = at_step_boundary
+
+
 class FluxTrainer(Trainer):
     def __init__(self, job_config):
         self._die_with_launcher()
+        self._stop_signal: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
         validate_config(job_config)
         self.task = build_task(job_config.rollout)
         probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
@@ -101,6 +113,17 @@ class FluxTrainer(Trainer):
             )
 
     # ------------------------------------------------------------------------------------------- setup
+
+    def _on_signal(self, signum, frame) -> None:
+        """First SIGTERM/SIGINT: stop at the next step boundary (the step in progress completes, so no trained
+        step is half-applied). A second one, 2 s or more later: stop now."""
+        name = signal.Signals(signum).name
+        if self._stop_signal is not None:
+            if time.monotonic() - self._stop_at < 2.0:  # one signal delivered twice (to torchrun's group and by it)
+                return
+            raise TrainingInterrupted(f"received {name} twice", at_step_boundary=False)
+        self._stop_signal, self._stop_at = name, time.monotonic()
+        logger.warning(f"received {name}: stopping after the current step (send it again to stop at once)")
 
     @staticmethod
     def _die_with_launcher() -> None:
@@ -226,17 +249,38 @@ class FluxTrainer(Trainer):
                     dist_utils.set_pg_timeouts(
                         timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
                     )
-            self.syncer.flush(self.step)
-            memory = [{**self.memory, "peak_rss_mb": _peak_rss_mb()}]  # before the export gathers the model
-            if self.world > 1:
-                memory = [None] * self.world
-                dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": _peak_rss_mb()})
-            self._export_final()
-            if self.rank == 0:
-                self._write_summary(memory)
+                if self._stop_signal is not None:
+                    raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True)
+        except TrainingInterrupted as e:
+            self._save_on_interrupt(e.at_step_boundary)
+            raise
         finally:
             if self.rank == 0 and self.scheduler is not None:
                 self.scheduler.drain(timeout=1.0)
+        self._finish()
+
+    def _save_on_interrupt(self, at_step_boundary: bool) -> None:
+        """Graceful stop: let an in-flight push finish or time out (nothing is left half-sent by us), then write
+        a checkpoint of the last completed step when checkpoints are on. Single-process only: with several
+        ranks a second signal can land at different points on each, and a collective save could hang, so those
+        runs resume from their last periodic checkpoint. After a second signal the step in progress may be
+        incomplete: then no checkpoint is written."""
+        logger.warning(f"interrupted after step {self.step}; stopping")
+        self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds)
+        if at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0:
+            self.checkpointer.save(self.step, last_step=True)
+            logger.warning(f"checkpoint of step {self.step} written")
+
+    def _finish(self) -> None:
+        """After the last step: final push, summary (rank 0), HF export."""
+        self.syncer.flush(self.step)
+        memory = [{**self.memory, "peak_rss_mb": _peak_rss_mb()}]  # before the export gathers the model
+        if self.world > 1:
+            memory = [None] * self.world
+            dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": _peak_rss_mb()})
+        self._export_final()
+        if self.rank == 0:
+            self._write_summary(memory)
 
     def _next_batch(self, step: int) -> tuple[RolloutBatch | None, float]:
         """Rank 0 admits and collects; every rank gets the batch. Returns (batch, seconds waited)."""
