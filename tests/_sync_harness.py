@@ -145,3 +145,10 @@ class Harness:
         self.syncer.close()
         for e in self.engines:
             e.close()
+
+
+def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:
+    """Engine ``i`` holds ``version``, bitwise equal to the staging buffer, which equals the model's parameters."""
+    assert h.engine_checksum(i) == (version, h.staging_checksum())
+    params = params_snapshot(h.model)
+    assert all(h.syncer.staging.views[n].equal(p) for n, p in params.items())

@@ -55,6 +55,23 @@ def read_metrics(dump: Path) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+@pytest.fixture
+def harness_factory(tiny_model_dir):
+    """Build ``_sync_harness.Harness`` rigs (a real engine process + WeightSyncer + scheduler); closed after."""
+    from _sync_harness import Harness
+
+    made: list = []
+
+    def make(**kw):
+        h = Harness(tiny_model_dir, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
 @pytest.fixture(autouse=True)
 def _no_cuda_env(monkeypatch):
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")

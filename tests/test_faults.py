@@ -23,16 +23,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _sync_harness import Harness, params_snapshot, perturb
+from _sync_harness import assert_in_sync, perturb
 from conftest import ROOT, read_metrics, run_train, torchrun_cmd
 
 LOG = "torchtitan_flux"
-
-
-def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:
-    assert h.engine_checksum(i) == (version, h.staging_checksum())
-    params = params_snapshot(h.model)
-    assert all(h.syncer.staging.views[n].equal(p) for n, p in params.items())
 
 
 def gone(pid: int, create_time: float | None = None) -> bool:
@@ -54,18 +48,6 @@ def wait_gone(procs: dict[int, tuple[float, str]], timeout: float) -> list[str]:
         time.sleep(0.1)
 
 
-@pytest.fixture
-def harness_factory(tiny_model_dir):
-    made: list[Harness] = []
-
-    def make(**kw) -> Harness:
-        h = Harness(tiny_model_dir, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
 
 
 # ---------------------------------------------------------------------------------- engine stalled

@@ -48,7 +48,7 @@ def ref_grpo(
     """Per-token loop on 0-d float64 tensors (autograd through indexing). Returns (loss, metrics dict)."""
     n, t_len = lp.shape
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    rows, tot_tok = [], 0
+    tot_tok = 0
     m = dict(clip=0.0, kl=0.0, ratio=0.0, w=0.0, trunc=0.0, bkl=0.0)
     iws = []
     total = torch.zeros((), dtype=torch.float64)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-import pytest
 import torch
-from _sync_harness import Harness, params_snapshot, perturb
+from _sync_harness import Harness, assert_in_sync, params_snapshot, perturb
 
 from torchtitan_flux import inference
 from torchtitan_flux.transport import _DTYPES
@@ -25,23 +24,6 @@ def staging_holds(h: Harness, params: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(h.syncer.staging.views[n], p) for n, p in params.items())
 
 
-def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:
-    assert h.engine_checksum(i) == (version, h.staging_checksum())
-    assert staging_holds(h, params_snapshot(h.model))
-
-
-@pytest.fixture
-def harness_factory(tiny_model_dir):
-    made: list[Harness] = []
-
-    def make(**kw) -> Harness:
-        h = Harness(tiny_model_dir, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
 
 
 # ------------------------------------------------------------------------------------------ blocking push

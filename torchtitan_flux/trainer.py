@@ -44,7 +44,7 @@ from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights
 from torchtitan_flux.rollout import RolloutBatch, RolloutScheduler
-from torchtitan_flux.tasks import Prompt, build_task, check_reward
+from torchtitan_flux.tasks import build_task, check_reward
 from torchtitan_flux.weight_sync import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
