@@ -328,3 +328,43 @@ def test_grpo_run_with_vllm(vllm_server, small_model_dir, tmp_path, mode):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_engine_version"] == 4
     assert summary["checksums_match"]
+
+
+def _vllm_pids() -> set[int]:
+    """Live processes running vLLM's API server or engine core (ours or not: compare before and after)."""
+    import psutil
+
+    pids = set()
+    for p in psutil.process_iter(["pid", "cmdline", "name"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "vllm.entrypoints" in cmd or "VLLM::EngineCore" in (p.info["name"] or "") + cmd:
+                pids.add(p.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_grpo_run_with_launched_vllm(small_model_dir, tmp_path, monkeypatch):
+    """``rollout.launch = true``: the trainer starts its own server, trains 4 steps, and stops it on exit."""
+    from conftest import run_train
+
+    if not VLLM_PY.exists():
+        pytest.skip(f"{VLLM_PY.parent.parent} is absent: run scripts/setup_vllm.sh to test against a real vLLM server")
+    monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "512")  # inherited by the trainer, read by launch_command
+    before = _vllm_pids()
+    run_train(
+        tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
+        "--rollout.engine", "vllm", "--rollout.launch", "true", "--weight_sync.async_weight_update", "true",
+        timeout=600,
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_engine_version"] == 4
+    assert summary["checksums_match"]
+    assert (tmp_path / "vllm_server0.log").exists()
+    deadline = time.monotonic() + 10
+    while (left := _vllm_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"vLLM processes survived the run: {left}"

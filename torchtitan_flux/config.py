@@ -81,7 +81,8 @@ class Rollout:
     server), "vllm" or "sglang" (HTTP servers; see ``urls``)."""
 
     num_engines: int = 1
-    """Number of embedded engine processes (embedded only; servers are counted by ``urls``). >= 1."""
+    """Number of embedded engine processes, or of vLLM servers started with ``launch = true`` (otherwise servers
+    are counted by ``urls``). >= 1."""
 
     urls: list[str] = field(default_factory=list)
     """Base URLs of vLLM / SGLang servers, e.g. ["http://127.0.0.1:8000"]. Required for those engines."""
@@ -110,7 +111,8 @@ class Rollout:
     answer) -> float."""
 
     engine_threads: int = 1
-    """torch intra-op threads of each embedded engine process. >= 1."""
+    """CPU threads of each engine on this machine (an embedded engine's torch threads, or a launched vLLM
+    server's OpenMP threads); the trainer gets the remaining cores. >= 1."""
 
     engine_device: str = "auto"
     """Device of the embedded engines: "auto" (CPU when the trainer is on CPU, else the GPU after the trainer's
@@ -118,6 +120,31 @@ class Rollout:
 
     seed: int = 0
     """Base seed of the engines' samplers (each request derives its own generator from it)."""
+
+    dispatch_dead_zone: float = 0.1
+    """Dead zone of the dispatch split. Prompts are split across engines in proportion to an EMA of each engine's
+    measured completions/s; the previous split is kept while every engine's share would change by less than this
+    fraction of itself (0.1: by less than 10%), so timing jitter does not reshuffle work. 0 re-splits on every
+    change. In [0, 1)."""
+
+    dispatch_max_share: float = 0.75
+    """Imbalance cap of the dispatch split: while more than one engine is alive, no engine gets more than this
+    fraction of a step's prompts (the excess goes to the others in proportion to their speed), however much
+    faster it measures; a lone engine gets everything. Below 1 / (engines alive) the split is even. In (0, 1]."""
+
+    launch: Bool = False
+    """Engine "vllm" only: the trainer starts ``num_engines`` local vLLM servers itself (free ports, model
+    ``model.hf_assets_path``, the flags of ``scripts/launch_vllm.sh``, interpreter ``launch_python``), waits for
+    their ``/health``, uses them as ``urls`` and stops them when it closes. ``urls`` must then be empty."""
+
+    launch_python: str = ".venv-vllm/bin/python"
+    """Python interpreter with vLLM installed, used when ``launch`` is true (``scripts/setup_vllm.sh`` creates
+    ``.venv-vllm``); a relative path is taken from the current directory, then from the repository root. Must
+    exist when ``launch`` is true."""
+
+    launch_timeout_s: float = 600.0
+    """Seconds to wait for a launched vLLM server to answer ``/health`` before giving up (the error names the
+    server's log file). > 0."""
 
 
 @dataclass
@@ -315,6 +342,18 @@ def _importable(name: str, spec: str) -> Any:
     return obj
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_launch_python(path: str) -> str | None:
+    """``rollout.launch_python`` as an existing absolute path: as given (absolute, or relative to the current
+    directory), else relative to the repository root; None when neither exists."""
+    for cand in (path, os.path.join(REPO_ROOT, path)):
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return os.path.abspath(cand)
+    return None
+
+
 def validate_config(job_config: Any) -> None:
     """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
     for sec in SECTIONS:
@@ -338,8 +377,26 @@ def validate_config(job_config: Any) -> None:
         raise ConfigError(f"rollout.engine_device = {r.engine_device!r}; allowed: 'auto' | 'cpu' | 'cuda:N'")
     tasks = ("digits", "arithmetic", "jsonl")
     _require(r.task in tasks, "rollout.task", r.task, " | ".join(tasks))
-    if r.engine in ("vllm", "sglang") and not r.urls:
-        raise ConfigError(f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL")
+    _require(0 <= r.dispatch_dead_zone < 1, "rollout.dispatch_dead_zone", r.dispatch_dead_zone, "a number in [0, 1)")
+    _require(0 < r.dispatch_max_share <= 1, "rollout.dispatch_max_share", r.dispatch_max_share, "a number in (0, 1]")
+    _require(r.launch_timeout_s > 0, "rollout.launch_timeout_s", r.launch_timeout_s, "> 0")
+    if r.launch:
+        if r.engine != "vllm":
+            raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")
+        if r.urls:
+            raise ConfigError(
+                f"rollout.urls = {r.urls!r} must be empty when rollout.launch = true (the trainer starts the servers)"
+            )
+        if resolve_launch_python(r.launch_python) is None:
+            raise ConfigError(
+                f"rollout.launch_python = {r.launch_python!r} does not exist; rollout.launch = true needs a Python "
+                "with vLLM installed (run scripts/setup_vllm.sh to create .venv-vllm)"
+            )
+    elif r.engine in ("vllm", "sglang") and not r.urls:
+        raise ConfigError(
+            f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
+            + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else "")
+        )
     if r.task == "jsonl":
         if not r.dataset_path or not os.path.isfile(r.dataset_path):
             raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} is not a file; task 'jsonl' needs one")

@@ -10,8 +10,14 @@ is the only consumer and routes acks/errors to the ``WeightSyncer`` and results 
 in-flight requests are re-dispatched to the engines still alive (or to its restarted replacement), so no prompt
 is lost.
 
-Simplification: prompts are split across engines by group in proportion to each engine's measured throughput
-(EMA of completions/s); with one engine the split is trivial.
+Dispatch (after floDl's ElChe cadence controller): prompts are split across engines by group in proportion to
+each engine's measured throughput (EMA of completions/s), with
+  * a dead zone: the previous shares are kept while every engine's new share differs from its previous one by
+    less than ``dead_zone`` (relative), so timing jitter does not reshuffle work between steps;
+  * an imbalance cap: while more than one engine is alive, no engine gets more than ``max_share`` of the
+    prompts of one dispatch (the excess goes to the others in proportion to their speed), so one slow
+    measurement cannot starve an engine of the work that would show it has recovered.
+A dead engine is left out of the split, so its share goes to the engines still alive.
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ class RolloutScheduler:
         max_version_gap: int,
         on_weight_event: Callable[[object], None],
         on_engine_dead: Callable[[EngineHandler], EngineHandler | None],
+        dead_zone: float = 0.1,
+        max_share: float = 0.75,
     ):
         self.engines = list(engines)
         self.events, self.task, self.tokenizer = events, task, tokenizer
@@ -97,6 +105,8 @@ class RolloutScheduler:
         self._steps: dict[int, _Step] = {}
         self._by_req: dict[int, _Part] = {}
         self.speed = {e.name: 1.0 for e in self.engines}  # EMA of completions/s per engine
+        self.dead_zone, self.max_share = dead_zone, max_share
+        self.shares: dict[str, float] = {}  # the split in force (engine name -> fraction); see _shares
         self.redispatched = 0
         self.engine_deaths = 0
 
@@ -128,14 +138,50 @@ class RolloutScheduler:
         st.n_dispatched = upto
 
     def _split(self, n: int, engines: list[EngineHandler]) -> list[int]:
-        """Prompts per engine in proportion to measured speed (largest remainder)."""
-        speeds = [self.speed[e.name] for e in engines]
-        total = sum(speeds)
-        raw = [n * s / total for s in speeds]
+        """Prompts per engine: ``n`` split by ``_shares`` (largest remainder), then no engine above
+        ``floor(max_share * n)`` while another one is alive (when that is feasible: a dispatch of fewer prompts
+        than engines can still only be split as evenly as possible)."""
+        shares = self._shares(engines)
+        raw = [n * s for s in shares]
         counts = [int(r) for r in raw]
         for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: n - sum(counts)]:
             counts[i] += 1
+        if len(engines) > 1:
+            limit = max(int(self.max_share * n + 1e-9), -(-n // len(engines)))
+            for i in range(len(counts)):
+                while counts[i] > limit:  # rounding pushed it over the cap: give one to the most under-served
+                    j = max((j for j in range(len(counts)) if counts[j] < limit), key=lambda j: raw[j] - counts[j])
+                    counts[i] -= 1
+                    counts[j] += 1
         return counts
+
+    def _shares(self, engines: list[EngineHandler]) -> list[float]:
+        """Fractions of the prompts per engine: proportional to the EMA of measured speed, capped at
+        ``max_share`` while more than one engine is alive (water-filling: the excess is spread over the uncapped
+        engines in proportion to their speed), and the previous fractions kept when no engine's fraction would
+        change by ``dead_zone`` (relative) or more. A change in the set of engines always re-splits."""
+        names = [e.name for e in engines]
+        speeds = [max(self.speed.get(nm, 1.0), 1e-9) for nm in names]
+        shares = [s / sum(speeds) for s in speeds]
+        if len(engines) > 1:
+            cap = max(self.max_share, 1.0 / len(engines))  # below 1/n the cap cannot hold: split evenly
+            capped: set[int] = set()
+            while True:
+                over = [i for i in range(len(shares)) if i not in capped and shares[i] > cap + 1e-12]
+                if not over:
+                    break
+                capped.update(over)
+                free = [i for i in range(len(shares)) if i not in capped]
+                left = 1.0 - cap * len(capped)
+                free_speed = sum(speeds[i] for i in free)
+                shares = [cap if i in capped else left * speeds[i] / free_speed for i in range(len(shares))]
+        prev = self.shares
+        if set(prev) == set(names) and all(
+            abs(new - prev[nm]) < self.dead_zone * prev[nm] for nm, new in zip(names, shares)
+        ):
+            return [prev[nm] for nm in names]
+        self.shares = dict(zip(names, shares))
+        return shares
 
     def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int) -> _Part:
         req = GenerationRequest(

@@ -155,7 +155,7 @@ class FluxTrainer(Trainer):
                 from torchtitan_flux.engine.vllm import VllmEngine as cls
             else:
                 from torchtitan_flux.engine.sglang import SglangEngine as cls
-            e = cls(f"{r.engine}{index}", r.urls[index], self._events, model_dir=self.job_config.model.hf_assets_path)
+            e = cls(f"{r.engine}{index}", self._urls[index], self._events, model_dir=self.job_config.model.hf_assets_path)
             e.start()
             return e
         e = EmbeddedEngine(
@@ -174,7 +174,18 @@ class FluxTrainer(Trainer):
 
     def _start_engines(self) -> None:
         r = self.job_config.rollout
-        n = len(r.urls) if r.engine in ("vllm", "sglang") else r.num_engines
+        self._urls = list(r.urls)
+        if r.launch:  # rollout.launch: start our own vLLM servers (stopped in close())
+            from torchtitan_flux.config import resolve_launch_python
+            from torchtitan_flux.engine.vllm import launch_servers
+
+            self.servers = launch_servers(
+                r.num_engines, self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
+                log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
+                threads=None if torch.cuda.is_available() else r.engine_threads,
+            )
+            self._urls = [s.url for s in self.servers]
+        n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines
         self.engines = [self._new_engine(i) for i in range(n)]
 
     def _restart_engine(self, dead: EmbeddedEngine):
@@ -203,6 +214,7 @@ class FluxTrainer(Trainer):
             max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
             seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer), max_version_gap=jc.adaptive_async.max_version_gap,
             on_weight_event=self.syncer.on_event, on_engine_dead=self._restart_engine,
+            dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
         )
 
     def _pump(self, timeout: float) -> None:
@@ -476,6 +488,8 @@ class FluxTrainer(Trainer):
             self.syncer.close()
         for e in getattr(self, "engines", []):
             e.close()
+        for s in getattr(self, "servers", []):  # launched vLLM servers: SIGTERM, SIGKILL after a grace period
+            s.stop()
         if getattr(self, "metrics_writer", None) is not None:
             self.metrics_writer.close()
         super().close()
@@ -502,8 +516,9 @@ def _td(seconds: float):
 
 
 def _set_cpu_threads(job_config) -> None:
-    """On CPU, leave the engines their cores: trainer threads = (cores - engine threads) / local ranks."""
-    if torch.cuda.is_available() or job_config.rollout.engine != "embedded":
+    """On CPU, leave the engines on this machine their cores (embedded engines, or servers we launch):
+    trainer threads = (cores - engine threads) / local ranks. Remote servers leave the trainer every core."""
+    if torch.cuda.is_available() or not (job_config.rollout.engine == "embedded" or job_config.rollout.launch):
         return
     r = job_config.rollout
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -17,15 +17,37 @@ module holds only the vLLM endpoints and payloads:
   the push header) -> ``/finish_weight_update {"weight_version": "N"}`` -> ``/reset_prefix_cache`` -> ``/resume``.
 * checks at ``start()``: reachable, RL endpoints on (``/weight_info``), the extension loaded and a ``gloo`` /
   ``flux_nccl`` transfer engine configured, one worker, same model config and same tokenizer as the trainer.
+
+Launching (``rollout.launch = true``): ``launch_command`` builds the server's argv and environment exactly as
+``scripts/launch_vllm.sh`` does (keep the two in step); ``launch_servers`` starts servers on free loopback ports,
+each in a process group of its own and with ``PR_SET_PDEATHSIG`` (it dies with the trainer), waits for
+``/health`` and returns ``LaunchedServer`` handles whose ``stop()`` sends SIGTERM to the group, then SIGKILL after
+a grace period. Servers still running at interpreter exit are stopped too (``atexit``). A launched server that
+dies is not relaunched: its handler reconnects if it comes back, else the run goes on without it.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
 import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
+from torchtitan_flux.engine.embedded import die_with_parent
 from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 EXTENSION = "torchtitan_flux.engine.vllm_ext.FluxWorkerExtension"
 logger = logging.getLogger("torchtitan_flux")
@@ -172,3 +194,172 @@ class VllmEngine(HttpEngine):
     def weight_version(self) -> str:
         """The version the server reports (``GET /weight_info``); ``str(version)`` after our pushes."""
         return self.client.get("/weight_info")["weight_version"]
+
+
+# ------------------------------------------------------------------------------------------------ launching
+
+
+def _has_gpu() -> bool:
+    """What ``scripts/launch_vllm.sh`` tests: ``nvidia-smi`` exists and succeeds."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, timeout=30, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def launch_command(
+    model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike, extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None, gpu: bool | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a vLLM server ready for torchtitan_flux weight sync, on 127.0.0.1:``port``.
+
+    The Python twin of ``scripts/launch_vllm.sh`` (keep them in step): dev-mode RL endpoints, our worker extension
+    and weight-transfer backend (``gloo`` on CPU, ``flux_nccl`` on a GPU), processed log-probs, loopback only,
+    offline, no usage stats; the same environment knobs (``VLLM_DTYPE``, ``VLLM_MAX_MODEL_LEN``,
+    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_HOST_IP``), read from ``env`` (default: this
+    process's environment)."""
+    env = dict(os.environ if env is None else env)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
+    args: list[str] = []
+    if _has_gpu() if gpu is None else gpu:
+        backend = "flux_nccl"
+        args += ["--dtype", env.get("VLLM_DTYPE") or "auto"]
+    else:
+        backend = "gloo"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        args += ["--dtype", env.get("VLLM_DTYPE") or "float32", "--enforce-eager"]
+    if env.get("VLLM_MAX_MODEL_LEN"):
+        args += ["--max-model-len", env["VLLM_MAX_MODEL_LEN"]]
+    argv = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--seed", "0", "--worker-extension-cls", EXTENSION,
+        "--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":")),
+        "--logprobs-mode", "processed_logprobs", *args, *extra_args,
+    ]
+    return argv, env
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _preexec(parent: int) -> None:
+    """In the forked child, before exec: SIGKILL it when the trainer dies (the new session, from
+    ``start_new_session``, is already set); exit if the trainer died before the prctl took effect."""
+    if die_with_parent() and os.getppid() != parent:
+        os._exit(1)
+
+
+class LaunchedServer:
+    """A vLLM server this process started (see ``launch_servers``)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, log_file):
+        self.proc, self.url, self.log_path, self._log = proc, url, log_path, log_file
+        atexit.register(self.stop)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def healthy(self) -> bool:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
+        try:
+            with opener.open(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the server's process group (it and its engine-core children), SIGKILL after ``grace_s``.
+        Idempotent."""
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning(f"vLLM server {self.url} (pid {self.proc.pid}) ignored SIGTERM; killing it")
+        try:  # the group may outlive its leader (engine-core children): kill what is left either way
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.returncode is None:
+            self.proc.wait(timeout=30)
+        if not self._log.closed:
+            self._log.close()
+        atexit.unregister(self.stop)
+
+
+def launch_servers(
+    n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
+    timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
+) -> list[LaunchedServer]:
+    """Start ``n`` local vLLM servers of ``model_dir`` (``launch_command``) on free ports and wait until each
+    answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
+    healthy within ``timeout_s``) every server started here is stopped and ``EngineStartError`` names the
+    server's log."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers: list[LaunchedServer] = []
+    try:
+        for i, port in enumerate(_free_ports(n)):
+            argv, env = launch_command(model_dir, port, python=python, extra_args=extra_args)
+            if threads is not None:  # CPU: the server's share of the cores (the trainer takes the rest)
+                env["OMP_NUM_THREADS"] = str(threads)
+            log_path = log_dir / f"vllm_server{i}.log"
+            log = open(log_path, "w")  # noqa: SIM115 (owned and closed by the LaunchedServer)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=REPO_ROOT, start_new_session=True,
+                                    # only a prctl between fork and exec, before any engine thread starts
+                                    preexec_fn=functools.partial(_preexec, os.getpid()))  # noqa: PLW1509
+            servers.append(LaunchedServer(proc, f"http://127.0.0.1:{port}", log_path, log))
+            logger.info(f"launched vLLM server {i} (pid {proc.pid}) at {servers[-1].url}; log {log_path}")
+        t0 = time.monotonic()
+        pending = list(servers)
+        while pending:
+            for s in list(pending):
+                if s.proc.poll() is not None:
+                    raise EngineStartError(
+                        f"the vLLM server launched at {s.url} exited with code {s.proc.returncode} before it was "
+                        f"healthy; see its log {s.log_path}:\n{s.tail()}"
+                    )
+                if s.healthy():
+                    pending.remove(s)
+            if pending and time.monotonic() - t0 > timeout_s:
+                s = pending[0]
+                raise EngineStartError(
+                    f"the vLLM server launched at {s.url} did not answer /health within {timeout_s:g} s "
+                    f"(rollout.launch_timeout_s); see its log {s.log_path}:\n{s.tail()}"
+                )
+            if pending:
+                time.sleep(1.0)
+        logger.info(f"{n} vLLM server(s) healthy after {time.monotonic() - t0:.1f} s")
+        return servers
+    except BaseException:
+        for s in servers:
+            s.stop(grace_s=5.0)
+        raise

@@ -1,0 +1,164 @@
+"""``RolloutScheduler`` dispatch: prompts split in proportion to the EMA of measured engine speed, with a dead
+zone against jitter (``rollout.dispatch_dead_zone``) and an imbalance cap (``rollout.dispatch_max_share``).
+
+Fake engines only (no processes): each answers a request at once, through the scheduler's event queue, with a
+``gen_time_s`` that corresponds to its configured rate (completions/s), optionally jittered."""
+
+from __future__ import annotations
+
+import queue
+import random
+
+import torch
+
+from torchtitan_flux.engine.base import EngineError, GenerationResult
+from torchtitan_flux.rollout import RolloutScheduler
+from torchtitan_flux.tasks import Prompt
+
+G = 4
+
+
+class FakeTask:
+    def prompts(self, seed, step, n):
+        return [Prompt(f"p{step}_{i}") for i in range(n)]
+
+
+class FakeTokenizer:
+    def encode(self, text, add_bos=True, add_eos=False):
+        return [1, 2, 3]
+
+
+class FakeEngine:
+    def __init__(self, name: str, rate: float, events: queue.Queue, jitter: float = 0.0, seed: int = 0,
+                 answer: bool = True):
+        self.name, self.rate, self.events, self.jitter = name, rate, events, jitter
+        self.rng = random.Random(seed)
+        self.answer = answer  # False: hold requests (to die with them in flight)
+        self.is_alive = True
+        self.received: list[int] = []  # prompts per request
+
+    def alive(self) -> bool:
+        return self.is_alive
+
+    def submit(self, req) -> None:
+        self.received.append(len(req.prompt_ids))
+        if not self.answer:
+            return
+        n = len(req.prompt_ids) * req.group_size
+        rate = self.rate * (1 + self.rng.uniform(-self.jitter, self.jitter))
+        self.events.put(GenerationResult(req.req_id, self.name, torch.zeros(n, 1, dtype=torch.int64),
+                                         torch.zeros(n, 1), torch.ones(n, dtype=torch.int64), 0, 0, n / rate))
+
+
+def make(rates, *, prompts=16, dead_zone=0.1, max_share=0.75, jitter=0.0, on_dead=None):
+    events: queue.Queue = queue.Queue()
+    engines = [FakeEngine(f"e{i}", r, events, jitter=jitter, seed=i) for i, r in enumerate(rates)]
+    sched = RolloutScheduler(
+        engines, events, FakeTask(), FakeTokenizer(), group_size=G, prompts_per_step=prompts, max_new_tokens=1,
+        temperature=1.0, top_k=0, seed=0, pad_id=0, max_version_gap=1, on_weight_event=lambda ev: None,
+        on_engine_dead=on_dead or (lambda e: None), dead_zone=dead_zone, max_share=max_share,
+    )
+    return sched, engines
+
+
+def step(sched, engines, k: int) -> list[int]:
+    """Dispatch step ``k``, let every result arrive; prompts each engine got for it."""
+    before = [sum(e.received) for e in engines]
+    sched.dispatch(k, 0)
+    while not sched.events.empty():
+        sched.pump(0)
+    sched.discard(k)
+    return [sum(e.received) - b for e, b in zip(engines, before)]
+
+
+def test_split_is_proportional_to_measured_speed():
+    sched, engines = make([10.0, 20.0, 10.0], prompts=40, dead_zone=0.0)
+    assert step(sched, engines, 1) == [14, 13, 13]  # no measurement yet: even
+    for k in range(2, 40):
+        counts = step(sched, engines, k)
+    assert counts == [10, 20, 10]
+    assert abs(sched.speed["e1"] / sched.speed["e0"] - 2.0) < 1e-3
+    # with the default dead zone the split settles within it of the proportional one
+    sched, engines = make([10.0, 20.0, 10.0], prompts=40)
+    for k in range(1, 40):
+        counts = step(sched, engines, k)
+    assert sum(counts) == 40 and all(abs(c - t) <= 0.1 * t + 1 for c, t in zip(counts, [10, 20, 10]))
+
+
+def test_dead_zone_keeps_the_split_under_jitter():
+    sched, engines = make([10.0, 10.0], prompts=64, jitter=0.05)
+    splits = [step(sched, engines, k) for k in range(1, 60)]
+    assert all(s == [32, 32] for s in splits)  # 5% jitter never reshuffles work
+    # without the dead zone the same jitter does move prompts around (so the check above means something)
+    sched, engines = make([10.0, 10.0], prompts=64, jitter=0.05, dead_zone=0.0)
+    splits = [step(sched, engines, k) for k in range(1, 60)]
+    assert len({tuple(s) for s in splits}) > 1
+    # a real change in speed (e1 becomes 2x faster) is outside the dead zone: the split follows it
+    sched, engines = make([10.0, 10.0], prompts=60, jitter=0.05)
+    for k in range(1, 10):
+        step(sched, engines, k)
+    engines[1].rate = 20.0
+    for k in range(10, 50):
+        counts = step(sched, engines, k)
+    assert 36 <= counts[1] <= 44 and sum(counts) == 60
+
+
+def test_cap_holds_with_a_10x_faster_engine():
+    sched, engines = make([100.0, 10.0], prompts=16)
+    splits = [step(sched, engines, k) for k in range(1, 30)]
+    assert all(s[0] <= 12 for s in splits)  # never above 0.75 * 16
+    assert splits[-1] == [12, 4]
+    assert abs(sched.speed["e0"] / sched.speed["e1"] - 10.0) < 0.1  # the speed is measured, only the split capped
+    # three engines: the fast one is capped, the excess is spread over the others by speed
+    # (100 / 140 = 0.71 of the speed; cap 0.6: e0 gets 0.6, the other 0.4 splits 1:3)
+    sched, engines = make([100.0, 10.0, 30.0], prompts=32, dead_zone=0.0, max_share=0.6)
+    for k in range(1, 30):
+        counts = step(sched, engines, k)
+    assert counts == [19, 3, 10]
+    # partial dispatches (fractional lookahead) respect the cap too
+    sched, engines = make([100.0, 10.0], prompts=16)
+    for k in range(1, 30):
+        step(sched, engines, k)
+    before = [sum(e.received) for e in engines]
+    sched.dispatch(30, 0, upto=5)
+    sched.dispatch(30, 0)
+    got = [sum(e.received) - b for e, b in zip(engines, before)]
+    assert sum(got) == 16 and got[0] <= 12
+
+
+def test_a_lone_engine_gets_everything():
+    sched, engines = make([100.0, 10.0], prompts=16)
+    engines[1].is_alive = False
+    assert step(sched, engines, 1) == [16, 0]
+
+
+def test_a_dead_engines_share_goes_to_the_others():
+    sched, engines = make([10.0, 10.0, 20.0], prompts=16)
+    for k in range(1, 20):
+        counts = step(sched, engines, k)
+    assert counts == [4, 4, 8]
+    engines[2].is_alive = False  # dead before the next dispatch: left out of the split
+    assert step(sched, engines, 20) == [8, 8, 0]
+    engines[2].is_alive = True  # back: the engine set changed, so the split is recomputed despite the dead zone
+    assert step(sched, engines, 21) == [4, 4, 8]
+
+
+def test_engine_dying_with_work_in_flight():
+    sched, engines = make([10.0, 10.0, 10.0], prompts=12)
+    engines[2].answer = False
+    sched.dispatch(1, 0)
+    assert [sum(e.received) for e in engines] == [4, 4, 4]
+    while not sched.events.empty():
+        sched.pump(0)
+    engines[2].is_alive = False
+    sched.events.put(EngineError("e2", "server gone", fatal=True))
+    sched.pump(0)  # on_engine_dead -> None: e2 is dropped and its 4 prompts are re-dispatched to the others
+    assert [e.name for e in sched.engines] == ["e0", "e1"] and sched.redispatched == 1
+    while not sched.events.empty():
+        sched.pump(0)
+    assert all(p.result is not None for p in sched._steps[1].parts)
+    sched.discard(1)
+    before = [sum(e.received) for e in engines[:2]]
+    sched.dispatch(2, 0)
+    got = [sum(e.received) - b for e, b in zip(engines[:2], before)]
+    assert sum(got) == 12 and min(got) >= 4  # the dead engine's third is shared by the two left
