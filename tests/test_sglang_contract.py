@@ -431,7 +431,7 @@ if __name__ != "__main__":
     import httpx
     import pytest
 
-    from torchtitan_flux import compat, inference, transport
+    from torchtitan_flux import inference, transport
     from torchtitan_flux.engine.base import (
         EngineError,
         GenerationRequest,
@@ -490,20 +490,7 @@ if __name__ != "__main__":
         pg = handler.trainer_group(store, info)
         return store, pg, transport.plan_buckets(list(specs), bucket_bytes)
 
-    def push(handler, pg, plan, weights: dict, version: int) -> transport.FlatWeights:
-        """One push as WeightSyncer does it with the ``wire_tensor`` (snapshot) and ``wire_tensors`` (broadcast)
-        hooks; returns the staging buffer."""
-        staging = plan.allocate()
-        for i, b in enumerate(plan.buckets):
-            for s, view in zip(plan.specs[b.start : b.end], staging.bucket_views(i)):
-                view.copy_(handler.wire_tensor(s.name, weights[s.name]))
-        header = transport.encode_header(plan, version, list(range(len(plan.buckets))), transport.METHOD_FULL)
-        handler.begin_update(version)
-        works = [compat.broadcast(pg, t) for t in handler.wire_tensors(header, staging.flats)]
-        for w in works:
-            w.wait(timedelta(seconds=60))
-        handler.finish_update(version)
-        return staging
+    from _engine_push import push_like_syncer as push
 
     def max_logprob_diff(result, prompts, group_size, weights, shape, temperature) -> float:
         """Max |engine logprob - trainer logprob| over every completion token (trainer = inference.score)."""

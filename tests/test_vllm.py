@@ -19,15 +19,15 @@ import socket
 import subprocess
 import threading
 import time
-from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from _engine_push import push_like_syncer
 import torch
 from conftest import ROOT, free_port
 
-from torchtitan_flux import compat, inference, transport
+from torchtitan_flux import inference, transport
 from torchtitan_flux.engine.base import (
     EngineError,
     GenerationRequest,
@@ -197,22 +197,6 @@ def _wait(events: queue.Queue, kind, timeout: float = 120.0):
             raise AssertionError(f"engine error: {ev}")
 
 
-def _push(handler, pg, plan, weights: dict, version: int) -> transport.FlatWeights:
-    """One push as WeightSyncer does it with the handler hooks (``wire_tensor`` while snapshotting into staging,
-    ``wire_tensors`` for the broadcast list)."""
-    staging = plan.allocate()
-    for i, b in enumerate(plan.buckets):
-        for s, view in zip(plan.specs[b.start : b.end], staging.bucket_views(i)):
-            view.copy_(handler.wire_tensor(s.name, weights[s.name]))
-    header = transport.encode_header(plan, version, list(range(len(plan.buckets))), transport.METHOD_FULL)
-    handler.begin_update(version)
-    works = [compat.broadcast(pg, t) for t in handler.wire_tensors(header, staging.flats)]
-    for w in works:
-        w.wait(timedelta(seconds=60))
-    handler.finish_update(version)
-    return staging
-
-
 def _max_diff(result, group_size, weights, shape, temperature) -> float:
     worst = 0.0
     for i in range(result.tokens.shape[0]):
@@ -263,7 +247,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         plan = transport.plan_buckets(specs, 512 * 1024)
         new = _modified(weights)
         t0 = time.perf_counter()
-        staging = _push(h, pg, plan, new, 1)
+        staging = push_like_syncer(h, pg, plan, new, 1)
         ack = _wait(events, WeightAck)
         push_s = time.perf_counter() - t0
         assert ack.version == 1
@@ -287,7 +271,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         info2 = WeightGroupInfo("127.0.0.1", store2.port, "flux_ws/vllm0/2", "gloo", 60.0, specs, 512 * 1024)
         h.join_weight_group(info2)
         pg2 = h.trainer_group(store2, info2)
-        _push(h, pg2, plan, weights, 2)
+        push_like_syncer(h, pg2, plan, weights, 2)
         assert _wait(events, WeightAck).version == 2
         again = generate(3, 0.0)
         assert again.version == 2 and torch.equal(again.tokens, before.tokens)
