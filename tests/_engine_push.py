@@ -1,10 +1,13 @@
-"""A push done the way ``WeightSyncer`` does it with an HTTP engine's hooks, for the engine tests."""
+"""Shared by the HTTP engine tests: a push done the way ``WeightSyncer`` does it, and waiting for an event."""
 
 from __future__ import annotations
 
+import queue
+import time
 from datetime import timedelta
 
 from torchtitan_flux import compat, transport
+from torchtitan_flux.engine.base import EngineError
 
 
 def push_like_syncer(handler, pg, plan, weights: dict, version: int) -> transport.FlatWeights:
@@ -21,3 +24,14 @@ def push_like_syncer(handler, pg, plan, weights: dict, version: int) -> transpor
         w.wait(timedelta(seconds=60))
     handler.finish_update(version)
     return staging
+
+
+def wait_event(events: queue.Queue, kind, timeout: float = 60.0):
+    """The next event of type ``kind`` from a handler's queue; an ``EngineError`` on the way fails the test."""
+    end = time.monotonic() + timeout
+    while True:
+        ev = events.get(timeout=max(0.01, end - time.monotonic()))
+        if isinstance(ev, kind):
+            return ev
+        if isinstance(ev, EngineError):
+            raise AssertionError(f"engine error: {ev}")

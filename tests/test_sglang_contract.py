@@ -472,15 +472,6 @@ if __name__ != "__main__":
             self.proc.wait(timeout=10)
             self.log.close()
 
-    def wait_event(events: queue.Queue, kind, timeout: float = 60.0):
-        end = time.monotonic() + timeout
-        while True:
-            ev = events.get(timeout=max(0.01, end - time.monotonic()))
-            if isinstance(ev, kind):
-                return ev
-            if isinstance(ev, EngineError):
-                raise AssertionError(f"engine error: {ev}")
-
     def connect(handler, name: str, specs, bucket_bytes: int, epoch: int = 1):
         """The trainer's side of joining (WeightSyncer._start_join with the ``trainer_group`` hook)."""
         store = transport.connect_store("127.0.0.1", 0, 30, True)
@@ -491,6 +482,7 @@ if __name__ != "__main__":
         return store, pg, transport.plan_buckets(list(specs), bucket_bytes)
 
     from _engine_push import push_like_syncer as push
+    from _engine_push import wait_event
 
     def max_logprob_diff(result, prompts, group_size, weights, shape, temperature) -> float:
         """Max |engine logprob - trainer logprob| over every completion token (trainer = inference.score)."""

@@ -23,13 +23,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from _engine_push import push_like_syncer
+from _engine_push import push_like_syncer, wait_event
 import torch
 from conftest import ROOT, free_port
 
 from torchtitan_flux import inference, transport
 from torchtitan_flux.engine.base import (
-    EngineError,
     GenerationRequest,
     GenerationResult,
     WeightAck,
@@ -187,16 +186,6 @@ def vllm_server(small_model_dir, tmp_path_factory):
         log.close()
 
 
-def _wait(events: queue.Queue, kind, timeout: float = 120.0):
-    end = time.monotonic() + timeout
-    while True:
-        ev = events.get(timeout=max(0.01, end - time.monotonic()))
-        if isinstance(ev, kind):
-            return ev
-        if isinstance(ev, EngineError):
-            raise AssertionError(f"engine error: {ev}")
-
-
 def _max_diff(result, group_size, weights, shape, temperature) -> float:
     worst = 0.0
     for i in range(result.tokens.shape[0]):
@@ -233,7 +222,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
 
         def generate(req_id: int, temperature: float) -> GenerationResult:
             h.submit(GenerationRequest(req_id, 1, PROMPTS, G, 16, temperature, 0, 11, 0))
-            return _wait(events, GenerationResult)
+            return wait_event(events, GenerationResult, timeout=120)
 
         before = generate(0, 0.0)
         assert before.version == -1 and before.tokens.shape == (len(PROMPTS) * G, 16)
@@ -248,7 +237,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         new = _modified(weights)
         t0 = time.perf_counter()
         staging = push_like_syncer(h, pg, plan, new, 1)
-        ack = _wait(events, WeightAck)
+        ack = wait_event(events, WeightAck, timeout=120)
         push_s = time.perf_counter() - t0
         assert ack.version == 1
         assert h.checksum() == (1, staging.checksum())  # the server received exactly the trainer's bytes
@@ -272,7 +261,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         h.join_weight_group(info2)
         pg2 = h.trainer_group(store2, info2)
         push_like_syncer(h, pg2, plan, weights, 2)
-        assert _wait(events, WeightAck).version == 2
+        assert wait_event(events, WeightAck, timeout=120).version == 2
         again = generate(3, 0.0)
         assert again.version == 2 and torch.equal(again.tokens, before.tokens)
         assert _max_diff(again, G, weights, shape, 0.0) < 1e-5
