@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Start a vLLM OpenAI-compatible server on 127.0.0.1, ready for torchtitan_flux weight sync
+# Start a vLLM OpenAI-compatible server on 127.0.0.1 (or $FLUX_HOST), ready for torchtitan_flux weight sync
 # (rollout.engine = "vllm", rollout.urls = ["http://127.0.0.1:PORT"]).
 #
 #   scripts/launch_vllm.sh MODEL_DIR [PORT] [extra vLLM args...]
+#   TORCHTITAN_FLUX_TOKEN=... FLUX_HOST=10.0.0.5 scripts/launch_vllm.sh MODEL_DIR [PORT]   # off loopback
+#
+# Security: the RL endpoints let anyone who can reach the server replace the model (vLLM's --api-key does not
+# guard them). FLUX_HOST (default 127.0.0.1) is the address the server listens on; anything but a loopback
+# address is refused unless TORCHTITAN_FLUX_TOKEN holds the shared token. With the token set (any host), the
+# server runs --middleware torchtitan_flux.engine.auth.BearerAuthMiddleware, which answers 401 to every request
+# without "Authorization: Bearer $TORCHTITAN_FLUX_TOKEN" except GET /health and /metrics, and the worker extension
+# joins weight-sync groups only after the token handshake with the trainer (set the trainer's variable named by
+# weight_sync.auth_token_env to the same token).
 #
 # MODEL_DIR must hold the same HF Llama the trainer starts from (model.hf_assets_path). PORT defaults to 8000.
 # The server gets what weight sync needs:
@@ -27,6 +36,7 @@ fi
 MODEL_DIR=$1
 PORT=${2:-8000}
 shift $(( $# >= 2 ? 2 : 1 ))
+. "$(dirname "$0")/flux_host.sh"  # HOST; refuses a non-loopback one without the token
 VPY=${VLLM_PYTHON:-$ROOT/.venv-vllm/bin/python}
 if [ ! -x "$VPY" ]; then
   echo "$VPY not found: run scripts/setup_vllm.sh first (or set VLLM_PYTHON)" >&2
@@ -53,7 +63,10 @@ else
   args+=(--dtype "${VLLM_DTYPE:-float32}" --enforce-eager)
 fi
 [ -n "${VLLM_MAX_MODEL_LEN:-}" ] && args+=(--max-model-len "$VLLM_MAX_MODEL_LEN")
-exec "$VPY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" --seed 0 \
+if [ -n "${TORCHTITAN_FLUX_TOKEN:-}" ]; then
+  args+=(--middleware torchtitan_flux.engine.auth.BearerAuthMiddleware)
+fi
+exec "$VPY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --host "$HOST" --port "$PORT" --seed 0 \
   --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension \
   --weight-transfer-config "{\"backend\":\"$backend\"}" \
   --logprobs-mode processed_logprobs \

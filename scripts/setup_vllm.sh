@@ -18,8 +18,9 @@ stamp="$VENV/.flux-vllm-stamp"
 want="$PKG $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VPY" -m pip install -q "$PKG"
-  # The worker extension (torchtitan_flux/engine/vllm_ext.py) imports only torch + vllm, so the package goes in
-  # without its dependencies (torchtitan etc. stay in the trainer's .venv).
+  # The worker extension (torchtitan_flux/engine/vllm_ext.py) imports only torch, vllm and this package's torch-only
+  # modules (transport, engine.auth), so the package goes in without its dependencies (torchtitan etc. stay in the
+  # trainer's .venv).
   "$VPY" -m pip install -q --no-deps -e .
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$VPY" -c "import vllm, torch; from vllm.distributed.weight_transfer import WeightTransferEngineFactory; print('vllm', vllm.__version__, 'torch', torch.__version__)"

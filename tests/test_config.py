@@ -64,6 +64,18 @@ CASES = [
     (("--weight_sync.bucket_size_mb", "0"), "weight_sync.bucket_size_mb"),
     (("--weight_sync.interval", "0"), "weight_sync.interval"),
     (("--weight_sync.master_port", "70000"), "weight_sync.master_port"),
+    (("--weight_sync.master_addr", "10.0.0.5"),
+     "weight_sync.master_addr = '10.0.0.5' is not a loopback address, so it needs the shared token: set the "
+     "environment variable TORCHTITAN_FLUX_TOKEN"),
+    (("--weight_sync.master_addr", "0.0.0.0", "--weight_sync.auth_token_env", "MY_FLUX_TOKEN"),
+     "set the environment variable MY_FLUX_TOKEN (named by weight_sync.auth_token_env"),
+    (("--rollout.engine", "vllm", "--rollout.urls", "http://gen1:8000"),
+     "rollout.urls = 'http://gen1:8000' is not a loopback address"),
+    (("--rollout.engine", "sglang", "--rollout.urls", "http://127.0.0.1:30000,http://10.0.0.7:30000"),
+     "rollout.urls = 'http://10.0.0.7:30000' is not a loopback address"),
+    (("--weight_sync.master_addr", "10.0.0.5"), "Allowed without it: loopback addresses (127.0.0.0/8, ::1, localhost)"),
+    (("--weight_sync.auth_token_env", "MY-TOKEN"),
+     "weight_sync.auth_token_env = 'MY-TOKEN' is out of range; allowed: the name of an environment variable"),
     (("--adaptive_async.min_async_ratio", "0.8", "--adaptive_async.max_async_ratio", "0.2"),
      "min_async_ratio <= max_async_ratio"),
     (("--adaptive_async.target_staleness", "1.5"), "adaptive_async.target_staleness"),
@@ -77,7 +89,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("overrides,needle", CASES, ids=[c[1] + ":" + " ".join(c[0]) for c in CASES])
-def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle):
+def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, monkeypatch):
+    monkeypatch.delenv("TORCHTITAN_FLUX_TOKEN", raising=False)
     cfg = parse(*overrides)
     with pytest.raises(ConfigError) as e:
         validate_config(cfg)
@@ -86,6 +99,16 @@ def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle):
 
 def test_debug_config_is_valid(tiny_model_dir):
     validate_config(parse())
+
+
+def test_non_loopback_addresses_need_only_the_token(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("TORCHTITAN_FLUX_TOKEN", raising=False)
+    validate_config(parse("--rollout.engine", "vllm", "--rollout.urls",
+                          "http://localhost:8000,http://[::1]:8001,http://127.0.0.2:8002",
+                          "--weight_sync.master_addr", "::1"))
+    monkeypatch.setenv("MY_FLUX_TOKEN", "s3cret")
+    validate_config(parse("--rollout.engine", "vllm", "--rollout.urls", "http://gen1:8000",
+                          "--weight_sync.master_addr", "10.0.0.5", "--weight_sync.auth_token_env", "MY_FLUX_TOKEN"))
 
 
 def _write(tmp_path, text: str) -> str:

@@ -12,42 +12,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
+from _procs import Run, complete_ckpts, gone, wait_gone
 from _sync_harness import assert_in_sync, perturb
-from conftest import ROOT, read_metrics, run_train, torchrun_cmd
+from conftest import read_metrics, run_train
 
 LOG = "torchtitan_flux"
-
-
-def gone(pid: int, create_time: float | None = None) -> bool:
-    try:
-        p = psutil.Process(pid)
-        if create_time is not None and p.create_time() != create_time:
-            return True  # pid reused
-        return p.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_gone(procs: dict[int, tuple[float, str]], timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [f"{pid}: {cmd}" for pid, (ct, cmd) in procs.items() if not gone(pid, ct)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
+pytestmark = pytest.mark.faults
 
 
 # ---------------------------------------------------------------------------------- engine stalled
@@ -202,83 +181,28 @@ def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path):
 # --------------------------------------------------------------------------------- trainer interrupted
 
 
-def _complete_ckpts(dump: Path) -> list[int]:
-    d = dump / "checkpoint"
-    if not d.is_dir():
-        return []
-    out = []
-    for f in d.iterdir():
-        m = re.fullmatch(r"step-(\d+)", f.name)
-        if m and (f / ".metadata").is_file():
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
-class _Run:
-    """A torchrun trainer in its own session, with every descendant it ever had recorded."""
-
-    def __init__(self, dump: Path, log: Path, *overrides: str):
-        self.log = log
-        self.proc = subprocess.Popen(
-            torchrun_cmd(dump, *overrides), cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.seen: dict[int, tuple[float, str]] = {}
-
-    def scan(self) -> None:
-        try:
-            kids = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return
-        for c in kids:
-            try:
-                self.seen.setdefault(c.pid, (c.create_time(), " ".join(c.cmdline())))
-            except psutil.Error:
-                pass
-
-    @property
-    def engines(self) -> list[int]:
-        return [pid for pid, (_, cmd) in self.seen.items() if "spawn_main" in cmd]
-
-    def wait_for(self, cond, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            self.scan()
-            if self.proc.poll() is not None:
-                raise AssertionError(f"trainer exited ({self.proc.returncode}) before {what}:\n"
-                                     f"{self.log.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}:\n{self.log.read_text()[-4000:]}")
-            time.sleep(0.05)
-        self.scan()
-
-    def start_step(self) -> int | None:
-        m = re.search(r"Training starts at step (\d+)", self.log.read_text())
-        return int(m.group(1)) if m else None
-
-
 @pytest.mark.slow
 def test_trainer_interrupted_leaves_no_orphans_and_a_loadable_checkpoint(tiny_model_dir, tmp_path):
     dump = tmp_path / "run"
     args = ("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true")
 
     # 1) SIGTERM to torchrun (what a job scheduler sends), mid-run, right after a checkpoint
-    run = _Run(dump, tmp_path / "run1.log", *args, "--training.steps", "40")
-    run.wait_for(lambda: _complete_ckpts(dump) and run.engines, 120, "a first checkpoint")
+    run = Run(dump, tmp_path / "run1.log", *args, "--training.steps", "40")
+    run.wait_for(lambda: complete_ckpts(dump) and run.engines, 120, "a first checkpoint")
     os.kill(run.proc.pid, signal.SIGTERM)
     rc = run.proc.wait(60)
     assert rc != 0
     assert not wait_gone(run.seen, 10.0), "processes outlived a SIGTERMed trainer"
-    k1 = _complete_ckpts(dump)[-1]
+    k1 = complete_ckpts(dump)[-1]
 
     # 2) resume: the newest complete checkpoint loads; then SIGKILL the whole process group mid-run
-    run = _Run(dump, tmp_path / "run2.log", *args, "--training.steps", "40")
-    run.wait_for(lambda: _complete_ckpts(dump)[-1] >= k1 + 2 and run.engines, 120, "a checkpoint after the resume")
+    run = Run(dump, tmp_path / "run2.log", *args, "--training.steps", "40")
+    run.wait_for(lambda: complete_ckpts(dump)[-1] >= k1 + 2 and run.engines, 120, "a checkpoint after the resume")
     assert run.start_step() == k1 + 1
     os.killpg(run.proc.pid, signal.SIGKILL)
     run.proc.wait(60)
     assert not wait_gone(run.seen, 10.0), "processes outlived a SIGKILLed trainer"
-    k2 = _complete_ckpts(dump)[-1]
+    k2 = complete_ckpts(dump)[-1]
     assert k2 > k1
 
     # 3) the checkpoint written before the SIGKILL loads, and training goes on from the step after it

@@ -199,3 +199,27 @@ def test_backoff_is_capped_and_jittered():
     assert all(v <= 2.2 for v in values) and values[0] >= 0.45
     assert len({round(c.backoff(1), 6) for _ in range(20)}) > 1  # jitter spreads simultaneous retries
     c.close()
+
+
+def test_every_request_carries_the_token_when_one_is_set():
+    """The shared token (engine/auth.py) goes in one header on every request, retries included; none without it."""
+    import httpx
+
+    seen: list[tuple[str, str | None]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers.get("Authorization")))
+        return httpx.Response(503 if seen == [("/health", "Bearer s3cret")] else 200, json={})
+
+    c = HttpClient("http://gen1:8000", transport=httpx.MockTransport(answer), auth_token="s3cret", backoff_s=0.001)
+    c.get("/health")  # 503 then 200: retried
+    c.post("/update_weights", {"x": 1})
+    c.post("/pause", params={"mode": "wait"})
+    assert seen == [("/health", "Bearer s3cret")] * 2 + [("/update_weights", "Bearer s3cret"),
+                                                          ("/pause", "Bearer s3cret")]
+    c.close()
+    seen.clear()
+    c = HttpClient("http://gen1:8000", transport=httpx.MockTransport(answer))
+    c.post("/pause")
+    assert seen == [("/pause", None)]
+    c.close()

@@ -16,7 +16,9 @@ It implements the endpoints and payloads the handler uses, as documented in SGLa
   itself ignores unknown top-level keys and queues generations while paused).
 
 Every server is bounded: it exits after ``--deadline`` seconds or ``--max-requests`` requests, binds 127.0.0.1
-only, and refuses to join a group whose master address is not loopback.
+only, and refuses to join a group whose master address is not loopback. With ``--api-key K`` it answers like
+SGLang's ``--api-key``: 401 to every request without ``Authorization: Bearer K`` but ``/health*`` and
+``/metrics*`` (and this server's own ``/_contract`` test controls).
 """
 
 from __future__ import annotations
@@ -165,6 +167,13 @@ def handle(state: ContractState, method: str, path: str, body) -> tuple[int, obj
             return 200, {"calls": list(state.calls), "rejected": list(state.rejected), "sha256": sha,
                          "weight_version": state.weight_version, "buckets": state.buckets, "paused": state.paused,
                          "session": state.session, "groups": sorted(state.groups)}
+    if path == "/_contract/restart":  # what the trainer sees of a restarted server: disk weights, no version
+        from safetensors.torch import load_file
+
+        with state.lock:
+            state.hf = load_file(os.path.join(state.model_dir, "model.safetensors"))
+            state._tt, state.weight_version, state.groups = None, "default", {}
+        return 200, ok
     if path == "/_contract/config":
         b = _fields(body, {}, {"gen_delay_s": _is_num, "weight_api": lambda v: isinstance(v, bool)})
         state.gen_delay_s = float(b.get("gen_delay_s", state.gen_delay_s))
@@ -365,7 +374,7 @@ def _update(state: ContractState, body) -> tuple[int, object]:
     return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
 
-def serve(model_dir: str, port_file: str, deadline_s: float, max_requests: int) -> None:
+def serve(model_dir: str, port_file: str, deadline_s: float, max_requests: int, api_key: str | None) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     torch.set_num_threads(1)
@@ -392,7 +401,11 @@ def serve(model_dir: str, port_file: str, deadline_s: float, max_requests: int) 
                 with state.lock:
                     state.calls.append(path)
             try:
-                status, out = handle(state, method, path, body)
+                open_path = path.startswith(("/health", "/metrics", "/_contract"))
+                if api_key and not open_path and self.headers.get("Authorization") != f"Bearer {api_key}":
+                    status, out = 401, {"error": "Unauthorized"}  # SGLang's add_api_key_middleware
+                else:
+                    status, out = handle(state, method, path, body)
             except Reject as e:
                 with state.lock:
                     state.rejected.append(f"{path}: {e}")
@@ -443,12 +456,14 @@ if __name__ != "__main__":
     from torchtitan_flux.engine.sglang import SglangEngine
 
     class ContractServer:
-        def __init__(self, model_dir: Path, tmp: Path, deadline_s: float = 300, max_requests: int = 3000):
+        def __init__(self, model_dir: Path, tmp: Path, deadline_s: float = 300, max_requests: int = 3000,
+                     api_key: str | None = None):
             port_file = tmp / f"port-{time.monotonic_ns()}"
             self.log = open(tmp / f"contract-{time.monotonic_ns()}.log", "w")
             self.proc = subprocess.Popen(
                 [sys.executable, __file__, "serve", "--model-dir", str(model_dir), "--port-file", str(port_file),
-                 "--deadline", str(deadline_s), "--max-requests", str(max_requests)],
+                 "--deadline", str(deadline_s), "--max-requests", str(max_requests),
+                 *(["--api-key", api_key] if api_key else [])],
                 cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             )
             end = time.monotonic() + 60
@@ -733,6 +748,86 @@ if __name__ != "__main__":
             h.close()
             s.stop()
 
+    def test_server_with_other_weights_is_detected_and_resynced(tiny, tmp_path):
+        """The server is restarted behind the handler's back after our push of version 1 (disk weights, version
+        "default"): the next generation's result is dropped, never labelled version 1, and the handler dies; its
+        reconnected replacement takes a fresh push and generates on it."""
+        model_dir, weights, shape, specs = tiny
+        server = ContractServer(model_dir, tmp_path)
+        events: queue.Queue = queue.Queue()
+        h = SglangEngine("sgl_r", server.url, events, model_dir=model_dir, health_interval_s=60)  # no health help
+        h2 = None
+        try:
+            h.start()
+            store, pg, plan = connect(h, "sgl_r", specs, 64 * 1024)
+            new = modified(weights, 1)
+            push(h, pg, plan, new, 1)
+            assert wait_event(events, WeightAck).version == 1
+            h.submit(request(10))
+            r = wait_event(events, GenerationResult)
+            assert r.version == 1 and max_logprob_diff(r, PROMPTS, G, new, shape, 1.0) < 1e-5
+
+            server.http.post("/_contract/restart").raise_for_status()
+            h.submit(request(11))
+            ev = events.get(timeout=60)
+            assert isinstance(ev, EngineError) and ev.fatal, ev
+            assert "weight version 'default'" in ev.message and "version 1" in ev.message
+            assert events.empty() and not h.alive()  # the result was dropped
+
+            h2 = h.reconnect()  # what FluxTrainer._restart_engine does, then WeightSyncer.replace_engine resyncs
+            store2, pg2, plan2 = connect(h2, "sgl_r", specs, 64 * 1024, epoch=2)
+            push(h2, pg2, plan2, new, 2)
+            assert wait_event(events, WeightAck).version == 2
+            h2.submit(request(11))
+            r = wait_event(events, GenerationResult)
+            assert r.version == 2 and max_logprob_diff(r, PROMPTS, G, new, shape, 1.0) < 1e-5
+        finally:
+            h.close()
+            if h2 is not None:
+                h2.close()
+            server.stop()
+
+    def test_api_key_refuses_requests_without_it_and_the_handler_sends_it(tiny, tmp_path):
+        """``--api-key`` as SGLang has it: a request without the key, or with another one, gets 401 and changes
+        nothing (weight-update endpoints included), ``/health`` stays open; a handler without the token is refused
+        at start with a clear error, one holding it starts, joins and pushes."""
+        model_dir, weights, shape, specs = tiny
+        s = ContractServer(model_dir, tmp_path, api_key="s3cret")
+        try:
+            c = s.http
+            assert c.get("/health").status_code == 200
+            guarded = [
+                ("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                      "shapes": [[64]], "load_format": "flattened_bucket"}),
+                ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500,
+                                                "rank_offset": 1, "world_size": 2, "backend": "gloo"}),
+                ("/pause_generation", {"mode": "retract"}),
+                ("/generate", {"input_ids": [[1, 2, 3]], "sampling_params": {"max_new_tokens": 2}}),
+            ]
+            for path, body in guarded:
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    r = c.post(path, json=body, headers=headers)
+                    assert r.status_code == 401, (path, headers, r.status_code, r.text)
+            st = s.state()
+            assert st["rejected"] == [] and st["groups"] == [] and not st["paused"] and st["buckets"] == 0
+
+            with pytest.raises(EngineStartError, match=rf"server at {s.url} refused the trainer's token \(HTTP 401\)"):
+                SglangEngine("sgl_k", s.url, queue.Queue(), model_dir=model_dir).start()
+            events: queue.Queue = queue.Queue()
+            h = SglangEngine("sgl_k", s.url, events, model_dir=model_dir, health_interval_s=0, auth_token="s3cret")
+            h.start()
+            try:
+                store, pg, plan = connect(h, "sgl_k", specs, 64 * 1024)
+                new = modified(weights, 1)
+                push(h, pg, plan, new, 1)
+                assert wait_event(events, WeightAck).version == 1
+                st = s.state()
+                assert st["weight_version"] == "1" and st["sha256"] == hf_sha(h, new) and st["rejected"] == []
+            finally:
+                h.close()
+        finally:
+            s.stop()
+
     @pytest.mark.slow
     def test_grpo_runs_against_contract_server(tiny, tmp_path):
         """Sync then async GRPO runs with ``--rollout.engine sglang`` against one contract server (a server outlives
@@ -802,6 +897,7 @@ if __name__ == "__main__":
     ap.add_argument("--port-file", required=True)
     ap.add_argument("--deadline", type=float, default=300.0)
     ap.add_argument("--max-requests", type=int, default=3000)
+    ap.add_argument("--api-key", default=None)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    serve(a.model_dir, a.port_file, a.deadline, a.max_requests)
+    serve(a.model_dir, a.port_file, a.deadline, a.max_requests, a.api_key)

@@ -235,7 +235,9 @@ for line in sys.stdin:
         emit(swapped=rx.swap())
     elif cmd == "state":
         with rx._lock:
-            live, pending, free = rx.live, rx._pending, list(rx._free)
+            live, free = rx.live, list(rx._free)
+            assert len(rx._pending) <= 1, "two buffers hold at most one pending version"
+            pending = rx._pending[0] if rx._pending else None
             live_version = rx.live_version
         newest_version, newest = rx.newest()
         emit(
@@ -447,3 +449,30 @@ def test_idle_wait_outlasts_group_timeout(link_factory, peer):
     assert link.recv("ack", 30)["ack"] == 0
     assert link.command("swap", "swapped")["swapped"] == 0
     assert link.state()["live_sum"] == expected
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_pinned_swap_runs_each_request_on_its_pin_when_kept(buffers):
+    """Versions 1 and 2 land while a request on version 0 runs; then requests pinned to 1, 2, 3. With three
+    buffers every pin is served exactly; with two, version 1 is superseded by 2 before it could go live, and
+    the request pinned to 1 runs on 2 (the closest newer), never on an older one."""
+    plan = transport.plan_buckets([TensorSpec("w", (4,), "float32")], 1024)
+    rx = transport.WeightReceiver(plan, "cpu", lambda v: None, lambda e: None, buffers=buffers)
+    stop = threading.Event()
+
+    def land(version: int) -> None:
+        buf = rx._take_buffer(stop)
+        buf.flats[0].fill_(version)
+        assert rx._publish(version, buf, stop)
+
+    land(0)
+    assert rx.swap(0) == 0
+    land(1)
+    land(2)
+    served = rx.swap(1)
+    assert served == (1 if buffers == 3 else 2) and float(rx.live.flats[0][0]) == served
+    land(3)
+    assert rx.swap(2) == 2 and float(rx.live.flats[0][0]) == 2.0
+    assert rx.swap(3) == 3 and float(rx.live.flats[0][0]) == 3.0
+    assert rx.swap(1) == 3  # never back to an older version
+    assert rx.swap() == 3 and len(rx._free) == buffers - 1  # every buffer accounted for

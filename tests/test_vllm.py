@@ -5,7 +5,9 @@ The real-server tests (markers ``slow`` and ``vllm``) start ``scripts/launch_vll
 "small" model (the "tiny" flavor has head_dim 16, which vLLM's CPU attention does not support) and skip with a
 clear reason when ``.venv-vllm`` is absent (``scripts/setup_vllm.sh`` creates it). They push modified weights
 through the handler exactly as ``WeightSyncer`` does with the handler hooks, and check that the server's
-log-probs equal the trainer's (``torchtitan_flux.inference.score`` on the same weights) within 1e-5.
+log-probs equal the trainer's (``torchtitan_flux.inference.score`` on the same weights) within 1e-5. The shared
+server runs with a token (``TORCHTITAN_FLUX_TOKEN``, so the auth middleware and the rendezvous handshake are on
+for every test that uses it); the launched one (``rollout.launch``) runs without, the default.
 """
 
 from __future__ import annotations
@@ -28,17 +30,20 @@ import torch
 from conftest import ROOT, free_port
 
 from torchtitan_flux import inference, transport
+from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.base import (
+    EngineError,
     GenerationRequest,
     GenerationResult,
     WeightAck,
     WeightGroupInfo,
 )
 from torchtitan_flux.engine.http import EngineStartError
-from torchtitan_flux.engine.vllm import VllmEngine
+from torchtitan_flux.engine.vllm import VllmEngine, launch_command
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[1, 75, 108, 108, 111], [1, 52, 53, 43, 55, 61], [1, 35]]
+TOKEN = "test-token-5f2c"  # the shared server's (vllm_server)
 
 
 # ------------------------------------------------------------------------------------ fast: stub servers
@@ -122,6 +127,16 @@ def test_start_errors_name_the_server_and_the_problem(stub, tiny_model_dir):
         VllmEngine("v_x", url, queue.Queue(), model_dir=tiny_model_dir, retries=0).start()
 
 
+def test_launch_command_adds_the_auth_middleware_only_with_a_token(tmp_path):
+    """``rollout.launch``: with a token the server gets it in its environment (never on its command line) and the
+    auth middleware; without one it gets neither, even when this process's environment holds one."""
+    argv, env = launch_command(tmp_path, 8123, python="py", env={TOKEN_ENV: "stale"}, gpu=False)
+    assert "--middleware" not in argv and TOKEN_ENV not in env
+    argv, env = launch_command(tmp_path, 8123, python="py", env={}, gpu=False, auth_token="s3cret")
+    assert argv[argv.index("--middleware") + 1] == MIDDLEWARE and env[TOKEN_ENV] == "s3cret"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and not any("s3cret" in a for a in argv)
+
+
 # ----------------------------------------------------------------------------------- slow: real server
 
 
@@ -156,7 +171,7 @@ def vllm_server(small_model_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     log = open(log_path, "w")
-    env = {**os.environ, "VLLM_MAX_MODEL_LEN": "512"}
+    env = {**os.environ, "VLLM_MAX_MODEL_LEN": "512", TOKEN_ENV: TOKEN}
     t0 = time.monotonic()
     proc = subprocess.Popen(["bash", str(ROOT / "scripts/launch_vllm.sh"), str(small_model_dir), str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -215,7 +230,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
     url, proc, stats = vllm_server
     weights, shape = inference.load_hf_weights_dict(small_model_dir)
     events: queue.Queue = queue.Queue()
-    h = VllmEngine("vllm0", url, events, model_dir=small_model_dir, health_interval_s=1.0)
+    h = VllmEngine("vllm0", url, events, model_dir=small_model_dir, health_interval_s=1.0, auth_token=TOKEN)
     h.start()
     try:
         G = 4
@@ -232,6 +247,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         store = transport.connect_store("127.0.0.1", 0, 60, True)
         info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm0/1", "gloo", 60.0, specs, 512 * 1024)
         h.join_weight_group(info)
+        transport.handshake(store, info.prefix, TOKEN, transport.TRAINER, 60.0)  # the server holds a token
         pg = h.trainer_group(store, info)
         plan = transport.plan_buckets(specs, 512 * 1024)
         new = _modified(weights)
@@ -259,6 +275,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         store2 = transport.connect_store("127.0.0.1", 0, 60, True)
         info2 = WeightGroupInfo("127.0.0.1", store2.port, "flux_ws/vllm0/2", "gloo", 60.0, specs, 512 * 1024)
         h.join_weight_group(info2)
+        transport.handshake(store2, info2.prefix, TOKEN, transport.TRAINER, 60.0)
         pg2 = h.trainer_group(store2, info2)
         push_like_syncer(h, pg2, plan, weights, 2)
         assert wait_event(events, WeightAck, timeout=120).version == 2
@@ -275,7 +292,7 @@ def test_mismatched_model_or_vocabulary_is_refused(vllm_server, small_model_dir,
     url = vllm_server[0]
     with pytest.raises(EngineStartError, match=rf"model mismatch .* server at {url} .*hidden_size: server 128 != "
                                                "trainer 64"):
-        VllmEngine("v_x", url, queue.Queue(), model_dir=tiny_model_dir).start()
+        VllmEngine("v_x", url, queue.Queue(), model_dir=tiny_model_dir, auth_token=TOKEN).start()
     swapped = tmp_path / "swapped"
     shutil.copytree(small_model_dir, swapped)
     tok = json.loads((swapped / "tokenizer.json").read_text())
@@ -283,15 +300,68 @@ def test_mismatched_model_or_vocabulary_is_refused(vllm_server, small_model_dir,
     vocab["l"], vocab["o"] = vocab["o"], vocab["l"]
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(EngineStartError, match=f"vocabulary mismatch .* {url}"):
-        VllmEngine("v_x", url, queue.Queue(), model_dir=swapped).start()
+        VllmEngine("v_x", url, queue.Queue(), model_dir=swapped, auth_token=TOKEN).start()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_requests_without_the_token_are_refused(vllm_server, small_model_dir):
+    """The shared server holds a token: every endpoint but GET /health answers 401 to a request without it or with
+    another one, the RL weight-update endpoints included (vLLM's own --api-key leaves those open), and such requests
+    change nothing. A handler without the token is refused at start; with it, it starts and the server serves. A
+    trainer that reaches the server's rendezvous with another token is refused by the worker extension."""
+    import httpx
+
+    url = vllm_server[0]
+    guarded = [
+        ("POST", "/update_weights", {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"],
+                                                     "shapes": [[128]], "bucket": 0, "num_buckets": 1,
+                                                     "version": 9, "header_len": 5}}),
+        ("POST", "/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 1,
+                                                                "rank_offset": 1, "world_size": 2,
+                                                                "store_prefix": "x"}}),
+        ("POST", "/start_weight_update", None), ("POST", "/pause", None),
+        ("POST", "/collective_rpc", {"method": "flux_model_info"}), ("GET", "/weight_info", None),
+        ("POST", "/v1/completions", {"model": "m", "prompt": [[1, 2]], "max_tokens": 1}),
+    ]
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
+        assert c.get("/health").status_code == 200
+        for method, path, body in guarded:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                r = c.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers, r.status_code, r.text)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert c.get("/weight_info", headers=auth).json()["weight_version"] != "9"
+
+    with pytest.raises(EngineStartError, match=rf"server at {url} refused the trainer's token \(HTTP 401\)"):
+        VllmEngine("v_x", url, queue.Queue(), model_dir=small_model_dir).start()
+    events: queue.Queue = queue.Queue()
+    h = VllmEngine("v_tok", url, events, model_dir=small_model_dir, health_interval_s=0, auth_token=TOKEN)
+    h.start()
+    try:
+        weights, _ = inference.load_hf_weights_dict(small_model_dir)
+        specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
+        store = transport.connect_store("127.0.0.1", 0, 20, True)
+        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/v_tok/1", "gloo", 20.0, specs, 512 * 1024)
+        h.join_weight_group(info)
+        with pytest.raises(transport.AuthError, match="refused the engine"):
+            transport.handshake(store, info.prefix, "another-token", transport.TRAINER, 20.0)
+        err = wait_event(events, EngineError, timeout=120)
+        assert not err.fatal and "joining the weight-sync group failed" in err.message
+        assert "the trainer refused this engine's proof" in err.message
+        h.submit(GenerationRequest(0, 1, PROMPTS, 2, 4, 1.0, 0, 3, 0))  # the server still serves
+        assert wait_event(events, GenerationResult, timeout=120).version == -1
+    finally:
+        h.close()
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_grpo_run_with_vllm(vllm_server, small_model_dir, tmp_path, mode):
+def test_grpo_run_with_vllm(vllm_server, small_model_dir, tmp_path, mode, monkeypatch):
     from conftest import run_train
 
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # the trainer's (weight_sync.auth_token_env): the server's token
     url = vllm_server[0]
     run_train(
         tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),

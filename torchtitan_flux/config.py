@@ -16,10 +16,13 @@ import importlib
 import os
 import re
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import tyro
+
+from torchtitan_flux.engine.auth import TOKEN_ENV, is_loopback, read_token
 
 # CLI booleans take a value (``--weight_sync.async_weight_update true``), like every other field.
 Bool = Annotated[bool, tyro.conf.FlagConversionOff]
@@ -170,10 +173,19 @@ class WeightSync:
     """"full" sends all weights; "delta" sends only tensors that changed since the last push."""
 
     master_addr: str = "127.0.0.1"
-    """Address the trainer's weight-sync rendezvous binds to. Loopback by default."""
+    """Address the trainer's weight-sync rendezvous (a TCPStore) listens on, and engines connect to. Loopback by
+    default; any other address needs the shared token (``auth_token_env``)."""
 
     master_port: int = 0
     """Port of the weight-sync rendezvous; 0 picks a free port. 0..65535."""
+
+    auth_token_env: str = TOKEN_ENV
+    """Name of the environment variable holding the shared token (the token itself never goes in a config file, log,
+    metric or checkpoint). When it is set, every HTTP request to a rollout server carries ``Authorization: Bearer
+    <token>``, every weight-sync group is preceded by a mutual HMAC proof of the token (engines without it are
+    refused), and servers started by ``rollout.launch`` refuse requests without it. It must be set when
+    ``master_addr`` or a ``rollout.urls`` host is not a loopback address. Servers take the token from
+    ``TORCHTITAN_FLUX_TOKEN`` whatever this field names. See "Security" in the README."""
 
 
 @dataclass
@@ -406,6 +418,17 @@ def validate_config(job_config: Any) -> None:
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
     _require(w.interval >= 1, "weight_sync.interval", w.interval, "an integer >= 1")
     _require(0 <= w.master_port <= 65535, "weight_sync.master_port", w.master_port, "0..65535")
+    _require(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", w.auth_token_env) is not None, "weight_sync.auth_token_env",
+             w.auth_token_env, "the name of an environment variable, e.g. 'TORCHTITAN_FLUX_TOKEN'")
+    remote = [("weight_sync.master_addr", w.master_addr)] if not is_loopback(w.master_addr) else []
+    remote += [("rollout.urls", u) for u in r.urls if not is_loopback(urllib.parse.urlsplit(u).hostname or "")]
+    if remote and read_token(w.auth_token_env) is None:
+        name, value = remote[0]
+        raise ConfigError(
+            f"{name} = {value!r} is not a loopback address, so it needs the shared token: set the environment "
+            f"variable {w.auth_token_env} (named by weight_sync.auth_token_env; servers read TORCHTITAN_FLUX_TOKEN). "
+            "Allowed without it: loopback addresses (127.0.0.0/8, ::1, localhost). See \"Security\" in the README."
+        )
 
     for f in ("target_staleness", "min_async_ratio", "max_async_ratio", "initial_async_ratio"):
         v = getattr(a, f)

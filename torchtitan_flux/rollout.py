@@ -60,7 +60,7 @@ class RolloutBatch:
 @dataclass
 class _Part:
     request: GenerationRequest
-    engine: EngineHandler
+    engine: EngineHandler | None  # None: restored finished from a checkpoint
     first: int  # index of its first prompt in the step's prompt list
     result: GenerationResult | None = None
 
@@ -117,13 +117,16 @@ class RolloutScheduler:
         st = self._steps.get(step)
         return 0 if st is None else st.n_dispatched
 
-    def dispatch(self, step: int, trainer_version: int, upto: int | None = None) -> None:
-        """Send ``step``'s prompts ``[already sent, upto)`` (default: all) to the engines."""
-        st = self._steps.get(step)
-        if st is None:
-            prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
-            ids = [self.tokenizer.encode(p.text, add_bos=True, add_eos=False) for p in prompts]
-            st = self._steps[step] = _Step(step, prompts, ids, [])
+    def _new_step(self, step: int) -> _Step:
+        prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
+        ids = [self.tokenizer.encode(p.text, add_bos=True, add_eos=False) for p in prompts]
+        st = self._steps[step] = _Step(step, prompts, ids, [])
+        return st
+
+    def dispatch(self, step: int, trainer_version: int, upto: int | None = None, pin_version: int = -1) -> None:
+        """Send ``step``'s prompts ``[already sent, upto)`` (default: all) to the engines, pinned to
+        ``pin_version`` (see ``GenerationRequest.pin_version``)."""
+        st = self._steps.get(step) or self._new_step(step)
         upto = len(st.prompts) if upto is None else min(upto, len(st.prompts))
         if upto <= st.n_dispatched:
             return
@@ -133,7 +136,8 @@ class RolloutScheduler:
         first = st.n_dispatched
         for engine, n in zip(alive, self._split(upto - first, alive)):
             if n:
-                st.parts.append(self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version))
+                part = self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version, pin_version)
+                st.parts.append(part)
             first += n
         st.n_dispatched = upto
 
@@ -183,14 +187,14 @@ class RolloutScheduler:
         self.shares = dict(zip(names, shares))
         return shares
 
-    def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int) -> _Part:
+    def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int, pin: int) -> _Part:
         req = GenerationRequest(
             req_id=next(self._req_ids), step=step, prompt_ids=ids, group_size=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
             seed=(self.seed * 1_000_003 + step) * 131 + first, dispatch_version=trainer_version,
             # born fresh enough: step k is trained at version k-1, so it needs version >= k-1-max_version_gap;
             # the engine waits for that push instead of generating from older weights that would be discarded
-            min_version=max(0, step - 1 - self.max_version_gap),
+            min_version=max(0, step - 1 - self.max_version_gap), pin_version=pin,
         )
         part = _Part(req, engine, first)
         self._by_req[req.req_id] = part
@@ -244,10 +248,10 @@ class RolloutScheduler:
 
     # --------------------------------------------------------------------------------------- collect
 
-    def collect(self, step: int, trainer_version: int) -> RolloutBatch:
+    def collect(self, step: int, trainer_version: int, pin_version: int = -1) -> RolloutBatch:
         """Dispatch what is left of ``step``, wait for all its parts and build its batch (scored, laid out for
         training)."""
-        self.dispatch(step, trainer_version)
+        self.dispatch(step, trainer_version, pin_version=pin_version)
         st = self._steps[step]
         while any(p.result is None for p in st.parts):
             self.pump(0.05)
@@ -291,6 +295,31 @@ class RolloutScheduler:
         st = self._steps.pop(step, None)
         for part in st.parts if st else []:
             self._by_req.pop(part.request.req_id, None)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_dict(self, timeout: float) -> dict:
+        """The rollouts already dispatched, for a checkpoint: waits up to ``timeout`` seconds for the requests in
+        flight, then returns every dispatched step whose parts all finished (their results, so a resumed run
+        trains on exactly what the uninterrupted one would have). A step still unfinished after ``timeout`` is
+        left out and generated afresh on resume, from the resumed weights."""
+        deadline = time.monotonic() + timeout
+        while self._by_req and time.monotonic() < deadline:
+            self.pump(0.05)
+        steps = []
+        for st in self._steps.values():
+            if any(p.result is None for p in st.parts):
+                continue
+            parts = [(p.first, p.request, p.result) for p in st.parts]
+            steps.append({"step": st.step, "n_dispatched": st.n_dispatched, "parts": parts})
+        return {"steps": steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the finished rollouts of ``state_dict``; they are trained on as they are, never regenerated."""
+        for saved in state.get("steps", []):
+            st = self._new_step(saved["step"])
+            st.n_dispatched = saved["n_dispatched"]
+            st.parts = [_Part(req, None, first, result) for first, req, result in saved["parts"]]
 
     def drain(self, timeout: float = 5.0) -> None:
         """Forget outstanding requests (shutdown); results that still arrive are dropped."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import resource
 import signal
@@ -40,6 +41,7 @@ from torchtitan.train import Trainer
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.config import ConfigError, validate_config
 from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
+from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights
@@ -150,16 +152,19 @@ class FluxTrainer(Trainer):
 
     def _new_engine(self, index: int):
         r = self.job_config.rollout
+        token = read_token(self.job_config.weight_sync.auth_token_env)  # never stored: not in checkpoints
         if r.engine in ("vllm", "sglang"):  # a server we did not start: connect and check it (start() raises)
             if r.engine == "vllm":
                 from torchtitan_flux.engine.vllm import VllmEngine as cls
             else:
                 from torchtitan_flux.engine.sglang import SglangEngine as cls
-            e = cls(f"{r.engine}{index}", self._urls[index], self._events, model_dir=self.job_config.model.hf_assets_path)
+            e = cls(f"{r.engine}{index}", self._urls[index], self._events, model_dir=self.job_config.model.hf_assets_path,
+                    auth_token=token)
             e.start()
             return e
         e = EmbeddedEngine(
-            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._engine_device()
+            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._engine_device(),
+            weight_buffers=self.job_config.adaptive_async.max_version_gap + 1, auth_token=token,
         )
         e.start()
         return e
@@ -183,6 +188,7 @@ class FluxTrainer(Trainer):
                 r.num_engines, self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
                 log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
                 threads=None if torch.cuda.is_available() else r.engine_threads,
+                auth_token=read_token(self.job_config.weight_sync.auth_token_env),
             )
             self._urls = [s.url for s in self.servers]
         n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines
@@ -278,7 +284,9 @@ class FluxTrainer(Trainer):
         runs resume from their last periodic checkpoint. After a second signal the step in progress may be
         incomplete: then no checkpoint is written."""
         logger.warning(f"interrupted after step {self.step}; stopping")
-        self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds)
+        if not self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds):
+            logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
+                           "pushes the checkpoint's weights to every engine first)")
         if at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0:
             self.checkpointer.save(self.step, last_step=True)
             logger.warning(f"checkpoint of step {self.step} written")
@@ -304,12 +312,13 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             sched, last, n = self.scheduler, self.job_config.training.steps, self.job_config.rollout.prompts_per_step
             whole, frac = int(lookahead), lookahead - int(lookahead)
+            pin = self.syncer.version  # newest staged: every engine gets it, so requests can run on exactly it
             for k in range(step, min(step + whole, last) + 1):
-                sched.dispatch(k, self.step)
+                sched.dispatch(k, self.step, pin_version=pin)
             if frac > 0 and step + whole + 1 <= last:
-                sched.dispatch(step + whole + 1, self.step, upto=round(frac * n))
+                sched.dispatch(step + whole + 1, self.step, upto=round(frac * n), pin_version=pin)
             while True:
-                batch = sched.collect(step, self.step)
+                batch = sched.collect(step, self.step, pin_version=pin)
                 gap = self.step - int(batch.versions.min())
                 if gap <= self.job_config.adaptive_async.max_version_gap:
                     break
@@ -466,6 +475,11 @@ class FluxTrainer(Trainer):
     # ----------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
+        rollouts = [b""]
+        if self.scheduler is not None:  # rank 0 (called on save and load; on load nothing is in flight)
+            rollouts[0] = pickle.dumps(self.scheduler.state_dict(self.job_config.weight_sync.timeout_seconds))
+        if self.world > 1:  # every rank saves the same value, whichever one the checkpoint writer keeps
+            dist.broadcast_object_list(rollouts, src=0)
         return {
             **super().state_dict(),
             "rng": torch.get_rng_state(),
@@ -473,6 +487,7 @@ class FluxTrainer(Trainer):
             "async_ratio": self.async_ratio,
             "force_sync": self.force_sync,
             "controller": self.controller.state_dict() if self.controller else {},
+            "rollouts": rollouts[0],  # finished rollouts of later steps (async); pickled: their sizes vary
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -482,6 +497,8 @@ class FluxTrainer(Trainer):
         self.async_ratio, self.force_sync = float(state_dict["async_ratio"]), bool(state_dict["force_sync"])
         if self.controller is not None and state_dict["controller"]:
             self.controller.load_state_dict(state_dict["controller"])
+        if self.scheduler is not None and state_dict.get("rollouts"):
+            self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
 
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:

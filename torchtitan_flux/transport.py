@@ -19,7 +19,10 @@ Simplification: a tensor is never split across buckets; one larger than ``bucket
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
+import secrets
+import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -142,10 +145,82 @@ def decode_header(h: torch.Tensor) -> tuple[int, list[int], int]:
 
 
 def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torch.distributed.TCPStore:
-    """The weight-sync rendezvous store: the trainer hosts it (``is_master``); engines connect to it."""
+    """The weight-sync rendezvous store: the trainer hosts it (``is_master``) and listens on ``host`` only (torch's
+    own server would listen on every interface whatever ``host`` says); engines connect to it."""
+    kw = {}
+    if is_master:  # the trainer's torch (>= 2.10): libuv server on a socket bound here; the store owns and closes it
+        family, *_, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.create_server(addr[:2], family=family)
+        port, kw = sock.getsockname()[1], dict(master_listen_fd=sock.detach(), use_libuv=True)
     return torch.distributed.TCPStore(
-        host, port, None, is_master=is_master, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+        host, port, None, is_master=is_master, wait_for_workers=False, timeout=timedelta(seconds=timeout), **kw
     )
+
+
+TRAINER, ENGINE = "trainer", "engine"
+_OK, _REFUSED = b"ok", b"refused"
+
+
+class AuthError(RuntimeError):
+    """The weight-sync handshake refused a peer: it holds another token than this side."""
+
+
+def handshake(store, prefix: str, token: str | None, role: str, timeout_s: float) -> None:
+    """Mutual proof of the shared token before a weight-sync group is built on ``prefix`` of ``store``. Both sides
+    run it (``role`` TRAINER or ENGINE) right before building their side of the group; a no-op without a token (the
+    loopback default: nothing changes then).
+
+    Keys under ``{prefix}/auth/``. A proof is HMAC-SHA256(token, "role|prefix|trainer nonce|engine nonce"): bound
+    to one side, one link and one join (the prefix carries the join's epoch), so it cannot be replayed or reflected:
+      1. trainer: ``nonce`` = a fresh trainer nonce;
+      2. engine: ``engine`` = a fresh engine nonce and its proof;
+      3. trainer: checks that proof (constant time); ``trainer`` = its own proof, or ``refused``;
+      4. engine: checks the trainer's proof; ``verdict`` = ``ok`` or ``refused``;
+      5. trainer: reads the verdict.
+    A side that refuses or is refused raises ``AuthError`` and must build no group. A side holding a token whose peer
+    does not answer within ``timeout_s`` raises ``TimeoutError`` (a peer without the token, or one still starting).
+    The store protocol itself is unauthenticated: this keeps peers without the token out of weight-sync groups, it
+    does not keep anyone who can reach the store from disturbing it (see "Security" in the README).
+    """
+    if not token:
+        return
+    s = torch.distributed.PrefixStore(f"{prefix}/auth", store)
+    peer = ENGINE if role == TRAINER else TRAINER
+    where = f"weight-sync handshake of {role} on {prefix}"
+
+    def get(key: str) -> bytes:
+        try:
+            s.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # DistStoreError: no answer
+            raise TimeoutError(f"{where}: no answer from the {peer} within {timeout_s:g} s (does it hold the "
+                               "shared token?)") from e
+        return s.get(key)
+
+    def proof(who: str, nonce_t: bytes, nonce_e: bytes) -> bytes:
+        msg = b"|".join([who.encode(), prefix.encode(), nonce_t, nonce_e])
+        return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest().encode()
+
+    def check(got: bytes, want: bytes, reply_key: str) -> None:
+        if not hmac.compare_digest(got, want):
+            s.set(reply_key, _REFUSED)
+            raise AuthError(f"{where}: refused the {peer}: its proof does not match (it holds another token)")
+
+    if role == TRAINER:
+        nonce_t = secrets.token_hex(16).encode()
+        s.set("nonce", nonce_t)
+        nonce_e, _, got = get("engine").partition(b":")
+        check(got, proof(ENGINE, nonce_t, nonce_e), "trainer")
+        s.set("trainer", proof(TRAINER, nonce_t, nonce_e))
+        if get("verdict") != _OK:
+            raise AuthError(f"{where}: the engine refused the trainer's proof (it holds another token)")
+    else:
+        nonce_t, nonce_e = get("nonce"), secrets.token_hex(16).encode()
+        s.set("engine", nonce_e + b":" + proof(ENGINE, nonce_t, nonce_e))
+        got = get("trainer")
+        if got == _REFUSED:
+            raise AuthError(f"{where}: the trainer refused this engine's proof (it holds another token)")
+        check(got, proof(TRAINER, nonce_t, nonce_e), "verdict")
+        s.set("verdict", _OK)
 
 
 def _broadcast_idle(pg, tensor: torch.Tensor):
@@ -156,15 +231,18 @@ def _broadcast_idle(pg, tensor: torch.Tensor):
 class WeightReceiver:
     """Engine side: receives pushes on its own thread and publishes each complete version for an atomic swap.
 
-    Concurrency invariants (two buffers, three owners):
+    Concurrency invariants (``buffers`` >= 2 buffers, three owners):
       * ``live`` is read only by the generation thread; it is never written while referenced as live.
-      * The receiver thread writes only into a buffer it took under ``_lock``: the unpublished ``pending``
-        one (a newer push supersedes it: engine-side coalescing) or a free one. A superseded loop (``start``
-        again) takes no buffer any more, so it never steals a version the new loop published.
-      * ``swap()`` is called by the generation thread between requests; under ``_lock`` it makes ``pending``
-        live and frees the old live buffer. So a request always runs on one complete version.
-      * live + pending + free + the one being received are always exactly the two allocated buffers (plus one
+      * The receiver thread writes only into a buffer it took under ``_lock``: a free one, else the oldest
+        unpublished ``pending`` one (a newer push supersedes it: engine-side coalescing). A superseded loop
+        (``start`` again) takes no buffer any more, so it never steals a version the new loop published.
+      * ``swap()`` is called by the generation thread between requests; under ``_lock`` it makes a pending
+        version live and frees the old live buffer and the pending versions older than the new live one. So a
+        request always runs on one complete version.
+      * live + pending + free + the one being received are always exactly the allocated buffers (plus one
         replacement per buffer an abandoned loop still holds, see ``_take_buffer``).
+    With two buffers only the newest pending version is kept; ``max_version_gap + 1`` buffers keep every
+    version a queued pinned request can still ask for (see ``swap``).
     All collectives on the group are issued by the receiver thread alone, in push order. The wait for the next
     header has no deadline (``IDLE_TIMEOUT``): the time between pushes is the trainer's business, and a receiver
     whose trainer gave up on it is abandoned by the next ``start``.
@@ -176,14 +254,15 @@ class WeightReceiver:
         device: torch.device | str,
         on_received: Callable[[int], None],
         on_error: Callable[[BaseException], None],
+        buffers: int = 2,
     ):
         self.plan = plan
         self._on_received, self._on_error = on_received, on_error
         self._lock = threading.Lock()
         self.live: FlatWeights | None = None
         self.live_version = -1
-        self._pending: tuple[int, FlatWeights] | None = None
-        self._free: list[FlatWeights] = [plan.allocate(device), plan.allocate(device)]
+        self._pending: list[tuple[int, FlatWeights]] = []  # complete, not yet live; oldest first
+        self._free: list[FlatWeights] = [plan.allocate(device) for _ in range(max(2, buffers))]
         self._newest: tuple[int, FlatWeights] | None = None  # newest complete version, for delta pushes
         self.device = device
         self._stop = threading.Event()
@@ -204,11 +283,10 @@ class WeightReceiver:
         with self._lock:
             if stop.is_set():
                 return None
-            if self._pending is not None:
-                buf, self._pending = self._pending[1], None
-                return buf
             if self._free:
                 return self._free.pop()
+            if self._pending:
+                return self._pending.pop(0)[1]
         # only after a restart whose predecessor still holds a buffer in a dead collective
         logger.warning("weight receiver: allocating a replacement buffer (previous receive was abandoned)")
         return self.plan.allocate(self.device)
@@ -241,25 +319,42 @@ class WeightReceiver:
                 buf.flats[0].copy_(landing)
                 for w in works:
                     w.wait()
-                with self._lock:
-                    if stop.is_set():  # superseded while receiving: drop this buffer, never publish it
-                        return
-                    self._pending = (version, buf)
-                    self._newest = (version, buf)
+                if not self._publish(version, buf, stop):  # superseded while receiving: dropped, never published
+                    return
                 self._on_received(version)
         except BaseException as e:  # reported to the trainer through on_error; the trainer decides on resync
             if not stop.is_set():
                 self._on_error(e)
 
-    def swap(self) -> int:
-        """Make the newest complete version live (generation thread, between requests). Returns the live version."""
+    def _publish(self, version: int, buf: FlatWeights, stop: threading.Event) -> bool:
+        """Receiver thread: ``buf`` now holds ``version`` completely; pending until a ``swap``."""
         with self._lock:
-            if self._pending is not None:
-                old = self.live
-                self.live_version, self.live = self._pending
-                self._pending = None
-                if old is not None:
-                    self._free.append(old)
+            if stop.is_set():
+                return False
+            self._pending.append((version, buf))
+            self._newest = (version, buf)
+            return True
+
+    def swap(self, upto: int = -1) -> int:
+        """Make the newest complete version live (generation thread, between requests). Returns the live version.
+
+        ``upto >= 0`` (a request pinned to that version): the newest pending version not newer than ``upto``
+        goes live; if there is none and the live one is older than ``upto`` (the pinned version was superseded
+        before it went live), the oldest pending one, the closest there is. So a pinned request runs on its pin
+        whenever the pin reached this engine and was kept, whatever the timing of later pushes."""
+        with self._lock:
+            fits = [i for i, (v, _) in enumerate(self._pending) if upto < 0 or v <= upto]
+            if fits:
+                i = fits[-1]
+            elif self._pending and self.live_version < upto:
+                i = 0
+            else:
+                return self.live_version
+            if self.live is not None:
+                self._free.append(self.live)
+            self._free.extend(buf for _, buf in self._pending[:i])
+            self.live_version, self.live = self._pending[i]
+            del self._pending[: i + 1]
         return self.live_version
 
     def newest(self) -> tuple[int, FlatWeights | None]:

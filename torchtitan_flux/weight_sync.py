@@ -24,8 +24,10 @@ Concurrency invariants (who waits for what):
     ``timeout_seconds``; the staging buffer is read-only to it. Before letting go of ``_busy`` it re-sends the
     staged version to engines that became usable meanwhile (rejoined or answered again), so a restarted engine
     gets weights without waiting for the next optimizer step.
-  * Joiner threads, rank 0: one per (re)joining engine; they only create that engine's group (a rendezvous) and
-    then ask the push thread (``_kick_locked``) to send it the staged version.
+  * Joiner threads, rank 0: one per (re)joining engine; they only create that engine's group (a rendezvous, after
+    the token handshake ``transport.handshake`` when a token is set) and then ask the push thread
+    (``_kick_locked``) to send it the staged version. An engine the handshake refuses is not rejoined at once
+    (it would be refused again): like any broken engine, it is retried at the next push.
   * Every ``EngineLink`` field is written under ``_lock``. ``epoch`` counts an engine's groups: a joiner or a
     push whose epoch is no longer the link's (the engine was replaced or rejoined meanwhile) counts and logs
     its failure but leaves the link alone.
@@ -52,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_flux import compat, transport
+from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.base import EngineError, EngineHandler, WeightAck, WeightGroupInfo
 
 logger = logging.getLogger("torchtitan_flux")
@@ -133,6 +136,7 @@ class WeightSyncer:
             raise ValueError("engines with different wire layouts cannot share one staging buffer")
         self._wire = getattr(engines[0], "wire_tensor", None) if engines else None
         self.staging = self.plan.allocate(device) if is_sender else None
+        self._token = read_token(cfg.auth_token_env) if is_sender else None  # never logged or checkpointed
         self._store = None
         if is_sender:
             self._store = transport.connect_store(cfg.master_addr, cfg.master_port, cfg.timeout_seconds, True)
@@ -149,8 +153,9 @@ class WeightSyncer:
             j.join()
         failed = [link.handler.name for link in self.links if link.pg is None]
         if failed:
+            why = [f for f in self.stats.failures if f.startswith(tuple(f"weight sync to {n}:" for n in failed))]
             raise RuntimeError(f"engines {failed} did not join the weight-sync group within "
-                               f"weight_sync.timeout_seconds = {self.cfg.timeout_seconds}")
+                               f"weight_sync.timeout_seconds = {self.cfg.timeout_seconds}: {'; '.join(why)}")
 
     def _start_join(self, link: EngineLink) -> threading.Thread:
         """Start ``link``'s rendezvous on a fresh group (caller holds ``_lock``)."""
@@ -165,13 +170,18 @@ class WeightSyncer:
 
         def join():
             try:
+                # a connection of its own: a store client serves one call at a time, so a wait on a shared one
+                # (an engine that does not answer) would stall every other engine's join
+                store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
+                if getattr(link.handler, "rendezvous_handshake", True):  # hook: False where the server joins itself
+                    transport.handshake(store, info.prefix, self._token, transport.TRAINER, info.timeout_s)
                 trainer_group = getattr(link.handler, "trainer_group", None)  # hook: the engine's store layout
                 if trainer_group is not None:
-                    pg = trainer_group(self._store, info)
+                    pg = trainer_group(store, info)
                 else:
-                    store = dist.PrefixStore(info.prefix, self._store)
                     pg = compat.new_weight_sync_group(
-                        self.backend, store, 0, 2, timedelta(seconds=self.cfg.timeout_seconds)
+                        self.backend, dist.PrefixStore(info.prefix, store), 0, 2,
+                        timedelta(seconds=self.cfg.timeout_seconds),
                     )
                 with self._lock:
                     if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
@@ -184,7 +194,8 @@ class WeightSyncer:
                     self._fail(link, f"join failed: {e}")
                     if link.epoch == epoch:
                         link.joining, link.broken = False, True
-                        if not (self._closed or link.dead) and link.handler.alive():
+                        refused = isinstance(e, transport.AuthError)  # retried at the next push, not at once
+                        if not (refused or self._closed or link.dead) and link.handler.alive():
                             # retry now, not at the next push: a restarted engine may still be starting up,
                             # and the trainer may be waiting on its rollouts (no push comes until they do)
                             self.stats.resyncs += 1

@@ -30,6 +30,9 @@ class GenerationRequest:
     seed: int  # sampling seed of this request: same seed, same weights, same batch => same tokens
     dispatch_version: int  # trainer policy version when the request was dispatched
     min_version: int = -1  # the engine starts it only once it holds this version (or after its wait bound)
+    # embedded engines generate on exactly this version (the newest the trainer had staged at dispatch) when they
+    # hold it, which makes async runs reproducible: see ``WeightReceiver.swap``. -1: the newest they hold.
+    pin_version: int = -1
 
 
 @dataclass

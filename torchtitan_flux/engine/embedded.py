@@ -9,7 +9,8 @@ Threads inside the engine:
     only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Generation requests that
     arrive before the first weights are queued (in order) while the other messages (join, fault, checksum,
     shutdown) are still served, so a (re)join that arrives after a request is never stuck behind it;
-  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
+  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them. With
+    a shared token it first runs ``transport.handshake`` on each new group's prefix and joins only if it passes.
 Both send on the pipe; ``_send`` serialises them with a lock.
 
 Trainer side, ``EmbeddedEngine`` is the ``EngineHandler``: one reader thread turns pipe messages into events.
@@ -61,12 +62,13 @@ def die_with_parent() -> bool:
 class _EngineProcess:
     """State of one engine process. Runs in the child."""
 
-    def __init__(self, conn, name: str, model_dir: str, threads: int, device: str):
+    def __init__(self, conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
+                 auth_token: str | None):
         import json
 
         from torchtitan_flux import inference
 
-        self.conn, self.name = conn, name
+        self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -77,6 +79,7 @@ class _EngineProcess:
         self.shape = inference.LlamaShape.from_hf_config(cfg)
         self.eos_id, self.pad_id = int(cfg["eos_token_id"]), int(cfg.get("pad_token_id", 0))
         self.receiver = None
+        self.weight_buffers = weight_buffers
         self.stall_s = 0.0  # fault injection: sleep before each generation
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -91,6 +94,7 @@ class _EngineProcess:
 
         def make_group():
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
+            transport.handshake(store, info.prefix, self._token, transport.ENGINE, info.timeout_s)
             prefixed = torch.distributed.PrefixStore(info.prefix, store)
             return compat.new_weight_sync_group(
                 info.backend, prefixed, 1, 2, timedelta(seconds=info.timeout_s), device=self.device,
@@ -106,14 +110,14 @@ class _EngineProcess:
 
         if self.receiver is None:
             plan = transport.plan_buckets(info.specs, info.bucket_bytes)
-            self.receiver = transport.WeightReceiver(plan, self.device, on_received, on_error)
+            self.receiver = transport.WeightReceiver(plan, self.device, on_received, on_error, self.weight_buffers)
         self._wait_bound_s = info.timeout_s
         self.receiver.start(make_group)  # a re-join (resync) keeps serving the live version meanwhile
 
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
-        version = self.receiver.swap()
+        version = self.receiver.swap(req.pin_version)
         t0 = time.perf_counter()
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
@@ -136,10 +140,12 @@ class _EngineProcess:
         self._send(("result", req.req_id, *arrays, version, self.receiver.newest()[0], dt))
 
     def _ready(self, req: GenerationRequest, arrived: float) -> bool:
-        """A request runs once the engine holds ``min_version`` (or has waited ``timeout_s`` for it: then it
-        runs on what it has, stamped with that older version), and never before the first weights."""
+        """A request runs once the engine holds ``min_version`` and its ``pin_version`` (or has waited
+        ``timeout_s`` for them: then it runs on what it has, stamped with that version), and never before the
+        first weights."""
         newest = self.receiver.newest()[0] if self.receiver is not None else -1
-        return newest >= 0 and (newest >= req.min_version or time.monotonic() - arrived > self._wait_bound_s)
+        need = max(req.min_version, req.pin_version)
+        return newest >= 0 and (newest >= need or time.monotonic() - arrived > self._wait_bound_s)
 
     def serve(self) -> None:
         """Serve the control pipe in order; generation requests queue (FIFO) until ready, while joins, checksums
@@ -184,11 +190,12 @@ class _EngineProcess:
             os._exit(17)
 
 
-def _engine_main(conn, name: str, model_dir: str, threads: int, device: str) -> None:
+def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
+                 auth_token: str | None) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:
-        proc = _EngineProcess(conn, name, model_dir, threads, device)
+        proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token)
         proc.serve()
     except BaseException:
         try:
@@ -209,9 +216,16 @@ def _engine_main(conn, name: str, model_dir: str, threads: int, device: str) -> 
 class EmbeddedEngine:
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
-    def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu"):
+    def __init__(
+        self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu", weight_buffers: int = 2,
+        auth_token: str | None = None,
+    ):
+        """``weight_buffers``: weight versions the engine holds (live + received, >= 2); the trainer gives
+        ``max_version_gap + 1`` so every version a queued pinned request asks for is kept (see
+        ``transport.WeightReceiver.swap``). ``auth_token``: the shared token its weight-sync joins prove (None: no
+        handshake); it reaches the child through the spawn pipe, not its command line."""
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
-        self.device = device
+        self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
         self._proc: mp.Process | None = None
         self._conn = None
         self._reader: threading.Thread | None = None
@@ -224,7 +238,9 @@ class EmbeddedEngine:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
-            target=_engine_main, args=(child, self.name, self.model_dir, self.threads, self.device), name=self.name, daemon=True
+            target=_engine_main,
+            args=(child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token),
+            name=self.name, daemon=True,
         )
         self._proc.start()
         child.close()

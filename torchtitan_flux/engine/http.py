@@ -1,7 +1,8 @@
 """What the HTTP rollout engines (vLLM, SGLang) share: a pooled HTTP client, and the ``HttpEngine`` base handler.
 
 ``HttpClient`` wraps one ``httpx.Client`` per server: keep-alive connections from a bounded pool, explicit
-connect/read timeouts, and retries with exponential backoff. A request that never reached the server (connect
+connect/read timeouts, retries with exponential backoff, and the shared token (``Authorization: Bearer``, see
+``engine/auth.py``) on every request when one is set. A request that never reached the server (connect
 error/timeout, no free pooled connection) is always retried; one that may have reached it (5xx, dropped or timed
 out response) only when the caller marks it ``idempotent``. Weight-update calls are never marked so: each one
 consumes a broadcast, and repeating it would desynchronise the weight-sync group.
@@ -13,7 +14,10 @@ consumes a broadcast, and repeating it would desynchronise the weight-sync group
 * Version tracking: a reader/writer gate. Every generation call holds it shared and is stamped with the version
   the server held when it started; a weight update holds it exclusively (it first waits for in-flight generations
   to finish, and new ones wait for the update), so every token of a request comes from one version, exactly as
-  with the embedded engine.
+  with the embedded engine. After each generation call (still under the gate) the server's reported weight
+  version is compared with the stamp (one small GET): a server restarted or updated by someone else between our
+  pushes is caught there, its result dropped, and the handler dies, so the trainer reconnects and resyncs it and
+  re-dispatches the request: no sample is ever labelled with a version that did not generate it.
 * A weight push (``begin_update(v)``) runs on one control thread: wait for the gate, ``pause``, ``open`` the
   server's update session, then ONE HTTP request per bucket of the ``BucketPlan`` (names/dtypes/shapes from the
   plan, HF names), each concurrent with the trainer's broadcast of that bucket, then ``close`` (version, cache
@@ -122,6 +126,7 @@ class HttpClient:
         backoff_s: float = 0.25,
         backoff_max_s: float = 4.0,
         transport: httpx.BaseTransport | None = None,
+        auth_token: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.label = label
@@ -137,6 +142,7 @@ class HttpClient:
             ),
             transport=transport,
             trust_env=False,  # never route loopback engine traffic through a proxy from the environment
+            headers={"Authorization": f"Bearer {auth_token}"} if auth_token else None,
         )
         self.attempts = 0  # total HTTP attempts made (tests)
 
@@ -311,12 +317,14 @@ class HttpEngine:
         health_interval_s: float = 5.0,
         health_failures: int = 3,
         transport: httpx.BaseTransport | None = None,
+        auth_token: str | None = None,
     ):
         self._init_args = (name, url, events)
         self._init_kw = dict(
             model_dir=model_dir, max_inflight=max_inflight, request_timeout_s=request_timeout_s,
             connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
             health_interval_s=health_interval_s, health_failures=health_failures, transport=transport,
+            auth_token=auth_token,
         )
         self.name, self.url, self.events = name, url.rstrip("/"), events
         self.model_dir = Path(model_dir)
@@ -326,6 +334,7 @@ class HttpEngine:
         self._client_kw = dict(
             label=f"{self.kind} server {self.url}", timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
             max_connections=max_inflight + 4, retries=retries, backoff_s=backoff_s, transport=transport,
+            auth_token=auth_token,
         )
         self.client: HttpClient | None = None
         self.hf_config = _read_json(self.model_dir / "config.json")
@@ -361,6 +370,11 @@ class HttpEngine:
                 raise EngineStartError(
                     f"{self.name}: cannot reach the {self.kind} server at {self.url} ({e.detail}). Is it running? "
                     f"{self.launch_hint}"
+                ) from e
+            if e.status == 401:
+                raise EngineStartError(
+                    f"{self.name}: the {self.kind} server at {self.url} refused the trainer's token (HTTP 401): set "
+                    "the variable named by weight_sync.auth_token_env to the server's TORCHTITAN_FLUX_TOKEN"
                 ) from e
             raise EngineStartError(f"{self.name}: the {self.kind} server at {self.url} is not usable: {e}") from e
         self._gen = _Workers(self.max_inflight, f"{self.name}-gen")
@@ -477,9 +491,17 @@ class HttpEngine:
                 t0 = time.perf_counter()
                 completions = self._generate(req)
                 dt = time.perf_counter() - t0
+                # no push of ours can run while the gate is held shared: any other version means the server
+                # was restarted (or its weights replaced) behind our back, and the tokens are not ``version``'s
+                reported = self.weight_version() if version >= 0 else None
             tokens, logprobs, lengths = self._pack(completions, req)
         except Exception as e:  # noqa: BLE001 - the client already retried: the server cannot serve
             self._die(f"generation request {req.req_id} failed: {e}")
+            return
+        if reported is not None and str(reported) != str(version):
+            self._die(f"reports weight version {reported!r} after generation request {req.req_id}, but our last push "
+                      f"to it was version {version}: it was restarted or its weights were replaced; the result is "
+                      "dropped and the engine is reconnected and resynced")
             return
         self.events.put(GenerationResult(req.req_id, self.name, tokens, logprobs, lengths, version, self._version, dt))
 
@@ -604,6 +626,10 @@ class HttpEngine:
     # ---------------------------------------------------------------------------- per server
 
     def _check_server(self) -> None:
+        raise NotImplementedError
+
+    def weight_version(self) -> str | None:
+        """The weight version the server reports (``str(v)`` after our push of ``v``)."""
         raise NotImplementedError
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:

@@ -18,6 +18,10 @@ Everything shared with vLLM is in ``engine/http.py``; this module holds only the
   only -> ``/end_weight_update`` -> ``/continue_generation``.
 * checks at ``start()``: reachable, a generation model of the trainer's architecture, weight endpoints present
   (``/get_weights_by_name``), hidden size, tensor/data parallel size 1, same tokenizer.
+* the shared token: SGLang's own ``--api-key`` (``scripts/launch_sglang.sh`` passes ``$TORCHTITAN_FLUX_TOKEN``)
+  guards every endpoint but ``/health*`` and ``/metrics*``. SGLang joins weight-sync groups with its own code, so
+  the rendezvous handshake (``transport.handshake``) is skipped for it: the API key is what keeps others from
+  starting a join or an update.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
 class SglangEngine(HttpEngine):
     kind = "SGLang"
     launch_hint = "Start one with scripts/launch_sglang.sh MODEL_DIR PORT (needs a CUDA GPU)."
+    rendezvous_handshake = False  # SGLang joins with its own code (see the module docstring)
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

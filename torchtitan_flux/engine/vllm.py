@@ -43,6 +43,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.embedded import die_with_parent
 from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
@@ -211,7 +212,7 @@ def _has_gpu() -> bool:
 
 def launch_command(
     model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike, extra_args: tuple[str, ...] = (),
-    env: dict[str, str] | None = None, gpu: bool | None = None,
+    env: dict[str, str] | None = None, gpu: bool | None = None, auth_token: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of a vLLM server ready for torchtitan_flux weight sync, on 127.0.0.1:``port``.
 
@@ -219,8 +220,14 @@ def launch_command(
     and weight-transfer backend (``gloo`` on CPU, ``flux_nccl`` on a GPU), processed log-probs, loopback only,
     offline, no usage stats; the same environment knobs (``VLLM_DTYPE``, ``VLLM_MAX_MODEL_LEN``,
     ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_HOST_IP``), read from ``env`` (default: this
-    process's environment)."""
+    process's environment). With ``auth_token`` the server gets it as ``$TORCHTITAN_FLUX_TOKEN`` (in its
+    environment, not its command line) and ``--middleware`` ``engine.auth.BearerAuthMiddleware``: it refuses requests
+    without the token and weight-sync joins without the handshake; without one it has neither."""
     env = dict(os.environ if env is None else env)
+    env.pop(TOKEN_ENV, None)
+    if auth_token:
+        env[TOKEN_ENV] = auth_token
+        extra_args = ("--middleware", MIDDLEWARE, *extra_args)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -317,9 +324,10 @@ class LaunchedServer:
 def launch_servers(
     n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
     timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
+    auth_token: str | None = None,
 ) -> list[LaunchedServer]:
-    """Start ``n`` local vLLM servers of ``model_dir`` (``launch_command``) on free ports and wait until each
-    answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
+    """Start ``n`` local vLLM servers of ``model_dir`` (``launch_command``, with ``auth_token``) on free ports and
+    wait until each answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
     healthy within ``timeout_s``) every server started here is stopped and ``EngineStartError`` names the
     server's log."""
     log_dir = Path(log_dir)
@@ -327,7 +335,7 @@ def launch_servers(
     servers: list[LaunchedServer] = []
     try:
         for i, port in enumerate(_free_ports(n)):
-            argv, env = launch_command(model_dir, port, python=python, extra_args=extra_args)
+            argv, env = launch_command(model_dir, port, python=python, extra_args=extra_args, auth_token=auth_token)
             if threads is not None:  # CPU: the server's share of the cores (the trainer takes the rest)
                 env["OMP_NUM_THREADS"] = str(threads)
             log_path = log_dir / f"vllm_server{i}.log"

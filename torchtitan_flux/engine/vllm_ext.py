@@ -1,7 +1,7 @@
 """vLLM worker extension: receive torchtitan_flux weight pushes through vLLM's official RL weight-update API.
 
-Runs INSIDE the vLLM server's worker processes, so it imports only torch and vllm (never torchtitan or the rest of
-torchtitan_flux). Load it with::
+Runs INSIDE the vLLM server's worker processes, so it imports only torch, vllm and the torch-only parts of
+torchtitan_flux (``transport``, ``engine.auth``; never torchtitan). Load it with::
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
         --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension \\
@@ -20,7 +20,8 @@ Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP,
 
 * ``POST /init_weight_transfer_engine {"init_info": FluxInitInfo}``: connect to the trainer's TCPStore and build a
   2-member group on ``PrefixStore(store_prefix)`` (trainer = rank 0, this worker = ``rank_offset``). It blocks
-  until the trainer creates its side, which it does concurrently.
+  until the trainer creates its side, which it does concurrently. When the server holds the shared token
+  (``$TORCHTITAN_FLUX_TOKEN``) it first runs ``transport.handshake`` with the trainer and joins only if it passes.
 * ``POST /start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU
   because vLLM repacks Linear weights after loading).
 * ``POST /update_weights {"update_info": FluxUpdateInfo}``: once per bucket, in bucket order. The first call of
@@ -53,9 +54,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-# Must equal torchtitan_flux.transport.MAGIC / METHOD_FULL (this module may not import torchtitan_flux).
-HEADER_MAGIC = 0x46_4C_55_58
-METHOD_FULL = 0
+from torchtitan_flux import transport
+from torchtitan_flux.engine.auth import read_token
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXT_VERSION = 1
 
@@ -143,6 +144,7 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
             init_info.master_address, init_info.master_port, None, is_master=False, wait_for_workers=False,
             timeout=timeout,
         )
+        transport.handshake(store, init_info.store_prefix, read_token(), transport.ENGINE, init_info.timeout_s)
         prefixed = dist.PrefixStore(init_info.store_prefix, store)
         rank = init_info.rank_offset + pc.rank
         if self.BACKEND == "gloo":
@@ -193,12 +195,12 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
             header = torch.empty(info.header_len, dtype=torch.int64, device=self._wire_device)
             self._broadcast(header)
             vals = header.tolist()
-            if vals[0] != HEADER_MAGIC:
+            if vals[0] != transport.MAGIC:
                 raise RuntimeError(f"push header has bad magic {vals[0]:#x}: trainer and server disagree on the plan")
             version, n, method, ids = vals[1], vals[2], vals[3], vals[4 : 4 + vals[2]]
             if version != info.version:
                 raise RuntimeError(f"push header carries version {version}, the HTTP request says {info.version}")
-            if method != METHOD_FULL or ids != list(range(info.num_buckets)):
+            if method != transport.METHOD_FULL or ids != list(range(info.num_buckets)):
                 raise RuntimeError(
                     f"only full pushes of all {info.num_buckets} buckets are supported; header has method {method}, "
                     f"buckets {ids[:8]}{'...' if n > 8 else ''}"

@@ -1,0 +1,96 @@
+"""Process-tree helpers of the fault tests: a torchrun trainer that records every descendant it ever had, and
+checks that none of them outlived it (orphans)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+from conftest import ROOT, torchrun_cmd
+
+FAULT_INJECT = ROOT / "tests" / "fault_inject"  # sitecustomize.py: see its docstring
+
+
+def gone(pid: int, create_time: float | None = None) -> bool:
+    try:
+        p = psutil.Process(pid)
+        if create_time is not None and p.create_time() != create_time:
+            return True  # pid reused
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(procs: dict[int, tuple[float, str]], timeout: float) -> list[str]:
+    """The processes of ``procs`` (pid -> (create time, command)) still alive after up to ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [f"{pid}: {cmd}" for pid, (ct, cmd) in procs.items() if not gone(pid, ct)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def complete_ckpts(dump: Path) -> list[int]:
+    """Steps of the checkpoints a resume may load (those with DCP's ``.metadata``, written last)."""
+    d = dump / "checkpoint"
+    if not d.is_dir():
+        return []
+    out = []
+    for f in d.iterdir():
+        m = re.fullmatch(r"step-(\d+)", f.name)
+        if m and (f / ".metadata").is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+class Run:
+    """A torchrun trainer in its own session, with every descendant it ever had recorded (``scan``)."""
+
+    def __init__(self, dump: Path, log: Path, *overrides: str, faults: dict[str, str] | None = None):
+        self.log = log
+        env = dict(os.environ)
+        if faults:
+            env.update(faults)
+            env["PYTHONPATH"] = os.pathsep.join([str(FAULT_INJECT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        with open(log, "w") as out:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                torchrun_cmd(dump, *overrides), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, env=env,
+            )
+        self.seen: dict[int, tuple[float, str]] = {}
+
+    def scan(self) -> None:
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for c in kids:
+            try:
+                self.seen.setdefault(c.pid, (c.create_time(), " ".join(c.cmdline())))
+            except psutil.Error:
+                pass
+
+    @property
+    def engines(self) -> list[int]:
+        return [pid for pid, (_, cmd) in self.seen.items() if "spawn_main" in cmd]
+
+    def wait_for(self, cond, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            self.scan()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"trainer exited ({self.proc.returncode}) before {what}:\n"
+                                     f"{self.log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.log.read_text()[-4000:]}")
+            time.sleep(0.05)
+        self.scan()
+
+    def start_step(self) -> int | None:
+        m = re.search(r"Training starts at step (\d+)", self.log.read_text())
+        return int(m.group(1)) if m else None

@@ -1,0 +1,54 @@
+"""Fault injection from outside the code under test, for ``tests/test_faults_trainer.py``.
+
+A test puts this folder first on ``PYTHONPATH``; every Python process of the run (torchrun, the trainer, its
+engine processes) then imports this module at start-up. With none of the variables below set it does nothing.
+
+  FLUX_FAULT_CKPT_STALL="STEP:SECONDS:MARKER"   the checkpoint of step STEP stalls SECONDS after its shards are
+      written and before its ``.metadata`` (what makes it complete) is: a checkpoint write in progress. MARKER
+      is created when the stall starts.
+  FLUX_FAULT_PUSH_STALL="VERSION:SECONDS:MARKER"  an embedded engine that has received weight version VERSION
+      stalls SECONDS before publishing (acking) it: a weight push in flight. MARKER is created when it starts.
+"""
+
+import os
+import time
+
+
+def _parse(var):
+    spec = os.environ.get(var)
+    if not spec:
+        return None
+    key, seconds, marker = spec.split(":", 2)
+    return int(key), float(seconds), marker
+
+
+def _stall(seconds, marker):
+    open(marker, "w").close()
+    time.sleep(seconds)
+
+
+_ckpt = _parse("FLUX_FAULT_CKPT_STALL")
+if _ckpt is not None:
+    from torch.distributed.checkpoint import filesystem as _fs
+
+    _finish = _fs._FileSystemWriter.finish
+
+    def finish(self, metadata, results):
+        if str(self.path).rstrip("/").endswith(f"step-{_ckpt[0]}"):
+            _stall(*_ckpt[1:])
+        return _finish(self, metadata, results)
+
+    _fs._FileSystemWriter.finish = finish
+
+_push = _parse("FLUX_FAULT_PUSH_STALL")
+if _push is not None:
+    from torchtitan_flux import transport as _transport
+
+    _publish = _transport.WeightReceiver._publish
+
+    def _publish_stalled(self, version, buf, stop):
+        if version == _push[0]:
+            _stall(*_push[1:])
+        return _publish(self, version, buf, stop)
+
+    _transport.WeightReceiver._publish = _publish_stalled

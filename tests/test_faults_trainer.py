@@ -1,0 +1,93 @@
+"""Fault tests of the real trainer under torchrun: a checkpoint write interrupted, SIGTERM during a checkpoint
+save, SIGTERM during a weight push. Faults are injected from outside the code under test
+(``tests/fault_inject/sitecustomize.py``). For each: the run stops as documented (docs/reliability.md), no trained
+step is lost (the resume starts right after the newest complete checkpoint), no process outlives the trainer, and
+after the resume the engines' weights equal the trainer's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+from _procs import Run, complete_ckpts, wait_gone
+from conftest import read_metrics, run_train
+
+pytestmark = pytest.mark.faults
+
+
+def _resume(dump, *overrides):
+    proc = run_train(dump, *overrides)
+    out = proc.stdout + proc.stderr
+    summary = json.loads((dump / "summary.json").read_text())
+    assert summary["checksums_match"], summary
+    return out
+
+
+def test_checkpoint_write_interrupted_resumes_from_the_last_complete_one(tiny_model_dir, tmp_path):
+    """SIGKILL of the whole job while step 6's checkpoint is being written (shards on disk, no ``.metadata``):
+    that checkpoint is never loaded; the resume starts at step 4 from step 3's, and steps 4..8 are bit-identical
+    to an uninterrupted run's."""
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "3", "--training.steps", "8")
+    run_train(tmp_path / "full", *args)
+    full = read_metrics(tmp_path / "full")
+
+    dump, marker = tmp_path / "run", tmp_path / "ckpt6_writing"
+    run = Run(dump, tmp_path / "run.log", *args, faults={"FLUX_FAULT_CKPT_STALL": f"6:60:{marker}"})
+    run.wait_for(marker.exists, 120, "the checkpoint of step 6 to be mid-write")
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    run.proc.wait(30)
+    assert not wait_gone(run.seen, 10.0), "processes outlived the killed job"
+    assert (dump / "checkpoint" / "step-6").is_dir() and complete_ckpts(dump) == [3]
+
+    out = _resume(dump, *args)
+    assert "Training starts at step 4" in out
+    resumed = read_metrics(dump)
+    for step in range(4, 9):
+        assert resumed[step - 1]["loss"] == full[step - 1]["loss"], step
+    assert complete_ckpts(dump)[-1] == 8
+
+
+def test_sigterm_during_a_checkpoint_save_completes_it_and_stops(tiny_model_dir, tmp_path):
+    """SIGTERM while step 4's checkpoint is mid-write: the save completes (the signal only sets a flag), the run
+    stops at that step boundary with a non-zero exit, nothing outlives it, and the resume starts at step 5."""
+    dump, marker = tmp_path / "run", tmp_path / "ckpt4_writing"
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "4", "--weight_sync.async_weight_update", "true")
+    run = Run(dump, tmp_path / "run.log", *args, "--training.steps", "40",
+              faults={"FLUX_FAULT_CKPT_STALL": f"4:3:{marker}"})
+    run.wait_for(marker.exists, 120, "the checkpoint of step 4 to be mid-write")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(60) != 0
+    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
+    log = run.log.read_text()
+    assert "interrupted after step 4" in log, log[-3000:]
+    assert complete_ckpts(dump) == [4] and read_metrics(dump)[-1]["step"] == 4
+
+    out = _resume(dump, *args, "--training.steps", "6")
+    assert "Training starts at step 5" in out
+    assert [r["step"] for r in read_metrics(dump)] == list(range(1, 7))
+
+
+def test_sigterm_during_a_weight_push_settles_it_then_checkpoints(tiny_model_dir, tmp_path):
+    """Async mode; the engine holds the push of version 5 for 3 s before acking it, and SIGTERM arrives
+    meanwhile: the trainer finishes its step, waits for the push in flight to settle (acked: no half-sent
+    weights), checkpoints the last step, exits non-zero; nothing outlives it; the resume goes on from the next
+    step with engine weights equal to the trainer's."""
+    dump, marker = tmp_path / "run", tmp_path / "push5_in_flight"
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--weight_sync.async_weight_update", "true")
+    run = Run(dump, tmp_path / "run.log", *args, "--training.steps", "40",
+              faults={"FLUX_FAULT_PUSH_STALL": f"5:3:{marker}"})
+    run.wait_for(marker.exists, 120, "the push of version 5 to be in flight")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(60) != 0
+    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
+    log = run.log.read_text()
+    last = read_metrics(dump)[-1]["step"]
+    assert last >= 5 and f"checkpoint of step {last} written" in log, log[-3000:]
+    assert "weight push did not settle" not in log
+    assert complete_ckpts(dump) == [last]
+
+    out = _resume(dump, *args, "--training.steps", str(last + 2))
+    assert f"Training starts at step {last + 1}" in out
