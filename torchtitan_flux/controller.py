@@ -184,7 +184,8 @@ class PIDController(BaseAsyncController):
     so there is room for more asynchrony and the ratio goes up)::
 
         P = kp * e
-        I = I + ki * e            (skipped while the output is saturated in the direction of e; see below)
+        I = I + ki * e            (only while |e| <= integral_band, and not while the output is saturated in
+                                   the direction of e; see below)
         D = -kd * (y - y_prev)    (0 on the first update)
         async_ratio = clamp(bias + P + I + D, min_async_ratio, max_async_ratio),   bias = initial_async_ratio
 
@@ -204,6 +205,10 @@ class PIDController(BaseAsyncController):
       alone already saturate it. So the integral never grows while the output is saturated in the direction
       of the error, and the output leaves the bound as soon as the error changes sign. ``anti_windup=False``
       gives the naive integrator (for comparison only).
+    * Integral separation: while ``|e| > integral_band`` the integral is frozen. A learning spike pushes the
+      smoothed staleness far above target for a while and, through the EMA's lag, keeps it there after the ratio
+      has already been cut; integrating that error would drag the learned operating point down and take many
+      steps to walk back up once the spike has passed. 1.0 (the default) disables it.
     * ``I`` is stored already multiplied by ``ki`` so that changing ``ki`` on resume does not make it jump.
     """
 
@@ -212,6 +217,7 @@ class PIDController(BaseAsyncController):
         self.kp = float(cfg.kp)
         self.ki = float(cfg.ki)
         self.kd = float(cfg.kd)
+        self.integral_band = float(cfg.integral_band)
         self.bias = _clamp(float(cfg.initial_async_ratio), self.min_ratio, self.max_ratio)
         self.anti_windup = anti_windup
         self.async_ratio = self.bias
@@ -227,7 +233,7 @@ class PIDController(BaseAsyncController):
         e = self.target_staleness - y
         p = self.kp * e
         d = 0.0 if self.prev_measurement is None else -self.kd * (y - self.prev_measurement)
-        i_new = self.i_term + self.ki * e
+        i_new = self.i_term + (self.ki * e if abs(e) <= self.integral_band else 0.0)
         u_new = self.bias + p + i_new + d
         if self.anti_windup and u_new > self.max_ratio and e > 0:
             # integrate only up to the amount that brings the output to the bound; never unwind here
