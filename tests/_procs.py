@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
-from conftest import ROOT, torchrun_cmd
+from conftest import FIGURES, ROOT, torchrun_cmd
 
 FAULT_INJECT = ROOT / "tests" / "fault_inject"  # sitecustomize.py: see its docstring
 
@@ -31,6 +31,8 @@ def wait_gone(procs: dict[int, tuple[float, str]], timeout: float) -> list[str]:
     while True:
         alive = [f"{pid}: {cmd}" for pid, (ct, cmd) in procs.items() if not gone(pid, ct)]
         if not alive or time.monotonic() > deadline:
+            FIGURES["processes_checked"] += len(procs)
+            FIGURES["orphans_found"] += len(alive)
             return alive
         time.sleep(0.1)
 

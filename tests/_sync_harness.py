@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from conftest import FIGURES
 from torch import nn
 
 from torchtitan_flux import assets, inference
@@ -149,6 +150,7 @@ class Harness:
 
 def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:
     """Engine ``i`` holds ``version``, bitwise equal to the staging buffer, which equals the model's parameters."""
+    FIGURES["checksums_compared"] += 1
     assert h.engine_checksum(i) == (version, h.staging_checksum())
     params = params_snapshot(h.model)
     assert all(h.syncer.staging.views[n].equal(p) for n, p in params.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -13,6 +14,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = ROOT / "train_configs" / "debug_cpu.toml"
+
+
+# Reliability figures (docs/reliability.md), counted by the fault tests as they check: weight checksums compared
+# between an engine and the trainer, processes checked for orphans and orphans found. Printed after the run.
+FIGURES: collections.Counter = collections.Counter()
+
+
+def pytest_terminal_summary(terminalreporter):
+    faults = [r for r in terminalreporter.stats.get("passed", []) if r.when == "call" and "faults" in r.keywords]
+    if faults:
+        FIGURES["fault_tests_passed"] = len(faults)
+    if FIGURES:
+        terminalreporter.write_line("reliability figures: " + ", ".join(f"{k}={v}" for k, v in sorted(FIGURES.items())))
 
 
 @pytest.fixture(scope="session")

@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
 from _procs import Run, complete_ckpts, wait_gone
-from conftest import read_metrics, run_train
+from conftest import FIGURES, read_metrics, run_train
 
 pytestmark = pytest.mark.faults
 
 
 def _resume(dump, *overrides):
+    """Resume; counts the trained steps lost: steps between the newest complete checkpoint and the resume point."""
+    newest = complete_ckpts(dump)[-1]
     proc = run_train(dump, *overrides)
     out = proc.stdout + proc.stderr
+    start = int(re.search(r"Training starts at step (\d+)", out).group(1))
+    FIGURES["resumes"] += 1
+    FIGURES["steps_lost"] += start - 1 - newest
     summary = json.loads((dump / "summary.json").read_text())
+    FIGURES["checksums_compared"] += 1
     assert summary["checksums_match"], summary
     return out
 

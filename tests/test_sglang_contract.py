@@ -748,6 +748,7 @@ if __name__ != "__main__":
             h.close()
             s.stop()
 
+    @pytest.mark.faults
     def test_server_with_other_weights_is_detected_and_resynced(tiny, tmp_path):
         """The server is restarted behind the handler's back after our push of version 1 (disk weights, version
         "default"): the next generation's result is dropped, never labelled version 1, and the handler dies; its
