@@ -57,18 +57,24 @@ def test_checkpoint_write_interrupted_resumes_from_the_last_complete_one(tiny_mo
     assert complete_ckpts(dump)[-1] == 8
 
 
-def test_sigterm_during_a_checkpoint_save_completes_it_and_stops(tiny_model_dir, tmp_path):
-    """SIGTERM while step 4's checkpoint is mid-write: the save completes (the signal only sets a flag), the run
-    stops at that step boundary with a non-zero exit, nothing outlives it, and the resume starts at step 5."""
-    dump, marker = tmp_path / "run", tmp_path / "ckpt4_writing"
-    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "4", "--weight_sync.async_weight_update", "true")
-    run = Run(dump, tmp_path / "run.log", *args, "--training.steps", "40",
-              faults={"FLUX_FAULT_CKPT_STALL": f"4:3:{marker}"})
-    run.wait_for(marker.exists, 120, "the checkpoint of step 4 to be mid-write")
+def _sigterm_inside(tmp_path, args, fault: str, what: str) -> tuple:
+    """Run 40 steps with ``fault`` ("VAR=KEY:SECONDS", see fault_inject), SIGTERM torchrun once the fault has
+    started: the run must exit non-zero with nothing left behind. Returns (dump folder, the run's log)."""
+    dump, marker = tmp_path / "run", tmp_path / "fault_started"
+    var, _, spec = fault.partition("=")
+    run = Run(dump, tmp_path / "run.log", *args, "--training.steps", "40", faults={var: f"{spec}:{marker}"})
+    run.wait_for(marker.exists, 120, what)
     os.kill(run.proc.pid, signal.SIGTERM)
     assert run.proc.wait(60) != 0
     assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
-    log = run.log.read_text()
+    return dump, run.log.read_text()
+
+
+def test_sigterm_during_a_checkpoint_save_completes_it_and_stops(tiny_model_dir, tmp_path):
+    """SIGTERM while step 4's checkpoint is mid-write: the save completes (the signal only sets a flag), the run
+    stops at that step boundary with a non-zero exit, nothing outlives it, and the resume starts at step 5."""
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "4", "--weight_sync.async_weight_update", "true")
+    dump, log = _sigterm_inside(tmp_path, args, "FLUX_FAULT_CKPT_STALL=4:3", "the checkpoint of step 4 to be mid-write")
     assert "interrupted after step 4" in log, log[-3000:]
     assert complete_ckpts(dump) == [4] and read_metrics(dump)[-1]["step"] == 4
 
@@ -82,15 +88,8 @@ def test_sigterm_during_a_weight_push_settles_it_then_checkpoints(tiny_model_dir
     meanwhile: the trainer finishes its step, waits for the push in flight to settle (acked: no half-sent
     weights), checkpoints the last step, exits non-zero; nothing outlives it; the resume goes on from the next
     step with engine weights equal to the trainer's."""
-    dump, marker = tmp_path / "run", tmp_path / "push5_in_flight"
     args = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--weight_sync.async_weight_update", "true")
-    run = Run(dump, tmp_path / "run.log", *args, "--training.steps", "40",
-              faults={"FLUX_FAULT_PUSH_STALL": f"5:3:{marker}"})
-    run.wait_for(marker.exists, 120, "the push of version 5 to be in flight")
-    os.kill(run.proc.pid, signal.SIGTERM)
-    assert run.proc.wait(60) != 0
-    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
-    log = run.log.read_text()
+    dump, log = _sigterm_inside(tmp_path, args, "FLUX_FAULT_PUSH_STALL=5:3", "the push of version 5 to be in flight")
     last = read_metrics(dump)[-1]["step"]
     assert last >= 5 and f"checkpoint of step {last} written" in log, log[-3000:]
     assert "weight push did not settle" not in log
