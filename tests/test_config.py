@@ -3,6 +3,7 @@ process is spawned. Table-driven over the real parse path (torchtitan's ConfigMa
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import pytest
@@ -142,6 +143,15 @@ def test_unknown_key_in_toml(tiny_model_dir, tmp_path):
 def test_unknown_section_in_toml(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="grpoo"):
         parse(toml=_write(tmp_path, "[grpoo]\ngroup_size = 4\n"))
+
+
+def test_port_already_in_use(tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"weight_sync.master_port = {port}: cannot listen on 127.0.0.1:{port}"):
+            validate_config(parse("--weight_sync.master_port", str(port)))
 
 
 def test_toml_syntax_error(tiny_model_dir, tmp_path):

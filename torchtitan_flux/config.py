@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import os
 import re
+import socket
 import typing
 import urllib.parse
 from dataclasses import dataclass, field
@@ -309,6 +310,20 @@ def _allowed(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """The weight-sync rendezvous must be able to listen on host:port (checked by binding once, before any engine
+    starts; the trainer binds it again moments later)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError(
+            f"weight_sync.master_port = {port}: cannot listen on {host}:{port} ({e.strerror or e}); allowed: a free "
+            "port, or 0 to pick one"
+        ) from None
+
+
 def _check_type(name: str, value: Any, tp: Any) -> None:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -426,6 +441,8 @@ def validate_config(job_config: Any) -> None:
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
     _require(w.interval >= 1, "weight_sync.interval", w.interval, "an integer >= 1")
     _require(0 <= w.master_port <= 65535, "weight_sync.master_port", w.master_port, "0..65535")
+    if w.master_port and os.environ.get("RANK", "0") == "0":  # rank 0 hosts it (later ranks would find it taken)
+        _check_port_free(w.master_addr, w.master_port)
     _require(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", w.auth_token_env) is not None, "weight_sync.auth_token_env",
              w.auth_token_env, "the name of an environment variable, e.g. 'TORCHTITAN_FLUX_TOKEN'")
     remote = [("weight_sync.master_addr", w.master_addr)] if not is_loopback(w.master_addr) else []
