@@ -411,3 +411,39 @@ def test_grpo_run_with_launched_vllm(small_model_dir, tmp_path, monkeypatch):
     while (left := _vllm_pids() - before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"vLLM processes survived the run: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.faults
+def test_launched_vllm_server_killed_mid_run_stops_cleanly_and_resumes(small_model_dir, tmp_path, monkeypatch):
+    """The trainer's own vLLM server is SIGKILLed mid-run (server and engine core). With no engine left the run
+    stops at the step boundary with an error, writes a checkpoint of its last step (nothing trained is lost),
+    exits non-zero and leaves no process behind; the same command resumes from that step with a new server, and
+    its weights equal the trainer's."""
+    from _procs import Run, complete_ckpts, wait_gone
+    from conftest import read_metrics, run_train
+
+    if not VLLM_PY.exists():
+        pytest.skip(f"{VLLM_PY.parent.parent} is absent: run scripts/setup_vllm.sh to test against a real vLLM server")
+    monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "512")
+    args = ("--model.hf_assets_path", str(small_model_dir), "--rollout.engine", "vllm", "--rollout.launch", "true",
+            "--weight_sync.async_weight_update", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "1000")
+    before = _vllm_pids()
+    run = Run(tmp_path, tmp_path / "run.log", *args, "--training.steps", "500")
+    metrics = tmp_path / "metrics.jsonl"
+    run.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 600, "3 steps on vLLM")
+    for pid in _vllm_pids() - before:
+        os.kill(pid, signal.SIGKILL)
+    assert run.proc.wait(180) != 0
+    assert not wait_gone(run.seen, 15.0), "processes outlived the run"
+    assert not _vllm_pids() - before
+    log = run.log.read_text()
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert "every rollout engine died" in log and f"checkpoint of step {last} written" in log, log[-4000:]
+    assert complete_ckpts(tmp_path) == [last]
+
+    proc = run_train(tmp_path, *args, "--training.steps", str(last + 2), timeout=600)
+    assert f"Training starts at step {last + 1}" in proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == last + 2

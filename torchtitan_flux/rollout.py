@@ -37,6 +37,11 @@ from torchtitan_flux.tasks import Prompt, Task, check_reward
 logger = logging.getLogger("torchtitan_flux")
 
 
+class NoEngineLeft(RuntimeError):
+    """Every rollout engine is gone: training cannot go on. Raised between steps (while waiting for rollouts), so
+    the trainer's state is that of a completed step and can be checkpointed."""
+
+
 @dataclass
 class RolloutBatch:
     """One training step's samples (B = prompts * group_size), laid out for teacher forcing."""
@@ -132,7 +137,7 @@ class RolloutScheduler:
             return
         alive = [e for e in self.engines if e.alive()]
         if not alive:
-            raise RuntimeError("no rollout engine is alive")
+            raise NoEngineLeft("no rollout engine is alive")
         first = st.n_dispatched
         for engine, n in zip(alive, self._split(upto - first, alive)):
             if n:
@@ -237,7 +242,7 @@ class RolloutScheduler:
         for part in [p for p in self._by_req.values() if p.engine is dead]:
             alive = [e for e in self.engines if e.alive()]
             if not alive:
-                raise RuntimeError("every rollout engine died")
+                raise NoEngineLeft("every rollout engine died (and none could be restarted or reconnected)")
             target = max(alive, key=lambda e: self.speed[e.name])
             del self._by_req[part.request.req_id]
             part.request.req_id = next(self._req_ids)

@@ -45,7 +45,7 @@ from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights
-from torchtitan_flux.rollout import RolloutBatch, RolloutScheduler
+from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
 from torchtitan_flux.tasks import build_task, check_reward
 from torchtitan_flux.weight_sync import WeightSyncer
 
@@ -269,21 +269,21 @@ class FluxTrainer(Trainer):
                     )
                 if self._stop_signal is not None:
                     raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True)
-        except TrainingInterrupted as e:
-            self._save_on_interrupt(e.at_step_boundary)
+        except (TrainingInterrupted, NoEngineLeft) as e:
+            self._save_on_interrupt(getattr(e, "at_step_boundary", True), reason=str(e))
             raise
         finally:
             if self.rank == 0 and self.scheduler is not None:
                 self.scheduler.drain(timeout=1.0)
         self._finish()
 
-    def _save_on_interrupt(self, at_step_boundary: bool) -> None:
-        """Graceful stop: let an in-flight push finish or time out (nothing is left half-sent by us), then write
+    def _save_on_interrupt(self, at_step_boundary: bool, reason: str) -> None:
+        """Graceful stop (a signal, or no rollout engine left): let an in-flight push finish or time out (nothing is left half-sent by us), then write
         a checkpoint of the last completed step when checkpoints are on. Single-process only: with several
         ranks a second signal can land at different points on each, and a collective save could hang, so those
         runs resume from their last periodic checkpoint. After a second signal the step in progress may be
         incomplete: then no checkpoint is written."""
-        logger.warning(f"interrupted after step {self.step}; stopping")
+        logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
         if not self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds):
             logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
                            "pushes the checkpoint's weights to every engine first)")
