@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
-import subprocess
-import time
 
-import psutil
 import pytest
-from conftest import FIGURES, ROOT, read_metrics, run_train, torchrun_cmd
+from _procs import Run, wait_gone
+from conftest import read_metrics, run_train
 
 REQUIRED = [
     "step", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "policy_version", "step_time_s",
@@ -65,39 +64,17 @@ def test_two_trainer_processes(tiny_model_dir, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["checksums_match"]
 
 
-def _tree(root_pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(root_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def _kill_after(dump, overrides, step: int) -> None:
-    """Start a run, SIGKILL torchrun and the trainer (a crash; engines die with it) once ``step`` is logged."""
-    proc = subprocess.Popen(torchrun_cmd(dump, *overrides), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+def _kill_after(dump, overrides, step: int, log) -> None:
+    """Start a run, SIGKILL torchrun and the trainer (a crash; engines must die with it) once ``step`` is logged;
+    nothing may outlive them."""
     metrics = dump / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if metrics.exists() and any(json.loads(x)["step"] >= step for x in metrics.read_text().splitlines()):
-            break
-        time.sleep(0.05)
-    tree = _tree(proc.pid)
-    engines = [p for p in tree if "multiprocessing" in " ".join(p.cmdline())]
-    assert engines, "expected engine processes under the trainer"
-    for p in [psutil.Process(proc.pid)] + [p for p in tree if p not in engines]:
-        p.kill()
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while _alive(tree) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    FIGURES["processes_checked"] += len(tree)
-    FIGURES["orphans_found"] += len(_alive(tree))
-    assert not _alive(tree), [p.cmdline() for p in _alive(tree)]
+    run = Run(dump, log, *overrides)
+    run.wait_for(lambda: run.engines and metrics.exists()
+                 and any(json.loads(x)["step"] >= step for x in metrics.read_text().splitlines()), 120, f"step {step}")
+    for pid in [run.proc.pid] + [p for p in run.seen if p not in run.engines]:
+        os.kill(pid, signal.SIGKILL)
+    run.proc.wait(timeout=30)
+    assert not wait_gone(run.seen, 10.0), "processes outlived the killed trainer"
 
 
 RESUMED_EQUAL = ["loss", "reward_mean", "kl", "behaviour_kl", "policy_version"]
@@ -118,7 +95,7 @@ def test_killed_run_resumes_bit_exact(tiny_model_dir, tmp_path, mode):
     full = read_metrics(tmp_path / "full")
 
     dump = tmp_path / "killed"
-    _kill_after(dump, [*ckpt, "--training.steps", "40"], step=5)
+    _kill_after(dump, [*ckpt, "--training.steps", "40"], step=5, log=tmp_path / "killed.log")
     run_train(dump, *ckpt)  # resumes from step 4 and runs to 8
     resumed = read_metrics(dump)
     keys = RESUMED_EQUAL + (CONTROLLER_EQUAL if mode == "async_controller" else [])
@@ -144,22 +121,16 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_d
     starts at the next step."""
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--training.steps", "5000",
             "--weight_sync.async_weight_update", "true"]
-    proc = subprocess.Popen(torchrun_cmd(tmp_path, *ckpt), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
-        time.sleep(0.05)
-    tree = _tree(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode != 0
+    run = Run(tmp_path, tmp_path / "run.log", *ckpt)
+    run.wait_for(lambda: run.engines and metrics.exists() and len(metrics.read_text().splitlines()) >= 10, 120,
+                 "10 steps")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(60) != 0
+    out = run.log.read_text()
     assert "checkpoint of step" in out, out[-3000:]
     last = read_metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoint" / f"step-{last}").is_dir()
-    time.sleep(1.0)
-    FIGURES["processes_checked"] += len(tree)
-    FIGURES["orphans_found"] += len(_alive(tree))
-    assert not _alive(tree)
+    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
     run_train(tmp_path, *ckpt[:-2], "--training.steps", str(last + 2))
     assert read_metrics(tmp_path)[-1]["step"] == last + 2

@@ -270,14 +270,14 @@ class FluxTrainer(Trainer):
                 if self._stop_signal is not None:
                     raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True)
         except (TrainingInterrupted, NoEngineLeft) as e:
-            self._save_on_interrupt(getattr(e, "at_step_boundary", True), reason=str(e))
+            self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e))
             raise
         finally:
             if self.rank == 0 and self.scheduler is not None:
                 self.scheduler.drain(timeout=1.0)
         self._finish()
 
-    def _save_on_interrupt(self, at_step_boundary: bool, reason: str) -> None:
+    def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
         """Graceful stop (a signal, or no rollout engine left): let an in-flight push finish or time out (nothing is left half-sent by us), then write
         a checkpoint of the last completed step when checkpoints are on. Single-process only: with several
         ranks a second signal can land at different points on each, and a collective save could hang, so those
