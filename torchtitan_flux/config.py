@@ -252,7 +252,7 @@ class AdaptiveAsync:
     integral never engages and the loop settles off target. Default calibrated on the debug config: in-band
     fraction 0.77 -> 0.81 and throughput up (docs/benchmarks.md)."""
 
-    ema_alpha: float = 0.1
+    ema_alpha: float = 0.2
     """EMA weight of the newest staleness sample. In (0, 1]."""
 
     max_version_gap: int = 1

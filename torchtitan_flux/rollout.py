@@ -128,23 +128,22 @@ class RolloutScheduler:
         st = self._steps[step] = _Step(step, prompts, ids, [])
         return st
 
-    def dispatch(self, step: int, trainer_version: int, upto: int | None = None, pin_version: int = -1) -> None:
-        """Send ``step``'s prompts ``[already sent, upto)`` (default: all) to the engines, pinned to
+    def dispatch(self, step: int, trainer_version: int, pin_version: int = -1) -> None:
+        """Send all of ``step``'s prompts to the engines (once; later calls for the step do nothing), pinned to
         ``pin_version`` (see ``GenerationRequest.pin_version``)."""
         st = self._steps.get(step) or self._new_step(step)
-        upto = len(st.prompts) if upto is None else min(upto, len(st.prompts))
-        if upto <= st.n_dispatched:
+        if st.n_dispatched:
             return
         alive = [e for e in self.engines if e.alive()]
         if not alive:
             raise NoEngineLeft("no rollout engine is alive")
-        first = st.n_dispatched
-        for engine, n in zip(alive, self._split(upto - first, alive)):
+        first = 0
+        for engine, n in zip(alive, self._split(len(st.prompts), alive)):
             if n:
                 part = self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version, pin_version)
                 st.parts.append(part)
             first += n
-        st.n_dispatched = upto
+        st.n_dispatched = len(st.prompts)
 
     def _split(self, n: int, engines: list[EngineHandler]) -> list[int]:
         """Prompts per engine: ``n`` split by ``_shares`` (largest remainder), then no engine above
