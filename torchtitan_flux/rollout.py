@@ -215,7 +215,9 @@ class RolloutScheduler:
             return
         if isinstance(ev, GenerationResult):
             part = self._by_req.pop(ev.req_id, None)
-            if part is not None:  # None: a re-dispatched request's late original
+            if part is None:  # a re-dispatched request's late original, or a request of a discarded step
+                logger.debug(f"dropped a late result (request {ev.req_id}, engine {ev.engine})")
+            else:
                 part.result = ev
                 n = ev.tokens.shape[0]
                 self.speed[ev.engine] = 0.8 * self.speed[ev.engine] + 0.2 * n / max(ev.gen_time_s, 1e-6)
@@ -253,8 +255,8 @@ class RolloutScheduler:
     # --------------------------------------------------------------------------------------- collect
 
     def collect(self, step: int, trainer_version: int, pin_version: int = -1) -> RolloutBatch:
-        """Dispatch what is left of ``step``, wait for all its parts and build its batch (scored, laid out for
-        training)."""
+        """Dispatch ``step`` (unless admission already has), wait for all its parts and build its batch (scored,
+        laid out for training)."""
         self.dispatch(step, trainer_version, pin_version=pin_version)
         st = self._steps[step]
         while any(p.result is None for p in st.parts):
