@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchtitan_flux import compat
+from torchtitan_flux import compat, transport
 
 # ------------------------------------------------------------------------------------------ version string
 
@@ -515,3 +515,33 @@ def test_gloo_op_timeout_claim_matches_running_torch():
             assert torch.equal(t, torch.ones(4))
     finally:
         proc.wait(30)
+
+
+def test_weight_sync_group_binds_its_listener_where_the_api_allows(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    pg = compat.new_weight_sync_group("gloo", dist.HashStore(), 0, 1, timedelta(seconds=10), listen_host="127.0.0.1")
+    assert pg.size() == 1
+    calls = []
+
+    class GlooWithoutOptions:  # a torch whose ProcessGroupGloo has no _Options / create_device: gloo's default
+        def __init__(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(compat.dist, "ProcessGroupGloo", GlooWithoutOptions)
+    compat.new_weight_sync_group("gloo", "store", 0, 1, timedelta(seconds=3), listen_host="127.0.0.1")
+    assert calls == [("store", 0, 1, timedelta(seconds=3))]
+
+
+def test_store_server_on_a_socket_we_bound_only_where_torch_serves_it(monkeypatch):
+    """torch 2.3's TCPStore never answers on a socket handed over with ``master_listen_fd`` (measured: it hangs):
+    there the store is left to torch; from 2.4 on (libuv) it is served on the socket bound to the host. A store
+    works on the running torch's path, and on the fallback path (simulated 2.3) on any torch."""
+    for version in [(2, 3), (2, 4), (2, 13)]:
+        monkeypatch.setattr(compat, "TORCH_VERSION", version)
+        assert compat.store_listens_on_given_socket() == (version >= (2, 4))
+    for version in [compat._parse_version(torch.__version__), (2, 3)]:
+        monkeypatch.setattr(compat, "TORCH_VERSION", version)
+        store = transport.connect_store("127.0.0.1", 0, 10.0, is_master=True)
+        client = transport.connect_store("127.0.0.1", store.port, 10.0, is_master=False)
+        client.set("k", "v")
+        assert store.get("k") == b"v"

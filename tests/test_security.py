@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import socket
 import subprocess
 import threading
+from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 from _sync_harness import module_from_weights
 from conftest import ROOT
 
-from torchtitan_flux import inference, transport
+from torchtitan_flux import compat, inference, transport
 from torchtitan_flux.config import WeightSync
 from torchtitan_flux.engine import auth
 from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV, BearerAuthMiddleware
@@ -136,6 +139,66 @@ def test_store_listens_on_master_addr_only():
     client = transport.connect_store("127.0.0.1", store.port, 10.0, is_master=False)
     client.set("k", "v")
     assert store.get("k") == b"v"
+
+
+def _non_loopback_ipv4() -> str | None:
+    """An IPv4 address of this machine outside loopback, or None."""
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not auth.is_loopback(a.address):
+                return a.address
+    return None
+
+
+def _tcp_listeners(pid: int | None = None) -> set[tuple[str, int]]:
+    proc = psutil.Process(pid)
+    conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
+    return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+def test_listen_address_is_the_local_end_of_the_route_to_the_peer():
+    assert transport.listen_address("127.0.0.1") == "127.0.0.1"
+    assert auth.is_loopback(transport.listen_address("localhost"))
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    assert transport.listen_address(ip) == ip
+
+
+def _gloo_pair_listeners(listen_host: str) -> set[str]:
+    """Build both ranks of a 2-rank weight-sync gloo group in this process; the addresses it listens on."""
+    before = _tcp_listeners()
+    store, groups = torch.distributed.HashStore(), [None, None]
+
+    def rank(r):
+        groups[r] = compat.new_weight_sync_group("gloo", store, r, 2, timedelta(seconds=20), listen_host=listen_host)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(g is not None for g in groups)
+    return {ip for ip, _ in _tcp_listeners() - before}
+
+
+@pytest.mark.parametrize("where", ["loopback", "another interface"])
+def test_weight_sync_group_listens_on_the_given_address_only(where, monkeypatch):
+    """gloo's default device listens on whatever the hostname resolves to (often a public interface, even when
+    every peer is on loopback); our groups listen on ``transport.listen_address(rendezvous host)``."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    host = "127.0.0.1" if where == "loopback" else _non_loopback_ipv4()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    assert _gloo_pair_listeners(host) == {host}
+
+
+def test_gloo_socket_ifname_is_the_users_choice_and_wins(monkeypatch):
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert _gloo_pair_listeners(ip) == {"127.0.0.1"}
 
 
 # ------------------------------------------------------------------------------------------ handshake
@@ -286,6 +349,9 @@ def test_trainer_with_another_token_cannot_join_the_engine(rig):
     good.connect()
     good.after_optimizer_step(1)
     assert e.checksum() == (1, good.staging.checksum())
+    # a loopback run listens on loopback only, in the trainer (store, gloo) and in the engine (gloo)
+    for pid in (None, e.pid):
+        assert all(auth.is_loopback(ip) for ip, _ in _tcp_listeners(pid)), _tcp_listeners(pid)
 
 
 @pytest.mark.parametrize("engine_token", ["another-token", None], ids=["another-token", "no-token"])

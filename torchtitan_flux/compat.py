@@ -19,6 +19,13 @@ Guards (older -> newer):
     file path alone, ``benchmarks/trl_runner.py``); ``tests/test_compat.py`` tests it with the others.
   * ``op_timeout_honoured`` / ``new_weight_sync_group(idle_timeout=)``: gloo ignores per-collective timeouts
     before 2.9, so there the receiver's group gets the idle timeout itself.
+  * ``store_listens_on_given_socket``: a ``TCPStore`` server on a socket we bound (``master_listen_fd`` with the
+    libuv backend, which became the default in 2.4) works on 2.13 and 2.8; on 2.3.1 the server never answers
+    (``poolFD failed``, errno 95). Before 2.4 ``transport.connect_store`` leaves the server to torch (it listens on
+    every interface). Only a test harness hosts the store on such a torch: the trainer needs a recent one.
+  * ``new_weight_sync_group(listen_host=)``: a gloo device bound to one address needs
+    ``ProcessGroupGloo._Options`` with ``_devices`` and ``create_device(hostname=)`` (2.3.1 and 2.13 have both;
+    looked up, and without them the group falls back to gloo's default device).
 
 Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one):
   * ``ProcessGroupGloo(store, rank, size, timeout)`` and ``ProcessGroupNCCL(store, rank, size, Options)`` with
@@ -38,6 +45,7 @@ Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one):
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -115,6 +123,11 @@ def op_timeout_honoured(backend: str) -> bool:
     return backend == "gloo" and TORCH_VERSION >= (2, 9)
 
 
+def store_listens_on_given_socket() -> bool:
+    """Whether a ``TCPStore`` server can be handed a listening socket we bound (see the module docstring)."""
+    return TORCH_VERSION >= (2, 4)
+
+
 def new_weight_sync_group(
     backend: str,
     store: Any,
@@ -123,6 +136,7 @@ def new_weight_sync_group(
     timeout: timedelta,
     device: torch.device | None = None,
     idle_timeout: timedelta | None = None,
+    listen_host: str | None = None,
 ) -> Any:
     """A process group on ``store`` that is not registered with ``torch.distributed``'s global state.
 
@@ -134,11 +148,22 @@ def new_weight_sync_group(
     (the receiver's wait for the next push). Where that is not honoured (``op_timeout_honoured``), the group
     itself gets the longer of the two timeouts, so the idle wait does not expire; every collective of the group
     is then bounded by it only, and a stuck push is detected by the sender's deadline instead.
+
+    ``listen_host`` (gloo): the local address the group's connections listen on (``transport.listen_address``).
+    Gloo's default device listens on whatever the machine's hostname resolves to, often a public interface even
+    when every peer is on loopback; ``GLOO_SOCKET_IFNAME``, when set, is the user's choice and wins.
     """
     if idle_timeout is not None and not op_timeout_honoured(backend):
         timeout = max(timeout, idle_timeout)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        gloo = dist.ProcessGroupGloo
+        bindable = hasattr(gloo, "_Options") and hasattr(gloo, "create_device")
+        if listen_host and bindable and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            opts = gloo._Options()
+            opts._timeout = timeout
+            opts._devices = [gloo.create_device(hostname=listen_host)]
+            return gloo(store, rank, world_size, opts)
+        return gloo(store, rank, world_size, timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout  # the Options field is private in every version we support (2.3 .. 2.13)

@@ -148,13 +148,23 @@ def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torc
     """The weight-sync rendezvous store: the trainer hosts it (``is_master``) and listens on ``host`` only (torch's
     own server would listen on every interface whatever ``host`` says); engines connect to it."""
     kw = {}
-    if is_master:  # the trainer's torch (>= 2.10): libuv server on a socket bound here; the store owns and closes it
+    if is_master and compat.store_listens_on_given_socket():  # libuv server on a socket bound here; the store owns it
         family, *_, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.create_server(addr[:2], family=family)
         port, kw = sock.getsockname()[1], dict(master_listen_fd=sock.detach(), use_libuv=True)
     return torch.distributed.TCPStore(
         host, port, None, is_master=is_master, wait_for_workers=False, timeout=timedelta(seconds=timeout), **kw
     )
+
+
+def listen_address(peer: str) -> str:
+    """The local address this machine reaches ``peer`` from (a loopback peer: loopback): where a weight-sync
+    group's connections listen (``compat.new_weight_sync_group(listen_host=)``). Sends nothing (a UDP socket's
+    ``connect`` only picks the route)."""
+    family, *_, addr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
 
 
 TRAINER, ENGINE = "trainer", "engine"

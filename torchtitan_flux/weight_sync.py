@@ -181,7 +181,7 @@ class WeightSyncer:
                 else:
                     pg = compat.new_weight_sync_group(
                         self.backend, dist.PrefixStore(info.prefix, store), 0, 2,
-                        timedelta(seconds=self.cfg.timeout_seconds),
+                        timedelta(seconds=self.cfg.timeout_seconds), listen_host=transport.listen_address(info.host),
                     )
                 with self._lock:
                     if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group

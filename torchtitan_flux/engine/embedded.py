@@ -99,6 +99,7 @@ class _EngineProcess:
             return compat.new_weight_sync_group(
                 info.backend, prefixed, 1, 2, timedelta(seconds=info.timeout_s), device=self.device,
                 idle_timeout=transport.IDLE_TIMEOUT,  # the receiver's wait for the next push (see compat)
+                listen_host=transport.listen_address(info.host),
             )
 
         def on_received(version: int) -> None:

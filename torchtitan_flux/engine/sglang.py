@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_flux import compat
+from torchtitan_flux import compat, transport
 from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
 
@@ -132,7 +132,9 @@ class SglangEngine(HttpEngine):
         name = self._group_names[info.prefix]
         base = torch.distributed.PrefixStore(f"{name}/", torch.distributed.PrefixStore(name, store))
         dev_store = torch.distributed.PrefixStore(f"{device}/", base)
-        return compat.new_weight_sync_group(info.backend, dev_store, 0, 2, timedelta(seconds=info.timeout_s))
+        return compat.new_weight_sync_group(
+            info.backend, dev_store, 0, 2, timedelta(seconds=info.timeout_s), listen_host=transport.listen_address(info.host)
+        )
 
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         return [f.view(torch.uint8) for f in flats]  # flattened_bucket receives raw bytes; no push header

@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from torchtitan_flux import transport
+from torchtitan_flux import compat, transport
 from torchtitan_flux.engine.auth import read_token
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -139,22 +139,14 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         if pc.world_size * pc.data_parallel_size != 1:
             raise ValueError("torchtitan_flux weight sync supports tensor/pipeline/data parallel size 1 per server")
         self.shutdown()  # a re-join (resync after a failure) replaces the previous group
-        timeout = timedelta(seconds=init_info.timeout_s)
-        store = dist.TCPStore(
-            init_info.master_address, init_info.master_port, None, is_master=False, wait_for_workers=False,
-            timeout=timeout,
-        )
+        host = init_info.master_address
+        store = transport.connect_store(host, init_info.master_port, init_info.timeout_s, is_master=False)
         transport.handshake(store, init_info.store_prefix, read_token(), transport.ENGINE, init_info.timeout_s)
-        prefixed = dist.PrefixStore(init_info.store_prefix, store)
-        rank = init_info.rank_offset + pc.rank
-        if self.BACKEND == "gloo":
-            group = dist.ProcessGroupGloo(prefixed, rank, init_info.world_size, timeout)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            group = dist.ProcessGroupNCCL(prefixed, rank, init_info.world_size, opts)
-            if hasattr(group, "eager_connect_single_device"):
-                group.eager_connect_single_device(self.device)
+        group = compat.new_weight_sync_group(
+            self.BACKEND, dist.PrefixStore(init_info.store_prefix, store), init_info.rank_offset + pc.rank,
+            init_info.world_size, timedelta(seconds=init_info.timeout_s), device=self.device,
+            listen_host=transport.listen_address(host),
+        )
         self.group, self._store = group, store
         self._checksum_enabled = init_info.checksum
 
