@@ -159,3 +159,21 @@ def test_engine_dying_with_work_in_flight():
     sched.dispatch(2, 0)
     got = [sum(e.received) - b for e, b in zip(engines[:2], before)]
     assert sum(got) == 12 and min(got) >= 4  # the dead engine's third is shared by the two left
+
+
+def test_checkpoint_state_when_the_last_engine_dies_with_work_in_flight():
+    """A stop because no engine is left checkpoints what has finished: ``state_dict`` must neither raise while it
+    waits (the dead engine's death event arrives during the wait) nor wait out its timeout for work nobody will
+    finish. Found on a real vLLM server killed mid-run: the checkpoint of the last step was lost to NoEngineLeft."""
+    import time
+
+    sched, engines = make([10.0], prompts=4)
+    sched.dispatch(1, 0)  # answered at once
+    engines[0].answer = False
+    sched.dispatch(2, 0)  # in flight when the engine dies
+    engines[0].is_alive = False
+    sched.events.put(EngineError("e0", "server gone", fatal=True))
+    t0 = time.monotonic()
+    state = sched.state_dict(timeout=30.0)
+    assert time.monotonic() - t0 < 5.0
+    assert [s["step"] for s in state["steps"]] == [1]  # step 2 is generated afresh on resume

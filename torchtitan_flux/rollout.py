@@ -308,10 +308,17 @@ class RolloutScheduler:
         """The rollouts already dispatched, for a checkpoint: waits up to ``timeout`` seconds for the requests in
         flight, then returns every dispatched step whose parts all finished (their results, so a resumed run
         trains on exactly what the uninterrupted one would have). A step still unfinished after ``timeout`` is
-        left out and generated afresh on resume, from the resumed weights."""
+        left out and generated afresh on resume, from the resumed weights, and so is the work of an engine that
+        dies meanwhile when none is left to take it over (a stop for lack of engines still saves the rest)."""
         deadline = time.monotonic() + timeout
         while self._by_req and time.monotonic() < deadline:
-            self.pump(0.05)
+            waiting = any(e.alive() for e in self.engines)  # else: only take the results already queued
+            try:
+                self.pump(0.05 if waiting else 0)
+            except NoEngineLeft:
+                waiting = False
+            if not waiting and self.events.empty():
+                break
         steps = []
         for st in self._steps.values():
             if any(p.result is None for p in st.parts):

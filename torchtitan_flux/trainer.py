@@ -282,10 +282,9 @@ class FluxTrainer(Trainer):
     def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
         """Graceful stop (a signal, or no rollout engine left): let an in-flight push finish or time out (nothing
         is left half-sent by us), then write a checkpoint of the last completed step when checkpoints are on.
-        Single-process only: with several
-        ranks a second signal can land at different points on each, and a collective save could hang, so those
-        runs resume from their last periodic checkpoint. After a second signal the step in progress may be
-        incomplete: then no checkpoint is written."""
+        Single-process only: with several ranks a second signal can land at different points on each, and a
+        collective save could hang, so those runs resume from their last periodic checkpoint. After a second
+        signal the step in progress may be incomplete: then no checkpoint is written."""
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
         if not self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds):
             logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "

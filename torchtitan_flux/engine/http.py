@@ -434,7 +434,8 @@ class HttpEngine:
         """Rank 0's side of the weight-sync group (the default is the embedded engine's layout)."""
         prefixed = torch.distributed.PrefixStore(info.prefix, store)
         return compat.new_weight_sync_group(
-            info.backend, prefixed, 0, 2, timedelta(seconds=info.timeout_s), listen_host=transport.listen_address(info.host)
+            info.backend, prefixed, 0, 2, timedelta(seconds=info.timeout_s),
+            listen_host=transport.listen_address(info.host),
         )
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,8 @@ class SglangEngine(HttpEngine):
         base = torch.distributed.PrefixStore(f"{name}/", torch.distributed.PrefixStore(name, store))
         dev_store = torch.distributed.PrefixStore(f"{device}/", base)
         return compat.new_weight_sync_group(
-            info.backend, dev_store, 0, 2, timedelta(seconds=info.timeout_s), listen_host=transport.listen_address(info.host)
+            info.backend, dev_store, 0, 2, timedelta(seconds=info.timeout_s),
+            listen_host=transport.listen_address(info.host),
         )
 
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
