@@ -85,6 +85,7 @@ def test_async_push_returns_at_once_and_coalesces_while_busy(harness_factory):
     t0 = time.perf_counter()
     syncer.after_optimizer_step(1)
     dt1 = time.perf_counter() - t0
+    pushed_at = t0
     assert dt1 < 0.25, dt1  # snapshot only; the push runs on the push thread
     v1_sum = h.staging_checksum()
     assert syncer._busy.is_set() and h.link.acked == 0  # v1 is still in flight
@@ -103,8 +104,11 @@ def test_async_push_returns_at_once_and_coalesces_while_busy(harness_factory):
     eng.inject_fault("stall_receive", 0.0)  # the stall in progress finishes; later pushes are fast
     assert syncer.wait_idle(stall + 3.0)
     h.pump_until(lambda: h.link.acked == 1, 5.0, "ack of v1")
-    stalled_push_s = syncer.stats.last_push_s
-    assert stalled_push_s >= stall * 0.9  # the push thread did wait for the stalled engine
+    # v1 landed only after the engine's stall. (Not asserted on the push thread's own time: whether gloo's sends
+    # complete before the stalled receiver posts its buffers depends on socket buffering; once in a full CI run
+    # the push thread finished in 21 ms while the engine was still stalled.)
+    landed_s = time.perf_counter() - pushed_at
+    assert landed_s >= stall * 0.9
     assert h.engine_checksum() == (1, v1_sum)
 
     syncer.flush(3)  # the newest (coalesced) version goes out at the next idle boundary
@@ -113,7 +117,7 @@ def test_async_push_returns_at_once_and_coalesces_while_busy(harness_factory):
     assert syncer.stats.pushes == 3  # v0, v1, v3: v2 was never sent
     assert syncer.stats.timeouts == 0 and not h.link.lagging
     print(f"\nasync: after_optimizer_step {dt1 * 1e3:.2f} ms with the engine stalled {stall}s; coalesced calls "
-          f"{max(dts) * 1e3:.2f} ms; stalled push {stalled_push_s:.2f}s on the push thread")
+          f"{max(dts) * 1e3:.2f} ms; v1 landed after {landed_s:.2f}s")
 
 
 def test_lagging_by_missed_ack_then_resynced_when_the_ack_arrives(harness_factory, caplog):
