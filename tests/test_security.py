@@ -119,23 +119,17 @@ def test_loopback_detection():
 # ---------------------------------------------------------------------------------------- rendezvous store
 
 
-def _listeners(port: int) -> list[str]:
-    """Local addresses (kernel hex) listening on ``port``, IPv4 and IPv6."""
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                addr, _, hex_port = local.rpartition(":")
-                if state == "0A" and int(hex_port, 16) == port:
-                    out.append(addr)
-    return out
+def _tcp_listeners(pid: int | None = None) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in process ``pid`` (default: this one), IPv4 and IPv6."""
+    proc = psutil.Process(pid)
+    conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
+    return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
 
 
 def test_store_listens_on_master_addr_only():
     """torch's own TCPStore server listens on every interface whatever its host; ours on ``master_addr``."""
     store = transport.connect_store("127.0.0.1", 0, 10.0, is_master=True)
-    assert _listeners(store.port) == ["0100007F"]  # 127.0.0.1, and no [::] wildcard
+    assert [ip for ip, port in _tcp_listeners() if port == store.port] == ["127.0.0.1"]  # and no [::] wildcard
     client = transport.connect_store("127.0.0.1", store.port, 10.0, is_master=False)
     client.set("k", "v")
     assert store.get("k") == b"v"
@@ -148,12 +142,6 @@ def _non_loopback_ipv4() -> str | None:
             if a.family == socket.AF_INET and not auth.is_loopback(a.address):
                 return a.address
     return None
-
-
-def _tcp_listeners(pid: int | None = None) -> set[tuple[str, int]]:
-    proc = psutil.Process(pid)
-    conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
-    return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
 
 
 def test_listen_address_is_the_local_end_of_the_route_to_the_peer():
