@@ -65,6 +65,7 @@ class Run:
                 start_new_session=True, env=env,
             )
         self.seen: dict[int, tuple[float, str]] = {}
+        self.engine_pids: set[int] = set()
 
     def scan(self) -> None:
         try:
@@ -73,13 +74,16 @@ class Run:
             return
         for c in kids:
             try:
-                self.seen.setdefault(c.pid, (c.create_time(), " ".join(c.cmdline())))
+                name = c.name()
+                if name.startswith("flux-"):  # an engine names itself once it runs (see engine.embedded)
+                    self.engine_pids.add(c.pid)
+                self.seen.setdefault(c.pid, (c.create_time(), f"[{name}] " + " ".join(c.cmdline())))
             except psutil.Error:
                 pass
 
     @property
     def engines(self) -> list[int]:
-        return [pid for pid, (_, cmd) in self.seen.items() if "spawn_main" in cmd]
+        return sorted(self.engine_pids)
 
     def wait_for(self, cond, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

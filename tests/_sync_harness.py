@@ -85,7 +85,7 @@ class Harness:
         self.events: queue.Queue = queue.Queue()
         self.engines = [self._new_engine(i) for i in range(num_engines)]
         self.restarts: list[tuple[int | None, int | None]] = []  # (old pid, new pid)
-        for e in self.engines:  # the child serves its pipe once it is up (spawn + torch import)
+        for e in self.engines:  # serves its pipe once up (the first start waits for the fork server's imports)
             e.checksum(timeout=60)
         cfg = WeightSync(
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,

@@ -25,6 +25,8 @@ from _procs import Run, complete_ckpts, gone, wait_gone
 from _sync_harness import assert_in_sync, perturb
 from conftest import read_metrics, run_train
 
+from torchtitan_flux.engine.forkserver import START_METHOD_ENV
+
 LOG = "torchtitan_flux"
 pytestmark = pytest.mark.faults
 
@@ -152,8 +154,10 @@ def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redisp
           f"{t_dead:.2f}s later; re-dispatched request done {t_collect:.2f}s after that")
 
 
-def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path):
-    """PR_SET_PDEATHSIG: SIGKILL only the process that spawned the engine; the engine goes too."""
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path, method):
+    """SIGKILL only the process that started the engine: the engine goes too, and so does the fork server it was
+    forked from (the server exits when its starter's pipe closes; the engine by PR_SET_PDEATHSIG)."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import queue, sys, time
@@ -165,14 +169,22 @@ def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path):
             print(e.pid, flush=True)
             time.sleep(600)
     """))
-    p = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, START_METHOD_ENV: method}
+    p = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pid = int(p.stdout.readline())
-        ct = psutil.Process(pid).create_time()
-        assert not gone(pid, ct)
+        engine = psutil.Process(pid)
+        assert engine.name() == "flux-engine0"
+        helpers = {c.pid: (c.create_time(), " ".join(c.cmdline()))
+                   for c in psutil.Process(p.pid).children(recursive=True)}
+        assert pid in helpers and not gone(pid, engine.create_time())
+        if method == "forkserver":
+            assert engine.parent().pid != p.pid and engine.parent().pid in helpers  # forked by the server
+        else:
+            assert engine.parent().pid == p.pid
         p.kill()
         p.wait(10)
-        assert not wait_gone({pid: (ct, "engine")}, 5.0)
+        assert not wait_gone(helpers, 5.0)
     finally:
         p.kill()
         p.wait(10)

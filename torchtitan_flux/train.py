@@ -66,9 +66,42 @@ def _normalise_argv(argv: list[str]) -> list[str]:
     return out + ["--job.custom_config_module", "torchtitan_flux.config"]
 
 
+def _starts_embedded_engines(argv: list[str]) -> bool:
+    """Whether this process will start embedded engines: global rank 0 with ``rollout.engine = "embedded"`` (the
+    default). A best-effort peek at the command line and the TOML before torchtitan parses them: it only decides
+    whether to start the engines' fork server early (``engine.forkserver``); a wrong answer costs start-up time,
+    never correctness, and the real parse reports bad input."""
+    if os.environ.get("RANK", "0") != "0":
+        return False
+    engine, config_file = None, None
+    for i, a in enumerate(argv):
+        key, eq, val = a.partition("=")
+        val = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if key == "--rollout.engine":
+            engine = val
+        elif key in ("--job.config_file", "--job.config-file"):
+            config_file = val
+    if engine is None and config_file:
+        try:
+            import tomllib
+
+            with open(config_file, "rb") as f:
+                engine = tomllib.load(f).get("rollout", {}).get("engine")
+        except (OSError, ValueError, AttributeError):
+            return False
+    return (engine or "embedded") == "embedded"
+
+
 def main() -> None:
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
     sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
+    if _starts_embedded_engines(sys.argv[1:]):
+        from torchtitan_flux.engine.forkserver import prestart_engine_server
+
+        try:
+            prestart_engine_server()  # its imports overlap ours and torchtitan's (seconds) on another core
+        except ValueError as e:  # a bad TORCHTITAN_FLUX_ENGINE_START
+            sys.exit(f"torchtitan_flux: {e}")
     apply_patches()
     from torchtitan.train import main as titan_main
 

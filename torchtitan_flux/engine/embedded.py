@@ -1,8 +1,10 @@
 """The embedded rollout engine: a child process holding its own copy of the policy (the default engine).
 
-Process model: the trainer's weight-sync rank spawns each engine with ``multiprocessing`` (spawn). The child
-asks the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``) and also exits when its control pipe
-closes, so no engine outlives its trainer.
+Process model: the trainer's weight-sync rank starts each engine with ``multiprocessing``, from the fork server
+of ``engine.forkserver`` (else spawn). The engine asks the kernel to SIGKILL it when its parent dies
+(``PR_SET_PDEATHSIG``; the parent is the fork server, which exits with the trainer) and also exits when its
+control pipe closes, so no engine outlives its trainer. It names itself ``flux-<name>`` (``PR_SET_NAME``: what
+``ps -o comm``, ``top`` and psutil show).
 
 Threads inside the engine:
   * the main thread serves the control pipe in order: it generates with the live weights and, between requests
@@ -42,11 +44,20 @@ from torchtitan_flux.engine.base import (
     WeightAck,
     WeightGroupInfo,
 )
+from torchtitan_flux.engine.forkserver import engine_context
 
 logger = logging.getLogger("torchtitan_flux")
 
 
 # ------------------------------------------------------------------------------------------ engine process
+
+
+def _name_process(name: str) -> None:
+    """``PR_SET_NAME``: the name ``ps -o comm``, ``top`` and psutil's ``name()`` show (15 bytes kept)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+    except OSError:
+        pass
 
 
 def die_with_parent() -> bool:
@@ -194,6 +205,7 @@ class _EngineProcess:
 def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
                  auth_token: str | None) -> None:
     die_with_parent()
+    _name_process(f"flux-{name}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:
         proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token)
@@ -224,7 +236,7 @@ class EmbeddedEngine:
         """``weight_buffers``: weight versions the engine holds (live + received, >= 2); the trainer gives
         ``max_version_gap + 1`` so every version a queued pinned request asks for is kept (see
         ``transport.WeightReceiver.swap``). ``auth_token``: the shared token its weight-sync joins prove (None: no
-        handshake); it reaches the child through the spawn pipe, not its command line."""
+        handshake); it reaches the child through its start pipe, not its command line."""
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
         self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
         self._proc: mp.Process | None = None
@@ -236,7 +248,7 @@ class EmbeddedEngine:
         self._dead_reported = False
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = engine_context()
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_engine_main,

@@ -1,0 +1,94 @@
+"""How embedded engines start (``engine.forkserver``): the start method and its environment override, the entry
+point's early start of the fork server (and when it skips it), and that an engine comes from that one server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from _procs import wait_gone
+from conftest import DEBUG_TOML, ROOT
+
+from torchtitan_flux.engine import forkserver
+from torchtitan_flux.train import _starts_embedded_engines
+
+
+def test_start_method_default_and_override(monkeypatch):
+    monkeypatch.delenv(forkserver.START_METHOD_ENV, raising=False)
+    assert forkserver.start_method() == "forkserver"  # Linux
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "spawn")
+    assert forkserver.start_method() == "spawn"
+    assert forkserver.engine_context().get_start_method() == "spawn"
+    assert forkserver.prestart_engine_server() is False
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, " ForkServer ")
+    assert forkserver.start_method() == "forkserver"
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="TORCHTITAN_FLUX_ENGINE_START='fork': allowed values are 'forkserver' and 'spawn'"):
+        forkserver.start_method()
+
+
+def test_bad_start_method_fails_before_any_work(tmp_path):
+    env = {**os.environ, forkserver.START_METHOD_ENV: "thread"}
+    env.pop("RANK", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_flux.train", "--job.config_file", str(DEBUG_TOML),
+         "--job.dump_folder", str(tmp_path / "run")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "TORCHTITAN_FLUX_ENGINE_START='thread': allowed values are 'forkserver' and 'spawn'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_entry_point_peeks_at_the_engine_kind(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    toml = str(DEBUG_TOML)
+    assert _starts_embedded_engines(["--job.config_file", toml])  # debug config: embedded
+    assert _starts_embedded_engines([])  # the default engine
+    assert not _starts_embedded_engines(["--job.config_file", toml, "--rollout.engine", "vllm"])
+    assert not _starts_embedded_engines(["--rollout.engine=sglang", "--job.config_file", toml])
+    assert _starts_embedded_engines(["--rollout.engine=embedded"])
+    remote = tmp_path / "remote.toml"
+    remote.write_text('[rollout]\nengine = "vllm"\n')
+    assert not _starts_embedded_engines([f"--job.config_file={remote}"])
+    assert not _starts_embedded_engines(["--job.config_file", str(tmp_path / "missing.toml")])  # parse reports it
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout\n")
+    assert not _starts_embedded_engines(["--job.config_file", str(bad)])
+    monkeypatch.setenv("RANK", "1")  # only global rank 0 starts engines
+    assert not _starts_embedded_engines(["--job.config_file", toml])
+
+
+def test_one_prestarted_server_forks_every_engine(tiny_model_dir):
+    script = textwrap.dedent("""
+        import json, queue, sys
+        import psutil
+        from torchtitan_flux.engine.forkserver import prestart_engine_server
+        from torchtitan_flux.engine.embedded import EmbeddedEngine
+        if __name__ == "__main__":
+            assert prestart_engine_server() and prestart_engine_server()
+            servers = [c.pid for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
+            engines = [EmbeddedEngine(f"engine{i}", sys.argv[1], 1, queue.Queue()) for i in range(2)]
+            for e in engines:
+                e.start()
+            for e in engines:
+                e.checksum(timeout=60)
+            print(json.dumps([servers, [psutil.Process(e.pid).parent().pid for e in engines],
+                              [psutil.Process(e.pid).name() for e in engines]]))
+            for e in engines:
+                e.close()
+    """)
+    env = {k: v for k, v in os.environ.items() if k != forkserver.START_METHOD_ENV}
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    servers, parents, names = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(servers) == 1 and parents == servers * 2
+    assert names == ["flux-engine0", "flux-engine1"]
+    assert not wait_gone({pid: (psutil.Process(pid).create_time(), "fork server") for pid in servers
+                          if psutil.pid_exists(pid)}, 5.0), "the fork server outlived its starter"
