@@ -52,22 +52,25 @@ logger = logging.getLogger("torchtitan_flux")
 # ------------------------------------------------------------------------------------------ engine process
 
 
-def _name_process(name: str) -> None:
-    """``PR_SET_NAME``: the name ``ps -o comm``, ``top`` and psutil's ``name()`` show (15 bytes kept)."""
+def _prctl(option: int, arg) -> bool:
+    """Linux ``prctl(option, arg)``; False where there is no libc.so.6 (not Linux)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def die_with_parent() -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); False off Linux.
-    Used by engine processes and by trainer workers under torchrun (see ``FluxTrainer``)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:  # not Linux: engines still end when their control pipe closes
-        return False
-    return True
+    """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); False off Linux
+    (engines still end when their control pipe closes). Used by engine processes and by trainer workers under
+    torchrun (see ``FluxTrainer``)."""
+    return _prctl(1, signal.SIGKILL)
+
+
+def _name_process(name: str) -> None:
+    """``PR_SET_NAME``: the name ``ps -o comm``, ``top`` and psutil's ``name()`` show (15 bytes kept)."""
+    _prctl(15, name.encode()[:15])
 
 
 class _EngineProcess:
