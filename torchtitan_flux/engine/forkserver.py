@@ -11,6 +11,12 @@ Invariants: the server only imports modules and forks; it holds no threads, no C
 forking it is safe (CUDA is first touched in the engine). It exits when the process that started it does (its
 liveness pipe closes), and engines ask the kernel to kill them when their parent, the server, dies
 (``engine.embedded.die_with_parent``). Its socket is a Unix socket in a private (0700) temporary folder.
+An engine inherits the environment the server started with (the top of the entry point), not the trainer's at
+the engine's start. After that point only torchtitan's start-up changes the trainer's environment, for the
+trainer's own process group and determinism (``TORCH_NCCL_*`` error handling / flight recorder,
+``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``); engines keep the values from before (torchrun's), which their
+weight-sync groups do not depend on. Code that sets a variable for engines must do it before
+``prestart_engine_server``.
 
 This module imports no torch: the entry point calls it first.
 """
