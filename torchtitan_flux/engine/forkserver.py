@@ -14,9 +14,10 @@ liveness pipe closes), and engines ask the kernel to kill them when their parent
 An engine inherits the environment the server started with (the top of the entry point), not the trainer's at
 the engine's start. After that point only torchtitan's start-up changes the trainer's environment, for the
 trainer's own process group and determinism (``TORCH_NCCL_*`` error handling / flight recorder,
-``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``); engines keep the values from before (torchrun's), which their
-weight-sync groups do not depend on. Code that sets a variable for engines must do it before
-``prestart_engine_server``.
+``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``); engines keep the values from before: for an engine's NCCL
+weight-sync group (GPU; not run here) torchrun's ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (tear the process down on
+an NCCL error) instead of torchtitan's 3 (the same, skipping communicator clean-up). Code that sets a variable
+for engines must do it before ``prestart_engine_server``.
 
 This module imports no torch: the entry point calls it first.
 """
