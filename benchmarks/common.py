@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -38,3 +40,18 @@ def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: i
 
 def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
+
+
+# A torchtitan_flux log line: "[titan] 2026-11-23 17:41:14,495 - torchtitan_flux - INFO - <message>".
+_FLUX_LOG = re.compile(r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - torchtitan_flux - INFO - (.*)$")
+
+
+def flux_log_times(log: str, message: re.Pattern) -> list[tuple[float, re.Match]]:
+    """(epoch seconds, match) of every torchtitan_flux INFO line of ``log`` whose message matches ``message``
+    (``re.match`` on the message); the stamps are local time, as the trainer logged them."""
+    out = []
+    for line in log.splitlines():
+        m = _FLUX_LOG.match(line)
+        if m and (mm := message.match(m.group(2))):
+            out.append((dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), mm))
+    return out

@@ -31,20 +31,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DEBUG_CONFIG, ROOT  # noqa: E402
+from common import DEBUG_CONFIG, ROOT, flux_log_times  # noqa: E402
 
 METHODS = ("forkserver", "spawn")
-_STAMP = r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - "
-_TRAIN_START = re.compile(_STAMP + r"torchtitan_flux - INFO - Training starts at step")
-_STEP1 = re.compile(_STAMP + r"torchtitan_flux - INFO - step\s+1/")
+_TRAIN_START = re.compile(r"Training starts at step")
+_STEP1 = re.compile(r"step\s+1/")
 
 
-def _stamp(log: str, pattern: re.Pattern) -> float:
-    for line in log.splitlines():
-        m = pattern.match(line)
-        if m:
-            return dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    raise SystemExit(f"no line matching {pattern.pattern!r} in the run's log:\n{log[-3000:]}")
+def _stamp(log: str, message: re.Pattern) -> float:
+    found = flux_log_times(log, message)
+    if not found:
+        raise SystemExit(f"no log line matching {message.pattern!r} in the run's log:\n{log[-3000:]}")
+    return found[0][0]
 
 
 def launch(method: str, config: str, dump: str) -> dict:

@@ -63,7 +63,6 @@ many seeds, and median final reward >= TRL's - 0.05).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
@@ -78,6 +77,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import flux_log_times  # noqa: E402
 
 OUR_MODES = {
     "sync": ["--weight_sync.async_weight_update", "false", "--adaptive_async.enabled", "false"],
@@ -207,7 +208,7 @@ def write_curve(path: Path, curve: list[dict]) -> None:
 
 # -------------------------------------------------------------------------------------------------- ours
 
-_LOG_STEP = re.compile(r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - torchtitan_flux - INFO - step\s+(\d+)/")
+_LOG_STEP = re.compile(r"step\s+(\d+)/")
 
 
 def _our_curve(run_dir: Path, log_path: Path) -> tuple[list[dict], float | None]:
@@ -220,12 +221,8 @@ def _our_curve(run_dir: Path, log_path: Path) -> tuple[list[dict], float | None]
                 continue
             if isinstance(d, dict) and "step" in d:
                 metrics[int(d["step"])] = d
-    stamps = {}
     with open(log_path, errors="replace") as f:
-        for line in f:
-            m = _LOG_STEP.match(line)
-            if m:
-                stamps[int(m.group(2))] = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        stamps = {int(m.group(1)): t for t, m in flux_log_times(f.read(), _LOG_STEP)}
     steps = sorted(metrics)
     if not steps:
         return [], None

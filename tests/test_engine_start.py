@@ -72,7 +72,8 @@ def test_one_prestarted_server_forks_every_engine(tiny_model_dir):
         from torchtitan_flux.engine.embedded import EmbeddedEngine
         if __name__ == "__main__":
             assert prestart_engine_server() and prestart_engine_server()
-            servers = [c.pid for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
+            servers = [(c.pid, c.create_time()) for c in psutil.Process().children()
+                       if "forkserver" in " ".join(c.cmdline())]
             engines = [EmbeddedEngine(f"engine{i}", sys.argv[1], 1, queue.Queue()) for i in range(2)]
             for e in engines:
                 e.start()
@@ -88,7 +89,7 @@ def test_one_prestarted_server_forks_every_engine(tiny_model_dir):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     servers, parents, names = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(servers) == 1 and parents == servers * 2
+    assert len(servers) == 1 and parents == [servers[0][0]] * 2
     assert names == ["flux-engine0", "flux-engine1"]
-    assert not wait_gone({pid: (psutil.Process(pid).create_time(), "fork server") for pid in servers
-                          if psutil.pid_exists(pid)}, 5.0), "the fork server outlived its starter"
+    (pid, created), = servers
+    assert not wait_gone({pid: (created, "fork server")}, 5.0), "the fork server outlived its starter"

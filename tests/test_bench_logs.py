@@ -1,0 +1,29 @@
+"""The benchmarks read step times from the trainer's log lines (``benchmarks/common.flux_log_times``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import flux_log_times  # noqa: E402
+
+
+def test_flux_log_times_reads_stamps_and_messages():
+    log = "\n".join([
+        "[titan] 2026-11-23 17:41:12,817 - torchtitan_flux - INFO - Training starts at step 1",
+        "[titan] 2026-11-23 17:41:14,495 - torchtitan_flux - INFO - step     1/40  reward 0.023",
+        "[titan] 2026-11-23 17:41:14,496 - root - INFO - step     1/40  (another logger: ignored)",
+        "[titan] 2026-11-23 17:41:14,538 - torchtitan_flux - WARNING - step     2/40  (not INFO: ignored)",
+        "noise step 3/40",
+        "[titan] 2026-11-23 17:41:14,579 - torchtitan_flux - INFO - step    12/40  reward 0.026",
+    ])
+    got = flux_log_times(log, re.compile(r"step\s+(\d+)/"))
+    assert [int(m.group(1)) for _, m in got] == [1, 12]
+    t1 = dt.datetime(2026, 11, 23, 17, 41, 14, 495000).timestamp()
+    assert abs(got[0][0] - t1) < 1e-6 and abs(got[1][0] - got[0][0] - 0.084) < 1e-6
+    assert [t for t, _ in flux_log_times(log, re.compile("Training starts"))] == [
+        dt.datetime(2026, 11, 23, 17, 41, 12, 817000).timestamp()]
