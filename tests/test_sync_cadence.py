@@ -1,0 +1,92 @@
+"""``SyncCadence`` (``weight_sync.interval = "auto"``) on a simulated plant: a push costs ``lost`` seconds of
+the trainer's time, a step computes for ``compute`` seconds, both with multiplicative noise."""
+
+import math
+import random
+
+import pytest
+
+from torchtitan_flux.sync_cadence import SyncCadence
+
+
+def run(cadence: SyncCadence, steps: int, lost, compute=1.0, noise=0.0, seed=0, stale=lambda step: False):
+    """Drive the cadence for ``steps`` steps; ``lost``/``compute`` are numbers or functions of the step.
+    Returns [(step, decision)] for every push."""
+    rng = random.Random(seed)
+    pushes = []
+    for step in range(1, steps + 1):
+        c = compute(step) if callable(compute) else compute
+        cadence.observe_step(c * (1 + rng.uniform(-noise, noise)))
+        if cadence.due():
+            s = lost(step) if callable(lost) else lost
+            pushes.append((step, cadence.after_push(s * (1 + rng.uniform(-noise, noise)), stale=stale(step))))
+    return pushes
+
+
+def overhead_at(interval, lost, compute=1.0):
+    return lost / (interval * compute)
+
+
+def test_raises_to_the_smallest_interval_under_target_in_one_push():
+    c = SyncCadence(1, overhead_target=0.10, max_interval=50)
+    pushes = run(c, 30, lost=0.45)
+    assert pushes[0][1].reason == "raise" and pushes[0][1].interval == 5  # ceil(0.45 / 0.1)
+    assert c.interval == 5 and overhead_at(c.interval, 0.45) <= 0.10
+    assert all(d.interval == 5 for _, d in pushes[1:])  # and stays: 0.09 is inside the dead zone
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_settles_under_target_within_20_steps_with_noise_and_does_not_flap(seed):
+    c = SyncCadence(1, overhead_target=0.10, max_interval=50)
+    pushes = run(c, 400, lost=0.8, noise=0.2, seed=seed)
+    settled = [d for step, d in pushes if step > 20]
+    assert all(overhead_at(d.interval, 0.8) <= 0.10 * 1.25 for d in settled)  # true overhead near/under target
+    changes = sum(1 for (_, a), (_, b) in zip(pushes, pushes[1:]) if a.interval != b.interval)
+    assert changes <= 6, [d.interval for _, d in pushes]  # a handful of moves over ~40 pushes, not flapping
+
+
+def test_never_above_max_interval_and_says_cap():
+    c = SyncCadence(1, overhead_target=0.10, max_interval=3)
+    pushes = run(c, 60, lost=2.0)
+    assert max(d.interval for _, d in pushes) == 3
+    assert pushes[-1][1].reason == "cap"
+
+
+def test_lowers_one_step_at_a_time_when_cost_falls_and_never_below_start():
+    c = SyncCadence(2, overhead_target=0.10, max_interval=50)
+    pushes = run(c, 400, lost=lambda step: 1.0 if step <= 100 else 0.05)
+    intervals = [d.interval for _, d in pushes]
+    peak = max(intervals)
+    assert peak == 10
+    after = [d for step, d in pushes if step > 100]
+    drops = [a.interval - b.interval for a, b in zip(after, after[1:]) if b.interval < a.interval]
+    assert drops and all(x == 1 for x in drops)  # gradual decay
+    assert c.interval == 2  # back to, and never below, the starting cadence
+    assert min(intervals) >= 2
+
+
+def test_stale_halves_and_blocks_raises_until_back_in_band():
+    c = SyncCadence(1, overhead_target=0.10, max_interval=64)
+    run(c, 40, lost=1.6)
+    assert c.interval == 16
+    pushes = run(c, 60, lost=1.6, stale=lambda step: True)
+    assert [d.interval for _, d in pushes][:4] == [8, 4, 2, 1]
+    assert all(d.reason in ("stale", "hold") for _, d in pushes)
+    assert c.interval == 1  # nudges go below no floor but 1
+    pushes = run(c, 60, lost=1.6)  # in band again: the overhead rule takes it back up
+    assert pushes[0][1].reason == "raise" and c.interval == 16
+
+
+def test_state_dict_round_trip_continues_identically():
+    a = SyncCadence(1, overhead_target=0.10, max_interval=50)
+    run(a, 37, lost=0.7, noise=0.3, seed=3)
+    b = SyncCadence(1, overhead_target=0.10, max_interval=50)
+    b.load_state_dict(a.state_dict())
+    ra, rb = run(a, 100, lost=0.7, noise=0.3, seed=4), run(b, 100, lost=0.7, noise=0.3, seed=4)
+    assert [(s, d.interval, d.reason) for s, d in ra] == [(s, d.interval, d.reason) for s, d in rb]
+    assert all(math.isclose(x.overhead, y.overhead) for (_, x), (_, y) in zip(ra, rb))
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError):
+        SyncCadence(5, overhead_target=0.1, max_interval=4)
