@@ -16,10 +16,13 @@ def run(cadence: SyncCadence, steps: int, lost, compute=1.0, noise=0.0, seed=0, 
     pushes = []
     for step in range(1, steps + 1):
         c = compute(step) if callable(compute) else compute
-        cadence.observe_step(c * (1 + rng.uniform(-noise, noise)))
-        if cadence.due():
-            s = lost(step) if callable(lost) else lost
-            pushes.append((step, cadence.after_push(s * (1 + rng.uniform(-noise, noise)), stale=stale(step))))
+        pushed = cadence.due()
+        s = (lost(step) if callable(lost) else lost) if pushed else 0.0
+        d = cadence.observe_step(c * (1 + rng.uniform(-noise, noise)), s * (1 + rng.uniform(-noise, noise)), pushed,
+                                 stale=stale(step))
+        assert (d is not None) == pushed
+        if pushed:
+            pushes.append((step, d))
     return pushes
 
 
@@ -90,3 +93,17 @@ def test_state_dict_round_trip_continues_identically():
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError):
         SyncCadence(5, overhead_target=0.1, max_interval=4)
+
+
+def test_async_cost_counted_one_window_late_still_converges():
+    """In async mode a push's cost shows up in the next steps' rollout waits, i.e. in the next window."""
+    c = SyncCadence(1, overhead_target=0.10, max_interval=50)
+    owed, intervals = 0.0, []
+    for _ in range(300):
+        pushed = c.due()
+        d = c.observe_step(1.0, owed, pushed)
+        owed = 0.6 if pushed else 0.0  # this push's 0.6 s are lost in the following step
+        if d is not None:
+            intervals.append(d.interval)
+    assert intervals[-1] == 6 and overhead_at(6, 0.6) <= 0.10
+    assert len(set(intervals[5:])) == 1  # settled, no flapping

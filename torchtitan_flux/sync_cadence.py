@@ -11,7 +11,7 @@ every ``k`` steps, the overhead is ``lost / (k * compute)`` per push window, so 
 ``k = ceil(lost / (target * compute))`` is the smallest interval under the target.
 
 Rule, evaluated once per push over the steps since the previous push (``observe_step`` accumulates them), on
-EMA-smoothed per-push cost and per-step compute (``ema_alpha``; the first push is taken raw):
+EMA-smoothed lost time per push window and compute per step (``ema_alpha``; the first push is taken raw):
   * overhead above ``target``: raise ``k`` straight to the smallest interval that meets the target (ElChe's
     aggressive raise), capped at ``max_interval``;
   * overhead below ``lower_fraction * target`` (0.5, ElChe's) and ``k`` above ``min_interval``: lower ``k`` by one;
@@ -49,8 +49,11 @@ class CadenceDecision:
 class SyncCadence:
     """Decides every how many optimizer steps weights are pushed. Main thread only (not thread-safe).
 
-    Protocol per step: ``observe_step(compute_s)``; ``due()`` says whether this step's weights are pushed; when a
-    push happened, ``after_push(lost_s, stale)`` once it is measured."""
+    Protocol per optimizer step: ``due()`` says whether this step's weights are pushed; once the step is over,
+    ``observe_step(compute_s, lost_s, pushed, stale)`` reports its compute time and the time it lost to weight
+    sync. A push closes a window: the decision is taken over the steps since the previous push. (In async mode a
+    push's cost shows up in the following steps' rollout waits, so it is counted in the next window: the windows
+    are shifted by one, which a steady plant does not notice.)"""
 
     def __init__(self, start_interval: int, overhead_target: float, max_interval: int, ema_alpha: float = 0.5,
                  lower_fraction: float = 0.5):
@@ -64,22 +67,25 @@ class SyncCadence:
         self.lower_fraction = lower_fraction
         self.steps_since_push = 0
         self._window_compute = 0.0
-        self._lost_ema: float | None = None  # seconds lost per push
+        self._window_lost = 0.0
+        self._lost_ema: float | None = None  # seconds lost per push window
         self._compute_ema: float | None = None  # seconds of compute per step
 
-    def observe_step(self, compute_s: float) -> None:
+    def due(self) -> bool:
+        """Whether the step now ending pushes its weights."""
+        return self.steps_since_push + 1 >= self.interval
+
+    def observe_step(self, compute_s: float, lost_s: float, pushed: bool, stale: bool = False) -> CadenceDecision | None:
+        """Account one step; when it pushed, decide the next interval (returned) from the window it closes."""
         self.steps_since_push += 1
         self._window_compute += compute_s
-
-    def due(self) -> bool:
-        return self.steps_since_push >= self.interval
-
-    def after_push(self, lost_s: float, stale: bool = False) -> CadenceDecision:
-        steps = max(self.steps_since_push, 1)
-        per_step = self._window_compute / steps
-        self._lost_ema = _ema(self._lost_ema, lost_s, self.alpha)
+        self._window_lost += lost_s
+        if not pushed:
+            return None
+        per_step = self._window_compute / self.steps_since_push
+        self._lost_ema = _ema(self._lost_ema, self._window_lost, self.alpha)
         self._compute_ema = _ema(self._compute_ema, per_step, self.alpha)
-        self.steps_since_push, self._window_compute = 0, 0.0
+        self.steps_since_push, self._window_compute, self._window_lost = 0, 0.0, 0.0
         overhead = self._lost_ema / max(self._compute_ema * self.interval, 1e-9)
         reason = "hold"
         if stale:
@@ -98,12 +104,13 @@ class SyncCadence:
 
     def state_dict(self) -> dict:
         return {"interval": self.interval, "steps_since_push": self.steps_since_push,
-                "window_compute": self._window_compute, "lost_ema": self._lost_ema, "compute_ema": self._compute_ema}
+                "window_compute": self._window_compute, "window_lost": self._window_lost,
+                "lost_ema": self._lost_ema, "compute_ema": self._compute_ema}
 
     def load_state_dict(self, sd: dict) -> None:
         self.interval = min(max(int(sd["interval"]), 1), self.max_interval)
         self.steps_since_push = int(sd["steps_since_push"])
-        self._window_compute = float(sd["window_compute"])
+        self._window_compute, self._window_lost = float(sd["window_compute"]), float(sd["window_lost"])
         self._lost_ema, self._compute_ema = sd["lost_ema"], sd["compute_ema"]
 
 
