@@ -8,7 +8,10 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per training step, with ``step`
    with a forced sync are marked;
 2. async ratio with its bounds (``min_async_ratio`` / ``max_async_ratio``, dotted, if logged); ``reward_mean``
    on a second axis if logged;
-3. PID error (target - staleness) with a zero line.
+3. PID error (target - staleness) with a zero line;
+4. only when ``weight_sync.interval = "auto"`` was on (``sync_interval`` logged): the push interval (steps) and
+   the measured sync overhead against ``sync_overhead_target`` (dashed), the self-tuning cadence of
+   ``torchtitan_flux/sync_cadence.py``.
 
 Keys are matched exactly or as the last ``/``-separated component (``controller/staleness`` works too).
 Lines that are not JSON objects (a half-written last line of a running job, say) are skipped with a note.
@@ -95,7 +98,8 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
             return None
         return [_num(v) for v in vals]
 
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    cadence = series("sync_interval") is not None
+    fig, axes = plt.subplots(4 if cadence else 3, 1, figsize=(10, 10.5 if cadence else 8), sharex=True)
 
     ax = axes[0]
     raw = series("staleness_raw")
@@ -136,9 +140,27 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
     ax.plot(steps, series("pid_error"), color="tab:orange", label="error = target - staleness")
     ax.axhline(y=0.0, color="tab:red", linestyle="--", linewidth=1)
     ax.set_ylabel("PID Error")
-    ax.set_xlabel("Step")
     ax.legend(loc="upper right", fontsize="small")
     ax.grid(alpha=0.3)
+
+    if cadence:
+        ax = axes[3]
+        ax.step(steps, series("sync_interval"), where="post", color="tab:brown", label="push interval (steps)")
+        ax.set_ylabel("Sync interval")
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        overhead = series("sync_overhead")
+        if overhead is not None:
+            ax2 = ax.twinx()
+            ax2.plot(steps, overhead, color="tab:gray", linewidth=0.9, label="sync overhead")
+            target = series("sync_overhead_target")
+            if target is not None:
+                ax2.plot(steps, target, color="tab:red", linestyle="--", linewidth=1, label="overhead target")
+            ax2.set_ylabel("Overhead (lost / compute)")
+            h2, l2 = ax2.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        ax.legend(handles, labels, loc="upper right", fontsize="small")
+    axes[-1].set_xlabel("Step")
 
     if title:
         fig.suptitle(title)

@@ -107,3 +107,38 @@ def test_async_cost_counted_one_window_late_still_converges():
             intervals.append(d.interval)
     assert intervals[-1] == 6 and overhead_at(6, 0.6) <= 0.10
     assert len(set(intervals[5:])) == 1  # settled, no flapping
+
+
+def _png_height(path) -> int:
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[20:24], "big")
+
+
+def test_plot_controller_draws_the_cadence_panel_when_logged(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("matplotlib")
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "plot_controller.py")
+    c, heights = SyncCadence(1, overhead_target=0.10, max_interval=20), {}
+    for name, cadence in (("plain", False), ("auto", True)):
+        run = tmp_path / name
+        run.mkdir()
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in range(1, 41):
+                row = {"step": step, "staleness": 0.1, "target_staleness": 0.15, "async_ratio": 0.5, "pid_error": 0.05}
+                if cadence:
+                    pushed = c.due()
+                    d = c.observe_step(1.0, 0.5 if pushed else 0.0, pushed)
+                    row.update(sync_interval=c.interval, sync_overhead=d.overhead if d else None,
+                               sync_overhead_target=0.10)
+                f.write(json.dumps(row) + "\n")
+        out = tmp_path / f"{name}.png"
+        r = subprocess.run([sys.executable, script, str(run), "-o", str(out)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        heights[name] = _png_height(out)
+    assert heights["auto"] > heights["plain"]  # the fourth panel is there only when the cadence was logged
