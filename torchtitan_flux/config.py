@@ -188,6 +188,10 @@ class WeightSync:
     ``master_addr`` or a ``rollout.urls`` host is not a loopback address. Servers take the token from
     ``TORCHTITAN_FLUX_TOKEN`` whatever this field names. See "Security" in the README."""
 
+    wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the weights on the wire and in the staging buffer (parameters are cast while snapshotting).
+    "auto": the dtype the engines declare (none do yet), else the parameters' own dtype."""
+
 
 @dataclass
 class PhaseSpec:

@@ -79,9 +79,12 @@ class BucketPlan:
     def nbytes(self) -> int:
         return sum(b.numel * _DTYPES[b.dtype].itemsize for b in self.buckets)
 
-    def allocate(self, device: torch.device | str = "cpu") -> "FlatWeights":
+    def allocate(self, device: torch.device | str = "cpu", pin_memory: bool = False) -> "FlatWeights":
         # written once, so the pages are resident from the start and memory accounting is honest
-        flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device).zero_() for b in self.buckets]
+        flats = [
+            torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device, pin_memory=pin_memory).zero_()
+            for b in self.buckets
+        ]
         return FlatWeights(self, flats)
 
 

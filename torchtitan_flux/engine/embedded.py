@@ -38,6 +38,7 @@ from multiprocessing import connection as mp_connection
 import torch
 
 from torchtitan_flux.engine.base import (
+    EngineBase,
     EngineError,
     GenerationRequest,
     GenerationResult,
@@ -229,7 +230,7 @@ def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, wei
 # ---------------------------------------------------------------------------------------- trainer handler
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EngineBase):
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
     def __init__(
