@@ -117,7 +117,7 @@ class EngineHandler(Protocol):
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors one push broadcasts to this engine, in order."""
 
-    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device) -> Any:
+    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
         """Rank 0's side of this engine's weight-sync group, connected (built in the joiner thread)."""
 
     def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
@@ -141,7 +141,7 @@ class EngineBase:
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         return [header, *flats]
 
-    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device) -> Any:
+    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
         """Rank 0 of a 2-rank group on ``{prefix}`` of ``store``: NCCL groups get ``cuda_rules.GROUP_TIMEOUT``
         (our push deadline decides, not the watchdog) and connect at once on ``device``."""
         from torchtitan_flux import compat, cuda_rules, transport

@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from torchtitan_flux import compat, transport
+from torchtitan_flux import compat, cuda_rules, transport
 from torchtitan_flux.engine.auth import read_token
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,6 +142,8 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         host = init_info.master_address
         store = transport.connect_store(host, init_info.master_port, init_info.timeout_s, is_master=False)
         transport.handshake(store, init_info.store_prefix, read_token(), transport.ENGINE, init_info.timeout_s)
+        if self.BACKEND == "nccl":  # cuda_rules rule 7: a clear error instead of a failing NCCL init
+            cuda_rules.check_nccl_version(store, init_info.store_prefix, "engine", init_info.timeout_s)
         group = compat.new_weight_sync_group(
             self.BACKEND, dist.PrefixStore(init_info.store_prefix, store), init_info.rank_offset + pc.rank,
             init_info.world_size, timedelta(seconds=init_info.timeout_s), device=self.device,
