@@ -47,6 +47,7 @@ from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
+from torchtitan_flux.placement import engine_devices, visible_devices_env
 from torchtitan_flux.tasks import build_task, check_reward
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
@@ -166,23 +167,19 @@ class FluxTrainer(Trainer):
             e.start()
             return e
         e = EmbeddedEngine(
-            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._engine_device(),
+            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._devices[index],
             weight_buffers=self.job_config.adaptive_async.max_version_gap + 1, auth_token=token,
         )
         e.start()
         return e
 
-    def _engine_device(self) -> str:
-        d = self.job_config.rollout.engine_device
-        if d != "auto":
-            return d
-        if self.device.type != "cuda":
-            return "cpu"
-        return f"cuda:{int(os.environ.get('LOCAL_WORLD_SIZE', '1'))}"
-
     def _start_engines(self) -> None:
         r = self.job_config.rollout
         self._urls = list(r.urls)
+        self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
+            list(r.engine_devices), r.engine_device, r.num_engines, trainer_on_gpu=self.device.type == "cuda",
+            visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        ) if r.engine == "embedded" or r.launch else []
         if r.launch:  # rollout.launch: start our own vLLM servers (stopped in close())
             from torchtitan_flux.config import resolve_launch_python
             from torchtitan_flux.engine.vllm import launch_servers
@@ -192,6 +189,7 @@ class FluxTrainer(Trainer):
                 log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
                 threads=None if torch.cuda.is_available() else r.engine_threads,
                 auth_token=read_token(self.job_config.weight_sync.auth_token_env),
+                envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in self._devices],
             )
             self._urls = [s.url for s in self.servers]
         n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines

@@ -324,10 +324,11 @@ class LaunchedServer:
 def launch_servers(
     n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
     timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
-    auth_token: str | None = None,
+    auth_token: str | None = None, envs: list[dict[str, str]] | None = None,
 ) -> list[LaunchedServer]:
     """Start ``n`` local vLLM servers of ``model_dir`` (``launch_command``, with ``auth_token``) on free ports and
-    wait until each answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
+    wait until each answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU); ``envs[i]`` is added
+    to server i's environment (``placement.visible_devices_env``: its own GPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
     healthy within ``timeout_s``) every server started here is stopped and ``EngineStartError`` names the
     server's log."""
     log_dir = Path(log_dir)
@@ -338,6 +339,7 @@ def launch_servers(
             argv, env = launch_command(model_dir, port, python=python, extra_args=extra_args, auth_token=auth_token)
             if threads is not None:  # CPU: the server's share of the cores (the trainer takes the rest)
                 env["OMP_NUM_THREADS"] = str(threads)
+            env.update(envs[i] if envs else {})
             log_path = log_dir / f"vllm_server{i}.log"
             log = open(log_path, "w")  # noqa: SIM115 (owned and closed by the LaunchedServer)
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
