@@ -158,7 +158,9 @@ class FluxTrainer(Trainer):
         r = self.job_config.rollout
         token = read_token(self.job_config.weight_sync.auth_token_env)  # never stored: not in checkpoints
         if r.engine in ("vllm", "sglang"):  # a server we did not start: connect and check it (start() raises)
-            if r.engine == "vllm":
+            if r.engine == "vllm" and self.device.type == "cuda":  # vLLM's own NCCL engines (engine/vllm_nccl.py)
+                from torchtitan_flux.engine.vllm_nccl import VllmNcclEngine as cls
+            elif r.engine == "vllm":
                 from torchtitan_flux.engine.vllm import VllmEngine as cls
             else:
                 from torchtitan_flux.engine.sglang import SglangEngine as cls

@@ -126,6 +126,9 @@ class EngineHandler(Protocol):
     def reconnect(self) -> "EngineHandler":
         """A new, started handler for the same engine (only where ``reconnects``)."""
 
+    def self_push(self, version: int, flats: list[torch.Tensor]) -> Any | None:
+        """None, or a Work-like handle when the engine sends a push by its own means."""
+
 
 class EngineBase:
     """Defaults of the weight-sync hooks of ``EngineHandler`` (the embedded engine's choices)."""
@@ -158,6 +161,11 @@ class EngineBase:
 
     def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
         return -1, None
+
+    def self_push(self, version: int, flats: list[torch.Tensor]) -> Any | None:
+        """None: the pusher broadcasts ``wire_tensors`` itself. Else the engine sends ``flats`` by its own means
+        (``engine/vllm_nccl.py``) and returns a handle with ``is_completed()`` / ``wait()``, polled like a Work."""
+        return None
 
     def reconnect(self) -> "EngineHandler":
         raise NotImplementedError(f"{type(self).__name__} is restarted, not reconnected")

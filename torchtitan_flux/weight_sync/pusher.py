@@ -221,8 +221,10 @@ class Pusher:
                         ids = [0] + [i for i in self.snap.changed[1] if i != 0]
                         header = transport.encode_header(plan, version, ids, transport.METHOD_DELTA)
                         stats.delta_buckets_skipped += len(full_ids) - len(ids)
-                    tensors = handler.wire_tensors(header.to(hdev), [staging.flats[i] for i in ids])
-                    works = [self._broadcast(pg, t) for t in tensors]
+                    flats = [staging.flats[i] for i in ids]
+                    own = handler.self_push(version, flats)  # vLLM on GPU: its own NCCL engine sends
+                    tensors = [header, *flats] if own is not None else handler.wire_tensors(header.to(hdev), flats)
+                    works = [own] if own is not None else [self._broadcast(pg, t) for t in tensors]
                     with table.lock:
                         if link.epoch == epoch:
                             link.sent, link.sent_at = version, time.time()
