@@ -104,6 +104,7 @@ class VllmNcclEngine(VllmEngine):
     rendezvous_handshake = False  # vLLM's rendezvous is its own (a TCPStore on a port of its own)
 
     def __init__(self, *args, **kw):
+        kw.pop("checksum", None)  # vLLM's receiver keeps no hash (``reconnect`` passes the parent's kwargs back)
         super().__init__(*args, checksum=False, **kw)
         self._transfer = None
         self._client = HttpWeightSyncClient(self)

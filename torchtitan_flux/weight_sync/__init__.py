@@ -114,7 +114,7 @@ class WeightSyncer:
             return
         if self.async_mode:
             claimed = self.pusher.claim() if self.is_sender else True
-            idle = self._snapshot_or_release(version, self.snap.agree(claimed), claimed)
+            idle = self._snapshot_or_release(version, lambda: self.snap.agree(claimed), claimed)
             if not idle:
                 self.stats.coalesced += 1
             elif self.is_sender:
@@ -136,8 +136,10 @@ class WeightSyncer:
         while self.is_sender and not self.pusher.claim():
             self.pump(0.01)
 
-    def _snapshot_or_release(self, version: int, idle: bool, claimed: bool) -> bool:
+    def _snapshot_or_release(self, version: int, decide: Callable[[], bool], claimed: bool) -> bool:
+        """Snapshot if ``decide()`` (every rank's agreed answer); on any failure rank 0 lets its claim go."""
         try:
+            idle = decide()
             if idle:
                 self._take(version)
         except BaseException:
@@ -192,7 +194,7 @@ class WeightSyncer:
             return
         if self.version < version:  # the same on every rank (snapshots are agreed), so is this branch
             self._claim_waiting()  # wait for the claim itself: no idle-then-claim race to retry around
-            self._snapshot_or_release(version, True, True)
+            self._snapshot_or_release(version, lambda: True, True)
             if self.is_sender:
                 self.pusher.hand_over(version)
         self.wait_idle(self.cfg.timeout_seconds)
