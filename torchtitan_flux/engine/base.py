@@ -136,6 +136,7 @@ class EngineBase:
     rendezvous_handshake = True
     supports_delta = True
     reconnects = False
+    eager_connect = True  # NCCL: connect rank 0 at join (cuda_rules rule 8); only where the peer connects eagerly too
     wire_dtype: str | None = None
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,8 @@ class EngineBase:
         timeout = cuda_rules.GROUP_TIMEOUT if info.backend == "nccl" else timedelta(seconds=info.timeout_s)
         return compat.new_weight_sync_group(
             info.backend, self.group_store(store, info), 0, 2, timeout,
-            device=device if info.backend == "nccl" else None, listen_host=transport.listen_address(info.host),
+            device=device if info.backend == "nccl" and self.eager_connect else None,
+            listen_host=transport.listen_address(info.host),
         )
 
     def group_store(self, store: Any, info: WeightGroupInfo) -> Any:

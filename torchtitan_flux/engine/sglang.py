@@ -39,6 +39,9 @@ class SglangEngine(HttpEngine):
     kind = "SGLang"
     launch_hint = "Start one with scripts/launch_sglang.sh MODEL_DIR PORT (needs a CUDA GPU)."
     rendezvous_handshake = False  # SGLang joins with its own code (see the module docstring)
+    # SGLang builds its side of an NCCL group with its own code, which may connect lazily (at the first
+    # broadcast): an eager connect here could wait for a peer that waits for us. Checked only on a GPU (gpu.md).
+    eager_connect = False
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
