@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
+from torchtitan_flux import cuda_rules
 from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.engine.vllm import VllmEngine
 
@@ -109,6 +110,7 @@ class VllmNcclEngine(VllmEngine):
         self._transfer = None
         self._client = HttpWeightSyncClient(self)
         self._flats: list[torch.Tensor] = []
+        self._device: torch.device | None = None
 
     def _init_group(self, info: WeightGroupInfo) -> None:
         pass  # vLLM's trainer_init posts /init_weight_transfer_engine itself (see trainer_group)
@@ -120,8 +122,9 @@ class VllmNcclEngine(VllmEngine):
             s.bind((info.host, 0))
             port = s.getsockname()[1]
         init = NCCLTrainerInitInfo(rank=0, master_address=info.host, master_port=port, world_size=2)
+        self._device = device or torch.device("cuda", torch.cuda.current_device())
         self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=self._client, source=staging_source(self, device or torch.device("cuda")))
+            init, client=self._client, source=staging_source(self, self._device))
         return self._transfer
 
     def begin_update(self, version: int) -> None:
@@ -133,6 +136,7 @@ class VllmNcclEngine(VllmEngine):
 
         def task():
             try:
+                cuda_rules.bind_thread(self._device)  # rule 6: this control thread issues the broadcasts
                 self._update_task(version)
                 future.set_result(None)
             except BaseException as e:  # noqa: BLE001 - surfaced by the pusher through wait()
