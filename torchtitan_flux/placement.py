@@ -13,9 +13,12 @@ the trainer's own ``CUDA_VISIBLE_DEVICES`` when it is set), so inside the server
 
 from __future__ import annotations
 
+import logging
 import re
 
 from torchtitan_flux.config import ConfigError
+
+logger = logging.getLogger("torchtitan_flux")
 
 _DEVICE = re.compile(r"cpu|cuda:(\d+)")
 
@@ -36,6 +39,7 @@ def engine_devices(requested: list[str], legacy: str, n_engines: int, *, trainer
     if requested:
         devices = list(requested)
     elif legacy not in ("auto", ""):
+        logger.warning("rollout.engine_device is deprecated: use rollout.engine_devices (one device per engine)")
         devices = [legacy] * n_engines
     else:
         devices = [f"cuda:{local_world + i}" for i in range(n_engines)]
