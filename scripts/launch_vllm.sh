@@ -18,7 +18,7 @@
 #   * VLLM_SERVER_DEV_MODE=1: the RL endpoints (/init_weight_transfer_engine, /start_weight_update, /update_weights,
 #     /finish_weight_update, /pause, /resume, /reset_prefix_cache, /collective_rpc);
 #   * --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension, which registers our transfer
-#     engines, and --weight-transfer-config: backend "gloo" on CPU, "flux_nccl" on a GPU;
+#     engines, and --weight-transfer-config: backend "gloo" (ours) on CPU, "nccl" (vLLM's own) on a GPU;
 #   * --logprobs-mode processed_logprobs: returned log-probs are log_softmax(logits / temperature), what the
 #     trainer recomputes (vLLM's default is the raw, temperature-free log-probs).
 # The interpreter is .venv-vllm/bin/python (scripts/setup_vllm.sh), or $VLLM_PYTHON. `python -m
@@ -54,7 +54,7 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLIN
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the worker extension, even without the editable install
 args=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-  backend=flux_nccl
+  backend=nccl
   args+=(--dtype "${VLLM_DTYPE:-auto}")
 else
   backend=gloo

@@ -1,10 +1,20 @@
-"""Sync vs async weight push on one config; checksum equality after the final sync. See verify_grpo_2gpu.sh."""
+"""Blocking vs async weight push on one config, plus an FSDP + activation-checkpointing variant: after the final
+sync every engine must hold the trainer's weights bitwise (sha256 over the pushed buckets, where the engine can
+hash them). See verify_grpo_2gpu.sh for the device layout.
+
+Every run is a child process under ``--timeout`` seconds (killed, and reported, past it). Output: a table, then
+``key=value`` lines: per run ``<run>_checksum=`` / ``<run>_checksums_equal=`` and the sync time split
+``<run>_sync_pause_s=`` (main thread blocked per step) / ``<run>_sync_transfer_s=`` (push, per step) /
+``<run>_snapshot_s=``; then ``async_speedup=`` and ``checksums_equal=`` (all runs). The post-sync logprob probe
+(engine vs trainer on the same tokens) is printed as ``<run>_logprob_probe=`` when the run's summary carries one.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,52 +22,105 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(mode: str, out: str, steps: int, cpu: bool, extra: list[str]) -> dict:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch here: CPU
+        return 0
+
+
+def plan(args) -> list[tuple[str, int, list[str]]]:
+    """(name, trainer processes, overrides) of each run."""
+    sync = ["--weight_sync.async_weight_update", "false"]
+    asyn = ["--weight_sync.async_weight_update", "true"]
+    ac = ["--activation_checkpoint.mode", "selective", *asyn]
+    if args.cpu:
+        return [("sync", 1, sync), ("async", 1, asyn), ("fsdp_ac", 2, ac)]
+    if args.engine == "vllm":  # trainer on GPU 0, a vLLM server launched on GPU 1 (CUDA_VISIBLE_DEVICES)
+        engine = ["--rollout.engine", "vllm", "--rollout.launch", "true", "--rollout.engine_devices", "cuda:1",
+                  "--rollout.launch_timeout_s", str(min(600, args.timeout // 2))]
+    else:
+        engine = ["--rollout.engine", "embedded", "--rollout.engine_devices", "cuda:1"]
+    runs = [("sync", 1, [*engine, *sync]), ("async", 1, [*engine, *asyn])]
+    if gpu_count() >= 3:  # FSDP over GPUs 0-1, engine on GPU 2, bf16 compute
+        fsdp_engine = [e if e != "cuda:1" else "cuda:2" for e in engine]
+        runs.append(("fsdp_ac", 2, [*fsdp_engine, *ac, "--training.mixed_precision_param", "bfloat16"]))
+    return runs
+
+
+def run(name: str, nproc: int, overrides: list[str], out: str, args) -> dict | None:
     env = dict(os.environ)
-    if not cpu:
-        env.setdefault("CUDA_VISIBLE_DEVICES", "0,1")
+    if not args.cpu:
+        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(max(2, gpu_count()))))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "-m", "torchtitan_flux.train", "--job.config_file", os.path.join(ROOT, "train_configs/debug_cpu.toml"),
-        "--job.dump_folder", out, "--training.steps", str(steps),
-        "--weight_sync.async_weight_update", "true" if mode == "async" else "false",
-        *([] if cpu else ["--rollout.engine_device", "cuda:1"]),
-        *extra,
+        "--job.dump_folder", out, "--training.steps", str(args.steps), *overrides, *args.extra,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:  # subprocess.run killed the child
+        sys.stderr.write(str(e.stdout or "")[-2000:] + str(e.stderr or "")[-4000:])
+        print(f"verify: the {name} run did not finish within {args.timeout} s (killed)", file=sys.stderr)
+        return None
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"verify: the {mode} run failed (exit {proc.returncode})")
+        print(f"verify: the {name} run failed (exit {proc.returncode})", file=sys.stderr)
+        return None
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    summary["rows"] = rows
+        summary["rows"] = [json.loads(line) for line in f]
     return summary
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo instead of 2 GPUs with NCCL")
+    ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo (embedded engine) instead of GPUs")
+    ap.add_argument("--engine", choices=("vllm", "embedded"), default="vllm",
+                    help="GPU only: the rollout engine on GPU 1 (default: a vLLM server launched there)")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("extra", nargs="*", help="extra --section.field value overrides for both runs")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per run before it is killed")
+    ap.add_argument("extra", nargs="*", help="extra --section.field value overrides for every run")
     args = ap.parse_args()
-    results = {}
+    results: dict[str, dict | None] = {}
     with tempfile.TemporaryDirectory(prefix="flux_verify_") as tmp:
-        for mode in ("sync", "async"):
-            results[mode] = run(mode, os.path.join(tmp, mode), args.steps, args.cpu, args.extra)
-    ok = True
-    print(f"{'mode':<6} {'steps/s':>8} {'sync s/step':>12} {'blocked s/step':>15} {'final ver':>9} {'checksums':>10}")
-    for mode, s in results.items():
+        for name, nproc, overrides in plan(args):
+            results[name] = run(name, nproc, overrides, os.path.join(tmp, name), args)
+    ok, lines = True, []
+    print(f"{'run':<8} {'steps/s':>8} {'pause s/step':>13} {'push s/step':>12} {'final ver':>9} {'checksums':>10}")
+    for name, s in results.items():
+        if s is None:
+            ok = False
+            print(f"{name:<8} {'FAILED':>8}")
+            lines.append(f"{name}_checksums_equal=0")
+            continue
         rows = s["rows"][2:] or s["rows"]  # skip warm-up steps
-        sync = sum(r["weight_push_s"] for r in rows) / len(rows)
-        blocked = sum(r["weight_sync_s"] for r in rows) / len(rows)
+        pause = sum(r["weight_sync_s"] for r in rows) / len(rows)
+        push = sum(r["weight_push_s"] for r in rows) / len(rows)
+        snap = sum(r.get("weight_snapshot_s", 0.0) for r in rows) / len(rows)
         match = s["checksums_match"] and s["final_engine_version"] == s["final_version"]
         ok &= match
-        print(f"{mode:<6} {s['steps_per_s']:>8.2f} {sync:>12.4f} {blocked:>15.4f} {s['final_version']:>9} "
+        print(f"{name:<8} {s['steps_per_s']:>8.2f} {pause:>13.4f} {push:>12.4f} {s['final_version']:>9} "
               f"{'equal' if match else 'MISMATCH':>10}")
-    speedup = results["async"]["steps_per_s"] / results["sync"]["steps_per_s"]
-    print(f"async_speedup={speedup:.3f}")
+        lines += [f"{name}_checksum={s.get('trainer_checksum')}", f"{name}_checksums_equal={int(match)}",
+                  f"{name}_sync_pause_s={pause:.4f}", f"{name}_sync_transfer_s={push:.4f}",
+                  f"{name}_snapshot_s={snap:.4f}"]
+        if "logprob_probe" in s:
+            lines.append(f"{name}_logprob_probe={json.dumps(s['logprob_probe'])}")
+    for line in lines:
+        print(line)
+    if results.get("sync") and results.get("async"):
+        print(f"async_speedup={results['async']['steps_per_s'] / results['sync']['steps_per_s']:.3f}")
     print(f"checksums_equal={int(ok)}")
     return 0 if ok else 1
 

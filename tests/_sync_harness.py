@@ -5,7 +5,7 @@ without torchrun or torchtitan.
   (``tok_embeddings.weight``, ``layers.0.attention.wq.weight``, ...), so the real ``EmbeddedEngine`` child process
   can generate with whatever it receives;
 * one ``WeightSyncer(is_sender=True)`` (gloo, loopback, port 0), a ``RolloutScheduler`` on the digits task with a
-  byte tokenizer, ``syncer.pump = scheduler.pump`` and ``on_engine_dead = restart`` exactly as in
+  byte tokenizer, ``WeightSyncer(pump=scheduler.pump)`` and ``on_engine_dead = restart`` exactly as in
   ``FluxTrainer._restart_engine`` (close the dead handler, start a new one, ``WeightSyncer.replace_engine``).
 """
 
@@ -91,14 +91,14 @@ class Harness:
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
             method=method,
         )
-        self.syncer = WeightSyncer(cfg, self.model, self.engines, device=torch.device("cpu"), is_sender=True)
         self.scheduler = RolloutScheduler(
             self.engines, self.events, DigitsTask(), ByteTokenizer(),
             group_size=group_size, prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens,
             temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID, max_version_gap=10**6,  # no admission wait
-            on_weight_event=self.syncer.on_event, on_engine_dead=self._restart_engine,
+            on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
         )
-        self.syncer.pump = self.scheduler.pump
+        self.syncer = WeightSyncer(cfg, self.model, self.engines, device=torch.device("cpu"), is_sender=True,
+                                   pump=self.scheduler.pump)
         self.syncer.connect()
 
     def _new_engine(self, index: int) -> EmbeddedEngine:

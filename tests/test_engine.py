@@ -36,7 +36,8 @@ def rig(tiny_model_dir):
     engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events)
     engine.start()
     cfg = SimpleNamespace(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, interval=1, method="full",
-                          master_addr="127.0.0.1", master_port=0, auth_token_env="TORCHTITAN_FLUX_TOKEN")
+                          master_addr="127.0.0.1", master_port=0, auth_token_env="TORCHTITAN_FLUX_TOKEN",
+                          wire_dtype="auto")
     syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True)
     results: dict[int, GenerationResult] = {}
 

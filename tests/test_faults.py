@@ -61,7 +61,7 @@ def test_engine_stalled_past_timeout_lags_keeps_serving_then_resyncs(harness_fac
     dt2 = time.perf_counter() - t0
     assert dt2 < 0.2 and syncer.stats.coalesced == 1
 
-    t_idle = h.pump_until(lambda: not syncer._busy.is_set(), timeout + 3.0, "push thread to give up")
+    t_idle = h.pump_until(lambda: not syncer.busy(), timeout + 3.0, "push thread to give up")
     push_s = syncer.stats.last_push_s
     assert timeout * 0.9 <= push_s <= timeout + 1.0, push_s  # the push thread gave up at the deadline
     assert h.link.lagging and h.link.acked == 0

@@ -304,9 +304,9 @@ def rig(tiny_model_dir, monkeypatch):
     def trainer(token, e: EmbeddedEngine, events: queue.Queue) -> WeightSyncer:
         monkeypatch.setenv("FLUX_TEST_TOKEN", token)
         cfg = WeightSync(timeout_seconds=4.0, auth_token_env="FLUX_TEST_TOKEN")
-        syncer = WeightSyncer(cfg, module_from_weights(weights), [e], device=torch.device("cpu"), is_sender=True)
+        syncer = WeightSyncer(cfg, module_from_weights(weights), [e], device=torch.device("cpu"), is_sender=True,
+                              pump=lambda timeout: _deliver(syncer, events, timeout))
         made.append(syncer)
-        syncer.pump = lambda timeout: _deliver(syncer, events, timeout)
         return syncer
 
     yield engine, trainer
@@ -371,8 +371,8 @@ def test_an_engine_without_the_token_does_not_hold_up_the_others(tiny_model_dir,
         for e in engines:
             e.checksum(timeout=60)
         syncer = WeightSyncer(WeightSync(timeout_seconds=4.0), module_from_weights(weights), engines,
-                              device=torch.device("cpu"), is_sender=True)
-        syncer.pump = lambda timeout: _deliver(syncer, events, timeout)
+                              device=torch.device("cpu"), is_sender=True,
+                              pump=lambda timeout: _deliver(syncer, events, timeout))
         with pytest.raises(RuntimeError, match=r"engines \['engine0'\] did not join .* no answer from the engine"):
             syncer.connect()
         syncer.after_optimizer_step(1)  # blocking: returns once engine1 acked

@@ -447,3 +447,15 @@ def test_launched_vllm_server_killed_mid_run_stops_cleanly_and_resumes(small_mod
     assert f"Training starts at step {last + 1}" in proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["checksums_match"] and summary["final_engine_version"] == last + 2
+
+
+@pytest.mark.vllm
+def test_vllm_nccl_trainer_engine_takes_our_staging_as_its_source():
+    """GPU path (engine/vllm_nccl.py), the part that runs on CPU: vLLM 0.32's ``NCCLTrainerWeightTransferEngine``
+    accepts our staging buffer as its ``WeightSource`` (its own metadata/iteration check passes, names in order,
+    dtypes kept). The NCCL rendezvous and broadcast themselves need GPUs (docs/gpu.md)."""
+    if not VLLM_PY.exists():
+        pytest.skip(".venv-vllm is absent (scripts/setup_vllm.sh)")
+    out = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "_vllm_nccl_check.py")], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

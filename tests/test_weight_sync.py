@@ -88,7 +88,7 @@ def test_async_push_returns_at_once_and_coalesces_while_busy(harness_factory):
     pushed_at = t0
     assert dt1 < 0.25, dt1  # snapshot only; the push runs on the push thread
     v1_sum = h.staging_checksum()
-    assert syncer._busy.is_set() and h.link.acked == 0  # v1 is still in flight
+    assert syncer.busy() and h.link.acked == 0  # v1 is still in flight
 
     dts = []
     for v in (2, 3):  # due while v1 is in flight: coalesced, nothing copied
@@ -128,7 +128,7 @@ def test_lagging_by_missed_ack_then_resynced_when_the_ack_arrives(harness_factor
     perturb(h.model, seed=1)
     syncer.after_optimizer_step(1)
     deadline = time.monotonic() + 5.0
-    while syncer._busy.is_set():  # Works done; the ack waits, unpumped, in the event queue
+    while syncer.busy():  # Works done; the ack waits, unpumped, in the event queue
         assert time.monotonic() < deadline
         time.sleep(0.01)
     time.sleep(1.2)
@@ -142,7 +142,7 @@ def test_lagging_by_missed_ack_then_resynced_when_the_ack_arrives(harness_factor
     h.pump_until(lambda: not h.link.lagging, 5.0, "late ack")  # it answers again -> full resync of v1
     assert syncer.stats.resyncs == resyncs + 1
     # the push thread resends the staged version right away (no optimizer step needed)
-    h.pump_until(lambda: syncer.stats.pushes == pushes + 1 and not syncer._busy.is_set(), 5.0, "resync push")
+    h.pump_until(lambda: syncer.stats.pushes == pushes + 1 and not syncer.busy(), 5.0, "resync push")
     h.pump_until(lambda: h.link.sent == 1 and h.link.acked == 1, 5.0, "resync ack")
     h.drain(0.2)
     assert_in_sync(h, 1)

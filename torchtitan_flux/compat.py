@@ -243,6 +243,14 @@ class SideStream:
             yield
         self.done.record(self.stream)
 
+    def keep_alive(self, tensors: list[torch.Tensor]) -> None:
+        """Inside ``copy_context``: tensors allocated on the main stream and read by the copy are not reused by
+        the allocator before the copy finished (``record_stream``)."""
+        if self.enabled:
+            for t in tensors:
+                if t.device.type == self.device.type:
+                    t.record_stream(self.stream)
+
     def wait_copy_done(self) -> None:
         if self.enabled:
             self.mod.current_stream(self.device).wait_event(self.done)

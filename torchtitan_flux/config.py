@@ -150,6 +150,12 @@ class Rollout:
     """Seconds to wait for a launched vLLM server to answer ``/health`` before giving up (the error names the
     server's log file). > 0."""
 
+    engine_devices: list[str] = field(default_factory=list)
+    """Device of each engine, one entry per engine ("cpu" or "cuda:N"): embedded engines run there, servers
+    started by ``launch`` see only that GPU (``CUDA_VISIBLE_DEVICES``). Empty: CPU when the trainer is on CPU,
+    else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``. Checked against the visible GPUs before any engine starts;
+    never a trainer GPU, never one GPU twice. Replaces ``engine_device`` (still honoured when set)."""
+
 
 @dataclass
 class WeightSync:
@@ -187,6 +193,10 @@ class WeightSync:
     refused), and servers started by ``rollout.launch`` refuse requests without it. It must be set when
     ``master_addr`` or a ``rollout.urls`` host is not a loopback address. Servers take the token from
     ``TORCHTITAN_FLUX_TOKEN`` whatever this field names. See "Security" in the README."""
+
+    wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the weights on the wire and in the staging buffer (parameters are cast while snapshotting).
+    "auto": the dtype the engines declare (none do yet), else the parameters' own dtype."""
 
 
 @dataclass

@@ -47,8 +47,9 @@ from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
+from torchtitan_flux.placement import engine_devices, visible_devices_env
 from torchtitan_flux.tasks import build_task, check_reward
-from torchtitan_flux.weight_sync import WeightSyncer
+from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -103,14 +104,15 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             self._start_engines()
         self.memory = {"rss_before_sync_mb": _rss_mb()}
+        if self.rank == 0:  # before the syncer, which takes its pump (events flow scheduler -> syncer)
+            self.scheduler = self._build_scheduler()
         self.syncer = WeightSyncer(
             job_config.weight_sync, self.model, self.engines, device=self.device, is_sender=self.rank == 0,
             backend="nccl" if self.device.type == "cuda" else "gloo",
+            pump=self.scheduler.pump if self.scheduler is not None else time.sleep,
         )
         self.memory["rss_after_staging_mb"] = _rss_mb()
         if self.rank == 0:
-            self.syncer.pump = self._pump
-            self.scheduler = self._build_scheduler()
             self.metrics_writer = MetricsWriter(
                 job_config.job.dump_folder, job_config.training.steps,
                 tensorboard=job_config.metrics.enable_tensorboard, tensorboard_every=job_config.metrics.log_freq,
@@ -156,7 +158,9 @@ class FluxTrainer(Trainer):
         r = self.job_config.rollout
         token = read_token(self.job_config.weight_sync.auth_token_env)  # never stored: not in checkpoints
         if r.engine in ("vllm", "sglang"):  # a server we did not start: connect and check it (start() raises)
-            if r.engine == "vllm":
+            if r.engine == "vllm" and self.device.type == "cuda":  # vLLM's own NCCL engines (engine/vllm_nccl.py)
+                from torchtitan_flux.engine.vllm_nccl import VllmNcclEngine as cls
+            elif r.engine == "vllm":
                 from torchtitan_flux.engine.vllm import VllmEngine as cls
             else:
                 from torchtitan_flux.engine.sglang import SglangEngine as cls
@@ -165,23 +169,19 @@ class FluxTrainer(Trainer):
             e.start()
             return e
         e = EmbeddedEngine(
-            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._engine_device(),
+            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._devices[index],
             weight_buffers=self.job_config.adaptive_async.max_version_gap + 1, auth_token=token,
         )
         e.start()
         return e
 
-    def _engine_device(self) -> str:
-        d = self.job_config.rollout.engine_device
-        if d != "auto":
-            return d
-        if self.device.type != "cuda":
-            return "cpu"
-        return f"cuda:{int(os.environ.get('LOCAL_WORLD_SIZE', '1'))}"
-
     def _start_engines(self) -> None:
         r = self.job_config.rollout
         self._urls = list(r.urls)
+        self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
+            list(r.engine_devices), r.engine_device, r.num_engines, trainer_on_gpu=self.device.type == "cuda",
+            visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        ) if r.engine == "embedded" or r.launch else []
         if r.launch:  # rollout.launch: start our own vLLM servers (stopped in close())
             from torchtitan_flux.config import resolve_launch_python
             from torchtitan_flux.engine.vllm import launch_servers
@@ -191,6 +191,7 @@ class FluxTrainer(Trainer):
                 log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
                 threads=None if torch.cuda.is_available() else r.engine_threads,
                 auth_token=read_token(self.job_config.weight_sync.auth_token_env),
+                envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in self._devices],
             )
             self._urls = [s.url for s in self.servers]
         n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines
@@ -201,7 +202,7 @@ class FluxTrainer(Trainer):
         dead.close()
         self._engine_restarts += 1
         idx = self.engines.index(dead)
-        if hasattr(dead, "reconnect"):  # an HTTP server is not ours to restart: reconnect if it is back
+        if dead.reconnects:  # an HTTP server is not ours to restart: reconnect if it is back
             try:
                 new = dead.reconnect()
             except Exception as e:  # noqa: BLE001
@@ -221,12 +222,9 @@ class FluxTrainer(Trainer):
             group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
             max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
             seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer), max_version_gap=jc.adaptive_async.max_version_gap,
-            on_weight_event=self.syncer.on_event, on_engine_dead=self._restart_engine,
+            on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
         )
-
-    def _pump(self, timeout: float) -> None:
-        self.scheduler.pump(timeout)
 
     def add_step_callback(self, fn) -> Any:
         """Register ``fn(step, metrics)``, called on rank 0 after every step; returns ``fn`` (decorator use)."""
@@ -328,7 +326,7 @@ class FluxTrainer(Trainer):
         wait = time.perf_counter() - t0
         if self.world > 1:
             obj = [batch]
-            dist.broadcast_object_list(obj, src=0)
+            dist.broadcast_object_list(obj, src=0, group=control_group())  # CPU gloo: no NCCL timeout
             batch = obj[0]
         return batch, wait
 
@@ -496,7 +494,7 @@ class FluxTrainer(Trainer):
         if self.scheduler is not None:  # rank 0 (called on save and load; on load nothing is in flight)
             rollouts[0] = pickle.dumps(self.scheduler.state_dict(self.job_config.weight_sync.timeout_seconds))
         if self.world > 1:  # every rank saves the same value, whichever one the checkpoint writer keeps
-            dist.broadcast_object_list(rollouts, src=0)
+            dist.broadcast_object_list(rollouts, src=0, group=control_group())
         return {
             **super().state_dict(),
             "rng": torch.get_rng_state(),

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from torchtitan_flux import compat
+from torchtitan_flux import compat, cuda_rules
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -79,9 +79,12 @@ class BucketPlan:
     def nbytes(self) -> int:
         return sum(b.numel * _DTYPES[b.dtype].itemsize for b in self.buckets)
 
-    def allocate(self, device: torch.device | str = "cpu") -> "FlatWeights":
+    def allocate(self, device: torch.device | str = "cpu", pin_memory: bool = False) -> "FlatWeights":
         # written once, so the pages are resident from the start and memory accounting is honest
-        flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device).zero_() for b in self.buckets]
+        flats = [
+            torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device, pin_memory=pin_memory).zero_()
+            for b in self.buckets
+        ]
         return FlatWeights(self, flats)
 
 
@@ -302,36 +305,43 @@ class WeightReceiver:
         return self.plan.allocate(self.device)
 
     def _run(self, make_group: Callable[[], object], stop: threading.Event) -> None:
+        """The receive loop; follows ``cuda_rules``: this thread binds the engine's device (rule 6), issues every
+        collective of the group under its own stream (rule 1), receives the header on the group's device
+        (rule 2), and publishes (acks) only after the bytes landed (rule 5)."""
         try:
+            cuda_rules.bind_thread(self.device)
+            stream = cuda_rules.group_stream(self.device)
             pg = make_group()
             b0 = self.plan.buckets[0]
-            landing = torch.empty(b0.numel, dtype=_DTYPES[b0.dtype], device=self.device)  # one bucket
-            while not stop.is_set():
-                header = torch.empty(self.plan.header_len, dtype=torch.int64)
-                header_work = _broadcast_idle(pg, header)
-                landing_work = _broadcast_idle(pg, landing)  # pre-posted: bucket 0 needs no wake-up round trip
-                header_work.wait()
-                version, ids, method = decode_header(header)
-                if not ids or ids[0] != 0:
-                    raise RuntimeError(f"push {version}: bucket 0 must travel first, got buckets {ids}")
-                if self.fault_stall_s:
-                    stop.wait(self.fault_stall_s)
-                buf = self._take_buffer(stop)
-                if buf is None:  # superseded (e.g. during a stall): the new loop owns pending and free
-                    return
-                if method == METHOD_DELTA:
-                    if self._newest is None:
-                        raise RuntimeError("delta push received before any full push")
-                    if self._newest[1] is not buf:
-                        buf.copy_from(self._newest[1])
-                works = [compat.broadcast(pg, buf.flats[i]) for i in ids[1:]]  # posted before bucket 0 is copied
-                landing_work.wait()
-                buf.flats[0].copy_(landing)
-                for w in works:
-                    w.wait()
-                if not self._publish(version, buf, stop):  # superseded while receiving: dropped, never published
-                    return
-                self._on_received(version)
+            on_gpu = torch.device(self.device).type == "cuda"
+            hdev = cuda_rules.header_device("nccl" if on_gpu else "gloo", self.device)
+            with cuda_rules.on_stream(stream):
+                landing = torch.empty(b0.numel, dtype=_DTYPES[b0.dtype], device=self.device)  # one bucket
+                while not stop.is_set():
+                    header = torch.empty(self.plan.header_len, dtype=torch.int64, device=hdev)
+                    header_work = _broadcast_idle(pg, header)
+                    landing_work = _broadcast_idle(pg, landing)  # pre-posted: bucket 0 needs no wake-up round trip
+                    cuda_rules.landed([header_work], stream)
+                    version, ids, method = decode_header(header)
+                    if not ids or ids[0] != 0:
+                        raise RuntimeError(f"push {version}: bucket 0 must travel first, got buckets {ids}")
+                    if self.fault_stall_s:
+                        stop.wait(self.fault_stall_s)
+                    buf = self._take_buffer(stop)
+                    if buf is None:  # superseded (e.g. during a stall): the new loop owns pending and free
+                        return
+                    if method == METHOD_DELTA:
+                        if self._newest is None:
+                            raise RuntimeError("delta push received before any full push")
+                        if self._newest[1] is not buf:
+                            buf.copy_from(self._newest[1])
+                    works = [compat.broadcast(pg, buf.flats[i]) for i in ids[1:]]  # posted before bucket 0 is copied
+                    landing_work.wait()
+                    buf.flats[0].copy_(landing)
+                    cuda_rules.landed(works, stream)
+                    if not self._publish(version, buf, stop):  # superseded while receiving: never published
+                        return
+                    self._on_received(version)
         except BaseException as e:  # reported to the trainer through on_error; the trainer decides on resync
             if not stop.is_set():
                 self._on_error(e)

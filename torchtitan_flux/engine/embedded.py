@@ -38,6 +38,7 @@ from multiprocessing import connection as mp_connection
 import torch
 
 from torchtitan_flux.engine.base import (
+    EngineBase,
     EngineError,
     GenerationRequest,
     GenerationResult,
@@ -104,11 +105,13 @@ class _EngineProcess:
             self.conn.send(msg)
 
     def join(self, info: WeightGroupInfo) -> None:
-        from torchtitan_flux import compat, transport
+        from torchtitan_flux import compat, cuda_rules, transport
 
         def make_group():
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
             transport.handshake(store, info.prefix, self._token, transport.ENGINE, info.timeout_s)
+            if info.backend == "nccl":
+                cuda_rules.check_nccl_version(store, info.prefix, "engine", info.timeout_s)
             prefixed = torch.distributed.PrefixStore(info.prefix, store)
             return compat.new_weight_sync_group(
                 info.backend, prefixed, 1, 2, timedelta(seconds=info.timeout_s), device=self.device,
@@ -229,7 +232,7 @@ def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, wei
 # ---------------------------------------------------------------------------------------- trainer handler
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EngineBase):
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
     def __init__(

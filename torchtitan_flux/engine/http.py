@@ -36,8 +36,9 @@ wire must already be in HF layout; vLLM takes the same, and doing it once for bo
   (``_snapshot``), so the staging buffer holds HF layout and nothing extra is allocated per push;
 * ``wire_tensors(header, flats)``: what to broadcast per push, in order (vLLM: header + buckets; SGLang: the
   buckets only, as uint8 views, which is how ``flattened_bucket`` receives them);
-* ``trainer_group(store, info)``: rank 0's side of the weight-sync group (SGLang builds its side with
-  ``init_custom_process_group``, whose store prefixes differ from ours).
+* ``group_store(store, info)``: where rank 0's side of the weight-sync group meets the server's (SGLang builds
+  its side with ``init_custom_process_group``, whose store prefixes differ from ours).
+The hooks and their defaults are declared in ``engine/base.py`` (``EngineHandler``, ``EngineBase``).
 
 Failure policy: a push that fails after the server's update session opened leaves the server's weights partly
 updated; the handler then declares itself dead (fatal ``EngineError``), since nothing could be trusted from it,
@@ -60,15 +61,15 @@ import queue
 import random
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 import torch
 
-from torchtitan_flux import compat, transport
+from torchtitan_flux import transport
 from torchtitan_flux.engine.base import (
+    EngineBase,
     EngineError,
     GenerationRequest,
     GenerationResult,
@@ -294,12 +295,14 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
-class HttpEngine:
+class HttpEngine(EngineBase):
     """``EngineHandler`` for an inference server reached over HTTP. Subclasses hold only what differs per server
     (the endpoints and payloads): ``_check_server``, ``_generate``, ``_init_group`` and the five push steps
     ``_pause``, ``_open``, ``_send_bucket``, ``_close``, ``_resume``."""
 
     kind = "HTTP"  # server kind, for messages ("vLLM", "SGLang")
+    supports_delta = False  # servers load whole buckets through their own loaders
+    reconnects = True  # a server is not ours to restart
     launch_hint = ""  # how to start a correctly configured server, appended to start-up errors
 
     def __init__(
@@ -430,24 +433,12 @@ class HttpEngine:
 
     # ------------------------------------------------------------------------------- syncer hooks
 
-    def trainer_group(self, store: Any, info: WeightGroupInfo) -> Any:
-        """Rank 0's side of the weight-sync group (the default is the embedded engine's layout)."""
-        prefixed = torch.distributed.PrefixStore(info.prefix, store)
-        return compat.new_weight_sync_group(
-            info.backend, prefixed, 0, 2, timedelta(seconds=info.timeout_s),
-            listen_host=transport.listen_address(info.host),
-        )
-
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A torchtitan parameter in the layout the server loads (HF: q/k rows permuted by ``to_hf``)."""
         if not (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
             return tensor
         (out,) = self.adapter().to_hf({name: tensor}).values()
         return out
-
-    def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors one push broadcasts to this engine, in order."""
-        return [header, *flats]
 
     # ----------------------------------------------------------------------------------- names
 

@@ -27,12 +27,10 @@ Everything shared with vLLM is in ``engine/http.py``; this module holds only the
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from torchtitan_flux import compat, transport
 from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
 
@@ -41,6 +39,9 @@ class SglangEngine(HttpEngine):
     kind = "SGLang"
     launch_hint = "Start one with scripts/launch_sglang.sh MODEL_DIR PORT (needs a CUDA GPU)."
     rendezvous_handshake = False  # SGLang joins with its own code (see the module docstring)
+    # SGLang builds its side of an NCCL group with its own code, which may connect lazily (at the first
+    # broadcast): an eager connect here could wait for a peer that waits for us. Checked only on a GPU (gpu.md).
+    eager_connect = False
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -117,12 +118,12 @@ class SglangEngine(HttpEngine):
         self._group_names[info.prefix] = f"{info.prefix}#{uuid.uuid4().hex[:12]}"
         super().join_weight_group(info)
 
-    def trainer_group(self, store: Any, info: WeightGroupInfo) -> Any:
-        """Rank 0 on the store prefixes SGLang's ``init_custom_process_group`` uses on its side: it wraps the
-        rendezvous store in ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` adds
-        ``"{group_name}/"`` and ``"{device}/"`` for the first device of the backend (gloo: cpu, nccl: cuda; one
-        backend object serves every device when they all use the same backend). Nothing is registered with
-        ``torch.distributed``'s global state."""
+    def group_store(self, store: Any, info: WeightGroupInfo) -> Any:
+        """The store prefixes SGLang's ``init_custom_process_group`` uses on its side: it wraps the rendezvous
+        store in ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` adds ``"{group_name}/"``
+        and ``"{device}/"`` for the first device of the backend (gloo: cpu, nccl: cuda; one backend object serves
+        every device when they all use the same backend). Nothing is registered with ``torch.distributed``'s
+        global state."""
         from torch.distributed.distributed_c10d import Backend, BackendConfig
 
         device_map = BackendConfig(Backend(info.backend)).get_device_backend_map()
@@ -131,11 +132,7 @@ class SglangEngine(HttpEngine):
         device = next(iter(device_map))
         name = self._group_names[info.prefix]
         base = torch.distributed.PrefixStore(f"{name}/", torch.distributed.PrefixStore(name, store))
-        dev_store = torch.distributed.PrefixStore(f"{device}/", base)
-        return compat.new_weight_sync_group(
-            info.backend, dev_store, 0, 2, timedelta(seconds=info.timeout_s),
-            listen_host=transport.listen_address(info.host),
-        )
+        return torch.distributed.PrefixStore(f"{device}/", base)
 
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         return [f.view(torch.uint8) for f in flats]  # flattened_bucket receives raw bytes; no push header

@@ -16,7 +16,7 @@ module holds only the vLLM endpoints and payloads:
   ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` once per bucket (the first also takes
   the push header) -> ``/finish_weight_update {"weight_version": "N"}`` -> ``/reset_prefix_cache`` -> ``/resume``.
 * checks at ``start()``: reachable, RL endpoints on (``/weight_info``), the extension loaded and a ``gloo`` /
-  ``flux_nccl`` transfer engine configured, one worker, same model config and same tokenizer as the trainer.
+  vLLM ``nccl`` (GPU: ``engine/vllm_nccl.py``) transfer engine configured, one worker, same model config and same tokenizer as the trainer.
 
 Launching (``rollout.launch = true``): ``launch_command`` builds the server's argv and environment exactly as
 ``scripts/launch_vllm.sh`` does (keep the two in step); ``launch_servers`` starts servers on free loopback ports,
@@ -61,6 +61,7 @@ CONFIG_KEYS = (
 class VllmEngine(HttpEngine):
     kind = "vLLM"
     launch_hint = "Start one with scripts/launch_vllm.sh MODEL_DIR PORT."
+    expected_backends = ("gloo",)  # the server's transfer engine: our gloo one (GPU: engine/vllm_nccl.py)
 
     def __init__(self, *args, checksum: bool = True, **kw):
         super().__init__(*args, **kw)
@@ -99,11 +100,11 @@ class VllmEngine(HttpEngine):
                 f"Start it with --worker-extension-cls {EXTENSION} (scripts/launch_vllm.sh does)."
             ) from e
         self.server_info = info
-        if info.get("transfer_backend") not in ("gloo", "nccl"):
+        if info.get("transfer_backend") not in self.expected_backends:
             raise EngineStartError(
                 f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
                 f"{info.get('transfer_engine')!r}, not one of ours. Start it with --weight-transfer-config "
-                "'{\"backend\":\"gloo\"}' (CPU) or '{\"backend\":\"flux_nccl\"}' (GPU)."
+                "'{\"backend\":\"gloo\"}' (CPU) or '{\"backend\":\"nccl\"}' (GPU, vLLM's own engine)."
             )
         if info.get("world_size") != 1:
             raise EngineStartError(
@@ -217,7 +218,7 @@ def launch_command(
     """(argv, environment) of a vLLM server ready for torchtitan_flux weight sync, on 127.0.0.1:``port``.
 
     The Python twin of ``scripts/launch_vllm.sh`` (keep them in step): dev-mode RL endpoints, our worker extension
-    and weight-transfer backend (``gloo`` on CPU, ``flux_nccl`` on a GPU), processed log-probs, loopback only,
+    and weight-transfer backend (``gloo`` on CPU, vLLM's own ``nccl`` on a GPU), processed log-probs, loopback only,
     offline, no usage stats; the same environment knobs (``VLLM_DTYPE``, ``VLLM_MAX_MODEL_LEN``,
     ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_HOST_IP``), read from ``env`` (default: this
     process's environment). With ``auth_token`` the server gets it as ``$TORCHTITAN_FLUX_TOKEN`` (in its
@@ -234,7 +235,7 @@ def launch_command(
     env["PYTHONPATH"] = str(REPO_ROOT) + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
     args: list[str] = []
     if _has_gpu() if gpu is None else gpu:
-        backend = "flux_nccl"
+        backend = "nccl"  # vLLM's own NCCL engine; the trainer drives it (engine/vllm_nccl.py)
         args += ["--dtype", env.get("VLLM_DTYPE") or "auto"]
     else:
         backend = "gloo"
@@ -324,10 +325,11 @@ class LaunchedServer:
 def launch_servers(
     n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
     timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
-    auth_token: str | None = None,
+    auth_token: str | None = None, envs: list[dict[str, str]] | None = None,
 ) -> list[LaunchedServer]:
     """Start ``n`` local vLLM servers of ``model_dir`` (``launch_command``, with ``auth_token``) on free ports and
-    wait until each answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
+    wait until each answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU); ``envs[i]`` is added
+    to server i's environment (``placement.visible_devices_env``: its own GPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
     healthy within ``timeout_s``) every server started here is stopped and ``EngineStartError`` names the
     server's log."""
     log_dir = Path(log_dir)
@@ -338,6 +340,7 @@ def launch_servers(
             argv, env = launch_command(model_dir, port, python=python, extra_args=extra_args, auth_token=auth_token)
             if threads is not None:  # CPU: the server's share of the cores (the trainer takes the rest)
                 env["OMP_NUM_THREADS"] = str(threads)
+            env.update(envs[i] if envs else {})
             log_path = log_dir / f"vllm_server{i}.log"
             log = open(log_path, "w")  # noqa: SIM115 (owned and closed by the LaunchedServer)
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -5,15 +5,15 @@ torchtitan_flux (``transport``, ``engine.auth``; never torchtitan). Load it with
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
         --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension \\
-        --weight-transfer-config '{"backend":"gloo"}'          # CPU; '{"backend":"flux_nccl"}' on GPU
+        --weight-transfer-config '{"backend":"gloo"}'          # CPU; '{"backend":"nccl"}' (vLLM's) on GPU
 
 (``scripts/launch_vllm.sh`` does this.) vLLM resolves ``--worker-extension-cls`` in each worker before it loads the
 model, and creates the weight-transfer engine right after loading; importing this module registers our engines
 with ``WeightTransferEngineFactory`` first, so the ``--weight-transfer-config`` backend resolves:
 
-* ``gloo``: ``FluxGlooWeightTransferEngine`` (CPU servers; vLLM's own backends all need CUDA);
-* ``flux_nccl``: ``FluxNcclWeightTransferEngine`` (GPU servers; a torch ``ProcessGroupNCCL`` on the trainer's
-  store, so the trainer side needs no vLLM; vLLM's built-in ``nccl`` backend uses its own rendezvous instead).
+* ``gloo``: ``FluxGlooWeightTransferEngine`` (CPU servers; vLLM's own backends all need CUDA).
+GPU servers use vLLM's own ``nccl`` backend, driven from the trainer by vLLM's ``NCCLTrainerWeightTransferEngine``
+(``torchtitan_flux/engine/vllm_nccl.py``); the extension then only serves ``flux_model_info``.
 
 Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP, and what the trainer's
 ``WeightSyncer`` broadcasts; see ``torchtitan_flux/transport.py``):
@@ -227,10 +227,6 @@ class FluxGlooWeightTransferEngine(_FluxWeightTransferEngine):
     BACKEND = "gloo"
 
 
-class FluxNcclWeightTransferEngine(_FluxWeightTransferEngine):
-    BACKEND = "nccl"
-
-
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -238,7 +234,8 @@ def _numel(shape) -> int:
     return n
 
 
-REGISTERED = {"gloo": FluxGlooWeightTransferEngine, "flux_nccl": FluxNcclWeightTransferEngine}
+# GPU servers use vLLM's own "nccl" engine instead (engine/vllm_nccl.py): no NCCL receiver of ours runs in vLLM
+REGISTERED = {"gloo": FluxGlooWeightTransferEngine}
 for _name, _cls in REGISTERED.items():
     try:
         WeightTransferEngineFactory.register_engine(_name, _cls)
@@ -267,7 +264,9 @@ class FluxWorkerExtension:
                 )
             },
             "transfer_engine": type(engine).__name__ if engine is not None else None,
-            "transfer_backend": getattr(engine, "BACKEND", None),
+            # ours: "gloo" / "nccl"; vLLM's own NCCL engine (GPU): "vllm_nccl" (engine/vllm_nccl.py)
+            "transfer_backend": getattr(engine, "BACKEND", None)
+            or ("vllm_nccl" if type(engine).__name__ == "NCCLWeightTransferEngine" else None),
             "world_size": int(pc.world_size * pc.data_parallel_size),
         }
 

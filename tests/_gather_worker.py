@@ -1,0 +1,37 @@
+"""Run by tests/test_cuda_rules.py as 2 gloo processes: ``_gather_bucket`` on FSDP2 shards (uneven rows too) equals
+``full_tensor()`` per parameter, in ONE all_gather per bucket."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_flux import compat
+from torchtitan_flux.weight_sync import snapshot
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3), nn.Embedding(7, 2))  # 5, 3, 7 rows: uneven over 2
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    compat.fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    assert all(compat.is_dtensor(p) for p in params)
+    calls = []
+    real = dist.all_gather_into_tensor
+    dist.all_gather_into_tensor = lambda *a, **k: calls.append(1) or real(*a, **k)
+    got = snapshot._gather_bucket(params, torch.bfloat16)
+    dist.all_gather_into_tensor = real
+    want = [p.full_tensor().to(torch.bfloat16) for p in params]
+    assert len(calls) == 1, calls
+    assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+    dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        print("gather ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

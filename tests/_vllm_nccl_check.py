@@ -1,0 +1,24 @@
+"""Run by tests/test_vllm.py under .venv-vllm: our staging snapshot as the WeightSource of vLLM's trainer-side
+NCCL engine (metadata and iteration agree by vLLM's own check), vLLM's init info, and the Work-like handle."""
+import types, torch
+from torchtitan_flux import transport
+from torchtitan_flux.engine import vllm_nccl
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLTrainerInitInfo
+specs = [transport.TensorSpec("a.w", (2, 3), "bfloat16"), transport.TensorSpec("a.b", (3,), "bfloat16"),
+         transport.TensorSpec("c.w", (4,), "float32")]
+plan = transport.plan_buckets(specs, 16)
+staging = plan.allocate("cpu")
+for i, f in enumerate(staging.flats):
+    f.copy_(torch.arange(f.numel()) + 10 * i)
+meta = [([s.name.upper() for s in plan.specs[b.start:b.end]], [s.dtype for s in plan.specs[b.start:b.end]],
+         [list(s.shape) for s in plan.specs[b.start:b.end]]) for b in plan.buckets]
+fake = types.SimpleNamespace(_bucket_meta=meta, _plan=plan, _flats=staging.flats)
+src = vllm_nccl.staging_source(fake, torch.device("cpu"))
+pairs = list(NCCLTrainerWeightTransferEngine._checked_iter(src, src.metadata()))
+assert [n for n, _ in pairs] == ["A.W", "A.B", "C.W"], pairs
+assert torch.equal(pairs[0][1], staging.views["a.w"]) and pairs[2][1].dtype == torch.float32
+info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=1, world_size=2)
+assert info.is_sender and info.packed
+import concurrent.futures as cf
+f = cf.Future(); w = vllm_nccl._FutureWork(f); assert not w.is_completed(); f.set_result(None); assert w.is_completed() and w.wait()
+print("ok")

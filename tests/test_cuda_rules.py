@@ -1,0 +1,186 @@
+"""The CUDA/NCCL rules of ``torchtitan_flux/cuda_rules.py`` and the GPU-path fixes (docs/gpu.md), where a CPU test
+can express them: polling completion with a stalled gloo peer, the header's device, the NCCL-version check, the
+wire dtype, wrapper-free parameter names, the control plane, and real CPU runs with activation checkpointing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import read_metrics, run_train
+from torch import nn
+
+from torchtitan_flux import compat, cuda_rules, transport
+from torchtitan_flux.weight_sync.snapshot import Snapshot, clean_name, tensor_specs
+
+
+def _pair(prefix: str):
+    """Two ranks of one gloo group, built on two threads of this process (rank 0, rank 1)."""
+    store = dist.HashStore()
+    out = [None, None]
+
+    def build(rank):
+        out[rank] = compat.new_weight_sync_group("gloo", dist.PrefixStore(prefix, store), rank, 2,
+                                                 timedelta(seconds=30))
+
+    ts = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def test_completion_is_decided_by_polling_against_our_deadline():
+    """Rule 3: a stalled peer makes ``wait_works`` return False at our deadline (not the group's 30 s timeout),
+    and the same Work completes once the peer posts its side."""
+    pg0, pg1 = _pair("stall")
+    t = torch.arange(4, dtype=torch.float32)
+    work = compat.broadcast(pg0, t)
+    t0 = time.monotonic()
+    assert not cuda_rules.wait_works([work], time.monotonic() + 0.3)
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    got = torch.zeros(4)
+    peer = compat.broadcast(pg1, got)
+    assert cuda_rules.wait_works([work, peer], time.monotonic() + 10)
+    cuda_rules.raise_failed([work, peer])
+    assert torch.equal(got, t)
+
+
+def test_header_lives_on_the_groups_device():
+    """Rule 2: NCCL groups carry the header on their GPU; gloo on CPU (and a receiver on CPU uses gloo)."""
+    assert cuda_rules.header_device("nccl", "cuda:1") == torch.device("cuda:1")
+    assert cuda_rules.header_device("gloo", "cuda:1") == torch.device("cpu")
+    assert cuda_rules.header_device("gloo", "cpu") == torch.device("cpu")
+
+
+def test_cpu_has_no_stream_and_on_stream_is_a_no_op():
+    assert cuda_rules.group_stream("cpu") is None
+    with cuda_rules.on_stream(None):
+        pass
+    cuda_rules.bind_thread("cpu")
+
+
+def test_nccl_version_mismatch_is_one_clear_error_on_both_sides():
+    """Rule 7: both sides learn of the mismatch at join (and a refused join is not retried at once)."""
+    store = dist.HashStore()
+    errors = {}
+
+    def side(role, version):
+        try:
+            cuda_rules.check_nccl_version(store, "flux_ws/e0/1", role, 5.0, mine=version)
+        except cuda_rules.NcclVersionMismatch as e:
+            errors[role] = str(e)
+
+    ts = [threading.Thread(target=side, args=a) for a in (("trainer", "2.21.5"), ("engine", "2.18.1"))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert set(errors) == {"trainer", "engine"}
+    assert "2.21.5" in errors["trainer"] and "2.18.1" in errors["trainer"]
+    store2 = dist.HashStore()
+    ts = [threading.Thread(target=cuda_rules.check_nccl_version, args=(store2, "p", r, 5.0, "2.21.5"))
+          for r in ("trainer", "engine")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()  # equal versions: no error (a raise in the thread would be printed, not raised: checked above)
+
+
+def test_wrapper_prefixes_are_cleaned():
+    """Finding 6: activation checkpointing, torch.compile and FSDP1 wrappers do not reach the engines' names."""
+    assert clean_name("layers.1._checkpoint_wrapped_module.attention.wq.weight") == "layers.1.attention.wq.weight"
+    assert clean_name("_orig_mod.layers.0._fsdp_wrapped_module.feed_forward.w1.weight") == (
+        "layers.0.feed_forward.w1.weight")
+    assert clean_name("module.norm.weight") == "norm.weight"
+    assert clean_name("tok_embeddings.weight") == "tok_embeddings.weight"
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    root = nn.Module()
+    root.layers = nn.ModuleDict({"0": checkpoint_wrapper(nn.Linear(2, 2))})
+    assert any("_checkpoint_wrapped_module" in n for n, _ in root.named_parameters())
+    assert [s.name for s in tensor_specs(root)] == ["layers.0.weight", "layers.0.bias"]
+
+
+def test_wire_dtype_is_cast_while_staging():
+    """Finding 8: the staging buffer and the wire carry the engines' dtype (half the bytes for bf16)."""
+    model = nn.Linear(8, 4)
+    full = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=2**20, wire_dtype=None)
+    bf16 = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=2**20, wire_dtype=torch.bfloat16)
+    assert [s.dtype for s in bf16.specs] == ["bfloat16", "bfloat16"]
+    assert bf16.plan.nbytes * 2 == full.plan.nbytes
+    bf16.take(3)
+    assert bf16.version == 3 and bf16.staging.flats[0].dtype == torch.bfloat16
+    assert torch.equal(bf16.staging.views["weight"], model.weight.detach().to(torch.bfloat16))
+
+
+def test_receiver_header_is_received_on_the_groups_device(monkeypatch):
+    """Rule 2 on the engine side: the receiver allocates its header where ``header_device`` says."""
+    seen = []
+    real = cuda_rules.header_device
+    monkeypatch.setattr(cuda_rules, "header_device", lambda b, d: seen.append(b) or real(b, d))
+    plan = transport.plan_buckets([transport.TensorSpec("w", (2,), "float32")], 1024)
+    pg0, pg1 = _pair("recv")
+    got = threading.Event()
+    rx = transport.WeightReceiver(plan, "cpu", lambda v: got.set(), lambda e: None)
+    rx.start(lambda: pg1)
+    header = transport.encode_header(plan, 5, [0], transport.METHOD_FULL)
+    works = [compat.broadcast(pg0, header), compat.broadcast(pg0, torch.ones(2))]
+    assert cuda_rules.wait_works(works, time.monotonic() + 10) and got.wait(10)
+    assert seen == ["gloo"] and rx.newest()[0] == 5
+    rx.stop()
+
+
+AC_ASYNC = ["--activation_checkpoint.mode", "selective", "--weight_sync.async_weight_update", "true"]
+
+
+@pytest.mark.slow
+def test_selective_activation_checkpointing_async_learns_with_equal_checksums(tiny_model_dir, tmp_path):
+    """Finding 6 on a real run: torchtitan's default AC mode wraps every layer; weights still reach the engine
+    under clean names, the run learns, and engine and trainer end bitwise equal."""
+    run_train(tmp_path, "--training.steps", "40", *AC_ASYNC)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last - first >= 0.2, (first, last)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 40
+    assert summary["weight_sync"]["weight_sync_errors"] == 0
+
+
+@pytest.mark.slow
+def test_selective_activation_checkpointing_async_on_two_trainer_processes(tiny_model_dir, tmp_path):
+    """The same on 2 trainer processes (FSDP shards gathered per bucket, control plane on gloo)."""
+    run_train(tmp_path, "--training.steps", "16", *AC_ASYNC, nproc=2)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 16 and all(r["loss"] == r["loss"] for r in rows)
+    first = sum(r["reward_mean"] for r in rows[:4]) / 4
+    last = sum(r["reward_mean"] for r in rows[-4:]) / 4
+    assert last > first, (first, last)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 16
+    assert summary["weight_sync"]["weight_sync_errors"] == 0
+
+
+def test_fsdp_shards_are_gathered_with_one_collective_per_bucket(tmp_path):
+    """Finding 5: a bucket of FSDP2 shards (uneven rows included) is gathered by ONE all_gather, cast to the
+    wire dtype first, and equals ``full_tensor()`` of each parameter (2 gloo processes)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(ROOT / "tests" / "_gather_worker.py")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0 and "gather ok" in out.stdout, out.stderr[-3000:]

@@ -1,0 +1,151 @@
+"""The CUDA/NCCL rules of weight sync, in one place. Torch-only (no torchtitan): engines import it too.
+
+Each rule is a function or constant here, used by both sides (``weight_sync/`` on the trainer, ``transport.py``
+in engines). Where a CPU test can express a rule it has one (``tests/test_cuda_rules.py``); where it cannot
+(stream ordering: no CUDA stream exists on CPU), the rule is this code and ``docs/gpu.md`` says so.
+
+1. One thread, one stream per group. Every collective of a weight-sync group is issued by one thread (the push
+   thread on the trainer, the receiver thread in an engine) inside ``on_stream(stream)`` with the group's own
+   side stream (``group_stream``). ``ProcessGroupNCCL`` makes its internal NCCL stream wait on the *current*
+   stream when a collective is enqueued, and ``Work.wait()`` makes the current stream wait on it: issued from
+   the default stream, a push would queue behind training kernels (trainer) or block generation (engine).
+2. The header lives on the group's device (``header_device``): NCCL rejects CPU tensors; gloo wants CPU.
+3. Host-side completion is decided by polling ``Work.is_completed()`` against OUR deadline (``wait_works``),
+   one deadline per push, never by ``Work.wait(timeout)`` (counted from enqueue, and under
+   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` a timed-out Work tears the whole process down). A push that misses
+   its deadline has its group aborted (``abort_group``) and the engine rejoins on a fresh one.
+4. Groups get a long timeout (``GROUP_TIMEOUT``) so the NCCL watchdog never fires before our deadline does.
+5. The receiver acks only after the bytes landed: ``landed(works, stream)`` waits on the Works on the receiver's
+   stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host).
+6. The receiver thread calls ``bind_thread(device)`` first, so its CUDA context is the engine's GPU.
+7. NCCL versions are compared at join (``check_nccl_version``): NCCL refuses communicators across versions, and
+   the mismatch gets a one-line error instead of a rejoin loop.
+8. The trainer joins eagerly, in the joiner thread (``weight_sync/pusher.py``), with ``eager_connect``: never
+   lazily inside the first broadcast while holding the push claim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch
+
+from torchtitan_flux import compat
+
+GROUP_TIMEOUT = timedelta(days=7)  # rule 4: far beyond any push deadline; our polling decides
+POLL_S = (0.00005, 0.002)  # rule 3: ``wait_works`` polls every 50 us at first, doubling up to 2 ms
+
+
+class NcclVersionMismatch(RuntimeError):
+    """Rule 7: the two sides of a weight-sync group run different NCCL versions (no retry: it cannot succeed)."""
+
+
+def header_device(backend: str, device: torch.device | str) -> torch.device:
+    """Rule 2: where a push header (and every tensor a group carries) must live for ``backend``."""
+    device = torch.device(device)
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def group_stream(device: torch.device | str) -> Any:
+    """Rule 1: a fresh side stream on ``device`` for one weight-sync group, or None on CPU."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return None
+    mod = compat.device_module(device)
+    return mod.Stream(device=device) if mod is not None and hasattr(mod, "Stream") else None
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any):
+    """Rule 1: issue collectives (and their ``Work.wait()``) with ``stream`` current; a no-op for None."""
+    if stream is None:
+        yield
+        return
+    mod = compat.device_module(stream.device)
+    with mod.stream(stream):
+        yield
+
+
+def bind_thread(device: torch.device | str) -> None:
+    """Rule 6: the calling thread's current device is ``device`` (a no-op on CPU)."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is not None:
+        mod = compat.device_module(device)
+        if mod is not None and hasattr(mod, "set_device"):
+            mod.set_device(device)
+
+
+def wait_works(works: Iterable[Any], deadline: float) -> bool:
+    """Rule 3: poll every Work until all completed or ``time.monotonic()`` passes ``deadline``; returns whether
+    all completed (errors: ``raise_failed``). Never calls ``wait(timeout)``. The period starts short (a small
+    push completes in about a millisecond) and backs off (a long one should not burn a core)."""
+    pending, period = list(works), POLL_S[0]
+    while pending:
+        pending = [w for w in pending if not w.is_completed()]
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(period)
+        period = min(2 * period, POLL_S[1])
+    return True
+
+
+def raise_failed(works: Iterable[Any]) -> None:
+    """Completed Works may have failed: ``Work.wait()`` on a completed Work returns at once or raises its error
+    (NCCL: it also orders the current stream after it, which the caller's ``on_stream`` makes the push stream)."""
+    for w in works:
+        w.wait()
+
+
+def abort_group(pg: Any) -> None:
+    """Rule 3: abandon a group after a missed deadline (NCCL: ``abort`` frees the communicator; gloo: closes)."""
+    for name in ("abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped either way
+                pass
+            return
+
+
+def landed(works: list[Any], stream: Any) -> None:
+    """Rule 5 (receiver): return once the data of ``works`` is in memory. GPU: ``Work.wait()`` makes ``stream``
+    wait, then an event recorded on it is synchronized (the host learns the bytes landed). CPU: blocks in wait."""
+    with on_stream(stream):
+        for w in works:
+            w.wait()
+    if stream is not None:
+        mod = compat.device_module(stream.device)
+        ev = mod.Event()
+        ev.record(stream)
+        ev.synchronize()
+
+
+def nccl_version() -> str | None:
+    """This process's NCCL version ("2.21.5"), or None without CUDA/NCCL."""
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a CPU build has no NCCL
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def check_nccl_version(store: Any, prefix: str, role: str, timeout_s: float, mine: str | None = None) -> None:
+    """Rule 7: both sides publish their NCCL version under ``{prefix}/nccl/{role}`` and compare; raises
+    ``NcclVersionMismatch`` naming both versions. Call only for backend ``nccl``, right before building the
+    group (``mine`` overrides the detected version: tests)."""
+    mine = mine if mine is not None else (nccl_version() or "none")
+    peer = "engine" if role == "trainer" else "trainer"
+    store.set(f"{prefix}/nccl/{role}", mine)
+    store.wait([f"{prefix}/nccl/{peer}"], timedelta(seconds=timeout_s))
+    theirs = store.get(f"{prefix}/nccl/{peer}").decode()
+    if theirs != mine:
+        raise NcclVersionMismatch(
+            f"weight sync on {prefix}: the {role} has NCCL {mine} but the {peer} has NCCL {theirs}; NCCL cannot "
+            "connect across versions: install the same torch/NCCL in both environments (see docs/gpu.md)"
+        )

@@ -1,0 +1,160 @@
+"""``VllmNcclEngine``: vLLM on GPU, with weights sent by vLLM's own trainer-side NCCL engine.
+
+Which of vLLM 0.32's weight-transfer engines we use (``vllm/distributed/weight_transfer/``), and why:
+  * GPU trainer, vLLM server on another GPU: ``NCCLTrainerWeightTransferEngine`` (``nccl_engine.py``) on the
+    trainer, vLLM's ``NCCLWeightTransferEngine`` in the server (``--weight-transfer-config '{"backend":"nccl"}'``,
+    which ``scripts/launch_vllm.sh`` / ``launch_command`` pick when a GPU is visible). It packs tensors into
+    double-buffered chunks broadcast on its own CUDA streams, and loads them with vLLM's layerwise reload: vLLM
+    owns both ends of the wire, so nothing of ours runs in the server's receive path.
+  * CPU (tests, CI): vLLM has no CPU backend, so our gloo engine in ``vllm_ext.py`` stays (``VllmEngine``).
+  * Not used: the sparse NCCL engine (sends only changed rows; our pushes are dense and the delta method is an
+    embedded-engine feature), the IPC engine (colocated trainer and vLLM on one GPU; we give each engine its own
+    GPU, ``placement.py``), and the m2n / sharded-RDT engines (many trainer ranks to many workers; we send from one
+    rank, see ``weight_sync``).
+
+Fit with our push thread (``weight_sync/pusher.py``): ``trainer_group`` runs vLLM's ``trainer_init`` in the joiner
+thread (it calls the server's ``/init_weight_transfer_engine`` itself, concurrently with opening rank 0 on a
+TCPStore of its own, on a fresh port per join). A push is ``self_push``: it runs on this handler's control thread
+(the one thread that issues this communicator's collectives) as pause -> ``send_weights()`` (start, update_weights,
+broadcasts, finish with our version) -> reset prefix cache -> resume, and the pusher polls its completion against
+its deadline like any Work. The source is our staging buffer (HF layout, wire dtype, pinned host memory): each
+tensor is copied to the GPU on vLLM's producer stream as it packs.
+
+Checks only a GPU run can make (docs/gpu.md): the rendezvous on a 2-GPU machine, the packed broadcast's throughput,
+and that vLLM's loader takes our HF-layout tensors unchanged (the logprob probe compares engine and trainer).
+There is no byte checksum on this path (vLLM's receiver keeps no hash): ``checksum`` returns (version, None).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+from typing import Any, Iterator
+
+import torch
+
+from torchtitan_flux import cuda_rules
+from torchtitan_flux.engine.base import WeightGroupInfo
+from torchtitan_flux.engine.vllm import VllmEngine
+
+SERVER_BACKEND = "vllm_nccl"  # what ``flux_model_info`` reports for vLLM's own NCCL engine
+
+
+class HttpWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol on our ``HttpClient`` (token, retries, timeouts)."""
+
+    def __init__(self, engine: "VllmNcclEngine"):
+        self.engine = engine
+        self.version: int | None = None  # the push in progress; sent as ``weight_version``
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.engine.client.post("/init_weight_transfer_engine", {"init_info": init_info},
+                                timeout_s=self.engine._weight_timeout_s)
+
+    def start_weight_update(self) -> None:
+        self.engine.client.post("/start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.engine.client.post("/update_weights", {"update_info": dict(update_info)},
+                                timeout_s=self.engine._weight_timeout_s)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else str(self.version)
+        self.engine.client.post("/finish_weight_update", {"weight_version": version})
+
+
+def staging_source(engine: "VllmNcclEngine", device: torch.device):
+    """A vLLM ``WeightSource`` over ``engine``'s current staging buffer (set by ``self_push``)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class StagingSource(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, getattr(torch, d), tuple(s))
+                    for names, dtypes, shapes in engine._bucket_meta for n, d, s in zip(names, dtypes, shapes)]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            plan = engine._plan
+            for (names, _, _), b, flat in zip(engine._bucket_meta, plan.buckets, engine._flats):
+                off = 0
+                for name, spec in zip(names, plan.specs[b.start : b.end]):
+                    view = flat[off : off + spec.numel].view(spec.shape)
+                    off += spec.numel
+                    yield name, view.to(device, non_blocking=True)  # on vLLM's producer stream
+
+    return StagingSource()
+
+
+class _FutureWork:
+    """A ``concurrent.futures.Future`` seen as a Work (``is_completed`` / ``wait``) by ``cuda_rules.wait_works``."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def wait(self, timeout=None) -> bool:
+        self.future.result(timeout=0 if self.future.done() else None)
+        return True
+
+
+class VllmNcclEngine(VllmEngine):
+    """``VllmEngine`` whose pushes go through vLLM's own NCCL engines (see the module docstring)."""
+
+    expected_backends = (SERVER_BACKEND,)
+    rendezvous_handshake = False  # vLLM's rendezvous is its own (a TCPStore on a port of its own)
+
+    def __init__(self, *args, **kw):
+        kw.pop("checksum", None)  # vLLM's receiver keeps no hash (``reconnect`` passes the parent's kwargs back)
+        super().__init__(*args, checksum=False, **kw)
+        self._transfer = None
+        self._client = HttpWeightSyncClient(self)
+        self._flats: list[torch.Tensor] = []
+        self._device: torch.device | None = None
+
+    def _init_group(self, info: WeightGroupInfo) -> None:
+        pass  # vLLM's trainer_init posts /init_weight_transfer_engine itself (see trainer_group)
+
+    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+        with socket.socket() as s:  # vLLM's TCPStore needs a port of its own
+            s.bind((info.host, 0))
+            port = s.getsockname()[1]
+        init = NCCLTrainerInitInfo(rank=0, master_address=info.host, master_port=port, world_size=2)
+        self._device = device or torch.device("cuda", torch.cuda.current_device())
+        self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+            init, client=self._client, source=staging_source(self, self._device))
+        return self._transfer
+
+    def begin_update(self, version: int) -> None:
+        pass  # the push is ``self_push``
+
+    def self_push(self, version: int, flats: list[torch.Tensor]) -> _FutureWork:
+        self._flats, self._client.version = flats, version
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def task():
+            try:
+                cuda_rules.bind_thread(self._device)  # rule 6: this control thread issues the broadcasts
+                self._update_task(version)
+                future.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the pusher through wait()
+                future.set_exception(e)
+
+        self._ctl.submit(task)
+        return _FutureWork(future)
+
+    # the push steps of ``HttpEngine._update_task``: vLLM's engine does start / update / finish itself
+    def _open(self, version: int) -> None:
+        pass
+
+    def _send_bucket(self, i, n, names, dtypes, shapes, version) -> None:
+        if i == 0:
+            self._transfer.send_weights()
+
+    def _close(self, version: int) -> None:
+        self.client.post("/reset_prefix_cache")
+
+    def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
+        return self._version, None

@@ -1,0 +1,209 @@
+"""Trainer-side weight sync: snapshot after ``optimizer.step()``, bucketed push to every engine, versions, timeouts.
+
+Layout (one job per module; data flows front -> collaborators, never back):
+  * ``snapshot.Snapshot`` (every rank): clean parameter names, agreement on the control plane, per-bucket FSDP
+    gather, cast to the wire dtype, side-stream copy into the staging buffer (rank 0).
+  * ``links.LinkTable`` (rank 0): one ``EngineLink`` per engine, acks/errors/timeouts, counters.
+  * ``pusher.Pusher`` (rank 0): the claim on staging + groups, the joiner threads and the push thread.
+  * ``WeightSyncer`` (here): the thin front the trainer calls; it builds the three above.
+  * ``torchtitan_flux.cuda_rules``: the CUDA/NCCL rules every collective follows.
+
+Main thread, every rank: ``after_optimizer_step(version)`` right after ``optimizer.step()``. If a push is due and
+rank 0 can claim the pusher (it is idle), every rank snapshots (rank 0's decision is broadcast on the CPU control
+group) and rank 0 hands the push to the push thread. If a push is still in flight, the version is *coalesced*:
+nothing is copied and the next idle step boundary sends the then-newest weights. Blocking mode: rank 0 waits for
+the claim, snapshots, pushes and waits for acks itself (at most ``timeout_seconds`` per push, plus at most one
+in-flight resync push). The syncer never calls back into the trainer: engine events are delivered by the
+``pump`` it is constructed with (``RolloutScheduler.pump`` on rank 0), which routes acks and errors to
+``on_event``.
+
+An engine whose push misses ``timeout_seconds`` is marked lagging and keeps serving its old version (its rollouts
+carry that version); when it acks again it is resynced with a full push, after rejoining on a fresh group if its
+group broke.
+
+Simplification: one data-parallel replica sends (rank 0 of the whole job). With HSDP/several replicas, every
+replica holds the same weights, so one sender is enough; spreading engines over replicas is future work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from torchtitan_flux import transport
+from torchtitan_flux.engine.auth import read_token
+from torchtitan_flux.engine.base import EngineHandler
+from torchtitan_flux.weight_sync.links import EngineLink, LinkTable, SyncStats
+from torchtitan_flux.weight_sync.pusher import Pusher
+from torchtitan_flux.weight_sync.snapshot import Snapshot, clean_name, control_group, tensor_specs
+
+__all__ = ["WeightSyncer", "EngineLink", "SyncStats", "clean_name", "control_group", "tensor_specs"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def wire_dtype(cfg, engines: list[EngineHandler]) -> torch.dtype | None:
+    """``weight_sync.wire_dtype``; "auto": what the engines declare (``wire_dtype``), else the parameters'."""
+    if cfg.wire_dtype != "auto":
+        return _DTYPES[cfg.wire_dtype]
+    declared = {e.wire_dtype for e in engines} - {None}
+    if len(declared) > 1:
+        raise ValueError(f"engines declare different wire dtypes {sorted(declared)}: set weight_sync.wire_dtype")
+    return _DTYPES[declared.pop()] if declared else None
+
+
+class WeightSyncer:
+    """The front: see the package docstring. ``pump(timeout)`` delivers engine events (rank 0)."""
+
+    def __init__(self, cfg, model: torch.nn.Module, engines: list[EngineHandler], *, device: torch.device,
+                 is_sender: bool, backend: str = "gloo", pump: Callable[[float], None] = time.sleep):
+        self.cfg, self.is_sender, self.pump = cfg, is_sender, pump
+        self.async_mode = cfg.async_weight_update
+        # Wire-layout hook: HTTP engines load HF-layout tensors; converting while snapshotting keeps one staging
+        # buffer holding exactly what goes on the wire. All engines of a run must agree on the layout.
+        if len({type(e).wire_tensor for e in engines}) > 1:
+            raise ValueError("engines with different wire layouts cannot share one staging buffer")
+        self.snap = Snapshot(
+            model, device=device, is_sender=is_sender, bucket_bytes=int(cfg.bucket_size_mb * 2**20),
+            wire_dtype=wire_dtype(cfg, engines), wire_tensor=engines[0].wire_tensor if engines else None,
+            delta=cfg.method == "delta",
+        )
+        self.table = LinkTable(engines if is_sender else [], cfg.timeout_seconds)
+        self.pusher = None
+        if is_sender:
+            token = read_token(cfg.auth_token_env)  # never logged or checkpointed
+            store = transport.connect_store(cfg.master_addr, cfg.master_port, cfg.timeout_seconds, True)
+            self.pusher = Pusher(self.table, self.snap, cfg, backend=backend, device=device, store=store,
+                                 token=token)
+
+    # views the trainer and tests read
+    plan = property(lambda self: self.snap.plan)
+    staging = property(lambda self: self.snap.staging)
+    bucket_bytes = property(lambda self: self.snap.bucket_bytes)
+    version = property(lambda self: self.snap.version)
+    stats = property(lambda self: self.table.stats)
+    links = property(lambda self: self.table.links)
+
+    def busy(self) -> bool:
+        """Whether a push (or a resync) is in flight."""
+        return self.pusher is not None and self.pusher.busy.is_set()
+
+    def connect(self) -> None:
+        """Create every engine's group (rank 0; blocks until each engine joined or failed)."""
+        with self.table.lock:
+            joiners = [self.pusher.start_join(link) for link in self.links]
+        for j in joiners:
+            j.join()
+        failed = [link.handler.name for link in self.links if link.pg is None]
+        if failed:
+            why = [f for f in self.stats.failures if f.startswith(tuple(f"weight sync to {n}:" for n in failed))]
+            raise RuntimeError(f"engines {failed} did not join the weight-sync group within "
+                               f"weight_sync.timeout_seconds = {self.cfg.timeout_seconds}: {'; '.join(why)}")
+
+    def before_optimizer_step(self) -> None:
+        """GPU: the optimizer must not overwrite parameters the side stream is still copying."""
+        self.snap.side.wait_copy_done()
+
+    def after_optimizer_step(self, version: int, force: bool = False) -> None:
+        """Every rank, right after ``optimizer.step()``; see the package docstring."""
+        t0 = time.perf_counter()
+        if not (force or version % self.cfg.interval == 0):
+            self.stats.blocked_s = 0.0
+            return
+        if self.async_mode:
+            claimed = self.pusher.claim() if self.is_sender else True
+            idle = self._snapshot_or_release(version, lambda: self.snap.agree(claimed), claimed)
+            if not idle:
+                self.stats.coalesced += 1
+            elif self.is_sender:
+                self.pusher.hand_over(version)
+        else:
+            self._claim_waiting()
+            try:
+                self._take(version)
+                if self.is_sender:
+                    self.pusher.push(version)
+                    self._wait_acks(version)
+            finally:
+                if self.is_sender:
+                    self.pusher.release()
+        self.stats.blocked_s = time.perf_counter() - t0
+
+    def _claim_waiting(self) -> None:
+        """Rank 0: wait (delivering events) until the claim is ours; a push in flight ends by its deadline."""
+        while self.is_sender and not self.pusher.claim():
+            self.pump(0.01)
+
+    def _snapshot_or_release(self, version: int, decide: Callable[[], bool], claimed: bool) -> bool:
+        """Snapshot if ``decide()`` (every rank's agreed answer); on any failure rank 0 lets its claim go."""
+        try:
+            idle = decide()
+            if idle:
+                self._take(version)
+        except BaseException:
+            if self.is_sender and claimed:
+                self.pusher.release()
+            raise
+        return idle
+
+    def _take(self, version: int) -> None:
+        self.snap.take(version)
+        self.stats.last_snapshot_s = self.snap.last_s
+
+    def on_event(self, ev) -> None:
+        """Acks and engine errors, delivered on the main thread by the pump."""
+        self.table.on_event(ev, self.pusher.kick)
+
+    def check_timeouts(self) -> None:
+        self.table.check_timeouts()
+
+    def replace_engine(self, old: EngineHandler, new: EngineHandler) -> None:
+        """A restarted engine rejoins on a fresh group and gets the newest version."""
+        with self.table.lock:
+            link = next(lk for lk in self.links if lk.handler is old)
+            link.handler, link.dead, link.lagging, link.broken = new, False, False, False
+            self.pusher.start_join(link)
+
+    def _wait_acks(self, version: int) -> None:
+        """Rank 0: wait until every usable engine acked ``version`` (events delivered by ``pump``)."""
+        deadline = time.monotonic() + self.cfg.timeout_seconds
+        while True:
+            waiting = self.table.waiting_for(version)
+            if not waiting or time.monotonic() > deadline:
+                break
+            self.pump(min(0.05, max(0.0, deadline - time.monotonic())))
+        if waiting:
+            self.check_timeouts()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the push thread is idle (end of training, checkpoints, tests)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.pump(0.01)
+        return True
+
+    def flush(self, version: int) -> None:
+        """Make sure ``version`` is pushed and acked (start, end of training, on-policy steps). Every rank."""
+        if not self.async_mode:
+            if self.version < version:
+                self.after_optimizer_step(version, force=True)
+            return
+        if self.version < version:  # the same on every rank (snapshots are agreed), so is this branch
+            self._claim_waiting()  # wait for the claim itself: no idle-then-claim race to retry around
+            self._snapshot_or_release(version, lambda: True, True)
+            if self.is_sender:
+                self.pusher.hand_over(version)
+        self.wait_idle(self.cfg.timeout_seconds)
+        if self.is_sender:
+            self._wait_acks(version)
+
+    def metrics(self) -> dict[str, float]:
+        return self.table.metrics()
+
+    def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
