@@ -83,7 +83,7 @@ def generation_defaults(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 def _rope_scaling(cfg: dict[str, Any], fam: str, where: str) -> dict[str, float]:
     """llama3 RoPE scaling knobs (factor 1 == none), as torchtitan's ``RoPEScalingArgs``."""
-    rs = cfg.get("rope_scaling") or {}
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 4 / 5 spelling
     rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rope_type == "default":
         return dict(factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
@@ -147,7 +147,7 @@ def architecture(cfg: dict[str, Any], where: str = CONFIG_FILE) -> dict[str, Any
         vocab_size=vocab_size,
         intermediate_size=intermediate_size,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if fam != "llama" else 1e-5)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling(cfg, fam, where),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tied=bool(cfg.get("tie_word_embeddings", False)),

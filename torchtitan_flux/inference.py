@@ -475,7 +475,7 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     top_k: int = 0,
-    eos_id: int,
+    eos_id: int | list[int],
     pad_id: int,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -486,8 +486,8 @@ def generate(
     ``top_k`` largest logits when ``top_k > 0``; ``temperature == 0`` is greedy. The returned logprob of a
     sampled token is ``log_softmax(logits / temperature)`` over the FULL vocabulary (what the trainer
     recomputes; with top_k the sampling distribution is the truncated one), or ``log_softmax(logits)``
-    when greedy. A row stops after emitting ``eos_id`` (included); later slots hold ``pad_id`` with
-    logprob 0.
+    when greedy. A row stops after emitting ``eos_id`` (an id or a list of ids, as HF's ``eos_token_id``;
+    included); later slots hold ``pad_id`` with logprob 0.
 
     Returns (tokens LongTensor[B, max_new_tokens], logprobs FloatTensor[B, max_new_tokens],
     lengths LongTensor[B]) on the weights' device; ``lengths`` counts tokens up to and including eos.
@@ -512,6 +512,11 @@ def generate(
     layers = _layers(weights, shape)
     out_w = output_weight(weights, shape)
     greedy = temperature == 0
+    eos_one = isinstance(eos_id, int) or len(eos_id) == 1
+    if eos_one:
+        eos_id = int(eos_id if isinstance(eos_id, int) else eos_id[0])
+    else:
+        eos_ids = torch.tensor(list(eos_id), dtype=torch.long, device=device)
     top_k = int(top_k) if top_k and 0 < top_k < shape.vocab_size else 0
 
     with torch.no_grad():
@@ -587,7 +592,7 @@ def generate(
             out_tokens[:, t] = tok
             out_lp[:, t] = lp.squeeze(1).masked_fill_(done, 0.0)
             lengths += ~done
-            done |= tok == eos_id
+            done |= (tok == eos_id) if eos_one else torch.isin(tok, eos_ids)
             if t == N - 1 or bool(done.all()):
                 break
             fc = fc_all[pos].view(B, 1, 1, -1)

@@ -45,7 +45,7 @@ from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
-from torchtitan_flux.model import export_hf_weights, load_hf_weights
+from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
 from torchtitan_flux.tasks import build_task, check_reward
 from torchtitan_flux.weight_sync import WeightSyncer
@@ -69,6 +69,7 @@ class FluxTrainer(Trainer):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         validate_config(job_config)
+        select_model(job_config)  # the family in model.hf_assets_path/config.json picks the TrainSpec (or refuses)
         self.task = build_task(job_config.rollout)
         probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
         check_reward(self.task, self.task.reward(probe, ""))  # bad reward functions fail before any spawn

@@ -80,7 +80,7 @@ class _EngineProcess:
                  auth_token: str | None):
         import json
 
-        from torchtitan_flux import inference
+        from torchtitan_flux import hf, inference
 
         self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
@@ -91,7 +91,7 @@ class _EngineProcess:
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
         self.shape = inference.LlamaShape.from_hf_config(cfg)
-        self.eos_id, self.pad_id = int(cfg["eos_token_id"]), int(cfg.get("pad_token_id", 0))
+        self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
         self.stall_s = 0.0  # fault injection: sleep before each generation
