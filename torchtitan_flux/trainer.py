@@ -46,6 +46,7 @@ from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
+from torchtitan_flux.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
 from torchtitan_flux.tasks import build_task, check_reward
 from torchtitan_flux.weight_sync import WeightSyncer
@@ -100,6 +101,11 @@ class FluxTrainer(Trainer):
             self.controller.async_ratio if self.controller else float(job_config.weight_sync.async_weight_update)
         )
         self.force_sync = False
+        ws = job_config.weight_sync
+        self.probe = PostSyncProbe(
+            probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
+            ws.timeout_seconds,
+        ) if ws.probe_every > 0 else None
         self.admit_carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
         if self.rank == 0:
             self._start_engines()
@@ -262,6 +268,10 @@ class FluxTrainer(Trainer):
                 t2 = time.perf_counter()
                 self.syncer.after_optimizer_step(self.step)
                 t3 = time.perf_counter()
+                if self.probe is not None and self.probe.due(self.step, jc.training.steps):
+                    self.syncer.flush(self.step)  # the engines must hold this step's weights
+                    engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
+                    metrics.update(self.probe.run(self.model, engines, self.step, self.device))
                 self.checkpointer.save(self.step, last_step=(self.step == jc.training.steps))
                 if self.rank == 0:
                     self._log(batch, metrics, t0, t1, t2, t3, rollout_wait)

@@ -190,10 +190,20 @@ class _EngineProcess:
             elif kind == "checksum":
                 version, weights = self.receiver.newest() if self.receiver else (-1, None)
                 self._send(("checksum", version, weights.checksum() if weights is not None else ""))
+            elif kind == "score":
+                self._send(("score", *self.score(msg[1])))
             elif kind == "fault":
                 self.fault(*msg[1:])
             elif kind == "shutdown":
                 return
+
+    def score(self, tokens: list[int]) -> tuple[int, list[float]]:
+        """(newest received version, logprobs of ``tokens[1:]`` under it); (-1, []) before the first push."""
+        version, weights = self.receiver.newest() if self.receiver else (-1, None)
+        if weights is None:
+            return -1, []
+        seq = torch.tensor([tokens], dtype=torch.long)
+        return version, self.inference.score(weights.views, self.shape, seq)[0].cpu().tolist()
 
     def fault(self, what: str, arg: float) -> None:
         """Fault injection for the fault tests: stall generation or weight receipt, or die."""
@@ -311,7 +321,7 @@ class EmbeddedEngine:
                     self._report_dead(msg[1])
                 else:
                     self.events.put(EngineError(self.name, msg[1], fatal=False))
-            elif kind == "checksum":
+            elif kind in ("checksum", "score"):
                 self._replies.put((msg[1], msg[2]))
 
     def submit(self, request: GenerationRequest) -> None:
@@ -329,6 +339,12 @@ class EmbeddedEngine:
     def checksum(self, timeout: float = 30.0) -> tuple[int, str]:
         """(newest received version, sha256 of its weights). Served between generation requests."""
         self._send(("checksum",))
+        return self._replies.get(timeout=timeout)
+
+    def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
+        """(newest received version, its logprobs of ``tokens[1:]``): the post-sync probe. Served between
+        generation requests, like ``checksum`` (one reply queue: callers do not overlap the two)."""
+        self._send(("score", list(tokens)))
         return self._replies.get(timeout=timeout)
 
     def inject_fault(self, what: str, arg: float = 0.0) -> None:

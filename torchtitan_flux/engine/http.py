@@ -634,6 +634,17 @@ class HttpEngine:
         """One HTTP generation call: (token ids, behaviour logprobs) per completion, prompt-major."""
         raise NotImplementedError
 
+    def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
+        """(the server's weight version, its logprobs of ``tokens[1:]``): the post-sync probe. The version is read
+        before scoring; the caller makes sure no push runs meanwhile."""
+        reported = self.weight_version()
+        version = int(reported) if reported not in (None, "") and str(reported).lstrip("-").isdigit() else -1
+        return version, self._score(list(tokens))
+
+    def _score(self, tokens: list[int]) -> list[float]:
+        """Teacher-forced logprobs of ``tokens[1:]`` (prompt logprobs of ``tokens``) from the server."""
+        raise NotImplementedError
+
     def _init_group(self, info: WeightGroupInfo) -> None:
         raise NotImplementedError
 
