@@ -111,7 +111,7 @@ class SglangEngine(HttpEngine):
 
     def _score(self, tokens: list[int]) -> list[float]:
         """Input-token logprobs (``logprob_start_len: 0``; the first token has none)."""
-        body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
                 "return_logprob": True, "logprob_start_len": 0, "stream": False}
         out = self.client.post("/generate", body, idempotent=True)
         if isinstance(out, list):
