@@ -69,7 +69,7 @@ from typing import Any, Callable
 import httpx
 import torch
 
-from torchtitan_flux import compat, transport
+from torchtitan_flux import compat, hf, transport
 from torchtitan_flux.engine.base import (
     EngineError,
     GenerationRequest,
