@@ -189,3 +189,21 @@ def test_grpo_run_learns_with_the_probe_on(family_dirs, family, tied, tmp_path):
     assert [r["step"] for r in probed] == [5, 10, 15, 20, 25, 30]
     assert all(r["probe_engines_checked"] == 1 and r["probe_max_abs_diff"] < 1e-3 for r in probed)
     assert json.loads((tmp_path / "hf_final" / "config.json").read_text())["tie_word_embeddings"] == tied
+
+
+def test_tokenizer_settings_from_the_folder(tmp_path):
+    """Special tokens, BOS handling, chat template, EOS ids of config + generation_config, pad fallback."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "eos_token_id": 151645}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [151645, 151643], "pad_token_id": 151643, "temperature": 0.6, "top_p": 0.95}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": False, "bos_token": None, "eos_token": {"content": "<|im_end|>"}, "pad_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    t = hf.tokenizer_settings(tmp_path)
+    assert t["eos_token_ids"] == [151645, 151643] and t["pad_token_id"] == 151643
+    assert t["eos_token"] == "<|im_end|>" and t["pad_token"] == "<|endoftext|>" and t["add_bos_token"] is False
+    assert "messages" in t["chat_template"] and t["generation"]["temperature"] == 0.6
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    (tmp_path / "generation_config.json").unlink()
+    t = hf.tokenizer_settings(tmp_path)
+    assert t["chat_template"] == "{{ messages }}" and t["pad_token_id"] == 151645  # no pad: the first EOS

@@ -1,7 +1,7 @@
 """The one reader of Hugging Face model folders, shared by the trainer and every rollout engine.
 
 Reads ``config.json`` (which model family, its architecture, tying, EOS ids), ``generation_config.json``
-defaults, and the safetensors weights (``model.safetensors`` or the shards of
+defaults, ``tokenizer_config.json`` (special tokens, BOS handling, chat template), and the safetensors weights (``model.safetensors`` or the shards of
 ``model.safetensors.index.json``). Torch-only and without torchtitan: the engines import it in environments
 that do not have torchtitan (``inference.py``, the embedded engine).
 
@@ -79,6 +79,51 @@ def generation_defaults(hf_dir: str | os.PathLike) -> dict[str, Any]:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _token_text(tok: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string or an AddedToken dict ({"content": ...})."""
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """What the data layer needs from the folder's tokenizer and generation settings.
+
+    Keys: ``bos_token`` / ``eos_token`` / ``pad_token`` (text or None), ``add_bos_token`` (bool or None: the
+    tokenizer.json post-processor decides), ``chat_template`` (Jinja text or None; a separate
+    ``chat_template.jinja`` wins, as in transformers >= 4.43), ``eos_token_ids`` (config.json's, then any extra ones
+    of generation_config.json: every id that ends a completion), ``pad_token_id`` (config.json, else
+    generation_config.json, else the first EOS id, else 0), ``generation`` (generation_config.json as is: sampling
+    defaults such as temperature / top_p / top_k for callers that want them).
+    """
+    d = Path(hf_dir)
+    tok_cfg: dict[str, Any] = {}
+    if (d / TOKENIZER_CONFIG_FILE).is_file():
+        with open(d / TOKENIZER_CONFIG_FILE) as f:
+            tok_cfg = json.load(f)
+    cfg = read_config(d) if (d / CONFIG_FILE).is_file() else {}
+    gen = generation_defaults(d)
+    eos = eos_token_ids(cfg)
+    eos += [e for e in eos_token_ids(gen) if e not in eos]
+    pad = cfg.get("pad_token_id", gen.get("pad_token_id"))
+    if pad is None:
+        pad = eos[0] if eos else 0
+    template = tok_cfg.get("chat_template")
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text()
+    return {
+        "bos_token": _token_text(tok_cfg.get("bos_token")),
+        "eos_token": _token_text(tok_cfg.get("eos_token")),
+        "pad_token": _token_text(tok_cfg.get("pad_token")),
+        "add_bos_token": tok_cfg.get("add_bos_token"),
+        "chat_template": template,
+        "eos_token_ids": eos,
+        "pad_token_id": int(pad),
+        "generation": gen,
+    }
 
 
 def _rope_scaling(cfg: dict[str, Any], fam: str, where: str) -> dict[str, float]:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
+from torchtitan_flux import hf
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.config import ConfigError, validate_config
 from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
@@ -227,7 +228,7 @@ class FluxTrainer(Trainer):
             self.engines, self._events, self.task, self.tokenizer,
             group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
             max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
-            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer), max_version_gap=jc.adaptive_async.max_version_gap,
+            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer, jc.model.hf_assets_path), max_version_gap=jc.adaptive_async.max_version_gap,
             on_weight_event=self.syncer.on_event, on_engine_dead=self._restart_engine,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
         )
@@ -551,9 +552,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _pad_id(tokenizer) -> int:
+def _pad_id(tokenizer, hf_dir: str) -> int:
     pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
-    return 0 if pad is None else pad
+    return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
 
 
 def _td(seconds: float):
