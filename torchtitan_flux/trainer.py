@@ -71,7 +71,10 @@ class FluxTrainer(Trainer):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         validate_config(job_config)
-        select_model(job_config)  # the family in model.hf_assets_path/config.json picks the TrainSpec (or refuses)
+        try:  # the family in model.hf_assets_path/config.json picks the TrainSpec, or is refused here
+            select_model(job_config)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
         self.task = build_task(job_config.rollout)
         probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
         check_reward(self.task, self.task.reward(probe, ""))  # bad reward functions fail before any spawn
