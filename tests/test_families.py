@@ -207,3 +207,20 @@ def test_tokenizer_settings_from_the_folder(tmp_path):
     (tmp_path / "generation_config.json").unlink()
     t = hf.tokenizer_settings(tmp_path)
     assert t["chat_template"] == "{{ messages }}" and t["pad_token_id"] == 151645  # no pad: the first EOS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_two_trainer_ranks_train_a_tied_model(family_dirs, family, tmp_path):
+    """FSDP2 over 2 ranks with a tied head (one FSDP group for embedding, norm and head: ``model.fsdp_tied``):
+    the probe passes after pushes and the first steps' rewards equal a 1-rank run's (same weights, same samples)."""
+    from conftest import read_metrics, run_train
+
+    d = family_dirs[(family, True)]
+    args = ("--model.hf_assets_path", str(d), "--training.steps", "8", "--weight_sync.probe_every", "4")
+    run_train(tmp_path / "one", *args)
+    run_train(tmp_path / "two", *args, nproc=2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["reward_mean"] for r in two[:4]] == pytest.approx([r["reward_mean"] for r in one[:4]], abs=1e-6)
+    assert [r["probe_max_abs_diff"] < 1e-4 for r in two if "probe_max_abs_diff" in r] == [True, True]
+    assert json.loads((tmp_path / "two" / "hf_final" / "config.json").read_text())["tie_word_embeddings"] is True

@@ -335,6 +335,54 @@ def build_model(model_args):
     return FluxQwenModel(model_args) if isinstance(model_args, Qwen3ModelArgs) else FluxLlamaModel(model_args)
 
 
+def _output_is_embedding(model: nn.Module) -> bool:
+    out, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    return out is not None and emb is not None and out.weight is emb.weight
+
+
+def fsdp_tied(parallelize_fn):
+    """``parallelize_fn`` (torchtitan's llama3 / qwen3 one) made safe for a tied output projection under FSDP2.
+
+    torchtitan 0.2.2's ``apply_fsdp`` shards ``tok_embeddings`` and ``[norm, output]`` as two FSDP groups, which
+    FSDP2 refuses when both hold the same parameter (even for torchtitan's own tied Qwen3 flavors). For a tied
+    model under FSDP the three modules are hidden from ``parallelize_fn`` (its ``apply_fsdp`` skips parts that are
+    None; TP / pipelining are not supported with tying here) and then sharded as ONE group, never resharded after
+    forward (the embedding is needed again at the output), with the same mesh and mixed-precision settings.
+    Untied models and runs without FSDP go straight to ``parallelize_fn``.
+    """
+
+    def parallelize(model, parallel_dims, job_config):
+        if not (_output_is_embedding(model) and parallel_dims.fsdp_enabled):
+            return parallelize_fn(model, parallel_dims, job_config)
+        if parallel_dims.tp_enabled or parallel_dims.pp_enabled or parallel_dims.cp_enabled:
+            raise ValueError("tied word embeddings are supported with FSDP/HSDP only (no TP, PP or CP)")
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torchtitan.config import TORCH_DTYPE_MAP
+        from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
+
+        ends = {name: getattr(model, name) for name in ("tok_embeddings", "norm", "output")}
+        for name in ends:
+            setattr(model, name, None)
+        try:
+            model = parallelize_fn(model, parallel_dims, job_config)
+        finally:
+            for name, module in ends.items():
+                setattr(model, name, module)
+        t = job_config.training
+        config = {
+            "mesh": parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[t.mixed_precision_param],
+                                              reduce_dtype=TORCH_DTYPE_MAP[t.mixed_precision_reduce]),
+        }
+        if t.enable_cpu_offload:
+            config["offload_policy"] = CPUOffloadPolicy()
+        fully_shard(list(ends.values()), **config, reshard_after_forward=False)
+        disable_fsdp_gradient_division(model)
+        return model
+
+    return parallelize
+
+
 def register_flux_model():
     """Register the TrainSpecs of every family (``FAMILY_SPECS``, flavor ``hf``); idempotent. Returns the llama one."""
     from torchtitan.models import llama3, qwen3
@@ -347,6 +395,7 @@ def register_flux_model():
             model_cls=FluxLlamaModel if fam == "llama" else FluxQwenModel,
             model_args={FLUX_FLAVOR: FluxLlamaArgs() if fam == "llama" else FluxQwenArgs()},
             state_dict_adapter=FluxLlamaStateDictAdapter if fam == "llama" else FluxQwenStateDictAdapter,
+            parallelize_fn=fsdp_tied(base.parallelize_fn),
             build_dataloader_fn=None,
             build_validator_fn=None,
             pipelining_fn=None,
