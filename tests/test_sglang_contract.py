@@ -315,6 +315,10 @@ def _generate(state: ContractState, body) -> tuple[int, object]:
                     "completion_tokens": L, "weight_version": version}
             if b.get("return_logprob"):
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out_lps, out_ids)]
+                start = b.get("logprob_start_len", -1)
+                if start >= 0:  # SGLang: logprobs of the input tokens from ``start`` on; the first token has none
+                    scored = inference.score(weights, state.shape, torch.tensor([ids]))[0].tolist()
+                    meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip([None, *scored], ids)][start:]
             outs.append({"text": state.tokenizer.decode(out_ids), "output_ids": out_ids, "meta_info": meta})
     finally:
         with state.lock:
@@ -842,10 +846,13 @@ if __name__ != "__main__":
                 run_train(dump, "--training.steps", "4", "--rollout.engine", "sglang", "--rollout.urls", s.url,
                           "--model.hf_assets_path", str(tiny[0]),
                           "--weight_sync.async_weight_update", "true" if mode == "async" else "false",
-                          timeout=400)
+                          "--weight_sync.probe_every", "1", timeout=400)
                 summary = json.loads((dump / "summary.json").read_text())
                 assert summary["final_engine_version"] == 4
-                assert all(r["version_gap_max"] <= 1 for r in read_metrics(dump))
+                rows = read_metrics(dump)
+                assert all(r["version_gap_max"] <= 1 for r in rows)
+                # the post-sync probe (input_token_logprobs) ran after every push and passed
+                assert all(r["probe_engines_checked"] == 1 and r["probe_max_abs_diff"] < 1e-4 for r in rows)
             st = s.state()
             assert st["rejected"] == [] and st["weight_version"] == "4"
         finally:

@@ -198,6 +198,17 @@ class WeightSync:
     """dtype of the weights on the wire and in the staging buffer (parameters are cast while snapshotting).
     "auto": the dtype the engines declare (none do yet), else the parameters' own dtype."""
 
+    probe_every: int = 10
+    """Post-sync logprob probe: every N steps (and after the last), once the engines hold the step's weights, each
+    engine scores a fixed probe sequence and the trainer compares those logprobs with its own
+    (``torchtitan_flux/probe.py``); a difference above ``probe_tolerance`` stops the run naming the engine, the
+    version and the worst token. Catches wrong names or layouts, dropped tensors, untied heads, wrong dtypes. A
+    probe step waits for its push (async runs included). 0 disables. >= 0."""
+
+    probe_tolerance: float = 0.1
+    """Largest allowed |engine - trainer| logprob at any probe token. fp32 engines agree to ~1e-5; bf16 ones to a
+    few 1e-2. > 0."""
+
 
 @dataclass
 class PhaseSpec:
@@ -450,6 +461,8 @@ def validate_config(job_config: Any) -> None:
     _require(w.timeout_seconds > 0, "weight_sync.timeout_seconds", w.timeout_seconds, "> 0")
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
     _require(w.interval >= 1, "weight_sync.interval", w.interval, "an integer >= 1")
+    _require(w.probe_every >= 0, "weight_sync.probe_every", w.probe_every, "an integer >= 0 (0 disables)")
+    _require(w.probe_tolerance > 0, "weight_sync.probe_tolerance", w.probe_tolerance, "> 0")
     _require(0 <= w.master_port <= 65535, "weight_sync.master_port", w.master_port, "0..65535")
     if w.master_port and os.environ.get("RANK", "0") == "0":  # rank 0 hosts it (later ranks would find it taken)
         _check_port_free(w.master_addr, w.master_port)

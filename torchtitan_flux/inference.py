@@ -1,23 +1,25 @@
-"""A torch-only Llama-3 forward with a KV cache, for the rollout engines.
+"""A torch-only forward with a KV cache for the supported families (Llama 3.x, Qwen3, Qwen2.5), for the
+rollout engines.
 
 This module must NOT import torchtitan: it runs inside inference-engine environments that pin their own
 torch. It only uses APIs available in torch >= 2.3 (``F.scaled_dot_product_attention`` with ``attn_mask``;
 ``F.rms_norm`` only when present).
 
 The math (RoPE with llama3 frequency scaling through complex ``freqs_cis``, RMSNorm, SwiGLU, GQA) is
-copied from torchtitan's ``torchtitan/models/llama3/model/model.py`` (Copyright (c) Meta Platforms, Inc.
-and affiliates, BSD-3-Clause license), so the logits match torchtitan's ``Transformer`` to float
-rounding.
+copied from torchtitan's ``torchtitan/models/llama3/model/model.py``; the qwen families' RoPE (``rotate_half``
+with a cos|sin cache) and q/k RMSNorm from ``torchtitan/models/qwen3/model/model.py`` (Copyright (c) Meta
+Platforms, Inc. and affiliates, BSD-3-Clause license), so the logits match torchtitan's models to float
+rounding. Qwen2's q/k/v biases are plain ``F.linear`` biases.
 
 Weights are a plain ``dict[str, Tensor]`` in torchtitan names (``tok_embeddings.weight``,
-``layers.{i}.attention.wq.weight``, ..., ``norm.weight``, ``output.weight``). Every function takes the dict
+``layers.{i}.attention.wq.weight``, ..., ``norm.weight``, ``output.weight``; a tied model has no
+``output.weight`` and uses ``tok_embeddings.weight``). Every function takes the dict
 as an argument and keeps no reference to it after returning, so an engine can swap the whole dict
 atomically between requests.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -28,8 +30,12 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from torchtitan_flux import hf
+
 __all__ = [
     "LlamaShape",
+    "ModelShape",
+    "output_weight",
     "weight_names",
     "weight_shapes",
     "check_weights",
@@ -43,7 +49,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """Architecture of a Llama-3 model (what the forward needs besides the weights)."""
+    """Architecture of a model of a supported family (what the forward needs besides the weights).
+
+    ``family`` picks the RoPE layout: ``llama`` weights are in torchtitan's layout (q/k rows permuted from HF's,
+    RoPE on interleaved pairs through complex ``freqs_cis``); ``qwen3`` / ``qwen2`` weights keep HF's layout
+    (RoPE by ``rotate_half``, as torchtitan's qwen3 model).
+    """
 
     dim: int
     n_layers: int
@@ -59,9 +70,14 @@ class LlamaShape:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
     max_position_embeddings: int = 2048
+    family: str = "llama"
+    head_size: int = 0  # 0: dim // n_heads
+    qk_norm: bool = False  # RMSNorm of each q/k head before RoPE (qwen3)
+    qkv_bias: bool = False  # biases on the q/k/v projections (qwen2)
+    tied: bool = False  # the output projection is the token embedding (no ``output.weight``)
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
+        if not self.head_size and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} not divisible by n_kv_heads {self.n_kv_heads}")
@@ -70,80 +86,81 @@ class LlamaShape:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def n_rep(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def rotate_half(self) -> bool:
+        """RoPE on the two halves of a head (HF/qwen layout) rather than on interleaved pairs (torchtitan llama3)."""
+        return self.family != "llama"
+
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "LlamaShape":
-        """From a HF ``LlamaConfig`` dict (``config.json``)."""
-        dim = int(cfg["hidden_size"])
-        n_heads = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim")
-        if head_dim is not None and int(head_dim) != dim // n_heads:
-            raise ValueError(f"head_dim {head_dim} != hidden_size // num_attention_heads ({dim // n_heads})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} not supported (only 'silu')")
-        if cfg.get("attention_bias", False) or cfg.get("mlp_bias", False):
-            raise ValueError("attention_bias / mlp_bias are not supported")
-        rs = cfg.get("rope_scaling") or {}
-        rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
-        if rope_type == "default":
-            factor, low, high, orig = 1.0, 1.0, 4.0, 8192
-        elif rope_type == "llama3":
-            factor = float(rs.get("factor", 8.0))
-            low = float(rs.get("low_freq_factor", 1.0))
-            high = float(rs.get("high_freq_factor", 4.0))
-            orig = int(rs.get("original_max_position_embeddings", 8192))
-        else:
-            raise ValueError(f"rope_scaling type {rope_type!r} not supported (only 'llama3' or none)")
+        """From a HF ``config.json`` dict of a supported family (see ``torchtitan_flux.hf``)."""
+        a = hf.architecture(dict(cfg))
+        rs = a["rope_scaling"]
         return cls(
-            dim=dim,
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            vocab_size=int(cfg["vocab_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling_factor=factor,
-            rope_low_freq_factor=low,
-            rope_high_freq_factor=high,
-            rope_original_max_position_embeddings=orig,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            dim=a["dim"],
+            n_layers=a["n_layers"],
+            n_heads=a["n_heads"],
+            n_kv_heads=a["n_kv_heads"],
+            vocab_size=a["vocab_size"],
+            intermediate_size=a["intermediate_size"],
+            norm_eps=a["norm_eps"],
+            rope_theta=a["rope_theta"],
+            rope_scaling_factor=rs["factor"],
+            rope_low_freq_factor=rs["low_freq_factor"],
+            rope_high_freq_factor=rs["high_freq_factor"],
+            rope_original_max_position_embeddings=rs["original_max_position_embeddings"],
+            max_position_embeddings=a["max_position_embeddings"],
+            family=a["family"],
+            head_size=a["head_dim"] if a["head_dim"] * a["n_heads"] != a["dim"] else 0,
+            qk_norm=a["qk_norm"],
+            qkv_bias=a["qkv_bias"],
+            tied=a["tied"],
         )
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | os.PathLike) -> "LlamaShape":
-        with open(Path(hf_dir) / "config.json") as f:
-            return cls.from_hf_config(json.load(f))
+        return cls.from_hf_config(hf.read_config(hf_dir))
+
+
+ModelShape = LlamaShape  # the family-neutral name
 
 
 # --------------------------------------------------------------------------------------------------
 # weight names
 # --------------------------------------------------------------------------------------------------
 
-_LAYER_PARAMS = (
-    "attention.wq.weight",
-    "attention.wk.weight",
-    "attention.wv.weight",
-    "attention.wo.weight",
-    "feed_forward.w1.weight",
-    "feed_forward.w2.weight",
-    "feed_forward.w3.weight",
-    "attention_norm.weight",
-    "ffn_norm.weight",
-)
+
+def _layer_params(shape: LlamaShape) -> tuple[str, ...]:
+    """One layer's parameter names, in torchtitan's ``named_parameters`` order for the family."""
+    if shape.family == "llama":
+        attn = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight")
+    else:  # torchtitan's qwen3 Attention registers q_norm / k_norm first
+        attn = ("attention.q_norm.weight", "attention.k_norm.weight") if shape.qk_norm else ()
+        for p in ("wq", "wk", "wv"):
+            attn += (f"attention.{p}.weight",) + ((f"attention.{p}.bias",) if shape.qkv_bias else ())
+        attn += ("attention.wo.weight",)
+    return attn + (
+        "feed_forward.w1.weight",
+        "feed_forward.w2.weight",
+        "feed_forward.w3.weight",
+        "attention_norm.weight",
+        "ffn_norm.weight",
+    )
 
 
 def weight_names(shape: LlamaShape) -> list[str]:
-    """All weight names in a fixed order (torchtitan's ``state_dict`` order; the order of weight pushes)."""
+    """All weight names in a fixed order (torchtitan's ``named_parameters`` order; the order of weight pushes).
+    A tied model has no ``output.weight``: its output projection is ``tok_embeddings.weight``."""
     names = ["tok_embeddings.weight"]
     for i in range(shape.n_layers):
-        names += [f"layers.{i}.{p}" for p in _LAYER_PARAMS]
-    names += ["norm.weight", "output.weight"]
+        names += [f"layers.{i}.{p}" for p in _layer_params(shape)]
+    names += ["norm.weight"] + ([] if shape.tied else ["output.weight"])
     return names
 
 
@@ -151,9 +168,14 @@ def weight_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
     """Name -> shape, in ``weight_names`` order."""
     d, hd, h, kv, f = shape.dim, shape.head_dim, shape.n_heads, shape.n_kv_heads, shape.intermediate_size
     per_layer = {
+        "attention.q_norm.weight": (hd,),
+        "attention.k_norm.weight": (hd,),
         "attention.wq.weight": (h * hd, d),
+        "attention.wq.bias": (h * hd,),
         "attention.wk.weight": (kv * hd, d),
+        "attention.wk.bias": (kv * hd,),
         "attention.wv.weight": (kv * hd, d),
+        "attention.wv.bias": (kv * hd,),
         "attention.wo.weight": (d, h * hd),
         "feed_forward.w1.weight": (f, d),
         "feed_forward.w2.weight": (d, f),
@@ -161,12 +183,14 @@ def weight_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
         "attention_norm.weight": (d,),
         "ffn_norm.weight": (d,),
     }
-    out: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (shape.vocab_size, d)}
-    for i in range(shape.n_layers):
-        for p in _LAYER_PARAMS:
-            out[f"layers.{i}.{p}"] = per_layer[p]
-    out["norm.weight"] = (d,)
-    out["output.weight"] = (shape.vocab_size, d)
+    out: dict[str, tuple[int, ...]] = {}
+    for name in weight_names(shape):
+        if name.startswith("layers."):
+            out[name] = per_layer[name.split(".", 2)[2]]
+        elif name == "norm.weight":
+            out[name] = (d,)
+        else:
+            out[name] = (shape.vocab_size, d)
     return out
 
 
@@ -181,7 +205,8 @@ def check_weights(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> Non
         raise ValueError(f"weights do not match {shape}: missing={missing} unexpected={unexpected} shapes={bad}")
 
 
-# HF -> torchtitan names (as torchtitan's Llama3StateDictAdapter.from_hf).
+# HF -> torchtitan names (as torchtitan's Llama3StateDictAdapter / Qwen3StateDictAdapter.from_hf, plus the
+# qwen2 biases of ``torchtitan_flux.model``).
 _FROM_HF = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -190,6 +215,11 @@ _FROM_HF = {
     "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
@@ -205,7 +235,8 @@ def _reverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
-    """HF Llama state dict -> torchtitan-named weights (undoes HF's q/k RoPE permutation)."""
+    """HF state dict -> torchtitan-named weights (llama: undoes HF's q/k RoPE permutation). A tied model's
+    ``lm_head.weight``, when a checkpoint stores it anyway, is dropped: the embedding is the output projection."""
     out: dict[str, torch.Tensor] = {}
     for key, value in hf_sd.items():
         m = _HF_LAYER.match(key)
@@ -219,13 +250,13 @@ def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[
             continue
         if rest not in _FROM_HF:
             raise ValueError(f"unexpected HF weight {key!r}")
-        if rest == "self_attn.q_proj.weight":
+        if shape.family == "llama" and rest == "self_attn.q_proj.weight":
             value = _reverse_permute(value, shape.n_heads)
-        elif rest == "self_attn.k_proj.weight":
+        elif shape.family == "llama" and rest == "self_attn.k_proj.weight":
             value = _reverse_permute(value, shape.n_kv_heads)
         out[f"layers.{layer}.{_FROM_HF[rest]}"] = value.contiguous()
-    if "output.weight" not in out and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]  # tied embeddings
+    if shape.tied:
+        out.pop("output.weight", None)
     order = {k: i for i, k in enumerate(weight_names(shape))}
     return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
@@ -236,29 +267,19 @@ def load_hf_weights_dict(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> tuple[dict[str, torch.Tensor], LlamaShape]:
-    """Read a HF Llama folder (model.safetensors or the shards of its index) -> (weights, shape)."""
-    from safetensors.torch import load_file
-
-    d = Path(hf_dir)
+    """Read a HF folder of a supported family (model.safetensors or the shards of its index) -> (weights, shape)."""
     if shape is None:
-        shape = LlamaShape.from_hf_dir(d)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf_sd: dict[str, torch.Tensor] = {}
-    for name in files:
-        p = d / name
-        if not p.is_file():
-            raise FileNotFoundError(f"HF weights not found: {p}")
-        hf_sd.update(load_file(str(p), device=str(device)))
-    weights = hf_to_weights(hf_sd, shape)
+        shape = LlamaShape.from_hf_dir(hf_dir)
+    weights = hf_to_weights(hf.read_state_dict(hf_dir, device), shape)
     if dtype is not None:
         weights = {k: v.to(dtype) for k, v in weights.items()}
     check_weights(weights, shape)
     return weights, shape
+
+
+def output_weight(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> torch.Tensor:
+    """The output projection: ``output.weight``, or the token embedding of a tied model."""
+    return weights["tok_embeddings.weight" if shape.tied else "output.weight"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,9 +288,14 @@ def load_hf_weights_dict(
 
 
 def precompute_freqs_cis(shape: LlamaShape, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[end, head_dim // 2] complex64 RoPE rotations with llama3 frequency scaling (torchtitan's)."""
+    """RoPE table of ``end`` positions: llama, [end, head_dim // 2] complex64 rotations with llama3 frequency
+    scaling (torchtitan llama3's); qwen, [end, 2 * head_dim] float32 cos|sin (torchtitan qwen3's rope cache)."""
     dim = shape.head_dim
     freqs = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    if shape.rotate_half:
+        angles = torch.outer(torch.arange(end, dtype=freqs.dtype), freqs).float()
+        angles = torch.cat([angles, angles], dim=-1)
+        return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
     scaling_factor = shape.rope_scaling_factor
     low_freq_factor = shape.rope_low_freq_factor
     high_freq_factor = shape.rope_high_freq_factor
@@ -294,7 +320,7 @@ _FREQS_CACHE: dict[tuple, torch.Tensor] = {}
 
 def _freqs_cis(shape: LlamaShape, end: int, device: torch.device) -> torch.Tensor:
     """Cached RoPE table covering at least ``end`` positions (positions are independent of the length)."""
-    key = (shape.head_dim, shape.rope_theta, shape.rope_scaling_factor, shape.rope_low_freq_factor,
+    key = (shape.rotate_half, shape.head_dim, shape.rope_theta, shape.rope_scaling_factor, shape.rope_low_freq_factor,
            shape.rope_high_freq_factor, shape.rope_original_max_position_embeddings, str(device))
     fc = _FREQS_CACHE.get(key)
     if fc is None or fc.shape[0] < end:
@@ -318,15 +344,31 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, fc: torch.Tensor) -> torch.Tensor:
-    """x [B, S, heads, hd] real; fc [B or 1, S, 1, hd/2] complex."""
+    """x [B, S, heads, hd] real; fc [B or 1, S, 1, hd/2] complex (llama), or [B or 1, S, 1, 2 * hd] cos|sin."""
+    if not fc.is_complex():
+        hd = x.shape[-1]
+        cos, sin = fc[..., :hd].to(x.dtype), fc[..., hd:].to(x.dtype)
+        rotated = torch.cat((-x[..., hd // 2:], x[..., : hd // 2]), dim=-1)
+        return x * cos + rotated * sin
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(xc * fc).flatten(3).type_as(x)
 
 
-def _layers(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> list[tuple[torch.Tensor, ...]]:
+_LAYER_SLOTS = (  # per-layer tuple layout read by _forward_hidden (None where the family has no such tensor)
+    "attention.wq.weight", "attention.wq.bias", "attention.wk.weight", "attention.wk.bias",
+    "attention.wv.weight", "attention.wv.bias", "attention.wo.weight",
+    "attention.q_norm.weight", "attention.k_norm.weight",
+    "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+    "attention_norm.weight", "ffn_norm.weight",
+)
+
+
+def _layers(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> list[tuple[torch.Tensor | None, ...]]:
+    present = set(_layer_params(shape))
     try:
         return [
-            tuple(weights[f"layers.{i}.{p}"] for p in _LAYER_PARAMS) for i in range(shape.n_layers)
+            tuple(weights[f"layers.{i}.{p}"] if p in present else None for p in _LAYER_SLOTS)
+            for i in range(shape.n_layers)
         ]
     except KeyError as e:
         raise ValueError(f"weights are missing {e.args[0]!r}") from None
@@ -349,11 +391,14 @@ def _forward_hidden(
     H, KV, hd, rep, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.n_rep, shape.norm_eps
     scale = 1.0 / math.sqrt(hd)
     x = F.embedding(tokens, weights["tok_embeddings.weight"])
-    for li, (wq, wk, wv, wo, w1, w2, w3, an, fn) in enumerate(layers):
+    for li, (wq, bq, wk, bk, wv, bv, wo, qn, kn, w1, w2, w3, an, fn) in enumerate(layers):
         h = _rms_norm(x, an, eps)
-        q = _rope(F.linear(h, wq).view(B, S, H, hd), fc)
-        k = _rope(F.linear(h, wk).view(B, S, KV, hd), fc)
-        v = F.linear(h, wv).view(B, S, KV, hd)
+        q = F.linear(h, wq, bq).view(B, S, H, hd)
+        k = F.linear(h, wk, bk).view(B, S, KV, hd)
+        v = F.linear(h, wv, bv).view(B, S, KV, hd)
+        if qn is not None:
+            q, k = _rms_norm(q, qn, eps), _rms_norm(k, kn, eps)
+        q, k = _rope(q, fc), _rope(k, fc)
         if caches is not None:
             kc, vc = caches[li]
             kc[:, :, start:start + S] = k.transpose(1, 2)
@@ -403,7 +448,7 @@ def forward_logits(
         fc = _freqs_cis(shape, L, device)[:L].view(1, L, 1, -1)
         mask = _causal_mask(L, shape.n_rep, device)
         h = _forward_hidden(weights, _layers(weights, shape), shape, tokens, fc, mask, None, 0)
-        return F.linear(h, weights["output.weight"]).float()
+        return F.linear(h, output_weight(weights, shape)).float()
 
 
 def score(
@@ -430,7 +475,7 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     top_k: int = 0,
-    eos_id: int,
+    eos_id: int | list[int],
     pad_id: int,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -441,8 +486,8 @@ def generate(
     ``top_k`` largest logits when ``top_k > 0``; ``temperature == 0`` is greedy. The returned logprob of a
     sampled token is ``log_softmax(logits / temperature)`` over the FULL vocabulary (what the trainer
     recomputes; with top_k the sampling distribution is the truncated one), or ``log_softmax(logits)``
-    when greedy. A row stops after emitting ``eos_id`` (included); later slots hold ``pad_id`` with
-    logprob 0.
+    when greedy. A row stops after emitting ``eos_id`` (an id or a list of ids, as HF's ``eos_token_id``;
+    included); later slots hold ``pad_id`` with logprob 0.
 
     Returns (tokens LongTensor[B, max_new_tokens], logprobs FloatTensor[B, max_new_tokens],
     lengths LongTensor[B]) on the weights' device; ``lengths`` counts tokens up to and including eos.
@@ -465,8 +510,13 @@ def generate(
     T = P + N
     KV, hd, rep = shape.n_kv_heads, shape.head_dim, shape.n_rep
     layers = _layers(weights, shape)
-    out_w = weights["output.weight"]
+    out_w = output_weight(weights, shape)
     greedy = temperature == 0
+    eos_one = isinstance(eos_id, int) or len(eos_id) == 1
+    if eos_one:
+        eos_id = int(eos_id if isinstance(eos_id, int) else eos_id[0])
+    else:
+        eos_ids = torch.tensor(list(eos_id), dtype=torch.long, device=device)
     top_k = int(top_k) if top_k and 0 < top_k < shape.vocab_size else 0
 
     with torch.no_grad():
@@ -542,7 +592,7 @@ def generate(
             out_tokens[:, t] = tok
             out_lp[:, t] = lp.squeeze(1).masked_fill_(done, 0.0)
             lengths += ~done
-            done |= tok == eos_id
+            done |= (tok == eos_id) if eos_one else torch.isin(tok, eos_ids)
             if t == N - 1 or bool(done.all()):
                 break
             fc = fc_all[pos].view(B, 1, 1, -1)

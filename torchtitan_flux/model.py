@@ -1,11 +1,22 @@
-"""Trainer-side model plumbing: the ``flux_llama3`` TrainSpec, HF config -> torchtitan args, HF weight I/O.
+"""Trainer-side model plumbing: one TrainSpec per supported family, HF config -> torchtitan args, HF weight I/O.
 
-* ``FluxLlamaArgs``: torchtitan ``TransformerModelArgs`` whose ``update_from_config`` reads
-  ``{model.hf_assets_path}/config.json`` (a HF ``LlamaConfig``), so ``--model.name flux_llama3
-  --model.flavor hf --model.hf_assets_path DIR`` trains whatever Llama lives in DIR.
-* ``register_flux_model()``: registers that TrainSpec (idempotent).
-* ``load_hf_weights`` / ``export_hf_weights``: HF safetensors <-> a (possibly FSDP2-sharded) torchtitan
-  model via ``torch.distributed.checkpoint.state_dict`` with full state dicts.
+The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_model``; see ``torchtitan_flux.hf``
+for what is supported and refused):
+
+* ``llama`` (spec ``flux_llama3``): torchtitan's llama3 ``Transformer`` and ``Llama3StateDictAdapter``.
+  Extended (``FluxLlamaModel``, ``FluxLlamaStateDictAdapter``) only for ``tie_word_embeddings``: the output
+  projection IS the token embedding (one parameter, as torchtitan's qwen3 ``enable_weight_tying``), and HF
+  folders of a tied model carry no ``lm_head.weight``.
+* ``qwen3`` (spec ``flux_qwen3``): torchtitan's ``Qwen3Model`` / ``Qwen3StateDictAdapter`` with
+  ``enable_weight_tying`` from ``tie_word_embeddings``, unchanged.
+* ``qwen2`` (spec ``flux_qwen2``, Qwen2 / Qwen2.5): the same ``Qwen3Model`` with ``qk_norm=False`` and, the
+  smallest extension that torchtitan lacks, biases on the q/k/v projections (``FluxQwenModel``, mapped by
+  ``FluxQwenStateDictAdapter``).
+
+``load_hf_weights`` / ``export_hf_weights``: HF safetensors <-> a (possibly FSDP2-sharded) model via
+``torch.distributed.checkpoint.state_dict`` with full state dicts; a tied model is exported tied
+(``tie_word_embeddings`` kept, no ``lm_head.weight``). Reading config.json and the safetensors shards is
+``torchtitan_flux.hf``'s job, shared with the engines.
 """
 
 from __future__ import annotations
@@ -35,13 +46,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from torchtitan.models.llama3 import Llama3StateDictAdapter, TransformerModelArgs
+from torchtitan.models.llama3 import Llama3StateDictAdapter, Transformer, TransformerModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-FLUX_MODEL_NAME = "flux_llama3"
+from torchtitan_flux import hf
+from torchtitan_flux.hf import INDEX_FILE, WEIGHTS_FILE, read_state_dict
+from torchtitan_flux.hf import weight_files as hf_weight_files
+
+FLUX_MODEL_NAME = "flux_llama3"  # the llama spec; also the name older configs give for every family
 FLUX_FLAVOR = "hf"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+# family (torchtitan_flux.hf.SUPPORTED) -> the TrainSpec name registered for it
+FAMILY_SPECS = {"llama": "flux_llama3", "qwen3": "flux_qwen3", "qwen2": "flux_qwen2"}
 # Non-weight files copied by export_hf_weights so the exported folder is itself a loadable model dir.
 ASSET_FILES = (
     "config.json",
@@ -102,101 +119,79 @@ def solve_ffn_args(dim: int, intermediate_size: int) -> tuple[int, float | None]
     )
 
 
-def _rope_scaling_from_hf(cfg: dict[str, Any]) -> RoPEScalingArgs:
-    rs = cfg.get("rope_scaling")
-    if rs is None:
-        rope_type = "default"
-    else:
-        rope_type = rs.get("rope_type", rs.get("type", "default"))
-    if rope_type == "default":
+def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """``FluxLlamaArgs`` field values for a HF Llama config dict (raises ValueError if unsupported)."""
+    a = hf.architecture(cfg, where)
+    if a["family"] != "llama":
+        raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not a llama config")
+    multiple_of, ffn_dim_multiplier = solve_ffn_args(a["dim"], a["intermediate_size"])
+    rs = a["rope_scaling"]
+    eos = hf.eos_token_ids(cfg)
+    return dict(
+        dim=a["dim"],
+        n_layers=a["n_layers"],
+        n_heads=a["n_heads"],
+        n_kv_heads=a["n_kv_heads"],
+        vocab_size=a["vocab_size"],
+        multiple_of=multiple_of,
+        ffn_dim_multiplier=ffn_dim_multiplier,
+        norm_eps=a["norm_eps"],
+        rope_theta=a["rope_theta"],
         # torchtitan always applies llama3-style scaling; factor 1 makes it the identity.
-        return RoPEScalingArgs(scaling_factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0)
-    if rope_type != "llama3":
-        raise ValueError(
-            f"config.json rope_scaling type {rope_type!r} is not supported (only 'llama3' or none)"
-        )
-    d = RoPEScalingArgs()
-    return RoPEScalingArgs(
-        scaling_factor=float(rs.get("factor", d.scaling_factor)),
-        low_freq_factor=float(rs.get("low_freq_factor", d.low_freq_factor)),
-        high_freq_factor=float(rs.get("high_freq_factor", d.high_freq_factor)),
-        original_max_position_embeddings=int(
-            rs.get("original_max_position_embeddings", d.original_max_position_embeddings)
+        rope_scaling_args=RoPEScalingArgs(
+            scaling_factor=rs["factor"],
+            low_freq_factor=rs["low_freq_factor"],
+            high_freq_factor=rs["high_freq_factor"],
+            original_max_position_embeddings=rs["original_max_position_embeddings"],
         ),
+        attn_type="sdpa",
+        attn_mask_type="causal",
+        eos_id=eos[0] if eos else 0,
+        tie_word_embeddings=a["tied"],
     )
 
 
-def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """``TransformerModelArgs`` field values for a HF ``LlamaConfig`` dict (raises ValueError if unsupported)."""
-    model_type = cfg.get("model_type", "llama")
-    if model_type != "llama":
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (only 'llama')")
-    try:
-        dim = int(cfg["hidden_size"])
-        n_layers = int(cfg["num_hidden_layers"])
-        n_heads = int(cfg["num_attention_heads"])
-        vocab_size = int(cfg["vocab_size"])
-        intermediate_size = cfg["intermediate_size"]
-    except KeyError as e:
-        raise ValueError(f"{where}: missing required field {e.args[0]!r}") from None
-    n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
-    if dim % n_heads != 0:
-        raise ValueError(f"{where}: hidden_size {dim} is not divisible by num_attention_heads {n_heads}")
-    if n_heads % n_kv_heads != 0:
-        raise ValueError(
-            f"{where}: num_attention_heads {n_heads} not divisible by num_key_value_heads {n_kv_heads}"
-        )
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and int(head_dim) != dim // n_heads:
-        raise ValueError(
-            f"{where}: head_dim {head_dim} != hidden_size/num_attention_heads = {dim // n_heads}; "
-            "torchtitan's llama3 requires head_dim == dim // n_heads"
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key, False):
-            raise ValueError(f"{where}: {key}=true is not supported by torchtitan's llama3")
-    multiple_of, ffn_dim_multiplier = solve_ffn_args(dim, intermediate_size)
-    eos = cfg.get("eos_token_id", 0)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else 0
+def qwen_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """``FluxQwenArgs`` field values for a HF Qwen3 / Qwen2 config dict (raises ValueError if unsupported)."""
+    a = hf.architecture(cfg, where)
+    if a["family"] not in ("qwen3", "qwen2"):
+        raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not a qwen3/qwen2 config")
+    eos = hf.eos_token_ids(cfg)
     return dict(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        vocab_size=vocab_size,
-        multiple_of=multiple_of,
-        ffn_dim_multiplier=ffn_dim_multiplier,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rope_scaling_args=_rope_scaling_from_hf(cfg),
+        dim=a["dim"],
+        n_layers=a["n_layers"],
+        n_heads=a["n_heads"],
+        n_kv_heads=a["n_kv_heads"],
+        head_dim=a["head_dim"],
+        hidden_dim=a["intermediate_size"],
+        vocab_size=a["vocab_size"],
+        norm_eps=a["norm_eps"],
+        rope_theta=a["rope_theta"],
+        qk_norm=a["qk_norm"],
+        qkv_bias=a["qkv_bias"],
+        enable_weight_tying=a["tied"],
         attn_type="sdpa",
         attn_mask_type="causal",
-        eos_id=int(eos if eos is not None else 0),
+        eos_id=eos[0] if eos else 0,
     )
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"HF model config not found: {path}")
-    with open(path) as f:
-        return json.load(f)
+    return hf.read_config(hf_dir)
 
 
-@dataclass
-class FluxLlamaArgs(TransformerModelArgs):
-    """torchtitan llama3 args filled from ``{job_config.model.hf_assets_path}/config.json``."""
+class _FromHF:
+    """Mixin: dataclass args filled from ``{job_config.model.hf_assets_path}/config.json`` by ``_fields``."""
 
-    def apply_hf_config(self, cfg: dict[str, Any], where: str = "config.json") -> "FluxLlamaArgs":
-        for k, v in hf_config_to_args_fields(cfg, where).items():
+    _fields = staticmethod(hf_config_to_args_fields)
+
+    def apply_hf_config(self, cfg: dict[str, Any], where: str = "config.json"):
+        for k, v in self._fields(cfg, where).items():
             setattr(self, k, v)
         return self
 
     @classmethod
-    def from_hf_dir(cls, hf_dir: str | os.PathLike, max_seq_len: int | None = None) -> "FluxLlamaArgs":
+    def from_hf_dir(cls, hf_dir: str | os.PathLike, max_seq_len: int | None = None):
         args = cls().apply_hf_config(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))
         if max_seq_len is not None:
             args.max_seq_len = int(max_seq_len)
@@ -209,23 +204,217 @@ class FluxLlamaArgs(TransformerModelArgs):
         super().update_from_config(job_config, **kwargs)
 
 
+@dataclass
+class FluxLlamaArgs(_FromHF, TransformerModelArgs):
+    """torchtitan llama3 args filled from a HF Llama ``config.json``."""
+
+    tie_word_embeddings: bool = False
+    """The output projection is the token embedding (one parameter; HF ``tie_word_embeddings``)."""
+
+
+class FluxLlamaModel(Transformer):
+    """torchtitan's llama3 ``Transformer``; with ``tie_word_embeddings`` the output projection shares the
+    embedding's parameter (as torchtitan's ``Qwen3Model`` with ``enable_weight_tying``)."""
+
+    def __init__(self, model_args: FluxLlamaArgs):
+        super().__init__(model_args)
+        if getattr(model_args, "tie_word_embeddings", False):
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self, *args, **kwargs):
+        tied = getattr(self.model_args, "tie_word_embeddings", False)
+        if tied:  # building on the meta device and ``to_empty`` may untie (as in Qwen3Model.init_weights)
+            self.output.weight = self.tok_embeddings.weight
+        super().init_weights(*args, **kwargs)
+
+
+class FluxLlamaStateDictAdapter(Llama3StateDictAdapter):
+    """torchtitan's llama3 adapter; for a tied model ``lm_head.weight`` is not in HF files (dropped by ``to_hf``,
+    taken from the embedding by ``from_hf`` when absent)."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        out = super().to_hf(state_dict)
+        if getattr(self.model_args, "tie_word_embeddings", False):
+            out.pop("lm_head.weight", None)
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        if getattr(self.model_args, "tie_word_embeddings", False):
+            hf_state_dict = {**hf_state_dict, "lm_head.weight": hf_state_dict["model.embed_tokens.weight"]}
+        return super().from_hf(hf_state_dict)
+
+
+@dataclass
+class FluxQwenArgs(_FromHF, Qwen3ModelArgs):
+    """torchtitan qwen3 args filled from a HF Qwen3 or Qwen2 ``config.json``."""
+
+    _fields = staticmethod(qwen_config_to_args_fields)
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2 / Qwen2.5)."""
+
+
+class FluxQwenModel(Qwen3Model):
+    """torchtitan's ``Qwen3Model``; with ``qkv_bias`` (Qwen2) the q/k/v projections get biases (zero-initialised)."""
+
+    def __init__(self, model_args: FluxQwenArgs):
+        super().__init__(model_args)
+        if getattr(model_args, "qkv_bias", False):
+            for block in self.layers.values():
+                attn = block.attention
+                for name in ("wq", "wk", "wv"):
+                    old = getattr(attn, name)
+                    setattr(attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
+
+    def init_weights(self, *args, **kwargs):
+        super().init_weights(*args, **kwargs)
+        if getattr(self.model_args, "qkv_bias", False):
+            with torch.no_grad():
+                for block in self.layers.values():
+                    for name in ("wq", "wk", "wv"):
+                        getattr(block.attention, name).bias.zero_()
+
+
+class FluxQwenStateDictAdapter(Qwen3StateDictAdapter):
+    """torchtitan's qwen3 adapter plus the Qwen2 q/k/v bias names."""
+
+    def __init__(self, model_args: FluxQwenArgs, hf_assets_path: str | None):
+        super().__init__(model_args, hf_assets_path)
+        if getattr(model_args, "qkv_bias", False):
+            for hf_p, tt_p in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")):
+                self.from_hf_map[f"model.layers.{{}}.self_attn.{hf_p}.bias"] = f"layers.{{}}.attention.{tt_p}.bias"
+
+
+def state_dict_adapter(model_args, hf_assets_path: str | None = None):
+    """The family's HF <-> torchtitan state-dict adapter for ``model_args`` (names and q/k layout)."""
+    if isinstance(model_args, Qwen3ModelArgs):
+        return FluxQwenStateDictAdapter(model_args, hf_assets_path)
+    return FluxLlamaStateDictAdapter(model_args, hf_assets_path)
+
+
+class HFLayout:
+    """Names and tensor layout of torchtitan parameters as HF-layout servers (vLLM, SGLang) load them, from the
+    family's state-dict adapter. Used trainer-side by the HTTP engine handlers for every push."""
+
+    def __init__(self, model_args):
+        self.adapter = state_dict_adapter(model_args)
+        self.permuted = not isinstance(model_args, Qwen3ModelArgs)  # llama: q/k rows permuted by ``to_hf``
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str | os.PathLike) -> "HFLayout":
+        return cls(args_from_hf_dir(hf_dir))
+
+    def hf_names(self, names: list[str], shapes: list[tuple[int, ...]]) -> list[str]:
+        """HF names of torchtitan parameter names, in order (``to_hf`` on meta tensors: no data is touched)."""
+        meta = {n: torch.empty(s, device="meta") for n, s in zip(names, shapes)}
+        try:
+            out = list(self.adapter.to_hf(meta))
+        except KeyError as e:
+            raise ValueError(f"parameter {e.args[0]!r} has no HF name") from None
+        if len(out) != len(names):
+            raise ValueError(f"{len(names)} parameters map to {len(out)} HF names (a tied output projection "
+                             "is not a parameter of its own and has no HF name)")
+        return out
+
+    def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A torchtitan parameter in HF layout (llama: q/k rows permuted by ``to_hf``; otherwise unchanged)."""
+        if not self.permuted or not (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
+            return tensor
+        (out,) = self.adapter.to_hf({name: tensor}).values()
+        return out
+
+
+def args_from_hf_dir(hf_dir: str | os.PathLike, max_seq_len: int | None = None):
+    """The family's torchtitan model args for a HF folder (FluxLlamaArgs or FluxQwenArgs)."""
+    fam = hf.family(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))
+    cls = FluxLlamaArgs if fam == "llama" else FluxQwenArgs
+    return cls.from_hf_dir(hf_dir, max_seq_len)
+
+
+def build_model(model_args):
+    """The family's torchtitan model for ``model_args`` (on the current default device)."""
+    return FluxQwenModel(model_args) if isinstance(model_args, Qwen3ModelArgs) else FluxLlamaModel(model_args)
+
+
+def _output_is_embedding(model: nn.Module) -> bool:
+    out, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    return out is not None and emb is not None and out.weight is emb.weight
+
+
+def fsdp_tied(parallelize_fn):
+    """``parallelize_fn`` (torchtitan's llama3 / qwen3 one) made safe for a tied output projection under FSDP2.
+
+    torchtitan 0.2.2's ``apply_fsdp`` shards ``tok_embeddings`` and ``[norm, output]`` as two FSDP groups, which
+    FSDP2 refuses when both hold the same parameter (even for torchtitan's own tied Qwen3 flavors). For a tied
+    model under FSDP the three modules are hidden from ``parallelize_fn`` (its ``apply_fsdp`` skips parts that are
+    None; TP / pipelining are not supported with tying here) and then sharded as ONE group, never resharded after
+    forward (the embedding is needed again at the output), with the same mesh and mixed-precision settings.
+    Untied models and runs without FSDP go straight to ``parallelize_fn``.
+    """
+
+    def parallelize(model, parallel_dims, job_config):
+        if not (_output_is_embedding(model) and parallel_dims.fsdp_enabled):
+            return parallelize_fn(model, parallel_dims, job_config)
+        if parallel_dims.tp_enabled or parallel_dims.pp_enabled or parallel_dims.cp_enabled:
+            raise ValueError("tied word embeddings are supported with FSDP/HSDP only (no TP, PP or CP)")
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torchtitan.config import TORCH_DTYPE_MAP
+        from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
+
+        ends = {name: getattr(model, name) for name in ("tok_embeddings", "norm", "output")}
+        for name in ends:
+            setattr(model, name, None)
+        try:
+            model = parallelize_fn(model, parallel_dims, job_config)
+        finally:
+            for name, module in ends.items():
+                setattr(model, name, module)
+        t = job_config.training
+        config = {
+            "mesh": parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[t.mixed_precision_param],
+                                              reduce_dtype=TORCH_DTYPE_MAP[t.mixed_precision_reduce]),
+        }
+        if t.enable_cpu_offload:
+            config["offload_policy"] = CPUOffloadPolicy()
+        fully_shard(list(ends.values()), **config, reshard_after_forward=False)
+        disable_fsdp_gradient_division(model)
+        return model
+
+    return parallelize
+
+
 def register_flux_model():
-    """Register the ``flux_llama3`` TrainSpec (flavor ``hf``); idempotent. Returns the spec."""
-    from torchtitan.models import llama3
+    """Register the TrainSpecs of every family (``FAMILY_SPECS``, flavor ``hf``); idempotent. Returns the llama one."""
+    from torchtitan.models import llama3, qwen3
     from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
-    spec = dataclasses.replace(
-        llama3.get_train_spec(),
-        model_args={FLUX_FLAVOR: FluxLlamaArgs()},
-        build_dataloader_fn=None,
-        build_validator_fn=None,
-        pipelining_fn=None,
-    )
-    try:
-        register_train_spec(FLUX_MODEL_NAME, spec)
-    except ValueError:
-        pass  # already registered (register_train_spec raises on duplicates)
+    for fam, name in FAMILY_SPECS.items():
+        base = llama3.get_train_spec() if fam == "llama" else qwen3.get_train_spec()
+        spec = dataclasses.replace(
+            base,
+            model_cls=FluxLlamaModel if fam == "llama" else FluxQwenModel,
+            model_args={FLUX_FLAVOR: FluxLlamaArgs() if fam == "llama" else FluxQwenArgs()},
+            state_dict_adapter=FluxLlamaStateDictAdapter if fam == "llama" else FluxQwenStateDictAdapter,
+            parallelize_fn=fsdp_tied(base.parallelize_fn),
+            build_dataloader_fn=None,
+            build_validator_fn=None,
+            pipelining_fn=None,
+        )
+        try:
+            register_train_spec(name, spec)
+        except ValueError:
+            pass  # already registered (register_train_spec raises on duplicates)
     return get_train_spec(FLUX_MODEL_NAME)
+
+
+def select_model(job_config) -> str:
+    """Point ``job_config.model.name`` at the TrainSpec of the family in ``model.hf_assets_path``'s config.json
+    (whatever flux name the config gave: the folder alone decides). Raises ValueError naming the supported
+    families for any other model, before anything is built. Returns the spec name."""
+    hf_dir = job_config.model.hf_assets_path
+    name = FAMILY_SPECS[hf.family(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))]
+    job_config.model.name = name
+    return name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,44 +434,18 @@ def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {_clean_fqn(k): tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def hf_weight_files(hf_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a HF folder: every shard in the index if present, else model.safetensors."""
-    d = Path(hf_dir)
-    index = d / INDEX_FILE
-    if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        names = sorted(set(weight_map.values()))
-        if not names:
-            raise ValueError(f"{index} has an empty weight_map")
-        files = [d / n for n in names]
-        missing = [str(p) for p in files if not p.is_file()]
-        if missing:
-            raise FileNotFoundError(f"safetensors shard(s) listed in {index} not found: {missing}")
-        return files
-    single = d / WEIGHTS_FILE
-    if not single.is_file():
-        raise FileNotFoundError(f"HF weights not found: {single} (and no {INDEX_FILE} in {d})")
-    return [single]
-
-
 def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    sd: dict[str, torch.Tensor] = {}
-    for path in hf_weight_files(hf_dir):
-        sd.update(load_file(str(path), device="cpu"))
-    return sd
+    return read_state_dict(hf_dir)
 
 
 def _hf_shapes_for(model_shapes: dict[str, tuple[int, ...]], model_args) -> dict[str, tuple[int, ...]]:
-    adapter = Llama3StateDictAdapter(model_args, None)
+    adapter = state_dict_adapter(model_args)
     meta = {k: torch.empty(s, device="meta") for k, s in model_shapes.items()}
     return {k: tuple(v.shape) for k, v in adapter.to_hf(meta).items()}
 
 
 def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> None:
-    """Load HF Llama safetensors from ``hf_dir`` into a torchtitan llama3 ``model`` (plain or FSDP2/DTensor).
+    """Load HF safetensors from ``hf_dir`` into the family's torchtitan ``model`` (plain or FSDP2/DTensor).
 
     Every rank reads the full files and keeps its own shards. Raises FileNotFoundError naming the
     missing file, or ValueError listing missing / unexpected keys and shape mismatches (e.g. a vocab size
@@ -291,15 +454,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> 
     hf_dir = Path(hf_dir)
     files = hf_weight_files(hf_dir)
     hf_sd = read_hf_state_dict(hf_dir)
-    hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    if "lm_head.weight" not in hf_sd and "model.embed_tokens.weight" in hf_sd:
-        cfg_path = hf_dir / "config.json"
-        tie = False
-        if cfg_path.is_file():
-            with open(cfg_path) as f:
-                tie = bool(json.load(f).get("tie_word_embeddings", False))
-        if tie:  # tied embeddings: torchtitan's llama3 has a separate output projection
-            hf_sd["lm_head.weight"] = hf_sd["model.embed_tokens.weight"]
+    if _tied(model_args):  # some tied checkpoints store lm_head anyway: the embedding is the projection
+        hf_sd.pop("lm_head.weight", None)
 
     model_shapes = _expected_shapes(model)
     expected = _hf_shapes_for(model_shapes, model_args)
@@ -323,10 +479,14 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> 
             f"HF weights in {where} do not match the model built from config.json: " + "; ".join(parts)
         )
 
-    sd = Llama3StateDictAdapter(model_args, None).from_hf(hf_sd)
+    sd = state_dict_adapter(model_args).from_hf(hf_sd)
     set_model_state_dict(
         model, sd, options=StateDictOptions(full_state_dict=True, strict=True)
     )
+
+
+def _tied(model_args) -> bool:
+    return bool(getattr(model_args, "tie_word_embeddings", False) or getattr(model_args, "enable_weight_tying", False))
 
 
 def _rank() -> int:
@@ -341,7 +501,7 @@ def export_hf_weights(
     *,
     barrier: bool = True,
 ) -> Path | None:
-    """Write ``model`` as a HF Llama folder (``model.safetensors`` + config/tokenizer copied from
+    """Write ``model`` as a HF folder of its family (``model.safetensors`` + config/tokenizer copied from
     ``hf_assets_dir``). Must be called on every rank (gathers the full state dict); rank 0 writes.
     Returns the folder on rank 0, None elsewhere. With ``barrier`` all ranks wait for the write.
     """
@@ -354,7 +514,7 @@ def export_hf_weights(
     result: Path | None = None
     if _rank() == 0:
         sd = {_clean_fqn(k): (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
-        hf_sd = Llama3StateDictAdapter(model_args, None).to_hf(sd)
+        hf_sd = state_dict_adapter(model_args).to_hf(sd)
         hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in hf_sd.items()}
         out.mkdir(parents=True, exist_ok=True)
         src = Path(hf_assets_dir)
@@ -373,7 +533,7 @@ def export_hf_weights(
             with open(cfg_path) as f:
                 cfg = json.load(f)
             dtypes = {v.dtype for v in hf_sd.values()}
-            cfg["tie_word_embeddings"] = False  # lm_head is written separately
+            cfg["tie_word_embeddings"] = _tied(model_args)  # a tied model stays tied (no lm_head written)
             if len(dtypes) == 1:
                 cfg["torch_dtype"] = str(next(iter(dtypes))).replace("torch.", "")
             with open(cfg_path, "w") as f:

@@ -39,13 +39,15 @@ import torch.distributed as dist
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
+from torchtitan_flux import hf
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.config import ConfigError, validate_config
 from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
 from torchtitan_flux.metrics import MetricsWriter
-from torchtitan_flux.model import export_hf_weights, load_hf_weights
+from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
+from torchtitan_flux.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
 from torchtitan_flux.placement import engine_devices, visible_devices_env
 from torchtitan_flux.tasks import build_task, check_reward
@@ -70,6 +72,10 @@ class FluxTrainer(Trainer):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         validate_config(job_config)
+        try:  # the family in model.hf_assets_path/config.json picks the TrainSpec, or is refused here
+            select_model(job_config)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
         self.task = build_task(job_config.rollout)
         probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
         check_reward(self.task, self.task.reward(probe, ""))  # bad reward functions fail before any spawn
@@ -100,6 +106,11 @@ class FluxTrainer(Trainer):
             self.controller.async_ratio if self.controller else float(job_config.weight_sync.async_weight_update)
         )
         self.force_sync = False
+        ws = job_config.weight_sync
+        self.probe = PostSyncProbe(
+            probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
+            ws.timeout_seconds,
+        ) if ws.probe_every > 0 else None
         self.admit_carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
         if self.rank == 0:
             self._start_engines()
@@ -221,7 +232,8 @@ class FluxTrainer(Trainer):
             self.engines, self._events, self.task, self.tokenizer,
             group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
             max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
-            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer), max_version_gap=jc.adaptive_async.max_version_gap,
+            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer, jc.model.hf_assets_path),
+            max_version_gap=jc.adaptive_async.max_version_gap,
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
         )
@@ -259,6 +271,10 @@ class FluxTrainer(Trainer):
                 t2 = time.perf_counter()
                 self.syncer.after_optimizer_step(self.step)
                 t3 = time.perf_counter()
+                if self.probe is not None and self.probe.due(self.step, jc.training.steps):
+                    self.syncer.flush(self.step)  # the engines must hold this step's weights
+                    engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
+                    metrics.update(self.probe.run(self.model, engines, self.step, self.device))
                 self.checkpointer.save(self.step, last_step=(self.step == jc.training.steps))
                 if self.rank == 0:
                     self._log(batch, metrics, t0, t1, t2, t3, rollout_wait)
@@ -538,9 +554,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _pad_id(tokenizer) -> int:
+def _pad_id(tokenizer, hf_dir: str) -> int:
     pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
-    return 0 if pad is None else pad
+    return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
 
 
 def _td(seconds: float):

@@ -81,7 +81,7 @@ class _EngineProcess:
                  auth_token: str | None):
         import json
 
-        from torchtitan_flux import inference
+        from torchtitan_flux import hf, inference
 
         self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
@@ -92,7 +92,7 @@ class _EngineProcess:
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
         self.shape = inference.LlamaShape.from_hf_config(cfg)
-        self.eos_id, self.pad_id = int(cfg["eos_token_id"]), int(cfg.get("pad_token_id", 0))
+        self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
         self.stall_s = 0.0  # fault injection: sleep before each generation
@@ -193,10 +193,20 @@ class _EngineProcess:
             elif kind == "checksum":
                 version, weights = self.receiver.newest() if self.receiver else (-1, None)
                 self._send(("checksum", version, weights.checksum() if weights is not None else ""))
+            elif kind == "score":
+                self._send(("score", *self.score(msg[1])))
             elif kind == "fault":
                 self.fault(*msg[1:])
             elif kind == "shutdown":
                 return
+
+    def score(self, tokens: list[int]) -> tuple[int, list[float]]:
+        """(newest received version, logprobs of ``tokens[1:]`` under it); (-1, []) before the first push."""
+        version, weights = self.receiver.newest() if self.receiver else (-1, None)
+        if weights is None:
+            return -1, []
+        seq = torch.tensor([tokens], dtype=torch.long)
+        return version, self.inference.score(weights.views, self.shape, seq)[0].cpu().tolist()
 
     def fault(self, what: str, arg: float) -> None:
         """Fault injection for the fault tests: stall generation or weight receipt, or die."""
@@ -314,7 +324,7 @@ class EmbeddedEngine(EngineBase):
                     self._report_dead(msg[1])
                 else:
                     self.events.put(EngineError(self.name, msg[1], fatal=False))
-            elif kind == "checksum":
+            elif kind in ("checksum", "score"):
                 self._replies.put((msg[1], msg[2]))
 
     def submit(self, request: GenerationRequest) -> None:
@@ -332,6 +342,12 @@ class EmbeddedEngine(EngineBase):
     def checksum(self, timeout: float = 30.0) -> tuple[int, str]:
         """(newest received version, sha256 of its weights). Served between generation requests."""
         self._send(("checksum",))
+        return self._replies.get(timeout=timeout)
+
+    def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
+        """(newest received version, its logprobs of ``tokens[1:]``): the post-sync probe. Served between
+        generation requests, like ``checksum`` (one reply queue: callers do not overlap the two)."""
+        self._send(("score", list(tokens)))
         return self._replies.get(timeout=timeout)
 
     def inject_fault(self, what: str, arg: float = 0.0) -> None:

@@ -25,9 +25,11 @@ consumes a broadcast, and repeating it would desynchronise the weight-sync group
   call, so ``finish_update`` has nothing to do: the server, not the trainer, knows when it holds the weights.
 * A health thread polls the server (not during a push) and posts a fatal ``EngineError`` once it is gone.
 
-Where names and layouts are converted (trainer side, once, with torchtitan's ``Llama3StateDictAdapter``):
-torchtitan's wq/wk rows are in the RoPE layout of the original Llama code, HF's q_proj/k_proj rows are permuted
-(``to_hf`` applies the permutation). SGLang's ``load_weights`` takes HF tensors as they are, so the bytes on the
+Where names and layouts are converted (trainer side, once, with the model family's torchtitan state-dict adapter,
+``torchtitan_flux.model.HFLayout``): for Llama, torchtitan's wq/wk rows are in the RoPE layout of the original
+Llama code and HF's q_proj/k_proj rows are permuted (``to_hf`` applies the permutation); Qwen keeps HF's layout.
+A tied model has no ``output.weight`` parameter, so nothing is pushed for ``lm_head``: the engine's embedding is
+its output projection. SGLang's ``load_weights`` takes HF tensors as they are, so the bytes on the
 wire must already be in HF layout; vLLM takes the same, and doing it once for both keeps one wire format. So:
 
 * names: ``join_weight_group`` maps each ``TensorSpec`` name to its HF name (``to_hf`` on meta tensors) and
@@ -67,7 +69,7 @@ from typing import Any, Callable
 import httpx
 import torch
 
-from torchtitan_flux import transport
+from torchtitan_flux import hf, transport
 from torchtitan_flux.engine.base import (
     EngineBase,
     EngineError,
@@ -341,9 +343,9 @@ class HttpEngine(EngineBase):
         )
         self.client: HttpClient | None = None
         self.hf_config = _read_json(self.model_dir / "config.json")
-        self.eos_id = int(self.hf_config["eos_token_id"])
+        self.eos_id = hf.eos_token_ids(self.hf_config)
         self.pad_id = int(self.hf_config.get("pad_token_id") or 0)
-        self._adapter = None  # torchtitan Llama3StateDictAdapter, built on first use
+        self._adapter = None  # the family's HFLayout, built on first use
         self._lock = threading.Lock()
         self._gate = _Gate()
         self._version = -1  # version the server holds; -1 = the weights it loaded from disk
@@ -434,32 +436,25 @@ class HttpEngine(EngineBase):
     # ------------------------------------------------------------------------------- syncer hooks
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A torchtitan parameter in the layout the server loads (HF: q/k rows permuted by ``to_hf``)."""
-        if not (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
-            return tensor
-        (out,) = self.adapter().to_hf({name: tensor}).values()
-        return out
+        """A torchtitan parameter in the layout the server loads (HF; see ``HFLayout.wire_tensor``)."""
+        return self.layout().wire_tensor(name, tensor)
 
     # ----------------------------------------------------------------------------------- names
 
-    def adapter(self):
+    def layout(self):
+        """The model family's HF layout (``torchtitan_flux.model.HFLayout``), built on first use."""
         if self._adapter is None:
-            from torchtitan_flux.model import FluxLlamaArgs  # first: applies the CPU patches torchtitan needs
-            from torchtitan.models.llama3 import Llama3StateDictAdapter  # noqa: I001
+            from torchtitan_flux.model import HFLayout  # imports torchtitan (trainer side only)
 
-            self._adapter = Llama3StateDictAdapter(FluxLlamaArgs.from_hf_dir(self.model_dir), None)
+            self._adapter = HFLayout.from_hf_dir(self.model_dir)
         return self._adapter
 
     def hf_names(self, names: list[str], shapes: list[tuple[int, ...]]) -> list[str]:
-        """HF names of torchtitan parameter names, in order (``to_hf`` on meta tensors: no data is touched)."""
-        meta = {n: torch.empty(s, device="meta") for n, s in zip(names, shapes)}
+        """HF names of torchtitan parameter names, in order (see ``HFLayout.hf_names``)."""
         try:
-            hf = list(self.adapter().to_hf(meta))
-        except KeyError as e:
-            raise ValueError(f"{self.name}: parameter {e.args[0]!r} has no HF name (only Llama-3 models)") from None
-        if len(hf) != len(names):
-            raise ValueError(f"{self.name}: {len(names)} parameters map to {len(hf)} HF names")
-        return hf
+            return self.layout().hf_names(names, shapes)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
 
     # ------------------------------------------------------------------------------------ tasks
 
@@ -628,6 +623,17 @@ class HttpEngine(EngineBase):
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
         """One HTTP generation call: (token ids, behaviour logprobs) per completion, prompt-major."""
+        raise NotImplementedError
+
+    def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
+        """(the server's weight version, its logprobs of ``tokens[1:]``): the post-sync probe. The version is read
+        before scoring; the caller makes sure no push runs meanwhile."""
+        reported = self.weight_version()
+        version = int(reported) if reported not in (None, "") and str(reported).lstrip("-").isdigit() else -1
+        return version, self._score(list(tokens))
+
+    def _score(self, tokens: list[int]) -> list[float]:
+        """Teacher-forced logprobs of ``tokens[1:]`` (prompt logprobs of ``tokens``) from the server."""
         raise NotImplementedError
 
     def _init_group(self, info: WeightGroupInfo) -> None:

@@ -110,6 +110,15 @@ class SglangEngine(HttpEngine):
             completions.append((ids, [float(t[0]) for t in triples]))
         return completions
 
+    def _score(self, tokens: list[int]) -> list[float]:
+        """Input-token logprobs (``logprob_start_len: 0``; the first token has none)."""
+        body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                "return_logprob": True, "logprob_start_len": 0, "stream": False}
+        out = self.client.post("/generate", body, idempotent=True)
+        if isinstance(out, list):
+            out = out[0]
+        return [float(t[0]) for t in out["meta_info"]["input_token_logprobs"][1:]]
+
     # -------------------------------------------------------------------------------------- weights
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:

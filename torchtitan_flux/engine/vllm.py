@@ -150,6 +150,14 @@ class VllmEngine(HttpEngine):
             completions.append((list(ids), [float(x) for x in lp["token_logprobs"]]))
         return completions
 
+    def _score(self, tokens: list[int]) -> list[float]:
+        """Prompt logprobs (``prompt_logprobs: 0``: each prompt token's own logprob; temperature 1, so processed ==
+        raw logits)."""
+        body = {"model": self.served_model, "prompt": [tokens], "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0}
+        rows = self.client.post("/v1/completions", body, idempotent=True)["choices"][0]["prompt_logprobs"]
+        return [float(row[str(t)]["logprob"]) for row, t in zip(rows[1:], tokens[1:])]
+
     # -------------------------------------------------------------------------------------- weights
 
     def _init_group(self, info: WeightGroupInfo) -> None:

@@ -168,6 +168,7 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        _refresh_tied_lm_head(self.model, self.model_config)
         if self._push_version is not None:
             self.last_checksum = (self._push_version, self._hash.hexdigest() if self._hash is not None else None)
 
@@ -225,6 +226,29 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
 
 class FluxGlooWeightTransferEngine(_FluxWeightTransferEngine):
     BACKEND = "gloo"
+
+
+def _refresh_tied_lm_head(model, model_config) -> None:
+    """Make a tied ``lm_head`` compute with the embedding just pushed.
+
+    A tied head receives no tensor of its own (``load_weights`` skips ``lm_head.*`` when the config ties them), so
+    the layerwise reload never re-processes it: on CPU it keeps the oneDNN/packed GEMM handle that
+    ``process_weights_after_loading`` built from the ORIGINAL embedding at start-up, and the logits stay those of the
+    initial head however the embedding is trained (vLLM 0.32 CPU; found by the post-sync probe,
+    ``torchtitan_flux/probe.py``). Re-point the head at the embedding's parameter and rebuild that state (a no-op
+    off CPU for unquantized heads)."""
+    if not getattr(model_config.hf_config, "tie_word_embeddings", False):
+        return
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    embeds = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
+    if len(heads) != 1 or len(embeds) != 1 or heads[0].weight.shape != embeds[0].weight.shape:
+        return
+    head, embed = heads[0], embeds[0]
+    if head.weight is not embed.weight:
+        head.weight = embed.weight
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _numel(shape) -> int:

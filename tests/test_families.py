@@ -1,0 +1,226 @@
+"""Model families (Llama 3.x, Qwen3, Qwen2.5; tied and untied) against ``transformers``' own models.
+
+Tiny random models are built locally with ``transformers`` config classes (``hf_families.py``; no downloads).
+Each family/tying case checks: the trainer's torchtitan model and the embedded engine's forward give the same
+logits as ``transformers`` on the same weights and tokens (fp32); the HF export reloads in ``transformers`` with
+the same logits and keeps the tying; the trainer pushes a tied embedding once. Plus: unsupported families are
+refused naming the supported ones, EOS id lists, and short GRPO runs with the post-sync probe.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+pytest.importorskip("transformers")
+
+from hf_families import CASES, build_hf_model, hf_logits  # noqa: E402
+
+from torchtitan_flux import hf, inference  # noqa: E402
+from torchtitan_flux import model as flux_model  # noqa: E402
+from torchtitan_flux.probe import ProbeMismatch, compare  # noqa: E402
+
+TOL = 1e-4  # fp32; logits are O(10)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[tuple[str, bool], Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {(f, t): build_hf_model(root / f"{f}_{'tied' if t else 'untied'}", f, t) for f, t in CASES}
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(3, 259, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def _trainer_model(model_dir: Path):
+    args = flux_model.args_from_hf_dir(model_dir, max_seq_len=64)
+    with torch.device("cpu"):
+        model = flux_model.build_model(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    flux_model.load_hf_weights(model, model_dir, args)
+    return model.eval(), args
+
+
+@pytest.mark.parametrize("family,tied", CASES)
+def test_trainer_and_engine_logits_equal_transformers(family_dirs, family, tied):
+    d = family_dirs[(family, tied)]
+    tokens = _tokens()
+    ref = hf_logits(d, family, tokens)
+    model, _ = _trainer_model(d)
+    with torch.no_grad():
+        trainer = model(tokens).float()
+    weights, shape = inference.load_hf_weights_dict(d)
+    engine = inference.forward_logits(weights, shape, tokens)
+    assert shape.family == family and shape.tied == tied
+    assert (trainer - ref).abs().max().item() < TOL
+    assert (engine - ref).abs().max().item() < TOL
+    assert ref.abs().max().item() > 3  # the check is not vacuous
+
+
+@pytest.mark.parametrize("family,tied", CASES)
+def test_tied_is_one_parameter_and_pushed_once(family_dirs, family, tied):
+    d = family_dirs[(family, tied)]
+    model, _ = _trainer_model(d)
+    names = [n for n, _ in model.named_parameters()]  # what WeightSyncer pushes (tensor_specs)
+    assert ("output.weight" in names) == (not tied)
+    if tied:
+        assert model.output.weight is model.tok_embeddings.weight
+    shape = inference.LlamaShape.from_hf_dir(d)
+    assert names == inference.weight_names(shape)  # the engine expects exactly what is pushed, in order
+    layout = flux_model.HFLayout.from_hf_dir(d)
+    hf_names = layout.hf_names(names, [tuple(p.shape) for p in model.parameters()])
+    assert ("lm_head.weight" in hf_names) == (not tied)
+    on_disk = set(hf.read_state_dict(d))
+    assert set(hf_names) == on_disk  # every pushed name is one the server loads, nothing silently dropped
+
+
+@pytest.mark.parametrize("family,tied", CASES)
+def test_export_reloads_in_transformers_with_same_logits(family_dirs, family, tied, tmp_path):
+    d = family_dirs[(family, tied)]
+    model, args = _trainer_model(d)
+    with torch.no_grad():  # move off the initial weights so the export is not a copy of the input folder
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = flux_model.export_hf_weights(model, tmp_path / "export", args, d)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] == tied
+    assert ("lm_head.weight" in hf.read_state_dict(out)) == (not tied)
+    tokens = _tokens()
+    with torch.no_grad():
+        trainer = model(tokens).float()
+    assert (hf_logits(out, family, tokens) - trainer).abs().max().item() < TOL
+
+
+def test_unsupported_family_is_refused_naming_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}))
+    job = SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(tmp_path), name="flux_llama3"))
+    with pytest.raises(ValueError, match=r"gemma2.*supported families: llama .*qwen3 .*qwen2"):
+        flux_model.select_model(job)
+
+
+def test_select_model_follows_the_folder(family_dirs):
+    for (family, _), d in family_dirs.items():
+        job = SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(d), name="flux_llama3"))
+        assert flux_model.select_model(job) == flux_model.FAMILY_SPECS[family] == job.model.name
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling type 'yarn'"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("use_sliding_window", True, "use_sliding_window"),
+])
+def test_unsupported_variants_are_refused_naming_the_field(family_dirs, field, value, match):
+    cfg = hf.read_config(family_dirs[("qwen2", False)])
+    cfg[field] = value
+    with pytest.raises(ValueError, match=match):
+        hf.architecture(cfg)
+
+
+def test_eos_token_id_list(family_dirs):
+    """Llama-3.x-Instruct gives ``eos_token_id`` as a list: every id ends a completion."""
+    assert hf.eos_token_ids({"eos_token_id": [128001, 128009]}) == [128001, 128009]
+    assert hf.eos_token_ids({"eos_token_id": 2}) == [2]
+    weights, shape = inference.load_hf_weights_dict(family_dirs[("llama", True)])
+    prompts = [[1, 40, 41]] * 8
+    kw = dict(max_new_tokens=12, temperature=1.0, pad_id=0)
+    tokens, _, lengths = inference.generate(weights, shape, prompts, eos_id=[2], generator=torch.Generator().manual_seed(0), **kw)
+    stop = sorted({int(t) for t in tokens[:, 0]})[:2]  # two ids that do occur first: make them both EOS
+    tokens, _, lengths = inference.generate(weights, shape, prompts, eos_id=stop, generator=torch.Generator().manual_seed(0), **kw)
+    assert (lengths == 1).sum() >= 2 and all(int(tokens[i, 0]) in stop for i in range(8) if lengths[i] == 1)
+
+
+def test_probe_compare_names_engine_version_and_worst_token():
+    expected = torch.tensor([-1.0, -2.0, -3.0])
+    report = compare("vllm0", 7, [1, 10, 11, 12], expected, [-1.0, -2.00001, -3.0], tolerance=0.01)
+    assert report.max_abs_diff < 1e-4
+    with pytest.raises(ProbeMismatch, match=r"engine vllm0 at version 7.*probe token 2 \(id 11\)"):
+        compare("vllm0", 7, [1, 10, 11, 12], expected, [-1.0, -2.5, -3.0], tolerance=0.01)
+    with pytest.raises(ProbeMismatch, match="returned 2 logprobs"):
+        compare("e", 1, [1, 10, 11, 12], expected, [-1.0, -2.0], tolerance=0.01)
+
+
+def test_probe_catches_the_old_untied_behaviour(family_dirs):
+    """An engine that serves the tied model with a separate head left at the initial embedding (what an untying
+    trainer pushing ``lm_head`` to an engine that ignores it gives) fails the probe after training moved it."""
+    d = family_dirs[("qwen3", True)]
+    weights, shape = inference.load_hf_weights_dict(d)
+    trained = {k: v.clone() for k, v in weights.items()}
+    trained["tok_embeddings.weight"] += 0.05 * torch.randn_like(trained["tok_embeddings.weight"])
+    tokens = [1] + list(range(40, 80))
+    seq = torch.tensor([tokens])
+    expected = inference.score(trained, shape, seq)[0]
+    untied = dataclass_replace(shape, tied=False)
+    stale_head = {**trained, "output.weight": weights["tok_embeddings.weight"]}
+    compare("embedded", 3, tokens, expected, inference.score(trained, shape, seq)[0].tolist(), 1e-4)
+    with pytest.raises(ProbeMismatch):
+        compare("embedded", 3, tokens, expected, inference.score(stale_head, untied, seq)[0].tolist(), 0.1)
+
+
+def dataclass_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+@pytest.mark.parametrize("family,tied", [
+    ("qwen3", True),
+    pytest.param("llama", True, marks=pytest.mark.slow),
+    pytest.param("qwen2", False, marks=pytest.mark.slow),
+])
+def test_grpo_run_learns_with_the_probe_on(family_dirs, family, tied, tmp_path):
+    """A short GRPO run on the embedded engine learns the digits task; the probe runs after pushes and passes."""
+    from conftest import read_metrics, run_train
+
+    run_train(tmp_path, "--model.hf_assets_path", str(family_dirs[(family, tied)]), "--training.steps", "30",
+              "--weight_sync.probe_every", "5")
+    rows = read_metrics(tmp_path)
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert last - first >= 0.3, (first, last)
+    probed = [r for r in rows if "probe_max_abs_diff" in r]
+    assert [r["step"] for r in probed] == [5, 10, 15, 20, 25, 30]
+    assert all(r["probe_engines_checked"] == 1 and r["probe_max_abs_diff"] < 1e-3 for r in probed)
+    assert json.loads((tmp_path / "hf_final" / "config.json").read_text())["tie_word_embeddings"] == tied
+
+
+def test_tokenizer_settings_from_the_folder(tmp_path):
+    """Special tokens, BOS handling, chat template, EOS ids of config + generation_config, pad fallback."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "eos_token_id": 151645}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [151645, 151643], "pad_token_id": 151643, "temperature": 0.6, "top_p": 0.95}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": False, "bos_token": None, "eos_token": {"content": "<|im_end|>"}, "pad_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    t = hf.tokenizer_settings(tmp_path)
+    assert t["eos_token_ids"] == [151645, 151643] and t["pad_token_id"] == 151643
+    assert t["eos_token"] == "<|im_end|>" and t["pad_token"] == "<|endoftext|>" and t["add_bos_token"] is False
+    assert "messages" in t["chat_template"] and t["generation"]["temperature"] == 0.6
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    (tmp_path / "generation_config.json").unlink()
+    t = hf.tokenizer_settings(tmp_path)
+    assert t["chat_template"] == "{{ messages }}" and t["pad_token_id"] == 151645  # no pad: the first EOS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_two_trainer_ranks_train_a_tied_model(family_dirs, family, tmp_path):
+    """FSDP2 over 2 ranks with a tied head (one FSDP group for embedding, norm and head: ``model.fsdp_tied``):
+    the probe passes after pushes and the first steps' rewards equal a 1-rank run's (same weights, same samples)."""
+    from conftest import read_metrics, run_train
+
+    d = family_dirs[(family, True)]
+    args = ("--model.hf_assets_path", str(d), "--training.steps", "8", "--weight_sync.probe_every", "4")
+    run_train(tmp_path / "one", *args)
+    run_train(tmp_path / "two", *args, nproc=2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["reward_mean"] for r in two[:4]] == pytest.approx([r["reward_mean"] for r in one[:4]], abs=1e-6)
+    assert [r["probe_max_abs_diff"] < 1e-4 for r in two if "probe_max_abs_diff" in r] == [True, True]
+    assert json.loads((tmp_path / "two" / "hf_final" / "config.json").read_text())["tie_word_embeddings"] is True

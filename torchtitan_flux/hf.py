@@ -1,0 +1,232 @@
+"""The one reader of Hugging Face model folders, shared by the trainer and every rollout engine.
+
+Reads ``config.json`` (which model family, its architecture, tying, EOS ids), ``generation_config.json``
+defaults, ``tokenizer_config.json`` (special tokens, BOS handling, chat template), and the safetensors weights (``model.safetensors`` or the shards of
+``model.safetensors.index.json``). Torch-only and without torchtitan: the engines import it in environments
+that do not have torchtitan (``inference.py``, the embedded engine).
+
+Supported families (``SUPPORTED``), picked from ``model_type`` (or ``architectures``):
+
+* ``llama``: Llama 3.0 / 3.1 / 3.2 (``rope_scaling`` none or ``llama3``), tied or untied, GQA. torchtitan's
+  llama3 model derives ``head_dim`` from ``hidden_size / num_attention_heads`` (true of every Llama 3.x
+  release); a different ``head_dim`` is refused.
+* ``qwen3``: Qwen3 dense (q/k RMSNorm, explicit ``head_dim``), tied or untied.
+* ``qwen2``: Qwen2 / Qwen2.5 (q/k/v biases), tied or untied.
+
+Everything else (MoE, sliding-window attention, other RoPE scalings, other activations) is refused with a
+one-line error naming the field, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# family -> HF ``architectures`` names of that family
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "llama": ("LlamaForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+    "qwen2": ("Qwen2ForCausalLM",),
+}
+
+
+def read_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """``hf_dir/config.json`` as a dict (FileNotFoundError naming the path if absent)."""
+    path = Path(hf_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"HF model config not found: {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def family(cfg: dict[str, Any], where: str = CONFIG_FILE) -> str:
+    """The supported family of a HF config (``model_type``, else ``architectures``); ValueError otherwise."""
+    model_type = cfg.get("model_type")
+    if model_type in SUPPORTED:
+        return model_type
+    for arch in cfg.get("architectures") or ():
+        for fam, names in SUPPORTED.items():
+            if arch in names:
+                return fam
+    supported = ", ".join(f"{f} ({'/'.join(a)})" for f, a in SUPPORTED.items())
+    raise ValueError(
+        f"{where}: model_type {model_type!r} / architectures {cfg.get('architectures')!r} is not supported; "
+        f"supported families: {supported}"
+    )
+
+
+def eos_token_ids(cfg: dict[str, Any]) -> list[int]:
+    """``eos_token_id`` as a list (HF allows an int or a list, e.g. Llama-3.x-Instruct); [] when unset."""
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def generation_defaults(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """``generation_config.json`` (or {}): the folder's sampling defaults and EOS ids for the data layer."""
+    path = Path(hf_dir) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _token_text(tok: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string or an AddedToken dict ({"content": ...})."""
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """What the data layer needs from the folder's tokenizer and generation settings.
+
+    Keys: ``bos_token`` / ``eos_token`` / ``pad_token`` (text or None), ``add_bos_token`` (bool or None: the
+    tokenizer.json post-processor decides), ``chat_template`` (Jinja text or None; a separate
+    ``chat_template.jinja`` wins, as in transformers >= 4.43), ``eos_token_ids`` (config.json's, then any extra ones
+    of generation_config.json: every id that ends a completion), ``pad_token_id`` (config.json, else
+    generation_config.json, else the first EOS id, else 0), ``generation`` (generation_config.json as is: sampling
+    defaults such as temperature / top_p / top_k for callers that want them).
+    """
+    d = Path(hf_dir)
+    tok_cfg: dict[str, Any] = {}
+    if (d / TOKENIZER_CONFIG_FILE).is_file():
+        with open(d / TOKENIZER_CONFIG_FILE) as f:
+            tok_cfg = json.load(f)
+    cfg = read_config(d) if (d / CONFIG_FILE).is_file() else {}
+    gen = generation_defaults(d)
+    eos = eos_token_ids(cfg)
+    eos += [e for e in eos_token_ids(gen) if e not in eos]
+    pad = cfg.get("pad_token_id", gen.get("pad_token_id"))
+    if pad is None:
+        pad = eos[0] if eos else 0
+    template = tok_cfg.get("chat_template")
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text()
+    return {
+        "bos_token": _token_text(tok_cfg.get("bos_token")),
+        "eos_token": _token_text(tok_cfg.get("eos_token")),
+        "pad_token": _token_text(tok_cfg.get("pad_token")),
+        "add_bos_token": tok_cfg.get("add_bos_token"),
+        "chat_template": template,
+        "eos_token_ids": eos,
+        "pad_token_id": int(pad),
+        "generation": gen,
+    }
+
+
+def _rope_scaling(cfg: dict[str, Any], fam: str, where: str) -> dict[str, float]:
+    """llama3 RoPE scaling knobs (factor 1 == none), as torchtitan's ``RoPEScalingArgs``."""
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 4 / 5 spelling
+    rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+    if rope_type == "default":
+        return dict(factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    if rope_type != "llama3" or fam != "llama":
+        raise ValueError(f"{where}: rope_scaling type {rope_type!r} is not supported for {fam} "
+                         "(only 'llama3' for llama, or none)")
+    return dict(
+        factor=float(rs.get("factor", 8.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def architecture(cfg: dict[str, Any], where: str = CONFIG_FILE) -> dict[str, Any]:
+    """Family-neutral architecture of a HF config; ValueError naming the field for anything unsupported.
+
+    Keys: family, dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, intermediate_size, norm_eps,
+    rope_theta, rope_scaling (dict), max_position_embeddings, tied, qk_norm, qkv_bias.
+    """
+    fam = family(cfg, where)
+    try:
+        dim = int(cfg["hidden_size"])
+        n_layers = int(cfg["num_hidden_layers"])
+        n_heads = int(cfg["num_attention_heads"])
+        vocab_size = int(cfg["vocab_size"])
+        intermediate_size = int(cfg["intermediate_size"])
+    except KeyError as e:
+        raise ValueError(f"{where}: missing required field {e.args[0]!r}") from None
+    n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{where}: num_attention_heads {n_heads} not divisible by num_key_value_heads {n_kv_heads}")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if dim % n_heads:
+            raise ValueError(f"{where}: hidden_size {dim} is not divisible by num_attention_heads {n_heads}")
+        head_dim = dim // n_heads
+    head_dim = int(head_dim)
+    if fam == "llama" and head_dim * n_heads != dim:
+        raise ValueError(f"{where}: head_dim {head_dim} != hidden_size/num_attention_heads; torchtitan's llama3 "
+                         "derives head_dim from them (true of every Llama 3.x release)")
+    if head_dim % 2:
+        raise ValueError(f"{where}: head_dim {head_dim} must be even for RoPE")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias", False):
+        raise ValueError(f"{where}: mlp_bias=true is not supported")
+    if fam == "llama" and cfg.get("attention_bias", False):
+        raise ValueError(f"{where}: attention_bias=true is not supported for llama")
+    if fam == "qwen3" and cfg.get("attention_bias", False):
+        raise ValueError(f"{where}: attention_bias=true is not supported for qwen3")
+    if cfg.get("use_sliding_window", False):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported (full attention only)")
+    return dict(
+        family=fam,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if fam != "llama" else 1e-5)),
+        rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rope_scaling=_rope_scaling(cfg, fam, where),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=fam == "qwen3",
+        qkv_bias=fam == "qwen2",
+    )
+
+
+def weight_files(hf_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a HF folder: every shard in the index if present, else model.safetensors."""
+    d = Path(hf_dir)
+    index = d / INDEX_FILE
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        if not names:
+            raise ValueError(f"{index} has an empty weight_map")
+        files = [d / n for n in names]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"safetensors shard(s) listed in {index} not found: {missing}")
+        return files
+    single = d / WEIGHTS_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"HF weights not found: {single} (and no {INDEX_FILE} in {d})")
+    return [single]
+
+
+def read_state_dict(hf_dir: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files, by HF name (RoPE ``inv_freq`` buffers dropped)."""
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for path in weight_files(hf_dir):
+        sd.update(load_file(str(path), device=str(device)))
+    return {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -1,0 +1,121 @@
+"""Post-sync logprob probe: does every engine serve the policy the trainer just pushed?
+
+A checksum covers the bytes an engine received, not what it does with them: a tensor loaded under the wrong
+name, a dropped one, an untied head, a wrong q/k layout or dtype all pass it. The probe checks behaviour instead.
+Every ``weight_sync.probe_every`` steps, once the engines hold the step's version, each engine scores a fixed
+probe sequence (teacher-forced logprobs of its tokens: the embedded engine through its forward, vLLM through
+``prompt_logprobs`` on ``/v1/completions``, SGLang through ``input_token_logprobs`` on ``/generate``) and the
+trainer compares them with the logprobs its own model gives the same tokens. A difference above
+``weight_sync.probe_tolerance`` at any token raises ``ProbeMismatch`` naming the engine, the version and the
+worst token; the largest difference is a metric (``probe_max_abs_diff``) at every probe step.
+
+Concurrency: ``PostSyncProbe.run`` is called from the training loop on every trainer rank (the trainer's forward
+is collective under FSDP), between the optimizer step's push and the next step, so no push is in flight or can
+start while an engine scores; only rank 0 (the sender) talks to engines. Simplification: logprobs are raw
+(temperature 1), as both sides compute them before any sampling transform.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Mixed text so that the probe covers digits, letters, punctuation and spaces (byte-level tokenizers give ~60
+# tokens; BPE tokenizers fewer).
+PROBE_TEXT = "Q: 12 + 35 = ? A: 47. The quick brown fox jumps over the lazy dog; 0123456789 xyz!"
+
+
+class ProbeMismatch(RuntimeError):
+    """An engine's logprobs differ from the trainer's beyond tolerance: it does not serve the pushed policy."""
+
+
+@dataclass
+class ProbeReport:
+    engine: str
+    version: int
+    max_abs_diff: float
+    worst_index: int  # position in the probe sequence of the worst token (>= 1)
+    worst_token: int
+    trainer_logprob: float
+    engine_logprob: float
+
+
+def probe_tokens(tokenizer, vocab_size: int, max_len: int, text: str = PROBE_TEXT) -> list[int]:
+    """The fixed probe sequence: ``text`` through the run's tokenizer (with BOS when it adds one), ids < vocab,
+    at most ``max_len`` tokens (the trainer's ``training.seq_len``: its RoPE table ends there)."""
+    ids = tokenizer.encode(text)
+    ids = [int(t) for t in ids if 0 <= int(t) < vocab_size][:max_len]
+    if len(ids) < 2:
+        raise ValueError(f"the probe text encodes to {len(ids)} token(s) below vocab_size {vocab_size}; need >= 2")
+    return ids
+
+
+def model_logprobs(model: torch.nn.Module, tokens: list[int], device: torch.device | str) -> torch.Tensor:
+    """log p(tokens[i] | tokens[:i]) for i >= 1 under ``model`` (float32, on the CPU)."""
+    seq = torch.tensor([tokens], dtype=torch.long, device=device)
+    with torch.no_grad():
+        logits = model(seq)[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, seq[0, 1:, None]).squeeze(-1).cpu()
+
+
+def compare(engine: str, version: int, tokens: list[int], expected: torch.Tensor, got: list[float],
+            tolerance: float) -> ProbeReport:
+    """A ``ProbeReport``; raises ``ProbeMismatch`` when ``got`` differs from ``expected`` by more than
+    ``tolerance`` anywhere (or has the wrong length)."""
+    if len(got) != expected.numel():
+        raise ProbeMismatch(f"probe: engine {engine} at version {version} returned {len(got)} logprobs for "
+                            f"{expected.numel()} probe tokens")
+    diff = (torch.tensor(got, dtype=torch.float32) - expected).abs()
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    i = int(diff.argmax())
+    report = ProbeReport(engine, version, float(diff[i]), i + 1, tokens[i + 1], float(expected[i]), float(got[i]))
+    if report.max_abs_diff > tolerance:
+        raise ProbeMismatch(
+            f"probe: engine {engine} at version {version} does not serve the trainer's policy: max |logprob "
+            f"difference| {report.max_abs_diff:.4g} > weight_sync.probe_tolerance {tolerance:g}, worst at probe "
+            f"token {report.worst_index} (id {report.worst_token}): trainer {report.trainer_logprob:.4f}, engine "
+            f"{report.engine_logprob:.4f}. Wrong weight names/layout, a dropped tensor, an untied head or a "
+            "different dtype on the engine side."
+        )
+    return report
+
+
+class PostSyncProbe:
+    """Runs the probe at a step: trainer logprobs, then each engine's, compared (see the module docstring)."""
+
+    def __init__(self, tokens: list[int], tolerance: float, every: int, timeout_s: float):
+        self.tokens = list(tokens)
+        self.tolerance = float(tolerance)
+        self.every = int(every)
+        self.timeout_s = float(timeout_s)
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == last_step)
+
+    def engine_logprobs(self, engine, version: int) -> tuple[int, list[float]]:
+        """The engine's (version, logprobs) once it holds ``version`` (it may still be applying the push);
+        (its version, []) if it does not within ``timeout_s`` (a lagging engine: the syncer deals with it)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            held, lps = engine.score(self.tokens, timeout=self.timeout_s)
+            if held >= version or time.monotonic() > deadline:
+                return held, lps
+            time.sleep(0.02)
+
+    def run(self, model: torch.nn.Module, engines: list, version: int, device) -> dict[str, float]:
+        """Probe ``engines`` (rank 0's list; empty on other ranks) at ``version``; metrics for this step.
+        Raises ``ProbeMismatch`` on the first engine that fails."""
+        t0 = time.perf_counter()
+        expected = model_logprobs(model, self.tokens, device)
+        worst, checked = 0.0, 0
+        for engine in engines:
+            held, lps = self.engine_logprobs(engine, version)
+            if held != version:  # lagging (or a newer push, which the caller rules out): nothing to compare
+                continue
+            report = compare(engine.name, version, self.tokens, expected, lps, self.tolerance)
+            worst, checked = max(worst, report.max_abs_diff), checked + 1
+        if not engines:
+            return {}
+        return {"probe_max_abs_diff": worst, "probe_engines_checked": checked, "probe_s": time.perf_counter() - t0}
