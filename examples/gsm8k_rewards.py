@@ -11,7 +11,3 @@ def correctness_reward(completions, answer, **kwargs):
     preds = [re.findall(r"-?\d+", c.replace(",", "")) for c in completions]
     return [1.0 if p and p[-1] == g else 0.0 for p, g in zip(preds, golds)]
 
-
-def format_reward(completions, **kwargs):
-    """Shaping: 1.0 when the completion holds exactly one number (an answer, not a string of digits)."""
-    return [1.0 if len(re.findall(r"\d+", c)) == 1 else 0.0 for c in completions]

@@ -382,6 +382,7 @@ class JobConfig:
 
 SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "adaptive_async": AdaptiveAsync,
             "eval": Eval}
+ADDED_TO_TORCHTITAN = {"metrics": Metrics}  # fields merged into torchtitan's own sections (their booleans are its)
 
 
 # ----------------------------------------------------------------------------------------------- validation

@@ -113,7 +113,7 @@ class DatasetTask(Task):
         for i, row in enumerate(table.to_list()):
             value = row.pop(prompt_col)
             answer = "" if row.get(r.answer_column) is None else str(row[r.answer_column])
-            columns = {"answer": answer, **row}
+            columns = {"answer": row.get(r.answer_column), **row}  # as read (a CSV number stays a number)
             if self.chat:
                 messages = value
             elif template is not None:
