@@ -14,6 +14,7 @@ Simplification: torchtitan's own sections are validated by torchtitan; we check 
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import os
 import re
 import socket
@@ -585,6 +586,9 @@ def _check_data(job_config: Any) -> None:
         tasks.task_factory(r.task)
     except ValueError as e:
         raise ConfigError(str(e).replace("is not allowed", "is out of range")) from None
+    if r.task in tasks.ALIASES:
+        logging.getLogger("torchtitan_flux").warning(
+            f"rollout.task = {r.task!r} is deprecated; use {tasks.ALIASES[r.task]!r} (same behaviour)")
     if tasks.ALIASES.get(r.task, r.task) in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
         raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} does not exist; task {r.task!r} needs a dataset "
                           "file or folder")
