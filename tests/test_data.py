@@ -327,3 +327,36 @@ def test_sampler_positions():
     s = EpochSampler(4, seed=3)
     assert sorted(s.indices(0, 4)) == [0, 1, 2, 3] and sorted(s.indices(4, 4)) == [0, 1, 2, 3]
     assert s.indices(2, 4) == s.indices(2, 2) + s.indices(4, 2) and s.epoch(9) == 2
+
+
+# TRL's documented examples (GRPOTrainer docs, "Using a custom reward function"), copied as a user would
+def reward_func(completions, ground_truth, **kwargs):
+    # Regular expression to capture content inside \boxed{}
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    # Reward 1 if the content is the same as the ground truth, 0 otherwise
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def test_trl_documented_rewards_work_unchanged(tmp_path):
+    p = tmp_path / "std.jsonl"
+    p.write_text(json.dumps({"prompt": "1+1?", "ground_truth": "2"}) + "\n")
+    task = build_task(job(tmp_path, p, reward_funcs=["test_data:reward_func"]), ByteTokenizer())
+    prompts, comps, cols = reward_inputs(task, task.records, ["so \\boxed{2}", "\\boxed{3}"], 2)
+    assert R.RewardScorer(task.reward_funcs).score(prompts, comps, [[], []], cols).total == [1.0, 0.0]
+
+    model_dir_with_template(tmp_path)
+    c = tmp_path / "chat.jsonl"
+    c.write_text(json.dumps({"prompt_msgs": [{"role": "user", "content": "hi"}]}) + "\n")
+    chat = build_task(job(tmp_path, c, messages_column="prompt_msgs", reward_funcs=["test_data:format_reward_func"]),
+                      ByteTokenizer())
+    prompts, comps, cols = reward_inputs(chat, chat.records, ["<think>x</think><answer>2</answer>", "2"], 2)
+    assert R.RewardScorer(chat.reward_funcs).score(prompts, comps, [[], []], cols).total == [1.0, 0.0]
