@@ -82,6 +82,8 @@ def render() -> str:
 
     for name, cls in config.SECTIONS.items():
         section(name, cls, name)
+    for name, cls in config.ADDED_TO_TORCHTITAN.items():
+        section(name, cls, name)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -46,7 +46,12 @@ CASES = [
     (("--rollout.prompts_per_step", "0"), "rollout.prompts_per_step"),
     (("--rollout.max_new_tokens", "0"), "rollout.max_new_tokens"),
     (("--rollout.num_engines", "0"), "rollout.num_engines"),
-    (("--rollout.task", "poetry"), "rollout.task = 'poetry' is out of range; allowed: digits | arithmetic | jsonl"),
+    (("--rollout.task", "poetry"), "rollout.task = 'poetry' is out of range; allowed: digits | arithmetic | dataset | "
+                                   "gsm8k | jsonl or 'package.module:name'"),
+    (("--rollout.reward_funcs", "nope:fn"), "rollout.reward_funcs = 'nope:fn' cannot be imported"),
+    (("--rollout.reward_funcs", "answer_match", "--rollout.reward_weights", "1", "2"), "rollout.reward_weights"),
+    (("--eval.n", "0"), "eval.n"),
+    (("--metrics.log_completions_every", "-1"), "metrics.log_completions_every"),
     (("--rollout.engine_device", "tpu"), "rollout.engine_device"),
     (("--rollout.engine", "vllm"), "rollout.urls"),
     (("--rollout.dispatch_dead_zone", "1"), "rollout.dispatch_dead_zone = 1.0 is out of range; allowed: a number in [0, 1)"),
@@ -162,16 +167,18 @@ def test_toml_syntax_error(tiny_model_dir, tmp_path):
 
 
 def test_reward_function_checks(tiny_model_dir, tmp_path):
-    from torchtitan_flux.tasks import build_task, check_reward
+    """A bad reward function stops the run before any engine starts (probed on one empty completion)."""
+    from torchtitan_flux.rewards import RewardError
+    from torchtitan_flux.tasks import build_task, check_rewards, prompt_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     for fn, match in [("test_config:nan_reward", "finite"), ("test_config:str_reward", "finite")]:
         cfg = parse("--rollout.task", "jsonl", "--rollout.dataset_path", str(data), "--rollout.reward_fn", fn)
         validate_config(cfg)
-        task = build_task(cfg.rollout)
-        with pytest.raises(ValueError, match=match):
-            check_reward(task, task.reward(task.prompts(0, 1, 1)[0], ""))
+        task = build_task(cfg, prompt_tokenizer(cfg))
+        with pytest.raises(RewardError, match=match):
+            check_rewards(task, 0)
     cfg = parse("--rollout.task", "jsonl", "--rollout.dataset_path", str(data), "--rollout.reward_fn",
                 "test_config:missing")
     with pytest.raises(ConfigError, match="rollout.reward_fn"):
@@ -179,14 +186,14 @@ def test_reward_function_checks(tiny_model_dir, tmp_path):
 
 
 def test_bad_jsonl_record(tiny_model_dir, tmp_path):
-    from torchtitan_flux.tasks import build_task
+    from torchtitan_flux.tasks import build_task, prompt_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"answer": "2"}\n')
     cfg = parse("--rollout.task", "jsonl", "--rollout.dataset_path", str(data), "--rollout.reward_fn",
                 "test_config:good_reward")
-    with pytest.raises(ValueError, match="line 1"):
-        build_task(cfg.rollout)
+    with pytest.raises(ValueError, match=r"has columns \['answer'\]; it needs a text column named by rollout.prompt_column"):
+        build_task(cfg, prompt_tokenizer(cfg))
 
 
 def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):

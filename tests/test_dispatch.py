@@ -12,6 +12,7 @@ import random
 import torch
 
 from torchtitan_flux.engine.base import EngineError, GenerationResult
+from torchtitan_flux.rewards import RewardFunc
 from torchtitan_flux.rollout import RolloutScheduler
 from torchtitan_flux.tasks import Prompt
 
@@ -19,6 +20,9 @@ G = 4
 
 
 class FakeTask:
+    chat = False
+    reward_funcs = [RewardFunc("zero", lambda completions, **kw: [0.0] * len(completions))]
+
     def prompts(self, seed, step, n):
         return [Prompt(f"p{step}_{i}") for i in range(n)]
 
@@ -26,6 +30,9 @@ class FakeTask:
 class FakeTokenizer:
     def encode(self, text, add_bos=True, add_eos=False):
         return [1, 2, 3]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
 
 
 class FakeEngine:

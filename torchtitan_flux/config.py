@@ -13,6 +13,8 @@ Simplification: torchtitan's own sections are validated by torchtitan; we check 
 
 import dataclasses
 import importlib
+import importlib.util
+import logging
 import os
 import re
 import socket
@@ -104,15 +106,17 @@ class Rollout:
 
     task: str = "digits"
     """Task: "digits" (dense reward: fraction of completion characters that are digits; a random-init model
-    learns it in minutes), "arithmetic" (exact-match sums with answer extraction), or "jsonl" (user
-    prompt/answer records in ``dataset_path`` scored by ``reward_fn``)."""
+    learns it in minutes), "arithmetic" (exact-match sums, final-answer extraction), "dataset" (records of
+    ``dataset_path``, scored by ``reward_funcs``; "jsonl" is its old name and still works), "gsm8k" (a dataset in
+    GSM8K's format scored by its final answer), or "package.module:name" (a task factory; docs/data.md)."""
 
     dataset_path: str = ""
-    """JSONL file of {"prompt": ..., "answer": ...} records; required for task "jsonl"."""
+    """Dataset of tasks "dataset" / "gsm8k": a local .jsonl / .json / .parquet / .csv file, a folder of such files
+    (splits named by file name: train.jsonl, test.jsonl), or a ``save_to_disk`` folder (docs/data.md)."""
 
     reward_fn: str = ""
-    """Reward function for task "jsonl", named "package.module:function"; called as fn(prompt, completion,
-    answer) -> float."""
+    """Old single reward function, "package.module:function", called per sample as fn(prompt, completion,
+    answer) -> float. Still works; ``reward_funcs`` (TRL's batched signature) replaces it."""
 
     engine_threads: int = 1
     """CPU threads of each engine on this machine (an embedded engine's torch threads, or a launched vLLM
@@ -155,6 +159,43 @@ class Rollout:
     started by ``launch`` see only that GPU (``CUDA_VISIBLE_DEVICES``). Empty: CPU when the trainer is on CPU,
     else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``. Checked against the visible GPUs before any engine starts;
     never a trainer GPU, never one GPU twice. Replaces ``engine_device`` (still honoured when set)."""
+
+    dataset_split: str = "train"
+    """Split of ``dataset_path`` to train on, when it is a folder or a saved ``DatasetDict`` (a single file has
+    one split)."""
+
+    prompt_column: str = "prompt"
+    """Dataset column holding the prompt text (task "gsm8k" also accepts "question")."""
+
+    messages_column: str = "messages"
+    """Dataset column holding a chat prompt (a list of {"role", "content"} messages), used when there is no
+    ``prompt_column``; rendered with the model folder's chat template."""
+
+    answer_column: str = "answer"
+    """Dataset column passed to the rewards as ``answer`` (every other column is passed under its own name)."""
+
+    apply_chat_template: Bool = False
+    """Render text prompts as a one-message user chat through the model folder's chat template (chat datasets
+    always are)."""
+
+    max_prompt_tokens: int = 0
+    """Longest prompt in tokens; 0 means ``training.seq_len - max_new_tokens``. ``max_prompt_tokens +
+    max_new_tokens`` must fit in ``training.seq_len``. >= 0."""
+
+    long_prompts: Literal["drop", "error"] = "drop"
+    """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (how many is logged at start) or "error"
+    (refuse the dataset)."""
+
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions with TRL's batched signature f(prompts, completions, completion_ids, **columns) ->
+    list[float | None], each "package.module:function" or a built-in ("answer_match", "math_verify", "digits");
+    sync or async. Empty: ``reward_fn``, else the task's own reward (docs/data.md)."""
+
+    reward_weights: list[float] = field(default_factory=list)
+    """Weight of each of ``reward_funcs`` in the total reward; empty means 1.0 each."""
+
+    reward_workers: int = 1
+    """Threads scoring rewards off the trainer's main loop. >= 1."""
 
 
 @dataclass
@@ -310,6 +351,46 @@ class AdaptiveAsync:
 
 
 @dataclass
+class Eval:
+    """``[eval]``: held-out evaluation through the rollout engines (docs/data.md)."""
+
+    every_steps: int = 0
+    """Evaluate the policy after every N-th training step; 0 disables. >= 0."""
+
+    at_start: Bool = False
+    """Also evaluate the initial policy (version 0) before the first step."""
+
+    dataset_path: str = ""
+    """Held-out dataset (same formats as ``rollout.dataset_path``); empty: ``rollout.dataset_path``'s ``split``.
+    Generated tasks (digits, arithmetic) draw their own held-out prompts."""
+
+    split: str = "test"
+    """Split of the held-out dataset (a folder or a saved ``DatasetDict``)."""
+
+    num_prompts: int = 0
+    """Prompts evaluated: the first N records of the held-out set; 0 means all of a dataset (64 of a generated
+    task). >= 0."""
+
+    n: int = 1
+    """Completions per prompt. With n > 1, pass@n is logged too. >= 1."""
+
+    temperature: float = 0.0
+    """Sampling temperature of evaluation; 0 is greedy. >= 0."""
+
+    pass_threshold: float = 1.0
+    """A completion passes when its total reward is >= this (for pass@k)."""
+
+
+@dataclass
+class Metrics:
+    """``[metrics]`` fields added to torchtitan's own section."""
+
+    log_completions_every: int = 0
+    """Every N steps, write a table of the step's completions (prompt, completion, rewards, version) to
+    ``<dump_folder>/completions.jsonl`` and to W&B (``enable_wandb``); 0 disables. >= 0."""
+
+
+@dataclass
 class JobConfig:
     """The sections merged into torchtitan's JobConfig."""
 
@@ -317,9 +398,13 @@ class JobConfig:
     rollout: Rollout = field(default_factory=Rollout)
     weight_sync: WeightSync = field(default_factory=WeightSync)
     adaptive_async: AdaptiveAsync = field(default_factory=AdaptiveAsync)
+    eval: Eval = field(default_factory=Eval)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
-SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "adaptive_async": AdaptiveAsync}
+SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "adaptive_async": AdaptiveAsync,
+            "eval": Eval}
+ADDED_TO_TORCHTITAN = {"metrics": Metrics}  # fields merged into torchtitan's own sections (their booleans are its)
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -353,7 +438,8 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
         return
     if origin is list:
         (item,) = typing.get_args(tp)
-        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+        items = (int, float) if item is float else item  # TOML writes 1 for 1.0
+        if not isinstance(value, list) or not all(isinstance(v, items) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{name} must be a list of {item.__name__}, got {value!r}")
         return
     if dataclasses.is_dataclass(tp):
@@ -431,8 +517,7 @@ def validate_config(job_config: Any) -> None:
     _require(r.engine_threads >= 1, "rollout.engine_threads", r.engine_threads, ">= 1")
     if not (r.engine_device in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", r.engine_device)):
         raise ConfigError(f"rollout.engine_device = {r.engine_device!r}; allowed: 'auto' | 'cpu' | 'cuda:N'")
-    tasks = ("digits", "arithmetic", "jsonl")
-    _require(r.task in tasks, "rollout.task", r.task, " | ".join(tasks))
+    _check_data(job_config)
     _require(0 <= r.dispatch_dead_zone < 1, "rollout.dispatch_dead_zone", r.dispatch_dead_zone, "a number in [0, 1)")
     _require(0 < r.dispatch_max_share <= 1, "rollout.dispatch_max_share", r.dispatch_max_share, "a number in (0, 1]")
     _require(r.launch_timeout_s > 0, "rollout.launch_timeout_s", r.launch_timeout_s, "> 0")
@@ -453,10 +538,6 @@ def validate_config(job_config: Any) -> None:
             f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
             + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else "")
         )
-    if r.task == "jsonl":
-        if not r.dataset_path or not os.path.isfile(r.dataset_path):
-            raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} is not a file; task 'jsonl' needs one")
-        _importable("rollout.reward_fn", r.reward_fn)
 
     _require(w.timeout_seconds > 0, "weight_sync.timeout_seconds", w.timeout_seconds, "> 0")
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
@@ -517,3 +598,46 @@ def validate_config(job_config: Any) -> None:
                 f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
                 "(build the tiny one with `python scripts/build_tiny_model.py`)"
             )
+
+
+def _check_data(job_config: Any) -> None:
+    """Task, dataset, prompt length, rewards, ``[eval]`` and ``metrics.log_completions_every`` (docs/data.md)."""
+    from torchtitan_flux import tasks
+
+    r, ev = job_config.rollout, job_config.eval
+    try:
+        tasks.task_factory(r.task)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("is not allowed", "is out of range")) from None
+    if r.task in tasks.ALIASES:
+        logging.getLogger("torchtitan_flux").warning(
+            f"rollout.task = {r.task!r} is deprecated; use {tasks.ALIASES[r.task]!r} (same behaviour)")
+    if tasks.ALIASES.get(r.task, r.task) in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
+        raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} does not exist; task {r.task!r} needs a dataset "
+                          "file or folder")
+    _require(r.max_prompt_tokens >= 0, "rollout.max_prompt_tokens", r.max_prompt_tokens, ">= 0 (0 = seq_len - max_new_tokens)")
+    seq_len = job_config.training.seq_len
+    if tasks.max_prompt_tokens(job_config) < 1 or tasks.max_prompt_tokens(job_config) + r.max_new_tokens > seq_len:
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({r.max_prompt_tokens or 'auto'}) + rollout.max_new_tokens ({r.max_new_tokens}) "
+            f"must fit in training.seq_len = {seq_len} with room for a prompt; lower them or raise training.seq_len"
+        )
+    for spec in r.reward_funcs:
+        if spec not in tasks.BUILTIN_REWARDS:
+            _importable("rollout.reward_funcs", spec)
+    if "math_verify" in r.reward_funcs and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("rollout.reward_funcs names 'math_verify', which needs `pip install math-verify`")
+    if r.reward_weights and len(r.reward_weights) != len(r.reward_funcs):
+        raise ConfigError(f"rollout.reward_weights has {len(r.reward_weights)} entries for {len(r.reward_funcs)} "
+                          "rollout.reward_funcs; allowed: one weight per function, or none (all 1.0)")
+    if r.reward_fn:
+        _importable("rollout.reward_fn", r.reward_fn)
+    _require(r.reward_workers >= 1, "rollout.reward_workers", r.reward_workers, "an integer >= 1")
+    _require(ev.every_steps >= 0, "eval.every_steps", ev.every_steps, ">= 0 (0 disables)")
+    _require(ev.n >= 1, "eval.n", ev.n, "an integer >= 1")
+    _require(ev.num_prompts >= 0, "eval.num_prompts", ev.num_prompts, ">= 0 (0 = all)")
+    _require(ev.temperature >= 0, "eval.temperature", ev.temperature, ">= 0 (0 = greedy)")
+    if ev.dataset_path and not os.path.exists(ev.dataset_path):
+        raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
+    n = job_config.metrics.log_completions_every
+    _require(n >= 0, "metrics.log_completions_every", n, ">= 0 (0 disables)")

@@ -1,9 +1,19 @@
-"""Per-step metrics: ``<dump_folder>/metrics.jsonl`` (one JSON object per step), TensorBoard, and a console line.
+"""Per-step metrics: ``<dump_folder>/metrics.jsonl`` (one JSON object per step), TensorBoard / W&B, a console line,
+and the completions table.
 
 Written by rank 0 only. ``metrics.jsonl`` is appended and flushed every step, so a killed run keeps every
-completed step's line; a resumed run appends after them. TensorBoard (torchtitan's ``metrics.enable_tensorboard``)
-gets every ``metrics.log_freq``-th step: its writer thread costs the trainer about 8% of a 60 ms step when it
-writes ~50 scalars every step (measured with py-spy on the debug config).
+completed step's line; a resumed run appends after them. TensorBoard and W&B go through torchtitan's own loggers
+(``metrics.enable_tensorboard`` / ``metrics.enable_wandb``: the trainer's ``metrics_processor.logger``, which
+writes under ``<dump_folder>/<metrics.save_tb_folder>/<date>``; W&B reads ``WANDB_PROJECT``, ``WANDB_MODE`` etc.
+from the environment) and get every ``metrics.log_freq``-th step, plus every step carrying evaluation metrics: a
+TensorBoard writer thread costs the trainer about 8% of a 60 ms step when it writes ~50 scalars every step
+(measured with py-spy on the debug config).
+
+Completions table (``metrics.log_completions_every``): every N-th step's completions, one row each (step,
+policy version, prompt, completion, total reward, each reward function's value), appended to
+``<dump_folder>/completions.jsonl`` and logged to W&B as a ``wandb.Table`` named ``completions``. ``close`` (called
+by the trainer's ``close``, before the entry point's ``os._exit``) flushes the files; torchtitan's
+``metrics_processor.close`` then finishes the W&B run.
 """
 
 from __future__ import annotations
@@ -18,31 +28,46 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 class MetricsWriter:
-    def __init__(self, dump_folder: str, total_steps: int, tensorboard: bool = True, tensorboard_every: int = 1):
+    def __init__(self, dump_folder: str, total_steps: int, loggers=None, log_every: int = 1):
+        """``loggers``: torchtitan's logger (``metrics_processor.logger``: TensorBoard and/or W&B), or None."""
         os.makedirs(dump_folder, exist_ok=True)
         self.path = os.path.join(dump_folder, "metrics.jsonl")
         self._f = open(self.path, "a", buffering=1)
+        self._completions_path = os.path.join(dump_folder, "completions.jsonl")
+        self._completions = None
         self.total_steps = total_steps
         self._t0 = time.perf_counter()
         self._first_step: int | None = None
-        self._tb = None
-        self._tb_every = max(1, tensorboard_every)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self._loggers = loggers
+        self._every = max(1, log_every)
+        self._wandb = next((lg.wandb for lg in getattr(loggers, "_loggers", []) if hasattr(lg, "wandb")), None)
 
-                self._tb = SummaryWriter(os.path.join(dump_folder, "tb"))
-            except ImportError:  # tensorboard is a dependency; this only guards stripped installs
-                logger.warning("tensorboard is not installed; metrics go to metrics.jsonl only")
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], progress: bool = True) -> None:
+        """One record; ``progress=False`` for a record that is not a training step (the ``eval.at_start`` one)."""
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(record) + "\n")
-        if self._tb is not None and step % self._tb_every == 0:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
-        logger.info(self.progress_line(step, record))
+        if self._loggers is not None and (step % self._every == 0 or not progress or "eval/version" in record):
+            self._loggers.log({k: v for k, v in record.items() if k != "step" and _scalar(v)}, step)
+        if progress:
+            logger.info(self.progress_line(step, record))
+        elif "eval/reward_mean" in record:
+            logger.info(f"eval of version {record['eval/version']}: reward {record['eval/reward_mean']:.3f}  "
+                        f"pass@1 {record['eval/pass@1']:.3f}")
+
+    def log_completions(self, step: int, prompts: list[str], completions: list[str], versions: list[int],
+                        total: list[float], per_func: dict[str, list]) -> None:
+        """The completions table of ``step`` (``prompts`` has one entry per completion)."""
+        if self._completions is None:
+            self._completions = open(self._completions_path, "a", buffering=1)
+        rows = []
+        for i, (p, c, v, t) in enumerate(zip(prompts, completions, versions, total)):
+            rewards = {name: values[i] for name, values in per_func.items()}
+            self._completions.write(json.dumps({"step": step, "version": v, "prompt": p, "completion": c,
+                                                "reward": t, "rewards": rewards}) + "\n")
+            rows.append([step, v, p, c, t, *rewards.values()])
+        if self._wandb is not None:
+            columns = ["step", "version", "prompt", "completion", "reward", *per_func]
+            self._wandb.log({"completions": self._wandb.Table(columns=columns, data=rows)}, step=step)
 
     def progress_line(self, step: int, m: dict) -> str:
         """step, reward, staleness, async ratio, steps/s and ETA, on one line."""
@@ -63,9 +88,10 @@ class MetricsWriter:
         return "  ".join(p for p in parts if p)
 
     def close(self) -> None:
+        """Flush and close the files (the trainer's ``close`` then closes torchtitan's loggers)."""
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+        if self._completions is not None:
+            self._completions.close()
 
 
 def _plain(v):
@@ -74,3 +100,7 @@ def _plain(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

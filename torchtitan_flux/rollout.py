@@ -5,7 +5,9 @@
 Every sample carries the engine's policy version that generated it (stamped by the engine for the whole
 request) and the trainer version at dispatch.
 
-Concurrency: everything here runs on the main thread. Engines report through one ``events`` queue; ``pump``
+Concurrency: everything here runs on the main thread, except reward scoring: when a step's last result arrives
+(in ``pump``) its completions are decoded and handed to the ``RewardScorer``'s worker pool, and ``collect`` waits on
+that future only when it builds the step's batch (so scoring overlaps training in async mode). Engines report through one ``events`` queue; ``pump``
 is the only consumer and routes acks/errors to the ``WeightSyncer`` and results to their step. A dead engine's
 in-flight requests are re-dispatched to the engines still alive (or to its restarted replacement), so no prompt
 is lost.
@@ -26,13 +28,15 @@ import itertools
 import logging
 import queue
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
-from torchtitan_flux.tasks import Prompt, Task, check_reward
+from torchtitan_flux.rewards import RewardScorer
+from torchtitan_flux.tasks import Prompt, Task, reward_inputs
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -56,6 +60,9 @@ class RolloutBatch:
     newest_seen: int  # newest version any engine had received when its part finished
     gen_time_s: float  # max engine-side generation time over the step's parts
     completions: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)  # one per prompt (not per completion)
+    reward_values: dict[str, list] = field(default_factory=dict)  # reward function -> value per completion
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # rewards/<name>/mean, /std
 
     @property
     def num_completion_tokens(self) -> int:
@@ -77,6 +84,8 @@ class _Step:
     prompt_ids: list[list[int]]
     parts: list[_Part]
     n_dispatched: int = 0  # prompts [0, n_dispatched) have been sent to engines
+    completions: list[str] | None = None  # decoded once every part has its result
+    scores: Future | None = None  # rewards.Scores, computed by the scorer's pool
 
 
 class RolloutScheduler:
@@ -99,6 +108,7 @@ class RolloutScheduler:
         on_engine_dead: Callable[[EngineHandler], EngineHandler | None],
         dead_zone: float = 0.1,
         max_share: float = 0.75,
+        reward_workers: int = 1,
     ):
         self.engines = list(engines)
         self.events, self.task, self.tokenizer = events, task, tokenizer
@@ -114,6 +124,7 @@ class RolloutScheduler:
         self.shares: dict[str, float] = {}  # the split in force (engine name -> fraction); see _shares
         self.redispatched = 0
         self.engine_deaths = 0
+        self.scorer = RewardScorer(task.reward_funcs, reward_workers)
 
     # ---------------------------------------------------------------------------------------- dispatch
 
@@ -124,7 +135,7 @@ class RolloutScheduler:
 
     def _new_step(self, step: int) -> _Step:
         prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
-        ids = [self.tokenizer.encode(p.text, add_bos=True, add_eos=False) for p in prompts]
+        ids = [self.tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in prompts]
         st = self._steps[step] = _Step(step, prompts, ids, [])
         return st
 
@@ -200,6 +211,29 @@ class RolloutScheduler:
             # the engine waits for that push instead of generating from older weights that would be discarded
             min_version=max(0, step - 1 - self.max_version_gap), pin_version=pin,
         )
+        return self._send(req, engine, first)
+
+    def submit_eval(self, prompt_ids: list[list[int]], n: int, temperature: float, version: int, seed: int) -> list[_Part]:
+        """Evaluation requests: ``n`` completions of each prompt, generated on exactly policy ``version`` (the
+        engines wait for it), split evenly over the engines alive (the training split is left as it is). Their
+        parts get their results through ``pump`` like any other request (re-dispatched if an engine dies)."""
+        alive = [e for e in self.engines if e.alive()]
+        if not alive:
+            raise NoEngineLeft("no rollout engine is alive")
+        parts, first = [], 0
+        for i, engine in enumerate(alive):
+            count = len(prompt_ids) // len(alive) + (i < len(prompt_ids) % len(alive))
+            if count:
+                req = GenerationRequest(
+                    req_id=next(self._req_ids), step=0, prompt_ids=prompt_ids[first : first + count], group_size=n,
+                    max_new_tokens=self.max_new_tokens, temperature=temperature, top_k=self.top_k,
+                    seed=seed * 131 + first, dispatch_version=version, min_version=version, pin_version=version,
+                )
+                parts.append(self._send(req, engine, first))
+            first += count
+        return parts
+
+    def _send(self, req: GenerationRequest, engine: EngineHandler, first: int) -> _Part:
         part = _Part(req, engine, first)
         self._by_req[req.req_id] = part
         engine.submit(req)
@@ -221,6 +255,9 @@ class RolloutScheduler:
                 part.result = ev
                 n = ev.tokens.shape[0]
                 self.speed[ev.engine] = 0.8 * self.speed[ev.engine] + 0.2 * n / max(ev.gen_time_s, 1e-6)
+                st = self._steps.get(part.request.step)  # None for evaluation requests (step 0)
+                if st is not None and all(p.result is not None for p in st.parts):
+                    self._score(st)
         elif isinstance(ev, WeightAck):
             self.on_weight_event(ev)
         elif isinstance(ev, EngineError):
@@ -262,7 +299,26 @@ class RolloutScheduler:
         while any(p.result is None for p in st.parts):
             self.pump(0.05)
         del self._steps[step]
+        self._score(st)  # (a step restored finished from a checkpoint is scored here)
         return self._build(st)
+
+    def decode(self, parts: list[_Part]) -> list[str]:
+        """The completion texts of ``parts`` (in the order given), special tokens skipped."""
+        out = []
+        for p in parts:
+            for row, c in zip(p.result.tokens, p.result.lengths.tolist()):
+                out.append(self.tokenizer.decode(row[:c].tolist(), skip_special_tokens=True))
+        return out
+
+    def _score(self, st: _Step) -> None:
+        """Decode ``st``'s completions and hand them to the reward pool (once)."""
+        if st.scores is not None:
+            return
+        parts = sorted(st.parts, key=lambda p: p.first)
+        st.completions = self.decode(parts)
+        ids = [row[:c].tolist() for p in parts for row, c in zip(p.result.tokens, p.result.lengths.tolist())]
+        prompts, completions, columns = reward_inputs(self.task, st.prompts, st.completions, self.group_size)
+        st.scores = self.scorer.submit(prompts, completions, ids, columns)
 
     def _build(self, st: _Step) -> RolloutBatch:
         G = self.group_size
@@ -278,22 +334,20 @@ class RolloutScheduler:
         seq = torch.full((B, L), self.pad_id, dtype=torch.int64)
         mask = torch.zeros(B, L - 1)
         behaviour = torch.zeros(B, L - 1)
-        completions, rewards = [], []
         for i in range(B):
             p, c = len(prompt_ids[i]), int(lengths[i])
             seq[i, :p] = torch.tensor(prompt_ids[i])
             seq[i, p : p + c] = tokens[i, :c]
             mask[i, p - 1 : p - 1 + c] = 1.0
             behaviour[i, p - 1 : p - 1 + c] = logprobs[i, :c]
-            text = self.tokenizer.decode(tokens[i, :c].tolist(), skip_special_tokens=True)
-            completions.append(text)
-            rewards.append(check_reward(self.task, self.task.reward(st.prompts[i // G], text)))
+        scores = st.scores.result()  # a reward function's error (RewardError) stops the run here
         return RolloutBatch(
             step=st.step, tokens=seq, loss_mask=mask, behaviour_logprobs=behaviour,
-            rewards=torch.tensor(rewards, dtype=torch.float32), versions=versions,
+            rewards=torch.tensor(scores.total, dtype=torch.float32), versions=versions,
             dispatch_version=min(p.request.dispatch_version for p in parts),
             newest_seen=max(p.result.newest_seen for p in parts),
-            gen_time_s=max(p.result.gen_time_s for p in parts), completions=completions,
+            gen_time_s=max(p.result.gen_time_s for p in parts), completions=st.completions,
+            prompts=[p.text for p in st.prompts], reward_values=scores.per_func, reward_metrics=scores.metrics(),
         )
 
     def discard(self, step: int) -> None:
@@ -341,3 +395,4 @@ class RolloutScheduler:
             self.pump(0.05)
         self._steps.clear()
         self._by_req.clear()
+        self.scorer.close()

@@ -1,48 +1,63 @@
-"""Tasks: where prompts come from and how completions are scored.
+"""Tasks: where prompts come from and which reward functions score them.
 
-A task yields ``Prompt(text, answer)`` records for a training step from a generator seeded by (seed, step), so
-the prompts of every step are reproducible after a resume without any dataloader state. Rewards are floats;
-the trainer rejects a reward that is not a finite number with an error naming the task.
+A task yields the ``Prompt`` records of a training step as a pure function of (seed, step), so the prompts of
+every step are reproducible after a resume without any dataloader state. Its rewards are ``RewardFunc``s with
+TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` / ``rollout.reward_fn`` replace a task's own.
 
-* ``digits`` — dense sanity task: reward = fraction of the completion's characters (before EOS) that are
-  ASCII digits; an empty completion scores 0. A random-init byte-level model starts near 10/259 and learns it in
-  minutes on CPU.
-* ``arithmetic`` — "a+b=" with a, b in [0, 50): reward 1 if the first integer in the completion equals a+b.
-* ``jsonl`` — the user's ``{"prompt", "answer"}`` records (sampled uniformly with replacement), scored by the
-  user's ``reward_fn(prompt, completion, answer) -> float`` named "package.module:function".
+Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a callable taking
+``(job_config, tokenizer, dataset_path, dataset_split)`` and returning a ``Task``):
+
+* ``digits`` — dense sanity task: reward = fraction of the completion's characters that are ASCII digits.
+  A random-init byte-level model starts near 10/259 and learns it in minutes on CPU.
+* ``arithmetic`` — "a+b=" with a, b in [0, 50): reward 1 if the completion's final answer (``extract_answer``:
+  after ``####``, else ``\\boxed{}``, else the last number) equals a+b.
+* ``dataset`` (alias ``jsonl``, the old name) — records of a local dataset (``data.load_table``): a text prompt
+  column or a chat ``messages`` column, every other column passed to the rewards; sampled in seeded epochs
+  without replacement (``data.EpochSampler``). No default reward: name one in ``rollout.reward_funcs``.
+* ``gsm8k`` — a dataset in GSM8K's format (``question``, ``answer`` ending in ``#### <number>``) scored by
+  ``answer_match`` (exact final answer); ``math_verify`` is available as a reward when installed.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-import math
+import os
 import random
-import re
 import string
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torchtitan_flux import rewards as R
+from torchtitan_flux.data import ChatTemplate, EpochSampler, filter_long, load_table
+
+BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
+    "answer_match": R.answer_match_reward,
+    "math_verify": R.math_verify_reward,
+    "digits": R.digits_reward,
+}
 
 
 @dataclass(frozen=True)
 class Prompt:
-    text: str
+    text: str  # what the model is given (for a chat record: the rendered template)
     answer: str = ""
-
-
-RewardFn = Callable[[str, str, str], float]
+    columns: dict[str, Any] = field(default_factory=dict)  # passed to the rewards (``answer`` always included)
+    messages: list | None = None  # chat records: the messages, which the rewards get as ``prompts``
+    add_bos: bool = True  # False for chat-templated text: the template writes its own BOS
 
 
 class Task:
-    """A prompt source and a reward function."""
+    """A prompt source and the reward functions that score it."""
 
     name: str
+    reward_funcs: list[R.RewardFunc]
+    chat: bool = False  # rewards get TRL's conversational format
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         raise NotImplementedError
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        raise NotImplementedError
+    def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
+        """Held-out prompts: ``n`` of them (every record of a dataset when ``n`` is 0)."""
+        return self.prompts(seed + 7_919, 0, n or 64)
 
 
 def _rng(seed: int, step: int) -> random.Random:
@@ -52,77 +67,200 @@ def _rng(seed: int, step: int) -> random.Random:
 class DigitsTask(Task):
     name = "digits"
 
+    def __init__(self):
+        self.reward_funcs = [R.RewardFunc("digits", R.digits_reward)]
+
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         rng = _rng(seed, step)
         return [Prompt("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) + ":") for _ in range(n)]
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return sum(c.isdigit() for c in completion) / len(completion) if completion else 0.0
-
 
 class ArithmeticTask(Task):
     name = "arithmetic"
-    _INT = re.compile(r"-?\d+")
+
+    def __init__(self):
+        self.reward_funcs = [R.RewardFunc("answer_match", R.answer_match_reward)]
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         rng = _rng(seed, step)
         out = []
         for _ in range(n):
             a, b = rng.randrange(50), rng.randrange(50)
-            out.append(Prompt(f"{a}+{b}=", str(a + b)))
+            out.append(Prompt(f"{a}+{b}=", str(a + b), {"answer": str(a + b)}))
         return out
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        m = self._INT.search(completion)
-        return 1.0 if m is not None and m.group(0) == prompt.answer else 0.0
 
+class DatasetTask(Task):
+    """Records of a local dataset (see the module docstring)."""
 
-class JsonlTask(Task):
-    name = "jsonl"
+    name = "dataset"
+    default_prompt_columns: tuple[str, ...] = ()  # tried after rollout.prompt_column
 
-    def __init__(self, path: str, reward_fn: RewardFn):
-        self.records = []
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    self.records.append(Prompt(str(rec["prompt"]), str(rec.get("answer", ""))))
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(
-                        f"rollout.dataset_path = {path!r} line {lineno}: expected a JSON object with a 'prompt' "
-                        f"(and optional 'answer') field: {e}"
-                    ) from e
-        if not self.records:
-            raise ValueError(f"rollout.dataset_path = {path!r} holds no records")
-        self.reward_fn = reward_fn
+    def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
+                 field_name: str = "rollout.dataset_path"):
+        r = job_config.rollout
+        table = load_table(dataset_path, dataset_split, field_name)
+        cols = table.column_names
+        text_col = next((c for c in (r.prompt_column, *self.default_prompt_columns) if c in cols), None)
+        self.chat = text_col is None and r.messages_column in cols
+        if text_col is None and not self.chat:
+            raise ValueError(f"{field_name} = {dataset_path!r} has columns {cols}; it needs a text column named by "
+                             f"rollout.prompt_column ({r.prompt_column!r}) or a chat column named by "
+                             f"rollout.messages_column ({r.messages_column!r})")
+        template = ChatTemplate(job_config.model.hf_assets_path) if self.chat or r.apply_chat_template else None
+        prompt_col = r.messages_column if self.chat else text_col
+        records, lengths = [], []
+        for i, row in enumerate(table.to_list()):
+            value = row.pop(prompt_col)
+            answer = "" if row.get(r.answer_column) is None else str(row[r.answer_column])
+            columns = {"answer": row.get(r.answer_column), **row}  # as read (a CSV number stays a number)
+            if self.chat:
+                messages = value
+            elif template is not None:
+                messages = [{"role": "user", "content": str(value)}]
+            else:
+                messages = None
+            if messages is not None:
+                if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                    raise ValueError(f"{field_name} = {dataset_path!r} record {i}: column {prompt_col!r} must be a "
+                                     "list of {'role', 'content'} messages")
+                text = template.render(messages, add_generation_prompt=True)
+                p = Prompt(text, answer, columns, messages if self.chat else None, add_bos=False)
+            else:
+                p = Prompt(str(value), answer, columns)
+            records.append(p)
+            lengths.append(len(tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False)))
+        limit = max_prompt_tokens(job_config)
+        self.records = filter_long(records, lengths, limit, r.long_prompts, f"{field_name} = {dataset_path!r}")
+        self.sampler = EpochSampler(len(self.records), r.seed)
+        self.reward_funcs = []
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
-        rng = _rng(seed, step)
-        return [self.records[rng.randrange(len(self.records))] for _ in range(n)]
+        if seed != self.sampler.seed:
+            self.sampler = EpochSampler(len(self.records), seed)
+        return [self.records[i] for i in self.sampler.indices((step - 1) * n, n)]
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return self.reward_fn(prompt.text, completion, prompt.answer)
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    mod, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(mod), attr)
+    def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
+        return self.records[: n or len(self.records)]
 
 
-def build_task(rollout_cfg) -> Task:
-    if rollout_cfg.task == "digits":
-        return DigitsTask()
-    if rollout_cfg.task == "arithmetic":
-        return ArithmeticTask()
-    return JsonlTask(rollout_cfg.dataset_path, load_reward_fn(rollout_cfg.reward_fn))
+class Gsm8kTask(DatasetTask):
+    name = "gsm8k"
+    default_prompt_columns = ("question",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reward_funcs = [R.RewardFunc("answer_match", R.answer_match_reward)]
 
 
-def check_reward(task: Task, value: object) -> float:
-    """Rewards must be finite real numbers; anything else is the user's bug and stops the run."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(
-            f"reward function of task {task.name!r} returned {value!r}; it must return a finite float"
-        )
-    return float(value)
+def _dataset_task(cls):
+    return lambda jc, tok, path, split, field_name="rollout.dataset_path": cls(jc, tok, path, split, field_name)
+
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "digits": lambda *a, **k: DigitsTask(),
+    "arithmetic": lambda *a, **k: ArithmeticTask(),
+    "dataset": _dataset_task(DatasetTask),
+    "gsm8k": _dataset_task(Gsm8kTask),
+}
+ALIASES = {"jsonl": "dataset"}  # old name, kept working
+DATASET_TASKS = ("dataset", "gsm8k")
+
+
+def task_factory(name: str) -> Callable[..., Task]:
+    name = ALIASES.get(name, name)
+    if name in TASKS:
+        return TASKS[name]
+    if ":" in name:
+        return R.import_callable(name, "rollout.task")
+    raise ValueError(f"rollout.task = {name!r} is not allowed; allowed: {' | '.join([*TASKS, *ALIASES])} or "
+                     "'package.module:name'")
+
+
+def max_prompt_tokens(job_config) -> int:
+    """``rollout.max_prompt_tokens``, or what ``training.seq_len`` leaves after ``max_new_tokens`` when it is 0."""
+    r = job_config.rollout
+    return r.max_prompt_tokens or job_config.training.seq_len - r.max_new_tokens
+
+
+def reward_funcs(rollout_cfg, task: Task) -> list[R.RewardFunc]:
+    """``rollout.reward_funcs`` (with ``reward_weights``), else the old ``reward_fn``, else the task's own."""
+    specs, weights = list(rollout_cfg.reward_funcs), list(rollout_cfg.reward_weights)
+    if specs:
+        if weights and len(weights) != len(specs):
+            raise ValueError(f"rollout.reward_weights has {len(weights)} entries for {len(specs)} reward_funcs; "
+                             "give one weight per function, or none (all 1.0)")
+        out = []
+        for spec, w in zip(specs, weights or [1.0] * len(specs)):
+            fn = BUILTIN_REWARDS.get(spec) or R.import_callable(spec, "rollout.reward_funcs")
+            out.append(R.RewardFunc(spec.rpartition(":")[2], fn, float(w)))  # TRL names it by the function
+        if len({f.name for f in out}) < len(out):
+            out = [R.RewardFunc(spec, f.fn, f.weight) for spec, f in zip(specs, out)]
+        return out
+    if rollout_cfg.reward_fn:
+        return [R.RewardFunc(rollout_cfg.reward_fn, R.per_sample(R.import_callable(rollout_cfg.reward_fn,
+                                                                                   "rollout.reward_fn")))]
+    if not task.reward_funcs:
+        raise ValueError(f"rollout.task = {task.name!r} has no reward of its own; name one in rollout.reward_funcs")
+    return task.reward_funcs
+
+
+def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_split: str | None = None,
+               field_name: str = "rollout.dataset_path") -> Task:
+    """The task named by ``rollout.task``, on ``dataset_path`` / ``dataset_split`` (default: the rollout's),
+    with its reward functions resolved (``reward_funcs``)."""
+    r = job_config.rollout
+    path = r.dataset_path if dataset_path is None else dataset_path
+    split = r.dataset_split if dataset_split is None else dataset_split
+    task = task_factory(r.task)(job_config, tokenizer, path, split, field_name)
+    task.reward_funcs = reward_funcs(r, task)
+    return task
+
+
+def reward_inputs(task: Task, prompts: list[Prompt], completions: list[str], group_size: int):
+    """TRL's reward arguments for ``completions`` (``group_size`` per prompt, in order): (prompts, completions,
+    columns), in the conversational format for chat tasks."""
+    rows = [p for p in prompts for _ in range(group_size)]
+    if task.chat:
+        p_in = [p.messages for p in rows]
+        c_in = [[{"role": "assistant", "content": c}] for c in completions]
+    else:
+        p_in, c_in = [p.text for p in rows], list(completions)
+    keys = list(dict.fromkeys(k for p in prompts for k in p.columns))
+    columns = {k: [p.columns.get(k) for p in rows] for k in keys}
+    return p_in, c_in, columns
+
+
+def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
+    """The held-out task of ``[eval]`` (None when evaluation is off): ``eval.dataset_path`` (or the rollout
+    dataset's ``eval.split``) for dataset tasks; a generated task evaluates on prompts of its own held-out seed."""
+    ev, r = job_config.eval, job_config.rollout
+    if not (ev.every_steps or ev.at_start):
+        return None
+    if not isinstance(task, DatasetTask):
+        return task
+    if not ev.dataset_path and not os.path.isdir(r.dataset_path):
+        raise ValueError(f"eval needs a held-out set: set eval.dataset_path, or make rollout.dataset_path = "
+                         f"{r.dataset_path!r} a folder / saved DatasetDict with split eval.split = {ev.split!r}")
+    return build_task(job_config, tokenizer, ev.dataset_path or r.dataset_path, ev.split,
+                      "eval.dataset_path" if ev.dataset_path else "rollout.dataset_path (eval.split)")
+
+
+def check_rewards(task: Task, seed: int) -> None:
+    """Score an empty completion of one prompt with every reward function, so that a function that fails or
+    returns a bad value stops the run before any engine starts (``RewardError``)."""
+    prompt = task.prompts(seed, 1, 1)
+    scorer = R.RewardScorer(task.reward_funcs)
+    try:
+        prompts, completions, columns = reward_inputs(task, prompt, [""], 1)
+        scorer.score(prompts, completions, [[]], columns)
+    finally:
+        scorer.close()
+
+
+def prompt_tokenizer(job_config):
+    """The tokenizer of ``model.hf_assets_path`` (torchtitan's), to measure prompts before the trainer builds its
+    own. (Where the models helper's HF tokenizer loading lands, this should become that loader.)"""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer(job_config.model.hf_assets_path)

@@ -45,12 +45,13 @@ from torchtitan_flux.config import ConfigError, validate_config
 from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
+from torchtitan_flux.evaluation import Evaluator
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
 from torchtitan_flux.placement import engine_devices, visible_devices_env
-from torchtitan_flux.tasks import build_task, check_reward
+from torchtitan_flux.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
@@ -76,9 +77,10 @@ class FluxTrainer(Trainer):
             select_model(job_config)
         except ValueError as e:
             raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
-        self.task = build_task(job_config.rollout)
-        probe = self.task.prompts(job_config.rollout.seed, 1, 1)[0]
-        check_reward(self.task, self.task.reward(probe, ""))  # bad reward functions fail before any spawn
+        tokenizer = prompt_tokenizer(job_config)
+        self.task = build_task(job_config, tokenizer)  # datasets load and prompts are length-checked here
+        self.eval_task = build_eval_task(job_config, tokenizer, self.task)
+        check_rewards(self.task, job_config.rollout.seed)  # bad reward functions fail before any spawn
         _set_cpu_threads(job_config)
         super().__init__(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -95,6 +97,7 @@ class FluxTrainer(Trainer):
         self.step_callbacks: list = []
         self.engines: list[EmbeddedEngine] = []
         self.scheduler: RolloutScheduler | None = None
+        self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
         self._events: queue.Queue = queue.Queue()
         self._engine_restarts = 0
@@ -126,8 +129,13 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             self.metrics_writer = MetricsWriter(
                 job_config.job.dump_folder, job_config.training.steps,
-                tensorboard=job_config.metrics.enable_tensorboard, tensorboard_every=job_config.metrics.log_freq,
+                loggers=self.metrics_processor.logger, log_every=job_config.metrics.log_freq,
             )
+            if self.eval_task is not None:
+                self.evaluator = Evaluator(
+                    job_config.eval, self.eval_task, self.scheduler, self.tokenizer, job_config.rollout.seed,
+                    job_config.job.dump_folder, wait=not job_config.weight_sync.async_weight_update,
+                )
 
     # ------------------------------------------------------------------------------------------- setup
 
@@ -236,6 +244,7 @@ class FluxTrainer(Trainer):
             max_version_gap=jc.adaptive_async.max_version_gap,
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
+            reward_workers=jc.rollout.reward_workers,
         )
 
     def add_step_callback(self, fn) -> Any:
@@ -259,6 +268,9 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             self.syncer.connect()
         self.syncer.flush(self.step)  # engines start from the trainer's (possibly resumed) weights
+        if self.evaluator is not None and jc.eval.at_start:
+            self.evaluator.start(self.step)
+            self.metrics_writer.log(self.step, self.evaluator.collect(wait=True), progress=False)
         try:
             while self.should_continue_training():
                 self.gc_handler.run(self.step + 1)
@@ -276,6 +288,8 @@ class FluxTrainer(Trainer):
                     engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
                     metrics.update(self.probe.run(self.model, engines, self.step, self.device))
                 self.checkpointer.save(self.step, last_step=(self.step == jc.training.steps))
+                if self.evaluator is not None:
+                    metrics.update(self._evaluate())
                 if self.rank == 0:
                     self._log(batch, metrics, t0, t1, t2, t3, rollout_wait)
                     self._step_ends.append(time.perf_counter())
@@ -292,6 +306,17 @@ class FluxTrainer(Trainer):
             if self.rank == 0 and self.scheduler is not None:
                 self.scheduler.drain(timeout=1.0)
         self._finish()
+
+    def _evaluate(self) -> dict[str, float]:
+        """Rank 0: start the evaluation of this step's policy when due, and return the metrics of the newest one
+        finished (see ``evaluation.py`` for when it waits)."""
+        ev, last = self.evaluator, self.step == self.job_config.training.steps
+        earlier = None
+        if ev.due(self.step):
+            if ev.pending():
+                earlier = ev.collect(wait=True)  # one evaluation in flight at a time
+            ev.start(self.step)
+        return ev.collect(wait=ev.wait or last) or earlier or {}
 
     def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
         """Graceful stop (a signal, or no rollout engine left): let an in-flight push finish or time out (nothing
@@ -461,7 +486,15 @@ class FluxTrainer(Trainer):
             **self.syncer.metrics(),
         )
         m["weight_sync_s"] = t3 - t2
+        m.update(batch.reward_metrics)
         self.metrics_writer.log(self.step, m)
+        every = self.job_config.metrics.log_completions_every
+        if every and self.step % every == 0:
+            G = self.job_config.grpo.group_size
+            self.metrics_writer.log_completions(
+                self.step, [p for p in batch.prompts for _ in range(G)], batch.completions, batch.versions.tolist(),
+                batch.rewards.tolist(), batch.reward_values,
+            )
         for fn in self.step_callbacks:
             fn(self.step, m)
 

@@ -1,0 +1,362 @@
+"""Datasets (real HF ``datasets`` on local files of each format), chat templates, prompt-length handling, TRL-style
+rewards, the GSM8K answer extractor and epoch sampling (issue 15). End-to-end runs are in test_data_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from torchtitan_flux import rewards as R
+from torchtitan_flux.data import ChatTemplate, EpochSampler
+from torchtitan_flux.tasks import DatasetTask, Gsm8kTask, build_task, reward_inputs
+
+ROWS = [{"prompt": f"q{i}?", "answer": str(i), "level": i % 3} for i in range(10)]
+
+
+class ByteTokenizer:
+    def encode(self, text, add_bos=True, add_eos=False):
+        return ([1] if add_bos else []) + list(text.encode())
+
+
+def job(tmp_path, path, **rollout):
+    r = dict(task="dataset", dataset_path=str(path), dataset_split="train", prompt_column="prompt",
+             messages_column="messages", answer_column="answer", apply_chat_template=False, max_prompt_tokens=0,
+             long_prompts="drop", reward_funcs=["test_data:exact"], reward_weights=[], reward_fn="", seed=0,
+             max_new_tokens=8)
+    r.update(rollout)
+    return SimpleNamespace(rollout=SimpleNamespace(**r), training=SimpleNamespace(seq_len=64),
+                           model=SimpleNamespace(hf_assets_path=str(tmp_path / "model")),
+                           eval=SimpleNamespace(every_steps=0, at_start=False))
+
+
+def exact(completions, answer, **kwargs):  # a reward in TRL's documented style
+    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answer)]
+
+
+def write(tmp_path, fmt: str):
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    if fmt == "jsonl":
+        p = tmp_path / "d.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif fmt == "json":
+        p = tmp_path / "d.json"
+        p.write_text(json.dumps(ROWS))
+    elif fmt == "parquet":
+        p = tmp_path / "d.parquet"
+        ds.to_parquet(str(p))
+    elif fmt == "csv":
+        p = tmp_path / "d.csv"
+        ds.to_csv(str(p), index=False)
+    elif fmt == "save_to_disk":
+        p = tmp_path / "saved"
+        ds.save_to_disk(str(p))
+    elif fmt == "save_to_disk_dict":
+        p = tmp_path / "saved_dict"
+        datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(p))
+    elif fmt == "folder":
+        p = tmp_path / "folder"
+        p.mkdir()
+        (p / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+        (p / "test.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "save_to_disk", "save_to_disk_dict", "folder"])
+def test_every_format_loads_through_datasets(tmp_path, fmt):
+    path = write(tmp_path, fmt)
+    task = build_task(job(tmp_path, path), ByteTokenizer())
+    assert sorted(p.text for p in task.records) == sorted(r["prompt"] for r in ROWS)
+    p = next(p for p in task.records if p.text == "q4?")
+    assert p.answer == "4" and int(p.columns["level"]) == 1  # every other column reaches the reward (csv: as read)
+    prompts, completions, columns = reward_inputs(task, [p], ["4", "5"], 2)
+    assert task.reward_funcs[0].fn(prompts=prompts, completions=completions, **columns) == [1.0, 0.0]
+    if fmt in ("save_to_disk_dict", "folder"):  # the held-out split of the same folder
+        test = build_task(job(tmp_path, path), ByteTokenizer(), dataset_split="test")
+        assert len(test.records) == (2 if fmt == "save_to_disk_dict" else 1)
+
+
+def test_missing_columns_and_splits_name_the_field(tmp_path):
+    path = write(tmp_path, "folder")
+    with pytest.raises(ValueError, match="split 'validation' is not in rollout.dataset_path"):
+        build_task(job(tmp_path, path, dataset_split="validation"), ByteTokenizer())
+    with pytest.raises(ValueError, match="rollout.prompt_column"):
+        build_task(job(tmp_path, path, prompt_column="question"), ByteTokenizer())
+    bad = tmp_path / "d.txt"
+    bad.write_text("x")
+    with pytest.raises(ValueError, match="unknown file type"):
+        build_task(job(tmp_path, bad), ByteTokenizer())
+
+
+def test_gsm8k_task_reads_question_and_scores_the_final_answer(tmp_path):
+    p = tmp_path / "g.jsonl"
+    p.write_text(json.dumps({"question": "2+2?", "answer": "2 + 2 = 4.\n#### 4"}) + "\n")
+    task = build_task(job(tmp_path, p, task="gsm8k", reward_funcs=[]), ByteTokenizer())
+    assert isinstance(task, Gsm8kTask) and task.records[0].text == "2+2?"
+    prompts, comps, cols = reward_inputs(task, task.records, ["so 3 then 4", "4 or 5", ""], 3)
+    assert task.reward_funcs[0].fn(prompts=prompts, completions=comps, **cols) == [1.0, 0.0, 0.0]
+
+
+def test_shipped_synthetic_data_is_gsm8k_format():
+    from conftest import ROOT
+
+    rows = [json.loads(x) for x in (ROOT / "data" / "gsm8k_synthetic" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 2000 and all(re.search(r"\n#### \d+$", r["answer"]) for r in rows)
+    for r in rows[:50]:
+        a, b = map(int, re.search(r"(\d+) \+ (\d+) =", r["answer"]).groups())
+        assert R.gold_answer(r["answer"]) == str(a + b)
+
+
+# ------------------------------------------------------------------------------------------- chat template
+
+CHATML = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def model_dir_with_template(tmp_path, template=CHATML):
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    return d
+
+
+def test_messages_dataset_goes_through_the_model_folders_template(tmp_path):
+    model_dir_with_template(tmp_path)
+    p = tmp_path / "chat.jsonl"
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}]
+    p.write_text(json.dumps({"messages": msgs, "answer": "2"}) + "\n")
+    task = build_task(job(tmp_path, p), ByteTokenizer())
+    rec = task.records[0]
+    assert rec.text == "<s><|system|>be brief</s>\n<|user|>1+1?</s>\n<|assistant|>"
+    assert rec.add_bos is False and task.chat  # the template wrote the BOS
+    prompts, completions, _ = reward_inputs(task, [rec], ["2"], 1)  # TRL's conversational format
+    assert prompts == [msgs] and completions == [[{"role": "assistant", "content": "2"}]]
+    assert R.answer_match_reward(completions, ["2"]) == [1.0]
+
+
+def test_apply_chat_template_wraps_text_prompts(tmp_path):
+    model_dir_with_template(tmp_path)
+    task = build_task(job(tmp_path, write(tmp_path, "jsonl"), apply_chat_template=True), ByteTokenizer())
+    assert {p.text for p in task.records} >= {"<s><|user|>q3?</s>\n<|assistant|>"}
+    assert not task.chat  # rewards still get plain text
+
+
+def test_template_features_transformers_provides(tmp_path):
+    """raise_exception, tojson, loopcontrols and trim_blocks behave as in transformers' renderer."""
+    t = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+         "{% if loop.index > 1 %}{% break %}{% endif %}\n{{ m | tojson }}\n{% endfor %}")
+    tpl = ChatTemplate(str(model_dir_with_template(tmp_path, t)))
+    assert tpl.render([{"role": "user", "content": "é"}, {"role": "user", "content": "x"}]) == \
+        '{"role": "user", "content": "é"}\n'
+    from jinja2.exceptions import TemplateError
+
+    with pytest.raises(TemplateError, match="no tools"):
+        tpl.render([{"role": "tool", "content": ""}])
+    with pytest.raises(ValueError, match="no chat_template"):
+        ChatTemplate(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------- prompt length
+
+def test_over_long_prompts_are_dropped_and_counted_or_refused(tmp_path, caplog):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "x" * n, "answer": ""}) + "\n" for n in (5, 30, 6, 40)))
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        task = build_task(job(tmp_path, p, max_prompt_tokens=20), ByteTokenizer())
+    assert [len(r.text) for r in task.records] == [5, 6]
+    assert "dropped 2 of 4 prompts" in caplog.text
+    with pytest.raises(ValueError, match=r"2 of 4 prompts exceed rollout.max_prompt_tokens = 20 \(record 1 has 31"):
+        build_task(job(tmp_path, p, max_prompt_tokens=20, long_prompts="error"), ByteTokenizer())
+    auto = build_task(job(tmp_path, p), ByteTokenizer())  # 0: seq_len 64 - max_new_tokens 8 = 56 tokens
+    assert len(auto.records) == 4
+
+
+def test_prompt_budget_is_validated_against_seq_len(tiny_model_dir):
+    from test_config import parse
+
+    from torchtitan_flux.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"rollout.max_prompt_tokens \(60\) \+ rollout.max_new_tokens \(16\) must fit "
+                                          r"in training.seq_len = 64"):
+        validate_config(parse("--rollout.max_prompt_tokens", "60"))
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens"):
+        validate_config(parse("--rollout.max_new_tokens", "64"))
+    validate_config(parse("--rollout.max_prompt_tokens", "48"))
+
+
+# ------------------------------------------------------------------------------------------------ rewards
+
+def batched_len(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+async def async_has_digit(completions, **kwargs):
+    await asyncio.sleep(0.01)
+    return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+
+def only_level_zero(completions, level, **kwargs):  # None: not applicable to that sample
+    return [1.0 if lv == 0 else None for lv in level]
+
+
+def test_batched_async_and_none_rewards_with_weights_and_metrics():
+    funcs = [R.RewardFunc("len", batched_len, 0.5), R.RewardFunc("digit", async_has_digit, 2.0),
+             R.RewardFunc("lvl", only_level_zero, 1.0)]
+    scorer = R.RewardScorer(funcs)
+    try:
+        fut = scorer.submit(["p"] * 4, ["a1", "bb", "", "c"], [[1], [2], [], [3]], {"level": [0, 1, 0, 2]})
+        s = fut.result(timeout=10)
+    finally:
+        scorer.close()
+    assert s.per_func["lvl"] == [1.0, None, 1.0, None]
+    assert s.total == [0.5 * 2 + 2.0 * 1 + 1.0, 0.5 * 2, 0.0 + 1.0, 0.5 * 1]
+    m = s.metrics()
+    assert m["rewards/len/mean"] == 1.25 and math.isclose(m["rewards/len/std"], math.sqrt(0.6875))
+    assert m["rewards/digit/mean"] == 0.25 and m["rewards/lvl/mean"] == 1.0 and m["rewards/lvl/std"] == 0.0
+
+
+def raises_on_third(completions, **kwargs):
+    if len(completions) > 2:
+        raise KeyError("boom")
+    return [0.0] * len(completions)
+
+
+def wrong_length(completions, **kwargs):
+    return [0.0]
+
+
+def nan_at_one(completions, **kwargs):
+    return [0.0, float("nan")]
+
+
+def not_a_list(completions, **kwargs):
+    return 1.0
+
+
+def old_style(prompt, completion, answer):
+    return 1.0 if completion == answer else float(prompt == "bad") / 0
+
+
+@pytest.mark.parametrize("fn, match", [
+    (raises_on_third, r"reward function 'f' raised KeyError: 'boom'"),
+    (wrong_length, r"reward function 'f' returned 1 values for 3 completions"),
+    (not_a_list, r"reward function 'f' returned float; it must return a list of 3"),
+    (R.per_sample(old_style), r"reward function 'f': sample 1: ZeroDivisionError"),
+])
+def test_bad_rewards_stop_with_the_function_and_sample(fn, match):
+    scorer = R.RewardScorer([R.RewardFunc("f", fn)])
+    with pytest.raises(R.RewardError, match=match):
+        scorer.submit(["good", "bad", "x"], ["1", "2", "3"], [[], [], []], {"answer": ["1", "1", "1"]}).result()
+    scorer.close()
+    with pytest.raises(R.RewardError, match=r"returned nan for sample 1"):
+        R.RewardScorer([R.RewardFunc("n", nan_at_one)]).score(["a", "b"], ["", ""], [[], []], {})
+
+
+def test_reward_config_resolution(tmp_path):
+    path = write(tmp_path, "jsonl")
+    task = build_task(job(tmp_path, path, reward_funcs=["test_data:batched_len", "answer_match"],
+                          reward_weights=[0.1, 1.0]), ByteTokenizer())
+    assert [(f.name, f.weight) for f in task.reward_funcs] == [("batched_len", 0.1), ("answer_match", 1.0)]
+    old = build_task(job(tmp_path, path, task="jsonl", reward_funcs=[], reward_fn="test_data:old_style"),
+                     ByteTokenizer())  # the old task name and single per-sample reward still work
+    assert isinstance(old, DatasetTask)
+    prompts, comps, cols = reward_inputs(old, old.records[:1], [old.records[0].answer], 1)
+    assert R.RewardScorer(old.reward_funcs).score(prompts, comps, [[]], cols).total == [1.0]
+    with pytest.raises(ValueError, match="no reward of its own"):
+        build_task(job(tmp_path, path, reward_funcs=[]), ByteTokenizer())
+
+
+# ------------------------------------------------------------------------------------------ GSM8K answers
+
+@pytest.mark.parametrize("text, expected", [
+    ("Natalia sold 48/2 = 24 clips in May.\nIn total 48+24 = 72 clips.\n#### 72", "72"),
+    ("first 3, then 5, so the answer is 8", "8"),  # several numbers: the last
+    ("The total is 1,234,567 dollars.", "1234567"),  # thousands separators
+    ("It dropped to -15 degrees", "-15"),  # negative
+    ("x = \\boxed{\\frac{1}{2}} and later 7", "\\frac{1}{2}"),  # boxed (nested braces) beats the last number
+    ("\\boxed{12} or \\boxed{13}", "13"),  # the last box
+    ("#### $1,000.", "1000"),  # after ####, $ and a trailing dot dropped
+    ("The answer is 42.0", "42"),
+    ("it is 3.50 each", "3.5"),
+    ("#### 5\nbut maybe 6", "5"),  # #### wins over a later number
+    ("no answer here", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert R.extract_answer(text) == expected
+
+
+def test_arithmetic_uses_the_final_answer(tmp_path):
+    task = build_task(job(tmp_path, "", task="arithmetic", reward_funcs=[]), ByteTokenizer())
+    p = task.prompts(3, 1, 1)[0]
+    ans = p.answer
+    prompts, comps, cols = reward_inputs(task, [p], [f"7 then {ans}", f" {ans} and 7", "none"], 3)
+    assert task.reward_funcs[0].fn(prompts=prompts, completions=comps, **cols) == [1.0, 0.0, 0.0]
+
+
+def test_math_verify_reward_when_installed():
+    pytest.importorskip("math_verify", reason="math-verify is an optional reward (pip install math-verify)")
+    assert R.math_verify_reward(["so $\\frac{1}{2}$", "it is 0.5", "3"], ["#### 0.5"] * 3) == [1.0, 1.0, 0.0]
+
+
+# --------------------------------------------------------------------------------------------- sampling
+
+def test_epochs_without_replacement_and_resume_mid_epoch(tmp_path):
+    path = write(tmp_path, "jsonl")
+    cfg = job(tmp_path, path)
+    task = build_task(cfg, ByteTokenizer())
+    steps = [[p.text for p in task.prompts(0, step, 3)] for step in range(1, 11)]  # 30 draws over 10 records
+    flat = [t for s in steps for t in s]
+    for epoch in range(3):
+        assert sorted(flat[epoch * 10 : epoch * 10 + 10]) == sorted(r["prompt"] for r in ROWS)
+    assert flat[:10] != flat[10:20]  # each epoch reshuffled
+    resumed = build_task(cfg, ByteTokenizer())  # a fresh process resuming at step 5 (mid-epoch 2)
+    assert [[p.text for p in resumed.prompts(0, s, 3)] for s in range(5, 11)] == steps[4:]
+    other_seed = build_task(job(tmp_path, path, seed=1), ByteTokenizer())
+    assert [p.text for p in other_seed.prompts(1, 1, 10)] != flat[:10]
+
+
+def test_sampler_positions():
+    s = EpochSampler(4, seed=3)
+    assert sorted(s.indices(0, 4)) == [0, 1, 2, 3] and sorted(s.indices(4, 4)) == [0, 1, 2, 3]
+    assert s.indices(2, 4) == s.indices(2, 2) + s.indices(4, 2) and s.epoch(9) == 2
+
+
+# TRL's documented examples (GRPOTrainer docs, "Using a custom reward function"), copied as a user would
+def reward_func(completions, ground_truth, **kwargs):
+    # Regular expression to capture content inside \boxed{}
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    # Reward 1 if the content is the same as the ground truth, 0 otherwise
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def test_trl_documented_rewards_work_unchanged(tmp_path):
+    p = tmp_path / "std.jsonl"
+    p.write_text(json.dumps({"prompt": "1+1?", "ground_truth": "2"}) + "\n")
+    task = build_task(job(tmp_path, p, reward_funcs=["test_data:reward_func"]), ByteTokenizer())
+    prompts, comps, cols = reward_inputs(task, task.records, ["so \\boxed{2}", "\\boxed{3}"], 2)
+    assert R.RewardScorer(task.reward_funcs).score(prompts, comps, [[], []], cols).total == [1.0, 0.0]
+
+    model_dir_with_template(tmp_path)
+    c = tmp_path / "chat.jsonl"
+    c.write_text(json.dumps({"prompt_msgs": [{"role": "user", "content": "hi"}]}) + "\n")
+    chat = build_task(job(tmp_path, c, messages_column="prompt_msgs", reward_funcs=["test_data:format_reward_func"]),
+                      ByteTokenizer())
+    prompts, comps, cols = reward_inputs(chat, chat.records, ["<think>x</think><answer>2</answer>", "2"], 2)
+    assert R.RewardScorer(chat.reward_funcs).score(prompts, comps, [[], []], cols).total == [1.0, 0.0]

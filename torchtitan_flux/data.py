@@ -1,0 +1,150 @@
+"""Prompt datasets: local files through HF ``datasets``, chat templates, prompt-length filtering, epoch sampling.
+
+* ``load_table(path, split)``: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file (its one split), a
+  folder of such files (splits named by the file names, e.g. ``train.jsonl`` / ``test.jsonl``), or a folder
+  written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``. Only local paths: nothing is downloaded.
+* ``ChatTemplate``: the model folder's own ``chat_template`` (``tokenizer_config.json``, or
+  ``chat_template.jinja`` beside it), rendered the way ``transformers``' ``apply_chat_template`` renders it: a
+  jinja2 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` / ``lstrip_blocks``, ``loopcontrols``, the
+  ``tojson`` filter and the ``raise_exception`` / ``strftime_now`` globals, the tokenizer's special tokens as
+  variables, and ``add_generation_prompt``. Like ``apply_chat_template(tokenize=True)``, the rendered text is
+  tokenized without adding a BOS (the template writes its own).
+  Simplification: no tools / documents / ``{% generation %}`` blocks (prompts only).
+* ``EpochSampler``: sampling without replacement: record ``i`` of the run's prompt stream is
+  ``perm(seed, i // N)[i % N]``, a fresh seeded permutation of the N records per epoch. The position in the
+  stream is ``(step - 1) * prompts_per_step``: a function of the training step, which the checkpoint holds, so a
+  resume mid-epoch reproduces exactly the prompts the uninterrupted run would have drawn (no dataloader state to
+  save or get out of step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from datetime import datetime
+from typing import Any
+
+logger = logging.getLogger("torchtitan_flux")
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
+    """A ``datasets.Dataset`` from a local file or folder (see the module docstring). ``split`` picks one split
+    of a folder or a ``DatasetDict``; a single file has one split and ignores it."""
+    import datasets
+
+    if not os.path.exists(path):
+        raise ValueError(f"{field_name} = {path!r} does not exist; allowed: a .jsonl/.json/.parquet/.csv file, "
+                         "a folder of them, or a save_to_disk folder")
+    datasets.disable_progress_bars()
+    if os.path.isdir(path):
+        saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
+        table = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+    else:
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in _BUILDERS:
+            raise ValueError(f"{field_name} = {path!r}: unknown file type {ext!r}; allowed: "
+                             f"{' | '.join(sorted(_BUILDERS))}, or a folder")
+        table = datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
+    if isinstance(table, datasets.DatasetDict):
+        if split not in table:
+            raise ValueError(f"split {split!r} is not in {field_name} = {path!r}; it has {sorted(table)}")
+        table = table[split]
+    if len(table) == 0:
+        raise ValueError(f"{field_name} = {path!r} holds no records")
+    return table
+
+
+class ChatTemplate:
+    """A model folder's chat template (see the module docstring)."""
+
+    def __init__(self, model_dir: str):
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        cfg = {}
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        source = cfg.get("chat_template")
+        jinja_file = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.isfile(jinja_file):  # newer transformers save it beside tokenizer_config.json
+            with open(jinja_file) as f:
+                source = f.read()
+        if isinstance(source, list):  # named templates: transformers uses "default"
+            source = {t["name"]: t["template"] for t in source}.get("default")
+        if not source:
+            raise ValueError(f"model.hf_assets_path = {model_dir!r} has no chat_template (in tokenizer_config.json or "
+                             "chat_template.jinja); a 'messages' dataset or rollout.apply_chat_template = true needs one")
+        self.special_tokens = {
+            k: (v["content"] if isinstance(v, dict) else v)
+            for k, v in cfg.items()
+            if k.endswith("_token") and isinstance(v, (str, dict))
+        }
+        self._template = _jinja_env().from_string(source)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special_tokens)
+
+
+def _jinja_env():
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class EpochSampler:
+    """Indices into N records, without replacement within an epoch (see the module docstring)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+            self._perms = {epoch: perm}  # keep one: positions only move forward
+        return perm
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Indices of stream positions ``[start, start + count)``."""
+        return [self._perm(i // self.n)[i % self.n] for i in range(start, start + count)]
+
+    def epoch(self, position: int) -> int:
+        return position // self.n
+
+
+def filter_long(records: list[Any], lengths: list[int], max_tokens: int, policy: str, field_name: str) -> list[Any]:
+    """Records whose prompt has at most ``max_tokens`` tokens. ``policy`` "drop" logs how many were dropped;
+    "error" refuses the dataset when any is longer."""
+    keep = [r for r, n in zip(records, lengths) if n <= max_tokens]
+    dropped = len(records) - len(keep)
+    if dropped and policy == "error":
+        first = next(i for i, n in enumerate(lengths) if n > max_tokens)
+        raise ValueError(
+            f"{field_name}: {dropped} of {len(records)} prompts exceed rollout.max_prompt_tokens = {max_tokens} "
+            f"(record {first} has {lengths[first]} tokens); raise max_prompt_tokens (with training.seq_len) or set "
+            "rollout.long_prompts = 'drop'"
+        )
+    if dropped:
+        logger.warning(f"{field_name}: dropped {dropped} of {len(records)} prompts longer than "
+                       f"rollout.max_prompt_tokens = {max_tokens} tokens")
+    if not keep:
+        raise ValueError(f"{field_name}: every prompt exceeds rollout.max_prompt_tokens = {max_tokens}")
+    return keep
