@@ -21,14 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: int = 1) -> tuple[list[dict], dict]:
-    """Train with ``--job.dump_folder out`` plus overrides; returns (metrics.jsonl rows, summary.json)."""
+def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: int = 1,
+                 env: dict[str, str] | None = None) -> tuple[list[dict], dict]:
+    """Train with ``--job.dump_folder out`` plus overrides (and extra environment ``env``); returns
+    (metrics.jsonl rows, summary.json)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "torchtitan_flux.train", "--job.config_file", config,
         "--job.dump_folder", out, *overrides,
     ]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-6000:])
         raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")

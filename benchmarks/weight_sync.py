@@ -12,6 +12,12 @@ Runs ``train_configs/debug_cpu.toml`` (or ``--config``) with ``weight_sync.async
   thread until its Works complete) / a raw gloo broadcast of one contiguous buffer of the same bytes between
   two processes, timed the same way on the sender, each after the same idle gap (the sync run's train time)
   as our pushes, which follow a training step.
+
+``--slow-sync SECONDS`` instead compares ``weight_sync.interval`` 1 with "auto" (``sync_cadence.py``) when
+every push costs the engine SECONDS more (``FLUX_FAULT_PUSH_DELAY`` of ``tests/fault_inject``: a slow link or a
+large model), in blocking mode unless the extra overrides say otherwise, with ``max_version_gap`` 16 so that
+the interval may rise: steps/s, sync overhead (blocked sync time / training time), mean version gap and final
+reward of each, and ``slow_sync_speedup`` = auto / interval 1 steps/s.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DEBUG_CONFIG, free_port, median, run_training  # noqa: E402
+from common import DEBUG_CONFIG, ROOT, free_port, median, run_training  # noqa: E402
+
+FAULT_INJECT = os.path.join(ROOT, "tests", "fault_inject")
 
 
 def run(config: str, out: str, steps: int, async_mode: bool, extra: list[str]) -> tuple[list[dict], dict]:
@@ -72,14 +80,53 @@ def raw_broadcast_seconds(nbytes: int, idle_s: float, iters: int = 30) -> float:
     return t
 
 
+def slow_sync(args) -> None:
+    """interval 1 vs "auto" with every push slowed by ``args.slow_sync`` seconds on the engine."""
+    env = {"FLUX_FAULT_PUSH_DELAY": str(args.slow_sync),
+           "PYTHONPATH": os.pathsep.join([FAULT_INJECT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    modes = {"interval1": ["--weight_sync.interval", "1"], "auto": ["--weight_sync.interval", "auto"]}
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    summaries: dict[str, list[dict]] = {m: [] for m in modes}
+    finals: dict[str, list[float]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="flux_bench_") as tmp:
+        for rep in range(args.reps):
+            for mode, flags in modes.items():
+                r, summary = run_training(
+                    os.path.join(tmp, f"{mode}{rep}"), "--training.steps", str(args.steps),
+                    "--adaptive_async.max_version_gap", "16", *flags, *args.extra, config=args.config, env=env)
+                rows[mode] += r[args.warmup :]
+                summaries[mode].append(summary)
+                finals[mode].append(statistics.mean(x["reward_mean"] for x in r[-5:]))
+    sps = {m: statistics.median(x["steps_per_s"] for x in summaries[m]) for m in modes}
+    overhead = {m: sum(x["weight_sync_s"] for x in rows[m]) / sum(x["train_time_s"] for x in rows[m]) for m in modes}
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {__import__('torch').__version__}; "
+          f"{time.strftime('%Y-%m-%d')}; {args.reps} reps x {args.steps} steps, first {args.warmup} dropped; "
+          f"every push +{args.slow_sync} s on the engine")
+    print(f"{'mode':<10} {'steps/s':>8} {'overhead':>9} {'interval':>9} {'gap':>5} {'final reward (per rep)':>24}")
+    for m in modes:
+        interval = statistics.median(x.get("sync_interval", 1) for x in rows[m])
+        gap = statistics.mean(x["version_gap_mean"] for x in rows[m])
+        print(f"{m:<10} {sps[m]:>8.2f} {overhead[m]:>9.3f} {interval:>9.1f} {gap:>5.2f} "
+              f"{' '.join(f'{f:.3f}' for f in finals[m]):>24}")
+    print(f"slow_sync_speedup={sps['auto'] / sps['interval1']:.3f}")
+    print(f"auto_overhead={overhead['auto']:.3f}")
+    print(f"interval1_overhead={overhead['interval1']:.3f}")
+    print(f"auto_final_reward={statistics.median(finals['auto']):.3f}")
+    print(f"interval1_final_reward={statistics.median(finals['interval1']):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEBUG_CONFIG)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--slow-sync", type=float, default=0.0, metavar="SECONDS",
+                    help="compare weight_sync.interval 1 with auto, every push slowed by SECONDS on the engine")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
+    if args.slow_sync > 0:
+        return slow_sync(args)
 
     per_mode: dict[str, list[dict]] = {"sync": [], "async": []}
     summaries: dict[str, list[dict]] = {"sync": [], "async": []}

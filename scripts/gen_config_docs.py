@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import os
 import sys
+import types
 import typing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +36,8 @@ def field_docs() -> dict[str, dict[str, str]]:
 def _type(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " \\| ".join(f'`"{a}"`' for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " \\| ".join(_type(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list[{typing.get_args(tp)[0].__name__}]"
     return getattr(tp, "__name__", str(tp))

@@ -69,6 +69,10 @@ CASES = [
     (("--weight_sync.timeout_seconds", "-1"), "weight_sync.timeout_seconds"),
     (("--weight_sync.bucket_size_mb", "0"), "weight_sync.bucket_size_mb"),
     (("--weight_sync.interval", "0"), "weight_sync.interval"),
+    (("--weight_sync.interval", "3"),  # the old hang: rollouts could never be fresh enough (max_version_gap 1)
+     "weight_sync.interval = 3 is out of range; allowed: at most adaptive_async.max_version_gap + 1 = 2"),
+    (("--weight_sync.overhead_target", "1"), "weight_sync.overhead_target = 1.0 is out of range; allowed: a number in (0, 1)"),
+    (("--weight_sync.max_interval", "0"), "weight_sync.max_interval"),
     (("--weight_sync.master_port", "70000"), "weight_sync.master_port"),
     (("--weight_sync.master_addr", "10.0.0.5"),
      "weight_sync.master_addr = '10.0.0.5' is not a loopback address, so it needs the shared token: set the "

@@ -84,7 +84,7 @@ def rig_logits(model, seq):
 
 
 def test_push_then_generate_matches_trainer_logprobs(rig):
-    rig.syncer.after_optimizer_step(1, force=True)  # blocking push of version 1, waits for the ack
+    rig.syncer.after_optimizer_step(1)  # blocking push of version 1, waits for the ack
     assert rig.syncer.links[0].acked == 1
     version, checksum = rig.engine.checksum()
     assert (version, checksum) == (1, rig.syncer.staging.checksum())
@@ -104,7 +104,7 @@ def test_new_weights_change_generation_and_version(rig):
     with torch.no_grad():
         rig.model.output.weight.mul_(3.0)
         rig.model.norm.weight.mul_(0.5)
-    rig.syncer.after_optimizer_step(2, force=True)
+    rig.syncer.after_optimizer_step(2)
     after = generate(rig, 3, prompts, temperature=0.0)
     assert (before.version, after.version) == (1, 2)
     assert not torch.equal(before.logprobs, after.logprobs)
@@ -116,14 +116,14 @@ def test_new_weights_change_generation_and_version(rig):
 
 def test_request_waits_for_its_min_version(rig):
     """Admission by version: a request that needs version v starts only once v has landed (no stale start)."""
-    rig.syncer.after_optimizer_step(3, force=True)
+    rig.syncer.after_optimizer_step(3)
     prompts = [[1, 80, 81]]
     rig.engine.submit(GenerationRequest(10, 1, prompts, 4, 8, 1.0, 0, seed=5, dispatch_version=3, min_version=4))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 0.5:
         rig.pump(0.05)
     assert 10 not in rig.results  # still waiting for version 4
-    rig.syncer.after_optimizer_step(4, force=True)
+    rig.syncer.after_optimizer_step(4)
     deadline = time.monotonic() + 30
     while 10 not in rig.results and time.monotonic() < deadline:
         rig.pump(0.05)

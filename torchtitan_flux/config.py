@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import socket
+import types
 import typing
 import urllib.parse
 from dataclasses import dataclass, field
@@ -214,8 +215,13 @@ class WeightSync:
     bucket_size_mb: float = 64.0
     """Weights are flattened into buckets of about this size for transfer. > 0."""
 
-    interval: int = 1
-    """Push every N optimizer steps. >= 1."""
+    interval: int | Literal["auto"] = 1
+    """Push every N optimizer steps: an integer >= 1 and <= ``adaptive_async.max_version_gap + 1`` (a larger one
+    could never produce rollouts fresh enough to train on), or "auto": start at 1 and tune the interval so that
+    the trainer's time lost to weight sync stays under ``overhead_target`` (``torchtitan_flux/sync_cadence.py``;
+    logged as ``sync_interval``, ``sync_overhead``). In async mode, generation runs at most
+    ``max_version_gap - (interval - 1)`` steps ahead, so that rollouts from weights up to ``interval - 1`` steps
+    old still fit in the gap."""
 
     method: Literal["full", "delta"] = "full"
     """"full" sends all weights; "delta" sends only tensors that changed since the last push."""
@@ -249,6 +255,16 @@ class WeightSync:
     probe_tolerance: float = 0.1
     """Largest allowed |engine - trainer| logprob at any probe token. fp32 engines agree to ~1e-5; bf16 ones to a
     few 1e-2. > 0."""
+
+    overhead_target: float = 0.10
+    """With ``interval = "auto"``: the largest share of the training step's compute time that weight sync may cost
+    the trainer (blocking mode: the wait for the push; async mode: the snapshot plus the rollout wait the push can
+    explain, at most its duration). The interval rises when the measured overhead is above it and falls, one step
+    at a time, when it is below half of it. In (0, 1)."""
+
+    max_interval: int = 16
+    """With ``interval = "auto"``: the interval never goes above this, nor above ``adaptive_async.max_version_gap
+    + 1``. >= 1."""
 
 
 @dataclass
@@ -413,6 +429,8 @@ ADDED_TO_TORCHTITAN = {"metrics": Metrics}  # fields merged into torchtitan's ow
 def _allowed(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_allowed(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -432,6 +450,14 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _check_type(name: str, value: Any, tp: Any) -> None:
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                _check_type(name, value, option)
+                return
+            except ConfigError:
+                pass
+        raise ConfigError(f"{name} = {value!r} is not allowed; allowed: {_allowed(tp)}")
     if origin is Literal:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{name} = {value!r} is not allowed; allowed values: {_allowed(tp)}")
@@ -541,7 +567,13 @@ def validate_config(job_config: Any) -> None:
 
     _require(w.timeout_seconds > 0, "weight_sync.timeout_seconds", w.timeout_seconds, "> 0")
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
-    _require(w.interval >= 1, "weight_sync.interval", w.interval, "an integer >= 1")
+    if w.interval != "auto":
+        _require(w.interval >= 1, "weight_sync.interval", w.interval, 'an integer >= 1, or "auto"')
+        _require(w.interval <= a.max_version_gap + 1, "weight_sync.interval", w.interval,
+                 f"at most adaptive_async.max_version_gap + 1 = {a.max_version_gap + 1} (rollouts from weights "
+                 f"interval - 1 steps old must fit in the gap), or \"auto\"")
+    _require(0 < w.overhead_target < 1, "weight_sync.overhead_target", w.overhead_target, "a number in (0, 1)")
+    _require(w.max_interval >= 1, "weight_sync.max_interval", w.max_interval, "an integer >= 1")
     _require(w.probe_every >= 0, "weight_sync.probe_every", w.probe_every, "an integer >= 0 (0 disables)")
     _require(w.probe_tolerance > 0, "weight_sync.probe_tolerance", w.probe_tolerance, "> 0")
     _require(0 <= w.master_port <= 65535, "weight_sync.master_port", w.master_port, "0..65535")

@@ -50,11 +50,14 @@ from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
+from torchtitan_flux.sync_cadence import SyncCadence
 from torchtitan_flux.placement import engine_devices, visible_devices_env
 from torchtitan_flux.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
+
+STALE_BAND = 0.05  # staleness this far above its target counts as out of band (as in benchmarks/controller.py)
 
 
 class TrainingInterrupted(Exception):
@@ -115,6 +118,10 @@ class FluxTrainer(Trainer):
             ws.timeout_seconds,
         ) if ws.probe_every > 0 else None
         self.admit_carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
+        # weight_sync.interval = "auto": rank 0's cadence decides which steps push (broadcast with the batch)
+        max_interval = min(ws.max_interval, aa.max_version_gap + 1)
+        self.cadence = SyncCadence(1, ws.overhead_target, max_interval) if ws.interval == "auto" else None
+        self._push_s_seen = 0.0  # the push thread's total push time at the last cadence update
         if self.rank == 0:
             self._start_engines()
         self.memory = {"rss_before_sync_mb": _rss_mb()}
@@ -255,11 +262,19 @@ class FluxTrainer(Trainer):
     # ------------------------------------------------------------------------------------------- loop
 
     @property
+    def sync_interval(self) -> int:
+        """Every how many steps weights are pushed now (``weight_sync.interval``, or the cadence's choice)."""
+        return self.cadence.interval if self.cadence is not None else self.job_config.weight_sync.interval
+
+    @property
     def lookahead(self) -> float:
-        """How many steps ahead of training generation may run (see the module docstring)."""
+        """How many steps ahead of training generation may run (see the module docstring): ``async_ratio *
+        max_version_gap``, but at most ``max_version_gap - (interval - 1)``, since engines may hold weights up to
+        ``interval - 1`` steps old (with interval 1 the cap never binds)."""
         if self.force_sync:
             return 0.0
-        return self.async_ratio * self.job_config.adaptive_async.max_version_gap
+        gap = self.job_config.adaptive_async.max_version_gap
+        return min(self.async_ratio * gap, gap - (self.sync_interval - 1))
 
     def train(self):
         jc = self.job_config
@@ -275,14 +290,16 @@ class FluxTrainer(Trainer):
             while self.should_continue_training():
                 self.gc_handler.run(self.step + 1)
                 t0 = time.perf_counter()
-                batch, rollout_wait = self._next_batch(self.step + 1)
+                batch, rollout_wait, push_due = self._next_batch(self.step + 1)
                 self.step += 1
                 t1 = time.perf_counter()
                 metrics = self.train_on(batch)
                 metrics.update(self._control(batch, metrics))
                 t2 = time.perf_counter()
-                self.syncer.after_optimizer_step(self.step)
+                self.syncer.after_optimizer_step(self.step, due=push_due)
                 t3 = time.perf_counter()
+                if self.cadence is not None and self.rank == 0:
+                    metrics.update(self._tune_cadence(push_due, t2 - t1, t3 - t2, rollout_wait, metrics))
                 if self.probe is not None and self.probe.due(self.step, jc.training.steps):
                     self.syncer.flush(self.step)  # the engines must hold this step's weights
                     engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
@@ -343,15 +360,17 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             self._write_summary(memory)
 
-    def _next_batch(self, step: int) -> tuple[RolloutBatch | None, float]:
-        """Rank 0 admits and collects; every rank gets the batch. Returns (batch, seconds waited)."""
+    def _next_batch(self, step: int) -> tuple[RolloutBatch | None, float, bool]:
+        """Rank 0 admits and collects; every rank gets the batch and whether this step pushes its weights.
+        Returns (batch, seconds waited, push due)."""
         t0 = time.perf_counter()
-        lookahead = self.lookahead
-        if lookahead == 0 and self.job_config.weight_sync.async_weight_update:
+        self._flush_s = 0.0
+        if (self.force_sync or self.async_ratio == 0) and self.job_config.weight_sync.async_weight_update:
             self.syncer.flush(self.step)  # on-policy step: engines must hold the newest weights first
-        ahead = self._admit(lookahead)  # on every rank, so every rank checkpoints the same admit_carry
+            self._flush_s = time.perf_counter() - t0
         batch = None
         if self.rank == 0:
+            ahead = self._admit(self.lookahead)
             sched, last = self.scheduler, self.job_config.training.steps
             pin = self.syncer.version  # newest staged: every engine gets it, so requests can run on exactly it
             for k in range(step, min(step + ahead, last) + 1):
@@ -365,11 +384,41 @@ class FluxTrainer(Trainer):
                 logger.warning(f"step {step}: rollouts {gap} versions old exceed max_version_gap; regenerating")
             self.syncer.check_timeouts()
         wait = time.perf_counter() - t0
+        due = self.cadence.due() if self.cadence is not None else step % self.job_config.weight_sync.interval == 0
         if self.world > 1:
-            obj = [batch]
+            obj = [batch, due, self.sync_interval]
             dist.broadcast_object_list(obj, src=0, group=control_group())  # CPU gloo: no NCCL timeout
-            batch = obj[0]
-        return batch, wait
+            batch, due, interval = obj
+            if self.rank != 0:  # the same inputs as rank 0's admission, so every rank checkpoints the same carry
+                if self.cadence is not None:
+                    self.cadence.interval = interval
+                self._admit(self.lookahead)
+        return batch, wait, due
+
+    def _tune_cadence(self, pushed: bool, compute_s: float, sync_s: float, rollout_wait: float,
+                      m: dict[str, float]) -> dict[str, Any]:
+        """Rank 0, ``weight_sync.interval = "auto"``: account this step's time lost to weight sync and, when it
+        pushed, let the cadence pick the next interval (``sync_cadence.py``). Lost time: blocking mode, the main
+        thread's time in the push; async mode, that (the snapshot) plus an on-policy flush, plus the part of the
+        rollout wait the push thread's work can explain (at most the push time spent since the last step).
+        Staleness wins: with the controller on, staleness above its target by more than ``STALE_BAND`` halves
+        the interval and blocks raises."""
+        lost = sync_s + self._flush_s
+        if self.job_config.weight_sync.async_weight_update:
+            total = self.syncer.stats.push_s_total
+            lost += min(max(rollout_wait - self._flush_s, 0.0), total - self._push_s_seen)
+            self._push_s_seen = total
+        stale = "staleness" in m and m["staleness"] > m["target_staleness"] + STALE_BAND
+        before = self.cadence.interval
+        d = self.cadence.observe_step(compute_s, lost, pushed, stale=stale)
+        out: dict[str, Any] = {"sync_interval": self.cadence.interval, "sync_lost_s": lost,
+                               "sync_overhead_target": self.cadence.target}
+        if d is not None:
+            out.update(sync_overhead=d.overhead, sync_interval_reason=d.reason)
+            if d.interval != before:
+                logger.info(f"weight_sync.interval {before} -> {d.interval} ({d.reason}: overhead "
+                            f"{d.overhead:.3f}, target {self.cadence.target})")
+        return out
 
     def _admit(self, lookahead: float) -> int:
         """How many steps ahead of ``step`` to admit now: ``floor(lookahead)``, plus one on the fraction
@@ -539,9 +588,10 @@ class FluxTrainer(Trainer):
     # ----------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        rollouts = [b""]
+        rollouts = [b"", b""]  # rank 0's finished rollouts and sync cadence
         if self.scheduler is not None:  # rank 0 (called on save and load; on load nothing is in flight)
             rollouts[0] = pickle.dumps(self.scheduler.state_dict(self.job_config.weight_sync.timeout_seconds))
+            rollouts[1] = pickle.dumps(self.cadence.state_dict() if self.cadence is not None else None)
         if self.world > 1:  # every rank saves the same value, whichever one the checkpoint writer keeps
             dist.broadcast_object_list(rollouts, src=0, group=control_group())
         return {
@@ -553,6 +603,7 @@ class FluxTrainer(Trainer):
             "admit_carry": self.admit_carry,
             "controller": self.controller.state_dict() if self.controller else {},
             "rollouts": rollouts[0],  # finished rollouts of later steps (async); pickled: their sizes vary
+            "sync_cadence": rollouts[1],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -565,6 +616,9 @@ class FluxTrainer(Trainer):
             self.controller.load_state_dict(state_dict["controller"])
         if self.scheduler is not None and state_dict.get("rollouts"):
             self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
+        cadence = pickle.loads(state_dict["sync_cadence"]) if state_dict.get("sync_cadence") else None
+        if self.cadence is not None and cadence is not None:  # absent in older checkpoints, or interval was fixed
+            self.cadence.load_state_dict(cadence)
 
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:

@@ -8,6 +8,9 @@ engine processes) then imports this module at start-up. With none of the variabl
       is created when the stall starts.
   FLUX_FAULT_PUSH_STALL="VERSION:SECONDS:MARKER"  an embedded engine that has received weight version VERSION
       stalls SECONDS before publishing (acking) it: a weight push in flight. MARKER is created when it starts.
+  FLUX_FAULT_PUSH_DELAY="SECONDS"   an embedded engine takes SECONDS longer to receive every push (it publishes,
+      i.e. acks, each version that much later): a slow link or a large model, for the self-tuning sync cadence
+      (tests/test_sync_cadence.py, ``benchmarks/weight_sync.py --slow-sync``).
 """
 
 import os
@@ -41,14 +44,17 @@ if _ckpt is not None:
     _fs._FileSystemWriter.finish = finish
 
 _push = _parse("FLUX_FAULT_PUSH_STALL")
-if _push is not None:
+_delay = float(os.environ.get("FLUX_FAULT_PUSH_DELAY", "0") or 0)
+if _push is not None or _delay > 0:
     from torchtitan_flux import transport as _transport
 
     _publish = _transport.WeightReceiver._publish
 
     def _publish_stalled(self, version, buf, stop):
-        if version == _push[0]:
+        if _push is not None and version == _push[0]:
             _stall(*_push[1:])
+        if _delay > 0 and version > 0:  # not the start-up push
+            time.sleep(_delay)
         return _publish(self, version, buf, stop)
 
     _transport.WeightReceiver._publish = _publish_stalled

@@ -106,10 +106,11 @@ class WeightSyncer:
         """GPU: the optimizer must not overwrite parameters the side stream is still copying."""
         self.snap.side.wait_copy_done()
 
-    def after_optimizer_step(self, version: int, force: bool = False) -> None:
-        """Every rank, right after ``optimizer.step()``; see the package docstring."""
+    def after_optimizer_step(self, version: int, due: bool = True) -> None:
+        """Every rank, right after ``optimizer.step()``; see the package docstring. ``due``: whether this version
+        is pushed (the trainer's cadence decides, the same on every rank: ``weight_sync.interval``)."""
         t0 = time.perf_counter()
-        if not (force or version % self.cfg.interval == 0):
+        if not due:
             self.stats.blocked_s = 0.0
             return
         if self.async_mode:
@@ -190,7 +191,7 @@ class WeightSyncer:
         """Make sure ``version`` is pushed and acked (start, end of training, on-policy steps). Every rank."""
         if not self.async_mode:
             if self.version < version:
-                self.after_optimizer_step(version, force=True)
+                self.after_optimizer_step(version)
             return
         if self.version < version:  # the same on every rank (snapshots are agreed), so is this branch
             self._claim_waiting()  # wait for the claim itself: no idle-then-claim race to retry around

@@ -48,6 +48,7 @@ class SyncStats:
     bytes_sent: int = 0
     delta_buckets_skipped: int = 0  # method "delta": unchanged buckets not sent
     last_push_s: float = 0.0  # wall time of the last push on the push thread (or main thread, blocking)
+    push_s_total: float = 0.0  # wall time of every push so far (read by the trainer's sync cadence)
     last_snapshot_s: float = 0.0
     blocked_s: float = 0.0  # main-thread time spent in sync during the last step
     failures: list[str] = field(default_factory=list)

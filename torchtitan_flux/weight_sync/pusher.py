@@ -253,6 +253,7 @@ class Pusher:
                         table.fail(link, f"push {version} did not complete: {e}")
         stats.pushes += 1
         stats.last_push_s = time.perf_counter() - t0
+        stats.push_s_total += stats.last_push_s
 
     def _broadcast(self, pg, t: torch.Tensor):
         return self.ring.broadcast(pg, t) if self.ring is not None else compat.broadcast(pg, t)
