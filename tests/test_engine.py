@@ -38,7 +38,6 @@ def rig(tiny_model_dir):
     cfg = SimpleNamespace(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, interval=1, method="full",
                           master_addr="127.0.0.1", master_port=0, auth_token_env="TORCHTITAN_FLUX_TOKEN",
                           wire_dtype="auto")
-    syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True)
     results: dict[int, GenerationResult] = {}
 
     def pump(timeout: float) -> None:
@@ -51,7 +50,7 @@ def rig(tiny_model_dir):
         else:
             syncer.on_event(ev)
 
-    syncer.pump = pump
+    syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump)
     syncer.connect()
     yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args)
     syncer.close()

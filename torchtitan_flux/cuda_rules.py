@@ -36,7 +36,10 @@ import torch
 from torchtitan_flux import compat
 
 GROUP_TIMEOUT = timedelta(days=7)  # rule 4: far beyond any push deadline; our polling decides
-POLL_S = (0.00005, 0.002)  # rule 3: ``wait_works`` polls every 50 us at first, doubling up to 2 ms
+# rule 3: ``wait_works`` yields between polls for the first SPIN_S (a small push completes in about a millisecond
+# and a sleep's wake-up latency would double that), then sleeps POLL_S[0], doubling up to POLL_S[1]
+SPIN_S = 0.003
+POLL_S = (0.0001, 0.002)
 
 
 class NcclVersionMismatch(RuntimeError):
@@ -82,13 +85,17 @@ def wait_works(works: Iterable[Any], deadline: float) -> bool:
     """Rule 3: poll every Work until all completed or ``time.monotonic()`` passes ``deadline``; returns whether
     all completed (errors: ``raise_failed``). Never calls ``wait(timeout)``. The period starts short (a small
     push completes in about a millisecond) and backs off (a long one should not burn a core)."""
-    pending, period = list(works), POLL_S[0]
+    pending, period, spin_until = list(works), POLL_S[0], time.monotonic() + SPIN_S
     while pending:
         pending = [w for w in pending if not w.is_completed()]
         if not pending:
             break
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             return False
+        if now < spin_until:
+            time.sleep(0)  # yield: the backend's threads get the core
+            continue
         time.sleep(period)
         period = min(2 * period, POLL_S[1])
     return True
