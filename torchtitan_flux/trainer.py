@@ -294,14 +294,15 @@ class FluxTrainer(Trainer):
         self._finish()
 
     def _evaluate(self) -> dict[str, float]:
-        """Rank 0: start the evaluation of this step's policy when due, and return the metrics of the newest one
-        finished (see ``evaluation.py`` for when it waits)."""
+        """Rank 0: start the evaluation of the newest policy the engines get (this step's, unless an async push
+        was coalesced or ``weight_sync.interval`` skipped it: ``eval/version`` says which) when due, and return
+        the metrics of the newest evaluation finished (see ``evaluation.py`` for when it waits)."""
         ev, last = self.evaluator, self.step == self.job_config.training.steps
         earlier = None
         if ev.due(self.step):
             if ev.pending():
                 earlier = ev.collect(wait=True)  # one evaluation in flight at a time
-            ev.start(self.step)
+            ev.start(self.syncer.version)
         return ev.collect(wait=ev.wait or last) or earlier or {}
 
     def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
