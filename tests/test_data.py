@@ -410,3 +410,15 @@ def test_scoring_starts_when_a_steps_results_arrive_not_when_the_trainer_asks():
     batch = sched.collect(1, 0)
     assert batch.rewards.tolist() == [1.0] * 4 and batch.reward_metrics["rewards/slow/mean"] == 1.0
     sched.drain(0)
+
+
+def test_checkpointed_data_state_detects_a_changed_dataset(tmp_path):
+    path = write(tmp_path, "jsonl")
+    task = build_task(job(tmp_path, path), ByteTokenizer())
+    saved = task.data_state(step=4, prompts_per_step=3)  # what the trainer checkpoints after step 4
+    assert saved["position"] == 12 and saved["epoch"] == 1 and saved["records"] == 10
+    assert build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3) is None
+    path.write_text(path.read_text() + json.dumps({"prompt": "new", "answer": "0"}) + "\n")
+    msg = build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3)
+    assert msg and "records, sha1 changed" in msg
+    assert "position changed" in task.check_resume(saved, 4, 2)  # prompts_per_step changed on resume

@@ -540,6 +540,7 @@ class FluxTrainer(Trainer):
             "admit_carry": self.admit_carry,
             "controller": self.controller.state_dict() if self.controller else {},
             "rollouts": rollouts[0],  # finished rollouts of later steps (async); pickled: their sizes vary
+            "data": pickle.dumps(self._data_state()),  # dataset position (a function of the step) and identity
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -552,6 +553,16 @@ class FluxTrainer(Trainer):
             self.controller.load_state_dict(state_dict["controller"])
         if self.scheduler is not None and state_dict.get("rollouts"):
             self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
+        saved = pickle.loads(state_dict["data"]) if state_dict.get("data") else {}  # absent before it existed
+        if saved and hasattr(self.task, "check_resume") and self.rank == 0:
+            problem = self.task.check_resume(saved, self.step, self.job_config.rollout.prompts_per_step)
+            if problem:
+                logger.warning(problem)
+
+    def _data_state(self) -> dict:
+        if not hasattr(self.task, "data_state"):  # generated tasks: prompts are a function of (seed, step)
+            return {}
+        return self.task.data_state(self.step, self.job_config.rollout.prompts_per_step)
 
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:
