@@ -360,3 +360,65 @@ def test_trl_documented_rewards_work_unchanged(tmp_path):
                       ByteTokenizer())
     prompts, comps, cols = reward_inputs(chat, chat.records, ["<think>x</think><answer>2</answer>", "2"], 2)
     assert R.RewardScorer(chat.reward_funcs).score(prompts, comps, [[], []], cols).total == [1.0, 0.0]
+
+
+def my_task(job_config, tokenizer, dataset_path, dataset_split, field_name):  # a user's task factory
+    from torchtitan_flux.tasks import DigitsTask
+
+    return DigitsTask()
+
+
+def test_task_registry_takes_a_users_factory(tmp_path):
+    task = build_task(job(tmp_path, "", task="test_data:my_task", reward_funcs=["test_data:batched_len"]),
+                      ByteTokenizer())
+    assert task.name == "digits" and [f.name for f in task.reward_funcs] == ["batched_len"]
+    with pytest.raises(ValueError, match="rollout.task = 'nope' is not allowed"):
+        build_task(job(tmp_path, "", task="nope"), ByteTokenizer())
+
+
+def test_scoring_starts_when_a_steps_results_arrive_not_when_the_trainer_asks():
+    """The reward pool scores a step as soon as its last result is pumped, so in async mode scoring of step k+1
+    overlaps the training of step k (the main thread is free meanwhile)."""
+    import queue
+    import threading
+    import time
+
+    from test_dispatch import FakeEngine, FakeTokenizer
+
+    from torchtitan_flux.rollout import RolloutScheduler
+    from torchtitan_flux.tasks import Prompt
+
+    started = threading.Event()
+
+    def slow(completions, **kwargs):
+        started.set()
+        time.sleep(0.3)
+        return [1.0] * len(completions)
+
+    task = SimpleNamespace(chat=False, reward_funcs=[R.RewardFunc("slow", slow)],
+                           prompts=lambda seed, step, n: [Prompt(f"p{step}_{i}") for i in range(n)])
+    events: queue.Queue = queue.Queue()
+    sched = RolloutScheduler(
+        [FakeEngine("e0", 100.0, events)], events, task, FakeTokenizer(), group_size=2, prompts_per_step=2,
+        max_new_tokens=1, temperature=1.0, top_k=0, seed=0, pad_id=0, max_version_gap=1,
+        on_weight_event=lambda ev: None, on_engine_dead=lambda e: None,
+    )
+    sched.dispatch(1, 0)
+    t0 = time.perf_counter()
+    sched.pump(1.0)  # the step's only result arrives: scoring is handed to the pool, pump returns at once
+    assert time.perf_counter() - t0 < 0.2 and started.wait(1.0)
+    batch = sched.collect(1, 0)
+    assert batch.rewards.tolist() == [1.0] * 4 and batch.reward_metrics["rewards/slow/mean"] == 1.0
+    sched.drain(0)
+
+
+def test_checkpointed_data_state_detects_a_changed_dataset(tmp_path):
+    path = write(tmp_path, "jsonl")
+    task = build_task(job(tmp_path, path), ByteTokenizer())
+    saved = task.data_state(step=4, prompts_per_step=3)  # what the trainer checkpoints after step 4
+    assert saved["position"] == 12 and saved["epoch"] == 1 and saved["records"] == 10
+    assert build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3) is None
+    path.write_text(path.read_text() + json.dumps({"prompt": "new", "answer": "0"}) + "\n")
+    msg = build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3)
+    assert msg and "records, sha1 changed" in msg
+    assert "position changed" in task.check_resume(saved, 4, 2)  # prompts_per_step changed on resume

@@ -14,7 +14,8 @@
   ``perm(seed, i // N)[i % N]``, a fresh seeded permutation of the N records per epoch. The position in the
   stream is ``(step - 1) * prompts_per_step``: a function of the training step, which the checkpoint holds, so a
   resume mid-epoch reproduces exactly the prompts the uninterrupted run would have drawn (no dataloader state to
-  save or get out of step).
+  get out of step); the checkpoint records the position and the records' identity to warn when they changed
+  (``DatasetTask.data_state``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 After every ``eval.every_steps``-th step (and before the first with ``eval.at_start``) the trainer's rank 0 sends
 the held-out prompts to the same engines as training, ``eval.n`` completions each at ``eval.temperature`` (0:
-greedy), pinned to the policy version just trained, and scores them with the task's reward functions. Logged:
+greedy), pinned to the newest policy version sent to them (the one just trained unless an async push was
+coalesced or ``weight_sync.interval`` skipped it; ``eval/version`` says which), and scores them with the task's reward functions. Logged:
 ``eval/reward_mean``, ``eval/pass@1`` (mean over prompts of the fraction of completions whose total reward is
 >= ``eval.pass_threshold``), ``eval/pass@n`` when n > 1 (fraction of prompts with at least one passing
 completion), per-reward ``eval/rewards/<name>/mean``, ``eval/version`` (the policy evaluated), ``eval/time_s``.

@@ -20,6 +20,7 @@ Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import string
@@ -142,6 +143,23 @@ class DatasetTask(Task):
 
     def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
         return self.records[: n or len(self.records)]
+
+    def data_state(self, step: int, prompts_per_step: int) -> dict:
+        """What a checkpoint records of the prompt stream after ``step``: its position (epoch, offset) and which
+        records it runs over (count and a hash of the prompt texts, after length filtering)."""
+        pos = step * prompts_per_step
+        digest = hashlib.sha1("\x00".join(p.text for p in self.records).encode()).hexdigest()
+        return {"position": pos, "epoch": self.sampler.epoch(pos), "records": len(self.records), "sha1": digest}
+
+    def check_resume(self, saved: dict, step: int, prompts_per_step: int) -> str | None:
+        """Why a resume from ``saved`` (a ``data_state``) would not continue the same prompt stream; None if it
+        does."""
+        now = self.data_state(step, prompts_per_step)
+        diff = [k for k in ("records", "sha1", "position") if saved.get(k) != now[k]]
+        if not diff:
+            return None
+        return (f"the prompt stream differs from the checkpoint's ({', '.join(diff)} changed: saved {saved}, now "
+                f"{now}); training goes on from position {now['position']} of the current dataset")
 
 
 class Gsm8kTask(DatasetTask):

@@ -49,9 +49,9 @@ from torchtitan_flux.evaluation import Evaluator
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
+from torchtitan_flux.placement import engine_devices, visible_devices_env
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
 from torchtitan_flux.sync_cadence import SyncCadence
-from torchtitan_flux.placement import engine_devices, visible_devices_env
 from torchtitan_flux.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
@@ -325,14 +325,15 @@ class FluxTrainer(Trainer):
         self._finish()
 
     def _evaluate(self) -> dict[str, float]:
-        """Rank 0: start the evaluation of this step's policy when due, and return the metrics of the newest one
-        finished (see ``evaluation.py`` for when it waits)."""
+        """Rank 0: start the evaluation of the newest policy the engines get (this step's, unless an async push
+        was coalesced or ``weight_sync.interval`` skipped it: ``eval/version`` says which) when due, and return
+        the metrics of the newest evaluation finished (see ``evaluation.py`` for when it waits)."""
         ev, last = self.evaluator, self.step == self.job_config.training.steps
         earlier = None
         if ev.due(self.step):
             if ev.pending():
                 earlier = ev.collect(wait=True)  # one evaluation in flight at a time
-            ev.start(self.step)
+            ev.start(self.syncer.version)
         return ev.collect(wait=ev.wait or last) or earlier or {}
 
     def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
@@ -604,6 +605,7 @@ class FluxTrainer(Trainer):
             "controller": self.controller.state_dict() if self.controller else {},
             "rollouts": rollouts[0],  # finished rollouts of later steps (async); pickled: their sizes vary
             "sync_cadence": rollouts[1],
+            "data": pickle.dumps(self._data_state()),  # dataset position (a function of the step) and identity
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -619,6 +621,16 @@ class FluxTrainer(Trainer):
         cadence = pickle.loads(state_dict["sync_cadence"]) if state_dict.get("sync_cadence") else None
         if self.cadence is not None and cadence is not None:  # absent in older checkpoints, or interval was fixed
             self.cadence.load_state_dict(cadence)
+        saved = pickle.loads(state_dict["data"]) if state_dict.get("data") else {}  # absent before it existed
+        if saved and hasattr(self.task, "check_resume") and self.rank == 0:
+            problem = self.task.check_resume(saved, self.step, self.job_config.rollout.prompts_per_step)
+            if problem:
+                logger.warning(problem)
+
+    def _data_state(self) -> dict:
+        if not hasattr(self.task, "data_state"):  # generated tasks: prompts are a function of (seed, step)
+            return {}
+        return self.task.data_state(self.step, self.job_config.rollout.prompts_per_step)
 
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:
