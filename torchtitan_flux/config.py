@@ -497,15 +497,19 @@ def _require(cond: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is out of range; allowed: {allowed}")
 
 
-def _importable(name: str, spec: str) -> Any:
-    if ":" not in spec:
+def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
+    """The one importer of ``"package.module:attribute"`` strings (``attribute`` may be dotted): the object, or a
+    ``ConfigError`` naming the field ``name``. Used for rewards, tasks, custom controllers and step callbacks."""
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod or not attr:
         raise ConfigError(f"{name} = {spec!r} must be of the form 'package.module:attribute'")
-    mod, _, attr = spec.partition(":")
     try:
-        obj = getattr(importlib.import_module(mod), attr)
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
-    if not callable(obj):
+    if callable_ and not callable(obj):
         raise ConfigError(f"{name} = {spec!r} is not callable")
     return obj
 
@@ -621,7 +625,7 @@ def validate_config(job_config: Any) -> None:
         _require(spec.target_staleness <= 1, f"adaptive_async.phase_schedule.{ph}.target_staleness", spec.target_staleness,
                  "<= 1 (negative = use adaptive_async.target_staleness)")
     if a.controller != "pid":
-        _importable("adaptive_async.controller", a.controller)
+        import_spec("adaptive_async.controller", a.controller)
 
     hf = job_config.model.hf_assets_path
     for fname in ("tokenizer.json", "config.json"):
@@ -656,14 +660,14 @@ def _check_data(job_config: Any) -> None:
         )
     for spec in r.reward_funcs:
         if spec not in tasks.BUILTIN_REWARDS:
-            _importable("rollout.reward_funcs", spec)
+            import_spec("rollout.reward_funcs", spec)
     if "math_verify" in r.reward_funcs and importlib.util.find_spec("math_verify") is None:
         raise ConfigError("rollout.reward_funcs names 'math_verify', which needs `pip install math-verify`")
     if r.reward_weights and len(r.reward_weights) != len(r.reward_funcs):
         raise ConfigError(f"rollout.reward_weights has {len(r.reward_weights)} entries for {len(r.reward_funcs)} "
                           "rollout.reward_funcs; allowed: one weight per function, or none (all 1.0)")
     if r.reward_fn:
-        _importable("rollout.reward_fn", r.reward_fn)
+        import_spec("rollout.reward_fn", r.reward_fn)
     _require(r.reward_workers >= 1, "rollout.reward_workers", r.reward_workers, "an integer >= 1")
     _require(ev.every_steps >= 0, "eval.every_steps", ev.every_steps, ">= 0 (0 disables)")
     _require(ev.n >= 1, "eval.n", ev.n, "an integer >= 1")

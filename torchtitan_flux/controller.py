@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import abc
 import copy
-import importlib
 import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from torchtitan_flux.config import AdaptiveAsync, ConfigError
+from torchtitan_flux.config import AdaptiveAsync, ConfigError, import_spec
 
 __all__ = [
     "PHASES",
@@ -302,13 +301,7 @@ def load_controller_class(spec: Union[str, type]) -> type:
             raise ConfigError(
                 f"adaptive_async.controller = {name!r} must be 'pid' or of the form 'package.module:Class'"
             )
-        mod, _, attr = name.partition(":")
-        try:
-            cls = importlib.import_module(mod)
-            for part in attr.split("."):
-                cls = getattr(cls, part)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"adaptive_async.controller = {name!r} cannot be imported: {e}") from e
+        cls = import_spec("adaptive_async.controller", name)
     if not (isinstance(cls, type) and issubclass(cls, BaseAsyncController)):
         raise ConfigError(
             f"adaptive_async.controller = {name!r} is not a subclass of "

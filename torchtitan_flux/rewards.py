@@ -30,7 +30,6 @@ last ``\\boxed{...}``, else the last number; thousands separators, ``$`` and a t
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import re
@@ -69,17 +68,11 @@ class Scores:
 
 
 def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
-    """``"package.module:name"`` -> the object; ValueError naming ``field_name`` otherwise."""
-    mod, sep, attr = spec.partition(":")
-    if not sep or not mod or not attr:
-        raise ValueError(f"{field_name} = {spec!r} must be of the form 'package.module:name'")
-    try:
-        obj = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{field_name} = {spec!r} cannot be imported: {e}") from e
-    if not callable(obj):
-        raise ValueError(f"{field_name} = {spec!r} is not callable")
-    return obj
+    """``"package.module:name"`` -> the callable (``config.import_spec``: a ``ConfigError``, a ``ValueError``,
+    naming ``field_name`` otherwise)."""
+    from torchtitan_flux.config import import_spec
+
+    return import_spec(field_name, spec)
 
 
 def per_sample(fn: Callable[[str, str, str], float]) -> Callable[..., list[float]]:
