@@ -849,6 +849,9 @@ if __name__ != "__main__":
                           "--weight_sync.probe_every", "1", timeout=400)
                 summary = json.loads((dump / "summary.json").read_text())
                 assert summary["final_engine_version"] == 4
+                # SGLang keeps no byte checksum: never counted as a checksum match, but verified by the probe
+                assert all(v["checksum"] is None and v["check"] == "probe" for v in summary["engines"].values())
+                assert not summary["checksums_match"] and summary["all_engines_verified"]
                 rows = read_metrics(dump)
                 assert all(r["version_gap_max"] <= 1 for r in rows)
                 # the post-sync probe (input_token_logprobs) ran after every push and passed

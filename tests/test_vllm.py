@@ -459,3 +459,15 @@ def test_vllm_nccl_trainer_engine_takes_our_staging_as_its_source():
     out = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "_vllm_nccl_check.py")], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_server_hashes_sampled_pushes_and_always_the_final_one():
+    """weight_sync.verify_every: the vLLM gloo extension hashes every N-th push and the last (summary.json compares
+    that one); 0 never hashes. Pure handler logic: no server."""
+    from torchtitan_flux.engine.vllm import VllmEngine
+
+    e = VllmEngine.__new__(VllmEngine)
+    e.verify_every, e.final_version = 10, 25
+    assert [v for v in range(1, 30) if e.hashes(v)] == [10, 20, 25, 26, 27, 28, 29]
+    e.verify_every = 0
+    assert not any(e.hashes(v) for v in range(0, 30))

@@ -266,6 +266,13 @@ class WeightSync:
     """With ``interval = "auto"``: the interval never goes above this, nor above ``adaptive_async.max_version_gap
     + 1``. >= 1."""
 
+    verify_every: int = 10
+    """Engines that checksum what they receive (vLLM through our gloo extension, CPU) hash every N-th push and
+    always the final one, which ``summary.json`` compares with the trainer's weights (a hash costs a copy and a
+    sha256 of the whole model: sampling keeps it off most pushes). Embedded engines hash only when asked (the
+    summary); vLLM's NCCL path (GPU) and SGLang keep no hash: the logprob probe (``probe_every``) verifies them.
+    0: never hash. >= 0."""
+
 
 @dataclass
 class PhaseSpec:
@@ -578,6 +585,7 @@ def validate_config(job_config: Any) -> None:
                  f"interval - 1 steps old must fit in the gap), or \"auto\"")
     _require(0 < w.overhead_target < 1, "weight_sync.overhead_target", w.overhead_target, "a number in (0, 1)")
     _require(w.max_interval >= 1, "weight_sync.max_interval", w.max_interval, "an integer >= 1")
+    _require(w.verify_every >= 0, "weight_sync.verify_every", w.verify_every, "an integer >= 0 (0 disables)")
     _require(w.probe_every >= 0, "weight_sync.probe_every", w.probe_every, "an integer >= 0 (0 disables)")
     _require(w.probe_tolerance > 0, "weight_sync.probe_tolerance", w.probe_tolerance, "> 0")
     _require(0 <= w.master_port <= 65535, "weight_sync.master_port", w.master_port, "0..65535")

@@ -122,6 +122,7 @@ class FluxTrainer(Trainer):
         max_interval = min(ws.max_interval, aa.max_version_gap + 1)
         self.cadence = SyncCadence(1, ws.overhead_target, max_interval) if ws.interval == "auto" else None
         self._push_s_seen = 0.0  # the push thread's total push time at the last cadence update
+        self._probed_version = -1  # newest version the logprob probe confirmed on every live engine
         if self.rank == 0:
             self._start_engines()
         self.memory = {"rss_before_sync_mb": _rss_mb()}
@@ -190,8 +191,12 @@ class FluxTrainer(Trainer):
                 from torchtitan_flux.engine.vllm import VllmEngine as cls
             else:
                 from torchtitan_flux.engine.sglang import SglangEngine as cls
+            kw = {}
+            if r.engine == "vllm":  # sampled checksums of what the server received (weight_sync.verify_every)
+                kw = dict(verify_every=self.job_config.weight_sync.verify_every,
+                          final_version=self.job_config.training.steps)
             e = cls(f"{r.engine}{index}", self._urls[index], self._events, model_dir=self.job_config.model.hf_assets_path,
-                    auth_token=token)
+                    auth_token=token, **kw)
             e.start()
             return e
         e = EmbeddedEngine(
@@ -303,7 +308,10 @@ class FluxTrainer(Trainer):
                 if self.probe is not None and self.probe.due(self.step, jc.training.steps):
                     self.syncer.flush(self.step)  # the engines must hold this step's weights
                     engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
-                    metrics.update(self.probe.run(self.model, engines, self.step, self.device))
+                    probed = self.probe.run(self.model, engines, self.step, self.device)
+                    if probed.get("probe_engines_checked", 0) == len(engines) > 0:
+                        self._probed_version = self.step  # every live engine served this version (summary)
+                    metrics.update(probed)
                 self.checkpointer.save(self.step, last_step=(self.step == jc.training.steps))
                 if self.evaluator is not None:
                     metrics.update(self._evaluate())
@@ -553,21 +561,30 @@ class FluxTrainer(Trainer):
         memory (RSS before and after the weight-sync staging buffer was allocated, and the run's peak)."""
         import json
 
-        trainer_sum = self.syncer.staging.checksum()
+        trainer_sum, final = self.syncer.staging.checksum(), self.syncer.version
         engines = {}
         for e in self.engines:
             version, checksum = e.checksum()
-            engines[e.name] = {"version": version, "checksum": checksum}
+            if checksum is not None and version == final:
+                check = "checksum match" if checksum == trainer_sum else "checksum differs"
+            elif self._probed_version == final and e.alive():
+                check = "probe"  # no byte checksum of the final version; the logprob probe passed on it
+            else:
+                check = "not verified"
+            engines[e.name] = {"version": version, "checksum": checksum, "check": check}
         ends = self._step_ends
         warm = min(2, len(ends) - 1)
+        checks = [v["check"] for v in engines.values()]
         summary = {
             "final_version": self.step,
             "trainer_checksum": trainer_sum,
             "engines": engines,
             "final_engine_version": min((v["version"] for v in engines.values()), default=-1),
-            "checksums_match": all(
-                v["checksum"] == trainer_sum for v in engines.values() if v["checksum"] is not None
-            ),
+            # every engine's bytes compared and equal (a missing checksum is not a match)
+            "checksums_match": bool(checks) and all(c == "checksum match" for c in checks),
+            "checksums_compared": [n for n, v in engines.items() if v["check"].startswith("checksum")],
+            # every engine shown to serve the final weights, by checksum or by the logprob probe
+            "all_engines_verified": bool(checks) and all(c in ("checksum match", "probe") for c in checks),
             "steps_per_s": (len(ends) - 1 - warm) / (ends[-1] - ends[warm]) if len(ends) > warm + 1 else 0.0,
             "weight_bytes": self.syncer.plan.nbytes,
             "weight_buckets": len(self.syncer.plan.buckets),
@@ -577,8 +594,10 @@ class FluxTrainer(Trainer):
         }
         with open(os.path.join(self.job_config.job.dump_folder, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        if not summary["checksums_match"]:
+        if "checksum differs" in checks:
             logger.error(f"engine weights differ from the trainer's after the final sync: {engines}")
+        elif not summary["all_engines_verified"]:
+            logger.warning(f"not every engine's final weights could be verified (no checksum, no probe): {engines}")
 
     def _export_final(self) -> None:
         out = os.path.join(self.job_config.job.dump_folder, "hf_final")

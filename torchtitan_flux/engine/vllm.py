@@ -63,10 +63,12 @@ class VllmEngine(HttpEngine):
     launch_hint = "Start one with scripts/launch_vllm.sh MODEL_DIR PORT."
     expected_backends = ("gloo",)  # the server's transfer engine: our gloo one (GPU: engine/vllm_nccl.py)
 
-    def __init__(self, *args, checksum: bool = True, **kw):
+    def __init__(self, *args, verify_every: int = 1, final_version: int = -1, **kw):
         super().__init__(*args, **kw)
-        self._init_kw["checksum"] = checksum
-        self.checksum_pushes = checksum  # the server hashes received buckets (see checksum())
+        self._init_kw.update(verify_every=verify_every, final_version=final_version)
+        # the server hashes the received buckets of every ``verify_every``-th push and of the final one (see
+        # checksum()); hashing costs a device-to-host copy and sha256 of the whole model, so it is sampled
+        self.verify_every, self.final_version = verify_every, final_version
         self.served_model: str | None = None
         self.max_model_len: int | None = None
         self.server_info: dict[str, Any] = {}
@@ -160,11 +162,17 @@ class VllmEngine(HttpEngine):
 
     # -------------------------------------------------------------------------------------- weights
 
+    def hashes(self, version: int) -> bool:
+        """Whether the server hashes the push of ``version`` (``weight_sync.verify_every``; always the final one)."""
+        if self.verify_every <= 0:
+            return False
+        return version % self.verify_every == 0 or 0 <= self.final_version <= version
+
     def _init_group(self, info: WeightGroupInfo) -> None:
         init = {
             "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
             "store_prefix": info.prefix, "backend": info.backend, "timeout_s": info.timeout_s,
-            "checksum": self.checksum_pushes,
+            "checksum": self.verify_every > 0,
         }
         self.client.post("/init_weight_transfer_engine", {"init_info": init}, timeout_s=self._weight_timeout_s)
 
@@ -178,6 +186,7 @@ class VllmEngine(HttpEngine):
         update = {
             "names": names, "dtype_names": dtypes, "shapes": shapes, "bucket": i, "num_buckets": n,
             "version": version, "header_len": self._plan.header_len if i == 0 else 0,
+            "checksum": self.hashes(version),
         }
         self.client.post("/update_weights", {"update_info": update}, timeout_s=self._weight_timeout_s)
 

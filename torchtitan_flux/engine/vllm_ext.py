@@ -32,8 +32,9 @@ Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP,
 
 ``FluxWorkerExtension`` adds two methods callable through ``POST /collective_rpc``: ``flux_model_info`` (the
 served model's config and the configured transfer engine, for the handler's start-up checks) and
-``flux_weights_checksum`` (sha256 over the bytes of the last complete push, bucket by bucket: equal to the
-trainer's staging-buffer checksum when the engine holds exactly the trainer's weights).
+``flux_weights_checksum`` (version and sha256 over the bytes of the newest complete push the trainer asked to
+hash (``FluxUpdateInfo.checksum``: every ``weight_sync.verify_every``-th push and the final one), bucket by bucket:
+equal to the trainer's staging-buffer checksum when the engine holds exactly the trainer's weights).
 
 Simplification: tensor parallelism 1 (the trainer's weight-sync groups have two members); the engine refuses
 other world sizes at init.
@@ -93,6 +94,7 @@ class FluxUpdateInfo(WeightTransferUpdateInfo):
     num_buckets: int
     version: int  # the trainer's policy version of this push
     header_len: int = 0  # > 0 on the first bucket: receive the push header (int64[header_len]) first
+    checksum: bool = True  # hash this push's buckets (the trainer samples: weight_sync.verify_every, and the last)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -161,7 +163,7 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
 
         self._next_bucket = 0
         self._push_version = None
-        self._hash = hashlib.sha256() if self._checksum_enabled else None
+        self._hash = None  # created at bucket 0 when the push asks for it (FluxUpdateInfo.checksum)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -169,8 +171,8 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
 
         finalize_layerwise_reload(self.model, self.model_config)
         _refresh_tied_lm_head(self.model, self.model_config)
-        if self._push_version is not None:
-            self.last_checksum = (self._push_version, self._hash.hexdigest() if self._hash is not None else None)
+        if self._push_version is not None and self._hash is not None:  # the newest hashed push's (version, sha256)
+            self.last_checksum = (self._push_version, self._hash.hexdigest())
 
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -199,6 +201,7 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
                     f"buckets {ids[:8]}{'...' if n > 8 else ''}"
                 )
             self._push_version = version
+            self._hash = hashlib.sha256() if (self._checksum_enabled and info.checksum) else None
         elif info.version != self._push_version:
             raise RuntimeError(
                 f"bucket {info.bucket} of version {info.version} inside the push of {self._push_version}"

@@ -105,8 +105,8 @@ class VllmNcclEngine(VllmEngine):
     rendezvous_handshake = False  # vLLM's rendezvous is its own (a TCPStore on a port of its own)
 
     def __init__(self, *args, **kw):
-        kw.pop("checksum", None)  # vLLM's receiver keeps no hash (``reconnect`` passes the parent's kwargs back)
-        super().__init__(*args, checksum=False, **kw)
+        kw.pop("verify_every", None)  # vLLM's receiver keeps no hash (``reconnect`` passes the kwargs back)
+        super().__init__(*args, verify_every=0, **kw)
         self._transfer = None
         self._client = HttpWeightSyncClient(self)
         self._flats: list[torch.Tensor] = []
