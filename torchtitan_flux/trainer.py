@@ -351,7 +351,11 @@ class FluxTrainer(Trainer):
         collective save could hang, so those runs resume from their last periodic checkpoint. After a second
         signal the step in progress may be incomplete: then no checkpoint is written."""
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
-        if not self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds):
+        try:
+            settled = self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds)
+        except NoEngineLeft:  # the last engine's death noticed while waiting (events are pumped): save anyway
+            settled = False
+        if not settled:
             logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
                            "pushes the checkpoint's weights to every engine first)")
         if at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0:
