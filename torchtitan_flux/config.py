@@ -198,6 +198,12 @@ class Rollout:
     reward_workers: int = 1
     """Threads scoring rewards off the trainer's main loop. >= 1."""
 
+    max_engine_restarts: int = 3
+    """A dead embedded engine is restarted at most this many times within any 10 minutes; one that dies more
+    often (it fails the same way every time: a bad device, a bad setting) is given up: the run goes on with the
+    other engines, or, with none left, stops at the step boundary like for a lost engine (checkpoint of the last
+    completed step when checkpoints are on), the engine's own error in the log. 0: never restart. >= 0."""
+
 
 @dataclass
 class WeightSync:
@@ -677,6 +683,7 @@ def _check_data(job_config: Any) -> None:
     if r.reward_fn:
         import_spec("rollout.reward_fn", r.reward_fn)
     _require(r.reward_workers >= 1, "rollout.reward_workers", r.reward_workers, "an integer >= 1")
+    _require(r.max_engine_restarts >= 0, "rollout.max_engine_restarts", r.max_engine_restarts, "an integer >= 0")
     _require(ev.every_steps >= 0, "eval.every_steps", ev.every_steps, ">= 0 (0 disables)")
     _require(ev.n >= 1, "eval.n", ev.n, "an integer >= 1")
     _require(ev.num_prompts >= 0, "eval.num_prompts", ev.num_prompts, ">= 0 (0 = all)")

@@ -4,6 +4,13 @@ Applies the patches torchtitan needs on this machine, registers our model spec, 
 ``ConfigManager`` merge our config sections (``--job.custom_config_module torchtitan_flux.config`` is added
 unless the command line or TOML names another module), and runs ``torchtitan.train.main(FluxTrainer)``.
 
+Bad input is reported as one line, ``error: <field> = <value> ...; allowed: ...``, with exit code 2 and no Python
+traceback: the config is parsed and validated here before torchtitan starts, and a ``ConfigError`` found later
+(the model folder, the dataset) is reported the same way. Expected stops (a signal, no engine left, a loss that is
+not finite) end with one ``stopped: ...`` line and exit code 1. Real bugs keep their traceback; so does everything
+under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun the line is also written to torchelastic's error file, so that
+torchrun's failure summary shows it instead of a pointer to its docs.
+
 Once that returns or raises (the trainer is closed either way: engines stopped, metrics, checkpoints and the
 export written), the process ends with ``os._exit``: skipping the interpreter's finalisation, where torch's C++
 teardown of the weight-sync groups and store, racing daemon threads, aborted about 1 run in 20 on this machine
@@ -12,9 +19,11 @@ after everything had been written ("terminate called without an active exception
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 
 from torchtitan_flux.patches import apply_patches
@@ -92,6 +101,32 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
     return (engine or "embedded") == "embedded"
 
 
+def _report(e: BaseException) -> int:
+    """Print how the run ended; return the exit code (see the module docstring)."""
+    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.rollout import NoEngineLeft
+    from torchtitan_flux.trainer import LossNotFinite, TrainingInterrupted
+
+    if isinstance(e, ConfigError):
+        code, line = 2, f"error: {e}"
+    elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite)):
+        code, line = 1, f"stopped: {e}"
+    else:
+        traceback.print_exc()
+        return 1
+    if os.environ.get("TORCHTITAN_FLUX_DEBUG") == "1":
+        traceback.print_exc()
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun prints this in its failure summary (instead of a pointer to its docs)
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    return code
+
+
 def main() -> None:
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
     sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
@@ -103,20 +138,22 @@ def main() -> None:
         except ValueError as e:  # a bad TORCHTITAN_FLUX_ENGINE_START
             sys.exit(f"torchtitan_flux: {e}")
     apply_patches()
+    from torchtitan.config import ConfigManager
     from torchtitan.train import main as titan_main
 
+    from torchtitan_flux.config import validate_config
     from torchtitan_flux.model import register_flux_model
     from torchtitan_flux.trainer import FluxTrainer
 
     register_flux_model()
     try:
+        validate_config(ConfigManager().parse_args())  # bad input: one line, before torchtitan's start-up
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    except BaseException:  # noqa: BLE001 - reported here, then the same non-zero exit as an uncaught error
-        traceback.print_exc()
-        code = 1
+    except BaseException as e:  # noqa: BLE001 - reported here, then the same non-zero exit as an uncaught error
+        code = _report(e)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

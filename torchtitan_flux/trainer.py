@@ -57,6 +57,7 @@ from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
 
+RESTART_WINDOW_S = 600.0  # rollout.max_engine_restarts counts restarts of one engine within this window
 STALE_BAND = 0.05  # staleness this far above its target counts as out of band (as in benchmarks/controller.py)
 
 
@@ -67,6 +68,11 @@ class TrainingInterrupted(Exception):
     def __init__(self, message: str, at_step_boundary: bool):
         super().__init__(message)
         self.at_step_boundary = at_step_boundary
+
+
+class LossNotFinite(RuntimeError):
+    """The loss (or the gradient norm) of a step is NaN or infinite: the run stops before the optimizer applies it,
+    so the last completed step's weights (and its checkpoint) are intact."""
 
 
 class FluxTrainer(Trainer):
@@ -104,6 +110,7 @@ class FluxTrainer(Trainer):
         self.metrics_writer: MetricsWriter | None = None
         self._events: queue.Queue = queue.Queue()
         self._engine_restarts = 0
+        self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of its recent restarts
         self.discarded_rollouts = 0
         self._step_ends: list[float] = []
         aa = job_config.adaptive_async
@@ -229,10 +236,20 @@ class FluxTrainer(Trainer):
         self.engines = [self._new_engine(i) for i in range(n)]
 
     def _restart_engine(self, dead: EmbeddedEngine):
-        """A dead embedded engine is replaced by a fresh process that rejoins and gets the newest weights."""
+        """A dead embedded engine is replaced by a fresh process that rejoins and gets the newest weights, at most
+        ``rollout.max_engine_restarts`` times within ``RESTART_WINDOW_S`` (a crash loop is given up: None)."""
         dead.close()
-        self._engine_restarts += 1
         idx = self.engines.index(dead)
+        now = time.monotonic()
+        recent = [t for t in self._restart_times.get(idx, []) if now - t < RESTART_WINDOW_S]
+        if not dead.reconnects and len(recent) >= self.job_config.rollout.max_engine_restarts:
+            logger.error(f"{dead.name}: died {len(recent) + 1} times within {RESTART_WINDOW_S:.0f} s "
+                         f"(rollout.max_engine_restarts = {self.job_config.rollout.max_engine_restarts}); not "
+                         "restarted again: its error is the 'died' line above")
+            self.engines.remove(dead)
+            return None
+        self._restart_times[idx] = recent + [now]
+        self._engine_restarts += 1
         if dead.reconnects:  # an HTTP server is not ours to restart: reconnect if it is back
             try:
                 new = dead.reconnect()
@@ -324,7 +341,7 @@ class FluxTrainer(Trainer):
                     )
                 if self._stop_signal is not None:
                     raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True)
-        except (TrainingInterrupted, NoEngineLeft) as e:
+        except (TrainingInterrupted, NoEngineLeft, LossNotFinite) as e:
             self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e))
             raise
         finally:
@@ -508,6 +525,14 @@ class FluxTrainer(Trainer):
             [p for m in self.model_parts for p in m.parameters()], jc.training.max_norm, foreach=True,
             pp_mesh=None, ep_enabled=False,
         )
+        if not torch.isfinite(grad_norm).item():  # the same on every rank (a global norm): all stop here
+            self.optimizers.zero_grad()
+            self.step -= 1  # nothing of this step was applied: the weights are still those of the step before
+            raise LossNotFinite(
+                f"loss is not finite at step {self.step + 1} (loss {loss_total.item():.4g}, gradient norm "
+                f"{grad_norm.item():.4g}; rewards of this batch: min {batch.rewards.min().item():.4g}, max "
+                f"{batch.rewards.max().item():.4g}); the weights of step {self.step} are kept"
+            )
         self.checkpointer.maybe_wait_for_staging()
         self.syncer.before_optimizer_step()
         self.optimizers.step()

@@ -1,0 +1,82 @@
+"""How a run ends when it cannot go on, through the real command (torchrun -m torchtitan_flux.train):
+
+* bad input: one ``error: <field> = <value> ...; allowed: ...`` line first on stderr, the trainer's exit code 2
+  (torchrun shows it, and the line, in its failure summary), no traceback from our code, nothing started;
+* an engine that fails the same way every time: restarted at most ``rollout.max_engine_restarts`` times, then
+  the run stops with ``stopped: ...`` (it used to restart it thousands of times);
+* a loss that is not finite: ``stopped: loss is not finite at step k``, the weights of step k-1 kept (and
+  checkpointed), no crash in the progress line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from _procs import Run
+
+from conftest import ROOT, torchrun_cmd
+
+
+def huge_reward(prompt, completion, answer):
+    """Finite but absurd rewards: without std normalisation the loss overflows fp32."""
+    return 1e38 if len(completion) % 2 else -1e38
+
+
+def _run(dump, *overrides, timeout=180, env=None):
+    p = subprocess.run(torchrun_cmd(dump, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    return p
+
+
+def _our_traceback_frames(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if re.match(r'\s*File ".*torchtitan_flux/', line)]
+
+
+def test_bad_input_is_one_line_exit_2_and_nothing_starts(tmp_path):
+    p = _run(tmp_path / "run", "--grpo.group_size", "1")
+    first = p.stderr.strip().splitlines()[0]
+    assert first == "error: grpo.group_size = 1 is out of range; allowed: an integer >= 2", p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr  # the trainer's own exit code, in torchrun's summary
+    assert "traceback : error: grpo.group_size = 1" in p.stderr  # the line, not a pointer to torch's docs
+    assert not _our_traceback_frames(p.stderr)
+    assert "Training starts" not in p.stdout + p.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_debug_switch_keeps_the_traceback(tmp_path):
+    p = _run(tmp_path / "run", "--grpo.group_size", "1", env={"TORCHTITAN_FLUX_DEBUG": "1"})
+    assert _our_traceback_frames(p.stderr) and "error: grpo.group_size = 1" in p.stderr
+
+
+@pytest.mark.faults
+def test_engine_failing_every_time_is_restarted_a_bounded_number_of_times(tmp_path):
+    # a seed beyond int64 makes every engine start fail the same way (the old code restarted it without end)
+    run = Run(tmp_path / "run", tmp_path / "run.log", "--rollout.seed", str(2**64 + 1), "--training.steps", "5",
+              "--rollout.max_engine_restarts", "2")
+    rc = run.proc.wait(120)
+    log = run.log.read_text()
+    assert rc != 0
+    assert len(re.findall(r"rollout engine engine0 died", log)) == 3, log[-3000:]  # the first start + 2 restarts
+    assert "not restarted again" in log and "rollout.max_engine_restarts = 2" in log
+    assert "stopped: every rollout engine died" in log
+
+
+def test_non_finite_loss_stops_cleanly_and_keeps_the_last_good_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    dump = tmp_path / "run"
+    p = _run(dump, "--rollout.reward_fn", "test_stops:huge_reward", "--grpo.advantage_std_normalize", "false",
+             "--checkpoint.enable", "true", "--training.steps", "6")
+    assert p.returncode != 0
+    m = re.search(r"stopped: loss is not finite at step (\d+) .* the weights of step (\d+) are kept", p.stderr)
+    assert m, p.stderr[-3000:]
+    bad, kept = int(m.group(1)), int(m.group(2))
+    assert kept == bad - 1
+    assert "TypeError" not in p.stdout + p.stderr and not _our_traceback_frames(p.stderr)
+    rows = [json.loads(x) for x in open(dump / "metrics.jsonl")] if (dump / "metrics.jsonl").exists() else []
+    assert all(r["step"] < bad for r in rows if "step" in r)  # the bad step was never logged as trained
+    if kept > 0:
+        assert (dump / "checkpoint" / f"step-{kept}" / ".metadata").exists()
