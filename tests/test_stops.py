@@ -80,3 +80,20 @@ def test_non_finite_loss_stops_cleanly_and_keeps_the_last_good_step(tmp_path, mo
     assert all(r["step"] < bad for r in rows if "step" in r)  # the bad step was never logged as trained
     if kept > 0:
         assert (dump / "checkpoint" / f"step-{kept}" / ".metadata").exists()
+
+
+def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
+    dump = tmp_path / "run"
+    first = Run(dump, tmp_path / "first.log", "--training.steps", "400")
+    try:
+        first.wait_for(lambda: "Training starts" in first.log.read_text(), 120, "the first run to start training")
+        p = _run(dump, "--training.steps", "2")
+        line = p.stderr.strip().splitlines()[0]
+        assert line.startswith(f"error: job.dump_folder = '{dump}' is in use by another run (pid "), p.stderr[-2000:]
+        assert "exitcode  : 2" in p.stderr
+        assert first.proc.poll() is None  # the first run goes on, its files untouched by the second
+    finally:
+        first.proc.terminate()
+        first.proc.wait(60)
+    p = _run(dump, "--training.steps", "2")  # the lock goes with the process that held it
+    assert p.returncode == 0, p.stderr[-3000:]

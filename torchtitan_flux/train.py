@@ -101,6 +101,37 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
     return (engine or "embedded") == "embedded"
 
 
+_DUMP_LOCK = None  # the open lock file of this run's dump folder (rank 0), held until the process ends
+
+
+def _lock_dump_folder(folder: str) -> None:
+    """Rank 0 takes an exclusive lock on ``folder`` for the life of the process: two runs in one dump folder
+    would interleave ``metrics.jsonl`` and overwrite each other's checkpoints. The kernel drops the lock when the
+    process ends, however it ends."""
+    import fcntl
+
+    from torchtitan_flux.config import ConfigError
+
+    global _DUMP_LOCK
+    if os.environ.get("RANK", "0") != "0":
+        return
+    os.makedirs(folder, exist_ok=True)
+    f = open(os.path.join(folder, ".flux.lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "unknown"
+        f.close()
+        raise ConfigError(f"job.dump_folder = {folder!r} is in use by another run (pid {owner}); allowed: a folder "
+                          "no running job uses (each run needs its own)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _DUMP_LOCK = f
+
+
 def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
@@ -147,7 +178,9 @@ def main() -> None:
 
     register_flux_model()
     try:
-        validate_config(ConfigManager().parse_args())  # bad input: one line, before torchtitan's start-up
+        config = ConfigManager().parse_args()
+        validate_config(config)  # bad input: one line, before torchtitan's start-up
+        _lock_dump_folder(config.job.dump_folder)
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:
