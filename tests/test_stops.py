@@ -97,3 +97,30 @@ def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
         first.proc.wait(60)
     p = _run(dump, "--training.steps", "2")  # the lock goes with the process that held it
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.faults
+def test_the_only_engine_killed_while_idle_is_restarted_and_the_run_finishes(tmp_path):
+    """A long training step (a large local batch of many micro-batches) leaves the engine idle; SIGKILLed then,
+    it is restarted at the next dispatch (it used to end the run with NoEngineLeft)."""
+    import signal
+    import time
+
+    dump = tmp_path / "run"
+    run = Run(dump, tmp_path / "run.log", "--training.steps", "30", "--training.local_batch_size", "1",
+              "--weight_sync.async_weight_update", "true")  # async: nothing pumps engine events between steps
+    try:
+        run.wait_for(lambda: run.engines and (dump / "metrics.jsonl").exists()
+                     and len((dump / "metrics.jsonl").read_text().splitlines()) >= 3, 180, "three steps")
+        os.kill(run.engines[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = run.proc.wait(300)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    log = run.log.read_text()
+    assert rc == 0, log[-3000:]
+    rows = [json.loads(x) for x in open(dump / "metrics.jsonl")]
+    assert rows[-1]["step"] == 30 and rows[-1]["engine_restarts"] >= 1, log[-3000:]
+    assert json.loads((dump / "summary.json").read_text())["checksums_match"]
+    assert time.monotonic() - t0 < 300

@@ -41,6 +41,9 @@ from torchtitan_flux.tasks import Prompt, Task, reward_inputs
 logger = logging.getLogger("torchtitan_flux")
 
 
+DEATH_NOTICE_S = 10.0  # how long a dispatch with no engine alive waits for a queued death (and its restart)
+
+
 class NoEngineLeft(RuntimeError):
     """Every rollout engine is gone: training cannot go on. Raised between steps (while waiting for rollouts), so
     the trainer's state is that of a completed step and can be checkpointed."""
@@ -145,9 +148,7 @@ class RolloutScheduler:
         st = self._steps.get(step) or self._new_step(step)
         if st.n_dispatched:
             return
-        alive = [e for e in self.engines if e.alive()]
-        if not alive:
-            raise NoEngineLeft("no rollout engine is alive")
+        alive = self._alive()
         first = 0
         for engine, n in zip(alive, self._split(len(st.prompts), alive)):
             if n:
@@ -155,6 +156,19 @@ class RolloutScheduler:
                 st.parts.append(part)
             first += n
         st.n_dispatched = len(st.prompts)
+
+    def _alive(self) -> list[EngineHandler]:
+        """The engines alive now. With none: an engine that died while nothing pumped events (idle, between two
+        steps of an async run) has its death still queued; pump for up to ``DEATH_NOTICE_S`` so that it is handled
+        (the trainer restarts it, ``on_engine_dead``) instead of giving up on a dead engine that can be replaced."""
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while True:
+            alive = [e for e in self.engines if e.alive()]
+            if alive:
+                return alive
+            if time.monotonic() > deadline:
+                raise NoEngineLeft("no rollout engine is alive")
+            self.pump(0.05)
 
     def _split(self, n: int, engines: list[EngineHandler]) -> list[int]:
         """Prompts per engine: ``n`` split by ``_shares`` (largest remainder), then no engine above
@@ -217,9 +231,7 @@ class RolloutScheduler:
         """Evaluation requests: ``n`` completions of each prompt, generated on exactly policy ``version`` (the
         engines wait for it), split evenly over the engines alive (the training split is left as it is). Their
         parts get their results through ``pump`` like any other request (re-dispatched if an engine dies)."""
-        alive = [e for e in self.engines if e.alive()]
-        if not alive:
-            raise NoEngineLeft("no rollout engine is alive")
+        alive = self._alive()
         parts, first = [], 0
         for i, engine in enumerate(alive):
             count = len(prompt_ids) // len(alive) + (i < len(prompt_ids) % len(alive))
