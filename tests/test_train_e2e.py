@@ -96,12 +96,18 @@ def test_killed_run_resumes_bit_exact(tiny_model_dir, tmp_path, mode):
 
     dump = tmp_path / "killed"
     _kill_after(dump, [*ckpt, "--training.steps", "40"], step=5, log=tmp_path / "killed.log")
-    run_train(dump, *ckpt)  # resumes from step 4 and runs to 8
-    resumed = read_metrics(dump)
+    before = len((dump / "metrics.jsonl").read_text().splitlines())
+    proc = run_train(dump, *ckpt)  # resumes from step 4 and runs to 8
+    # the resume loaded the complete checkpoint of step 4 (a run ignoring it would start at step 1: runs are
+    # deterministic, so comparing rows alone could not tell), and wrote exactly steps 5..8
+    assert "Training starts at step 5" in proc.stdout + proc.stderr
+    assert (dump / "checkpoint" / "step-4" / ".metadata").is_file()
+    resumed = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()[before:]]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     keys = RESUMED_EQUAL + (CONTROLLER_EQUAL if mode == "async_controller" else [])
-    for step in range(5, 9):
+    for r in resumed:
         for k in keys:
-            assert resumed[step - 1][k] == full[step - 1][k], (step, k, resumed[step - 1][k], full[step - 1][k])
+            assert r[k] == full[r["step"] - 1][k], (r["step"], k, r[k], full[r["step"] - 1][k])
 
 
 @pytest.mark.slow
