@@ -212,3 +212,13 @@ def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):
     assert "engine0" not in proc.stderr + proc.stdout
     assert not (tmp_path / "metrics.jsonl").exists()
 
+
+
+def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
+    from torchtitan_flux.config import staleness_out_of_reach
+
+    a = parse("--adaptive_async.enabled", "true").adaptive_async  # defaults: gap 1, target 0.15
+    hint = staleness_out_of_reach(a)
+    assert hint and "raise adaptive_async.max_version_gap to 3" in hint  # 0.3 * 3/5 = 0.18 >= 0.15
+    assert staleness_out_of_reach(parse("--adaptive_async.enabled", "true",
+                                        "--adaptive_async.max_version_gap", "3").adaptive_async) is None

@@ -182,3 +182,4 @@ def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_pa
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.2
     summary = json.loads((dump / "summary.json").read_text())
     assert summary["checksums_match"] and summary["final_engine_version"] == 60
+

@@ -539,6 +539,23 @@ def resolve_launch_python(path: str) -> str | None:
     return None
 
 
+def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
+    """A warning when the version-gap term alone cannot bring staleness to ``target_staleness`` (the gap is at
+    most ``max_version_gap``): the KL and importance-weight terms then have to, and on a slowly moving policy they
+    stay near 0, so staleness saturates below the target and the ratio sits at its maximum (measured with the
+    defaults, max_version_gap 1: staleness ~0.06 against 0.15, 0.16 of steps in band)."""
+    total = a.kl_weight + a.iw_var_weight + a.version_gap_weight
+    reach = a.version_gap_weight / total * min(1.0, a.max_version_gap / a.version_gap_norm) if total > 0 else 0.0
+    if reach >= a.target_staleness:
+        return None
+    need = next((g for g in range(1, 65)
+                 if a.version_gap_weight / total * min(1.0, g / a.version_gap_norm) >= a.target_staleness), None)
+    fix = f"raise adaptive_async.max_version_gap to {need}" if need else "lower adaptive_async.target_staleness"
+    return (f"adaptive_async.target_staleness = {a.target_staleness} may be out of reach: with max_version_gap = "
+            f"{a.max_version_gap} the version-gap term of staleness is at most {reach:.3f}, so the target is reached "
+            f"only if the KL / importance-weight terms make up the rest; {fix} (or lower the target to {reach:.2f})")
+
+
 def validate_config(job_config: Any) -> None:
     """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
     for sec in SECTIONS:
@@ -633,6 +650,8 @@ def validate_config(job_config: Any) -> None:
     _require(0 < a.integral_band <= 1, "adaptive_async.integral_band", a.integral_band, "a number in (0, 1]")
     _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap, "an integer >= 1")
     _require(0 < a.sync_threshold <= 1, "adaptive_async.sync_threshold", a.sync_threshold, "0 < x <= 1")
+    if a.enabled and (hint := staleness_out_of_reach(a)):
+        logging.getLogger("torchtitan_flux").warning(hint)
     for ph in ("warmup", "main", "cooldown"):
         spec = getattr(a.phase_schedule, ph)
         _require(spec.steps >= 0, f"adaptive_async.phase_schedule.{ph}.steps", spec.steps, ">= 0")
