@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import re
 import socket
@@ -491,11 +492,13 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
         if tp is bool
         else isinstance(value, tp) and not isinstance(value, bool)
         if tp is int
-        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if tp is float
         else isinstance(value, tp)
     )
     if not ok:
+        if tp is float and isinstance(value, float):
+            raise ConfigError(f"{name} = {value!r} is out of range; allowed: a finite number")
         raise ConfigError(f"{name} must be of type {tp.__name__}, got {type(value).__name__} {value!r}")
 
 
@@ -537,6 +540,18 @@ def resolve_launch_python(path: str) -> str | None:
         if os.path.isfile(cand) and os.access(cand, os.X_OK):
             return os.path.abspath(cand)
     return None
+
+
+def _validate_torchtitan_fields(job_config: Any) -> None:
+    """The torchtitan fields a bad value of which would otherwise fail late (a bare assert, a NaN loss) or be
+    silently accepted (``steps 0``)."""
+    tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
+    _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
+    _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
+    _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    if ck.enable:
+        _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
+    _require(math.isfinite(opt.lr) and opt.lr > 0, "optimizer.lr", opt.lr, "a finite number > 0")
 
 
 def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
@@ -650,6 +665,7 @@ def validate_config(job_config: Any) -> None:
     _require(0 < a.integral_band <= 1, "adaptive_async.integral_band", a.integral_band, "a number in (0, 1]")
     _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap, "an integer >= 1")
     _require(0 < a.sync_threshold <= 1, "adaptive_async.sync_threshold", a.sync_threshold, "0 < x <= 1")
+    _validate_torchtitan_fields(job_config)
     if a.enabled and (hint := staleness_out_of_reach(a)):
         logging.getLogger("torchtitan_flux").warning(hint)
     for ph in ("warmup", "main", "cooldown"):
