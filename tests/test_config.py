@@ -86,6 +86,17 @@ CASES = [
     (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
     (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
     (("--model.hf_assets_path", "/nonexistent/model"), "model.hf_assets_path"),
+    # issue 18, item 1: an interval beyond max_version_gap + 1 regenerated stale rollouts forever (a hang)
+    (("--weight_sync.interval", "3", "--adaptive_async.max_version_gap", "1"),
+     "weight_sync.interval = 3 is out of range; allowed: <= adaptive_async.max_version_gap + 1 = 2"),
+    # issue 18, item 9: infinities, NaN, zero/negative counts
+    (("--grpo.clip_high", "inf"), "grpo.clip_high = inf is out of range; allowed: a finite number"),
+    (("--adaptive_async.kp", "nan"), "adaptive_async.kp = nan is out of range; allowed: a finite number"),
+    (("--training.steps", "0"), "training.steps = 0 is out of range; allowed: an integer >= 1"),
+    (("--training.steps", "-3"), "training.steps = -3 is out of range"),
+    (("--training.local_batch_size", "0"), "training.local_batch_size = 0 is out of range"),
+    (("--checkpoint.enable", "--checkpoint.interval", "0"), "checkpoint.interval = 0 is out of range"),
+    (("--optimizer.lr", "nan"), "optimizer.lr = nan is out of range; allowed: a finite number > 0"),
 ]
 
 

@@ -12,6 +12,7 @@ Simplification: torchtitan's own sections are validated by torchtitan; we check 
 
 
 import dataclasses
+import math
 import importlib
 import os
 import re
@@ -345,11 +346,13 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
         if tp is bool
         else isinstance(value, tp) and not isinstance(value, bool)
         if tp is int
-        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if tp is float
         else isinstance(value, tp)
     )
     if not ok:
+        if tp is float and isinstance(value, float):
+            raise ConfigError(f"{name} = {value!r} is out of range; allowed: a finite number")
         raise ConfigError(f"{name} must be of type {tp.__name__}, got {type(value).__name__} {value!r}")
 
 
@@ -486,6 +489,11 @@ def validate_config(job_config: Any) -> None:
                  "<= 1 (negative = use adaptive_async.target_staleness)")
     if a.controller != "pid":
         _importable("adaptive_async.controller", a.controller)
+    # A push every `interval` steps leaves rollouts up to `interval - 1` versions behind; admission drops anything
+    # more than `max_version_gap` behind, so a larger interval would regenerate stale rollouts forever (a hang).
+    _require(w.interval <= a.max_version_gap + 1, "weight_sync.interval", w.interval,
+             f"<= adaptive_async.max_version_gap + 1 = {a.max_version_gap + 1} (raise max_version_gap to push less often)")
+    _validate_torchtitan_fields(job_config)
 
     hf = job_config.model.hf_assets_path
     for fname in ("tokenizer.json", "config.json"):
@@ -494,3 +502,22 @@ def validate_config(job_config: Any) -> None:
                 f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
                 "(build the tiny one with `python scripts/build_tiny_model.py`)"
             )
+
+
+def _validate_torchtitan_fields(job_config: Any) -> None:
+    """The torchtitan fields a bad value of which would otherwise fail late (a bare assert, a NaN loss) or be
+    silently accepted (``steps 0``)."""
+    tr, ck, opt = getattr(job_config, "training", None), getattr(job_config, "checkpoint", None), getattr(
+        job_config, "optimizer", None)
+    if tr is not None:
+        _require(isinstance(tr.steps, int) and tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
+        _require(isinstance(tr.local_batch_size, int) and tr.local_batch_size >= 1, "training.local_batch_size",
+                 tr.local_batch_size, "an integer >= 1")
+        _require(isinstance(tr.seq_len, int) and tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    if ck is not None and getattr(ck, "enable", False):
+        _require(isinstance(ck.interval, int) and ck.interval >= 1, "checkpoint.interval", ck.interval,
+                 "an integer >= 1")
+    if opt is not None:
+        lr = opt.lr
+        _require(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0, "optimizer.lr", lr,
+                 "a finite number > 0")
