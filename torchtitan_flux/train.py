@@ -94,7 +94,8 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
 
 def main() -> None:
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
-    sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
+    debug = "--debug" in sys.argv[1:]  # keep Python tracebacks for input errors too
+    sys.argv = [sys.argv[0]] + _normalise_argv([a for a in sys.argv[1:] if a != "--debug"])
     if _starts_embedded_engines(sys.argv[1:]):
         from torchtitan_flux.engine.forkserver import prestart_engine_server
 
@@ -106,7 +107,8 @@ def main() -> None:
     from torchtitan.train import main as titan_main
 
     from torchtitan_flux.model import register_flux_model
-    from torchtitan_flux.trainer import FluxTrainer
+    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.trainer import FluxTrainer, NonFiniteLoss
 
     register_flux_model()
     try:
@@ -114,6 +116,11 @@ def main() -> None:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except (ConfigError, NonFiniteLoss) as e:  # bad input / a diverged run: one line, no traceback (--debug: both)
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        code = 2 if isinstance(e, ConfigError) else 1
     except BaseException:  # noqa: BLE001 - reported here, then the same non-zero exit as an uncaught error
         traceback.print_exc()
         code = 1

@@ -53,6 +53,11 @@ from torchtitan_flux.weight_sync import WeightSyncer
 logger = logging.getLogger("torchtitan_flux")
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm of a step is NaN/inf. Raised before ``optimizer.step()``, so the weights are
+    those of the last completed step, which is checkpointed (when checkpoints are on) before the run stops."""
+
+
 class TrainingInterrupted(Exception):
     """SIGTERM or SIGINT during training. An ``Exception`` (not ``SystemExit``) so that torchtitan's ``main``
     calls ``trainer.close()``, which stops the engines, before the process exits non-zero."""
@@ -274,6 +279,10 @@ class FluxTrainer(Trainer):
         except (TrainingInterrupted, NoEngineLeft) as e:
             self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e))
             raise
+        except NonFiniteLoss as e:
+            self.step -= 1  # the failed step took no optimizer step: the state is that of the step before
+            self._save_on_stop(True, reason=str(e))
+            raise
         finally:
             if self.rank == 0 and self.scheduler is not None:
                 self.scheduler.drain(timeout=1.0)
@@ -407,6 +416,13 @@ class FluxTrainer(Trainer):
             [p for m in self.model_parts for p in m.parameters()], jc.training.max_norm, foreach=True,
             pp_mesh=None, ep_enabled=False,
         )
+        finite = (torch.isfinite(loss_total) & torch.isfinite(grad_norm)).to(torch.int32)
+        if self.world > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            raise NonFiniteLoss(f"loss is not finite at step {self.step} (loss = {loss_total.item()}, grad_norm = "
+                                f"{grad_norm.item()}); stopped before the optimizer step. Check the rewards "
+                                "(very large values) and optimizer.lr")
         self.checkpointer.maybe_wait_for_staging()
         self.syncer.before_optimizer_step()
         self.optimizers.step()
