@@ -22,6 +22,8 @@ def _run(tmp_path, *overrides, timeout=240):
     (("--training.steps", "0"), "error: training.steps = 0 is out of range; allowed: an integer >= 1"),
     (("--weight_sync.interval", "5"),
      "error: weight_sync.interval = 5 is out of range; allowed: <= adaptive_async.max_version_gap + 1"),
+    (("--job.config_file", "train_configs/debug_cpu.toml"),
+     "error: --job.config_file is given 2 times; allowed: once"),
 ])
 def test_input_error_is_one_line_exit_2(tmp_path, tiny_model_dir, overrides, line):
     p = _run(tmp_path, *overrides, timeout=120)

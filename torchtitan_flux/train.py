@@ -95,6 +95,10 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
 def main() -> None:
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
     debug = "--debug" in sys.argv[1:]  # keep Python tracebacks for input errors too
+    files = [a for a in sys.argv[1:] if a.split("=")[0] in ("--job.config_file", "--job.config-file")]
+    if len(files) > 1:  # torchtitan would silently use the first one
+        print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr)
+        sys.exit(2)
     sys.argv = [sys.argv[0]] + _normalise_argv([a for a in sys.argv[1:] if a != "--debug"])
     if _starts_embedded_engines(sys.argv[1:]):
         from torchtitan_flux.engine.forkserver import prestart_engine_server
