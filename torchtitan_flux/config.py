@@ -169,7 +169,8 @@ class WeightSync:
     """Weights are flattened into buckets of about this size for transfer. > 0."""
 
     interval: int = 1
-    """Push every N optimizer steps. >= 1."""
+    """Push every N optimizer steps. >= 1 and <= ``adaptive_async.max_version_gap + 1`` (a longer interval would
+    leave every rollout too stale to admit)."""
 
     method: Literal["full", "delta"] = "full"
     """"full" sends all weights; "delta" sends only tensors that changed since the last push."""
