@@ -47,6 +47,12 @@ def test_bad_input_is_one_line_exit_2_and_nothing_starts(tmp_path):
     assert "Training starts" not in p.stdout + p.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_two_config_files_are_refused(tmp_path):
+    p = _run(tmp_path / "run", "--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"))
+    assert p.stderr.strip().splitlines()[0] == "error: --job.config_file is given 2 times; allowed: once"
+    assert "exitcode  : 2" in p.stderr
+
+
 def test_debug_switch_keeps_the_traceback(tmp_path):
     p = _run(tmp_path / "run", "--grpo.group_size", "1", env={"TORCHTITAN_FLUX_DEBUG": "1"})
     assert _our_traceback_frames(p.stderr) and "error: grpo.group_size = 1" in p.stderr

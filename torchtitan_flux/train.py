@@ -159,6 +159,10 @@ def _report(e: BaseException) -> int:
 
 
 def main() -> None:
+    files = [a for a in sys.argv[1:] if a.split("=")[0] in ("--job.config_file", "--job.config-file")]
+    if len(files) > 1:  # torchtitan would silently take the first
+        print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
+        os._exit(2)
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
     sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
     if _starts_embedded_engines(sys.argv[1:]):
