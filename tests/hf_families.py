@@ -34,8 +34,10 @@ def hf_config(family: str, tied: bool):
         pad_token_id=assets.PAD_ID,
         torch_dtype="float32",
     )
-    if family == "llama":  # head_dim 16 would be too small for vLLM: 2 heads of 32, llama3 RoPE scaling
-        common.update(num_attention_heads=2, num_key_value_heads=1, rope_theta=500000.0)
+    if family == "llama":  # head_dim 16 would be too small for vLLM: heads of 32, llama3 RoPE scaling
+        # tied: 2 heads of 32 (head_dim == hidden_size / heads, every Llama 3.x release); untied: 4 heads of 32
+        # (attention 128 wide on a 64-wide residual), the "any head_dim" case torchtitan's llama3 does not derive.
+        common.update(num_attention_heads=2 if tied else 4, num_key_value_heads=1 if tied else 2, rope_theta=500000.0)
         return transformers.LlamaConfig(
             **common, head_dim=32,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

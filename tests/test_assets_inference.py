@@ -152,7 +152,8 @@ def test_flux_args_reproduce_build_args_and_load_weights(model_dir, reference):
     args = FluxLlamaArgs()
     args.update_from_config(_job_config(model_dir, seq_len=ref_args.max_seq_len))
     fields = dataclasses.asdict(args)
-    assert fields.pop("tie_word_embeddings") is False  # our one extra field: the tiny model is untied
+    assert fields.pop("tie_word_embeddings") is False  # our two extra fields: the tiny model is untied,
+    assert fields.pop("head_dim") == ref_args.dim // ref_args.n_heads  # with torchtitan's own head_dim
     assert fields == dataclasses.asdict(ref_args)
     args.update_from_config(_job_config(model_dir, seq_len=64))
     assert args.max_seq_len == 64

@@ -1,5 +1,6 @@
-"""Real vLLM CPU servers (``.venv-vllm``) serving a tied Llama and a tied Qwen3 tiny model (``hf_families.py``):
-GRPO runs with a push and a post-sync probe after every step, and wrong pushes that the probe must catch.
+"""Real vLLM CPU servers (``.venv-vllm``) serving tiny models of every family (``hf_families.py``): a tied Llama,
+an untied Llama whose head_dim is not hidden_size / heads, a tied Qwen3 and a tied Qwen2.5: GRPO runs with a push
+and a post-sync probe after every step, and wrong pushes that the probe must catch.
 
 Marked ``slow`` and ``vllm`` (each server takes ~30-60 s to start on 2 cores); skipped without ``.venv-vllm``.
 """
@@ -36,9 +37,9 @@ def _needs_vllm(monkeypatch):
     monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "256")  # the tiny models' max_position_embeddings
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_grpo_with_launched_vllm_probe_passes_after_every_push(family, tmp_path):
-    model_dir = build_hf_model(tmp_path / "model", family, tied=True)
+@pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen3", True), ("qwen2", True)])
+def test_grpo_with_launched_vllm_probe_passes_after_every_push(family, tied, tmp_path):
+    model_dir = build_hf_model(tmp_path / "model", family, tied=tied)
     dump = tmp_path / "run"
     run_train(dump, "--training.steps", "4", "--model.hf_assets_path", str(model_dir), "--rollout.engine", "vllm",
               "--rollout.launch", "true", "--weight_sync.probe_every", "1", "--weight_sync.probe_tolerance", "1e-3",
@@ -48,7 +49,7 @@ def test_grpo_with_launched_vllm_probe_passes_after_every_push(family, tmp_path)
     assert all(r["probe_engines_checked"] == 1 and r["probe_max_abs_diff"] < 1e-3 for r in rows), rows
     summary = json.loads((dump / "summary.json").read_text())
     assert summary["final_engine_version"] == 4 and summary["checksums_match"]
-    assert json.loads((dump / "hf_final" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert json.loads((dump / "hf_final" / "config.json").read_text())["tie_word_embeddings"] is tied
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,8 @@ that do not have torchtitan (``inference.py``, the embedded engine).
 
 Supported families (``SUPPORTED``), picked from ``model_type`` (or ``architectures``):
 
-* ``llama``: Llama 3.0 / 3.1 / 3.2 (``rope_scaling`` none or ``llama3``), tied or untied, GQA. torchtitan's
-  llama3 model derives ``head_dim`` from ``hidden_size / num_attention_heads`` (true of every Llama 3.x
-  release); a different ``head_dim`` is refused.
+* ``llama``: Llama 3.0 / 3.1 / 3.2 (``rope_scaling`` none or ``llama3``), tied or untied, GQA, any even
+  ``head_dim`` (an explicit one different from ``hidden_size / num_attention_heads`` included).
 * ``qwen3``: Qwen3 dense (q/k RMSNorm, explicit ``head_dim``), tied or untied.
 * ``qwen2``: Qwen2 / Qwen2.5 (q/k/v biases), tied or untied.
 
@@ -167,9 +166,6 @@ def architecture(cfg: dict[str, Any], where: str = CONFIG_FILE) -> dict[str, Any
             raise ValueError(f"{where}: hidden_size {dim} is not divisible by num_attention_heads {n_heads}")
         head_dim = dim // n_heads
     head_dim = int(head_dim)
-    if fam == "llama" and head_dim * n_heads != dim:
-        raise ValueError(f"{where}: head_dim {head_dim} != hidden_size/num_attention_heads; torchtitan's llama3 "
-                         "derives head_dim from them (true of every Llama 3.x release)")
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim {head_dim} must be even for RoPE")
     if cfg.get("hidden_act", "silu") != "silu":

@@ -4,9 +4,11 @@ The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_mod
 for what is supported and refused):
 
 * ``llama`` (spec ``flux_llama3``): torchtitan's llama3 ``Transformer`` and ``Llama3StateDictAdapter``.
-  Extended (``FluxLlamaModel``, ``FluxLlamaStateDictAdapter``) only for ``tie_word_embeddings``: the output
-  projection IS the token embedding (one parameter, as torchtitan's qwen3 ``enable_weight_tying``), and HF
-  folders of a tied model carry no ``lm_head.weight``.
+  Extended (``FluxLlamaModel``, ``FluxLlamaStateDictAdapter``) in two ways torchtitan's llama3 lacks:
+  ``tie_word_embeddings`` (the output projection IS the token embedding: one parameter, as torchtitan's qwen3
+  ``enable_weight_tying``; HF folders of a tied model carry no ``lm_head.weight``), and an explicit ``head_dim``
+  other than ``dim / n_heads`` (torchtitan derives it: the attention projections and the RoPE table are rebuilt
+  with it, and the adapter's q/k permutation takes the rows from the tensor instead of ``dim``).
 * ``qwen3`` (spec ``flux_qwen3``): torchtitan's ``Qwen3Model`` / ``Qwen3StateDictAdapter`` with
   ``enable_weight_tying`` from ``tie_word_embeddings``, unchanged.
 * ``qwen2`` (spec ``flux_qwen2``, Qwen2 / Qwen2.5): the same ``Qwen3Model`` with ``qk_norm=False`` and, the
@@ -48,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan.models.llama3 import Llama3StateDictAdapter, Transformer, TransformerModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.models.llama3.model.model import precompute_freqs_cis
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -148,6 +151,7 @@ def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") ->
         attn_mask_type="causal",
         eos_id=eos[0] if eos else 0,
         tie_word_embeddings=a["tied"],
+        head_dim=a["head_dim"],
     )
 
 
@@ -210,16 +214,36 @@ class FluxLlamaArgs(_FromHF, TransformerModelArgs):
 
     tie_word_embeddings: bool = False
     """The output projection is the token embedding (one parameter; HF ``tie_word_embeddings``)."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means ``dim // n_heads`` (torchtitan llama3's own rule)."""
+
+
+def _llama_head_dim(model_args) -> int:
+    return getattr(model_args, "head_dim", 0) or model_args.dim // model_args.n_heads
 
 
 class FluxLlamaModel(Transformer):
     """torchtitan's llama3 ``Transformer``; with ``tie_word_embeddings`` the output projection shares the
-    embedding's parameter (as torchtitan's ``Qwen3Model`` with ``enable_weight_tying``)."""
+    embedding's parameter (as torchtitan's ``Qwen3Model`` with ``enable_weight_tying``); with an explicit
+    ``head_dim`` other than ``dim // n_heads`` each attention's projections are rebuilt that wide."""
 
     def __init__(self, model_args: FluxLlamaArgs):
         super().__init__(model_args)
         if getattr(model_args, "tie_word_embeddings", False):
             self.output.weight = self.tok_embeddings.weight
+        hd = _llama_head_dim(model_args)
+        if hd != model_args.dim // model_args.n_heads:
+            for block in self.layers.values():
+                attn = block.attention
+                attn.head_dim = hd
+                attn.wq = nn.Linear(model_args.dim, attn.n_heads * hd, bias=False)
+                attn.wk = nn.Linear(model_args.dim, attn.n_kv_heads * hd, bias=False)
+                attn.wv = nn.Linear(model_args.dim, attn.n_kv_heads * hd, bias=False)
+                attn.wo = nn.Linear(attn.n_heads * hd, model_args.dim, bias=False)
+
+    def _precompute_freqs_cis(self) -> torch.Tensor:  # called by torchtitan's __init__ and init_weights
+        a = self.model_args
+        return precompute_freqs_cis(_llama_head_dim(a), a.max_seq_len, a.rope_theta, a.rope_scaling_args)
 
     def init_weights(self, *args, **kwargs):
         tied = getattr(self.model_args, "tie_word_embeddings", False)
@@ -242,6 +266,14 @@ class FluxLlamaStateDictAdapter(Llama3StateDictAdapter):
         if getattr(self.model_args, "tie_word_embeddings", False):
             hf_state_dict = {**hf_state_dict, "lm_head.weight": hf_state_dict["model.embed_tokens.weight"]}
         return super().from_hf(hf_state_dict)
+
+    # torchtitan passes k's row count as ``dim // n_heads * n_kv_heads``, wrong for an explicit head_dim; the
+    # tensor's own (full, unsharded) rows are right for every head_dim.
+    def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return super()._permute(w, n_heads_arg)
+
+    def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return super()._reverse_permute(w, n_heads_arg)
 
 
 @dataclass
