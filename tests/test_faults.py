@@ -154,10 +154,13 @@ def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redisp
           f"{t_dead:.2f}s later; re-dispatched request done {t_collect:.2f}s after that")
 
 
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path, method):
-    """SIGKILL only the process that started the engine: the engine goes too, and so does the fork server it was
-    forked from (the server exits when its starter's pipe closes; the engine by PR_SET_PDEATHSIG)."""
+def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path, method, stopped):
+    """SIGKILL only the process that started the engine: the engine goes too, and so do the fork server it was
+    forked from and the resource tracker (the server exits when its starter's pipe closes; the engine by
+    PR_SET_PDEATHSIG). ``stopped``: the engine is SIGSTOPped first, so it cannot notice anything itself (it used
+    to keep the server, itself and the tracker alive: the server's liveness pipe was open in the engine too)."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import queue, sys, time
@@ -182,6 +185,12 @@ def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path, metho
             assert engine.parent().pid != p.pid and engine.parent().pid in helpers  # forked by the server
         else:
             assert engine.parent().pid == p.pid
+        if stopped:
+            os.kill(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 5
+            while engine.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.status() == psutil.STATUS_STOPPED
         p.kill()
         p.wait(10)
         assert not wait_gone(helpers, 5.0)

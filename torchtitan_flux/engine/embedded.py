@@ -45,7 +45,7 @@ from torchtitan_flux.engine.base import (
     WeightAck,
     WeightGroupInfo,
 )
-from torchtitan_flux.engine.forkserver import engine_context
+from torchtitan_flux.engine.forkserver import engine_context, release_server_liveness
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -221,6 +221,7 @@ class _EngineProcess:
 def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
                  auth_token: str | None) -> None:
     die_with_parent()
+    release_server_liveness()
     _name_process(f"flux-{name}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:

@@ -10,7 +10,10 @@ imports run on another core meanwhile.
 Invariants: the server only imports modules and forks; it holds no threads, no CUDA context, no process group, so
 forking it is safe (CUDA is first touched in the engine). It exits when the process that started it does (its
 liveness pipe closes), and engines ask the kernel to kill them when their parent, the server, dies
-(``engine.embedded.die_with_parent``). Its socket is a Unix socket in a private (0700) temporary folder.
+(``engine.embedded.die_with_parent``). ``multiprocessing`` hands every forked child the write end of that pipe
+too, so an engine that cannot notice its trainer's death (stopped, or stuck in a collective) would keep the server,
+itself and the resource tracker alive forever: an engine closes its copy first thing
+(``release_server_liveness``), which makes the chain trainer -> server -> engine -> resource tracker end in order. Its socket is a Unix socket in a private (0700) temporary folder.
 An engine inherits the environment the server started with (the top of the entry point), not the trainer's at
 the engine's start. After that point only torchtitan's start-up changes the trainer's environment, for the
 trainer's own process group and determinism (``TORCH_NCCL_*`` error handling / flight recorder,
@@ -64,3 +67,23 @@ def prestart_engine_server() -> bool:
 
     forkserver.ensure_running()
     return True
+
+
+def release_server_liveness() -> None:
+    """In an engine forked by the server: close the inherited write end of the server's liveness pipe, so the
+    server's lifetime is its starter's, not also this engine's (see the module docstring). A no-op in a spawned
+    engine. Never call it in the process that started the server: its own copy keeps the server running.
+    Reads ``multiprocessing.forkserver``'s private ``_forkserver_alive_fd`` (set by ``_serve_one`` in the child;
+    CPython 3.9-3.13); if a future CPython renames it, this does nothing and an engine that cannot exit on its own
+    keeps the server alive as before (tests/test_faults.py::test_engine_does_not_outlive_a_killed_parent fails)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None:
+        return
+    server._forkserver_alive_fd = None
+    try:
+        os.close(fd)
+    except OSError:
+        pass
