@@ -237,3 +237,26 @@ def test_trainer_interrupted_leaves_no_orphans_and_a_loadable_checkpoint(tiny_mo
     assert summary["checksums_match"] and summary["final_engine_version"] == k2 + 2
     print(f"\ninterrupts: SIGTERM after checkpoint {k1} (torchrun rc {rc}), SIGKILL after checkpoint {k2}; "
           f"engines seen {len(run.engines)}; resumed at {k2 + 1}")
+
+
+@pytest.mark.slow
+def test_trainer_killed_alone_takes_stopped_engines_fork_server_and_tracker(tiny_model_dir, tmp_path):
+    """A crash or an OOM kill of the trainer process alone (not its process group), with every engine SIGSTOPped
+    so none can notice: torchrun ends, and no engine, fork server or resource tracker outlives the trainer."""
+    dump = tmp_path / "run"
+    run = Run(dump, tmp_path / "run.log", "--training.steps", "400")
+    run.wait_for(lambda: run.engines and (dump / "metrics.jsonl").is_file() and len(read_metrics(dump)) >= 2, 120,
+                 "two trained steps")
+    workers = [c for c in psutil.Process(run.proc.pid).children()
+               if "torchtitan_flux.train" in " ".join(c.cmdline()) and "forkserver" not in " ".join(c.cmdline())]
+    assert len(workers) == 1, workers
+    for pid in run.engines:
+        os.kill(pid, signal.SIGSTOP)
+    workers[0].kill()
+    rc = run.proc.wait(60)
+    assert rc != 0
+    assert not wait_gone(run.seen, 10.0), "processes outlived a SIGKILLed trainer"
+    kinds = " ".join(cmd for _, cmd in run.seen.values())
+    assert run.engines and set(run.engines) <= set(run.seen)
+    for kind in ("multiprocessing.forkserver", "multiprocessing.resource_tracker"):
+        assert kind in kinds, f"{kind} was never seen, so never checked: {kinds}"
