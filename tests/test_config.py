@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import subprocess
 
+import sys
+
 import pytest
 from conftest import DEBUG_TOML, ROOT
 
@@ -117,6 +119,20 @@ def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, mo
 
 def test_debug_config_is_valid(tiny_model_dir):
     validate_config(parse())
+
+
+def test_launch_refuses_a_head_dim_vllm_cpu_cannot_serve(tiny_model_dir, monkeypatch):
+    """The tiny debug model has head_dim 16: a launched CPU vLLM server would exit after ~1 min of loading; the
+    run is refused before anything starts. With a GPU the CPU rule does not apply."""
+    from torchtitan_flux.engine import vllm
+
+    args = ("--rollout.engine", "vllm", "--rollout.launch", "true", "--rollout.launch_python", sys.executable)
+    monkeypatch.setattr(vllm, "_has_gpu", lambda: False)
+    with pytest.raises(ConfigError, match=r"rollout.launch = true cannot serve model.hf_assets_path = .*: the "
+                                          r"model's head_dim is 16, and vLLM's CPU attention serves head sizes 32, 64"):
+        validate_config(parse(*args))
+    monkeypatch.setattr(vllm, "_has_gpu", lambda: True)
+    validate_config(parse(*args))
 
 
 def test_non_loopback_addresses_need_only_the_token(tiny_model_dir, monkeypatch):

@@ -93,3 +93,40 @@ def test_one_prestarted_server_forks_every_engine(tiny_model_dir):
     assert names == ["flux-engine0", "flux-engine1"]
     (pid, created), = servers
     assert not wait_gone({pid: (created, "fork server")}, 5.0), "the fork server outlived its starter"
+
+
+def test_a_launched_server_that_exits_is_reported_with_its_code_and_last_error_line(tiny_model_dir, tmp_path):
+    """``rollout.launch``: a server that exits while starting is named with its exit code and the line of its log
+    that says why (here: a Python without vLLM), in one line, and the entry point prints it as one ``error:``
+    line (no traceback). Before: a 2000-character log tail, or "cannot reach the vLLM server ... Is it running?"."""
+    from torchtitan_flux.engine.http import EngineStartError
+    from torchtitan_flux.engine.vllm import last_error_line, launch_servers
+    from torchtitan_flux.patches import apply_patches
+    from torchtitan_flux.train import _report
+
+    apply_patches()  # _report imports the trainer (torchtitan)
+
+    with pytest.raises(EngineStartError) as e:
+        launch_servers(1, tiny_model_dir, python=sys.executable, log_dir=tmp_path, timeout_s=60)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "exited with code 1 before it was healthy: " in msg and "No module named 'vllm'" in msg
+    assert msg.endswith(f"(full log: {tmp_path / 'vllm_server0.log'})")
+    assert last_error_line("loading...\nTraceback (most recent call last):\n  x\nValueError: head size 16\nbye\n") \
+        == "ValueError: head size 16"
+    assert last_error_line("") == "(empty log)"
+    assert _report(e.value) == 1
+
+
+def test_engine_start_error_is_one_error_line(capsys):
+    from torchtitan_flux.engine.http import EngineStartError
+    from torchtitan_flux.patches import apply_patches
+    from torchtitan_flux.train import _report
+
+    apply_patches()  # _report imports the trainer (torchtitan)
+    try:
+        raise EngineStartError("engine0: cannot reach the vLLM server at http://127.0.0.1:1")
+    except EngineStartError as e:
+        assert _report(e) == 1
+    err = capsys.readouterr().err
+    assert err == "error: engine0: cannot reach the vLLM server at http://127.0.0.1:1\n"

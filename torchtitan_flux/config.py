@@ -683,6 +683,12 @@ def validate_config(job_config: Any) -> None:
                 f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
                 "(build the tiny one with `python scripts/build_tiny_model.py`)"
             )
+    if r.launch:
+        from torchtitan_flux.engine.vllm import unservable_reason
+
+        if why := unservable_reason(hf):
+            raise ConfigError(f"rollout.launch = true cannot serve model.hf_assets_path = {hf!r} here: {why}; "
+                              "use a GPU, or a model with a supported head_dim (rollout.engine = 'embedded' serves any)")
 
 
 def _check_data(job_config: Any) -> None:

@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -228,6 +229,25 @@ def _has_gpu() -> bool:
         return False
 
 
+# vLLM 0.32's CPU attention (``CPUAttentionBackend.get_supported_head_sizes``); a launched CPU server with another
+# head size exits during start-up after ~1 min of loading. Checked before launching (``unservable_reason``).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def unservable_reason(model_dir: str | os.PathLike, gpu: bool | None = None) -> str | None:
+    """Why a server launched here could not serve ``model_dir``, for the rules known before launching (CPU:
+    the attention head sizes above); None when none applies. ``gpu``: as ``launch_command`` decides it."""
+    from torchtitan_flux import hf
+
+    if _has_gpu() if gpu is None else gpu:
+        return None
+    head_dim = hf.architecture(hf.read_config(model_dir), str(Path(model_dir) / "config.json"))["head_dim"]
+    if head_dim in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (f"the model's head_dim is {head_dim}, and vLLM's CPU attention serves head sizes "
+            f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only")
+
+
 def launch_command(
     model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike, extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None, gpu: bool | None = None, auth_token: str | None = None,
@@ -289,6 +309,16 @@ def _preexec(parent: int) -> None:
     ``start_new_session``, is already set); exit if the trainer died before the prctl took effect."""
     if die_with_parent() and os.getppid() != parent:
         os._exit(1)
+
+
+def last_error_line(log: str) -> str:
+    """The line of a server log that says why it failed: the last one naming an error or exception (Python's
+    final ``SomeError: message`` line of a traceback), else the last non-empty line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.search(r"(Error|Exception|error:)", ln):
+            return ln[-500:]
+    return lines[-1][-500:] if lines else "(empty log)"
 
 
 class LaunchedServer:
@@ -373,7 +403,7 @@ def launch_servers(
                 if s.proc.poll() is not None:
                     raise EngineStartError(
                         f"the vLLM server launched at {s.url} exited with code {s.proc.returncode} before it was "
-                        f"healthy; see its log {s.log_path}:\n{s.tail()}"
+                        f"healthy: {last_error_line(s.tail(20000))} (full log: {s.log_path})"
                     )
                 if s.healthy():
                     pending.remove(s)
@@ -381,7 +411,8 @@ def launch_servers(
                 s = pending[0]
                 raise EngineStartError(
                     f"the vLLM server launched at {s.url} did not answer /health within {timeout_s:g} s "
-                    f"(rollout.launch_timeout_s); see its log {s.log_path}:\n{s.tail()}"
+                    f"(rollout.launch_timeout_s); its last log line: {last_error_line(s.tail(20000))} "
+                    f"(full log: {s.log_path})"
                 )
             if pending:
                 time.sleep(1.0)
