@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import pytest
 from _procs import Run, complete_ckpts, wait_gone
@@ -97,3 +98,30 @@ def test_sigterm_during_a_weight_push_settles_it_then_checkpoints(tiny_model_dir
 
     out = _resume(dump, *args, "--training.steps", str(last + 2))
     assert f"Training starts at step {last + 1}" in out
+
+
+def test_sigterm_while_a_step_waits_for_its_rollouts_checkpoints_the_last_step_at_once(tiny_model_dir, tmp_path):
+    """The engine stalls 300 s before generating step 6's rollouts (far beyond torchrun's 30 s grace period), and
+    SIGTERM arrives while the trainer waits for them: the trainer stops at once (step 6 has not started), waits
+    at most SIGNAL_STOP_WAIT_S for the rollouts in flight, checkpoints step 5 and exits non-zero well within the
+    grace period; the resume trains step 6 on. Before: the wait went on until torchrun's SIGKILL, and no
+    checkpoint was written."""
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000")
+    dump, marker = tmp_path / "run", tmp_path / "fault_started"
+    run = Run(dump, tmp_path / "run.log", *args, "--training.steps", "40",
+              faults={"FLUX_FAULT_GENERATE_STALL": f"6:300:{marker}"})
+    run.wait_for(marker.exists, 120, "step 6's generation to stall")
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(60) != 0
+    took = time.monotonic() - t0
+    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
+    log = run.log.read_text()
+    assert took < 25, f"the stop took {took:.1f} s: {log[-3000:]}"
+    assert "interrupted while waiting for the rollouts of step 6" in log and "checkpoint of step 5 written" in log, \
+        log[-3000:]
+    assert complete_ckpts(dump) == [5] and read_metrics(dump)[-1]["step"] == 5
+
+    out = _resume(dump, *args, "--training.steps", "7")
+    assert "Training starts at step 6" in out
+    assert [r["step"] for r in read_metrics(dump)] == list(range(1, 8))

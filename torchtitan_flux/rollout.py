@@ -49,6 +49,12 @@ class NoEngineLeft(RuntimeError):
     the trainer's state is that of a completed step and can be checkpointed."""
 
 
+class RolloutWaitInterrupted(Exception):
+    """``interrupt()`` was called while ``collect`` waited: the step being collected is not trained on, so the
+    trainer's state is that of its last completed step (the rollouts in flight stay dispatched and are saved or
+    regenerated like those generation ran ahead to)."""
+
+
 @dataclass
 class RolloutBatch:
     """One training step's samples (B = prompts * group_size), laid out for teacher forcing."""
@@ -128,6 +134,7 @@ class RolloutScheduler:
         self.redispatched = 0
         self.engine_deaths = 0
         self.scorer = RewardScorer(task.reward_funcs, reward_workers)
+        self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
     # ---------------------------------------------------------------------------------------- dispatch
 
@@ -309,10 +316,17 @@ class RolloutScheduler:
         self.dispatch(step, trainer_version, pin_version=pin_version)
         st = self._steps[step]
         while any(p.result is None for p in st.parts):
+            if self.interrupted:
+                raise RolloutWaitInterrupted(f"interrupted while waiting for the rollouts of step {step}")
             self.pump(0.05)
         del self._steps[step]
         self._score(st)  # (a step restored finished from a checkpoint is scored here)
         return self._build(st)
+
+    def interrupt(self) -> None:
+        """Make ``collect`` raise ``RolloutWaitInterrupted`` instead of waiting on (within ~50 ms). For a prompt
+        stop on a signal; safe to call from a signal handler."""
+        self.interrupted = True
 
     def decode(self, parts: list[_Part]) -> list[str]:
         """The completion texts of ``parts`` (in the order given), special tokens skipped."""

@@ -50,7 +50,7 @@ from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.placement import engine_devices, visible_devices_env
-from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler
+from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
 from torchtitan_flux.sync_cadence import SyncCadence
 from torchtitan_flux.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
@@ -58,6 +58,7 @@ from torchtitan_flux.weight_sync import WeightSyncer, control_group
 logger = logging.getLogger("torchtitan_flux")
 
 RESTART_WINDOW_S = 600.0  # rollout.max_engine_restarts counts restarts of one engine within this window
+SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most the stop waits for a push, and for rollouts in flight (each)
 STALE_BAND = 0.05  # staleness this far above its target counts as out of band (as in benchmarks/controller.py)
 
 
@@ -79,6 +80,7 @@ class FluxTrainer(Trainer):
     def __init__(self, job_config):
         self._die_with_launcher()
         self._stop_signal: str | None = None
+        self._rollout_save_wait_s = job_config.weight_sync.timeout_seconds  # a checkpoint waits this for rollouts
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         validate_config(job_config)
@@ -156,13 +158,18 @@ class FluxTrainer(Trainer):
 
     def _on_signal(self, signum, frame) -> None:
         """First SIGTERM/SIGINT: stop at the next step boundary (the step in progress completes, so no trained
-        step is half-applied). A second one, 2 s or more later: stop now."""
+        step is half-applied), or at once while waiting for a step's rollouts (single process: that step has not
+        started, so the last completed one is checkpointed; the wait for rollouts is most of a long GRPO step
+        and torchrun SIGKILLs after its grace period, 30 s by default). A second one, 2 s or more later: stop
+        now."""
         name = signal.Signals(signum).name
         if self._stop_signal is not None:
             if time.monotonic() - self._stop_at < 2.0:  # one signal delivered twice (to torchrun's group and by it)
                 return
             raise TrainingInterrupted(f"received {name} twice", at_step_boundary=False)
         self._stop_signal, self._stop_at = name, time.monotonic()
+        if getattr(self, "scheduler", None) is not None and self.world == 1:  # see RolloutScheduler.interrupt
+            self.scheduler.interrupt()
         logger.warning(f"received {name}: stopping after the current step (send it again to stop at once)")
 
     @staticmethod
@@ -341,8 +348,12 @@ class FluxTrainer(Trainer):
                     )
                 if self._stop_signal is not None:
                     raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True)
+        except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
+            self._save_on_stop(True, reason=str(e), signalled=True)
+            raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True) from None
         except (TrainingInterrupted, NoEngineLeft, LossNotFinite) as e:
-            self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e))
+            self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e),
+                               signalled=isinstance(e, TrainingInterrupted))
             raise
         finally:
             if self.rank == 0 and self.scheduler is not None:
@@ -361,15 +372,21 @@ class FluxTrainer(Trainer):
             ev.start(self.syncer.version)
         return ev.collect(wait=ev.wait or last) or earlier or {}
 
-    def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
+    def _save_on_stop(self, at_step_boundary: bool, reason: str, signalled: bool = False) -> None:
         """Graceful stop (a signal, or no rollout engine left): let an in-flight push finish or time out (nothing
         is left half-sent by us), then write a checkpoint of the last completed step when checkpoints are on.
         Single-process only: with several ranks a second signal can land at different points on each, and a
         collective save could hang, so those runs resume from their last periodic checkpoint. After a second
-        signal the step in progress may be incomplete: then no checkpoint is written."""
+        signal the step in progress may be incomplete: then no checkpoint is written. ``signalled``: the push
+        and the rollouts in flight get at most ``SIGNAL_STOP_WAIT_S`` each (not ``weight_sync.timeout_seconds``),
+        so the checkpoint is written within torchrun's grace period; what does not finish is redone on resume
+        (the checkpoint's weights are pushed first; unfinished rollouts are generated afresh)."""
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
+        wait = self.job_config.weight_sync.timeout_seconds
+        if signalled:
+            wait = self._rollout_save_wait_s = min(wait, SIGNAL_STOP_WAIT_S)
         try:
-            settled = self.syncer.wait_idle(self.job_config.weight_sync.timeout_seconds)
+            settled = self.syncer.wait_idle(wait)
         except NoEngineLeft:  # the last engine's death noticed while waiting (events are pumped): save anyway
             settled = False
         if not settled:
@@ -639,7 +656,7 @@ class FluxTrainer(Trainer):
     def state_dict(self) -> dict[str, Any]:
         rollouts = [b"", b""]  # rank 0's finished rollouts and sync cadence
         if self.scheduler is not None:  # rank 0 (called on save and load; on load nothing is in flight)
-            rollouts[0] = pickle.dumps(self.scheduler.state_dict(self.job_config.weight_sync.timeout_seconds))
+            rollouts[0] = pickle.dumps(self.scheduler.state_dict(self._rollout_save_wait_s))
             rollouts[1] = pickle.dumps(self.cadence.state_dict() if self.cadence is not None else None)
         if self.world > 1:  # every rank saves the same value, whichever one the checkpoint writer keeps
             dist.broadcast_object_list(rollouts, src=0, group=control_group())

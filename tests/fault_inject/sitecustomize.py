@@ -8,6 +8,8 @@ engine processes) then imports this module at start-up. With none of the variabl
       is created when the stall starts.
   FLUX_FAULT_PUSH_STALL="VERSION:SECONDS:MARKER"  an embedded engine that has received weight version VERSION
       stalls SECONDS before publishing (acking) it: a weight push in flight. MARKER is created when it starts.
+  FLUX_FAULT_GENERATE_STALL="STEP:SECONDS:MARKER"  an embedded engine stalls SECONDS before generating any
+      request for training step STEP: a long rollout wait (a slow engine, long generations).
   FLUX_FAULT_PUSH_DELAY="SECONDS"   an embedded engine takes SECONDS longer to receive every push (it publishes,
       i.e. acks, each version that much later): a slow link or a large model, for the self-tuning sync cadence
       (tests/test_sync_cadence.py, ``benchmarks/weight_sync.py --slow-sync``).
@@ -58,3 +60,16 @@ if _push is not None or _delay > 0:
         return _publish(self, version, buf, stop)
 
     _transport.WeightReceiver._publish = _publish_stalled
+
+_gen = _parse("FLUX_FAULT_GENERATE_STALL")
+if _gen is not None:
+    from torchtitan_flux.engine import embedded as _embedded
+
+    _generate = _embedded._EngineProcess.generate
+
+    def _generate_stalled(self, req):
+        if req.step == _gen[0]:
+            _stall(*_gen[1:])
+        return _generate(self, req)
+
+    _embedded._EngineProcess.generate = _generate_stalled
