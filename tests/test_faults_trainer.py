@@ -125,3 +125,24 @@ def test_sigterm_while_a_step_waits_for_its_rollouts_checkpoints_the_last_step_a
     out = _resume(dump, *args, "--training.steps", "7")
     assert "Training starts at step 6" in out
     assert [r["step"] for r in read_metrics(dump)] == list(range(1, 8))
+
+
+def test_rollouts_of_a_lagging_engine_beyond_max_version_gap_are_discarded_and_counted(tiny_model_dir, tmp_path):
+    """The engine holds the push of version 5 for 5 s while the trainer's push timeout is 1 s: it is marked
+    lagging and keeps generating with version 4. Rollouts more than ``max_version_gap`` (1) versions old are
+    discarded, counted (``discarded_rollouts``) and regenerated; no step trains on them; the engine resyncs and
+    the run ends with its weights equal to the trainer's."""
+    dump, marker = tmp_path / "run", tmp_path / "fault_started"
+    run = Run(dump, tmp_path / "run.log", "--weight_sync.async_weight_update", "true", "--weight_sync.timeout_seconds",
+              "1", "--training.steps", "12", faults={"FLUX_FAULT_PUSH_STALL": f"5:5:{marker}"})
+    assert run.proc.wait(240) == 0, run.log.read_text()[-3000:]
+    assert marker.exists()
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["discarded_rollouts"] > 0, [r["discarded_rollouts"] for r in rows]
+    assert all(r["version_gap_max"] <= 1 for r in rows)  # nothing staler than the gap was trained on
+    assert "exceed max_version_gap; regenerating" in run.log.read_text()
+    summary = json.loads((dump / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 12
+    FIGURES["checksums_compared"] += 1
+    print(f"\nlagging engine: discarded {rows[-1]['discarded_rollouts']} rollouts")

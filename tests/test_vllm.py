@@ -251,11 +251,17 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         pg = h.trainer_group(store, info)
         plan = transport.plan_buckets(specs, 512 * 1024)
         new = _modified(weights)
+        posted: list[str] = []  # every control request of the push (docs: one /update_weights per bucket)
+        real_post = h.client.post
+        h.client.post = lambda path, *a, **k: posted.append(path) or real_post(path, *a, **k)
         t0 = time.perf_counter()
         staging = push_like_syncer(h, pg, plan, new, 1)
         ack = wait_event(events, WeightAck, timeout=120)
         push_s = time.perf_counter() - t0
+        h.client.post = real_post
         assert ack.version == 1
+        assert len(plan.buckets) > 1 and posted.count("/update_weights") == len(plan.buckets), posted
+        assert posted[:2] == ["/pause", "/start_weight_update"] and posted[-1] == "/resume", posted
         assert h.checksum() == (1, staging.checksum())  # the server received exactly the trainer's bytes
         assert h.weight_version() == "1"
 
