@@ -146,3 +146,33 @@ def test_rollouts_of_a_lagging_engine_beyond_max_version_gap_are_discarded_and_c
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
     FIGURES["checksums_compared"] += 1
     print(f"\nlagging engine: discarded {rows[-1]['discarded_rollouts']} rollouts")
+
+
+def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
+    """Step 4's checkpoint save stalls for 120 s. A first SIGTERM to the trainer only asks it to stop after the
+    step; a second one 3 s later stops it at once: exit non-zero within seconds (not after the stall), the torn
+    step-4 checkpoint is never loaded, nothing outlives the trainer, and the resume starts after step 2's
+    complete checkpoint."""
+    import psutil
+
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")
+    dump, marker = tmp_path / "run", tmp_path / "fault_started"
+    run = Run(dump, tmp_path / "run.log", *args, "--training.steps", "40",
+              faults={"FLUX_FAULT_CKPT_STALL": f"4:120:{marker}"})
+    run.wait_for(marker.exists, 120, "step 4's checkpoint to be mid-write")
+    (worker,) = [c for c in psutil.Process(run.proc.pid).children()
+                 if "torchtitan_flux.train" in " ".join(c.cmdline()) and "forkserver" not in " ".join(c.cmdline())]
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(3)
+    assert run.proc.poll() is None  # the first signal waits for the step (and its save) to end
+    t0 = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    assert run.proc.wait(60) != 0
+    took = time.monotonic() - t0
+    log = run.log.read_text()
+    assert took < 30 and "received SIGTERM twice" in log, (took, log[-3000:])
+    assert not wait_gone(run.seen, 10.0), "processes outlived the trainer"
+    assert complete_ckpts(dump) == [2]
+
+    out = _resume(dump, *args, "--training.steps", "4")
+    assert "Training starts at step 3" in out
