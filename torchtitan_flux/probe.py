@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan_flux import compat
+
 # Mixed text so that the probe covers digits, letters, punctuation and spaces (byte-level tokenizers give ~60
 # tokens; BPE tokenizers fewer).
 PROBE_TEXT = "Q: 12 + 35 = ? A: 47. The quick brown fox jumps over the lazy dog; 0123456789 xyz!"
@@ -53,10 +55,20 @@ def probe_tokens(tokenizer, vocab_size: int, max_len: int, text: str = PROBE_TEX
 
 
 def model_logprobs(model: torch.nn.Module, tokens: list[int], device: torch.device | str) -> torch.Tensor:
-    """log p(tokens[i] | tokens[:i]) for i >= 1 under ``model`` (float32, on the CPU)."""
+    """log p(tokens[i] | tokens[:i]) for i >= 1 under ``model`` (float32, on the CPU).
+
+    An FSDP2 model is resharded afterwards: its root is not resharded after forward (torchtitan's setting, as a
+    backward normally follows), so a forward without backward would leave the unsharded parameters registered on
+    the module, and the next checkpoint's ``get_optimizer_state_dict`` would not find the optimizer's (sharded)
+    parameters among the model's (KeyError; found by a 2-rank resume test)."""
     seq = torch.tensor([tokens], dtype=torch.long, device=device)
     with torch.no_grad():
         logits = model(seq)[0, :-1].float()
+    fsdp_module = compat.FSDPModule
+    if fsdp_module is not None:
+        for m in model.modules():
+            if isinstance(m, fsdp_module):
+                m.reshard()
     return torch.log_softmax(logits, dim=-1).gather(-1, seq[0, 1:, None]).squeeze(-1).cpu()
 
 
