@@ -92,7 +92,8 @@ CASES = [
      "min_async_ratio <= max_async_ratio"),
     (("--adaptive_async.target_staleness", "1.5"), "adaptive_async.target_staleness"),
     (("--adaptive_async.ema_alpha", "0"), "adaptive_async.ema_alpha"),
-    (("--adaptive_async.max_version_gap", "0"), "adaptive_async.max_version_gap"),
+    (("--adaptive_async.max_version_gap", "-1"),
+     "adaptive_async.max_version_gap = -1 is out of range; allowed: an integer >= 1, or 0 for the default"),
     (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),
     (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
     (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
@@ -241,8 +242,24 @@ def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):
 def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
     from torchtitan_flux.config import staleness_out_of_reach
 
-    a = parse("--adaptive_async.enabled", "true").adaptive_async  # defaults: gap 1, target 0.15
-    hint = staleness_out_of_reach(a)
+    a = parse("--adaptive_async.enabled", "true", "--adaptive_async.max_version_gap", "1").adaptive_async
+    hint = staleness_out_of_reach(a)  # target 0.15, but the gap term reaches at most 0.3 * 1/5 = 0.06
     assert hint and "raise adaptive_async.max_version_gap to 3" in hint  # 0.3 * 3/5 = 0.18 >= 0.15
     assert staleness_out_of_reach(parse("--adaptive_async.enabled", "true",
                                         "--adaptive_async.max_version_gap", "3").adaptive_async) is None
+
+
+def test_default_version_gap_works_with_the_default_target(tiny_model_dir):
+    """The defaults work together: max_version_gap's default is 1 in fixed async mode and 3 with the controller,
+    where the default target_staleness (0.15) is within reach (with gap 1 it was not: staleness ~0.06)."""
+    from torchtitan_flux.config import staleness_out_of_reach
+
+    fixed = parse("--weight_sync.async_weight_update", "true")
+    validate_config(fixed)
+    assert fixed.adaptive_async.max_version_gap == 1
+    adaptive = parse("--adaptive_async.enabled", "true")
+    validate_config(adaptive)
+    assert adaptive.adaptive_async.max_version_gap == 3 and staleness_out_of_reach(adaptive.adaptive_async) is None
+    explicit = parse("--adaptive_async.enabled", "true", "--adaptive_async.max_version_gap", "2")
+    validate_config(explicit)
+    assert explicit.adaptive_async.max_version_gap == 2

@@ -347,10 +347,12 @@ class AdaptiveAsync:
     ema_alpha: float = 0.2
     """EMA weight of the newest staleness sample. In (0, 1]."""
 
-    max_version_gap: int = 1
+    max_version_gap: int = 0
     """No sample older than this many policy versions is trained on, and generation may run at most this many
     steps ahead of training (``async_ratio * max_version_gap``). Applies to fixed async mode
-    (``weight_sync.async_weight_update = true`` runs at async_ratio 1) as well as to the controller. >= 1."""
+    (``weight_sync.async_weight_update = true`` runs at async_ratio 1) as well as to the controller. >= 1, or 0
+    (the default): 1 in fixed async mode, ``CONTROLLER_DEFAULT_GAP`` (3) with ``enabled``, the smallest gap at
+    which the default ``target_staleness`` (0.15) is reachable (with gap 1 staleness saturated at ~0.06)."""
 
     sync_threshold: float = 0.5
     """When smoothed staleness exceeds this, the next step is forced synchronous. In (0, 1]."""
@@ -554,6 +556,9 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _require(math.isfinite(opt.lr) and opt.lr > 0, "optimizer.lr", opt.lr, "a finite number > 0")
 
 
+CONTROLLER_DEFAULT_GAP = 3  # adaptive_async.max_version_gap's default with the controller (see its docstring)
+
+
 def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
     """A warning when the version-gap term alone cannot bring staleness to ``target_staleness`` (the gap is at
     most ``max_version_gap``): the KL and importance-weight terms then have to, and on a slowly moving policy they
@@ -572,10 +577,15 @@ def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
 
 
 def validate_config(job_config: Any) -> None:
-    """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
+    """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use).
+    Resolves ``adaptive_async.max_version_gap = 0`` (its default) in place, so everything after sees the gap."""
     for sec in SECTIONS:
         _check_dataclass(sec, getattr(job_config, sec))
     g, r, w, a = job_config.grpo, job_config.rollout, job_config.weight_sync, job_config.adaptive_async
+    if a.max_version_gap == 0:
+        a.max_version_gap = CONTROLLER_DEFAULT_GAP if a.enabled else 1
+    _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap,
+             "an integer >= 1, or 0 for the default (1; 3 with adaptive_async.enabled)")
 
     _require(g.group_size >= 2, "grpo.group_size", g.group_size, "an integer >= 2")
     _require(0 < g.clip_low < 1, "grpo.clip_low", g.clip_low, "0 < clip_low < 1")
@@ -663,7 +673,6 @@ def validate_config(job_config: Any) -> None:
         _require(getattr(a, f) > 0, f"adaptive_async.{f}", getattr(a, f), "> 0")
     _require(0 < a.ema_alpha <= 1, "adaptive_async.ema_alpha", a.ema_alpha, "0 < ema_alpha <= 1")
     _require(0 < a.integral_band <= 1, "adaptive_async.integral_band", a.integral_band, "a number in (0, 1]")
-    _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap, "an integer >= 1")
     _require(0 < a.sync_threshold <= 1, "adaptive_async.sync_threshold", a.sync_threshold, "0 < x <= 1")
     _validate_torchtitan_fields(job_config)
     if a.enabled and (hint := staleness_out_of_reach(a)):
