@@ -1,4 +1,4 @@
-"""``HttpClient`` (engine/http.py): retries with exponential backoff, timeouts, keep-alive and the bounded pool,
+"""``HttpClient`` (engine/http_client.py): retries with exponential backoff, timeouts, keep-alive and the bounded pool,
 against a local flaky HTTP server on 127.0.0.1 (in-process, bounded in time and requests)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from torchtitan_flux.engine import http as flux_http
-from torchtitan_flux.engine.http import HttpClient, HttpError
+from torchtitan_flux.engine import http_client as flux_http
+from torchtitan_flux.engine.http_client import HttpClient, HttpError
 
 
 class Flaky(ThreadingHTTPServer):

@@ -456,7 +456,7 @@ if __name__ != "__main__":
         WeightAck,
         WeightGroupInfo,
     )
-    from torchtitan_flux.engine.http import EngineStartError
+    from torchtitan_flux.engine.base import EngineStartError
     from torchtitan_flux.engine.sglang import SglangEngine
 
     class ContractServer:

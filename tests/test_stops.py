@@ -14,7 +14,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 from _procs import Run

@@ -38,7 +38,7 @@ from torchtitan_flux.engine.base import (
     WeightAck,
     WeightGroupInfo,
 )
-from torchtitan_flux.engine.http import EngineStartError
+from torchtitan_flux.engine.base import EngineStartError
 from torchtitan_flux.engine.vllm import VllmEngine, launch_command
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

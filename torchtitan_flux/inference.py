@@ -24,7 +24,6 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch

@@ -136,7 +136,7 @@ def _lock_dump_folder(folder: str) -> None:
 def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
-    from torchtitan_flux.engine.http import EngineStartError
+    from torchtitan_flux.engine.base import EngineStartError
     from torchtitan_flux.rollout import NoEngineLeft
     from torchtitan_flux.trainer import LossNotFinite, TrainingInterrupted
 

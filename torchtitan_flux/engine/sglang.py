@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
-from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
+from torchtitan_flux.engine.base import EngineStartError
+from torchtitan_flux.engine.http import HttpEngine
+from torchtitan_flux.engine.http_client import HttpError
 
 
 class SglangEngine(HttpEngine):

@@ -47,7 +47,9 @@ from typing import Any
 from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.embedded import die_with_parent
-from torchtitan_flux.engine.http import EngineStartError, HttpEngine, HttpError
+from torchtitan_flux.engine.base import EngineStartError
+from torchtitan_flux.engine.http import HttpEngine
+from torchtitan_flux.engine.http_client import HttpError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
