@@ -54,7 +54,7 @@ def _checkpoint(folder: Path, step: int, fp: dict | None, complete: bool = True)
 
 
 def _check(cfg, task, folder):
-    resume.check_resume(cfg, resume.fingerprint(cfg, task), str(folder))
+    return resume.check_resume(cfg, resume.fingerprint(cfg, task), str(folder))
 
 
 def test_fingerprint_holds_the_fields_that_shape_a_resume(tiny_model_dir):
@@ -104,7 +104,9 @@ def test_model_and_dataset_are_compared_by_content(tiny_model_dir, tmp_path):
 def test_warn_mode_logs_the_same_line_and_resumes(tiny_model_dir, tmp_path, caplog):
     _checkpoint(tmp_path, 4, resume.fingerprint(_config(tiny_model_dir), None))
     with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
-        _check(_config(tiny_model_dir, prompts_per_step=2, seed=3, on_config_mismatch="warn"), None, tmp_path)
+        changed = _check(_config(tiny_model_dir, prompts_per_step=2, seed=3, on_config_mismatch="warn"), None,
+                         tmp_path)
+    assert changed == ["rollout.prompts_per_step", "rollout.seed"]  # the trainer then drops the saved rollouts
     assert "rollout.prompts_per_step = 2 differs from the checkpoint's 4 (and rollout.seed)" in caplog.text
 
 
@@ -166,6 +168,10 @@ def test_when_no_checkpoint_loads_the_resume_is_refused_and_nothing_is_renamed(t
     assert resume.complete_steps(str(tmp_path)) == [4, 2]
 
 
+def _output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
 def _refused(dump, *overrides) -> str:
     """Run the real command, which must refuse to start: returns its one ``error:`` line."""
     p = subprocess.run(torchrun_cmd(dump, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -180,8 +186,9 @@ def _refused(dump, *overrides) -> str:
 def test_resume_refusals_and_the_fallback_past_a_truncated_checkpoint(tiny_model_dir, tmp_path):
     """Async run to step 6, checkpoints at 4 and 6 (step 4's holds the finished rollouts of step 5). Resuming
     with another rollout.prompts_per_step (which crashed on a tensor shape) or with training.steps below 6 is
-    refused in one line; with step 6's shard truncated (which gave a bare EOFError) the resume warns, goes on
-    from step 4, and steps 5 and 6 equal the first run's."""
+    refused in one line; with checkpoint.on_config_mismatch = "warn" the first resumes, generating step 5 afresh;
+    with step 6's shard truncated (which gave a bare EOFError) the resume warns, goes on from step 4, and steps 5
+    and 6 equal the first run's."""
     args = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true"]
     dump, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint"
     run_train(dump, *args, "--training.steps", "6")
@@ -194,11 +201,15 @@ def test_resume_refusals_and_the_fallback_past_a_truncated_checkpoint(tiny_model
     assert line.startswith("error: rollout.prompts_per_step = 2 differs from the checkpoint's 4 ("), line
     line = _refused(dump, *args, "--training.steps", "5")
     assert line.startswith(f"error: training.steps = 5 is below the step of the checkpoint to resume ({ckpt}"), line
+    warned = shutil.copytree(dump, tmp_path / "warned")  # "warn" resumes anyway: step 5 is generated afresh
+    out = _output(run_train(warned, *args, "--checkpoint.load_step", "4", "--rollout.prompts_per_step", "2",
+                            "--training.steps", "6", "--checkpoint.on_config_mismatch", "warn"))
+    assert "the checkpoint's finished rollouts are not used (rollout.prompts_per_step changed)" in out, out[-3000:]
+    assert "Training starts at step 5" in out and read_metrics(warned)[-1]["step"] == 6
 
     shard = ckpt / "step-6" / "__0_0.distcp"
     os.truncate(shard, shard.stat().st_size // 2)
-    proc = run_train(dump, *args, "--training.steps", "8")
-    out = proc.stdout + proc.stderr
+    out = _output(run_train(dump, *args, "--training.steps", "8"))
     assert re.search(rf"checkpoint {re.escape(str(ckpt / 'step-6'))} cannot be loaded \(.+\); resumed from "
                      rf"{re.escape(str(ckpt / 'step-4'))} instead", out), out[-3000:]
     assert "Training starts at step 5" in out

@@ -428,7 +428,8 @@ class Checkpoint:
     """What a resume does when a setting that shapes the run (the model folder's config.json and tokenizer.json,
     optimizer.name, rollout.prompts_per_step, grpo.group_size, rollout.task, the dataset's records, rollout.seed)
     differs from the one the checkpoint was written with (``fingerprint.json`` in its step folder): "error" refuses
-    to start, naming the field; "warn" logs it and resumes anyway (a changed batch shape can then fail later)."""
+    to start, naming the field; "warn" logs it and resumes anyway (the rollouts an async checkpoint holds for
+    later steps are then generated afresh)."""
 
 
 @dataclass

@@ -97,16 +97,17 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> None:
+def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     """Before anything starts: refuse (``ConfigError``, one line) a resume from ``folder`` that cannot continue
     the run: ``training.steps`` below the checkpoint's step, or a fingerprint field that differs (a warning
-    instead with ``checkpoint.on_config_mismatch = "warn"``). No checkpoint to resume: nothing to check."""
+    instead with ``checkpoint.on_config_mismatch = "warn"``). Returns the fields that differ (warned), else [].
+    No checkpoint to resume: nothing to check."""
     ck = job_config.checkpoint
     steps = complete_steps(folder)
     step = ck.load_step if ck.load_step != -1 else (steps[0] if steps else -1)
     step_dir = os.path.join(folder, f"step-{step}")
     if not ck.enable or step <= 0 or not os.path.isdir(step_dir):  # step 0 is a seed checkpoint (weights only)
-        return
+        return []
     n = job_config.training.steps
     if n < step:
         raise ConfigError(
@@ -116,11 +117,11 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> None:
     path = os.path.join(step_dir, FINGERPRINT)
     if not os.path.isfile(path):  # written before fingerprints existed
         logger.warning(f"{step_dir} has no {FINGERPRINT} (an older checkpoint): its config is not compared")
-        return
+        return []
     with open(path) as f:
         diff = mismatches(json.load(f), fp)
     if not diff:
-        return
+        return []
     name, old, new = diff[0]
     more = f" (and {', '.join(d[0] for d in diff[1:])})" if len(diff) > 1 else ""
     line = (f"{name} = {new!r} differs from the checkpoint's {old!r}{more} ({path}); resume with the checkpoint's "
@@ -129,6 +130,7 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> None:
     if ck.on_config_mismatch == "error":
         raise ConfigError(line)
     logger.warning(line)
+    return [d[0] for d in diff]
 
 
 def load_newest_readable(folder: str, load: Callable[[int], Any], is_writer: bool) -> int:

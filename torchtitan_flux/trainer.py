@@ -94,7 +94,8 @@ class FluxTrainer(Trainer):
         check_rewards(self.task, job_config.rollout.seed)  # bad reward functions fail before any spawn
         self.fingerprint = resume.fingerprint(job_config, self.task)
         self.checkpoint_folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-        resume.check_resume(job_config, self.fingerprint, self.checkpoint_folder)  # before any spawn, too
+        # before any spawn, too; the fields that differ when on_config_mismatch = "warn" let them
+        self.config_changes = resume.check_resume(job_config, self.fingerprint, self.checkpoint_folder)
         _set_cpu_threads(job_config)
         super().__init__(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -688,7 +689,11 @@ class FluxTrainer(Trainer):
         if self.controller is not None and state_dict["controller"]:
             self.controller.load_state_dict(state_dict["controller"])
         if self.scheduler is not None and state_dict.get("rollouts"):
-            self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
+            if self.config_changes:  # generated and to be scored under the old settings (their batch shape too)
+                logger.warning(f"the checkpoint's finished rollouts are not used ({', '.join(self.config_changes)} "
+                               "changed): those steps are generated afresh")
+            else:
+                self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
         cadence = pickle.loads(state_dict["sync_cadence"]) if state_dict.get("sync_cadence") else None
         if self.cadence is not None and cadence is not None:  # absent in older checkpoints, or interval was fixed
             self.cadence.load_state_dict(cadence)
