@@ -49,7 +49,7 @@ def test_checkpoint_write_interrupted_resumes_from_the_last_complete_one(tiny_mo
     assert not wait_gone(run.seen, 10.0), "processes outlived the killed job"
     assert (dump / "checkpoint" / "step-6").is_dir() and complete_ckpts(dump) == [3]
 
-    assert "checkpoint of step 3 written" in run.log.read_text()  # what the kill must not lose
+    assert "checkpoint of step 3 saved" in run.log.read_text()  # what the kill must not lose
     out = _resume(dump, run.log.read_text(), False, *args)
     assert "Training starts at step 4" in out
     resumed = read_metrics(dump)

@@ -335,7 +335,9 @@ class FluxTrainer(Trainer):
                     if probed.get("probe_engines_checked", 0) == len(engines) > 0:
                         self._probed_version = self.step  # every live engine served this version (summary)
                     metrics.update(probed)
-                self._save_checkpoint(last_step=(self.step == jc.training.steps))
+                saved = self._save_checkpoint(last_step=(self.step == jc.training.steps))
+                if saved and self.checkpointer.async_mode == AsyncMode.DISABLED:  # else only staged by now
+                    logger.info(f"checkpoint of step {self.step} saved")
                 if self.evaluator is not None:
                     metrics.update(self._evaluate())
                 if self.rank == 0:
@@ -383,6 +385,7 @@ class FluxTrainer(Trainer):
                            "pushes the checkpoint's weights to every engine first)")
         if at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0:
             self._save_checkpoint(last_step=True)
+            logger.warning(f"checkpoint of step {self.step} written")
 
     def _load_checkpoint(self) -> None:
         """torchtitan's load of ``checkpoint.load_step``, or of the newest complete checkpoint that loads (an
@@ -393,15 +396,15 @@ class FluxTrainer(Trainer):
             return
         resume.load_newest_readable(self.checkpoint_folder, lambda s: self.checkpointer.load(step=s), self.rank == 0)
 
-    def _save_checkpoint(self, last_step: bool) -> None:
+    def _save_checkpoint(self, last_step: bool) -> bool:
         """torchtitan's save, with the config fingerprint written into the step folder first (rank 0), so every
-        complete checkpoint has one (``resume.check_resume`` compares it on resume)."""
+        complete checkpoint has one (``resume.check_resume`` compares it on resume). Returns whether one was due
+        (written, or staged with an async ``checkpoint.async_mode``)."""
         due = self.checkpointer._should_save(self.step, last_step)
         if due and self.rank == 0:
             resume.write_fingerprint(os.path.join(self.checkpoint_folder, f"step-{self.step}"), self.fingerprint)
         self.checkpointer.save(self.step, last_step=last_step)
-        if due and self.checkpointer.async_mode == AsyncMode.DISABLED:
-            logger.info(f"checkpoint of step {self.step} written")
+        return due
 
     def _finish(self) -> None:
         """After the last step: final push, summary (rank 0), HF export."""
