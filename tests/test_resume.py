@@ -128,9 +128,12 @@ def test_training_steps_below_the_checkpoint_step_is_refused(tiny_model_dir, tmp
         _check(_config(tiny_model_dir, steps=5), None, tmp_path)
     assert str(e.value).startswith("training.steps = 5 is below the step of the checkpoint to resume (")
     assert "nothing to do" in str(e.value) and "training.steps > 6" in str(e.value)
-    with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
-        _check(_config(tiny_model_dir, steps=6), None, tmp_path)  # no fingerprint (older checkpoint): not compared
-    assert "has no fingerprint.json" in caplog.text
+    caplog.set_level(logging.WARNING, logger="torchtitan_flux")
+    _check(_config(tiny_model_dir, steps=6), None, tmp_path)  # no fingerprint (an older checkpoint): not compared
+    assert "has no readable fingerprint.json (FileNotFoundError" in caplog.text
+    (tmp_path / "step-6" / "fingerprint.json").write_text('{"rollout.seed": ')  # damaged: not compared either
+    _check(_config(tiny_model_dir, steps=6), None, tmp_path)
+    assert "has no readable fingerprint.json (JSONDecodeError" in caplog.text
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_and_is_set_aside(tmp_path, caplog):

@@ -115,11 +115,13 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
             f"allowed: training.steps > {step} to train on, or another --job.dump_folder to start over"
         )
     path = os.path.join(step_dir, FINGERPRINT)
-    if not os.path.isfile(path):  # written before fingerprints existed
-        logger.warning(f"{step_dir} has no {FINGERPRINT} (an older checkpoint): its config is not compared")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:  # absent: written before fingerprints existed
+        logger.warning(f"{step_dir} has no readable {FINGERPRINT} ({_one_line(e)}): its config is not compared")
         return []
-    with open(path) as f:
-        diff = mismatches(json.load(f), fp)
+    diff = mismatches(saved, fp)
     if not diff:
         return []
     name, old, new = diff[0]
