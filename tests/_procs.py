@@ -50,6 +50,21 @@ def complete_ckpts(dump: Path) -> list[int]:
     return sorted(out)
 
 
+def count_steps_lost(interrupted_log: str, trained: int, resumed_at: int, graceful: bool) -> int:
+    """The reliability figure "trained steps lost", counted from what the interrupted run did, not from the rule
+    the loader applies: the steps it trained (``trained``, its last metrics row) or, after a kill, the newest step
+    it logged as checkpointed ("checkpoint of step k saved" after a blocking periodic save, "... written" after
+    the stop's save), minus the steps the resume kept (it starts at ``resumed_at``). Nonzero when the resume
+    starts before that, e.g. from an older checkpoint, or after a graceful stop that did not checkpoint its last
+    step."""
+    written = [int(k) for k in re.findall(r"checkpoint of step (\d+) (?:saved|written)", interrupted_log)]
+    target = trained if graceful else max(written, default=0)
+    lost = max(0, target - (resumed_at - 1))
+    FIGURES["resumes"] += 1
+    FIGURES["steps_lost"] += lost
+    return lost
+
+
 class Run:
     """A torchrun trainer in its own session, with every descendant it ever had recorded (``scan``)."""
 

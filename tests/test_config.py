@@ -158,6 +158,14 @@ def test_wrong_type_in_toml(tiny_model_dir, tmp_path):
         validate_config(cfg)
 
 
+def test_bad_on_config_mismatch_in_toml(tiny_model_dir, tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text(DEBUG_TOML.read_text().replace('folder = "checkpoint"', 'folder = "checkpoint"\non_config_mismatch = "ask"'))
+    with pytest.raises(ConfigError, match=r"^checkpoint.on_config_mismatch = 'ask' is not allowed; allowed values: "
+                                          r"'error' \| 'warn'$"):
+        validate_config(parse(toml=str(p)))
+
+
 def test_wrong_type_list_in_toml(tiny_model_dir, tmp_path):
     text = DEBUG_TOML.read_text().replace('task = "digits"', 'task = "digits"\nurls = "http://x"')
     p = tmp_path / "bad.toml"

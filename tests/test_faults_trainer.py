@@ -14,20 +14,20 @@ import signal
 import time
 
 import pytest
-from _procs import Run, complete_ckpts, wait_gone
+from _procs import Run, complete_ckpts, count_steps_lost, wait_gone
 from conftest import FIGURES, read_metrics, run_train
 
 pytestmark = pytest.mark.faults
 
 
-def _resume(dump, *overrides):
-    """Resume; counts the trained steps lost: steps between the newest complete checkpoint and the resume point."""
-    newest = complete_ckpts(dump)[-1]
+def _resume(dump, log: str, graceful: bool, *overrides):
+    """Resume after the interrupted run that wrote ``log``; counts the trained steps lost (``count_steps_lost``:
+    a graceful stop must keep every step it trained, a kill every step it had checkpointed)."""
+    trained = read_metrics(dump)[-1]["step"]
     proc = run_train(dump, *overrides)
     out = proc.stdout + proc.stderr
     start = int(re.search(r"Training starts at step (\d+)", out).group(1))
-    FIGURES["resumes"] += 1
-    FIGURES["steps_lost"] += start - 1 - newest
+    assert count_steps_lost(log, trained, start, graceful) == 0, (trained, start)
     summary = json.loads((dump / "summary.json").read_text())
     FIGURES["checksums_compared"] += 1
     assert summary["checksums_match"], summary
@@ -50,7 +50,8 @@ def test_checkpoint_write_interrupted_resumes_from_the_last_complete_one(tiny_mo
     assert not wait_gone(run.seen, 10.0), "processes outlived the killed job"
     assert (dump / "checkpoint" / "step-6").is_dir() and complete_ckpts(dump) == [3]
 
-    out = _resume(dump, *args)
+    assert "checkpoint of step 3 saved" in run.log.read_text()  # what the kill must not lose
+    out = _resume(dump, run.log.read_text(), False, *args)
     assert "Training starts at step 4" in out
     resumed = read_metrics(dump)
     for step in range(4, 9):
@@ -79,7 +80,7 @@ def test_sigterm_during_a_checkpoint_save_completes_it_and_stops(tiny_model_dir,
     assert "interrupted after step 4" in log, log[-3000:]
     assert complete_ckpts(dump) == [4] and read_metrics(dump)[-1]["step"] == 4
 
-    out = _resume(dump, *args, "--training.steps", "6")
+    out = _resume(dump, log, True, *args, "--training.steps", "6")
     assert "Training starts at step 5" in out
     assert [r["step"] for r in read_metrics(dump)] == list(range(1, 7))
 
@@ -96,7 +97,7 @@ def test_sigterm_during_a_weight_push_settles_it_then_checkpoints(tiny_model_dir
     assert "weight push did not settle" not in log
     assert complete_ckpts(dump) == [last]
 
-    out = _resume(dump, *args, "--training.steps", str(last + 2))
+    out = _resume(dump, log, True, *args, "--training.steps", str(last + 2))
     assert f"Training starts at step {last + 1}" in out
 
 

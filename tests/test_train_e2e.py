@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from _procs import Run, wait_gone
+from _procs import Run, count_steps_lost, wait_gone
 from conftest import read_metrics, run_train
 
 REQUIRED = [
@@ -97,7 +97,10 @@ def test_killed_run_resumes_bit_exact(tiny_model_dir, tmp_path, mode):
     dump = tmp_path / "killed"
     _kill_after(dump, [*ckpt, "--training.steps", "40"], step=5, log=tmp_path / "killed.log")
     before = len((dump / "metrics.jsonl").read_text().splitlines())
+    trained = read_metrics(dump)[-1]["step"]
     proc = run_train(dump, *ckpt)  # resumes from step 4 and runs to 8
+    killed_log = (tmp_path / "killed.log").read_text()
+    assert "checkpoint of step 4 saved" in killed_log and count_steps_lost(killed_log, trained, 5, False) == 0
     # the resume loaded the complete checkpoint of step 4 (a run ignoring it would start at step 1: runs are
     # deterministic, so comparing rows alone could not tell), and wrote exactly steps 5..8
     assert "Training starts at step 5" in proc.stdout + proc.stderr

@@ -423,6 +423,18 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    """``[checkpoint]`` fields added to torchtitan's own section."""
+
+    on_config_mismatch: Literal["error", "warn"] = "error"
+    """What a resume does when a setting that shapes the run (the model folder's config.json and tokenizer.json,
+    optimizer.name, rollout.prompts_per_step, grpo.group_size, rollout.task, the dataset's records, rollout.seed)
+    differs from the one the checkpoint was written with (``fingerprint.json`` in its step folder): "error" refuses
+    to start, naming the field; "warn" logs it and resumes anyway (the rollouts an async checkpoint holds for
+    later steps are then generated afresh)."""
+
+
+@dataclass
 class JobConfig:
     """The sections merged into torchtitan's JobConfig."""
 
@@ -432,11 +444,13 @@ class JobConfig:
     adaptive_async: AdaptiveAsync = field(default_factory=AdaptiveAsync)
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
 SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "adaptive_async": AdaptiveAsync,
             "eval": Eval}
-ADDED_TO_TORCHTITAN = {"metrics": Metrics}  # fields merged into torchtitan's own sections (their booleans are its)
+# fields merged into torchtitan's own sections (their booleans are its)
+ADDED_TO_TORCHTITAN = {"metrics": Metrics, "checkpoint": Checkpoint}
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -551,6 +565,8 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
     _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
     _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]
+    _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:
         _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
     _require(math.isfinite(opt.lr) and opt.lr > 0, "optimizer.lr", opt.lr, "a finite number > 0")

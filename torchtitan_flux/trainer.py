@@ -36,11 +36,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchtitan.components.checkpoint import AsyncMode
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
 from torchtitan_flux import hf
 from torchtitan_flux import loss as grpo
+from torchtitan_flux import resume
 from torchtitan_flux.config import ConfigError, validate_config
 from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
 from torchtitan_flux.engine.auth import read_token
@@ -92,6 +94,10 @@ class FluxTrainer(Trainer):
         self.task = build_task(job_config, tokenizer)  # datasets load and prompts are length-checked here
         self.eval_task = build_eval_task(job_config, tokenizer, self.task)
         check_rewards(self.task, job_config.rollout.seed)  # bad reward functions fail before any spawn
+        self.fingerprint = resume.fingerprint(job_config, self.task)
+        self.checkpoint_folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+        # before any spawn, too; the fields that differ when on_config_mismatch = "warn" let them
+        self.config_changes = resume.check_resume(job_config, self.fingerprint, self.checkpoint_folder)
         _set_cpu_threads(job_config)
         super().__init__(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -307,7 +313,7 @@ class FluxTrainer(Trainer):
 
     def train(self):
         jc = self.job_config
-        self.checkpointer.load(step=jc.checkpoint.load_step)
+        self._load_checkpoint()
         logger.info(f"Training starts at step {self.step + 1}")
         if self.rank == 0:
             self.syncer.connect()
@@ -336,7 +342,9 @@ class FluxTrainer(Trainer):
                     if probed.get("probe_engines_checked", 0) == len(engines) > 0:
                         self._probed_version = self.step  # every live engine served this version (summary)
                     metrics.update(probed)
-                self.checkpointer.save(self.step, last_step=(self.step == jc.training.steps))
+                saved = self._save_checkpoint(last_step=(self.step == jc.training.steps))
+                if saved and self.checkpointer.async_mode == AsyncMode.DISABLED:  # else only staged by now
+                    logger.info(f"checkpoint of step {self.step} saved")
                 if self.evaluator is not None:
                     metrics.update(self._evaluate())
                 if self.rank == 0:
@@ -393,8 +401,27 @@ class FluxTrainer(Trainer):
             logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
                            "pushes the checkpoint's weights to every engine first)")
         if at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0:
-            self.checkpointer.save(self.step, last_step=True)
+            self._save_checkpoint(last_step=True)
             logger.warning(f"checkpoint of step {self.step} written")
+
+    def _load_checkpoint(self) -> None:
+        """torchtitan's load of ``checkpoint.load_step``, or of the newest complete checkpoint that loads (an
+        unreadable newest one is set aside: ``resume.load_newest_readable``)."""
+        ck = self.job_config.checkpoint
+        if not ck.enable or ck.load_step != -1 or not resume.complete_steps(self.checkpoint_folder):
+            self.checkpointer.load(step=ck.load_step)
+            return
+        resume.load_newest_readable(self.checkpoint_folder, lambda s: self.checkpointer.load(step=s), self.rank == 0)
+
+    def _save_checkpoint(self, last_step: bool) -> bool:
+        """torchtitan's save, with the config fingerprint written into the step folder first (rank 0), so every
+        complete checkpoint has one (``resume.check_resume`` compares it on resume). Returns whether one was due
+        (written, or staged with an async ``checkpoint.async_mode``)."""
+        due = self.checkpointer._should_save(self.step, last_step)
+        if due and self.rank == 0:
+            resume.write_fingerprint(os.path.join(self.checkpoint_folder, f"step-{self.step}"), self.fingerprint)
+        self.checkpointer.save(self.step, last_step=last_step)
+        return due
 
     def _finish(self) -> None:
         """After the last step: final push, summary (rank 0), HF export."""
@@ -682,7 +709,11 @@ class FluxTrainer(Trainer):
         if self.controller is not None and state_dict["controller"]:
             self.controller.load_state_dict(state_dict["controller"])
         if self.scheduler is not None and state_dict.get("rollouts"):
-            self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
+            if self.config_changes:  # generated and to be scored under the old settings (their batch shape too)
+                logger.warning(f"the checkpoint's finished rollouts are not used ({', '.join(self.config_changes)} "
+                               "changed): those steps are generated afresh")
+            else:
+                self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
         cadence = pickle.loads(state_dict["sync_cadence"]) if state_dict.get("sync_cadence") else None
         if self.cadence is not None and cadence is not None:  # absent in older checkpoints, or interval was fixed
             self.cadence.load_state_dict(cadence)

@@ -1,0 +1,222 @@
+"""Resume checks (``torchtitan_flux/resume.py``): the config fingerprint stored with each checkpoint and its
+comparison, the refusal of ``training.steps`` below the checkpoint's step, and the fallback past an unreadable
+newest checkpoint. The end-to-end test runs them through the real command."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import ROOT, read_metrics, run_train, torchrun_cmd
+
+from torchtitan_flux import resume
+from torchtitan_flux.config import ConfigError
+
+
+def _config(model_dir, **over) -> SimpleNamespace:
+    ck = dict(enable=True, load_step=-1, on_config_mismatch="error")
+    ck.update({k: over.pop(k) for k in list(over) if k in ck})
+    r = dict(prompts_per_step=4, task="digits", seed=0)
+    r.update({k: over.pop(k) for k in list(over) if k in r})
+    return SimpleNamespace(
+        model=SimpleNamespace(hf_assets_path=str(over.pop("model_dir", model_dir))),
+        optimizer=SimpleNamespace(name=over.pop("optimizer", "AdamW")),
+        grpo=SimpleNamespace(group_size=over.pop("group_size", 8)),
+        training=SimpleNamespace(steps=over.pop("steps", 10)),
+        rollout=SimpleNamespace(**r), checkpoint=SimpleNamespace(**ck),
+    )
+
+
+class _DataTask:
+    def __init__(self, texts):
+        self.texts = texts
+
+    def data_state(self, step, prompts_per_step):
+        return {"records": len(self.texts), "sha1": str(hash(tuple(self.texts)) & 0xFFFFFFFFFFFF).zfill(12)}
+
+
+def _checkpoint(folder: Path, step: int, fp: dict | None, complete: bool = True) -> Path:
+    d = folder / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"x" * 64)
+    if complete:
+        (d / ".metadata").write_bytes(b"m")
+    if fp is not None:
+        resume.write_fingerprint(str(d), fp)
+    return d
+
+
+def _check(cfg, task, folder):
+    return resume.check_resume(cfg, resume.fingerprint(cfg, task), str(folder))
+
+
+def test_fingerprint_holds_the_fields_that_shape_a_resume(tiny_model_dir):
+    fp = resume.fingerprint(_config(tiny_model_dir), None)
+    assert set(fp) == {"model.hf_assets_path config.json", "model.hf_assets_path tokenizer.json", "optimizer.name",
+                       "rollout.prompts_per_step", "grpo.group_size", "rollout.task", "rollout.seed"}
+    assert fp["rollout.prompts_per_step"] == 4 and fp["grpo.group_size"] == 8
+    with_data = resume.fingerprint(_config(tiny_model_dir, task="jsonl"), _DataTask(["a", "b"]))
+    assert with_data["rollout.task"] == "dataset"  # the old name of the same task matches
+    assert with_data["rollout.dataset_path"].startswith("2 records, sha1 ")
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(prompts_per_step=2), "rollout.prompts_per_step = 2 differs from the checkpoint's 4"),
+    (dict(group_size=4), "grpo.group_size = 4 differs from the checkpoint's 8"),
+    (dict(optimizer="Adam"), "optimizer.name = 'Adam' differs from the checkpoint's 'AdamW'"),
+    (dict(seed=7), "rollout.seed = 7 differs from the checkpoint's 0"),
+    (dict(task="arithmetic"), "rollout.task = 'arithmetic' differs from the checkpoint's 'digits'"),
+])
+def test_a_changed_field_is_refused_in_one_line_naming_it_both_values_and_the_fix(tiny_model_dir, tmp_path, change,
+                                                                                   field):
+    cfg = _config(tiny_model_dir)
+    _checkpoint(tmp_path, 4, resume.fingerprint(cfg, None))
+    _check(cfg, None, tmp_path)  # the same config resumes
+    with pytest.raises(ConfigError) as e:
+        _check(_config(tiny_model_dir, **change), None, tmp_path)
+    msg = str(e.value)
+    assert msg.startswith(field) and "\n" not in msg, msg
+    assert str(tmp_path / "step-4" / "fingerprint.json") in msg
+    assert "--job.dump_folder" in msg and 'checkpoint.on_config_mismatch = "warn"' in msg
+
+
+def test_model_and_dataset_are_compared_by_content(tiny_model_dir, tmp_path):
+    cfg = _config(tiny_model_dir, task="dataset")
+    _checkpoint(tmp_path / "ck", 4, resume.fingerprint(cfg, _DataTask(["a", "b"])))
+    moved = shutil.copytree(tiny_model_dir, tmp_path / "moved")
+    _check(_config(moved, task="dataset"), _DataTask(["a", "b"]), tmp_path / "ck")  # a moved copy matches
+    with pytest.raises(ConfigError, match=r"^rollout.dataset_path = '1 records, sha1 \w+' differs"):
+        _check(cfg, _DataTask(["a"]), tmp_path / "ck")
+    conf = json.loads((moved / "config.json").read_text())
+    conf["num_hidden_layers"] += 1
+    (moved / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match=r"^model.hf_assets_path config.json = 'sha256 \w+' differs"):
+        _check(_config(moved, task="dataset"), _DataTask(["a", "b"]), tmp_path / "ck")
+
+
+def test_warn_mode_logs_the_same_line_and_resumes(tiny_model_dir, tmp_path, caplog):
+    _checkpoint(tmp_path, 4, resume.fingerprint(_config(tiny_model_dir), None))
+    with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
+        changed = _check(_config(tiny_model_dir, prompts_per_step=2, seed=3, on_config_mismatch="warn"), None,
+                         tmp_path)
+    assert changed == ["rollout.prompts_per_step", "rollout.seed"]  # the trainer then drops the saved rollouts
+    assert "rollout.prompts_per_step = 2 differs from the checkpoint's 4 (and rollout.seed)" in caplog.text
+
+
+def test_the_checkpoint_compared_is_the_one_resumed(tiny_model_dir, tmp_path):
+    """The newest complete one (a torn newer folder is ignored, as torchtitan's loader does), or load_step's."""
+    cfg = _config(tiny_model_dir)
+    _checkpoint(tmp_path, 2, {**resume.fingerprint(cfg, None), "rollout.prompts_per_step": 3})
+    _checkpoint(tmp_path, 4, resume.fingerprint(cfg, None))
+    _checkpoint(tmp_path, 6, {**resume.fingerprint(cfg, None), "rollout.prompts_per_step": 3}, complete=False)
+    _check(cfg, None, tmp_path)
+    with pytest.raises(ConfigError, match="checkpoint's 3"):
+        _check(_config(tiny_model_dir, load_step=2), None, tmp_path)
+    _check(_config(tiny_model_dir, enable=False, load_step=2), None, tmp_path)  # checkpoints off: nothing loaded
+
+
+def test_training_steps_below_the_checkpoint_step_is_refused(tiny_model_dir, tmp_path, caplog):
+    _checkpoint(tmp_path, 6, None)
+    with pytest.raises(ConfigError) as e:
+        _check(_config(tiny_model_dir, steps=5), None, tmp_path)
+    assert str(e.value).startswith("training.steps = 5 is below the step of the checkpoint to resume (")
+    assert "nothing to do" in str(e.value) and "training.steps > 6" in str(e.value)
+    caplog.set_level(logging.WARNING, logger="torchtitan_flux")
+    _check(_config(tiny_model_dir, steps=6), None, tmp_path)  # no fingerprint (an older checkpoint): not compared
+    assert "has no readable fingerprint.json (FileNotFoundError" in caplog.text
+    (tmp_path / "step-6" / "fingerprint.json").write_text('{"rollout.seed": ')  # damaged: not compared either
+    _check(_config(tiny_model_dir, steps=6), None, tmp_path)
+    assert "has no readable fingerprint.json (JSONDecodeError" in caplog.text
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_and_is_set_aside(tmp_path, caplog):
+    for step in (2, 4, 6):
+        _checkpoint(tmp_path, step, None)
+    tried = []
+
+    def load(step):
+        tried.append(step)
+        if step == 6:
+            raise EOFError("Ran out of input")
+
+    with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
+        assert resume.load_newest_readable(str(tmp_path), load, is_writer=True) == 4
+    assert tried == [6, 4]
+    line = [r.getMessage() for r in caplog.records][-1]
+    assert line.startswith(f"checkpoint {tmp_path / 'step-6'} cannot be loaded (EOFError: Ran out of input); "
+                           f"resumed from {tmp_path / 'step-4'} instead"), line
+    assert not (tmp_path / "step-6" / ".metadata").exists() and (tmp_path / "step-6" / resume.SET_ASIDE).exists()
+    assert resume.complete_steps(str(tmp_path)) == [4, 2]  # what torchtitan's loader and the next resume see
+
+
+def test_when_no_checkpoint_loads_the_resume_is_refused_and_nothing_is_renamed(tmp_path):
+    for step in (2, 4):
+        _checkpoint(tmp_path, step, None)
+
+    def load(step):
+        raise RuntimeError(f"size mismatch in step {step}\nsecond line")
+
+    with pytest.raises(ConfigError) as e:
+        resume.load_newest_readable(str(tmp_path), load, is_writer=True)
+    assert str(e.value).startswith(f"checkpoint {tmp_path / 'step-4'} cannot be loaded (RuntimeError: size mismatch "
+                                   "in step 4), nor can any earlier one")
+    assert "\n" not in str(e.value) and f"delete {tmp_path}" in str(e.value)
+    assert resume.complete_steps(str(tmp_path)) == [4, 2]
+
+
+def _output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def _refused(dump, *overrides) -> str:
+    """Run the real command, which must refuse to start: returns its one ``error:`` line."""
+    p = subprocess.run(torchrun_cmd(dump, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "exitcode  : 2" in p.stderr, p.stderr[-3000:]
+    assert "Training starts" not in p.stdout + p.stderr
+    return errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_resume_refusals_and_the_fallback_past_a_truncated_checkpoint(tiny_model_dir, tmp_path):
+    """Async run to step 6, checkpoints at 4 and 6 (step 4's holds the finished rollouts of step 5). Resuming
+    with another rollout.prompts_per_step (which crashed on a tensor shape) or with training.steps below 6 is
+    refused in one line; with checkpoint.on_config_mismatch = "warn" the first resumes, generating step 5 afresh;
+    with step 6's shard truncated (which gave a bare EOFError) the resume warns, goes on from step 4, and steps 5
+    and 6 equal the first run's."""
+    args = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true"]
+    dump, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    run_train(dump, *args, "--training.steps", "6")
+    first = read_metrics(dump)
+    assert resume.complete_steps(str(ckpt))[:2] == [6, 4]
+    assert json.loads((ckpt / "step-4" / "fingerprint.json").read_text())["rollout.prompts_per_step"] == 4
+
+    line = _refused(dump, *args, "--checkpoint.load_step", "4", "--rollout.prompts_per_step", "2",
+                    "--training.steps", "8")
+    assert line.startswith("error: rollout.prompts_per_step = 2 differs from the checkpoint's 4 ("), line
+    line = _refused(dump, *args, "--training.steps", "5")
+    assert line.startswith(f"error: training.steps = 5 is below the step of the checkpoint to resume ({ckpt}"), line
+    warned = shutil.copytree(dump, tmp_path / "warned")  # "warn" resumes anyway: step 5 is generated afresh
+    out = _output(run_train(warned, *args, "--checkpoint.load_step", "4", "--rollout.prompts_per_step", "2",
+                            "--training.steps", "6", "--checkpoint.on_config_mismatch", "warn"))
+    assert "the checkpoint's finished rollouts are not used (rollout.prompts_per_step changed)" in out, out[-3000:]
+    assert "Training starts at step 5" in out and read_metrics(warned)[-1]["step"] == 6
+
+    shard = ckpt / "step-6" / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+    out = _output(run_train(dump, *args, "--training.steps", "8"))
+    assert re.search(rf"checkpoint {re.escape(str(ckpt / 'step-6'))} cannot be loaded \(.+\); resumed from "
+                     rf"{re.escape(str(ckpt / 'step-4'))} instead", out), out[-3000:]
+    assert "Training starts at step 5" in out
+    resumed = read_metrics(dump)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed[4:6]] == [r["loss"] for r in first[4:6]]
+    assert resume.complete_steps(str(ckpt))[:2] == [8, 6]  # step 6 written again over the set-aside folder

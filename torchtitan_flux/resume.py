@@ -1,0 +1,172 @@
+"""Resume checks around torchtitan's ``CheckpointManager``: a config fingerprint stored with every checkpoint,
+refusals of a resume that cannot continue the run, and falling back past an unreadable newest checkpoint.
+
+* ``fingerprint.json`` is written into each ``step-N`` folder before DCP writes it (so every complete checkpoint,
+  one with ``.metadata``, has it; torchtitan's purge removes it with the folder). A resume compares it with the
+  current config before anything starts and refuses a difference in one line (``checkpoint.on_config_mismatch``).
+* A resume with ``training.steps`` below the checkpoint's step is refused: there is nothing to train, and the
+  final export would silently be the checkpoint's weights.
+* ``load_newest_readable``: when the newest checkpoint fails to load (a truncated shard, a damaged ``.metadata``)
+  the previous complete one is loaded, the unreadable one is set aside (its ``.metadata`` renamed, so
+  torchtitan's loader skips it and a later save of that step overwrites it), and one warning names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchtitan_flux.config import ConfigError
+from torchtitan_flux.tasks import ALIASES
+
+logger = logging.getLogger("torchtitan_flux")
+
+FINGERPRINT = "fingerprint.json"
+SET_ASIDE = ".metadata.unreadable"  # what an unreadable checkpoint's .metadata is renamed to
+
+
+def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
+    """The settings a checkpoint cannot be resumed without, as ``{field: value}``. Chosen because changing them
+    breaks the resume or silently makes it another run:
+
+    * the model folder's ``config.json`` (dimensions, vocabulary: the weights would not load, or mean something
+      else) and ``tokenizer.json`` (the token ids of the checkpointed rollouts and of the prompt stream), by the
+      hash of their content, so a moved folder still matches;
+    * ``optimizer.name``: the optimizer state is another optimizer's;
+    * ``rollout.prompts_per_step`` and ``grpo.group_size``: the batch shape of the rollouts an async checkpoint
+      holds (their resume crashed on a tensor shape) and the prompt stream position (step * prompts_per_step);
+    * ``rollout.task``, the dataset's records (content hash, after prompt-length filtering) and ``rollout.seed``:
+      which prompts come next and how they are sampled.
+
+    Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
+    checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch, not to
+    ``training.seq_len``, which acts only through the filtered records, hashed above) and ``debug.seed`` (the RNG
+    state itself is in the checkpoint)."""
+    r, hf = job_config.rollout, job_config.model.hf_assets_path
+    fp: dict[str, Any] = {
+        "model.hf_assets_path config.json": _json_sha(os.path.join(hf, "config.json")),
+        "model.hf_assets_path tokenizer.json": _file_sha(os.path.join(hf, "tokenizer.json")),
+        "optimizer.name": job_config.optimizer.name,
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "grpo.group_size": job_config.grpo.group_size,
+        "rollout.task": ALIASES.get(r.task, r.task),
+        "rollout.seed": r.seed,
+    }
+    if hasattr(task, "data_state"):  # dataset tasks; generated ones are a function of (task, seed, step)
+        data = task.data_state(0, r.prompts_per_step)
+        fp["rollout.dataset_path"] = f"{data['records']} records, sha1 {data['sha1'][:12]}"
+    return fp
+
+
+def _file_sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return "sha256 " + hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def _json_sha(path: str) -> str:
+    with open(path) as f:  # key order and whitespace do not count
+        return "sha256 " + hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def write_fingerprint(step_dir: str, fp: dict[str, Any]) -> None:
+    os.makedirs(step_dir, exist_ok=True)
+    tmp = os.path.join(step_dir, FINGERPRINT + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(fp, f, indent=1)
+    os.replace(tmp, os.path.join(step_dir, FINGERPRINT))
+
+
+def mismatches(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, checkpoint's value, current value) of every field both record and that differs."""
+    return [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]]
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps of ``folder``'s complete checkpoints (a ``step-N`` folder with ``.metadata``, torchtitan's rule),
+    newest first."""
+    if not os.path.isdir(folder):
+        return []
+    steps = [int(m.group(1)) for name in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))
+             and os.path.isfile(os.path.join(folder, name, ".metadata"))]
+    return sorted(steps, reverse=True)
+
+
+def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
+    """Before anything starts: refuse (``ConfigError``, one line) a resume from ``folder`` that cannot continue
+    the run: ``training.steps`` below the checkpoint's step, or a fingerprint field that differs (a warning
+    instead with ``checkpoint.on_config_mismatch = "warn"``). Returns the fields that differ (warned), else [].
+    No checkpoint to resume: nothing to check."""
+    ck = job_config.checkpoint
+    steps = complete_steps(folder)
+    step = ck.load_step if ck.load_step != -1 else (steps[0] if steps else -1)
+    step_dir = os.path.join(folder, f"step-{step}")
+    if not ck.enable or step <= 0 or not os.path.isdir(step_dir):  # step 0 is a seed checkpoint (weights only)
+        return []
+    n = job_config.training.steps
+    if n < step:
+        raise ConfigError(
+            f"training.steps = {n} is below the step of the checkpoint to resume ({step_dir}): nothing to do; "
+            f"allowed: training.steps > {step} to train on, or another --job.dump_folder to start over"
+        )
+    path = os.path.join(step_dir, FINGERPRINT)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:  # absent: written before fingerprints existed
+        logger.warning(f"{step_dir} has no readable {FINGERPRINT} ({_one_line(e)}): its config is not compared")
+        return []
+    diff = mismatches(saved, fp)
+    if not diff:
+        return []
+    name, old, new = diff[0]
+    more = f" (and {', '.join(d[0] for d in diff[1:])})" if len(diff) > 1 else ""
+    line = (f"{name} = {new!r} differs from the checkpoint's {old!r}{more} ({path}); resume with the checkpoint's "
+            "value, use another --job.dump_folder to start a new run, or set checkpoint.on_config_mismatch = "
+            '"warn" to resume anyway')
+    if ck.on_config_mismatch == "error":
+        raise ConfigError(line)
+    logger.warning(line)
+    return [d[0] for d in diff]
+
+
+def load_newest_readable(folder: str, load: Callable[[int], Any], is_writer: bool) -> int:
+    """Load the newest complete checkpoint of ``folder`` that loads (``load(step)``, every rank); returns its
+    step. When the newest ones raise (a truncated shard, a damaged ``.metadata``) and an earlier one loads, the
+    writer rank sets the newer ones aside (``.metadata`` renamed to ``SET_ASIDE``: torchtitan then ignores them,
+    and a save of that step rewrites the folder) and one warning names them. When none loads, nothing is renamed
+    and a ``ConfigError`` names the newest and how to go on."""
+    steps = complete_steps(folder)
+    failed: list[tuple[str, str]] = []  # (step folder, its error), newest first
+    for step in steps:
+        step_dir = os.path.join(folder, f"step-{step}")
+        try:
+            load(step)
+        # a damaged file raises whatever its reader raises (EOFError, ...), wrapped by DCP in a BaseException
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            failed.append((step_dir, _one_line(e)))
+            continue
+        if failed:
+            if is_writer:
+                for bad, _ in failed:
+                    os.replace(os.path.join(bad, ".metadata"), os.path.join(bad, SET_ASIDE))
+            logger.warning(f"checkpoint {failed[0][0]} cannot be loaded ({failed[0][1]}); resumed from {step_dir} "
+                           f"instead, and set {', '.join(b for b, _ in failed)} aside (.metadata renamed to "
+                           f"{SET_ASIDE})")
+        return step
+    raise ConfigError(
+        f"checkpoint {failed[0][0]} cannot be loaded ({failed[0][1]}), nor can any earlier one in {folder}; delete "
+        f"{folder} to start from scratch, or use another --job.dump_folder"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, CheckpointException) and e.failures:  # the first failing rank's own exception
+        e = min(e.failures.items())[1][0]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
