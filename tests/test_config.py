@@ -125,7 +125,7 @@ def test_debug_config_is_valid(tiny_model_dir):
 def test_launch_refuses_a_head_dim_vllm_cpu_cannot_serve(tiny_model_dir, monkeypatch):
     """The tiny debug model has head_dim 16: a launched CPU vLLM server would exit after ~1 min of loading; the
     run is refused before anything starts. With a GPU the CPU rule does not apply."""
-    from torchtitan_flux.engine import vllm
+    from torchtitan_flux.engine import vllm_launch as vllm
 
     args = ("--rollout.engine", "vllm", "--rollout.launch", "true", "--rollout.launch_python", sys.executable)
     monkeypatch.setattr(vllm, "_has_gpu", lambda: False)

@@ -39,7 +39,8 @@ from torchtitan_flux.engine.base import (
     WeightGroupInfo,
 )
 from torchtitan_flux.engine.base import EngineStartError
-from torchtitan_flux.engine.vllm import VllmEngine, launch_command
+from torchtitan_flux.engine.vllm import VllmEngine
+from torchtitan_flux.engine.vllm_launch import launch_command
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[1, 75, 108, 108, 111], [1, 52, 53, 43, 55, 61], [1, 35]]

@@ -58,7 +58,8 @@ def tied_llama_server(tmp_path_factory):
     import os
 
     from torchtitan_flux.config import resolve_launch_python
-    from torchtitan_flux.engine.vllm import VllmEngine, launch_servers
+    from torchtitan_flux.engine.vllm import VllmEngine
+    from torchtitan_flux.engine.vllm_launch import launch_servers
 
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm")

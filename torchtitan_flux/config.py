@@ -546,13 +546,12 @@ def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
     return obj
 
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def resolve_launch_python(path: str) -> str | None:
     """``rollout.launch_python`` as an existing absolute path: as given (absolute, or relative to the current
-    directory), else relative to the repository root; None when neither exists."""
-    for cand in (path, os.path.join(REPO_ROOT, path)):
+    directory), else relative to the directory this package is imported from (the repository root of a source
+    checkout, where ``scripts/setup_vllm.sh`` puts ``.venv-vllm``); None when neither exists."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cand in (path, os.path.join(package_parent, path)):
         if os.path.isfile(cand) and os.access(cand, os.X_OK):
             return os.path.abspath(cand)
     return None
@@ -709,7 +708,7 @@ def validate_config(job_config: Any) -> None:
                 "(build the tiny one with `python scripts/build_tiny_model.py`)"
             )
     if r.launch:
-        from torchtitan_flux.engine.vllm import unservable_reason
+        from torchtitan_flux.engine.vllm_launch import unservable_reason
 
         if why := unservable_reason(hf):
             raise ConfigError(f"rollout.launch = true cannot serve model.hf_assets_path = {hf!r} here: {why}; "

@@ -235,7 +235,7 @@ class FluxTrainer(Trainer):
         ) if r.engine == "embedded" or r.launch else []
         if r.launch:  # rollout.launch: start our own vLLM servers (stopped in close())
             from torchtitan_flux.config import resolve_launch_python
-            from torchtitan_flux.engine.vllm import launch_servers
+            from torchtitan_flux.engine.vllm_launch import launch_servers
 
             self.servers = launch_servers(
                 r.num_engines, self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),

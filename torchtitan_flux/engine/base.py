@@ -21,7 +21,6 @@ from typing import Any, Protocol
 import torch
 
 
-
 class EngineStartError(RuntimeError):
     """The server cannot serve as a rollout engine; the message names the server and what is wrong."""
 

@@ -1,0 +1,245 @@
+"""Launching local vLLM servers for ``rollout.launch = true`` (the handler that talks to them is ``engine/vllm.py``).
+
+``launch_command`` builds the server's argv and environment exactly as ``scripts/launch_vllm.sh`` does (keep the
+two in step); ``launch_servers`` starts servers on free loopback ports, each in a process group of its own and
+with ``PR_SET_PDEATHSIG`` (it dies with the trainer), waits for ``/health`` and returns ``LaunchedServer`` handles
+whose ``stop()`` sends SIGTERM to the group, then SIGKILL after a grace period. Servers still running at
+interpreter exit are stopped too (``atexit``). A launched server that dies is not relaunched: its handler
+reconnects if it comes back, else the run goes on without it. A server that exits while starting is reported
+with its exit code and its log's error line; a model that a CPU server cannot serve (attention head size) is
+refused before launching (``unservable_reason``, called at config validation).
+
+The server runs in another Python environment (``rollout.launch_python``, e.g. ``.venv-vllm``) and must import
+our worker extension (``EXTENSION``): it gets the directory this package is imported from on its ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
+from torchtitan_flux.engine.base import EngineStartError
+from torchtitan_flux.engine.embedded import die_with_parent
+
+logger = logging.getLogger("torchtitan_flux")
+
+EXTENSION = "torchtitan_flux.engine.vllm_ext.FluxWorkerExtension"
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # where ``import torchtitan_flux`` finds this package
+
+
+def _has_gpu() -> bool:
+    """What ``scripts/launch_vllm.sh`` tests: ``nvidia-smi`` exists and succeeds."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, timeout=30, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# vLLM 0.32's CPU attention (``CPUAttentionBackend.get_supported_head_sizes``); a launched CPU server with another
+# head size exits during start-up after ~1 min of loading. Checked before launching (``unservable_reason``).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def unservable_reason(model_dir: str | os.PathLike, gpu: bool | None = None) -> str | None:
+    """Why a server launched here could not serve ``model_dir``, for the rules known before launching (CPU:
+    the attention head sizes above); None when none applies. ``gpu``: as ``launch_command`` decides it."""
+    from torchtitan_flux import hf
+
+    if _has_gpu() if gpu is None else gpu:
+        return None
+    head_dim = hf.architecture(hf.read_config(model_dir), str(Path(model_dir) / "config.json"))["head_dim"]
+    if head_dim in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (f"the model's head_dim is {head_dim}, and vLLM's CPU attention serves head sizes "
+            f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only")
+
+
+def launch_command(
+    model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike, extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None, gpu: bool | None = None, auth_token: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a vLLM server ready for torchtitan_flux weight sync, on 127.0.0.1:``port``.
+
+    The Python twin of ``scripts/launch_vllm.sh`` (keep them in step): dev-mode RL endpoints, our worker extension
+    and weight-transfer backend (``gloo`` on CPU, vLLM's own ``nccl`` on a GPU), processed log-probs, loopback only,
+    offline, no usage stats; the same environment knobs (``VLLM_DTYPE``, ``VLLM_MAX_MODEL_LEN``,
+    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_HOST_IP``), read from ``env`` (default: this
+    process's environment). With ``auth_token`` the server gets it as ``$TORCHTITAN_FLUX_TOKEN`` (in its
+    environment, not its command line) and ``--middleware`` ``engine.auth.BearerAuthMiddleware``: it refuses requests
+    without the token and weight-sync joins without the handshake; without one it has neither."""
+    env = dict(os.environ if env is None else env)
+    env.pop(TOKEN_ENV, None)
+    if auth_token:
+        env[TOKEN_ENV] = auth_token
+        extra_args = ("--middleware", MIDDLEWARE, *extra_args)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = str(PACKAGE_PARENT) + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
+    args: list[str] = []
+    if _has_gpu() if gpu is None else gpu:
+        backend = "nccl"  # vLLM's own NCCL engine; the trainer drives it (engine/vllm_nccl.py)
+        args += ["--dtype", env.get("VLLM_DTYPE") or "auto"]
+    else:
+        backend = "gloo"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        args += ["--dtype", env.get("VLLM_DTYPE") or "float32", "--enforce-eager"]
+    if env.get("VLLM_MAX_MODEL_LEN"):
+        args += ["--max-model-len", env["VLLM_MAX_MODEL_LEN"]]
+    argv = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--seed", "0", "--worker-extension-cls", EXTENSION,
+        "--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":")),
+        "--logprobs-mode", "processed_logprobs", *args, *extra_args,
+    ]
+    return argv, env
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _preexec(parent: int) -> None:
+    """In the forked child, before exec: SIGKILL it when the trainer dies (the new session, from
+    ``start_new_session``, is already set); exit if the trainer died before the prctl took effect."""
+    if die_with_parent() and os.getppid() != parent:
+        os._exit(1)
+
+
+def last_error_line(log: str) -> str:
+    """The line of a server log that says why it failed: the last one naming an error or exception (Python's
+    final ``SomeError: message`` line of a traceback), else the last non-empty line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.search(r"(Error|Exception|error:)", ln):
+            return ln[-500:]
+    return lines[-1][-500:] if lines else "(empty log)"
+
+
+class LaunchedServer:
+    """A vLLM server this process started (see ``launch_servers``)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, log_file):
+        self.proc, self.url, self.log_path, self._log = proc, url, log_path, log_file
+        atexit.register(self.stop)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def healthy(self) -> bool:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
+        try:
+            with opener.open(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the server's process group (it and its engine-core children), SIGKILL after ``grace_s``.
+        Idempotent."""
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning(f"vLLM server {self.url} (pid {self.proc.pid}) ignored SIGTERM; killing it")
+        try:  # the group may outlive its leader (engine-core children): kill what is left either way
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.returncode is None:
+            self.proc.wait(timeout=30)
+        if not self._log.closed:
+            self._log.close()
+        atexit.unregister(self.stop)
+
+
+def launch_servers(
+    n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
+    timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
+    auth_token: str | None = None, envs: list[dict[str, str]] | None = None,
+) -> list[LaunchedServer]:
+    """Start ``n`` local vLLM servers of ``model_dir`` (``launch_command``, with ``auth_token``) on free ports and
+    wait until each answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU); ``envs[i]`` is added
+    to server i's environment (``placement.visible_devices_env``: its own GPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
+    healthy within ``timeout_s``) every server started here is stopped and ``EngineStartError`` names the
+    server's log."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers: list[LaunchedServer] = []
+    try:
+        for i, port in enumerate(_free_ports(n)):
+            argv, env = launch_command(os.path.abspath(model_dir), port, python=python, extra_args=extra_args, auth_token=auth_token)
+            if threads is not None:  # CPU: the server's share of the cores (the trainer takes the rest)
+                env["OMP_NUM_THREADS"] = str(threads)
+            env.update(envs[i] if envs else {})
+            log_path = log_dir / f"vllm_server{i}.log"
+            log = open(log_path, "w")  # noqa: SIM115 (owned and closed by the LaunchedServer)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True,
+                                    # only a prctl between fork and exec, before any engine thread starts
+                                    preexec_fn=functools.partial(_preexec, os.getpid()))  # noqa: PLW1509
+            servers.append(LaunchedServer(proc, f"http://127.0.0.1:{port}", log_path, log))
+            logger.info(f"launched vLLM server {i} (pid {proc.pid}) at {servers[-1].url}; log {log_path}")
+        t0 = time.monotonic()
+        pending = list(servers)
+        while pending:
+            for s in list(pending):
+                if s.proc.poll() is not None:
+                    raise EngineStartError(
+                        f"the vLLM server launched at {s.url} exited with code {s.proc.returncode} before it was "
+                        f"healthy: {last_error_line(s.tail(20000))} (full log: {s.log_path})"
+                    )
+                if s.healthy():
+                    pending.remove(s)
+            if pending and time.monotonic() - t0 > timeout_s:
+                s = pending[0]
+                raise EngineStartError(
+                    f"the vLLM server launched at {s.url} did not answer /health within {timeout_s:g} s "
+                    f"(rollout.launch_timeout_s); its last log line: {last_error_line(s.tail(20000))} "
+                    f"(full log: {s.log_path})"
+                )
+            if pending:
+                time.sleep(1.0)
+        logger.info(f"{n} vLLM server(s) healthy after {time.monotonic() - t0:.1f} s")
+        return servers
+    except BaseException:
+        for s in servers:
+            s.stop(grace_s=5.0)
+        raise
