@@ -6,7 +6,7 @@ without torchrun or torchtitan.
   can generate with whatever it receives;
 * one ``WeightSyncer(is_sender=True)`` (gloo, loopback, port 0), a ``RolloutScheduler`` on the digits task with a
   byte tokenizer, ``WeightSyncer(pump=scheduler.pump)`` and ``on_engine_dead = restart`` exactly as in
-  ``FluxTrainer._restart_engine`` (close the dead handler, start a new one, ``WeightSyncer.replace_engine``).
+  ``EngineFleet.restart`` (close the dead handler, start a new one, ``WeightSyncer.replace_engine``).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Harness:
         return e
 
     def _restart_engine(self, dead: EmbeddedEngine) -> EmbeddedEngine:
-        """What ``FluxTrainer._restart_engine`` does."""
+        """What ``EngineFleet.restart`` does."""
         old_pid = dead.pid
         dead.close()
         idx = self.engines.index(dead)

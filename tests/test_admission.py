@@ -1,22 +1,31 @@
-"""Admission of whole steps with error diffusion (``FluxTrainer._admit``): the admitted lookahead averages
-``async_ratio * max_version_gap``, never strays half a step from it, and is 0 at lookahead 0."""
+"""``Admission``: whole steps admitted with error diffusion (the admitted lookahead averages
+``async_ratio * max_version_gap``, never strays half a step from it, and is 0 at lookahead 0), the lookahead's cap
+under ``weight_sync.interval``, which steps push, and its checkpointed state."""
 
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 
-from torchtitan_flux.patches import apply_patches
+from torchtitan_flux.admission import Admission
+from torchtitan_flux.config import AdaptiveAsync, WeightSync
 
-apply_patches()  # what torchtitan_flux.train does before torchtitan is imported (CPU-only torch has no triton)
-from torchtitan_flux.trainer import FluxTrainer  # noqa: E402
+GAP = 8
+
+
+def admission(**ws) -> Admission:
+    return Admission(AdaptiveAsync(max_version_gap=GAP), WeightSync(**ws), total_steps=100)
 
 
 def admitted(lookaheads, carry: float = 0.0) -> tuple[list[int], float]:
-    t = types.SimpleNamespace(admit_carry=carry)
-    return [FluxTrainer._admit(t, x) for x in lookaheads], t.admit_carry
+    a = admission()
+    a.carry = carry
+    out = []
+    for x in lookaheads:
+        a.async_ratio = x / GAP
+        out.append(a.admit())
+    return out, a.carry
 
 
 @pytest.mark.parametrize("lookahead", [0.0, 0.08, 0.4, 0.5, 1.0, 2.4, 3.75, 4.0])
@@ -42,3 +51,25 @@ def test_a_changing_lookahead_is_tracked_in_the_mean():
     ramp = [4 * i / 99 for i in range(100)]
     got, _ = admitted(ramp)
     assert abs(sum(got) - sum(ramp)) <= 0.5 + 1e-9
+
+
+def test_interval_caps_the_lookahead_and_picks_the_pushing_steps():
+    """Engines may hold weights up to interval - 1 steps old, so generation runs at most gap - (interval - 1)
+    steps ahead; a forced sync step admits nothing ahead and is on-policy."""
+    a = admission(async_weight_update=True, interval=3)
+    assert a.async_ratio == 1.0 and a.lookahead == GAP - 2
+    assert [s for s in range(1, 10) if a.push_due(s)] == [3, 6, 9]
+    a.force_sync = True
+    assert a.lookahead == 0.0 and a.on_policy and a.admit() == 0
+    blocking = admission(async_weight_update=False)
+    assert blocking.on_policy and blocking.lookahead == 0.0
+
+
+def test_state_round_trips_under_the_checkpoint_keys_of_old():
+    a = admission(async_weight_update=True)
+    a.async_ratio, a.force_sync, a.carry = 0.35, True, -0.25
+    state = a.state_dict()
+    assert set(state) == {"async_ratio", "force_sync", "admit_carry", "controller"}
+    b = admission(async_weight_update=True)
+    b.load_state_dict(state)
+    assert (b.async_ratio, b.force_sync, b.carry) == (0.35, True, -0.25)

@@ -2,7 +2,7 @@
 and the trainer interrupted (SIGTERM / SIGKILL) mid-run.
 
 The engine faults run at component level (``_sync_harness``: real engine process, ``WeightSyncer``,
-``RolloutScheduler``, restarts through ``WeightSyncer.replace_engine`` like ``FluxTrainer._restart_engine``); the
+``RolloutScheduler``, restarts through ``WeightSyncer.replace_engine`` like ``EngineFleet.restart``); the
 trainer interruption runs the real trainer under torchrun. After every sync the engine's checksum equals the
 trainer's staging checksum.
 """

@@ -44,10 +44,10 @@ class MetricsWriter:
 
     def log(self, step: int, metrics: dict[str, float], progress: bool = True) -> None:
         """One record; ``progress=False`` for a record that is not a training step (the ``eval.at_start`` one)."""
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        record = {"step": step, "time": round(time.time(), 3), **{k: _plain(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(record) + "\n")
         if self._loggers is not None and (step % self._every == 0 or not progress or "eval/version" in record):
-            self._loggers.log({k: v for k, v in record.items() if k != "step" and _scalar(v)}, step)
+            self._loggers.log({k: v for k, v in record.items() if k not in ("step", "time") and _scalar(v)}, step)
         if progress:
             logger.info(self.progress_line(step, record))
         elif "eval/reward_mean" in record:

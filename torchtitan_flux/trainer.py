@@ -8,7 +8,7 @@ and add engines, weight sync and metrics.
 One training step (policy version = number of optimizer steps done = ``self.step`` after the step):
   1. admission: generation may run ``lookahead = async_ratio * adaptive_async.max_version_gap`` steps ahead of
      training, on average: steps are admitted whole, ``floor(lookahead)`` ahead, and one step further on the
-     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``_admit``). ``async_ratio`` is 0 with
+     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``admission.py``). ``async_ratio`` is 0 with
      ``weight_sync.async_weight_update = false``, 1 with it true, and the controller's output when
      ``adaptive_async.enabled``. At lookahead 0 the engines first get the newest weights (a synchronous,
      on-policy step). Rank 0 dispatches, then waits for step ``k``'s rollouts; a batch with samples older than
@@ -42,26 +42,22 @@ from torchtitan.train import Trainer
 
 from torchtitan_flux import hf
 from torchtitan_flux import loss as grpo
-from torchtitan_flux import resume
+from torchtitan_flux import report, resume
+from torchtitan_flux.admission import Admission
 from torchtitan_flux.config import ConfigError, validate_config
-from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
-from torchtitan_flux.engine.auth import read_token
-from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
+from torchtitan_flux.engine.embedded import die_with_parent
 from torchtitan_flux.evaluation import Evaluator
+from torchtitan_flux.fleet import EngineFleet
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
-from torchtitan_flux.placement import engine_devices, visible_devices_env
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
-from torchtitan_flux.sync_cadence import SyncCadence
 from torchtitan_flux.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
 
-RESTART_WINDOW_S = 600.0  # rollout.max_engine_restarts counts restarts of one engine within this window
 SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most the stop waits for a push, and for rollouts in flight (each)
-STALE_BAND = 0.05  # staleness this far above its target counts as out of band (as in benchmarks/controller.py)
 
 
 class TrainingInterrupted(Exception):
@@ -112,34 +108,23 @@ class FluxTrainer(Trainer):
         load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
         self.ref_model = self._build_reference_model() if job_config.grpo.kl_coef > 0 else None
         self.step_callbacks: list = []
-        self.engines: list[EmbeddedEngine] = []
         self.scheduler: RolloutScheduler | None = None
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
         self._events: queue.Queue = queue.Queue()
-        self._engine_restarts = 0
-        self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of its recent restarts
+        self.fleet = EngineFleet(job_config, self._events, trainer_on_gpu=self.device.type == "cuda")
+        self.engines = self.fleet.engines  # one list for the run (see fleet.py); empty on ranks > 0
         self.discarded_rollouts = 0
         self._step_ends: list[float] = []
-        aa = job_config.adaptive_async
-        self.controller = AdaptiveAsyncController(aa, job_config.training.steps) if aa.enabled else None
-        self.async_ratio = (
-            self.controller.async_ratio if self.controller else float(job_config.weight_sync.async_weight_update)
-        )
-        self.force_sync = False
+        self.admission = Admission(job_config.adaptive_async, job_config.weight_sync, job_config.training.steps)
         ws = job_config.weight_sync
         self.probe = PostSyncProbe(
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
             ws.timeout_seconds,
         ) if ws.probe_every > 0 else None
-        self.admit_carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
-        # weight_sync.interval = "auto": rank 0's cadence decides which steps push (broadcast with the batch)
-        max_interval = min(ws.max_interval, aa.max_version_gap + 1)
-        self.cadence = SyncCadence(1, ws.overhead_target, max_interval) if ws.interval == "auto" else None
-        self._push_s_seen = 0.0  # the push thread's total push time at the last cadence update
         self._probed_version = -1  # newest version the logprob probe confirmed on every live engine
         if self.rank == 0:
-            self._start_engines()
+            self.fleet.start()
         self.memory = {"rss_before_sync_mb": _rss_mb()}
         if self.rank == 0:  # before the syncer, which takes its pump (events flow scheduler -> syncer)
             self.scheduler = self._build_scheduler()
@@ -201,79 +186,11 @@ class FluxTrainer(Trainer):
         ref.eval().requires_grad_(False)
         return ref
 
-    def _new_engine(self, index: int):
-        r = self.job_config.rollout
-        token = read_token(self.job_config.weight_sync.auth_token_env)  # never stored: not in checkpoints
-        if r.engine in ("vllm", "sglang"):  # a server we did not start: connect and check it (start() raises)
-            if r.engine == "vllm" and self.device.type == "cuda":  # vLLM's own NCCL engines (engine/vllm_nccl.py)
-                from torchtitan_flux.engine.vllm_nccl import VllmNcclEngine as cls
-            elif r.engine == "vllm":
-                from torchtitan_flux.engine.vllm import VllmEngine as cls
-            else:
-                from torchtitan_flux.engine.sglang import SglangEngine as cls
-            kw = {}
-            if r.engine == "vllm":  # sampled checksums of what the server received (weight_sync.verify_every)
-                kw = dict(verify_every=self.job_config.weight_sync.verify_every,
-                          final_version=self.job_config.training.steps)
-            e = cls(f"{r.engine}{index}", self._urls[index], self._events, model_dir=self.job_config.model.hf_assets_path,
-                    auth_token=token, **kw)
-            e.start()
-            return e
-        e = EmbeddedEngine(
-            f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self._events, self._devices[index],
-            weight_buffers=self.job_config.adaptive_async.max_version_gap + 1, auth_token=token,
-        )
-        e.start()
-        return e
-
-    def _start_engines(self) -> None:
-        r = self.job_config.rollout
-        self._urls = list(r.urls)
-        self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
-            list(r.engine_devices), r.engine_device, r.num_engines, trainer_on_gpu=self.device.type == "cuda",
-            visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        ) if r.engine == "embedded" or r.launch else []
-        if r.launch:  # rollout.launch: start our own vLLM servers (stopped in close())
-            from torchtitan_flux.config import resolve_launch_python
-            from torchtitan_flux.engine.vllm_launch import launch_servers
-
-            self.servers = launch_servers(
-                r.num_engines, self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
-                log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
-                threads=None if torch.cuda.is_available() else r.engine_threads,
-                auth_token=read_token(self.job_config.weight_sync.auth_token_env),
-                envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in self._devices],
-            )
-            self._urls = [s.url for s in self.servers]
-        n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines
-        self.engines = [self._new_engine(i) for i in range(n)]
-
-    def _restart_engine(self, dead: EmbeddedEngine):
-        """A dead embedded engine is replaced by a fresh process that rejoins and gets the newest weights, at most
-        ``rollout.max_engine_restarts`` times within ``RESTART_WINDOW_S`` (a crash loop is given up: None)."""
-        dead.close()
-        idx = self.engines.index(dead)
-        now = time.monotonic()
-        recent = [t for t in self._restart_times.get(idx, []) if now - t < RESTART_WINDOW_S]
-        if not dead.reconnects and len(recent) >= self.job_config.rollout.max_engine_restarts:
-            logger.error(f"{dead.name}: died {len(recent) + 1} times within {RESTART_WINDOW_S:.0f} s "
-                         f"(rollout.max_engine_restarts = {self.job_config.rollout.max_engine_restarts}); not "
-                         "restarted again: its error is the 'died' line above")
-            self.engines.remove(dead)
-            return None
-        self._restart_times[idx] = recent + [now]
-        self._engine_restarts += 1
-        if dead.reconnects:  # an HTTP server is not ours to restart: reconnect if it is back
-            try:
-                new = dead.reconnect()
-            except Exception as e:  # noqa: BLE001
-                logger.error(f"{dead.name}: server gone ({e}); going on without it")
-                self.engines.remove(dead)
-                return None
-        else:
-            new = self._new_engine(idx)
-        self.engines[idx] = new
-        self.syncer.replace_engine(dead, new)
+    def _on_engine_dead(self, dead):
+        """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None."""
+        new = self.fleet.restart(dead)
+        if new is not None:
+            self.syncer.replace_engine(dead, new)
         return new
 
     def _build_scheduler(self) -> RolloutScheduler:
@@ -284,7 +201,7 @@ class FluxTrainer(Trainer):
             max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
             seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer, jc.model.hf_assets_path),
             max_version_gap=jc.adaptive_async.max_version_gap,
-            on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
+            on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._on_engine_dead,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
             reward_workers=jc.rollout.reward_workers,
         )
@@ -295,21 +212,6 @@ class FluxTrainer(Trainer):
         return fn
 
     # ------------------------------------------------------------------------------------------- loop
-
-    @property
-    def sync_interval(self) -> int:
-        """Every how many steps weights are pushed now (``weight_sync.interval``, or the cadence's choice)."""
-        return self.cadence.interval if self.cadence is not None else self.job_config.weight_sync.interval
-
-    @property
-    def lookahead(self) -> float:
-        """How many steps ahead of training generation may run (see the module docstring): ``async_ratio *
-        max_version_gap``, but at most ``max_version_gap - (interval - 1)``, since engines may hold weights up to
-        ``interval - 1`` steps old (with interval 1 the cap never binds)."""
-        if self.force_sync:
-            return 0.0
-        gap = self.job_config.adaptive_async.max_version_gap
-        return min(self.async_ratio * gap, gap - (self.sync_interval - 1))
 
     def train(self):
         jc = self.job_config
@@ -329,12 +231,14 @@ class FluxTrainer(Trainer):
                 self.step += 1
                 t1 = time.perf_counter()
                 metrics = self.train_on(batch)
-                metrics.update(self._control(batch, metrics))
+                metrics.update(self.admission.control(self.step, batch.versions, metrics))
                 t2 = time.perf_counter()
                 self.syncer.after_optimizer_step(self.step, due=push_due)
                 t3 = time.perf_counter()
-                if self.cadence is not None and self.rank == 0:
-                    metrics.update(self._tune_cadence(push_due, t2 - t1, t3 - t2, rollout_wait, metrics))
+                if self.admission.cadence is not None and self.rank == 0:
+                    metrics.update(self.admission.tune_cadence(
+                        push_due, t2 - t1, t3 - t2, rollout_wait, self._flush_s, self.syncer.stats.push_s_total,
+                        metrics))
                 if self.probe is not None and self.probe.due(self.step, jc.training.steps):
                     self.syncer.flush(self.step)  # the engines must hold this step's weights
                     engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
@@ -348,7 +252,7 @@ class FluxTrainer(Trainer):
                 if self.evaluator is not None:
                     metrics.update(self._evaluate())
                 if self.rank == 0:
-                    self._log(batch, metrics, t0, t1, t2, t3, rollout_wait)
+                    self._log(batch, metrics, report.StepTimes(t0, t1, t2, t3, rollout_wait))
                     self._step_ends.append(time.perf_counter())
                 if self.step == 1:
                     dist_utils.set_pg_timeouts(
@@ -432,19 +336,20 @@ class FluxTrainer(Trainer):
             dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": _peak_rss_mb()})
         self._export_final()
         if self.rank == 0:
-            self._write_summary(memory)
+            content = report.summary(self.step, self.syncer, self.engines, self._probed_version, self._step_ends, memory)
+            report.write_summary(self.job_config.job.dump_folder, content)
 
     def _next_batch(self, step: int) -> tuple[RolloutBatch | None, float, bool]:
         """Rank 0 admits and collects; every rank gets the batch and whether this step pushes its weights.
         Returns (batch, seconds waited, push due)."""
         t0 = time.perf_counter()
         self._flush_s = 0.0
-        if (self.force_sync or self.async_ratio == 0) and self.job_config.weight_sync.async_weight_update:
+        if self.admission.on_policy and self.job_config.weight_sync.async_weight_update:
             self.syncer.flush(self.step)  # on-policy step: engines must hold the newest weights first
             self._flush_s = time.perf_counter() - t0
         batch = None
         if self.rank == 0:
-            ahead = self._admit(self.lookahead)
+            ahead = self.admission.admit()
             sched, last = self.scheduler, self.job_config.training.steps
             pin = self.syncer.version  # newest staged: every engine gets it, so requests can run on exactly it
             for k in range(step, min(step + ahead, last) + 1):
@@ -458,74 +363,16 @@ class FluxTrainer(Trainer):
                 logger.warning(f"step {step}: rollouts {gap} versions old exceed max_version_gap; regenerating")
             self.syncer.check_timeouts()
         wait = time.perf_counter() - t0
-        due = self.cadence.due() if self.cadence is not None else step % self.job_config.weight_sync.interval == 0
+        due = self.admission.push_due(step)
         if self.world > 1:
-            obj = [batch, due, self.sync_interval]
+            obj = [batch, due, self.admission.sync_interval]
             dist.broadcast_object_list(obj, src=0, group=control_group())  # CPU gloo: no NCCL timeout
             batch, due, interval = obj
             if self.rank != 0:  # the same inputs as rank 0's admission, so every rank checkpoints the same carry
-                if self.cadence is not None:
-                    self.cadence.interval = interval
-                self._admit(self.lookahead)
+                if self.admission.cadence is not None:
+                    self.admission.cadence.interval = interval
+                self.admission.admit()
         return batch, wait, due
-
-    def _tune_cadence(self, pushed: bool, compute_s: float, sync_s: float, rollout_wait: float,
-                      m: dict[str, float]) -> dict[str, Any]:
-        """Rank 0, ``weight_sync.interval = "auto"``: account this step's time lost to weight sync and, when it
-        pushed, let the cadence pick the next interval (``sync_cadence.py``). Lost time: blocking mode, the main
-        thread's time in the push; async mode, that (the snapshot) plus an on-policy flush, plus the part of the
-        rollout wait the push thread's work can explain (at most the push time spent since the last step).
-        Staleness wins: with the controller on, staleness above its target by more than ``STALE_BAND`` halves
-        the interval and blocks raises."""
-        lost = sync_s + self._flush_s
-        if self.job_config.weight_sync.async_weight_update:
-            total = self.syncer.stats.push_s_total
-            lost += min(max(rollout_wait - self._flush_s, 0.0), total - self._push_s_seen)
-            self._push_s_seen = total
-        stale = "staleness" in m and m["staleness"] > m["target_staleness"] + STALE_BAND
-        before = self.cadence.interval
-        d = self.cadence.observe_step(compute_s, lost, pushed, stale=stale)
-        out: dict[str, Any] = {"sync_interval": self.cadence.interval, "sync_lost_s": lost,
-                               "sync_overhead_target": self.cadence.target}
-        if d is not None:
-            out.update(sync_overhead=d.overhead, sync_interval_reason=d.reason)
-            if d.interval != before:
-                logger.info(f"weight_sync.interval {before} -> {d.interval} ({d.reason}: overhead "
-                            f"{d.overhead:.3f}, target {self.cadence.target})")
-        return out
-
-    def _admit(self, lookahead: float) -> int:
-        """How many steps ahead of ``step`` to admit now: ``floor(lookahead)``, plus one on the fraction
-        ``lookahead - floor(lookahead)`` of calls (error diffusion: the residual carries over, so the admitted
-        lookahead averages ``lookahead`` and its running error stays within half a step).
-
-        Why whole steps: an earlier design sent that fraction of the next step's prompts early and the rest
-        later, which made every step two engine requests and two decode passes over smaller batches; on the CPU
-        debug config that costs ~10% of throughput at the same mean lookahead (measured: 24.4 vs 27.3 steps/s at
-        lookahead 2.4 vs 2.0). Deterministic (a function of the controller's outputs and ``admit_carry``, which
-        is checkpointed), and ``lookahead = 0`` never admits ahead (the residual stays below one half)."""
-        whole = int(lookahead)
-        self.admit_carry += lookahead - whole
-        if self.admit_carry >= 0.5:
-            self.admit_carry -= 1.0
-            return whole + 1
-        return whole
-
-    def _control(self, batch: RolloutBatch, m: dict[str, float]) -> dict[str, float]:
-        """Staleness of the batch just trained -> the controller -> async_ratio of the next admission.
-        Runs on every rank with identical (all-reduced / broadcast) inputs, so every rank agrees."""
-        gap = (self.step - 1 - batch.versions).float()
-        out = {"async_ratio": self.async_ratio}
-        if self.controller is None:
-            return out
-        sample = StalenessSample(
-            kl=m["behaviour_kl"], iw_var=m["iw_var"], version_gap_mean=gap.mean().item(),
-            version_gap_max=gap.max().item(), ess_fraction=m["ess_fraction"],
-        )
-        out = self.controller.step(self.step, sample)
-        self.async_ratio = out["async_ratio"]
-        self.force_sync = bool(out["force_sync"])
-        return out
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
         """One GRPO optimizer step on ``batch`` (all ranks)."""
@@ -593,31 +440,10 @@ class FluxTrainer(Trainer):
         out["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         return out
 
-    def _log(self, batch: RolloutBatch, m: dict, t0, t1, t2, t3, rollout_wait: float) -> None:
-        gap = (self.step - 1 - batch.versions).float()
-        ntok = batch.num_completion_tokens
-        step_time = t3 - t0
-        m.update(
-            reward_mean=batch.rewards.mean().item(),
-            reward_std=batch.rewards.std(unbiased=False).item(),
-            policy_version=self.step,
-            step_time_s=step_time,
-            rollout_time_s=rollout_wait,
-            gen_time_s=batch.gen_time_s,
-            train_time_s=t2 - t1,
-            tokens_per_s=ntok / max(step_time, 1e-9),
-            samples_per_s=batch.tokens.shape[0] / max(step_time, 1e-9),
-            completion_len_mean=ntok / batch.tokens.shape[0],
-            version_gap_mean=gap.mean().item(),
-            version_gap_max=gap.max().item(),
-            rollout_version_min=int(batch.versions.min()),
-            discarded_rollouts=self.discarded_rollouts,
-            engine_restarts=self._engine_restarts,
-            redispatched_requests=self.scheduler.redispatched,
-            **self.syncer.metrics(),
-        )
-        m["weight_sync_s"] = t3 - t2
-        m.update(batch.reward_metrics)
+    def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
+        counters = dict(discarded_rollouts=self.discarded_rollouts, engine_restarts=self.fleet.restarts,
+                        redispatched_requests=self.scheduler.redispatched, **self.syncer.metrics())
+        m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)
         every = self.job_config.metrics.log_completions_every
         if every and self.step % every == 0:
@@ -628,49 +454,6 @@ class FluxTrainer(Trainer):
             )
         for fn in self.step_callbacks:
             fn(self.step, m)
-
-    def _write_summary(self, memory: list[dict]) -> None:
-        """``summary.json``: final versions and checksums of trainer vs every engine, throughput, and per-rank
-        memory (RSS before and after the weight-sync staging buffer was allocated, and the run's peak)."""
-        import json
-
-        trainer_sum, final = self.syncer.staging.checksum(), self.syncer.version
-        engines = {}
-        for e in self.engines:
-            version, checksum = e.checksum()
-            if checksum is not None and version == final:
-                check = "checksum match" if checksum == trainer_sum else "checksum differs"
-            elif self._probed_version == final and e.alive():
-                check = "probe"  # no byte checksum of the final version; the logprob probe passed on it
-            else:
-                check = "not verified"
-            engines[e.name] = {"version": version, "checksum": checksum, "check": check}
-        ends = self._step_ends
-        warm = min(2, len(ends) - 1)
-        checks = [v["check"] for v in engines.values()]
-        summary = {
-            "final_version": self.step,
-            "trainer_checksum": trainer_sum,
-            "engines": engines,
-            "final_engine_version": min((v["version"] for v in engines.values()), default=-1),
-            # every engine's bytes compared and equal (a missing checksum is not a match)
-            "checksums_match": bool(checks) and all(c == "checksum match" for c in checks),
-            "checksums_compared": [n for n, v in engines.items() if v["check"].startswith("checksum")],
-            # every engine shown to serve the final weights, by checksum or by the logprob probe
-            "all_engines_verified": bool(checks) and all(c in ("checksum match", "probe") for c in checks),
-            "steps_per_s": (len(ends) - 1 - warm) / (ends[-1] - ends[warm]) if len(ends) > warm + 1 else 0.0,
-            "weight_bytes": self.syncer.plan.nbytes,
-            "weight_buckets": len(self.syncer.plan.buckets),
-            "bucket_bytes": self.syncer.bucket_bytes,
-            "memory_per_rank": memory,
-            "weight_sync": self.syncer.metrics(),
-        }
-        with open(os.path.join(self.job_config.job.dump_folder, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        if "checksum differs" in checks:
-            logger.error(f"engine weights differ from the trainer's after the final sync: {engines}")
-        elif not summary["all_engines_verified"]:
-            logger.warning(f"not every engine's final weights could be verified (no checksum, no probe): {engines}")
 
     def _export_final(self) -> None:
         out = os.path.join(self.job_config.job.dump_folder, "hf_final")
@@ -684,17 +467,15 @@ class FluxTrainer(Trainer):
         rollouts = [b"", b""]  # rank 0's finished rollouts and sync cadence
         if self.scheduler is not None:  # rank 0 (called on save and load; on load nothing is in flight)
             rollouts[0] = pickle.dumps(self.scheduler.state_dict(self._rollout_save_wait_s))
-            rollouts[1] = pickle.dumps(self.cadence.state_dict() if self.cadence is not None else None)
+            cadence = self.admission.cadence
+            rollouts[1] = pickle.dumps(cadence.state_dict() if cadence is not None else None)
         if self.world > 1:  # every rank saves the same value, whichever one the checkpoint writer keeps
             dist.broadcast_object_list(rollouts, src=0, group=control_group())
         return {
             **super().state_dict(),
             "rng": torch.get_rng_state(),
             "discarded_rollouts": self.discarded_rollouts,
-            "async_ratio": self.async_ratio,
-            "force_sync": self.force_sync,
-            "admit_carry": self.admit_carry,
-            "controller": self.controller.state_dict() if self.controller else {},
+            **self.admission.state_dict(),  # async_ratio, force_sync, admit_carry, controller
             "rollouts": rollouts[0],  # finished rollouts of later steps (async); pickled: their sizes vary
             "sync_cadence": rollouts[1],
             "data": pickle.dumps(self._data_state()),  # dataset position (a function of the step) and identity
@@ -704,10 +485,7 @@ class FluxTrainer(Trainer):
         super().load_state_dict(state_dict)
         torch.set_rng_state(state_dict["rng"])
         self.discarded_rollouts = int(state_dict["discarded_rollouts"])
-        self.async_ratio, self.force_sync = float(state_dict["async_ratio"]), bool(state_dict["force_sync"])
-        self.admit_carry = float(state_dict.get("admit_carry", 0.0))  # absent in checkpoints before it existed
-        if self.controller is not None and state_dict["controller"]:
-            self.controller.load_state_dict(state_dict["controller"])
+        self.admission.load_state_dict(state_dict)
         if self.scheduler is not None and state_dict.get("rollouts"):
             if self.config_changes:  # generated and to be scored under the old settings (their batch shape too)
                 logger.warning(f"the checkpoint's finished rollouts are not used ({', '.join(self.config_changes)} "
@@ -715,8 +493,8 @@ class FluxTrainer(Trainer):
             else:
                 self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
         cadence = pickle.loads(state_dict["sync_cadence"]) if state_dict.get("sync_cadence") else None
-        if self.cadence is not None and cadence is not None:  # absent in older checkpoints, or interval was fixed
-            self.cadence.load_state_dict(cadence)
+        if self.admission.cadence is not None and cadence is not None:  # absent in older checkpoints, or fixed
+            self.admission.cadence.load_state_dict(cadence)
         saved = pickle.loads(state_dict["data"]) if state_dict.get("data") else {}  # absent before it existed
         if saved and hasattr(self.task, "check_resume") and self.rank == 0:
             problem = self.task.check_resume(saved, self.step, self.job_config.rollout.prompts_per_step)
@@ -731,10 +509,8 @@ class FluxTrainer(Trainer):
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:
             self.syncer.close()
-        for e in getattr(self, "engines", []):
-            e.close()
-        for s in getattr(self, "servers", []):  # launched vLLM servers: SIGTERM, SIGKILL after a grace period
-            s.stop()
+        if getattr(self, "fleet", None) is not None:
+            self.fleet.close()
         if getattr(self, "metrics_writer", None) is not None:
             self.metrics_writer.close()
         super().close()
