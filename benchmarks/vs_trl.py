@@ -17,7 +17,7 @@ equal ours, see ``benchmarks/trl_runner.py --check-model``) and train on the sam
 ``DigitsTask().prompts(seed, step, 4)``, steps 1..N, handed to TRL in step order, unshuffled).
 
 Threads: TRL is one process with 2 torch threads. Ours runs as launched in the README (one trainer rank + one
-embedded engine process); ``_set_cpu_threads`` gives the engine ``rollout.engine_threads`` = 1 thread and the
+embedded engine process); ``fleet.set_trainer_threads`` gives the engine ``rollout.engine_threads`` = 1 thread and the
 trainer the remaining core: both systems use the machine's 2 cores.
 
 Timing (wall clock, the same definition for both):

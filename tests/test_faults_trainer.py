@@ -123,7 +123,7 @@ def test_sigterm_while_a_step_waits_for_its_rollouts_checkpoints_the_last_step_a
         log[-3000:]
     assert complete_ckpts(dump) == [5] and read_metrics(dump)[-1]["step"] == 5
 
-    out = _resume(dump, *args, "--training.steps", "7")
+    out = _resume(dump, log, True, *args, "--training.steps", "7")
     assert "Training starts at step 6" in out
     assert [r["step"] for r in read_metrics(dump)] == list(range(1, 8))
 
@@ -175,5 +175,5 @@ def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
     assert not wait_gone(run.seen, 10.0), "processes outlived the trainer"
     assert complete_ckpts(dump) == [2]
 
-    out = _resume(dump, *args, "--training.steps", "4")
+    out = _resume(dump, log, False, *args, "--training.steps", "4")  # a second signal keeps only what was saved
     assert "Training starts at step 3" in out

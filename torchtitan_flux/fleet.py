@@ -122,3 +122,14 @@ class EngineFleet:
             )
         e.start()
         return e
+
+
+def set_trainer_threads(job_config) -> None:
+    """On CPU, leave the engines on this machine their cores (embedded engines, or servers we launch):
+    trainer threads = (cores - engine threads) / local ranks. Remote servers leave the trainer every core."""
+    if torch.cuda.is_available() or not (job_config.rollout.engine == "embedded" or job_config.rollout.launch):
+        return
+    r = job_config.rollout
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    engine_cores = r.engine_threads * r.num_engines
+    torch.set_num_threads(max(1, ((os.cpu_count() or 1) - engine_cores) // local))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,3 +106,13 @@ def write_summary(dump_folder: str, content: dict[str, Any]) -> None:
     elif not content["all_engines_verified"]:
         logger.warning(f"not every engine's final weights could be verified (no checksum, no probe): "
                        f"{content['engines']}")
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:  # resident pages are the second field
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -138,7 +138,7 @@ def _report(e: BaseException) -> int:
     from torchtitan_flux.config import ConfigError
     from torchtitan_flux.engine.base import EngineStartError
     from torchtitan_flux.rollout import NoEngineLeft
-    from torchtitan_flux.trainer import LossNotFinite, TrainingInterrupted
+    from torchtitan_flux.stops import LossNotFinite, TrainingInterrupted
 
     if isinstance(e, ConfigError):
         code, line = 2, f"error: {e}"

@@ -29,8 +29,6 @@ import logging
 import os
 import pickle
 import queue
-import resource
-import signal
 import time
 from typing import Any
 
@@ -40,19 +38,33 @@ from torchtitan.components.checkpoint import AsyncMode
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
-from torchtitan_flux import hf
+from torchtitan_flux import hf, report, resume
 from torchtitan_flux import loss as grpo
-from torchtitan_flux import report, resume
 from torchtitan_flux.admission import Admission
 from torchtitan_flux.config import ConfigError, validate_config
-from torchtitan_flux.engine.embedded import die_with_parent
 from torchtitan_flux.evaluation import Evaluator
-from torchtitan_flux.fleet import EngineFleet
+from torchtitan_flux.fleet import EngineFleet, set_trainer_threads
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
-from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
-from torchtitan_flux.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
+from torchtitan_flux.rollout import (
+    NoEngineLeft,
+    RolloutBatch,
+    RolloutScheduler,
+    RolloutWaitInterrupted,
+)
+from torchtitan_flux.stops import (
+    LossNotFinite,
+    StopRequests,
+    TrainingInterrupted,
+    die_with_launcher,
+)
+from torchtitan_flux.tasks import (
+    build_eval_task,
+    build_task,
+    check_rewards,
+    prompt_tokenizer,
+)
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
@@ -60,27 +72,11 @@ logger = logging.getLogger("torchtitan_flux")
 SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most the stop waits for a push, and for rollouts in flight (each)
 
 
-class TrainingInterrupted(Exception):
-    """SIGTERM or SIGINT during training. An ``Exception`` (not ``SystemExit``) so that torchtitan's ``main``
-    calls ``trainer.close()``, which stops the engines, before the process exits non-zero."""
-
-    def __init__(self, message: str, at_step_boundary: bool):
-        super().__init__(message)
-        self.at_step_boundary = at_step_boundary
-
-
-class LossNotFinite(RuntimeError):
-    """The loss (or the gradient norm) of a step is NaN or infinite: the run stops before the optimizer applies it,
-    so the last completed step's weights (and its checkpoint) are intact."""
-
-
 class FluxTrainer(Trainer):
     def __init__(self, job_config):
-        self._die_with_launcher()
-        self._stop_signal: str | None = None
+        die_with_launcher()
+        self.stops = StopRequests()
         self._rollout_save_wait_s = job_config.weight_sync.timeout_seconds  # a checkpoint waits this for rollouts
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
         validate_config(job_config)
         try:  # the family in model.hf_assets_path/config.json picks the TrainSpec, or is refused here
             select_model(job_config)
@@ -94,7 +90,7 @@ class FluxTrainer(Trainer):
         self.checkpoint_folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
         # before any spawn, too; the fields that differ when on_config_mismatch = "warn" let them
         self.config_changes = resume.check_resume(job_config, self.fingerprint, self.checkpoint_folder)
-        _set_cpu_threads(job_config)
+        set_trainer_threads(job_config)
         super().__init__(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -125,15 +121,17 @@ class FluxTrainer(Trainer):
         self._probed_version = -1  # newest version the logprob probe confirmed on every live engine
         if self.rank == 0:
             self.fleet.start()
-        self.memory = {"rss_before_sync_mb": _rss_mb()}
+        self.memory = {"rss_before_sync_mb": report.rss_mb()}
         if self.rank == 0:  # before the syncer, which takes its pump (events flow scheduler -> syncer)
             self.scheduler = self._build_scheduler()
+            if self.world == 1:
+                self.stops.interrupt_rollout_waits_of(self.scheduler)
         self.syncer = WeightSyncer(
             job_config.weight_sync, self.model, self.engines, device=self.device, is_sender=self.rank == 0,
             backend="nccl" if self.device.type == "cuda" else "gloo",
             pump=self.scheduler.pump if self.scheduler is not None else time.sleep,
         )
-        self.memory["rss_after_staging_mb"] = _rss_mb()
+        self.memory["rss_after_staging_mb"] = report.rss_mb()
         if self.rank == 0:
             self.metrics_writer = MetricsWriter(
                 job_config.job.dump_folder, job_config.training.steps,
@@ -146,33 +144,6 @@ class FluxTrainer(Trainer):
                 )
 
     # ------------------------------------------------------------------------------------------- setup
-
-    def _on_signal(self, signum, frame) -> None:
-        """First SIGTERM/SIGINT: stop at the next step boundary (the step in progress completes, so no trained
-        step is half-applied), or at once while waiting for a step's rollouts (single process: that step has not
-        started, so the last completed one is checkpointed; the wait for rollouts is most of a long GRPO step
-        and torchrun SIGKILLs after its grace period, 30 s by default). A second one, 2 s or more later: stop
-        now."""
-        name = signal.Signals(signum).name
-        if self._stop_signal is not None:
-            if time.monotonic() - self._stop_at < 2.0:  # one signal delivered twice (to torchrun's group and by it)
-                return
-            raise TrainingInterrupted(f"received {name} twice", at_step_boundary=False)
-        self._stop_signal, self._stop_at = name, time.monotonic()
-        if getattr(self, "scheduler", None) is not None and self.world == 1:  # see RolloutScheduler.interrupt
-            self.scheduler.interrupt()
-        logger.warning(f"received {name}: stopping after the current step (send it again to stop at once)")
-
-    @staticmethod
-    def _die_with_launcher() -> None:
-        """torchrun starts each worker in a session of its own, so a SIGKILL to torchrun's process group does not
-        reach the trainer, which would train on (engines included) as an orphan. Under torchrun, ask the kernel
-        to SIGKILL this process when the agent dies (``PR_SET_PDEATHSIG``); the engines then die with it the
-        same way, and the newest checkpoint with ``.metadata`` stays the one a resume loads."""
-        if "TORCHELASTIC_RUN_ID" not in os.environ or not die_with_parent():
-            return
-        if os.getppid() == 1:  # the agent died before the prctl
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _build_reference_model(self) -> torch.nn.Module:
         """A frozen copy of the initial policy, built and sharded the same way (for the KL penalty)."""
@@ -258,11 +229,10 @@ class FluxTrainer(Trainer):
                     dist_utils.set_pg_timeouts(
                         timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
                     )
-                if self._stop_signal is not None:
-                    raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True)
+                self.stops.raise_if_requested()
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e), signalled=True)
-            raise TrainingInterrupted(f"received {self._stop_signal}", at_step_boundary=True) from None
+            raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
         except (TrainingInterrupted, NoEngineLeft, LossNotFinite) as e:
             self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e),
                                signalled=isinstance(e, TrainingInterrupted))
@@ -330,10 +300,10 @@ class FluxTrainer(Trainer):
     def _finish(self) -> None:
         """After the last step: final push, summary (rank 0), HF export."""
         self.syncer.flush(self.step)
-        memory = [{**self.memory, "peak_rss_mb": _peak_rss_mb()}]  # before the export gathers the model
+        memory = [{**self.memory, "peak_rss_mb": report.peak_rss_mb()}]  # before the export gathers the model
         if self.world > 1:
             memory = [None] * self.world
-            dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": _peak_rss_mb()})
+            dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": report.peak_rss_mb()})
         self._export_final()
         if self.rank == 0:
             content = report.summary(self.step, self.syncer, self.engines, self._probed_version, self._step_ends, memory)
@@ -516,15 +486,6 @@ class FluxTrainer(Trainer):
         super().close()
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:  # Linux; resident pages are the second field
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _pad_id(tokenizer, hf_dir: str) -> int:
     pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
     return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
@@ -534,14 +495,3 @@ def _td(seconds: float):
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
-
-
-def _set_cpu_threads(job_config) -> None:
-    """On CPU, leave the engines on this machine their cores (embedded engines, or servers we launch):
-    trainer threads = (cores - engine threads) / local ranks. Remote servers leave the trainer every core."""
-    if torch.cuda.is_available() or not (job_config.rollout.engine == "embedded" or job_config.rollout.launch):
-        return
-    r = job_config.rollout
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    engine_cores = r.engine_threads * r.num_engines
-    torch.set_num_threads(max(1, ((os.cpu_count() or 1) - engine_cores) // local))
