@@ -20,7 +20,9 @@ import torch
 from conftest import FIGURES
 from torch import nn
 
-from torchtitan_flux import assets, inference
+from torchtitan_flux import assets
+
+from torchtitan_flux import weight_dict
 from torchtitan_flux.config import WeightSync
 from torchtitan_flux.engine.embedded import EmbeddedEngine
 from torchtitan_flux.rollout import RolloutScheduler
@@ -80,7 +82,7 @@ class Harness:
         max_new_tokens: int = 8,
     ):
         self.model_dir = str(model_dir)
-        weights, self.shape = inference.load_hf_weights_dict(model_dir)
+        weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
         self.model = module_from_weights(weights)
         self.events: queue.Queue = queue.Queue()
         self.engines = [self._new_engine(i) for i in range(num_engines)]

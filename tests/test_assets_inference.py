@@ -20,8 +20,9 @@ from torchtitan_flux.patches import apply_patches  # noqa: E402
 
 apply_patches()
 
-from torchtitan_flux import assets, inference  # noqa: E402
-from torchtitan_flux.inference import LlamaShape, forward_logits, generate, score  # noqa: E402
+from torchtitan_flux import assets, inference, weight_dict  # noqa: E402
+from torchtitan_flux.inference import forward_logits, generate, score  # noqa: E402
+from torchtitan_flux.weight_dict import LlamaShape  # noqa: E402
 from torchtitan_flux.model import (  # noqa: E402
     FLUX_MODEL_NAME,
     FluxLlamaArgs,
@@ -50,7 +51,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    weights, shape = inference.load_hf_weights_dict(model_dir)
+    weights, shape = weight_dict.load_hf_weights_dict(model_dir)
     return weights, shape
 
 
@@ -100,8 +101,8 @@ def test_build_model_dir_files_idempotent_and_param_count(model_dir, tmp_path):
 
     # a different seed in the same folder rebuilds with different weights
     other = assets.build_model_dir(tmp_path / "m", flavor=FLAVOR, seed=SEED + 1)
-    w0, _ = inference.load_hf_weights_dict(model_dir)
-    w1, _ = inference.load_hf_weights_dict(other)
+    w0, _ = weight_dict.load_hf_weights_dict(model_dir)
+    w1, _ = weight_dict.load_hf_weights_dict(other)
     assert not torch.equal(w0["layers.0.attention.wq.weight"], w1["layers.0.attention.wq.weight"])
 
 
@@ -207,7 +208,7 @@ def test_export_hf_weights_roundtrip(model_dir, tmp_path):
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, sd[k]), k
     # the torch-only reader of the engines gives the same torchtitan-named tensors
-    weights, _ = inference.load_hf_weights_dict(out)
+    weights, _ = weight_dict.load_hf_weights_dict(out)
     assert list(weights) == list(sd)
     for k, v in weights.items():
         assert torch.equal(v, sd[k]), k
@@ -239,7 +240,7 @@ def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
         out = export_hf_weights(model, tmp_path / "export", args, model_dir)
     finally:
         dist.destroy_process_group()
-    weights, _ = inference.load_hf_weights_dict(out)
+    weights, _ = weight_dict.load_hf_weights_dict(out)
     for k, v in weights.items():
         assert torch.equal(v, ref_sd[k]), k
 
@@ -250,10 +251,12 @@ def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
 
 
 def test_inference_module_does_not_import_torchtitan():
-    """inference.py imports no torchtitan, and of torchtitan_flux only the HF reader, which imports neither."""
+    """inference.py imports no torchtitan, and of torchtitan_flux only weight_dict.py, which imports only the HF
+    reader, which imports neither."""
     from torchtitan_flux import hf
 
-    for module, allowed in ((inference, {"torchtitan_flux"}), (hf, set())):
+    for module, allowed in ((inference, {"torchtitan_flux.weight_dict"}), (weight_dict, {"torchtitan_flux"}),
+                            (hf, set())):
         tree = ast.parse(Path(module.__file__).read_text())
         mods = set()
         for node in ast.walk(tree):
@@ -272,8 +275,8 @@ def test_weight_names_and_shapes_match_torchtitan(reference, engine, model_dir):
     weights, shape = engine
     assert shape == LlamaShape.from_hf_dir(model_dir)
     sd = ref_model.state_dict()
-    assert inference.weight_names(shape) == list(sd)
-    assert inference.weight_shapes(shape) == {k: tuple(v.shape) for k, v in sd.items()}
+    assert weight_dict.weight_names(shape) == list(sd)
+    assert weight_dict.weight_shapes(shape) == {k: tuple(v.shape) for k, v in sd.items()}
     assert list(weights) == list(sd)
     for k, v in weights.items():
         assert torch.equal(v, sd[k]), k

@@ -23,6 +23,8 @@ pytest.importorskip("transformers")
 from hf_families import CASES, build_hf_model, hf_logits  # noqa: E402
 
 from torchtitan_flux import hf, inference  # noqa: E402
+
+from torchtitan_flux import weight_dict
 from torchtitan_flux import model as flux_model  # noqa: E402
 from torchtitan_flux.probe import ProbeMismatch, compare  # noqa: E402
 
@@ -57,7 +59,7 @@ def test_trainer_and_engine_logits_equal_transformers(family_dirs, family, tied)
     model, _ = _trainer_model(d)
     with torch.no_grad():
         trainer = model(tokens).float()
-    weights, shape = inference.load_hf_weights_dict(d)
+    weights, shape = weight_dict.load_hf_weights_dict(d)
     engine = inference.forward_logits(weights, shape, tokens)
     assert shape.family == family and shape.tied == tied
     assert (trainer - ref).abs().max().item() < TOL
@@ -73,8 +75,8 @@ def test_tied_is_one_parameter_and_pushed_once(family_dirs, family, tied):
     assert ("output.weight" in names) == (not tied)
     if tied:
         assert model.output.weight is model.tok_embeddings.weight
-    shape = inference.LlamaShape.from_hf_dir(d)
-    assert names == inference.weight_names(shape)  # the engine expects exactly what is pushed, in order
+    shape = weight_dict.LlamaShape.from_hf_dir(d)
+    assert names == weight_dict.weight_names(shape)  # the engine expects exactly what is pushed, in order
     layout = flux_model.HFLayout.from_hf_dir(d)
     hf_names = layout.hf_names(names, [tuple(p.shape) for p in model.parameters()])
     assert ("lm_head.weight" in hf_names) == (not tied)
@@ -128,7 +130,7 @@ def test_eos_token_id_list(family_dirs):
     """Llama-3.x-Instruct gives ``eos_token_id`` as a list: every id ends a completion."""
     assert hf.eos_token_ids({"eos_token_id": [128001, 128009]}) == [128001, 128009]
     assert hf.eos_token_ids({"eos_token_id": 2}) == [2]
-    weights, shape = inference.load_hf_weights_dict(family_dirs[("llama", True)])
+    weights, shape = weight_dict.load_hf_weights_dict(family_dirs[("llama", True)])
     prompts = [[1, 40, 41]] * 8
     kw = dict(max_new_tokens=12, temperature=1.0, pad_id=0)
     tokens, _, lengths = inference.generate(weights, shape, prompts, eos_id=[2], generator=torch.Generator().manual_seed(0), **kw)
@@ -151,7 +153,7 @@ def test_probe_catches_the_old_untied_behaviour(family_dirs):
     """An engine that serves the tied model with a separate head left at the initial embedding (what an untying
     trainer pushing ``lm_head`` to an engine that ignores it gives) fails the probe after training moved it."""
     d = family_dirs[("qwen3", True)]
-    weights, shape = inference.load_hf_weights_dict(d)
+    weights, shape = weight_dict.load_hf_weights_dict(d)
     trained = {k: v.clone() for k, v in weights.items()}
     trained["tok_embeddings.weight"] += 0.05 * torch.randn_like(trained["tok_embeddings.weight"])
     tokens = [1] + list(range(40, 80))

@@ -23,7 +23,9 @@ import torch
 from _sync_harness import module_from_weights
 from conftest import ROOT
 
-from torchtitan_flux import compat, inference, transport
+from torchtitan_flux import compat, transport
+
+from torchtitan_flux import weight_dict
 from torchtitan_flux.config import WeightSync
 from torchtitan_flux.engine import auth
 from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV, BearerAuthMiddleware
@@ -290,7 +292,7 @@ def _raises(fn, *args):
 def rig(tiny_model_dir, monkeypatch):
     """``engine(token)``: an embedded engine holding ``token``; ``trainer(token, engine, events)``: a
     ``WeightSyncer`` for it whose token variable (``weight_sync.auth_token_env``) holds ``token``."""
-    weights, _ = inference.load_hf_weights_dict(tiny_model_dir)
+    weights, _ = weight_dict.load_hf_weights_dict(tiny_model_dir)
     made: list = []
 
     def engine(token) -> tuple[EmbeddedEngine, queue.Queue]:
@@ -359,7 +361,7 @@ def test_engine_without_the_token_is_refused_and_receives_no_weights(rig, engine
 def test_an_engine_without_the_token_does_not_hold_up_the_others(tiny_model_dir, monkeypatch):
     """Joins run concurrently: while the trainer waits out the silent engine's handshake, the other engine, which
     holds the token, joins and gets weights (each join talks to the store on a connection of its own)."""
-    weights, _ = inference.load_hf_weights_dict(tiny_model_dir)
+    weights, _ = weight_dict.load_hf_weights_dict(tiny_model_dir)
     events: queue.Queue = queue.Queue()
     engines = [EmbeddedEngine(f"engine{i}", str(tiny_model_dir), 1, events, auth_token=t)
                for i, t in enumerate([None, TOKEN])]

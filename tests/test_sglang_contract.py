@@ -95,12 +95,12 @@ class ContractState:
         from safetensors.torch import load_file
         from tokenizers import Tokenizer
 
-        from torchtitan_flux import inference
+        from torchtitan_flux import weight_dict
 
         self.model_dir = model_dir
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = json.load(f)
-        self.shape = inference.LlamaShape.from_hf_config(self.cfg)
+        self.shape = weight_dict.LlamaShape.from_hf_config(self.cfg)
         self.hf = load_file(os.path.join(model_dir, "model.safetensors"))
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.lock = threading.Lock()
@@ -117,10 +117,10 @@ class ContractState:
         self._tt = None  # torchtitan-named view of self.hf, rebuilt after each update
 
     def tt_weights(self):
-        from torchtitan_flux import inference
+        from torchtitan_flux import weight_dict
 
         if self._tt is None:
-            self._tt = inference.hf_to_weights(self.hf, self.shape)
+            self._tt = weight_dict.hf_to_weights(self.hf, self.shape)
         return self._tt
 
 
@@ -448,7 +448,7 @@ if __name__ != "__main__":
     import httpx
     import pytest
 
-    from torchtitan_flux import inference, transport
+    from torchtitan_flux import inference, transport, weight_dict
     from torchtitan_flux.engine.base import (
         EngineError,
         GenerationRequest,
@@ -537,7 +537,7 @@ if __name__ != "__main__":
 
     @pytest.fixture(scope="module")
     def tiny(tiny_model_dir):
-        weights, shape = inference.load_hf_weights_dict(tiny_model_dir)
+        weights, shape = weight_dict.load_hf_weights_dict(tiny_model_dir)
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
         return tiny_model_dir, weights, shape, specs
 

@@ -30,6 +30,8 @@ import torch
 from conftest import ROOT, free_port
 
 from torchtitan_flux import inference, transport
+
+from torchtitan_flux import weight_dict
 from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.base import (
     EngineError,
@@ -229,7 +231,7 @@ def _modified(weights: dict) -> dict:
 @pytest.mark.vllm
 def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
     url, proc, stats = vllm_server
-    weights, shape = inference.load_hf_weights_dict(small_model_dir)
+    weights, shape = weight_dict.load_hf_weights_dict(small_model_dir)
     events: queue.Queue = queue.Queue()
     h = VllmEngine("vllm0", url, events, model_dir=small_model_dir, health_interval_s=1.0, auth_token=TOKEN)
     h.start()
@@ -346,7 +348,7 @@ def test_requests_without_the_token_are_refused(vllm_server, small_model_dir):
     h = VllmEngine("v_tok", url, events, model_dir=small_model_dir, health_interval_s=0, auth_token=TOKEN)
     h.start()
     try:
-        weights, _ = inference.load_hf_weights_dict(small_model_dir)
+        weights, _ = weight_dict.load_hf_weights_dict(small_model_dir)
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
         store = transport.connect_store("127.0.0.1", 0, 20, True)
         info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/v_tok/1", "gloo", 20.0, specs, 512 * 1024)

@@ -23,6 +23,8 @@ from conftest import ROOT, read_metrics, run_train  # noqa: E402
 from hf_families import build_hf_model  # noqa: E402
 
 from torchtitan_flux import inference, transport  # noqa: E402
+
+from torchtitan_flux import weight_dict
 from torchtitan_flux.engine.base import WeightAck, WeightGroupInfo  # noqa: E402
 from torchtitan_flux.probe import PROBE_TEXT, ProbeMismatch, compare  # noqa: E402
 
@@ -91,7 +93,7 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
     """Right push: the probe passes. A push with a tensor left out, and the old untying trainer (a separate
     ``lm_head`` pushed to a tied engine, which drops it): the probe fails naming the engine and version."""
     model_dir, handler, events = tied_llama_server
-    weights, shape = inference.load_hf_weights_dict(model_dir)
+    weights, shape = weight_dict.load_hf_weights_dict(model_dir)
     tokens = [1] + [3 + b for b in PROBE_TEXT.encode()][:60]
     seq = torch.tensor([tokens])
     gen = torch.Generator().manual_seed(0)

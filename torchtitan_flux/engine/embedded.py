@@ -83,6 +83,8 @@ class _EngineProcess:
 
         from torchtitan_flux import hf, inference
 
+        from torchtitan_flux import weight_dict
+
         self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -91,7 +93,7 @@ class _EngineProcess:
         torch.set_num_threads(threads)
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
-        self.shape = inference.LlamaShape.from_hf_config(cfg)
+        self.shape = weight_dict.LlamaShape.from_hf_config(cfg)
         self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
