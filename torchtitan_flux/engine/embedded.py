@@ -81,9 +81,7 @@ class _EngineProcess:
                  auth_token: str | None):
         import json
 
-        from torchtitan_flux import hf, inference
-
-        from torchtitan_flux import weight_dict
+        from torchtitan_flux import hf, inference, weight_dict
 
         self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
