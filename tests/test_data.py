@@ -259,6 +259,72 @@ def test_bad_rewards_stop_with_the_function_and_sample(fn, match):
         R.RewardScorer([R.RewardFunc("n", nan_at_one)]).score(["a", "b"], ["", ""], [[], []], {})
 
 
+def numpy_and_torch_scalars(completions, **kwargs):
+    import numpy as np
+    import torch
+
+    return [np.float32(0.5), np.int64(2), torch.tensor(0.25), np.array(1.5), None][: len(completions)]
+
+
+def as_numpy_array(completions, **kwargs):
+    import numpy as np
+
+    return np.array([0.5] * len(completions), dtype=np.float32)
+
+
+def test_numpy_and_torch_scalars_are_taken_as_floats():
+    s = R.RewardScorer([R.RewardFunc("np", numpy_and_torch_scalars), R.RewardFunc("arr", as_numpy_array)]).score(
+        ["p"] * 5, ["a"] * 5, [[]] * 5, {})
+    assert s.per_func["np"] == [0.5, 2.0, 0.25, 1.5, None] and all(type(v) is float for v in s.per_func["np"][:4])
+    assert s.per_func["arr"] == [0.5] * 5 and s.total == [1.0, 2.5, 0.75, 2.0, 0.5]
+
+
+def non_scalar_at_one(completions, **kwargs):
+    import torch
+
+    return [torch.tensor(1.0), torch.tensor([1.0, 2.0])]
+
+
+def numpy_nan_at_one(completions, **kwargs):
+    import numpy as np
+
+    return [np.float32(0.0), np.float32("nan")]
+
+
+def exits(completions, **kwargs):
+    raise SystemExit(3)
+
+
+async def async_exits(completions, **kwargs):
+    raise SystemExit("bye")
+
+
+def old_style_exits(prompt, completion, answer):
+    raise SystemExit(4)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (non_scalar_at_one, r"reward function 'f' returned tensor\(\[1\., 2\.\]\) for sample 1; allowed: a finite number"),
+    (numpy_nan_at_one, r"reward function 'f' returned nan for sample 1"),
+    (exits, r"reward function 'f' raised SystemExit: 3$"),
+    (async_exits, r"reward function 'f' raised SystemExit: bye$"),
+    (R.per_sample(old_style_exits), r"reward function 'f': sample 0: SystemExit: 4$"),
+])
+def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
+    """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""
+    with pytest.raises(R.RewardError, match=match):
+        R.RewardScorer([R.RewardFunc("f", fn)]).submit(["a", "b"], ["", ""], [[], []], {"answer": ["", ""]}).result()
+
+
+def test_a_failing_reward_is_reported_as_one_error_line(capsys):
+    from torchtitan_flux.patches import apply_patches
+    from torchtitan_flux.train import _report
+
+    apply_patches()  # _report imports the trainer (torchtitan)
+    assert _report(R.RewardError("reward function 'f' raised SystemExit: 3")) == 2
+    assert capsys.readouterr().err == "error: reward function 'f' raised SystemExit: 3\n"
+
+
 def test_reward_config_resolution(tmp_path):
     path = write(tmp_path, "jsonl")
     task = build_task(job(tmp_path, path, reward_funcs=["test_data:batched_len", "answer_match"],

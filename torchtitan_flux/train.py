@@ -6,7 +6,8 @@ unless the command line or TOML names another module), and runs ``torchtitan.tra
 
 Bad input is reported as one line, ``error: <field> = <value> ...; allowed: ...``, with exit code 2 and no Python
 traceback: the config is parsed and validated here before torchtitan starts, and a ``ConfigError`` found later
-(the model folder, the dataset) is reported the same way. Expected stops (a signal, no engine left, a loss that is
+(the model folder, the dataset) is reported the same way, as is a reward function that fails (``RewardError``: it
+raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run). Expected stops (a signal, no engine left, a loss that is
 not finite) end with one ``stopped: ...`` line and exit code 1. Real bugs keep their traceback; so does everything
 under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun the line is also written to torchelastic's error file, so that
 torchrun's failure summary shows it instead of a pointer to its docs.
@@ -135,10 +136,11 @@ def _lock_dump_folder(folder: str) -> None:
 def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.rewards import RewardError
     from torchtitan_flux.rollout import NoEngineLeft
     from torchtitan_flux.trainer import LossNotFinite, TrainingInterrupted
 
-    if isinstance(e, ConfigError):
+    if isinstance(e, (ConfigError, RewardError)):
         code, line = 2, f"error: {e}"
     elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite)):
         code, line = 1, f"stopped: {e}"
