@@ -103,6 +103,11 @@ CASES = [
     (("--training.local_batch_size", "0"), "training.local_batch_size = 0 is out of range"),
     (("--checkpoint.enable", "--checkpoint.interval", "0"), "checkpoint.interval = 0 is out of range"),
     (("--optimizer.lr", "nan"), "optimizer.lr = nan is out of range; allowed: a finite number > 0"),
+    (("--training.seq_len", "4096"),  # the tiny model's config.json: max_position_embeddings 2048
+     "rollout.max_prompt_tokens (auto: training.seq_len - max_new_tokens = 4080) + rollout.max_new_tokens (16) = 4096 "
+     "tokens exceeds max_position_embeddings = 2048 of "),
+    (("--rollout.max_prompt_tokens", "2040", "--training.seq_len", "4096"),
+     "rollout.max_prompt_tokens (2040) + rollout.max_new_tokens (16) = 2056 tokens exceeds max_position_embeddings"),
 ]
 
 
@@ -171,11 +176,23 @@ def test_port_already_in_use(tiny_model_dir):
             validate_config(parse("--weight_sync.master_port", str(port)))
 
 
-def test_toml_syntax_error(tiny_model_dir, tmp_path):
-    import tomllib
+def test_toml_syntax_error_is_one_line_naming_file_and_line(tiny_model_dir, tmp_path):
+    """Through the entry point (no torchrun: it stops before any process group). Before: torchtitan logged its
+    traceback of the TOMLDecodeError, then ours followed, exit 1."""
+    import sys
 
-    with pytest.raises(tomllib.TOMLDecodeError):
-        parse(toml=_write(tmp_path, "[grpo\n"))
+    bad = _write(tmp_path, "[extra\n")
+    line = len(DEBUG_TOML.read_text().splitlines()) + 2
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_flux.train", "--job.config_file", bad], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: job.config_file = '{bad}': TOML syntax error: Expected ']' at the end of a table declaration (at line "
+        f"{line}, column 7); allowed: valid TOML"]
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_flux.train", f"--job.config_file={tmp_path}/no.toml"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: job.config_file = '{tmp_path}/no.toml': No such file or directory; allowed: a readable TOML file"]
 
 
 def test_reward_function_checks(tiny_model_dir, tmp_path):
@@ -206,6 +223,48 @@ def test_bad_jsonl_record(tiny_model_dir, tmp_path):
                 "test_config:good_reward")
     with pytest.raises(ValueError, match=r"has columns \['answer'\]; it needs a text column named by rollout.prompt_column"):
         build_task(cfg, prompt_tokenizer(cfg))
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path):
+    import shutil
+
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+def test_a_corrupt_config_json_is_one_line_naming_the_file(model_copy):
+    """Before: json's own message (``Expecting value: line 1 column 1``) from deep in the trainer, no file named."""
+    (model_copy / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ConfigError, match=rf"model.hf_assets_path = '{model_copy}': {model_copy}/config.json is not "
+                                          r"valid JSON \(Expecting property name"):
+        validate_config(parse("--model.hf_assets_path", str(model_copy)))
+    (model_copy / "config.json").write_bytes(b'{"model_type": "ll\xffama"}')
+    with pytest.raises(ConfigError, match=r"config.json is not valid JSON \('utf-8' codec can't decode byte 0xff"):
+        validate_config(parse("--model.hf_assets_path", str(model_copy)))
+
+
+def test_a_truncated_safetensors_file_is_named(model_copy):
+    """Before: safetensors' ``SafetensorError: Error while deserializing header`` with a traceback, no file named.
+    The trainer turns this ValueError into ``error: model.hf_assets_path = ...: <this>`` (FluxTrainer.__init__)."""
+    from torchtitan_flux.hf import read_state_dict
+
+    weights = model_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{weights} cannot be read as safetensors \(.*file not fully covered\): "
+                                         r"truncated or corrupt"):
+        read_state_dict(model_copy)
+
+
+@pytest.mark.parametrize("fname, text, match", [
+    ("tokenizer.json", '{"version": "1.0", "model": {', r"tokenizer.json cannot be loaded \(EOF while parsing"),
+    ("tokenizer_config.json", '{"bos_token": ', r"tokenizer_config.json is not valid JSON \(Expecting value"),
+])
+def test_a_corrupt_tokenizer_is_one_line_naming_the_file(model_copy, fname, text, match):
+    from torchtitan_flux.tasks import prompt_tokenizer
+
+    (model_copy / fname).write_text(text)
+    with pytest.raises(ConfigError, match=rf"model.hf_assets_path = '{model_copy}': {match}"):
+        prompt_tokenizer(parse("--model.hf_assets_path", str(model_copy)))
 
 
 def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):

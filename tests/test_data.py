@@ -163,6 +163,47 @@ def test_template_features_transformers_provides(tmp_path):
         ChatTemplate(str(tmp_path))
 
 
+# ------------------------------------------------------------------------------------------ bad records
+
+@pytest.mark.parametrize("line, match", [
+    (b'{"prompt": "caf\xe9?", "answer": "1"}', r"line 2: byte 0xe9 at column 16 is not UTF-8; allowed: UTF-8 text"),
+    (b'{"prompt": "q?", "answer": 1', r"line 2: not valid JSON \(Expecting ',' delimiter at column 29\); allowed: "
+                                    r"one JSON object per line"),
+    (b'["q?", "1"]', r"line 2: a JSON list; allowed: one JSON object per line"),
+])
+def test_a_bad_jsonl_line_names_the_file_and_line(tmp_path, line, match):
+    """Before: bytes that are not UTF-8 were loaded without a word, and a syntax error named no line."""
+    from torchtitan_flux.config import ConfigError
+
+    good = json.dumps(ROWS[0]).encode() + b"\n"
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(good + line + b"\n" + good)
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.dataset_path = {str(p)!r} ") + match):
+        build_task(job(tmp_path, p), ByteTokenizer())
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").write_bytes(good + line + b"\n")
+    with pytest.raises(ConfigError, match=re.escape(str(folder / "train.jsonl")) + ".* " + match):
+        build_task(job(tmp_path, folder), ByteTokenizer())
+
+
+def test_null_and_empty_prompts_are_refused_with_file_and_record(tmp_path):
+    """Before: a null prompt was trained on as the text "None", an empty one as nothing."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    rows = [ROWS[0], {"prompt": None, "answer": "1"}, ROWS[2], {"prompt": "", "answer": "3"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.dataset_path = {str(p)!r} record 1: column 'prompt' is "
+                                                    "None (2 of 4 records have a null or empty prompt); allowed: a "
+                                                    "non-empty prompt in every record")):
+        build_task(job(tmp_path, p), ByteTokenizer())
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [], "answer": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"record 0: column 'messages' is \[\] \(1 of 1 records"):
+        build_task(job(tmp_path, chat), ByteTokenizer())
+
+
 # ----------------------------------------------------------------------------------------- prompt length
 
 def test_over_long_prompts_are_dropped_and_counted_or_refused(tmp_path, caplog):
@@ -176,6 +217,28 @@ def test_over_long_prompts_are_dropped_and_counted_or_refused(tmp_path, caplog):
         build_task(job(tmp_path, p, max_prompt_tokens=20, long_prompts="error"), ByteTokenizer())
     auto = build_task(job(tmp_path, p), ByteTokenizer())  # 0: seq_len 64 - max_new_tokens 8 = 56 tokens
     assert len(auto.records) == 4
+
+
+def test_long_prompt_messages_name_the_budget_and_the_seq_len_that_fits(tmp_path, caplog):
+    """With the default rollout.max_prompt_tokens = 0 the limit is training.seq_len - max_new_tokens: the messages
+    say so and name the seq_len that would keep every prompt (before: 'raise max_prompt_tokens', a field left 0)."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "x" * n, "answer": ""}) + "\n" for n in (5, 60, 70)))
+    limit = "training.seq_len - rollout.max_new_tokens = 64 - 8 = 56 tokens (rollout.max_prompt_tokens = 0)"
+    fix = "training.seq_len >= 79 (longest prompt + rollout.max_new_tokens)"  # 71 tokens (BOS) + 8
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        build_task(job(tmp_path, p), ByteTokenizer())
+    assert f"dropped 2 of 3 prompts longer than {limit} (the longest has 71 tokens; {fix} keeps them)" in caplog.text
+    with pytest.raises(ConfigError, match=re.escape(f"2 of 3 prompts exceed {limit} (record 1 has 61 tokens, the "
+                                                    f"longest 71); allowed: {fix}, or rollout.long_prompts = 'drop'")):
+        build_task(job(tmp_path, p, long_prompts="error"), ByteTokenizer())
+    p.write_text(json.dumps({"prompt": "x" * 70, "answer": ""}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape("every prompt exceeds rollout.max_prompt_tokens = 20 (the shortest "
+                                                    "has 71 tokens); allowed: rollout.max_prompt_tokens >= 71 with "
+                                                    "training.seq_len >= 79")):
+        build_task(job(tmp_path, p, max_prompt_tokens=20), ByteTokenizer())
 
 
 def test_prompt_budget_is_validated_against_seq_len(tiny_model_dir):

@@ -675,14 +675,35 @@ def validate_config(job_config: Any) -> None:
                  "<= 1 (negative = use adaptive_async.target_staleness)")
     if a.controller != "pid":
         import_spec("adaptive_async.controller", a.controller)
+    _check_model_folder(job_config)
 
-    hf = job_config.model.hf_assets_path
+
+def _check_model_folder(job_config: Any) -> None:
+    """``model.hf_assets_path`` has a tokenizer and a readable config.json whose ``max_position_embeddings`` holds the
+    longest sequence a rollout makes (a prompt of ``max_prompt_tokens`` plus ``max_new_tokens``)."""
+    from torchtitan_flux import hf as hf_folder
+    from torchtitan_flux.tasks import max_prompt_tokens
+
+    hf, r = job_config.model.hf_assets_path, job_config.rollout
     for fname in ("tokenizer.json", "config.json"):
         if not os.path.isfile(os.path.join(hf, fname)):
             raise ConfigError(
                 f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
                 "(build the tiny one with `python scripts/build_tiny_model.py`)"
             )
+    try:
+        max_pos = hf_folder.read_config(hf).get("max_position_embeddings")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: {e}") from None
+    prompt = max_prompt_tokens(job_config)
+    if isinstance(max_pos, int) and prompt + r.max_new_tokens > max_pos:
+        budget = r.max_prompt_tokens or f"auto: training.seq_len - max_new_tokens = {prompt}"
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({budget}) + rollout.max_new_tokens ({r.max_new_tokens}) = "
+            f"{prompt + r.max_new_tokens} tokens exceeds max_position_embeddings = {max_pos} of "
+            f"{os.path.join(hf, 'config.json')}; allowed: at most {max_pos} (lower training.seq_len, "
+            "rollout.max_prompt_tokens or rollout.max_new_tokens)"
+        )
 
 
 def _check_data(job_config: Any) -> None:

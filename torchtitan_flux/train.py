@@ -102,6 +102,30 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
     return (engine or "embedded") == "embedded"
 
 
+def _check_config_file(argv: list[str]) -> None:
+    """The TOML named by ``--job.config_file`` is readable and parses, else a ``ConfigError`` naming the file (and
+    the line of a syntax error). torchtitan would log a traceback of its own and then raise."""
+    import tomllib
+
+    from torchtitan_flux.config import ConfigError
+
+    path = None
+    for i, a in enumerate(argv):
+        key, eq, val = a.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            path = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            break
+    if path is None:
+        return
+    try:
+        with open(path, "rb") as f:
+            tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"job.config_file = {path!r}: {e.strerror}; allowed: a readable TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"job.config_file = {path!r}: TOML syntax error: {e}; allowed: valid TOML") from None
+
+
 _DUMP_LOCK = None  # the open lock file of this run's dump folder (rank 0), held until the process ends
 
 
@@ -184,6 +208,7 @@ def main() -> None:
 
     register_flux_model()
     try:
+        _check_config_file(sys.argv[1:])
         config = ConfigManager().parse_args()
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_dump_folder(config.job.dump_folder)

@@ -101,7 +101,10 @@ class FluxTrainer(Trainer):
                 f"trainer ranks ({self.world})"
             )
         self.model = self.model_parts[0]
-        load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
+        try:  # a missing, truncated or mismatched weights file: one line naming it
+            load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
         self.ref_model = self._build_reference_model() if job_config.grpo.kl_coef > 0 else None
         self.step_callbacks: list = []
         self.engines: list[EmbeddedEngine] = []
