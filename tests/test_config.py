@@ -102,7 +102,16 @@ CASES = [
     (("--training.steps", "-3"), "training.steps = -3 is out of range"),
     (("--training.local_batch_size", "0"), "training.local_batch_size = 0 is out of range"),
     (("--checkpoint.enable", "--checkpoint.interval", "0"), "checkpoint.interval = 0 is out of range"),
-    (("--optimizer.lr", "nan"), "optimizer.lr = nan is out of range; allowed: a finite number > 0"),
+    (("--optimizer.lr", "nan"), "optimizer.lr = nan is out of range; allowed: a finite number in (0, 1]"),
+    (("--optimizer.lr", "1e300"), "optimizer.lr = 1e+300 is out of range; allowed: a finite number in (0, 1] (Adam "
+                                  "moves each weight by about lr per step)"),
+    (("--rollout.engine", "vllm", "--rollout.urls", "http://999.1.1.1:8000"),  # before: "needs the shared token"
+     "rollout.urls = 'http://999.1.1.1:8000' is not a server URL (host '999.1.1.1' is not an IP address or a host "
+     "name); allowed: http(s)://host:port with host an IP address or a host name, e.g. 'http://127.0.0.1:8000'"),
+    (("--rollout.engine", "vllm", "--rollout.urls", "http://127.0.0.1:99999"),
+     "rollout.urls = 'http://127.0.0.1:99999' is not a server URL (Port out of range 0-65535)"),
+    (("--rollout.engine", "sglang", "--rollout.urls", "127.0.0.1:30000"), "rollout.urls = '127.0.0.1:30000' is not a "
+                                                                          "server URL (no scheme)"),
     (("--training.seq_len", "4096"),  # the tiny model's config.json: max_position_embeddings 2048
      "rollout.max_prompt_tokens (auto: training.seq_len - max_new_tokens = 4080) + rollout.max_new_tokens (16) = 4096 "
      "tokens exceeds max_position_embeddings = 2048 of "),

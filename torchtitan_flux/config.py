@@ -13,6 +13,7 @@ Simplification: torchtitan's own sections are validated by torchtitan; we check 
 
 import dataclasses
 import importlib
+import ipaddress
 import importlib.util
 import logging
 import math
@@ -513,6 +514,39 @@ def _require(cond: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is out of range; allowed: {allowed}")
 
 
+_HOST_NAME = re.compile(r"(?!-)[\w-]{1,63}(?<!-)(\.(?!-)[\w-]{1,63}(?<!-))*", re.ASCII)  # DNS labels (and Docker's _)
+
+
+def _check_url(name: str, url: str) -> None:
+    """A server URL is ``http(s)://host[:port]`` with ``host`` an IP address or a DNS name (a dotted-number host
+    must be a valid IPv4 address: ``999.1.1.1`` would otherwise be looked up as a name and fail only later)."""
+    why = _url_problem(url)
+    if why:
+        raise ConfigError(f"{name} = {url!r} is not a server URL ({why}); allowed: http(s)://host:port with host an "
+                          "IP address or a host name, e.g. 'http://127.0.0.1:8000'")
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # ValueError for a port out of range or not a number
+    except ValueError as e:
+        return str(e)
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https"):
+        return f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+    if not host:
+        return "no host"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if re.fullmatch(r"[\d.]+", host) or not _HOST_NAME.fullmatch(host):
+        return f"host {host!r} is not an IP address or a host name"
+    return None
+
+
 def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
     """The one importer of ``"package.module:attribute"`` strings (``attribute`` may be dotted): the object, or a
     ``ConfigError`` naming the field ``name``. Used for rewards, tasks, custom controllers and step callbacks."""
@@ -551,7 +585,10 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
     if ck.enable:
         _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
-    _require(math.isfinite(opt.lr) and opt.lr > 0, "optimizer.lr", opt.lr, "a finite number > 0")
+    # Adam / AdamW (torchtitan's only optimizers) move every weight by about lr per step whatever the gradient's
+    # scale: lr 1 already overwrites a model in one step (GRPO fine-tuning uses ~1e-7 .. 1e-5), so beyond 1 is a typo
+    _require(math.isfinite(opt.lr) and 0 < opt.lr <= 1, "optimizer.lr", opt.lr,
+             "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
 
 
 def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
@@ -613,6 +650,9 @@ def validate_config(job_config: Any) -> None:
             f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
             + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else "")
         )
+
+    for url in r.urls:
+        _check_url("rollout.urls", url)
 
     _require(w.timeout_seconds > 0, "weight_sync.timeout_seconds", w.timeout_seconds, "> 0")
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
