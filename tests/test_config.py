@@ -3,6 +3,8 @@ process is spawned. Table-driven over the real parse path (torchtitan's ConfigMa
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import subprocess
 
@@ -232,6 +234,32 @@ def test_bad_jsonl_record(tiny_model_dir, tmp_path):
                 "test_config:good_reward")
     with pytest.raises(ValueError, match=r"has columns \['answer'\]; it needs a text column named by rollout.prompt_column"):
         build_task(cfg, prompt_tokenizer(cfg))
+
+
+def test_step_callbacks_from_config_are_imported_and_take_either_form(tiny_model_dir, tmp_path, monkeypatch):
+    """``metrics.step_callbacks``: a torchrun user's way to the tutorial's ``@trainer.add_step_callback`` (before: only
+    reachable from Python). The trainer calls them (``test_train_e2e.py::test_two_trainer_processes``)."""
+    from torchtitan_flux.config import step_callback
+
+    for spec, match in [("_step_callbacks:missing", "metrics.step_callbacks = '_step_callbacks:missing' cannot be "
+                                                    "imported"),
+                        ("no_such_module:fn", "metrics.step_callbacks = 'no_such_module:fn' cannot be imported"),
+                        ("_step_callbacks", "must be of the form 'package.module:attribute'"),
+                        ("_step_callbacks:NOT_CALLABLE", "is not callable"),
+                        ("_step_callbacks:three_arguments", "metrics.step_callbacks = '_step_callbacks:three_arguments'"
+                                                            " takes 3 required arguments; allowed: fn(result) or "
+                                                            "fn(step, metrics)")]:
+        with pytest.raises(ConfigError, match=re.escape(match)):
+            validate_config(parse("--metrics.step_callbacks", spec))
+    validate_config(parse("--metrics.step_callbacks", "_step_callbacks:tutorial_form,_step_callbacks:step_and_metrics"))
+    out = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FLUX_TEST_CALLBACKS", str(out))
+    import _step_callbacks as cb
+
+    for fn in (cb.tutorial_form, cb.step_and_metrics):
+        step_callback(fn)(7, {"loss": 0.5})
+    assert [json.loads(x)["form"] for x in out.read_text().splitlines()] == ["result", "pair"]
+    assert all(json.loads(x)["step"] == 7 and json.loads(x)["loss"] == 0.5 for x in out.read_text().splitlines())
 
 
 @pytest.fixture

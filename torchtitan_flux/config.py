@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import ipaddress
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -420,6 +421,11 @@ class Metrics:
     """Every N steps, write a table of the step's completions (prompt, completion, rewards, version) to
     ``<dump_folder>/completions.jsonl`` and to W&B (``enable_wandb``); 0 disables. >= 0."""
 
+    step_callbacks: list[str] = field(default_factory=list)
+    """Functions called on rank 0 after every training step, as ``"package.module:function"`` (imported at start;
+    what ``trainer.add_step_callback`` registers in code). Either signature: ``fn(result)`` with ``result.step`` and
+    ``result.metrics``, or ``fn(step, metrics)``; ``metrics`` is the step's ``metrics.jsonl`` row as a dict."""
+
 
 @dataclass
 class JobConfig:
@@ -545,6 +551,30 @@ def _url_problem(url: str) -> str | None:
     if re.fullmatch(r"[\d.]+", host) or not _HOST_NAME.fullmatch(host):
         return f"host {host!r} is not an IP address or a host name"
     return None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a one-argument step callback gets: the step and its metrics (the ``metrics.jsonl`` row)."""
+
+    step: int
+    metrics: dict[str, Any]
+
+
+def step_callback(fn: Any, name: str = "the step callback") -> Any:
+    """``fn`` as ``callback(step, metrics)``: a function of two positional arguments as it is, one of one
+    (``fn(result)``, the tutorial's form) given a ``StepResult``; ``ConfigError`` naming ``name`` for any other."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): take the two-argument form
+        return fn
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(required) <= 2 <= len(positional):
+        return fn
+    if len(required) <= 1 <= len(positional):
+        return lambda step, metrics: fn(StepResult(step, metrics))
+    raise ConfigError(f"{name} takes {len(required)} required arguments; allowed: fn(result) or fn(step, metrics)")
 
 
 def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
@@ -747,7 +777,7 @@ def _check_model_folder(job_config: Any) -> None:
 
 
 def _check_data(job_config: Any) -> None:
-    """Task, dataset, prompt length, rewards, ``[eval]`` and ``metrics.log_completions_every`` (docs/data.md)."""
+    """Task, dataset, prompt length, rewards, ``[eval]`` and our ``[metrics]`` fields (docs/data.md)."""
     from torchtitan_flux import tasks
 
     r, ev = job_config.rollout, job_config.eval
@@ -788,3 +818,6 @@ def _check_data(job_config: Any) -> None:
         raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
     n = job_config.metrics.log_completions_every
     _require(n >= 0, "metrics.log_completions_every", n, ">= 0 (0 disables)")
+    _check_type("metrics.step_callbacks", job_config.metrics.step_callbacks, list[str])
+    for spec in job_config.metrics.step_callbacks:
+        step_callback(import_spec("metrics.step_callbacks", spec), f"metrics.step_callbacks = {spec!r}")

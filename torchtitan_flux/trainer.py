@@ -41,7 +41,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_flux import hf
 from torchtitan_flux import loss as grpo
-from torchtitan_flux.config import ConfigError, validate_config
+from torchtitan_flux.config import ConfigError, import_spec, step_callback, validate_config
 from torchtitan_flux.controller import AdaptiveAsyncController, StalenessSample
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine, die_with_parent
@@ -107,6 +107,8 @@ class FluxTrainer(Trainer):
             raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
         self.ref_model = self._build_reference_model() if job_config.grpo.kl_coef > 0 else None
         self.step_callbacks: list = []
+        for spec in job_config.metrics.step_callbacks:  # checked by validate_config
+            self.add_step_callback(import_spec("metrics.step_callbacks", spec))
         self.engines: list[EmbeddedEngine] = []
         self.scheduler: RolloutScheduler | None = None
         self.evaluator: Evaluator | None = None
@@ -280,8 +282,9 @@ class FluxTrainer(Trainer):
         )
 
     def add_step_callback(self, fn) -> Any:
-        """Register ``fn(step, metrics)``, called on rank 0 after every step; returns ``fn`` (decorator use)."""
-        self.step_callbacks.append(fn)
+        """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
+        after every step; returns ``fn`` (decorator use)."""
+        self.step_callbacks.append(step_callback(fn))
         return fn
 
     # ------------------------------------------------------------------------------------------- loop
