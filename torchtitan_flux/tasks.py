@@ -216,7 +216,8 @@ def prompt_budget(job_config, longest: int) -> tuple[str, str]:
     r, seq_len = job_config.rollout, job_config.training.seq_len
     fix = f"training.seq_len >= {longest + r.max_new_tokens} (longest prompt + rollout.max_new_tokens)"
     if r.max_prompt_tokens:
-        return f"rollout.max_prompt_tokens = {r.max_prompt_tokens}", f"rollout.max_prompt_tokens >= {longest} with {fix}"
+        return (f"rollout.max_prompt_tokens = {r.max_prompt_tokens}",
+                f"rollout.max_prompt_tokens >= {longest} with {fix}")
     return (f"training.seq_len - rollout.max_new_tokens = {seq_len} - {r.max_new_tokens} = "
             f"{seq_len - r.max_new_tokens} tokens (rollout.max_prompt_tokens = 0)", fix)
 

@@ -7,10 +7,10 @@ unless the command line or TOML names another module), and runs ``torchtitan.tra
 Bad input is reported as one line, ``error: <field> = <value> ...; allowed: ...``, with exit code 2 and no Python
 traceback: the config is parsed and validated here before torchtitan starts, and a ``ConfigError`` found later
 (the model folder, the dataset) is reported the same way, as is a reward function that fails (``RewardError``: it
-raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run). Expected stops (a signal, no engine left, a loss that is
-not finite) end with one ``stopped: ...`` line and exit code 1. Real bugs keep their traceback; so does everything
-under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun the line is also written to torchelastic's error file, so that
-torchrun's failure summary shows it instead of a pointer to its docs.
+raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run). Expected stops (a
+signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and exit code 1. Real bugs
+keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun the line is also written
+to torchelastic's error file, so that torchrun's failure summary shows it instead of a pointer to its docs.
 
 Once that returns or raises (the trainer is closed either way: engines stopped, metrics, checkpoints and the
 export written), the process ends with ``os._exit``: skipping the interpreter's finalisation, where torch's C++
