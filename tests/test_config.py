@@ -3,6 +3,8 @@ process is spawned. Table-driven over the real parse path (torchtitan's ConfigMa
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import subprocess
 
@@ -105,7 +107,21 @@ CASES = [
     (("--training.steps", "-3"), "training.steps = -3 is out of range"),
     (("--training.local_batch_size", "0"), "training.local_batch_size = 0 is out of range"),
     (("--checkpoint.enable", "--checkpoint.interval", "0"), "checkpoint.interval = 0 is out of range"),
-    (("--optimizer.lr", "nan"), "optimizer.lr = nan is out of range; allowed: a finite number > 0"),
+    (("--optimizer.lr", "nan"), "optimizer.lr = nan is out of range; allowed: a finite number in (0, 1]"),
+    (("--optimizer.lr", "1e300"), "optimizer.lr = 1e+300 is out of range; allowed: a finite number in (0, 1] (Adam "
+                                  "moves each weight by about lr per step)"),
+    (("--rollout.engine", "vllm", "--rollout.urls", "http://999.1.1.1:8000"),  # before: "needs the shared token"
+     "rollout.urls = 'http://999.1.1.1:8000' is not a server URL (host '999.1.1.1' is not an IP address or a host "
+     "name); allowed: http(s)://host:port with host an IP address or a host name, e.g. 'http://127.0.0.1:8000'"),
+    (("--rollout.engine", "vllm", "--rollout.urls", "http://127.0.0.1:99999"),
+     "rollout.urls = 'http://127.0.0.1:99999' is not a server URL (Port out of range 0-65535)"),
+    (("--rollout.engine", "sglang", "--rollout.urls", "127.0.0.1:30000"), "rollout.urls = '127.0.0.1:30000' is not a "
+                                                                          "server URL (no scheme)"),
+    (("--training.seq_len", "4096"),  # the tiny model's config.json: max_position_embeddings 2048
+     "rollout.max_prompt_tokens (auto: training.seq_len - max_new_tokens = 4080) + rollout.max_new_tokens (16) = 4096 "
+     "tokens exceeds max_position_embeddings = 2048 of "),
+    (("--rollout.max_prompt_tokens", "2040", "--training.seq_len", "4096"),
+     "rollout.max_prompt_tokens (2040) + rollout.max_new_tokens (16) = 2056 tokens exceeds max_position_embeddings"),
 ]
 
 
@@ -196,11 +212,23 @@ def test_port_already_in_use(tiny_model_dir):
             validate_config(parse("--weight_sync.master_port", str(port)))
 
 
-def test_toml_syntax_error(tiny_model_dir, tmp_path):
-    import tomllib
+def test_toml_syntax_error_is_one_line_naming_file_and_line(tiny_model_dir, tmp_path):
+    """Through the entry point (no torchrun: it stops before any process group). Before: torchtitan logged its
+    traceback of the TOMLDecodeError, then ours followed, exit 1."""
+    import sys
 
-    with pytest.raises(tomllib.TOMLDecodeError):
-        parse(toml=_write(tmp_path, "[grpo\n"))
+    bad = _write(tmp_path, "[extra\n")
+    line = len(DEBUG_TOML.read_text().splitlines()) + 2
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_flux.train", "--job.config_file", bad], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: job.config_file = '{bad}': TOML syntax error: Expected ']' at the end of a table declaration (at line "
+        f"{line}, column 7); allowed: valid TOML"]
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_flux.train", f"--job.config_file={tmp_path}/no.toml"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: job.config_file = '{tmp_path}/no.toml': No such file or directory; allowed: a readable TOML file"]
 
 
 def test_reward_function_checks(tiny_model_dir, tmp_path):
@@ -231,6 +259,74 @@ def test_bad_jsonl_record(tiny_model_dir, tmp_path):
                 "test_config:good_reward")
     with pytest.raises(ValueError, match=r"has columns \['answer'\]; it needs a text column named by rollout.prompt_column"):
         build_task(cfg, prompt_tokenizer(cfg))
+
+
+def test_step_callbacks_from_config_are_imported_and_take_either_form(tiny_model_dir, tmp_path, monkeypatch):
+    """``metrics.step_callbacks``: a torchrun user's way to the tutorial's ``@trainer.add_step_callback`` (before: only
+    reachable from Python). The trainer calls them (``test_train_e2e.py::test_two_trainer_processes``)."""
+    from torchtitan_flux.config import step_callback
+
+    for spec, match in [("_step_callbacks:missing", "metrics.step_callbacks = '_step_callbacks:missing' cannot be "
+                                                    "imported"),
+                        ("no_such_module:fn", "metrics.step_callbacks = 'no_such_module:fn' cannot be imported"),
+                        ("_step_callbacks", "must be of the form 'package.module:attribute'"),
+                        ("_step_callbacks:NOT_CALLABLE", "is not callable"),
+                        ("_step_callbacks:three_arguments", "metrics.step_callbacks = '_step_callbacks:three_arguments'"
+                                                            " takes 3 required arguments; allowed: fn(result) or "
+                                                            "fn(step, metrics)")]:
+        with pytest.raises(ConfigError, match=re.escape(match)):
+            validate_config(parse("--metrics.step_callbacks", spec))
+    validate_config(parse("--metrics.step_callbacks", "_step_callbacks:tutorial_form,_step_callbacks:step_and_metrics"))
+    out = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FLUX_TEST_CALLBACKS", str(out))
+    import _step_callbacks as cb
+
+    for fn in (cb.tutorial_form, cb.step_and_metrics):
+        step_callback(fn)(7, {"loss": 0.5})
+    assert [json.loads(x)["form"] for x in out.read_text().splitlines()] == ["result", "pair"]
+    assert all(json.loads(x)["step"] == 7 and json.loads(x)["loss"] == 0.5 for x in out.read_text().splitlines())
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path):
+    import shutil
+
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+def test_a_corrupt_config_json_is_one_line_naming_the_file(model_copy):
+    """Before: json's own message (``Expecting value: line 1 column 1``) from deep in the trainer, no file named."""
+    (model_copy / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ConfigError, match=rf"model.hf_assets_path = '{model_copy}': {model_copy}/config.json is not "
+                                          r"valid JSON \(Expecting property name"):
+        validate_config(parse("--model.hf_assets_path", str(model_copy)))
+    (model_copy / "config.json").write_bytes(b'{"model_type": "ll\xffama"}')
+    with pytest.raises(ConfigError, match=r"config.json is not valid JSON \('utf-8' codec can't decode byte 0xff"):
+        validate_config(parse("--model.hf_assets_path", str(model_copy)))
+
+
+def test_a_truncated_safetensors_file_is_named(model_copy):
+    """Before: safetensors' ``SafetensorError: Error while deserializing header`` with a traceback, no file named.
+    The trainer turns this ValueError into ``error: model.hf_assets_path = ...: <this>`` (FluxTrainer.__init__)."""
+    from torchtitan_flux.hf import read_state_dict
+
+    weights = model_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{weights} cannot be read as safetensors \(.*file not fully covered\): "
+                                         r"truncated or corrupt"):
+        read_state_dict(model_copy)
+
+
+@pytest.mark.parametrize("fname, text, match", [
+    ("tokenizer.json", '{"version": "1.0", "model": {', r"tokenizer.json cannot be loaded \(EOF while parsing"),
+    ("tokenizer_config.json", '{"bos_token": ', r"tokenizer_config.json is not valid JSON \(Expecting value"),
+])
+def test_a_corrupt_tokenizer_is_one_line_naming_the_file(model_copy, fname, text, match):
+    from torchtitan_flux.tasks import prompt_tokenizer
+
+    (model_copy / fname).write_text(text)
+    with pytest.raises(ConfigError, match=rf"model.hf_assets_path = '{model_copy}': {match}"):
+        prompt_tokenizer(parse("--model.hf_assets_path", str(model_copy)))
 
 
 def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):

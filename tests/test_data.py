@@ -163,6 +163,47 @@ def test_template_features_transformers_provides(tmp_path):
         ChatTemplate(str(tmp_path))
 
 
+# ------------------------------------------------------------------------------------------ bad records
+
+@pytest.mark.parametrize("line, match", [
+    (b'{"prompt": "caf\xe9?", "answer": "1"}', r"line 2: byte 0xe9 at column 16 is not UTF-8; allowed: UTF-8 text"),
+    (b'{"prompt": "q?", "answer": 1', r"line 2: not valid JSON \(Expecting ',' delimiter at column 29\); allowed: "
+                                    r"one JSON object per line"),
+    (b'["q?", "1"]', r"line 2: a JSON list; allowed: one JSON object per line"),
+])
+def test_a_bad_jsonl_line_names_the_file_and_line(tmp_path, line, match):
+    """Before: bytes that are not UTF-8 were loaded without a word, and a syntax error named no line."""
+    from torchtitan_flux.config import ConfigError
+
+    good = json.dumps(ROWS[0]).encode() + b"\n"
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(good + line + b"\n" + good)
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.dataset_path = {str(p)!r} ") + match):
+        build_task(job(tmp_path, p), ByteTokenizer())
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").write_bytes(good + line + b"\n")
+    with pytest.raises(ConfigError, match=re.escape(str(folder / "train.jsonl")) + ".* " + match):
+        build_task(job(tmp_path, folder), ByteTokenizer())
+
+
+def test_null_and_empty_prompts_are_refused_with_file_and_record(tmp_path):
+    """Before: a null prompt was trained on as the text "None", an empty one as nothing."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    rows = [ROWS[0], {"prompt": None, "answer": "1"}, ROWS[2], {"prompt": "", "answer": "3"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.dataset_path = {str(p)!r} record 1: column 'prompt' is "
+                                                    "None (2 of 4 records have a null or empty prompt); allowed: a "
+                                                    "non-empty prompt in every record")):
+        build_task(job(tmp_path, p), ByteTokenizer())
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [], "answer": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"record 0: column 'messages' is \[\] \(1 of 1 records"):
+        build_task(job(tmp_path, chat), ByteTokenizer())
+
+
 # ----------------------------------------------------------------------------------------- prompt length
 
 def test_over_long_prompts_are_dropped_and_counted_or_refused(tmp_path, caplog):
@@ -176,6 +217,28 @@ def test_over_long_prompts_are_dropped_and_counted_or_refused(tmp_path, caplog):
         build_task(job(tmp_path, p, max_prompt_tokens=20, long_prompts="error"), ByteTokenizer())
     auto = build_task(job(tmp_path, p), ByteTokenizer())  # 0: seq_len 64 - max_new_tokens 8 = 56 tokens
     assert len(auto.records) == 4
+
+
+def test_long_prompt_messages_name_the_budget_and_the_seq_len_that_fits(tmp_path, caplog):
+    """With the default rollout.max_prompt_tokens = 0 the limit is training.seq_len - max_new_tokens: the messages
+    say so and name the seq_len that would keep every prompt (before: 'raise max_prompt_tokens', a field left 0)."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "x" * n, "answer": ""}) + "\n" for n in (5, 60, 70)))
+    limit = "training.seq_len - rollout.max_new_tokens = 64 - 8 = 56 tokens (rollout.max_prompt_tokens = 0)"
+    fix = "training.seq_len >= 79 (longest prompt + rollout.max_new_tokens)"  # 71 tokens (BOS) + 8
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        build_task(job(tmp_path, p), ByteTokenizer())
+    assert f"dropped 2 of 3 prompts longer than {limit} (the longest has 71 tokens; {fix} keeps them)" in caplog.text
+    with pytest.raises(ConfigError, match=re.escape(f"2 of 3 prompts exceed {limit} (record 1 has 61 tokens, the "
+                                                    f"longest 71); allowed: {fix}, or rollout.long_prompts = 'drop'")):
+        build_task(job(tmp_path, p, long_prompts="error"), ByteTokenizer())
+    p.write_text(json.dumps({"prompt": "x" * 70, "answer": ""}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape("every prompt exceeds rollout.max_prompt_tokens = 20 (the shortest "
+                                                    "has 71 tokens); allowed: rollout.max_prompt_tokens >= 71 with "
+                                                    "training.seq_len >= 79")):
+        build_task(job(tmp_path, p, max_prompt_tokens=20), ByteTokenizer())
 
 
 def test_prompt_budget_is_validated_against_seq_len(tiny_model_dir):
@@ -257,6 +320,72 @@ def test_bad_rewards_stop_with_the_function_and_sample(fn, match):
     scorer.close()
     with pytest.raises(R.RewardError, match=r"returned nan for sample 1"):
         R.RewardScorer([R.RewardFunc("n", nan_at_one)]).score(["a", "b"], ["", ""], [[], []], {})
+
+
+def numpy_and_torch_scalars(completions, **kwargs):
+    import numpy as np
+    import torch
+
+    return [np.float32(0.5), np.int64(2), torch.tensor(0.25), np.array(1.5), None][: len(completions)]
+
+
+def as_numpy_array(completions, **kwargs):
+    import numpy as np
+
+    return np.array([0.5] * len(completions), dtype=np.float32)
+
+
+def test_numpy_and_torch_scalars_are_taken_as_floats():
+    s = R.RewardScorer([R.RewardFunc("np", numpy_and_torch_scalars), R.RewardFunc("arr", as_numpy_array)]).score(
+        ["p"] * 5, ["a"] * 5, [[]] * 5, {})
+    assert s.per_func["np"] == [0.5, 2.0, 0.25, 1.5, None] and all(type(v) is float for v in s.per_func["np"][:4])
+    assert s.per_func["arr"] == [0.5] * 5 and s.total == [1.0, 2.5, 0.75, 2.0, 0.5]
+
+
+def non_scalar_at_one(completions, **kwargs):
+    import torch
+
+    return [torch.tensor(1.0), torch.tensor([1.0, 2.0])]
+
+
+def numpy_nan_at_one(completions, **kwargs):
+    import numpy as np
+
+    return [np.float32(0.0), np.float32("nan")]
+
+
+def exits(completions, **kwargs):
+    raise SystemExit(3)
+
+
+async def async_exits(completions, **kwargs):
+    raise SystemExit("bye")
+
+
+def old_style_exits(prompt, completion, answer):
+    raise SystemExit(4)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (non_scalar_at_one, r"reward function 'f' returned tensor\(\[1\., 2\.\]\) for sample 1; allowed: a finite number"),
+    (numpy_nan_at_one, r"reward function 'f' returned nan for sample 1"),
+    (exits, r"reward function 'f' raised SystemExit: 3$"),
+    (async_exits, r"reward function 'f' raised SystemExit: bye$"),
+    (R.per_sample(old_style_exits), r"reward function 'f': sample 0: SystemExit: 4$"),
+])
+def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
+    """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""
+    with pytest.raises(R.RewardError, match=match):
+        R.RewardScorer([R.RewardFunc("f", fn)]).submit(["a", "b"], ["", ""], [[], []], {"answer": ["", ""]}).result()
+
+
+def test_a_failing_reward_is_reported_as_one_error_line(capsys):
+    from torchtitan_flux.patches import apply_patches
+    from torchtitan_flux.train import _report
+
+    apply_patches()  # _report imports the trainer (torchtitan)
+    assert _report(R.RewardError("reward function 'f' raised SystemExit: 3")) == 2
+    assert capsys.readouterr().err == "error: reward function 'f' raised SystemExit: 3\n"
 
 
 def test_reward_config_resolution(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import random
+import re
 
 import torch
 
@@ -184,3 +185,32 @@ def test_checkpoint_state_when_the_last_engine_dies_with_work_in_flight():
     state = sched.state_dict(timeout=30.0)
     assert time.monotonic() - t0 < 5.0
     assert [s["step"] for s in state["steps"]] == [1]  # step 2 is generated afresh on resume
+
+
+def test_a_stuck_engine_is_reported_every_wait_note_while_collect_waits(monkeypatch, caplog):
+    """Before: ``collect`` waited silently for an engine that never answered."""
+    import threading
+    import time
+
+    from torchtitan_flux import rollout
+
+    monkeypatch.setattr(rollout, "WAIT_NOTE_S", 0.2)
+    sched, (fast, stuck) = make([1.0, 1.0], prompts=4)
+    stuck.answer = False
+    sched.dispatch(3, 0, pin_version=2)
+    stuck_req = next(p.request for p in sched._by_req.values() if p.engine is stuck)
+
+    def answer_late():  # the stuck engine answers after ~3 notes, so collect returns
+        time.sleep(0.7)
+        stuck.answer = True
+        stuck.submit(stuck_req)
+
+    threading.Thread(target=answer_late, daemon=True).start()
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        batch = sched.collect(3, 0, pin_version=2)
+    assert batch.tokens.shape[0] == 4 * G
+    notes = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert 2 <= len(notes) <= 4, notes
+    assert re.fullmatch(r"step 3: waiting 0 s for rollouts, none arrived for 0 s; e0 \(alive\): nothing in flight; "
+                        r"e1 \(alive\): 1 requests, 8 completions of steps 3 on weight version 2, the oldest sent 0 s "
+                        r"ago", notes[0]), notes[0]

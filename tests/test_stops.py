@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from _procs import Run
@@ -24,6 +25,13 @@ from conftest import ROOT, torchrun_cmd
 def huge_reward(prompt, completion, answer):
     """Finite but absurd rewards: without std normalisation the loss overflows fp32."""
     return 1e38 if len(completion) % 2 else -1e38
+
+
+def exit_on_a_completion(prompt, completion, answer):
+    """Passes the start-up probe (an empty completion), then calls sys.exit() mid-run."""
+    if completion:
+        sys.exit(3)
+    return 0.0
 
 
 def _run(dump, *overrides, timeout=180, env=None):
@@ -85,6 +93,18 @@ def test_non_finite_loss_stops_cleanly_and_keeps_the_last_good_step(tmp_path, mo
     assert all(r["step"] < bad for r in rows if "step" in r)  # the bad step was never logged as trained
     if kept > 0:
         assert (dump / "checkpoint" / f"step-{kept}" / ".metadata").exists()
+
+
+def test_sys_exit_in_a_reward_mid_run_ends_the_run_with_one_error_line(tmp_path, monkeypatch):
+    """Before: the SystemExit crossed the reward thread pool into the main loop and ended the run silently with
+    exit code 3."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    p = _run(tmp_path / "run", "--rollout.reward_fn", "test_stops:exit_on_a_completion", "--training.steps", "3")
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == ["error: reward function 'test_stops:exit_on_a_completion': sample 0: SystemExit: 3"], \
+        p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+    assert "Training starts" in p.stdout + p.stderr  # it failed mid-run, not at the start-up probe
 
 
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):

@@ -57,11 +57,19 @@ def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
     assert all(r["async_ratio"] == 0 for r in b)
 
 
-def test_two_trainer_processes(tiny_model_dir, tmp_path):
-    run_train(tmp_path, "--training.steps", "4", nproc=2)
+def test_two_trainer_processes(tiny_model_dir, tmp_path, monkeypatch):
+    """Also: ``metrics.step_callbacks`` in both forms are called after every step, on rank 0 only."""
+    calls = tmp_path / "callbacks.jsonl"
+    monkeypatch.setenv("FLUX_TEST_CALLBACKS", str(calls))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    run_train(tmp_path, "--training.steps", "4", "--metrics.step_callbacks",
+              "_step_callbacks:tutorial_form,_step_callbacks:step_and_metrics", nproc=2)
     rows = read_metrics(tmp_path)
     assert len(rows) == 4 and all(r["loss"] == r["loss"] for r in rows)
     assert json.loads((tmp_path / "summary.json").read_text())["checksums_match"]
+    got = [json.loads(x) for x in calls.read_text().splitlines()]
+    assert [(c["form"], c["step"]) for c in got] == [(f, k) for k in range(1, 5) for f in ("result", "pair")]
+    assert [c["loss"] for c in got[::2]] == [r["loss"] for r in rows] and len({c["pid"] for c in got}) == 1
 
 
 def _kill_after(dump, overrides, step: int, log) -> None:

@@ -13,7 +13,9 @@ Simplification: torchtitan's own sections are validated by torchtitan; we check 
 
 import dataclasses
 import importlib
+import ipaddress
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -421,6 +423,11 @@ class Metrics:
     """Every N steps, write a table of the step's completions (prompt, completion, rewards, version) to
     ``<dump_folder>/completions.jsonl`` and to W&B (``enable_wandb``); 0 disables. >= 0."""
 
+    step_callbacks: list[str] = field(default_factory=list)
+    """Functions called on rank 0 after every training step, as ``"package.module:function"`` (imported at start;
+    what ``trainer.add_step_callback`` registers in code). Either signature: ``fn(result)`` with ``result.step`` and
+    ``result.metrics``, or ``fn(step, metrics)``; ``metrics`` is the step's ``metrics.jsonl`` row as a dict."""
+
 
 @dataclass
 class Checkpoint:
@@ -529,6 +536,63 @@ def _require(cond: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is out of range; allowed: {allowed}")
 
 
+_HOST_NAME = re.compile(r"(?!-)[\w-]{1,63}(?<!-)(\.(?!-)[\w-]{1,63}(?<!-))*", re.ASCII)  # DNS labels (and Docker's _)
+
+
+def _check_url(name: str, url: str) -> None:
+    """A server URL is ``http(s)://host[:port]`` with ``host`` an IP address or a DNS name (a dotted-number host
+    must be a valid IPv4 address: ``999.1.1.1`` would otherwise be looked up as a name and fail only later)."""
+    why = _url_problem(url)
+    if why:
+        raise ConfigError(f"{name} = {url!r} is not a server URL ({why}); allowed: http(s)://host:port with host an "
+                          "IP address or a host name, e.g. 'http://127.0.0.1:8000'")
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # ValueError for a port out of range or not a number
+    except ValueError as e:
+        return str(e)
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https"):
+        return f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+    if not host:
+        return "no host"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if re.fullmatch(r"[\d.]+", host) or not _HOST_NAME.fullmatch(host):
+        return f"host {host!r} is not an IP address or a host name"
+    return None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a one-argument step callback gets: the step and its metrics (the ``metrics.jsonl`` row)."""
+
+    step: int
+    metrics: dict[str, Any]
+
+
+def step_callback(fn: Any, name: str = "the step callback") -> Any:
+    """``fn`` as ``callback(step, metrics)``: a function of two positional arguments as it is, one of one
+    (``fn(result)``, the tutorial's form) given a ``StepResult``; ``ConfigError`` naming ``name`` for any other."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): take the two-argument form
+        return fn
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(required) <= 2 <= len(positional):
+        return fn
+    if len(required) <= 1 <= len(positional):
+        return lambda step, metrics: fn(StepResult(step, metrics))
+    raise ConfigError(f"{name} takes {len(required)} required arguments; allowed: fn(result) or fn(step, metrics)")
+
+
 def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
     """The one importer of ``"package.module:attribute"`` strings (``attribute`` may be dotted): the object, or a
     ``ConfigError`` naming the field ``name``. Used for rewards, tasks, custom controllers and step callbacks."""
@@ -568,7 +632,10 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:
         _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
-    _require(math.isfinite(opt.lr) and opt.lr > 0, "optimizer.lr", opt.lr, "a finite number > 0")
+    # Adam / AdamW (torchtitan's only optimizers) move every weight by about lr per step whatever the gradient's
+    # scale: lr 1 already overwrites a model in one step (GRPO fine-tuning uses ~1e-7 .. 1e-5), so beyond 1 is a typo
+    _require(math.isfinite(opt.lr) and 0 < opt.lr <= 1, "optimizer.lr", opt.lr,
+             "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
 
 
 CONTROLLER_DEFAULT_GAP = 3  # adaptive_async.max_version_gap's default with the controller (see its docstring)
@@ -639,6 +706,9 @@ def validate_config(job_config: Any) -> None:
             + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else "")
         )
 
+    for url in r.urls:
+        _check_url("rollout.urls", url)
+
     _require(w.timeout_seconds > 0, "weight_sync.timeout_seconds", w.timeout_seconds, "> 0")
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
     if w.interval != "auto":
@@ -699,14 +769,35 @@ def validate_config(job_config: Any) -> None:
                  "<= 1 (negative = use adaptive_async.target_staleness)")
     if a.controller != "pid":
         import_spec("adaptive_async.controller", a.controller)
+    _check_model_folder(job_config)
 
-    hf = job_config.model.hf_assets_path
+
+def _check_model_folder(job_config: Any) -> None:
+    """``model.hf_assets_path`` has a tokenizer and a readable config.json whose ``max_position_embeddings`` holds the
+    longest sequence a rollout makes (a prompt of ``max_prompt_tokens`` plus ``max_new_tokens``)."""
+    from torchtitan_flux import hf as hf_folder
+    from torchtitan_flux.tasks import max_prompt_tokens
+
+    hf, r = job_config.model.hf_assets_path, job_config.rollout
     for fname in ("tokenizer.json", "config.json"):
         if not os.path.isfile(os.path.join(hf, fname)):
             raise ConfigError(
                 f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
                 "(build the tiny one with `python scripts/build_tiny_model.py`)"
             )
+    try:
+        max_pos = hf_folder.read_config(hf).get("max_position_embeddings")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: {e}") from None
+    prompt = max_prompt_tokens(job_config)
+    if isinstance(max_pos, int) and prompt + r.max_new_tokens > max_pos:
+        budget = r.max_prompt_tokens or f"auto: training.seq_len - max_new_tokens = {prompt}"
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({budget}) + rollout.max_new_tokens ({r.max_new_tokens}) = "
+            f"{prompt + r.max_new_tokens} tokens exceeds max_position_embeddings = {max_pos} of "
+            f"{os.path.join(hf, 'config.json')}; allowed: at most {max_pos} (lower training.seq_len, "
+            "rollout.max_prompt_tokens or rollout.max_new_tokens)"
+        )
     if r.launch:
         from torchtitan_flux.engine.vllm_launch import unservable_reason
 
@@ -716,7 +807,7 @@ def validate_config(job_config: Any) -> None:
 
 
 def _check_data(job_config: Any) -> None:
-    """Task, dataset, prompt length, rewards, ``[eval]`` and ``metrics.log_completions_every`` (docs/data.md)."""
+    """Task, dataset, prompt length, rewards, ``[eval]`` and our ``[metrics]`` fields (docs/data.md)."""
     from torchtitan_flux import tasks
 
     r, ev = job_config.rollout, job_config.eval
@@ -757,3 +848,6 @@ def _check_data(job_config: Any) -> None:
         raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
     n = job_config.metrics.log_completions_every
     _require(n >= 0, "metrics.log_completions_every", n, ">= 0 (0 disables)")
+    _check_type("metrics.step_callbacks", job_config.metrics.step_callbacks, list[str])
+    for spec in job_config.metrics.step_callbacks:
+        step_callback(import_spec("metrics.step_callbacks", spec), f"metrics.step_callbacks = {spec!r}")

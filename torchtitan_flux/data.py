@@ -3,6 +3,8 @@
 * ``load_table(path, split)``: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file (its one split), a
   folder of such files (splits named by the file names, e.g. ``train.jsonl`` / ``test.jsonl``), or a folder
   written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``. Only local paths: nothing is downloaded.
+  A ``.jsonl`` file is checked line by line first (``check_jsonl``): ``datasets`` takes bytes that are not UTF-8
+  without a word and reports a syntax error without the line, so bad input is refused naming file and line.
 * ``ChatTemplate``: the model folder's own ``chat_template`` (``tokenizer_config.json``, or
   ``chat_template.jinja`` beside it), rendered the way ``transformers``' ``apply_chat_template`` renders it: a
   jinja2 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` / ``lstrip_blocks``, ``loopcontrols``, the
@@ -27,6 +29,8 @@ import random
 from datetime import datetime
 from typing import Any
 
+from torchtitan_flux.config import ConfigError
+
 logger = logging.getLogger("torchtitan_flux")
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -38,25 +42,52 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
     import datasets
 
     if not os.path.exists(path):
-        raise ValueError(f"{field_name} = {path!r} does not exist; allowed: a .jsonl/.json/.parquet/.csv file, "
+        raise ConfigError(f"{field_name} = {path!r} does not exist; allowed: a .jsonl/.json/.parquet/.csv file, "
                          "a folder of them, or a save_to_disk folder")
     datasets.disable_progress_bars()
     if os.path.isdir(path):
         saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
+        for name in [] if saved else sorted(os.listdir(path)):
+            if name.endswith(".jsonl"):
+                check_jsonl(os.path.join(path, name), field_name)
         table = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
     else:
         ext = os.path.splitext(path)[1].lower()
         if ext not in _BUILDERS:
-            raise ValueError(f"{field_name} = {path!r}: unknown file type {ext!r}; allowed: "
+            raise ConfigError(f"{field_name} = {path!r}: unknown file type {ext!r}; allowed: "
                              f"{' | '.join(sorted(_BUILDERS))}, or a folder")
+        if ext == ".jsonl":
+            check_jsonl(path, field_name)
         table = datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
     if isinstance(table, datasets.DatasetDict):
         if split not in table:
-            raise ValueError(f"split {split!r} is not in {field_name} = {path!r}; it has {sorted(table)}")
+            raise ConfigError(f"split {split!r} is not in {field_name} = {path!r}; it has {sorted(table)}")
         table = table[split]
     if len(table) == 0:
-        raise ValueError(f"{field_name} = {path!r} holds no records")
+        raise ConfigError(f"{field_name} = {path!r} holds no records")
     return table
+
+
+def check_jsonl(path: str, field_name: str) -> None:
+    """Every non-blank line of ``path`` is UTF-8 text holding one JSON object; ``ConfigError`` naming the file and
+    the (1-based) line otherwise."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{field_name} = {path!r} line {n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{where}: byte {raw[e.start]:#04x} at column {e.start + 1} is not UTF-8; allowed: "
+                                  "UTF-8 text (re-encode the file)") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); allowed: one JSON object "
+                                  "per line") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{where}: a JSON {type(record).__name__}; allowed: one JSON object per line")
 
 
 class ChatTemplate:
@@ -66,8 +97,11 @@ class ChatTemplate:
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         cfg = {}
         if os.path.isfile(cfg_path):
-            with open(cfg_path) as f:
-                cfg = json.load(f)
+            try:
+                with open(cfg_path, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ConfigError(f"model.hf_assets_path = {model_dir!r}: {cfg_path} is not valid JSON ({e})") from None
         source = cfg.get("chat_template")
         jinja_file = os.path.join(model_dir, "chat_template.jinja")
         if os.path.isfile(jinja_file):  # newer transformers save it beside tokenizer_config.json
@@ -76,7 +110,7 @@ class ChatTemplate:
         if isinstance(source, list):  # named templates: transformers uses "default"
             source = {t["name"]: t["template"] for t in source}.get("default")
         if not source:
-            raise ValueError(f"model.hf_assets_path = {model_dir!r} has no chat_template (in tokenizer_config.json or "
+            raise ConfigError(f"model.hf_assets_path = {model_dir!r} has no chat_template (in tokenizer_config.json or "
                              "chat_template.jinja); a 'messages' dataset or rollout.apply_chat_template = true needs one")
         self.special_tokens = {
             k: (v["content"] if isinstance(v, dict) else v)
@@ -131,21 +165,23 @@ class EpochSampler:
         return position // self.n
 
 
-def filter_long(records: list[Any], lengths: list[int], max_tokens: int, policy: str, field_name: str) -> list[Any]:
+def filter_long(records: list[Any], lengths: list[int], max_tokens: int, policy: str, field_name: str,
+                limit: str, fix: str) -> list[Any]:
     """Records whose prompt has at most ``max_tokens`` tokens. ``policy`` "drop" logs how many were dropped;
-    "error" refuses the dataset when any is longer."""
+    "error" refuses the dataset when any is longer. ``limit`` says where ``max_tokens`` comes from and ``fix`` what
+    would keep every prompt (``tasks.prompt_budget``)."""
     keep = [r for r, n in zip(records, lengths) if n <= max_tokens]
     dropped = len(records) - len(keep)
     if dropped and policy == "error":
         first = next(i for i, n in enumerate(lengths) if n > max_tokens)
-        raise ValueError(
-            f"{field_name}: {dropped} of {len(records)} prompts exceed rollout.max_prompt_tokens = {max_tokens} "
-            f"(record {first} has {lengths[first]} tokens); raise max_prompt_tokens (with training.seq_len) or set "
-            "rollout.long_prompts = 'drop'"
+        raise ConfigError(
+            f"{field_name}: {dropped} of {len(records)} prompts exceed {limit} (record {first} has {lengths[first]} "
+            f"tokens, the longest {max(lengths)}); allowed: {fix}, or rollout.long_prompts = 'drop'"
         )
-    if dropped:
-        logger.warning(f"{field_name}: dropped {dropped} of {len(records)} prompts longer than "
-                       f"rollout.max_prompt_tokens = {max_tokens} tokens")
     if not keep:
-        raise ValueError(f"{field_name}: every prompt exceeds rollout.max_prompt_tokens = {max_tokens}")
+        raise ConfigError(f"{field_name}: every prompt exceeds {limit} (the shortest has {min(lengths)} tokens); "
+                          f"allowed: {fix}")
+    if dropped:
+        logger.warning(f"{field_name}: dropped {dropped} of {len(records)} prompts longer than {limit} (the longest "
+                       f"has {max(lengths)} tokens; {fix} keeps them)")
     return keep

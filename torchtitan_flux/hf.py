@@ -38,13 +38,24 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 }
 
 
+def _read_json(path: Path) -> Any:
+    """A JSON file of the folder; ValueError naming it when it is not UTF-8 JSON (a corrupt or partial download)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); allowed: the file as published (re-download it)") from None
+
+
 def read_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """``hf_dir/config.json`` as a dict (FileNotFoundError naming the path if absent)."""
+    """``hf_dir/config.json`` as a dict (FileNotFoundError naming the path if absent, ValueError if corrupt)."""
     path = Path(hf_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"HF model config not found: {path}")
-    with open(path) as f:
-        return json.load(f)
+    cfg = _read_json(path)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a JSON {type(cfg).__name__}; allowed: a JSON object (a HF config.json)")
+    return cfg
 
 
 def family(cfg: dict[str, Any], where: str = CONFIG_FILE) -> str:
@@ -76,8 +87,7 @@ def generation_defaults(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / GENERATION_CONFIG_FILE
     if not path.is_file():
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return _read_json(path)
 
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -101,8 +111,7 @@ def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
     d = Path(hf_dir)
     tok_cfg: dict[str, Any] = {}
     if (d / TOKENIZER_CONFIG_FILE).is_file():
-        with open(d / TOKENIZER_CONFIG_FILE) as f:
-            tok_cfg = json.load(f)
+        tok_cfg = _read_json(d / TOKENIZER_CONFIG_FILE)
     cfg = read_config(d) if (d / CONFIG_FILE).is_file() else {}
     gen = generation_defaults(d)
     eos = eos_token_ids(cfg)
@@ -202,8 +211,7 @@ def weight_files(hf_dir: str | os.PathLike) -> list[Path]:
     d = Path(hf_dir)
     index = d / INDEX_FILE
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        weight_map = _read_json(index).get("weight_map", {})
         names = sorted(set(weight_map.values()))
         if not names:
             raise ValueError(f"{index} has an empty weight_map")
@@ -219,10 +227,16 @@ def weight_files(hf_dir: str | os.PathLike) -> list[Path]:
 
 
 def read_state_dict(hf_dir: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files, by HF name (RoPE ``inv_freq`` buffers dropped)."""
+    """Every tensor of the folder's safetensors files, by HF name (RoPE ``inv_freq`` buffers dropped); ValueError
+    naming a file that is truncated or corrupt."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     sd: dict[str, torch.Tensor] = {}
     for path in weight_files(hf_dir):
-        sd.update(load_file(str(path), device=str(device)))
+        try:
+            sd.update(load_file(str(path), device=str(device)))
+        except SafetensorError as e:
+            raise ValueError(f"{path} cannot be read as safetensors ({e}): truncated or corrupt; allowed: the file "
+                             "as published (re-download it)") from None
     return {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}

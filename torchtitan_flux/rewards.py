@@ -20,8 +20,12 @@ functions of one batch run concurrently on one event loop in the worker thread. 
 thread-safe when ``reward_workers > 1``. Pure-Python rewards share the GIL with the trainer; torch ops release
 it, so a light reward costs the trainer little.
 
-Errors: a function that raises, or returns something other than a list of ``len(completions)`` finite numbers or
-``None``, fails the batch with ``RewardError`` naming the function and the sample index; the run stops there.
+Values: Python numbers, numpy scalars and 0-d numpy arrays / torch tensors are taken as floats; the list may also be
+a 1-d numpy array or tensor (TRL converts one the same way).
+
+Errors: a function that raises (``sys.exit()`` included), or returns something other than ``len(completions)``
+finite numbers or ``None``, fails the batch with ``RewardError`` naming the function (and the sample index when
+known); the run stops there with that one line (``error: ...``, ``train.py``).
 
 Answer extraction (``extract_answer``) follows GSM8K's convention: the text after the last ``####``, else the
 last ``\\boxed{...}``, else the last number; thousands separators, ``$`` and a trailing ``.`` are dropped.
@@ -84,7 +88,7 @@ def per_sample(fn: Callable[[str, str, str], float]) -> Callable[..., list[float
         for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
             try:
                 out.append(fn(p, c, a))
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
                 raise RewardError(f"sample {i}: {type(e).__name__}: {e}") from e
         return out
 
@@ -112,7 +116,7 @@ class RewardScorer:
                 out = f.fn(**kwargs)
             except RewardError as e:
                 raise RewardError(f"reward function {f.name!r}: {e}") from e
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
                 raise RewardError(f"reward function {f.name!r} raised {type(e).__name__}: {e}") from e
             if inspect.isawaitable(out):
                 coros[f.name] = out
@@ -133,14 +137,25 @@ class RewardScorer:
 
 async def _gather(coros: dict[str, Any]) -> dict[str, Any]:
     names = list(coros)
-    outs = await asyncio.gather(*coros.values(), return_exceptions=True)
-    for name, out in zip(names, outs):
+    outs = await asyncio.gather(*(_guarded(name, c) for name, c in coros.items()), return_exceptions=True)
+    for out in outs:
         if isinstance(out, BaseException):
-            raise RewardError(f"reward function {name!r} raised {type(out).__name__}: {out}") from out
+            raise out
     return dict(zip(names, outs))
 
 
+async def _guarded(name: str, coro: Any) -> Any:
+    """``coro``'s value; its exception as a ``RewardError`` (``SystemExit`` too, which asyncio would re-raise out
+    of the event loop)."""
+    try:
+        return await coro
+    except (Exception, SystemExit) as e:
+        raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+
+
 def _check(name: str, values: Any, n: int) -> list[float | None]:
+    if getattr(values, "ndim", None) == 1 and hasattr(values, "tolist"):  # a numpy array or torch tensor
+        values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise RewardError(f"reward function {name!r} returned {type(values).__name__}; it must return a list of "
                           f"{n} floats (or None for 'not applicable')")
@@ -154,8 +169,8 @@ def _check(name: str, values: Any, n: int) -> list[float | None]:
         if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RewardError(f"reward function {name!r} returned {v!r} for sample {i}; it must return a finite "
-                              "float or None")
+            raise RewardError(f"reward function {name!r} returned {v!r} for sample {i}; allowed: a finite number "
+                              "(float, int, numpy scalar, 0-d tensor) or None")
         out.append(float(v))
     return out
 

@@ -20,6 +20,10 @@ each engine's measured throughput (EMA of completions/s), with
     prompts of one dispatch (the excess goes to the others in proportion to their speed), so one slow
     measurement cannot starve an engine of the work that would show it has recovered.
 A dead engine is left out of the split, so its share goes to the engines still alive.
+
+A stuck engine: while ``collect`` waits and no result has arrived for ``WAIT_NOTE_S`` seconds, it logs (again every
+``WAIT_NOTE_S``) which engines hold which of the awaited requests: alive or not, how many requests and completions,
+of which steps, the weight version they are pinned to, and how long ago the oldest was sent.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 DEATH_NOTICE_S = 10.0  # how long a dispatch with no engine alive waits for a queued death (and its restart)
+WAIT_NOTE_S = 30.0  # collect with no result for this long logs who holds what (see the module docstring)
 
 
 class NoEngineLeft(RuntimeError):
@@ -84,6 +89,7 @@ class _Part:
     engine: EngineHandler | None  # None: restored finished from a checkpoint
     first: int  # index of its first prompt in the step's prompt list
     result: GenerationResult | None = None
+    sent: float = field(default_factory=time.monotonic)  # when it went to ``engine``
 
 
 @dataclass
@@ -133,6 +139,7 @@ class RolloutScheduler:
         self.shares: dict[str, float] = {}  # the split in force (engine name -> fraction); see _shares
         self.redispatched = 0
         self.engine_deaths = 0
+        self.last_result = time.monotonic()  # when the newest generation result arrived
         self.scorer = RewardScorer(task.reward_funcs, reward_workers)
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
@@ -267,6 +274,7 @@ class RolloutScheduler:
         except queue.Empty:
             return
         if isinstance(ev, GenerationResult):
+            self.last_result = time.monotonic()
             part = self._by_req.pop(ev.req_id, None)
             if part is None:  # a re-dispatched request's late original, or a request of a discarded step
                 logger.debug(f"dropped a late result (request {ev.req_id}, engine {ev.engine})")
@@ -303,7 +311,7 @@ class RolloutScheduler:
             target = max(alive, key=lambda e: self.speed[e.name])
             del self._by_req[part.request.req_id]
             part.request.req_id = next(self._req_ids)
-            part.engine = target
+            part.engine, part.sent = target, time.monotonic()
             self._by_req[part.request.req_id] = part
             target.submit(part.request)
             self.redispatched += 1
@@ -315,10 +323,15 @@ class RolloutScheduler:
         laid out for training)."""
         self.dispatch(step, trainer_version, pin_version=pin_version)
         st = self._steps[step]
+        start = noted = time.monotonic()
         while any(p.result is None for p in st.parts):
             if self.interrupted:
                 raise RolloutWaitInterrupted(f"interrupted while waiting for the rollouts of step {step}")
             self.pump(0.05)
+            now = time.monotonic()
+            if now - max(self.last_result, start) >= WAIT_NOTE_S and now - noted >= WAIT_NOTE_S:
+                logger.warning(self.waiting_note(step, now - start))
+                noted = now
         del self._steps[step]
         self._score(st)  # (a step restored finished from a checkpoint is scored here)
         return self._build(st)
@@ -327,6 +340,26 @@ class RolloutScheduler:
         """Make ``collect`` raise ``RolloutWaitInterrupted`` instead of waiting on (within ~50 ms). For a prompt
         stop on a signal; safe to call from a signal handler."""
         self.interrupted = True
+
+    def waiting_note(self, step: int, waited: float) -> str:
+        """One line: how long step ``step`` has waited, and what each engine holds of the requests in flight."""
+        now = time.monotonic()
+        held = []
+        for e in self.engines:
+            parts = [p for p in self._by_req.values() if p.engine is e]
+            state = "alive" if e.alive() else "dead"
+            if not parts:
+                held.append(f"{e.name} ({state}): nothing in flight")
+                continue
+            steps = sorted({p.request.step for p in parts})
+            n = sum(len(p.request.prompt_ids) * p.request.group_size for p in parts)
+            versions = sorted({str(r.pin_version) if r.pin_version >= 0 else f">= {r.min_version}"
+                               for r in (p.request for p in parts)})
+            held.append(f"{e.name} ({state}): {len(parts)} requests, {n} completions of steps "
+                        f"{', '.join(map(str, steps))} on weight version {', '.join(versions)}, the oldest sent "
+                        f"{now - min(p.sent for p in parts):.0f} s ago")
+        return (f"step {step}: waiting {waited:.0f} s for rollouts, none arrived for {now - self.last_result:.0f} s; "
+                + "; ".join(held))
 
     def decode(self, parts: list[_Part]) -> list[str]:
         """The completion texts of ``parts`` (in the order given), special tokens skipped."""

@@ -14,6 +14,9 @@ Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a
 * ``dataset`` (alias ``jsonl``, the old name) — records of a local dataset (``data.load_table``): a text prompt
   column or a chat ``messages`` column, every other column passed to the rewards; sampled in seeded epochs
   without replacement (``data.EpochSampler``). No default reward: name one in ``rollout.reward_funcs``.
+  A record whose prompt is null, empty or an empty message list refuses the dataset (naming the file, the
+  first such record and how many there are): training on the text "None" or on nothing is a data bug, not
+  something to skip silently.
 * ``gsm8k`` — a dataset in GSM8K's format (``question``, ``answer`` ending in ``#### <number>``) scored by
   ``answer_match`` (exact final answer); ``math_verify`` is available as a reward when installed.
 """
@@ -21,6 +24,7 @@ Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import string
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torchtitan_flux import rewards as R
+from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data import ChatTemplate, EpochSampler, filter_long, load_table
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
@@ -105,11 +110,12 @@ class DatasetTask(Task):
         text_col = next((c for c in (r.prompt_column, *self.default_prompt_columns) if c in cols), None)
         self.chat = text_col is None and r.messages_column in cols
         if text_col is None and not self.chat:
-            raise ValueError(f"{field_name} = {dataset_path!r} has columns {cols}; it needs a text column named by "
+            raise ConfigError(f"{field_name} = {dataset_path!r} has columns {cols}; it needs a text column named by "
                              f"rollout.prompt_column ({r.prompt_column!r}) or a chat column named by "
                              f"rollout.messages_column ({r.messages_column!r})")
-        template = ChatTemplate(job_config.model.hf_assets_path) if self.chat or r.apply_chat_template else None
         prompt_col = r.messages_column if self.chat else text_col
+        _refuse_empty_prompts(table[prompt_col], prompt_col, f"{field_name} = {dataset_path!r}")
+        template = ChatTemplate(job_config.model.hf_assets_path) if self.chat or r.apply_chat_template else None
         records, lengths = [], []
         for i, row in enumerate(table.to_list()):
             value = row.pop(prompt_col)
@@ -123,7 +129,7 @@ class DatasetTask(Task):
                 messages = None
             if messages is not None:
                 if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-                    raise ValueError(f"{field_name} = {dataset_path!r} record {i}: column {prompt_col!r} must be a "
+                    raise ConfigError(f"{field_name} = {dataset_path!r} record {i}: column {prompt_col!r} must be a "
                                      "list of {'role', 'content'} messages")
                 text = template.render(messages, add_generation_prompt=True)
                 p = Prompt(text, answer, columns, messages if self.chat else None, add_bos=False)
@@ -131,8 +137,8 @@ class DatasetTask(Task):
                 p = Prompt(str(value), answer, columns)
             records.append(p)
             lengths.append(len(tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False)))
-        limit = max_prompt_tokens(job_config)
-        self.records = filter_long(records, lengths, limit, r.long_prompts, f"{field_name} = {dataset_path!r}")
+        self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts,
+                                   f"{field_name} = {dataset_path!r}", *prompt_budget(job_config, max(lengths)))
         self.sampler = EpochSampler(len(self.records), r.seed)
         self.reward_funcs = []
 
@@ -195,6 +201,27 @@ def task_factory(name: str) -> Callable[..., Task]:
                      "'package.module:name'")
 
 
+def _refuse_empty_prompts(values: list, column: str, where: str) -> None:
+    """``ConfigError`` when a prompt is null, empty text or an empty message list (see the module docstring)."""
+    empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, (str, list)) and not v)]
+    if empty:
+        raise ConfigError(f"{where} record {empty[0]}: column {column!r} is {values[empty[0]]!r} ({len(empty)} of "
+                          f"{len(values)} records have a null or empty prompt); allowed: a non-empty prompt in every "
+                          "record (remove or fill those records)")
+
+
+def prompt_budget(job_config, longest: int) -> tuple[str, str]:
+    """For ``data.filter_long``'s messages: where the prompt limit comes from, and what would hold a prompt of
+    ``longest`` tokens."""
+    r, seq_len = job_config.rollout, job_config.training.seq_len
+    fix = f"training.seq_len >= {longest + r.max_new_tokens} (longest prompt + rollout.max_new_tokens)"
+    if r.max_prompt_tokens:
+        return (f"rollout.max_prompt_tokens = {r.max_prompt_tokens}",
+                f"rollout.max_prompt_tokens >= {longest} with {fix}")
+    return (f"training.seq_len - rollout.max_new_tokens = {seq_len} - {r.max_new_tokens} = "
+            f"{seq_len - r.max_new_tokens} tokens (rollout.max_prompt_tokens = 0)", fix)
+
+
 def max_prompt_tokens(job_config) -> int:
     """``rollout.max_prompt_tokens``, or what ``training.seq_len`` leaves after ``max_new_tokens`` when it is 0."""
     r = job_config.rollout
@@ -206,7 +233,7 @@ def reward_funcs(rollout_cfg, task: Task) -> list[R.RewardFunc]:
     specs, weights = list(rollout_cfg.reward_funcs), list(rollout_cfg.reward_weights)
     if specs:
         if weights and len(weights) != len(specs):
-            raise ValueError(f"rollout.reward_weights has {len(weights)} entries for {len(specs)} reward_funcs; "
+            raise ConfigError(f"rollout.reward_weights has {len(weights)} entries for {len(specs)} reward_funcs; "
                              "give one weight per function, or none (all 1.0)")
         out = []
         for spec, w in zip(specs, weights or [1.0] * len(specs)):
@@ -219,7 +246,7 @@ def reward_funcs(rollout_cfg, task: Task) -> list[R.RewardFunc]:
         return [R.RewardFunc(rollout_cfg.reward_fn, R.per_sample(R.import_callable(rollout_cfg.reward_fn,
                                                                                    "rollout.reward_fn")))]
     if not task.reward_funcs:
-        raise ValueError(f"rollout.task = {task.name!r} has no reward of its own; name one in rollout.reward_funcs")
+        raise ConfigError(f"rollout.task = {task.name!r} has no reward of its own; name one in rollout.reward_funcs")
     return task.reward_funcs
 
 
@@ -258,7 +285,7 @@ def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
     if not isinstance(task, DatasetTask):
         return task
     if not ev.dataset_path and not os.path.isdir(r.dataset_path):
-        raise ValueError(f"eval needs a held-out set: set eval.dataset_path, or make rollout.dataset_path = "
+        raise ConfigError(f"eval needs a held-out set: set eval.dataset_path, or make rollout.dataset_path = "
                          f"{r.dataset_path!r} a folder / saved DatasetDict with split eval.split = {ev.split!r}")
     return build_task(job_config, tokenizer, ev.dataset_path or r.dataset_path, ev.split,
                       "eval.dataset_path" if ev.dataset_path else "rollout.dataset_path (eval.split)")
@@ -281,4 +308,12 @@ def prompt_tokenizer(job_config):
     own. (Where the models helper's HF tokenizer loading lands, this should become that loader.)"""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    return HuggingFaceTokenizer(job_config.model.hf_assets_path)
+    hf = job_config.model.hf_assets_path
+    try:
+        return HuggingFaceTokenizer(hf)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # torchtitan's json.load of tokenizer_config.json
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: tokenizer_config.json is not valid JSON ({e}); allowed: "
+                          "the file as published (re-download it)") from None
+    except Exception as e:  # the tokenizers library raises a plain Exception for a tokenizer.json it cannot parse
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: tokenizer.json cannot be loaded ({e}); allowed: a "
+                          "tokenizers file as published (re-download it)") from None

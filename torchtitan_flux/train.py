@@ -6,11 +6,13 @@ unless the command line or TOML names another module), and runs ``torchtitan.tra
 
 Bad input is reported as one line, ``error: <field> = <value> ...; allowed: ...``, with exit code 2 and no Python
 traceback: the config is parsed and validated here before torchtitan starts, and a ``ConfigError`` found later
-(the model folder, the dataset) is reported the same way; so is an engine server that cannot be used or that
-exited while starting (``EngineStartError``: exit code 1, the server's own last error line). Expected stops (a signal, no engine left, a loss that is
-not finite) end with one ``stopped: ...`` line and exit code 1. Real bugs keep their traceback; so does everything
-under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun the line is also written to torchelastic's error file, so that
-torchrun's failure summary shows it instead of a pointer to its docs.
+(the model folder, the dataset) is reported the same way, as is a reward function that fails (``RewardError``: it
+raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run); so is an engine server
+that cannot be used or that exited while starting (``EngineStartError``: exit code 1, the server's own last error
+line). Expected stops (a signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and
+exit code 1. Real bugs keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun
+the line is also written to torchelastic's error file, so that torchrun's failure summary shows it instead of a
+pointer to its docs.
 
 Once that returns or raises (the trainer is closed either way: engines stopped, metrics, checkpoints and the
 export written), the process ends with ``os._exit``: skipping the interpreter's finalisation, where torch's C++
@@ -102,6 +104,30 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
     return (engine or "embedded") == "embedded"
 
 
+def _check_config_file(argv: list[str]) -> None:
+    """The TOML named by ``--job.config_file`` is readable and parses, else a ``ConfigError`` naming the file (and
+    the line of a syntax error). torchtitan would log a traceback of its own and then raise."""
+    import tomllib
+
+    from torchtitan_flux.config import ConfigError
+
+    path = None
+    for i, a in enumerate(argv):
+        key, eq, val = a.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            path = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            break
+    if path is None:
+        return
+    try:
+        with open(path, "rb") as f:
+            tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"job.config_file = {path!r}: {e.strerror}; allowed: a readable TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"job.config_file = {path!r}: TOML syntax error: {e}; allowed: valid TOML") from None
+
+
 _DUMP_LOCK = None  # the open lock file of this run's dump folder (rank 0), held until the process ends
 
 
@@ -137,10 +163,11 @@ def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
     from torchtitan_flux.engine.base import EngineStartError
+    from torchtitan_flux.rewards import RewardError
     from torchtitan_flux.rollout import NoEngineLeft
     from torchtitan_flux.stops import LossNotFinite, TrainingInterrupted
 
-    if isinstance(e, ConfigError):
+    if isinstance(e, (ConfigError, RewardError)):
         code, line = 2, f"error: {e}"
     elif isinstance(e, EngineStartError):  # a server that is not there, not ours, or exited while starting
         code, line = 1, f"error: {e}"
@@ -186,6 +213,7 @@ def main() -> None:
 
     register_flux_model()
     try:
+        _check_config_file(sys.argv[1:])
         config = ConfigManager().parse_args()
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_dump_folder(config.job.dump_folder)

@@ -41,7 +41,7 @@ from torchtitan.train import Trainer
 from torchtitan_flux import hf, report, resume
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.admission import Admission
-from torchtitan_flux.config import ConfigError, validate_config
+from torchtitan_flux.config import ConfigError, import_spec, step_callback, validate_config
 from torchtitan_flux.evaluation import Evaluator
 from torchtitan_flux.fleet import EngineFleet, set_trainer_threads
 from torchtitan_flux.metrics import MetricsWriter
@@ -101,9 +101,14 @@ class FluxTrainer(Trainer):
                 f"trainer ranks ({self.world})"
             )
         self.model = self.model_parts[0]
-        load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
+        try:  # a missing, truncated or mismatched weights file: one line naming it
+            load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
         self.ref_model = self._build_reference_model() if job_config.grpo.kl_coef > 0 else None
         self.step_callbacks: list = []
+        for spec in job_config.metrics.step_callbacks:  # checked by validate_config
+            self.add_step_callback(import_spec("metrics.step_callbacks", spec))
         self.scheduler: RolloutScheduler | None = None
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
@@ -178,8 +183,9 @@ class FluxTrainer(Trainer):
         )
 
     def add_step_callback(self, fn) -> Any:
-        """Register ``fn(step, metrics)``, called on rank 0 after every step; returns ``fn`` (decorator use)."""
-        self.step_callbacks.append(fn)
+        """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
+        after every step; returns ``fn`` (decorator use)."""
+        self.step_callbacks.append(step_callback(fn))
         return fn
 
     # ------------------------------------------------------------------------------------------- loop

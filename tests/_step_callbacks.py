@@ -1,0 +1,28 @@
+"""Step callbacks that the tests name in ``metrics.step_callbacks``: each appends what it got, as a JSON line, to the
+file named by ``$FLUX_TEST_CALLBACKS``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _write(form: str, step: int, metrics: dict) -> None:
+    with open(os.environ["FLUX_TEST_CALLBACKS"], "a") as f:
+        f.write(json.dumps({"form": form, "step": step, "loss": metrics["loss"], "pid": os.getpid()}) + "\n")
+
+
+def tutorial_form(result):
+    """The seed tutorial's ``@trainer.add_step_callback`` form."""
+    _write("result", result.step, result.metrics)
+
+
+def step_and_metrics(step, metrics):
+    _write("pair", step, metrics)
+
+
+def three_arguments(step, metrics, extra):
+    _write("three", step, metrics)
+
+
+NOT_CALLABLE = 3
