@@ -41,3 +41,27 @@ def test_every_test_the_docs_name_exists():
             if f not in tests or (t and t not in tests[f]):
                 missing.append(f"{doc.name}: {m.group(0)}")
     assert not missing, missing
+
+
+def test_the_tried_table_counts_what_the_tests_run():
+    """docs/reliability.md's "Bad inputs and faults tried" table: each row's ``tried`` equals the number of test
+    cases pytest collects for the tests it names (parametrized cases one by one), and the rows add up to at least
+    the 94 kinds of bad input and fault of the 2026-11-23 sweep."""
+    import re
+
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    section = text.split("## Bad inputs and faults tried", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and not r.startswith("| group")]
+    parsed = []
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        parsed.append((cells[0], int(cells[1]), re.findall(r"(test_\w+\.py::test_\w+)", cells[3])))
+    ids = sorted({i for _, _, tests in parsed for i in tests})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *[f"tests/{i}" for i in ids]],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    collected = [ln.split("[")[0].removeprefix("tests/") for ln in out.stdout.splitlines() if "::" in ln]
+    assert collected, out.stdout[-2000:] + out.stderr[-2000:]
+    for group, tried, tests in parsed:
+        assert tests, group
+        assert sum(collected.count(t) for t in tests) == tried, (group, tried, {t: collected.count(t) for t in tests})
+    assert sum(t for _, t, _ in parsed) >= 94
