@@ -19,7 +19,8 @@ apply_patches()
 
 from torchtitan.config import ConfigManager  # noqa: E402
 
-from torchtitan_flux.config import ConfigError, validate_config  # noqa: E402
+from torchtitan_flux.config import ConfigError  # noqa: E402
+from torchtitan_flux.validation import validate_config  # noqa: E402
 from torchtitan_flux.train import _normalise_argv  # noqa: E402
 
 
@@ -264,7 +265,7 @@ def test_bad_jsonl_record(tiny_model_dir, tmp_path):
 def test_step_callbacks_from_config_are_imported_and_take_either_form(tiny_model_dir, tmp_path, monkeypatch):
     """``metrics.step_callbacks``: a torchrun user's way to the tutorial's ``@trainer.add_step_callback`` (before: only
     reachable from Python). The trainer calls them (``test_train_e2e.py::test_two_trainer_processes``)."""
-    from torchtitan_flux.config import step_callback
+    from torchtitan_flux.validation import step_callback
 
     for spec, match in [("_step_callbacks:missing", "metrics.step_callbacks = '_step_callbacks:missing' cannot be "
                                                     "imported"),
@@ -344,7 +345,7 @@ def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):
 
 
 def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
-    from torchtitan_flux.config import staleness_out_of_reach
+    from torchtitan_flux.validation import staleness_out_of_reach
 
     a = parse("--adaptive_async.enabled", "true", "--adaptive_async.max_version_gap", "1").adaptive_async
     hint = staleness_out_of_reach(a)  # target 0.15, but the gap term reaches at most 0.3 * 1/5 = 0.06
@@ -356,7 +357,7 @@ def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
 def test_default_version_gap_works_with_the_default_target(tiny_model_dir):
     """The defaults work together: max_version_gap's default is 1 in fixed async mode and 3 with the controller,
     where the default target_staleness (0.15) is within reach (with gap 1 it was not: staleness ~0.06)."""
-    from torchtitan_flux.config import staleness_out_of_reach
+    from torchtitan_flux.validation import staleness_out_of_reach
 
     fixed = parse("--weight_sync.async_weight_update", "true")
     validate_config(fixed)

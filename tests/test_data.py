@@ -244,7 +244,8 @@ def test_long_prompt_messages_name_the_budget_and_the_seq_len_that_fits(tmp_path
 def test_prompt_budget_is_validated_against_seq_len(tiny_model_dir):
     from test_config import parse
 
-    from torchtitan_flux.config import ConfigError, validate_config
+    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.validation import validate_config
 
     with pytest.raises(ConfigError, match=r"rollout.max_prompt_tokens \(60\) \+ rollout.max_new_tokens \(16\) must fit "
                                           r"in training.seq_len = 64"):

@@ -16,7 +16,7 @@ apply_patches()
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
 
-from torchtitan_flux.config import validate_config  # noqa: E402
+from torchtitan_flux.validation import validate_config  # noqa: E402
 from torchtitan_flux.model import register_flux_model, select_model  # noqa: E402
 from torchtitan_flux.train import _normalise_argv  # noqa: E402
 

@@ -59,7 +59,7 @@ def tied_llama_server(tmp_path_factory):
     """A launched vLLM server on a tied Llama, and the handler of it."""
     import os
 
-    from torchtitan_flux.config import resolve_launch_python
+    from torchtitan_flux.validation import resolve_launch_python
     from torchtitan_flux.engine.vllm import VllmEngine
     from torchtitan_flux.engine.vllm_launch import launch_servers
 

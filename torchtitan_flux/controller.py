@@ -48,7 +48,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from torchtitan_flux.config import AdaptiveAsync, ConfigError, import_spec
+from torchtitan_flux.config import AdaptiveAsync, ConfigError
+from torchtitan_flux.validation import import_spec
 
 __all__ = [
     "PHASES",

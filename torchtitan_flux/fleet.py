@@ -49,7 +49,7 @@ class EngineFleet:
             visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         ) if r.engine == "embedded" or r.launch else []
         if r.launch:
-            from torchtitan_flux.config import resolve_launch_python
+            from torchtitan_flux.validation import resolve_launch_python
             from torchtitan_flux.engine.vllm_launch import launch_servers
 
             self.servers = launch_servers(

@@ -207,7 +207,7 @@ def main() -> None:
     from torchtitan.config import ConfigManager
     from torchtitan.train import main as titan_main
 
-    from torchtitan_flux.config import validate_config
+    from torchtitan_flux.validation import validate_config
     from torchtitan_flux.model import register_flux_model
     from torchtitan_flux.trainer import FluxTrainer
 

@@ -41,7 +41,8 @@ from torchtitan.train import Trainer
 from torchtitan_flux import hf, report, resume
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.admission import Admission
-from torchtitan_flux.config import ConfigError, import_spec, step_callback, validate_config
+from torchtitan_flux.config import ConfigError
+from torchtitan_flux.validation import import_spec, step_callback, validate_config
 from torchtitan_flux.evaluation import Evaluator
 from torchtitan_flux.fleet import EngineFleet, set_trainer_threads
 from torchtitan_flux.metrics import MetricsWriter

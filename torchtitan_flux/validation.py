@@ -1,0 +1,419 @@
+"""``validate_config``: types, ranges and cross-field consistency of the config sections (``config.py``), and of
+the torchtitan fields we rely on; the first bad value raises ``ConfigError`` naming the field and what is allowed.
+
+It runs in the entry point before torchtitan starts (one ``error:`` line, exit 2) and again on every rank before
+any engine process is started. It also resolves ``adaptive_async.max_version_gap = 0`` (its default) in place.
+The importer of user code named in the config (``import_spec``: rewards, tasks, controllers, step callbacks)
+lives here too, so a bad name is a validation error.
+
+Simplification: torchtitan's own sections are validated by torchtitan; we check only the fields we rely on.
+"""
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import ipaddress
+import logging
+import math
+import os
+import re
+import socket
+import types
+import typing
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchtitan_flux.config import SECTIONS, AdaptiveAsync, Checkpoint, ConfigError
+from torchtitan_flux.engine.auth import is_loopback, read_token
+
+
+def _allowed(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_allowed(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """The weight-sync rendezvous must be able to listen on host:port (checked by binding once, before any engine
+    starts; the trainer binds it again moments later)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError(
+            f"weight_sync.master_port = {port}: cannot listen on {host}:{port} ({e.strerror or e}); allowed: a free "
+            "port, or 0 to pick one"
+        ) from None
+
+
+def _check_type(name: str, value: Any, tp: Any) -> None:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                _check_type(name, value, option)
+                return
+            except ConfigError:
+                pass
+        raise ConfigError(f"{name} = {value!r} is not allowed; allowed: {_allowed(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{name} = {value!r} is not allowed; allowed values: {_allowed(tp)}")
+        return
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        items = (int, float) if item is float else item  # TOML writes 1 for 1.0
+        if not isinstance(value, list) or not all(isinstance(v, items) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{name} must be a list of {item.__name__}, got {value!r}")
+        return
+    if dataclasses.is_dataclass(tp):
+        if not dataclasses.is_dataclass(value):
+            raise ConfigError(f"{name} must be a table with fields {[f.name for f in dataclasses.fields(tp)]}")
+        _check_dataclass(name, value)
+        return
+    ok = (
+        isinstance(value, bool)
+        if tp is bool
+        else isinstance(value, tp) and not isinstance(value, bool)
+        if tp is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if tp is float
+        else isinstance(value, tp)
+    )
+    if not ok:
+        if tp is float and isinstance(value, float):
+            raise ConfigError(f"{name} = {value!r} is out of range; allowed: a finite number")
+        raise ConfigError(f"{name} must be of type {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _check_dataclass(prefix: str, obj: Any) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        _check_type(f"{prefix}.{f.name}", getattr(obj, f.name), hints[f.name])
+
+
+def _require(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name} = {value!r} is out of range; allowed: {allowed}")
+
+
+_HOST_NAME = re.compile(r"(?!-)[\w-]{1,63}(?<!-)(\.(?!-)[\w-]{1,63}(?<!-))*", re.ASCII)  # DNS labels (and Docker's _)
+
+
+def _check_url(name: str, url: str) -> None:
+    """A server URL is ``http(s)://host[:port]`` with ``host`` an IP address or a DNS name (a dotted-number host
+    must be a valid IPv4 address: ``999.1.1.1`` would otherwise be looked up as a name and fail only later)."""
+    why = _url_problem(url)
+    if why:
+        raise ConfigError(f"{name} = {url!r} is not a server URL ({why}); allowed: http(s)://host:port with host an "
+                          "IP address or a host name, e.g. 'http://127.0.0.1:8000'")
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # ValueError for a port out of range or not a number
+    except ValueError as e:
+        return str(e)
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https"):
+        return f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+    if not host:
+        return "no host"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if re.fullmatch(r"[\d.]+", host) or not _HOST_NAME.fullmatch(host):
+        return f"host {host!r} is not an IP address or a host name"
+    return None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a one-argument step callback gets: the step and its metrics (the ``metrics.jsonl`` row)."""
+
+    step: int
+    metrics: dict[str, Any]
+
+
+def step_callback(fn: Any, name: str = "the step callback") -> Any:
+    """``fn`` as ``callback(step, metrics)``: a function of two positional arguments as it is, one of one
+    (``fn(result)``, the tutorial's form) given a ``StepResult``; ``ConfigError`` naming ``name`` for any other."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): take the two-argument form
+        return fn
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(required) <= 2 <= len(positional):
+        return fn
+    if len(required) <= 1 <= len(positional):
+        return lambda step, metrics: fn(StepResult(step, metrics))
+    raise ConfigError(f"{name} takes {len(required)} required arguments; allowed: fn(result) or fn(step, metrics)")
+
+
+def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
+    """The one importer of ``"package.module:attribute"`` strings (``attribute`` may be dotted): the object, or a
+    ``ConfigError`` naming the field ``name``. Used for rewards, tasks, custom controllers and step callbacks."""
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod or not attr:
+        raise ConfigError(f"{name} = {spec!r} must be of the form 'package.module:attribute'")
+    try:
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
+    if callable_ and not callable(obj):
+        raise ConfigError(f"{name} = {spec!r} is not callable")
+    return obj
+
+
+def resolve_launch_python(path: str) -> str | None:
+    """``rollout.launch_python`` as an existing absolute path: as given (absolute, or relative to the current
+    directory), else relative to the directory this package is imported from (the repository root of a source
+    checkout, where ``scripts/setup_vllm.sh`` puts ``.venv-vllm``); None when neither exists."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cand in (path, os.path.join(package_parent, path)):
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return os.path.abspath(cand)
+    return None
+
+
+def _validate_torchtitan_fields(job_config: Any) -> None:
+    """The torchtitan fields a bad value of which would otherwise fail late (a bare assert, a NaN loss) or be
+    silently accepted (``steps 0``)."""
+    tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
+    _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
+    _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
+    _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]
+    _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
+    if ck.enable:
+        _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
+    # Adam / AdamW (torchtitan's only optimizers) move every weight by about lr per step whatever the gradient's
+    # scale: lr 1 already overwrites a model in one step (GRPO fine-tuning uses ~1e-7 .. 1e-5), so beyond 1 is a typo
+    _require(math.isfinite(opt.lr) and 0 < opt.lr <= 1, "optimizer.lr", opt.lr,
+             "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
+
+
+CONTROLLER_DEFAULT_GAP = 3  # adaptive_async.max_version_gap's default with the controller (see its docstring)
+
+
+def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
+    """A warning when the version-gap term alone cannot bring staleness to ``target_staleness`` (the gap is at
+    most ``max_version_gap``): the KL and importance-weight terms then have to, and on a slowly moving policy they
+    stay near 0, so staleness saturates below the target and the ratio sits at its maximum (measured with the
+    defaults, max_version_gap 1: staleness ~0.06 against 0.15, 0.16 of steps in band)."""
+    total = a.kl_weight + a.iw_var_weight + a.version_gap_weight
+    reach = a.version_gap_weight / total * min(1.0, a.max_version_gap / a.version_gap_norm) if total > 0 else 0.0
+    if reach >= a.target_staleness:
+        return None
+    need = next((g for g in range(1, 65)
+                 if a.version_gap_weight / total * min(1.0, g / a.version_gap_norm) >= a.target_staleness), None)
+    fix = f"raise adaptive_async.max_version_gap to {need}" if need else "lower adaptive_async.target_staleness"
+    return (f"adaptive_async.target_staleness = {a.target_staleness} may be out of reach: with max_version_gap = "
+            f"{a.max_version_gap} the version-gap term of staleness is at most {reach:.3f}, so the target is reached "
+            f"only if the KL / importance-weight terms make up the rest; {fix} (or lower the target to {reach:.2f})")
+
+
+def validate_config(job_config: Any) -> None:
+    """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use).
+    Resolves ``adaptive_async.max_version_gap = 0`` (its default) in place, so everything after sees the gap."""
+    for sec in SECTIONS:
+        _check_dataclass(sec, getattr(job_config, sec))
+    g, r, w, a = job_config.grpo, job_config.rollout, job_config.weight_sync, job_config.adaptive_async
+    if a.max_version_gap == 0:
+        a.max_version_gap = CONTROLLER_DEFAULT_GAP if a.enabled else 1
+    _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap,
+             "an integer >= 1, or 0 for the default (1; 3 with adaptive_async.enabled)")
+
+    _require(g.group_size >= 2, "grpo.group_size", g.group_size, "an integer >= 2")
+    _require(0 < g.clip_low < 1, "grpo.clip_low", g.clip_low, "0 < clip_low < 1")
+    _require(g.clip_high > 0, "grpo.clip_high", g.clip_high, "> 0")
+    _require(g.kl_coef >= 0, "grpo.kl_coef", g.kl_coef, ">= 0")
+    _require(g.temperature > 0, "grpo.temperature", g.temperature, "> 0")
+    _require(g.tis_cap >= 0, "grpo.tis_cap", g.tis_cap, ">= 0 (0 disables)")
+    _require(g.staleness_discount >= 0, "grpo.staleness_discount", g.staleness_discount, ">= 0")
+
+    _require(r.num_engines >= 1, "rollout.num_engines", r.num_engines, "an integer >= 1")
+    _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
+    _require(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0")
+    _require(r.engine_threads >= 1, "rollout.engine_threads", r.engine_threads, ">= 1")
+    if not (r.engine_device in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", r.engine_device)):
+        raise ConfigError(f"rollout.engine_device = {r.engine_device!r}; allowed: 'auto' | 'cpu' | 'cuda:N'")
+    _check_data(job_config)
+    _require(0 <= r.dispatch_dead_zone < 1, "rollout.dispatch_dead_zone", r.dispatch_dead_zone, "a number in [0, 1)")
+    _require(0 < r.dispatch_max_share <= 1, "rollout.dispatch_max_share", r.dispatch_max_share, "a number in (0, 1]")
+    _require(r.launch_timeout_s > 0, "rollout.launch_timeout_s", r.launch_timeout_s, "> 0")
+    if r.launch:
+        if r.engine != "vllm":
+            raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")
+        if r.urls:
+            raise ConfigError(
+                f"rollout.urls = {r.urls!r} must be empty when rollout.launch = true (the trainer starts the servers)"
+            )
+        if resolve_launch_python(r.launch_python) is None:
+            raise ConfigError(
+                f"rollout.launch_python = {r.launch_python!r} does not exist; rollout.launch = true needs a Python "
+                "with vLLM installed (run scripts/setup_vllm.sh to create .venv-vllm)"
+            )
+    elif r.engine in ("vllm", "sglang") and not r.urls:
+        raise ConfigError(
+            f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
+            + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else "")
+        )
+
+    for url in r.urls:
+        _check_url("rollout.urls", url)
+
+    _require(w.timeout_seconds > 0, "weight_sync.timeout_seconds", w.timeout_seconds, "> 0")
+    _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
+    if w.interval != "auto":
+        _require(w.interval >= 1, "weight_sync.interval", w.interval, 'an integer >= 1, or "auto"')
+        _require(w.interval <= a.max_version_gap + 1, "weight_sync.interval", w.interval,
+                 f"at most adaptive_async.max_version_gap + 1 = {a.max_version_gap + 1} (rollouts from weights "
+                 f"interval - 1 steps old must fit in the gap), or \"auto\"")
+    _require(0 < w.overhead_target < 1, "weight_sync.overhead_target", w.overhead_target, "a number in (0, 1)")
+    _require(w.max_interval >= 1, "weight_sync.max_interval", w.max_interval, "an integer >= 1")
+    _require(w.verify_every >= 0, "weight_sync.verify_every", w.verify_every, "an integer >= 0 (0 disables)")
+    _require(w.probe_every >= 0, "weight_sync.probe_every", w.probe_every, "an integer >= 0 (0 disables)")
+    _require(w.probe_tolerance > 0, "weight_sync.probe_tolerance", w.probe_tolerance, "> 0")
+    _require(0 <= w.master_port <= 65535, "weight_sync.master_port", w.master_port, "0..65535")
+    if w.master_port and os.environ.get("RANK", "0") == "0":  # rank 0 hosts it (later ranks would find it taken)
+        _check_port_free(w.master_addr, w.master_port)
+    _require(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", w.auth_token_env) is not None, "weight_sync.auth_token_env",
+             w.auth_token_env, "the name of an environment variable, e.g. 'TORCHTITAN_FLUX_TOKEN'")
+    remote = [("weight_sync.master_addr", w.master_addr)] if not is_loopback(w.master_addr) else []
+    remote += [("rollout.urls", u) for u in r.urls if not is_loopback(urllib.parse.urlsplit(u).hostname or "")]
+    if remote and read_token(w.auth_token_env) is None:
+        name, value = remote[0]
+        raise ConfigError(
+            f"{name} = {value!r} is not a loopback address, so it needs the shared token: set the environment "
+            f"variable {w.auth_token_env} (named by weight_sync.auth_token_env; servers read TORCHTITAN_FLUX_TOKEN). "
+            "Allowed without it: loopback addresses (127.0.0.0/8, ::1, localhost). See \"Security\" in the README."
+        )
+
+    for f in ("target_staleness", "min_async_ratio", "max_async_ratio", "initial_async_ratio"):
+        v = getattr(a, f)
+        _require(0 <= v <= 1, f"adaptive_async.{f}", v, "a number in [0, 1]")
+    if a.min_async_ratio > a.max_async_ratio:
+        raise ConfigError(
+            f"adaptive_async.min_async_ratio = {a.min_async_ratio} exceeds adaptive_async.max_async_ratio = "
+            f"{a.max_async_ratio}; need min_async_ratio <= max_async_ratio"
+        )
+    _require(
+        a.min_async_ratio <= a.initial_async_ratio <= a.max_async_ratio,
+        "adaptive_async.initial_async_ratio",
+        a.initial_async_ratio,
+        f"within [min_async_ratio, max_async_ratio] = [{a.min_async_ratio}, {a.max_async_ratio}]",
+    )
+    for f in ("kp", "ki", "kd", "kl_weight", "iw_var_weight", "version_gap_weight"):
+        _require(getattr(a, f) >= 0, f"adaptive_async.{f}", getattr(a, f), ">= 0")
+    if a.kl_weight + a.iw_var_weight + a.version_gap_weight <= 0:
+        raise ConfigError("adaptive_async.kl_weight + iw_var_weight + version_gap_weight must be > 0")
+    for f in ("kl_norm", "iw_var_norm", "version_gap_norm"):
+        _require(getattr(a, f) > 0, f"adaptive_async.{f}", getattr(a, f), "> 0")
+    _require(0 < a.ema_alpha <= 1, "adaptive_async.ema_alpha", a.ema_alpha, "0 < ema_alpha <= 1")
+    _require(0 < a.integral_band <= 1, "adaptive_async.integral_band", a.integral_band, "a number in (0, 1]")
+    _require(0 < a.sync_threshold <= 1, "adaptive_async.sync_threshold", a.sync_threshold, "0 < x <= 1")
+    _validate_torchtitan_fields(job_config)
+    if a.enabled and (hint := staleness_out_of_reach(a)):
+        logging.getLogger("torchtitan_flux").warning(hint)
+    for ph in ("warmup", "main", "cooldown"):
+        spec = getattr(a.phase_schedule, ph)
+        _require(spec.steps >= 0, f"adaptive_async.phase_schedule.{ph}.steps", spec.steps, ">= 0")
+        _require(spec.target_staleness <= 1, f"adaptive_async.phase_schedule.{ph}.target_staleness", spec.target_staleness,
+                 "<= 1 (negative = use adaptive_async.target_staleness)")
+    if a.controller != "pid":
+        import_spec("adaptive_async.controller", a.controller)
+    _check_model_folder(job_config)
+
+
+def _check_model_folder(job_config: Any) -> None:
+    """``model.hf_assets_path`` has a tokenizer and a readable config.json whose ``max_position_embeddings`` holds the
+    longest sequence a rollout makes (a prompt of ``max_prompt_tokens`` plus ``max_new_tokens``)."""
+    from torchtitan_flux import hf as hf_folder
+    from torchtitan_flux.tasks import max_prompt_tokens
+
+    hf, r = job_config.model.hf_assets_path, job_config.rollout
+    for fname in ("tokenizer.json", "config.json"):
+        if not os.path.isfile(os.path.join(hf, fname)):
+            raise ConfigError(
+                f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
+                "(build the tiny one with `python scripts/build_tiny_model.py`)"
+            )
+    try:
+        max_pos = hf_folder.read_config(hf).get("max_position_embeddings")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: {e}") from None
+    prompt = max_prompt_tokens(job_config)
+    if isinstance(max_pos, int) and prompt + r.max_new_tokens > max_pos:
+        budget = r.max_prompt_tokens or f"auto: training.seq_len - max_new_tokens = {prompt}"
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({budget}) + rollout.max_new_tokens ({r.max_new_tokens}) = "
+            f"{prompt + r.max_new_tokens} tokens exceeds max_position_embeddings = {max_pos} of "
+            f"{os.path.join(hf, 'config.json')}; allowed: at most {max_pos} (lower training.seq_len, "
+            "rollout.max_prompt_tokens or rollout.max_new_tokens)"
+        )
+    if r.launch:
+        from torchtitan_flux.engine.vllm_launch import unservable_reason
+
+        if why := unservable_reason(hf):
+            raise ConfigError(f"rollout.launch = true cannot serve model.hf_assets_path = {hf!r} here: {why}; "
+                              "use a GPU, or a model with a supported head_dim (rollout.engine = 'embedded' serves any)")
+
+
+def _check_data(job_config: Any) -> None:
+    """Task, dataset, prompt length, rewards, ``[eval]`` and our ``[metrics]`` fields (docs/data.md)."""
+    from torchtitan_flux import tasks
+
+    r, ev = job_config.rollout, job_config.eval
+    try:
+        tasks.task_factory(r.task)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("is not allowed", "is out of range")) from None
+    if r.task in tasks.ALIASES:
+        logging.getLogger("torchtitan_flux").warning(
+            f"rollout.task = {r.task!r} is deprecated; use {tasks.ALIASES[r.task]!r} (same behaviour)")
+    if tasks.ALIASES.get(r.task, r.task) in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
+        raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} does not exist; task {r.task!r} needs a dataset "
+                          "file or folder")
+    _require(r.max_prompt_tokens >= 0, "rollout.max_prompt_tokens", r.max_prompt_tokens, ">= 0 (0 = seq_len - max_new_tokens)")
+    seq_len = job_config.training.seq_len
+    if tasks.max_prompt_tokens(job_config) < 1 or tasks.max_prompt_tokens(job_config) + r.max_new_tokens > seq_len:
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({r.max_prompt_tokens or 'auto'}) + rollout.max_new_tokens ({r.max_new_tokens}) "
+            f"must fit in training.seq_len = {seq_len} with room for a prompt; lower them or raise training.seq_len"
+        )
+    for spec in r.reward_funcs:
+        if spec not in tasks.BUILTIN_REWARDS:
+            import_spec("rollout.reward_funcs", spec)
+    if "math_verify" in r.reward_funcs and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("rollout.reward_funcs names 'math_verify', which needs `pip install math-verify`")
+    if r.reward_weights and len(r.reward_weights) != len(r.reward_funcs):
+        raise ConfigError(f"rollout.reward_weights has {len(r.reward_weights)} entries for {len(r.reward_funcs)} "
+                          "rollout.reward_funcs; allowed: one weight per function, or none (all 1.0)")
+    if r.reward_fn:
+        import_spec("rollout.reward_fn", r.reward_fn)
+    _require(r.reward_workers >= 1, "rollout.reward_workers", r.reward_workers, "an integer >= 1")
+    _require(r.max_engine_restarts >= 0, "rollout.max_engine_restarts", r.max_engine_restarts, "an integer >= 0")
+    _require(ev.every_steps >= 0, "eval.every_steps", ev.every_steps, ">= 0 (0 disables)")
+    _require(ev.n >= 1, "eval.n", ev.n, "an integer >= 1")
+    _require(ev.num_prompts >= 0, "eval.num_prompts", ev.num_prompts, ">= 0 (0 = all)")
+    _require(ev.temperature >= 0, "eval.temperature", ev.temperature, ">= 0 (0 = greedy)")
+    if ev.dataset_path and not os.path.exists(ev.dataset_path):
+        raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
+    n = job_config.metrics.log_completions_every
+    _require(n >= 0, "metrics.log_completions_every", n, ">= 0 (0 disables)")
+    _check_type("metrics.step_callbacks", job_config.metrics.step_callbacks, list[str])
+    for spec in job_config.metrics.step_callbacks:
+        step_callback(import_spec("metrics.step_callbacks", spec), f"metrics.step_callbacks = {spec!r}")
