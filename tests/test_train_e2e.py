@@ -44,6 +44,24 @@ def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
 
 
+@pytest.mark.slow
+def test_fixed_interval_2_pushes_every_other_step(tiny_model_dir, tmp_path):
+    """``weight_sync.interval = 2`` (README): weights are pushed after every second step only, so rollouts come
+    from weights up to one step older than each step's own, never beyond ``max_version_gap``; the final step's
+    push is always made, so the engine ends on the trainer's weights."""
+    run_train(tmp_path, "--training.steps", "8", "--weight_sync.interval", "2", "--weight_sync.async_weight_update",
+              "true", "--adaptive_async.max_version_gap", "2")
+    rows = read_metrics(tmp_path)
+    # an async push is counted once done, in the next step's row; the last step's is done before its row (the
+    # post-sync probe of the last step waits for it)
+    pushes = [r["weight_pushes"] for r in rows]
+    assert [b - a for a, b in zip(pushes, pushes[1:])] == [0, 1, 0, 1, 0, 1, 1], pushes  # after 2, 4, 6 and 8
+    assert all(r["version_gap_max"] <= 2 for r in rows) and max(r["version_gap_max"] for r in rows) == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["weight_sync"]["weight_pushes"] == pushes[0] + 4  # and after step 8, the final one
+    assert summary["checksums_match"] and summary["final_engine_version"] == 8
+
+
 def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
     run_train(tmp_path / "sync", "--training.steps", "6")
     run_train(
