@@ -232,6 +232,28 @@ def test_toml_syntax_error_is_one_line_naming_file_and_line(tiny_model_dir, tmp_
         f"error: job.config_file = '{tmp_path}/no.toml': No such file or directory; allowed: a readable TOML file"]
 
 
+@pytest.mark.parametrize("text,line", [
+    ("[grpoo]\ngroup_size = 4\n", "unknown section(s) {'grpoo'}; allowed: activation_checkpoint, adaptive_async,"),
+    ("[training]\nstepz = 4\n", "unknown key(s) {'stepz'} in [training]; allowed: dataloader, dataset,"),
+])
+def test_unknown_toml_section_or_key_is_one_line_through_the_entry_point(tiny_model_dir, tmp_path, text, line):
+    """Before: torchtitan's ValueError ("Invalid field names in <class ...>") with a traceback. An unknown key in
+    one of our sections is named the same way (test_unknown_key_in_toml checks the parse itself)."""
+    import sys
+
+    if "[training]" in text:  # a second [training] table would be a TOML error: put the key into the existing one
+        bad = tmp_path / "bad.toml"
+        bad.write_text(DEBUG_TOML.read_text().replace("[training]\n", "[training]\nstepz = 4\n", 1))
+        bad = str(bad)
+    else:
+        bad = _write(tmp_path, text)
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_flux.train", "--job.config_file", bad], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (only,) = proc.stderr.strip().splitlines()
+    assert only.startswith(f"error: job.config_file = '{bad}': {line}"), only
+
+
 def test_reward_function_checks(tiny_model_dir, tmp_path):
     """A bad reward function stops the run before any engine starts (probed on one empty completion)."""
     from torchtitan_flux.rewards import RewardError

@@ -104,9 +104,9 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
     return (engine or "embedded") == "embedded"
 
 
-def _check_config_file(argv: list[str]) -> None:
+def _check_config_file(argv: list[str]) -> str | None:
     """The TOML named by ``--job.config_file`` is readable and parses, else a ``ConfigError`` naming the file (and
-    the line of a syntax error). torchtitan would log a traceback of its own and then raise."""
+    the line of a syntax error). torchtitan would log a traceback of its own and then raise. Returns its path."""
     import tomllib
 
     from torchtitan_flux.config import ConfigError
@@ -118,7 +118,7 @@ def _check_config_file(argv: list[str]) -> None:
             path = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
             break
     if path is None:
-        return
+        return None
     try:
         with open(path, "rb") as f:
             tomllib.load(f)
@@ -126,6 +126,7 @@ def _check_config_file(argv: list[str]) -> None:
         raise ConfigError(f"job.config_file = {path!r}: {e.strerror}; allowed: a readable TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"job.config_file = {path!r}: TOML syntax error: {e}; allowed: valid TOML") from None
+    return path
 
 
 _DUMP_LOCK = None  # the open lock file of this run's dump folder (rank 0), held until the process ends
@@ -207,14 +208,17 @@ def main() -> None:
     from torchtitan.config import ConfigManager
     from torchtitan.train import main as titan_main
 
-    from torchtitan_flux.validation import validate_config
+    from torchtitan_flux.validation import unknown_fields_error, validate_config
     from torchtitan_flux.model import register_flux_model
     from torchtitan_flux.trainer import FluxTrainer
 
     register_flux_model()
     try:
-        _check_config_file(sys.argv[1:])
-        config = ConfigManager().parse_args()
+        config_file = _check_config_file(sys.argv[1:])
+        try:
+            config = ConfigManager().parse_args()
+        except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
+            raise unknown_fields_error(e, config_file) or e from None
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_dump_folder(config.job.dump_folder)
         titan_main(FluxTrainer)

@@ -224,6 +224,36 @@ def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
             f"only if the KL / importance-weight terms make up the rest; {fix} (or lower the target to {reach:.2f})")
 
 
+def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
+    """torchtitan's "Invalid field names in <class ...> data: {...}" (a TOML key or section that does not exist,
+    raised while parsing, with a traceback) as one line naming the file, the section, the keys and the allowed
+    fields; None for any other error."""
+    m = re.match(r"Invalid field names in <class '([\w.]+)'> data: (\{.*?\})", str(e))
+    if m is None:
+        return None
+    path, names = m.group(1), m.group(2)
+    mod, _, cls = path.rpartition(".")
+    if cls in ("JobConfig", "MergedJobConfig"):  # an unknown section (torchtitan's and ours merged)
+        from torchtitan.config import JobConfig
+
+        allowed = sorted({f.name for f in dataclasses.fields(JobConfig)} | set(SECTIONS))
+        return ConfigError(f"job.config_file = {config_file!r}: unknown section(s) {names}; allowed: "
+                           + ", ".join(allowed))
+    section = next((k for k, v in SECTIONS.items() if f"{v.__module__}.{v.__qualname__}" == path), None)
+    if section is None:  # one of torchtitan's sections
+        from torchtitan.config import JobConfig
+
+        section = next((f.name for f in dataclasses.fields(JobConfig)
+                        if getattr(f.type, "__name__", str(f.type)) == cls), None)
+    try:
+        fields = sorted(f.name for f in dataclasses.fields(getattr(importlib.import_module(mod), cls)))
+    except (ImportError, AttributeError, TypeError):
+        fields = []
+    where = f"[{section}]" if section else f"the section of type {cls}"
+    allowed = ", ".join(fields) if fields else "see docs/configuration.md"
+    return ConfigError(f"job.config_file = {config_file!r}: unknown key(s) {names} in {where}; allowed: {allowed}")
+
+
 def validate_config(job_config: Any) -> None:
     """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use).
     Resolves ``adaptive_async.max_version_gap = 0`` (its default) in place, so everything after sees the gap."""
