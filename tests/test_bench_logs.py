@@ -1,4 +1,5 @@
-"""The benchmarks read step times from the trainer's log lines (``benchmarks/common.flux_log_times``)."""
+"""What the benchmarks read: step times from the trainer's log lines (``benchmarks/common.flux_log_times``) and time to
+target from the metrics rows (``benchmarks/controller.time_to_target``)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ def test_flux_log_times_reads_stamps_and_messages():
     assert abs(got[0][0] - t1) < 1e-6 and abs(got[1][0] - got[0][0] - 0.084) < 1e-6
     assert [t for t, _ in flux_log_times(log, re.compile("Training starts"))] == [
         dt.datetime(2026, 11, 23, 17, 41, 12, 817000).timestamp()]
+
+
+def test_controller_benchmark_time_to_target_reads_the_rows_wall_clock():
+    """``benchmarks/controller.py``: time to the target reward is measured from the start of step 1 (its row's
+    ``time`` minus its ``step_time_s``) to the first step whose last-5-steps mean reward reaches the target."""
+    from controller import time_to_target
+
+    rewards = [0.0, 0.2, 0.5, 0.9, 1.0, 1.0, 1.0, 1.0]
+    rows = [{"step": i + 1, "time": 100.0 + 0.5 * (i + 1), "step_time_s": 0.5, "reward_mean": r}
+            for i, r in enumerate(rewards)]
+    assert time_to_target(rows, 0.8) == (3.5, 7)  # steps 3..7 average 0.88; steps 2..6 average 0.72
+    assert time_to_target(rows, 0.5, window=1) == (1.5, 3)
+    assert time_to_target(rows, 1.1) == (float("inf"), 0)
