@@ -17,7 +17,10 @@ gap's median time to target / adaptive's: > 1 means adaptive is sooner), ``adapt
 
 ``--workload sensitive`` is the staleness-sensitive setting found on 2026-11-24 (docs/controller.md): the digits
 task at learning rate 1e-2, where a stale policy needs twice the steps to the target (gap 8: ~27 steps, sync:
-~12), fixed gaps 1 2 4 8 and the controller with max gap 8.
+~12), fixed gaps 1 2 4 8 and the controller with max gap 8 and ``adaptive_async.feedforward`` on (lookahead capped
+at the measured pipeline depth). Compare with ``--variant "no-ff=--adaptive_async.feedforward false"`` (the
+controller alone) and ``--variant "ff-discount=--grpo.staleness_discount 1"`` (the step of each sample scaled by
+1 / (1 + its version gap), the seeds' staleness-adaptive learning rate).
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, run_training  # noqa: E402
 
 
-WORKLOADS = {  # name -> (overrides for every run, defaults of --gaps and --adaptive-gap)
-    "debug": ([], [1, 2, 4], 4),
-    "sensitive": (["--optimizer.lr", "1e-2"], [1, 2, 4, 8], 8),
+WORKLOADS = {  # name -> (overrides for every run, defaults of --gaps and --adaptive-gap, adaptive's own overrides)
+    "debug": ([], [1, 2, 4], 4, []),
+    "sensitive": (["--optimizer.lr", "1e-2"], [1, 2, 4, 8], 8, ["--adaptive_async.feedforward", "true"]),
 }
 
 
@@ -72,7 +75,7 @@ def main() -> None:
                     help='another adaptive mode: e.g. "fast-ema=--adaptive_async.ema_alpha 0.3" (repeatable)')
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
-    workload, default_gaps, default_gap = WORKLOADS[args.workload]
+    workload, default_gaps, default_gap, adaptive_overrides = WORKLOADS[args.workload]
     args.gaps = args.gaps or default_gaps
     args.adaptive_gap = args.adaptive_gap or default_gap
     args.extra = [*workload, *args.extra]
@@ -83,7 +86,7 @@ def main() -> None:
     modes["adaptive"] = [
         "--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
         "--adaptive_async.max_version_gap", str(args.adaptive_gap), "--adaptive_async.target_staleness",
-        str(args.target), "--adaptive_async.phase_schedule.warmup.steps", str(args.warmup),
+        str(args.target), "--adaptive_async.phase_schedule.warmup.steps", str(args.warmup), *adaptive_overrides,
     ]
     adaptive_modes = ["adaptive"]
     for v in args.variant:
@@ -122,17 +125,18 @@ def main() -> None:
     if args.plot:
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_controller.py"),
                         os.path.join(args.out, "adaptive", "seed0"), "-o", args.plot], check=True)
-    if full in sps:
-        for mode in adaptive_modes[1:]:
-            print(f"{mode}: in band {band[mode]:.3f}, throughput vs full async {sps[mode] / sps[full]:.3f}")
+    fixed = {m: t for m, t in ttt.items() if m.startswith("fixed-g")}
+    best = min(fixed, key=fixed.get)
+    for mode in adaptive_modes[1:]:
+        vs_full = f", throughput vs full async {sps[mode] / sps[full]:.3f}" if full in sps else ""
+        print(f"{mode}: in band {band[mode]:.3f}{vs_full}, vs best fixed time to target "
+              f"{fixed[best] / ttt[mode]:.3f}, vs sync {ttt['sync'] / ttt[mode]:.3f}")
     print(f"in_band_fraction={band['adaptive']:.3f}")
     if full in sps:
         print(f"throughput_vs_full_async={sps['adaptive'] / sps[full]:.3f}")
     print(f"adaptive_final_reward={statistics.mean(fin['adaptive']):.3f}")
     print(f"sync_final_reward_min={min(fin['sync']):.3f}")
     print(f"sync_final_reward_max={max(fin['sync']):.3f}")
-    fixed = {m: t for m, t in ttt.items() if m.startswith("fixed-g")}
-    best = min(fixed, key=fixed.get)
     print(f"best_fixed={best}")
     print(f"adaptive_vs_best_fixed_time_to_target={fixed[best] / ttt['adaptive']:.3f}")
     print(f"adaptive_vs_sync_time_to_target={ttt['sync'] / ttt['adaptive']:.3f}")

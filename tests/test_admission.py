@@ -73,3 +73,26 @@ def test_state_round_trips_under_the_checkpoint_keys_of_old():
     b = admission(async_weight_update=True)
     b.load_state_dict(state)
     assert (b.async_ratio, b.force_sync, b.carry) == (0.35, True, -0.25)
+
+
+def test_feedforward_caps_the_lookahead_at_the_pipeline_depth_that_hides_generation():
+    """adaptive_async.feedforward: lookahead <= ceil(generation time / training time) of a step (EMAs), >= 1;
+    the controller's (or fixed ratio's) lookahead stays the ceiling; the depth round-trips in the state."""
+    ff = Admission(AdaptiveAsync(max_version_gap=GAP, feedforward=True), WeightSync(async_weight_update=True), 100)
+    assert ff.lookahead == 1.0  # nothing measured yet: one step ahead
+    for _ in range(3):
+        assert ff.observe_times(gen_s=0.03, train_s=0.05) == {"pipeline_depth": 1.0}
+    assert ff.lookahead == 1.0 and [ff.admit() for _ in range(5)] == [1] * 5  # generation hides at depth 1
+    for _ in range(40):  # generation becomes 2.5x slower than training: 3 steps in flight keep the trainer busy
+        ff.observe_times(gen_s=0.125, train_s=0.05)
+    assert ff.depth.depth == 3 and ff.lookahead == 3.0
+    ff.async_ratio = 1 / GAP  # the controller's lookahead (1) below the depth wins
+    assert ff.lookahead == 1.0
+    ff.observe_times(gen_s=float("nan"), train_s=0.05)  # a bad measurement changes nothing
+    assert ff.depth.depth == 3
+    state = ff.state_dict()
+    again = Admission(AdaptiveAsync(max_version_gap=GAP, feedforward=True), WeightSync(async_weight_update=True), 100)
+    again.load_state_dict(state)
+    assert again.depth.state_dict() == ff.depth.state_dict()
+    off = admission(async_weight_update=True)  # off: the cap is the gap alone
+    assert off.depth is None and off.lookahead == GAP and "pipeline_depth" not in off.state_dict()

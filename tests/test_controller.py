@@ -93,7 +93,7 @@ def simulate(cfg, plant, steps, total_steps=None, controller=None, ctl=None, sta
     ctl = ctl or AdaptiveAsyncController(cfg, total_steps or steps, controller=controller)
     hist = []
     for s in range(start, start + steps):
-        m = ctl.step(s, plant.observe())
+        m = ctl.step(s, plant.observe()).metrics
         plant.apply(m["async_ratio"], m["force_sync"] > 0.5)
         hist.append(m)
     return ctl, hist
@@ -147,8 +147,8 @@ def test_staleness_value_tutorial_formula_and_normalisation():
 
 def test_nonfinite_sample_leaves_ema_unchanged():
     ctl = AdaptiveAsyncController(cfg_of(**REC), 10)
-    m1 = ctl.step(1, StalenessSample(kl=0.01, iw_var=0.2, version_gap_mean=1.0))
-    m2 = ctl.step(2, StalenessSample(kl=float("nan"), iw_var=0.2, version_gap_mean=1.0))
+    m1 = ctl.step(1, StalenessSample(kl=0.01, iw_var=0.2, version_gap_mean=1.0)).metrics
+    m2 = ctl.step(2, StalenessSample(kl=float("nan"), iw_var=0.2, version_gap_mean=1.0)).metrics
     assert math.isnan(m2["staleness_raw"])
     assert m2["staleness"] == m1["staleness"]
     assert 0.0 <= m2["async_ratio"] <= 1.0
@@ -315,7 +315,7 @@ def test_derivative_on_measurement_no_kick_on_phase_switch():
     sched = PhaseSchedule(warmup=PhaseSpec(steps=10, target_staleness=0.05), main=PhaseSpec(target_staleness=-1.0))
     ctl = AdaptiveAsyncController(cfg_of(phase_schedule=sched, **REC), 50)
     sample = StalenessSample(kl=0.01, iw_var=0.2, version_gap_mean=0.5)  # constant staleness 0.1
-    hist = [ctl.step(s, sample) for s in range(1, 13)]
+    hist = [ctl.step(s, sample).metrics for s in range(1, 13)]
     m10, m11 = hist[9], hist[10]
     assert (m10["target_staleness"], m11["target_staleness"]) == (0.05, 0.15)
     assert m11["staleness"] == m10["staleness"]
@@ -323,7 +323,7 @@ def test_derivative_on_measurement_no_kick_on_phase_switch():
     assert m11["pid_p"] - m10["pid_p"] == pytest.approx(REC["kp"] * 0.10)
     assert m11["async_ratio"] - m10["async_ratio"] == pytest.approx(REC["kp"] * 0.10 + REC["ki"] * m11["pid_error"])
     # the derivative does act on a changing measurement
-    m = ctl.step(13, StalenessSample(kl=0.02, iw_var=0.4, version_gap_mean=2.0))
+    m = ctl.step(13, StalenessSample(kl=0.02, iw_var=0.4, version_gap_mean=2.0)).metrics
     assert m["pid_d"] == pytest.approx(-REC["kd"] * (m["staleness"] - m11["staleness"]))
     assert m["pid_d"] < 0
 
@@ -411,13 +411,13 @@ def test_custom_controller_loading(custom_module):
     ctl = AdaptiveAsyncController(cfg_of(controller=f"{custom_module}:Halver", sync_threshold=1.0), 20)
     assert isinstance(ctl.controller, cls)
     high = StalenessSample(kl=0.1, iw_var=2.0, version_gap_mean=5.0)  # staleness 1 > target
-    assert [ctl.step(s, high)["async_ratio"] for s in (1, 2)] == [0.25, 0.125]
-    m = ctl.step(3, high)
+    assert [ctl.step(s, high).async_ratio for s in (1, 2)] == [0.25, 0.125]
+    m = ctl.step(3, high).metrics
     # a custom controller gets the wrapper's error and zero P/I/D terms
     assert m["pid_error"] == pytest.approx(0.15 - 1.0) and (m["pid_p"], m["pid_i"], m["pid_d"]) == (0.0, 0.0, 0.0)
     # a class object works too (the tutorial passes one), and its own metrics are passed through
     tc = AdaptiveAsyncController(cfg_of(), 20, controller=TrendController(cfg_of()))
-    assert tc.step(1, high)["trend_len"] == 1.0
+    assert tc.step(1, high).metrics["trend_len"] == 1.0
     assert load_controller_class(TrendController) is TrendController
 
 
@@ -433,7 +433,7 @@ def test_custom_controller_rejected(custom_module):
 def test_out_of_bounds_controller_output_is_clamped_with_one_warning(custom_module, caplog):
     ctl = AdaptiveAsyncController(cfg_of(controller=f"{custom_module}:Wild", max_async_ratio=0.8), 10)
     with caplog.at_level(logging.WARNING, logger="torchtitan_flux.controller"):
-        outs = [ctl.step(s, StalenessSample())["async_ratio"] for s in (1, 2, 3)]
+        outs = [ctl.step(s, StalenessSample()).async_ratio for s in (1, 2, 3)]
     assert outs == [0.8, 0.8, 0.8]
     assert sum("outside" in r.getMessage() for r in caplog.records) == 1
 

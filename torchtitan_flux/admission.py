@@ -6,19 +6,22 @@ The one owner of the async settings' run-time state:
   with ``adaptive_async.enabled`` (``control`` feeds it the staleness of each trained batch; it may also force
   the next step synchronous);
 * ``lookahead = async_ratio * max_version_gap`` steps, at most ``max_version_gap - (interval - 1)`` since
-  engines may hold weights up to ``interval - 1`` steps old; ``admit`` turns it into whole steps (error
-  diffusion, see its docstring);
+  engines may hold weights up to ``interval - 1`` steps old, and with ``adaptive_async.feedforward`` at most
+  the pipeline depth that hides generation (``PipelineDepth``, fed by ``observe_times``); ``admit`` turns it
+  into whole steps (error diffusion, see its docstring);
 * the push cadence: every ``weight_sync.interval`` steps, or the self-tuning ``SyncCadence`` with
   ``interval = "auto"`` (``tune_cadence``).
 
 Concurrency: main thread only. Every trainer rank holds one and feeds it identical inputs (the controller's
 inputs are all-reduced, the cadence's interval is broadcast from rank 0 with the batch), so every rank admits the
-same and checkpoints the same state.
+same and checkpoints the same state. The feedforward depth is measured on rank 0 and broadcast with the batch,
+like the cadence's interval.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -29,6 +32,37 @@ from torchtitan_flux.sync_cadence import SyncCadence
 logger = logging.getLogger("torchtitan_flux")
 
 STALE_BAND = 0.05  # staleness this far above its target counts as out of band (as in benchmarks/controller.py)
+DEPTH_EMA = 0.2  # EMA weight of the newest step's generation and training times (PipelineDepth)
+
+
+class PipelineDepth:
+    """The feedforward term: how many steps must be in flight for generation to hide behind training.
+
+    With a step's generation taking ``g`` seconds (engine-side, for the whole batch) and its training ``t``,
+    an engine that serves the in-flight steps concurrently keeps the trainer busy with ``ceil(g / t)`` steps
+    ahead (Little's law: in flight = latency x rate); fewer leave the trainer waiting, more only add staleness.
+    ``g`` and ``t`` are EMAs (weight ``DEPTH_EMA``) of each trained batch's ``gen_time_s`` and the trainer's
+    compute time. Before the first measurement the depth is 1. Rank 0 measures; other ranks are told ``depth``.
+    """
+
+    def __init__(self):
+        self.gen_s: float | None = None
+        self.train_s: float | None = None
+        self.depth = 1
+
+    def observe(self, gen_s: float, train_s: float) -> None:
+        if not (math.isfinite(gen_s) and math.isfinite(train_s) and gen_s >= 0 and train_s > 0):
+            return
+        a = DEPTH_EMA
+        self.gen_s = gen_s if self.gen_s is None else a * gen_s + (1 - a) * self.gen_s
+        self.train_s = train_s if self.train_s is None else a * train_s + (1 - a) * self.train_s
+        self.depth = max(1, math.ceil(self.gen_s / self.train_s))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gen_s": self.gen_s, "train_s": self.train_s, "depth": self.depth}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen_s, self.train_s, self.depth = state["gen_s"], state["train_s"], int(state["depth"])
 
 
 class Admission:
@@ -43,6 +77,7 @@ class Admission:
         max_interval = min(ws.max_interval, aa.max_version_gap + 1)
         self.cadence = SyncCadence(1, ws.overhead_target, max_interval) if ws.interval == "auto" else None
         self._push_s_seen = 0.0  # the push thread's total push time at the last cadence update
+        self.depth = PipelineDepth() if aa.feedforward else None  # adaptive_async.feedforward
 
     @property
     def sync_interval(self) -> int:
@@ -55,7 +90,10 @@ class Admission:
         if self.force_sync:
             return 0.0
         gap = self.max_version_gap
-        return min(self.async_ratio * gap, gap - (self.sync_interval - 1))
+        cap = gap - (self.sync_interval - 1)
+        if self.depth is not None:
+            cap = min(cap, self.depth.depth)
+        return min(self.async_ratio * gap, cap)
 
     @property
     def on_policy(self) -> bool:
@@ -95,10 +133,15 @@ class Admission:
             kl=m["behaviour_kl"], iw_var=m["iw_var"], version_gap_mean=gap.mean().item(),
             version_gap_max=gap.max().item(), ess_fraction=m["ess_fraction"],
         )
-        out = self.controller.step(step, sample)
-        self.async_ratio = out["async_ratio"]
-        self.force_sync = bool(out["force_sync"])
-        return out
+        decision = self.controller.step(step, sample)
+        self.async_ratio, self.force_sync = decision.async_ratio, decision.force_sync
+        return decision.metrics
+
+    def observe_times(self, gen_s: float, train_s: float) -> dict[str, float]:
+        """Rank 0, ``adaptive_async.feedforward``: a trained batch's generation time and the step's compute time
+        -> the pipeline depth that caps the next admissions. Returns its metrics."""
+        self.depth.observe(gen_s, train_s)
+        return {"pipeline_depth": float(self.depth.depth)}
 
     def tune_cadence(self, pushed: bool, compute_s: float, sync_s: float, rollout_wait: float, flush_s: float,
                      push_s_total: float, m: dict[str, float]) -> dict[str, Any]:
@@ -126,11 +169,16 @@ class Admission:
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed state (the trainer's keys of old; the cadence's travels with rank 0's rollouts)."""
-        return {"async_ratio": self.async_ratio, "force_sync": self.force_sync, "admit_carry": self.carry,
-                "controller": self.controller.state_dict() if self.controller else {}}
+        state = {"async_ratio": self.async_ratio, "force_sync": self.force_sync, "admit_carry": self.carry,
+                 "controller": self.controller.state_dict() if self.controller else {}}
+        if self.depth is not None:
+            state["pipeline_depth"] = self.depth.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.async_ratio, self.force_sync = float(state["async_ratio"]), bool(state["force_sync"])
         self.carry = float(state.get("admit_carry", 0.0))  # absent in checkpoints before it existed
         if self.controller is not None and state["controller"]:
             self.controller.load_state_dict(state["controller"])
+        if self.depth is not None and state.get("pipeline_depth"):  # absent when saved with it off
+            self.depth.load_state_dict(state["pipeline_depth"])

@@ -344,6 +344,14 @@ class AdaptiveAsync:
     sync_threshold: float = 0.5
     """When smoothed staleness exceeds this, the next step is forced synchronous. In (0, 1]."""
 
+    feedforward: Bool = False
+    """Cap the lookahead at the pipeline depth that hides generation: ``ceil(generation time / training time)``
+    of a step (EMAs of each trained batch's engine-side generation time and the trainer's compute time), at
+    least 1. Lookahead beyond that depth adds staleness and buys no throughput; the controller's (or the fixed
+    ratio's) lookahead stays the ceiling. Admission then depends on measured times, so a run is no longer
+    reproducible bit for bit (like ``weight_sync.interval = "auto"``). On the staleness-sensitive workload of
+    ``benchmarks/controller.py`` it is what lets the controller match the best fixed gap (docs/controller.md)."""
+
     kl_weight: float = 0.4
     """Weight of min(1, KL / kl_norm) in staleness. >= 0 (weights must sum to a positive number)."""
 

@@ -213,6 +213,8 @@ class FluxTrainer(Trainer):
                 t2 = time.perf_counter()
                 self.syncer.after_optimizer_step(self.step, due=push_due)
                 t3 = time.perf_counter()
+                if self.admission.depth is not None and self.rank == 0:
+                    metrics.update(self.admission.observe_times(batch.gen_time_s, t2 - t1))
                 if self.admission.cadence is not None and self.rank == 0:
                     metrics.update(self.admission.tune_cadence(
                         push_due, t2 - t1, t3 - t2, rollout_wait, self._flush_s, self.syncer.stats.push_s_total,
@@ -342,12 +344,15 @@ class FluxTrainer(Trainer):
         wait = time.perf_counter() - t0
         due = self.admission.push_due(step)
         if self.world > 1:
-            obj = [batch, due, self.admission.sync_interval]
+            depth = self.admission.depth.depth if self.admission.depth is not None else 0
+            obj = [batch, due, self.admission.sync_interval, depth]
             dist.broadcast_object_list(obj, src=0, group=control_group())  # CPU gloo: no NCCL timeout
-            batch, due, interval = obj
+            batch, due, interval, depth = obj
             if self.rank != 0:  # the same inputs as rank 0's admission, so every rank checkpoints the same carry
                 if self.admission.cadence is not None:
                     self.admission.cadence.interval = interval
+                if self.admission.depth is not None:
+                    self.admission.depth.depth = depth
                 self.admission.admit()
         return batch, wait, due
 
