@@ -65,3 +65,12 @@ def test_the_tried_table_counts_what_the_tests_run():
         assert tests, group
         assert sum(collected.count(t) for t in tests) == tried, (group, tried, {t: collected.count(t) for t in tests})
     assert sum(t for _, t, _ in parsed) >= 94
+
+
+def test_every_package_is_in_pyproject_packages():
+    """A non-editable install ships only the packages pyproject.toml lists (weight_sync was once missing)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "torchtitan_flux").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
