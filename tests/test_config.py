@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import DEBUG_TOML, ROOT
 
 from torchtitan_flux.patches import apply_patches
@@ -390,3 +391,14 @@ def test_default_version_gap_works_with_the_default_target(tiny_model_dir):
     explicit = parse("--adaptive_async.enabled", "true", "--adaptive_async.max_version_gap", "2")
     validate_config(explicit)
     assert explicit.adaptive_async.max_version_gap == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_profiling_settings_that_cannot_run_are_refused_in_one_line():
+    """``[profiling]`` is honoured (the loop enters torchtitan's profiler contexts); what cannot run is refused
+    before any work: a memory snapshot without CUDA, a profile_freq shorter than warmup + active steps."""
+    with pytest.raises(ConfigError, match="profiling.enable_memory_snapshot = True .* without CUDA"):
+        validate_config(parse("--profiling.enable_memory_snapshot", "true"))
+    with pytest.raises(ConfigError, match=r"profiling.profile_freq = 3 .* >= profiling.profiler_warmup \+ "):
+        validate_config(parse("--profiling.enable_profiling", "true", "--profiling.profile_freq", "3"))
+    validate_config(parse("--profiling.enable_profiling", "true", "--profiling.profile_freq", "4"))

@@ -70,7 +70,7 @@ def test_cpu_device_patch_points_torchtitan_at_cpu():
 
 
 def test_registry_lists_every_patch_module():
-    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "gloo_fsdp_sum"]
+    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_profiler", "gloo_fsdp_sum"]
     for module in patches.PATCHES.values():
         doc = module.__doc__
         assert "What:" in doc and "Versions:" in doc and "Why:" in doc
@@ -244,7 +244,7 @@ def _worker(rank: int, port: int) -> None:
     with pytest.raises(RuntimeError, match="PREMUL_SUM"):
         _fsdp_train_step(parallel_dims, job_config, tokens, rank)
 
-    assert patches.apply_patches() == ["triton_stub", "cpu_device", "gloo_fsdp_sum"]
+    assert patches.apply_patches() == ["triton_stub", "cpu_device", "cpu_profiler", "gloo_fsdp_sum"]
     _fsdp_train_step(parallel_dims, job_config, tokens, rank)
     dist.destroy_process_group()
     # Skip the interpreter's finalisation (as torchtitan_flux/train.py does): torch's gloo teardown racing its own

@@ -44,6 +44,15 @@ def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
 
 
+def test_profiling_section_writes_torch_profiler_traces(tiny_model_dir, tmp_path):
+    """``[profiling]`` is honoured (it was silently ignored when the trainer had its own loop without torchtitan's
+    profiler contexts): a trace of the window ending at step 4 (profile_freq 4 = warmup 3 + active 1)."""
+    run_train(tmp_path, "--training.steps", "5", "--profiling.enable_profiling", "true", "--profiling.profile_freq",
+              "4")
+    trace = tmp_path / "profile_traces" / "iteration_4" / "rank0_trace.json"
+    assert trace.is_file() and json.loads(trace.read_text())["traceEvents"]
+
+
 @pytest.mark.slow
 def test_fixed_interval_2_pushes_every_other_step(tiny_model_dir, tmp_path):
     """``weight_sync.interval = 2`` (README): weights are pushed after every second step only, so rollouts come

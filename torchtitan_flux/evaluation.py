@@ -59,6 +59,18 @@ class Evaluator:
                                            seed=self.seed * 1_000_003 + version)
         self._runs.append(_Run(version, parts, time.perf_counter()))
 
+    def after_step(self, step: int, version: int, last: bool) -> dict[str, float]:
+        """Rank 0, after training step ``step``: start the evaluation of ``version`` (the newest policy the
+        engines get: this step's, unless an async push was coalesced or ``weight_sync.interval`` skipped it;
+        ``eval/version`` says which) when due, and return the metrics of the newest evaluation finished (waiting
+        when ``wait`` or at the ``last`` step). One evaluation is in flight at a time."""
+        earlier = None
+        if self.due(step):
+            if self.pending():
+                earlier = self.collect(wait=True)
+            self.start(version)
+        return self.collect(wait=self.wait or last) or earlier or {}
+
     def pending(self) -> bool:
         return bool(self._runs)
 

@@ -54,9 +54,11 @@ class MetricsWriter:
             logger.info(f"eval of version {record['eval/version']}: reward {record['eval/reward_mean']:.3f}  "
                         f"pass@1 {record['eval/pass@1']:.3f}")
 
-    def log_completions(self, step: int, prompts: list[str], completions: list[str], versions: list[int],
-                        total: list[float], per_func: dict[str, list]) -> None:
-        """The completions table of ``step`` (``prompts`` has one entry per completion)."""
+    def log_completions(self, step: int, batch, group_size: int) -> None:
+        """The completions table of ``step`` from its ``RolloutBatch`` (``group_size`` completions per prompt)."""
+        prompts = [p for p in batch.prompts for _ in range(group_size)]
+        versions, total, per_func = batch.versions.tolist(), batch.rewards.tolist(), batch.reward_values
+        completions = batch.completions
         if self._completions is None:
             self._completions = open(self._completions_path, "a", buffering=1)
         rows = []

@@ -102,6 +102,7 @@ class PostSyncProbe:
         self.tolerance = float(tolerance)
         self.every = int(every)
         self.timeout_s = float(timeout_s)
+        self.confirmed_version = -1  # newest version every live engine was probed at and matched (the summary's)
 
     def due(self, step: int, last_step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == last_step)
@@ -130,4 +131,6 @@ class PostSyncProbe:
             worst, checked = max(worst, report.max_abs_diff), checked + 1
         if not engines:
             return {}
+        if checked == len(engines):
+            self.confirmed_version = version
         return {"probe_max_abs_diff": worst, "probe_engines_checked": checked, "probe_s": time.perf_counter() - t0}

@@ -165,6 +165,26 @@ def load_newest_readable(folder: str, load: Callable[[int], Any], is_writer: boo
     )
 
 
+def load(checkpointer, ck_cfg, folder: str, is_writer: bool) -> None:
+    """torchtitan's load of ``checkpoint.load_step``, or of the newest complete checkpoint that loads
+    (``load_newest_readable``)."""
+    if not ck_cfg.enable or ck_cfg.load_step != -1 or not complete_steps(folder):
+        checkpointer.load(step=ck_cfg.load_step)
+        return
+    load_newest_readable(folder, lambda s: checkpointer.load(step=s), is_writer)
+
+
+def save(checkpointer, step: int, last_step: bool, folder: str, fp: dict[str, Any], is_writer: bool) -> bool:
+    """torchtitan's save, with the config fingerprint written into the step folder first (writer rank), so every
+    complete checkpoint has one. Returns whether one was due (written, or staged with an async
+    ``checkpoint.async_mode``)."""
+    due = checkpointer._should_save(step, last_step)
+    if due and is_writer:
+        write_fingerprint(os.path.join(folder, f"step-{step}"), fp)
+    checkpointer.save(step, last_step=last_step)
+    return due
+
+
 def _one_line(e: BaseException) -> str:
     if isinstance(e, CheckpointException) and e.failures:  # the first failing rank's own exception
         e = min(e.failures.items())[1][0]

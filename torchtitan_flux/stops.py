@@ -17,8 +17,10 @@ import logging
 import os
 import signal
 import time
+from typing import Any, Callable
 
 from torchtitan_flux.engine.embedded import die_with_parent
+from torchtitan_flux.rollout import NoEngineLeft
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -70,6 +72,27 @@ class StopRequests:
         if self._interruptible is not None:
             self._interruptible.interrupt()
         logger.warning(f"received {name}: stopping after the current step (send it again to stop at once)")
+
+
+def settle_and_checkpoint(syncer, wait_s: float, save: Callable[[], Any] | None, step: int) -> None:
+    """Graceful stop: let an in-flight push finish or time out within ``wait_s`` (nothing is left half-sent by
+    us), then ``save()`` a checkpoint of the last completed step (None: none is written).
+
+    The caller passes no ``save`` with several ranks (a second signal can land at different points on each, and a
+    collective save could hang, so those runs resume from their last periodic checkpoint), after a second signal
+    (the step in progress may be incomplete), or with checkpoints off. On a signal ``wait_s`` is short, so the
+    checkpoint is written within torchrun's grace period; what does not finish is redone on resume (the
+    checkpoint's weights are pushed first; unfinished rollouts are generated afresh)."""
+    try:
+        settled = syncer.wait_idle(wait_s)
+    except NoEngineLeft:  # the last engine's death noticed while waiting (events are pumped): save anyway
+        settled = False
+    if not settled:
+        logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
+                       "pushes the checkpoint's weights to every engine first)")
+    if save is not None:
+        save()
+        logger.warning(f"checkpoint of step {step} written")
 
 
 def die_with_launcher() -> None:

@@ -20,53 +20,51 @@ One training step (policy version = number of optimizer steps done = ``self.step
   4. checkpoint (torchtitan's manager; our ``state_dict`` adds the RNG state), metrics.
 
 Simplifications: one optimizer step per batch (so the "proximal" policy of decoupled PPO is the current one,
-detached); no pipeline parallelism (``pipelining_fn`` is None).
+detached); no pipeline parallelism (``pipelining_fn`` is None). ``train_on`` runs its own micro-batch loop
+instead of torchtitan's ``forward_backward_step``, whose loss is ``loss_fn(pred, labels)`` with one label
+tensor: the GRPO loss needs the behaviour and reference logprobs, advantages, mask and sample weights per
+token. The loop keeps torchtitan's ``train_context``, AMP, gradient clipping, checkpointing and the
+``[profiling]`` contexts (torch profiler traces and memory snapshots, stepped once per step).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import queue
 import time
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchtitan.components.checkpoint import AsyncMode
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train import Trainer
 
 from torchtitan_flux import hf, report, resume
 from torchtitan_flux import loss as grpo
 from torchtitan_flux.admission import Admission
 from torchtitan_flux.config import ConfigError
-from torchtitan_flux.validation import import_spec, step_callback, validate_config
 from torchtitan_flux.evaluation import Evaluator
+from torchtitan_flux.feed import BatchFeed
 from torchtitan_flux.fleet import EngineFleet, set_trainer_threads
 from torchtitan_flux.metrics import MetricsWriter
-from torchtitan_flux.model import export_hf_weights, load_hf_weights, select_model
+from torchtitan_flux.model import export_hf_weights, load_hf_weights
+from torchtitan_flux.preflight import preflight
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
-from torchtitan_flux.rollout import (
-    NoEngineLeft,
-    RolloutBatch,
-    RolloutScheduler,
-    RolloutWaitInterrupted,
-)
+from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
+from torchtitan_flux.run_state import RunState
 from torchtitan_flux.stops import (
     LossNotFinite,
     StopRequests,
     TrainingInterrupted,
     die_with_launcher,
+    settle_and_checkpoint,
 )
-from torchtitan_flux.tasks import (
-    build_eval_task,
-    build_task,
-    check_rewards,
-    prompt_tokenizer,
-)
-from torchtitan_flux.weight_sync import WeightSyncer, control_group
+from torchtitan_flux.validation import import_spec, step_callback
+from torchtitan_flux.weight_sync import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -77,30 +75,12 @@ class FluxTrainer(Trainer):
     def __init__(self, job_config):
         die_with_launcher()
         self.stops = StopRequests()
-        self._rollout_save_wait_s = job_config.weight_sync.timeout_seconds  # a checkpoint waits this for rollouts
-        validate_config(job_config)
-        try:  # the family in model.hf_assets_path/config.json picks the TrainSpec, or is refused here
-            select_model(job_config)
-        except ValueError as e:
-            raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
-        tokenizer = prompt_tokenizer(job_config)
-        self.task = build_task(job_config, tokenizer)  # datasets load and prompts are length-checked here
-        self.eval_task = build_eval_task(job_config, tokenizer, self.task)
-        check_rewards(self.task, job_config.rollout.seed)  # bad reward functions fail before any spawn
-        self.fingerprint = resume.fingerprint(job_config, self.task)
-        self.checkpoint_folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-        # before any spawn, too; the fields that differ when on_config_mismatch = "warn" let them
-        self.config_changes = resume.check_resume(job_config, self.fingerprint, self.checkpoint_folder)
+        pre = preflight(job_config)  # before torchtitan builds anything and before any spawn
+        self.task, self.fingerprint, self.checkpoint_folder = pre.task, pre.fingerprint, pre.checkpoint_folder
         set_trainer_threads(job_config)
         super().__init__(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        batch = job_config.rollout.prompts_per_step * job_config.grpo.group_size
-        if batch % self.world:
-            raise ConfigError(
-                f"rollout.prompts_per_step * grpo.group_size = {batch} must be divisible by the number of "
-                f"trainer ranks ({self.world})"
-            )
         self.model = self.model_parts[0]
         try:  # a missing, truncated or mismatched weights file: one line naming it
             load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
@@ -116,7 +96,6 @@ class FluxTrainer(Trainer):
         self._events: queue.Queue = queue.Queue()
         self.fleet = EngineFleet(job_config, self._events, trainer_on_gpu=self.device.type == "cuda")
         self.engines = self.fleet.engines  # one list for the run (see fleet.py); empty on ranks > 0
-        self.discarded_rollouts = 0
         self._step_ends: list[float] = []
         self.admission = Admission(job_config.adaptive_async, job_config.weight_sync, job_config.training.steps)
         ws = job_config.weight_sync
@@ -124,7 +103,6 @@ class FluxTrainer(Trainer):
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
             ws.timeout_seconds,
         ) if ws.probe_every > 0 else None
-        self._probed_version = -1  # newest version the logprob probe confirmed on every live engine
         if self.rank == 0:
             self.fleet.start()
         self.memory = {"rss_before_sync_mb": report.rss_mb()}
@@ -138,14 +116,20 @@ class FluxTrainer(Trainer):
             pump=self.scheduler.pump if self.scheduler is not None else time.sleep,
         )
         self.memory["rss_after_staging_mb"] = report.rss_mb()
+        self.feed = BatchFeed(self.admission, self.scheduler, self.syncer,
+                              max_version_gap=job_config.adaptive_async.max_version_gap,
+                              async_push=ws.async_weight_update, last_step=job_config.training.steps,
+                              rank=self.rank, world=self.world)
+        self.run_state = RunState(self.admission, self.feed, self.scheduler, self.task,
+                                  job_config.rollout.prompts_per_step, pre.config_changes, ws.timeout_seconds)
         if self.rank == 0:
             self.metrics_writer = MetricsWriter(
                 job_config.job.dump_folder, job_config.training.steps,
                 loggers=self.metrics_processor.logger, log_every=job_config.metrics.log_freq,
             )
-            if self.eval_task is not None:
+            if pre.eval_task is not None:
                 self.evaluator = Evaluator(
-                    job_config.eval, self.eval_task, self.scheduler, self.tokenizer, job_config.rollout.seed,
+                    job_config.eval, pre.eval_task, self.scheduler, self.tokenizer, job_config.rollout.seed,
                     job_config.job.dump_folder, wait=not job_config.weight_sync.async_weight_update,
                 )
 
@@ -193,7 +177,7 @@ class FluxTrainer(Trainer):
 
     def train(self):
         jc = self.job_config
-        self._load_checkpoint()
+        resume.load(self.checkpointer, jc.checkpoint, self.checkpoint_folder, self.rank == 0)
         logger.info(f"Training starts at step {self.step + 1}")
         if self.rank == 0:
             self.syncer.connect()
@@ -201,44 +185,21 @@ class FluxTrainer(Trainer):
         if self.evaluator is not None and jc.eval.at_start:
             self.evaluator.start(self.step)
             self.metrics_writer.log(self.step, self.evaluator.collect(wait=True), progress=False)
+        prof = dict(global_step=self.step, base_folder=jc.job.dump_folder)
         try:
-            while self.should_continue_training():
-                self.gc_handler.run(self.step + 1)
-                t0 = time.perf_counter()
-                batch, rollout_wait, push_due = self._next_batch(self.step + 1)
-                self.step += 1
-                t1 = time.perf_counter()
-                metrics = self.train_on(batch)
-                metrics.update(self.admission.control(self.step, batch.versions, metrics))
-                t2 = time.perf_counter()
-                self.syncer.after_optimizer_step(self.step, due=push_due)
-                t3 = time.perf_counter()
-                if self.admission.depth is not None and self.rank == 0:
-                    metrics.update(self.admission.observe_times(batch.gen_time_s, t2 - t1))
-                if self.admission.cadence is not None and self.rank == 0:
-                    metrics.update(self.admission.tune_cadence(
-                        push_due, t2 - t1, t3 - t2, rollout_wait, self._flush_s, self.syncer.stats.push_s_total,
-                        metrics))
-                if self.probe is not None and self.probe.due(self.step, jc.training.steps):
-                    self.syncer.flush(self.step)  # the engines must hold this step's weights
-                    engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
-                    probed = self.probe.run(self.model, engines, self.step, self.device)
-                    if probed.get("probe_engines_checked", 0) == len(engines) > 0:
-                        self._probed_version = self.step  # every live engine served this version (summary)
-                    metrics.update(probed)
-                saved = self._save_checkpoint(last_step=(self.step == jc.training.steps))
-                if saved and self.checkpointer.async_mode == AsyncMode.DISABLED:  # else only staged by now
-                    logger.info(f"checkpoint of step {self.step} saved")
-                if self.evaluator is not None:
-                    metrics.update(self._evaluate())
-                if self.rank == 0:
-                    self._log(batch, metrics, report.StepTimes(t0, t1, t2, t3, rollout_wait))
-                    self._step_ends.append(time.perf_counter())
-                if self.step == 1:
-                    dist_utils.set_pg_timeouts(
-                        timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
-                    )
-                self.stops.raise_if_requested()
+            with maybe_enable_profiling(jc.profiling, **prof) as torch_profiler, \
+                    maybe_enable_memory_snapshot(jc.profiling, **prof) as memory_profiler:
+                while self.should_continue_training():
+                    self.gc_handler.run(self.step + 1)
+                    self.train_step_grpo()
+                    for profiler in (torch_profiler, memory_profiler):
+                        if profiler:
+                            profiler.step()
+                    if self.step == 1:
+                        dist_utils.set_pg_timeouts(
+                            timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
+                        )
+                    self.stops.raise_if_requested()
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e), signalled=True)
             raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
@@ -251,60 +212,47 @@ class FluxTrainer(Trainer):
                 self.scheduler.drain(timeout=1.0)
         self._finish()
 
-    def _evaluate(self) -> dict[str, float]:
-        """Rank 0: start the evaluation of the newest policy the engines get (this step's, unless an async push
-        was coalesced or ``weight_sync.interval`` skipped it: ``eval/version`` says which) when due, and return
-        the metrics of the newest evaluation finished (see ``evaluation.py`` for when it waits)."""
-        ev, last = self.evaluator, self.step == self.job_config.training.steps
-        earlier = None
-        if ev.due(self.step):
-            if ev.pending():
-                earlier = ev.collect(wait=True)  # one evaluation in flight at a time
-            ev.start(self.syncer.version)
-        return ev.collect(wait=ev.wait or last) or earlier or {}
+    def train_step_grpo(self) -> None:
+        """One step, all ranks: batch, GRPO update, controller, push, probe, checkpoint, evaluation, metrics."""
+        jc, last = self.job_config, self.step + 1 == self.job_config.training.steps
+        t0 = time.perf_counter()
+        fed = self.feed.next(self.step + 1, self.step)
+        self.step += 1
+        t1 = time.perf_counter()
+        metrics = self.train_on(fed.batch)
+        metrics.update(self.admission.control(self.step, fed.batch.versions, metrics))
+        t2 = time.perf_counter()
+        self.syncer.after_optimizer_step(self.step, due=fed.push_due)
+        t3 = time.perf_counter()
+        if self.admission.depth is not None and self.rank == 0:
+            metrics.update(self.admission.observe_times(fed.batch.gen_time_s, t2 - t1))
+        if self.admission.cadence is not None and self.rank == 0:
+            metrics.update(self.admission.tune_cadence(
+                fed.push_due, t2 - t1, t3 - t2, fed.wait_s, fed.flush_s, self.syncer.stats.push_s_total, metrics))
+        if self.probe is not None and self.probe.due(self.step, jc.training.steps):
+            self.syncer.flush(self.step)  # the engines must hold this step's weights
+            engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
+            metrics.update(self.probe.run(self.model, engines, self.step, self.device))
+        saved = resume.save(self.checkpointer, self.step, last, self.checkpoint_folder, self.fingerprint,
+                            self.rank == 0)
+        if saved and self.checkpointer.async_mode == AsyncMode.DISABLED:  # else only staged by now
+            logger.info(f"checkpoint of step {self.step} saved")
+        if self.evaluator is not None:
+            metrics.update(self.evaluator.after_step(self.step, self.syncer.version, last))
+        if self.rank == 0:
+            self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
+            self._step_ends.append(time.perf_counter())
 
     def _save_on_stop(self, at_step_boundary: bool, reason: str, signalled: bool = False) -> None:
-        """Graceful stop (a signal, or no rollout engine left): let an in-flight push finish or time out (nothing
-        is left half-sent by us), then write a checkpoint of the last completed step when checkpoints are on.
-        Single-process only: with several ranks a second signal can land at different points on each, and a
-        collective save could hang, so those runs resume from their last periodic checkpoint. After a second
-        signal the step in progress may be incomplete: then no checkpoint is written. ``signalled``: the push
-        and the rollouts in flight get at most ``SIGNAL_STOP_WAIT_S`` each (not ``weight_sync.timeout_seconds``),
-        so the checkpoint is written within torchrun's grace period; what does not finish is redone on resume
-        (the checkpoint's weights are pushed first; unfinished rollouts are generated afresh)."""
+        """Graceful stop (a signal, or no rollout engine left): ``stops.settle_and_checkpoint``. ``signalled``:
+        the push and the rollouts in flight get at most ``SIGNAL_STOP_WAIT_S`` each."""
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
         wait = self.job_config.weight_sync.timeout_seconds
         if signalled:
-            wait = self._rollout_save_wait_s = min(wait, SIGNAL_STOP_WAIT_S)
-        try:
-            settled = self.syncer.wait_idle(wait)
-        except NoEngineLeft:  # the last engine's death noticed while waiting (events are pumped): save anyway
-            settled = False
-        if not settled:
-            logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
-                           "pushes the checkpoint's weights to every engine first)")
-        if at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0:
-            self._save_checkpoint(last_step=True)
-            logger.warning(f"checkpoint of step {self.step} written")
-
-    def _load_checkpoint(self) -> None:
-        """torchtitan's load of ``checkpoint.load_step``, or of the newest complete checkpoint that loads (an
-        unreadable newest one is set aside: ``resume.load_newest_readable``)."""
-        ck = self.job_config.checkpoint
-        if not ck.enable or ck.load_step != -1 or not resume.complete_steps(self.checkpoint_folder):
-            self.checkpointer.load(step=ck.load_step)
-            return
-        resume.load_newest_readable(self.checkpoint_folder, lambda s: self.checkpointer.load(step=s), self.rank == 0)
-
-    def _save_checkpoint(self, last_step: bool) -> bool:
-        """torchtitan's save, with the config fingerprint written into the step folder first (rank 0), so every
-        complete checkpoint has one (``resume.check_resume`` compares it on resume). Returns whether one was due
-        (written, or staged with an async ``checkpoint.async_mode``)."""
-        due = self.checkpointer._should_save(self.step, last_step)
-        if due and self.rank == 0:
-            resume.write_fingerprint(os.path.join(self.checkpoint_folder, f"step-{self.step}"), self.fingerprint)
-        self.checkpointer.save(self.step, last_step=last_step)
-        return due
+            wait = self.run_state.save_wait_s = min(wait, SIGNAL_STOP_WAIT_S)
+        can_save = at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0
+        save = partial(resume.save, self.checkpointer, self.step, True, self.checkpoint_folder, self.fingerprint, True)
+        settle_and_checkpoint(self.syncer, wait, save if can_save else None, self.step)
 
     def _finish(self) -> None:
         """After the last step: final push, summary (rank 0), HF export."""
@@ -315,46 +263,9 @@ class FluxTrainer(Trainer):
             dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": report.peak_rss_mb()})
         self._export_final()
         if self.rank == 0:
-            content = report.summary(self.step, self.syncer, self.engines, self._probed_version, self._step_ends, memory)
+            probed = self.probe.confirmed_version if self.probe is not None else -1
+            content = report.summary(self.step, self.syncer, self.engines, probed, self._step_ends, memory)
             report.write_summary(self.job_config.job.dump_folder, content)
-
-    def _next_batch(self, step: int) -> tuple[RolloutBatch | None, float, bool]:
-        """Rank 0 admits and collects; every rank gets the batch and whether this step pushes its weights.
-        Returns (batch, seconds waited, push due)."""
-        t0 = time.perf_counter()
-        self._flush_s = 0.0
-        if self.admission.on_policy and self.job_config.weight_sync.async_weight_update:
-            self.syncer.flush(self.step)  # on-policy step: engines must hold the newest weights first
-            self._flush_s = time.perf_counter() - t0
-        batch = None
-        if self.rank == 0:
-            ahead = self.admission.admit()
-            sched, last = self.scheduler, self.job_config.training.steps
-            pin = self.syncer.version  # newest staged: every engine gets it, so requests can run on exactly it
-            for k in range(step, min(step + ahead, last) + 1):
-                sched.dispatch(k, self.step, pin_version=pin)
-            while True:
-                batch = sched.collect(step, self.step, pin_version=pin)
-                gap = self.step - int(batch.versions.min())
-                if gap <= self.job_config.adaptive_async.max_version_gap:
-                    break
-                self.discarded_rollouts += batch.tokens.shape[0]
-                logger.warning(f"step {step}: rollouts {gap} versions old exceed max_version_gap; regenerating")
-            self.syncer.check_timeouts()
-        wait = time.perf_counter() - t0
-        due = self.admission.push_due(step)
-        if self.world > 1:
-            depth = self.admission.depth.depth if self.admission.depth is not None else 0
-            obj = [batch, due, self.admission.sync_interval, depth]
-            dist.broadcast_object_list(obj, src=0, group=control_group())  # CPU gloo: no NCCL timeout
-            batch, due, interval, depth = obj
-            if self.rank != 0:  # the same inputs as rank 0's admission, so every rank checkpoints the same carry
-                if self.admission.cadence is not None:
-                    self.admission.cadence.interval = interval
-                if self.admission.depth is not None:
-                    self.admission.depth.depth = depth
-                self.admission.admit()
-        return batch, wait, due
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
         """One GRPO optimizer step on ``batch`` (all ranks)."""
@@ -423,17 +334,13 @@ class FluxTrainer(Trainer):
         return out
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
-        counters = dict(discarded_rollouts=self.discarded_rollouts, engine_restarts=self.fleet.restarts,
+        counters = dict(discarded_rollouts=self.feed.discarded_rollouts, engine_restarts=self.fleet.restarts,
                         redispatched_requests=self.scheduler.redispatched, **self.syncer.metrics())
         m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)
         every = self.job_config.metrics.log_completions_every
         if every and self.step % every == 0:
-            G = self.job_config.grpo.group_size
-            self.metrics_writer.log_completions(
-                self.step, [p for p in batch.prompts for _ in range(G)], batch.completions, batch.versions.tolist(),
-                batch.rewards.tolist(), batch.reward_values,
-            )
+            self.metrics_writer.log_completions(self.step, batch, self.job_config.grpo.group_size)
         for fn in self.step_callbacks:
             fn(self.step, m)
 
@@ -446,47 +353,11 @@ class FluxTrainer(Trainer):
     # ----------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        rollouts = [b"", b""]  # rank 0's finished rollouts and sync cadence
-        if self.scheduler is not None:  # rank 0 (called on save and load; on load nothing is in flight)
-            rollouts[0] = pickle.dumps(self.scheduler.state_dict(self._rollout_save_wait_s))
-            cadence = self.admission.cadence
-            rollouts[1] = pickle.dumps(cadence.state_dict() if cadence is not None else None)
-        if self.world > 1:  # every rank saves the same value, whichever one the checkpoint writer keeps
-            dist.broadcast_object_list(rollouts, src=0, group=control_group())
-        return {
-            **super().state_dict(),
-            "rng": torch.get_rng_state(),
-            "discarded_rollouts": self.discarded_rollouts,
-            **self.admission.state_dict(),  # async_ratio, force_sync, admit_carry, controller
-            "rollouts": rollouts[0],  # finished rollouts of later steps (async); pickled: their sizes vary
-            "sync_cadence": rollouts[1],
-            "data": pickle.dumps(self._data_state()),  # dataset position (a function of the step) and identity
-        }
+        return {**super().state_dict(), **self.run_state.state_dict(self.step)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        torch.set_rng_state(state_dict["rng"])
-        self.discarded_rollouts = int(state_dict["discarded_rollouts"])
-        self.admission.load_state_dict(state_dict)
-        if self.scheduler is not None and state_dict.get("rollouts"):
-            if self.config_changes:  # generated and to be scored under the old settings (their batch shape too)
-                logger.warning(f"the checkpoint's finished rollouts are not used ({', '.join(self.config_changes)} "
-                               "changed): those steps are generated afresh")
-            else:
-                self.scheduler.load_state_dict(pickle.loads(state_dict["rollouts"]))
-        cadence = pickle.loads(state_dict["sync_cadence"]) if state_dict.get("sync_cadence") else None
-        if self.admission.cadence is not None and cadence is not None:  # absent in older checkpoints, or fixed
-            self.admission.cadence.load_state_dict(cadence)
-        saved = pickle.loads(state_dict["data"]) if state_dict.get("data") else {}  # absent before it existed
-        if saved and hasattr(self.task, "check_resume") and self.rank == 0:
-            problem = self.task.check_resume(saved, self.step, self.job_config.rollout.prompts_per_step)
-            if problem:
-                logger.warning(problem)
-
-    def _data_state(self) -> dict:
-        if not hasattr(self.task, "data_state"):  # generated tasks: prompts are a function of (seed, step)
-            return {}
-        return self.task.data_state(self.step, self.job_config.rollout.prompts_per_step)
+        self.run_state.load_state_dict(state_dict, self.step)
 
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:

@@ -25,6 +25,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from torchtitan_flux.config import SECTIONS, AdaptiveAsync, Checkpoint, ConfigError
 from torchtitan_flux.engine.auth import is_loopback, read_token
 
@@ -264,6 +266,15 @@ def validate_config(job_config: Any) -> None:
         a.max_version_gap = CONTROLLER_DEFAULT_GAP if a.enabled else 1
     _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap,
              "an integer >= 1, or 0 for the default (1; 3 with adaptive_async.enabled)")
+
+    prof = job_config.profiling
+    _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
+             prof.enable_memory_snapshot, "false on a machine without CUDA (the snapshot records the CUDA caching "
+             "allocator's history; profiling.enable_profiling works on CPU)")
+    if prof.enable_profiling:
+        _require(prof.profile_freq >= prof.profiler_warmup + prof.profiler_active, "profiling.profile_freq",
+                 prof.profile_freq, f">= profiling.profiler_warmup + profiling.profiler_active = "
+                 f"{prof.profiler_warmup + prof.profiler_active}")
 
     _require(g.group_size >= 2, "grpo.group_size", g.group_size, "an integer >= 2")
     _require(0 < g.clip_low < 1, "grpo.clip_low", g.clip_low, "0 < clip_low < 1")
