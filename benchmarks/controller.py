@@ -2,7 +2,7 @@
 
 Modes (each for ``--seeds`` rollout seeds, interleaved):
   sync        weight_sync.async_weight_update = false (on-policy)
-  fixed-gN    async, async_ratio 1, adaptive_async.max_version_gap = N  (N in --gaps)
+  fixed-gN    async, async_ratio 1, off_policy.max_version_gap = N  (N in --gaps)
   adaptive    async, controller on (config defaults), max_version_gap = --adaptive-gap, target --target
   NAME        the same with extra overrides, for each --variant NAME=OVERRIDES (e.g. another ema_alpha)
 
@@ -17,8 +17,8 @@ gap's median time to target / adaptive's: > 1 means adaptive is sooner), ``adapt
 
 ``--workload sensitive`` is the staleness-sensitive setting found on 2026-11-24 (docs/controller.md): the digits
 task at learning rate 1e-2, where a stale policy needs twice the steps to the target (gap 8: ~27 steps, sync:
-~12), fixed gaps 1 2 4 8 and the controller with max gap 8 and ``adaptive_async.feedforward`` on (lookahead capped
-at the measured pipeline depth). Compare with ``--variant "no-ff=--adaptive_async.feedforward false"`` (the
+~12), fixed gaps 1 2 4 8 and the controller with max gap 8 and ``off_policy.feedforward`` on (lookahead capped
+at the measured pipeline depth). Compare with ``--variant "no-ff=--off_policy.feedforward false"`` (the
 controller alone) and ``--variant "ff-discount=--grpo.staleness_discount 1"`` (the step of each sample scaled by
 1 / (1 + its version gap), the seeds' staleness-adaptive learning rate).
 """
@@ -40,7 +40,7 @@ from common import ROOT, run_training  # noqa: E402
 
 WORKLOADS = {  # name -> (overrides for every run, defaults of --gaps and --adaptive-gap, adaptive's own overrides)
     "debug": ([], [1, 2, 4], 4, []),
-    "sensitive": (["--optimizer.lr", "1e-2"], [1, 2, 4, 8], 8, ["--adaptive_async.feedforward", "true"]),
+    "sensitive": (["--optimizer.lr", "1e-2"], [1, 2, 4, 8], 8, ["--off_policy.feedforward", "true"]),
 }
 
 
@@ -82,10 +82,11 @@ def main() -> None:
 
     modes: dict[str, list[str]] = {"sync": ["--weight_sync.async_weight_update", "false"]}
     for g in args.gaps:
-        modes[f"fixed-g{g}"] = ["--weight_sync.async_weight_update", "true", "--adaptive_async.max_version_gap", str(g)]
+        modes[f"fixed-g{g}"] = ["--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
+                              "--off_policy.max_version_gap", str(g)]
     modes["adaptive"] = [
         "--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
-        "--adaptive_async.max_version_gap", str(args.adaptive_gap), "--adaptive_async.target_staleness",
+        "--off_policy.max_version_gap", str(args.adaptive_gap), "--adaptive_async.target_staleness",
         str(args.target), "--adaptive_async.phase_schedule.warmup.steps", str(args.warmup), *adaptive_overrides,
     ]
     adaptive_modes = ["adaptive"]

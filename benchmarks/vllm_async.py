@@ -39,7 +39,8 @@ def main() -> None:
     for mode, flag in (("blocking", "false"), ("async", "true")):
         out = os.path.join(args.out, mode)
         shutil.rmtree(out, ignore_errors=True)
-        res[mode] = run_training(out, *common, "--weight_sync.async_weight_update", flag)
+        res[mode] = run_training(out, *common, "--weight_sync.async_weight_update", flag, "--off_policy.async_ratio",
+                                 "1" if flag == "true" else "0")
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; vLLM launched, "
           f"{args.steps} steps, medians after {args.warmup}")

@@ -83,13 +83,13 @@ from common import flux_log_times  # noqa: E402
 OUR_MODES = {
     "sync": ["--weight_sync.async_weight_update", "false", "--adaptive_async.enabled", "false"],
     "async": ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "false",
-              "--adaptive_async.max_version_gap", "1"],
+              "--off_policy.max_version_gap", "1", "--off_policy.async_ratio", "1"],
     "async2": ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "false",
-               "--adaptive_async.max_version_gap", "2"],
+               "--off_policy.max_version_gap", "2", "--off_policy.async_ratio", "1"],
     # the controller over the async push, bounded like "async" (max_version_gap 1): it decides, step by step,
     # between one-step-ahead generation and on-policy steps
     "adaptive": ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
-                 "--adaptive_async.max_version_gap", "1"],
+                 "--off_policy.max_version_gap", "1"],
 }
 SYSTEMS = list(OUR_MODES) + ["trl"]
 DEFAULT_SYSTEMS = ["sync", "async", "adaptive", "trl"]

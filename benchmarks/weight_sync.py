@@ -40,7 +40,7 @@ FAULT_INJECT = os.path.join(ROOT, "tests", "fault_inject")
 
 def run(config: str, out: str, steps: int, async_mode: bool, extra: list[str]) -> tuple[list[dict], dict]:
     return run_training(out, "--training.steps", str(steps), "--weight_sync.async_weight_update",
-                        str(async_mode).lower(), *extra, config=config)
+                        str(async_mode).lower(), "--off_policy.async_ratio", str(int(async_mode)), *extra, config=config)
 
 
 def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, idle_s: float, q) -> None:
@@ -93,7 +93,7 @@ def slow_sync(args) -> None:
             for mode, flags in modes.items():
                 r, summary = run_training(
                     os.path.join(tmp, f"{mode}{rep}"), "--training.steps", str(args.steps),
-                    "--adaptive_async.max_version_gap", "16", *flags, *args.extra, config=args.config, env=env)
+                    "--off_policy.max_version_gap", "16", *flags, *args.extra, config=args.config, env=env)
                 rows[mode] += r[args.warmup :]
                 summaries[mode].append(summary)
                 finals[mode].append(statistics.mean(x["reward_mean"] for x in r[-5:]))

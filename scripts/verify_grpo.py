@@ -40,7 +40,7 @@ def gpu_count() -> int:
 def plan(args) -> list[tuple[str, int, list[str]]]:
     """(name, trainer processes, overrides) of each run."""
     sync = ["--weight_sync.async_weight_update", "false"]
-    asyn = ["--weight_sync.async_weight_update", "true"]
+    asyn = ["--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1"]
     ac = ["--activation_checkpoint.mode", "selective", *asyn]
     if args.cpu:
         return [("sync", 1, sync), ("async", 1, asyn), ("fsdp_ac", 2, ac)]

@@ -9,13 +9,13 @@ import math
 import pytest
 
 from torchtitan_flux.admission import Admission
-from torchtitan_flux.config import AdaptiveAsync, WeightSync
+from torchtitan_flux.config import AdaptiveAsync, OffPolicy, WeightSync
 
 GAP = 8
 
 
 def admission(**ws) -> Admission:
-    return Admission(AdaptiveAsync(max_version_gap=GAP), WeightSync(**ws), total_steps=100)
+    return Admission(OffPolicy(max_version_gap=GAP), AdaptiveAsync(), WeightSync(**ws), total_steps=100)
 
 
 def admitted(lookaheads, carry: float = 0.0) -> tuple[list[int], float]:
@@ -78,7 +78,7 @@ def test_state_round_trips_under_the_checkpoint_keys_of_old():
 def test_feedforward_caps_the_lookahead_at_the_pipeline_depth_that_hides_generation():
     """adaptive_async.feedforward: lookahead <= ceil(generation time / training time) of a step (EMAs), >= 1;
     the controller's (or fixed ratio's) lookahead stays the ceiling; the depth round-trips in the state."""
-    ff = Admission(AdaptiveAsync(max_version_gap=GAP, feedforward=True), WeightSync(async_weight_update=True), 100)
+    ff = Admission(OffPolicy(max_version_gap=GAP, feedforward=True), AdaptiveAsync(), WeightSync(async_weight_update=True), 100)
     assert ff.lookahead == 1.0  # nothing measured yet: one step ahead
     for _ in range(3):
         assert ff.observe_times(gen_s=0.03, train_s=0.05) == {"pipeline_depth": 1.0}
@@ -91,7 +91,7 @@ def test_feedforward_caps_the_lookahead_at_the_pipeline_depth_that_hides_generat
     ff.observe_times(gen_s=float("nan"), train_s=0.05)  # a bad measurement changes nothing
     assert ff.depth.depth == 3
     state = ff.state_dict()
-    again = Admission(AdaptiveAsync(max_version_gap=GAP, feedforward=True), WeightSync(async_weight_update=True), 100)
+    again = Admission(OffPolicy(max_version_gap=GAP, feedforward=True), AdaptiveAsync(), WeightSync(async_weight_update=True), 100)
     again.load_state_dict(state)
     assert again.depth.state_dict() == ff.depth.state_dict()
     off = admission(async_weight_update=True)  # off: the cap is the gap alone

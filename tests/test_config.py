@@ -4,6 +4,7 @@ process is spawned. Table-driven over the real parse path (torchtitan's ConfigMa
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -76,7 +77,7 @@ CASES = [
     (("--weight_sync.bucket_size_mb", "0"), "weight_sync.bucket_size_mb"),
     (("--weight_sync.interval", "0"), "weight_sync.interval"),
     (("--weight_sync.interval", "3"),  # the old hang: rollouts could never be fresh enough (max_version_gap 1)
-     "weight_sync.interval = 3 is out of range; allowed: at most adaptive_async.max_version_gap + 1 = 2"),
+     "weight_sync.interval = 3 is out of range; allowed: at most off_policy.max_version_gap + 1 = 2"),
     (("--weight_sync.overhead_target", "1"), "weight_sync.overhead_target = 1.0 is out of range; allowed: a number in (0, 1)"),
     (("--weight_sync.max_interval", "0"), "weight_sync.max_interval"),
     (("--weight_sync.master_port", "70000"), "weight_sync.master_port"),
@@ -98,6 +99,13 @@ CASES = [
     (("--adaptive_async.ema_alpha", "0"), "adaptive_async.ema_alpha"),
     (("--adaptive_async.max_version_gap", "-1"),
      "adaptive_async.max_version_gap = -1 is out of range; allowed: an integer >= 1, or 0 for the default"),
+    (("--off_policy.max_version_gap", "-1"),
+     "off_policy.max_version_gap = -1 is out of range; allowed: an integer >= 1, or 0 for the default"),
+    (("--off_policy.async_ratio", "1.5"), "off_policy.async_ratio = 1.5 is out of range; allowed: a number in [0, 1]"),
+    (("--off_policy.async_ratio", "0.5", "--adaptive_async.enabled", "true"),
+     "off_policy.async_ratio = 0.5 is out of range; allowed: -1 (unset) with adaptive_async.enabled = true"),
+    (("--off_policy.max_version_gap", "2", "--adaptive_async.max_version_gap", "3"),
+     "adaptive_async.max_version_gap = 3 and off_policy.max_version_gap = 2 differ; set only off_policy"),
     (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),
     (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
     (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
@@ -288,7 +296,7 @@ def test_bad_jsonl_record(tiny_model_dir, tmp_path):
 def test_step_callbacks_from_config_are_imported_and_take_either_form(tiny_model_dir, tmp_path, monkeypatch):
     """``metrics.step_callbacks``: a torchrun user's way to the tutorial's ``@trainer.add_step_callback`` (before: only
     reachable from Python). The trainer calls them (``test_train_e2e.py::test_two_trainer_processes``)."""
-    from torchtitan_flux.validation import step_callback
+    from torchtitan_flux.user_code import step_callback
 
     for spec, match in [("_step_callbacks:missing", "metrics.step_callbacks = '_step_callbacks:missing' cannot be "
                                                     "imported"),
@@ -370,11 +378,10 @@ def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):
 def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
     from torchtitan_flux.validation import staleness_out_of_reach
 
-    a = parse("--adaptive_async.enabled", "true", "--adaptive_async.max_version_gap", "1").adaptive_async
-    hint = staleness_out_of_reach(a)  # target 0.15, but the gap term reaches at most 0.3 * 1/5 = 0.06
-    assert hint and "raise adaptive_async.max_version_gap to 3" in hint  # 0.3 * 3/5 = 0.18 >= 0.15
-    assert staleness_out_of_reach(parse("--adaptive_async.enabled", "true",
-                                        "--adaptive_async.max_version_gap", "3").adaptive_async) is None
+    a = parse("--adaptive_async.enabled", "true").adaptive_async
+    hint = staleness_out_of_reach(a, 1)  # target 0.15, but the gap term reaches at most 0.3 * 1/5 = 0.06
+    assert hint and "raise off_policy.max_version_gap to 3" in hint  # 0.3 * 3/5 = 0.18 >= 0.15
+    assert staleness_out_of_reach(a, 3) is None
 
 
 def test_default_version_gap_works_with_the_default_target(tiny_model_dir):
@@ -384,13 +391,41 @@ def test_default_version_gap_works_with_the_default_target(tiny_model_dir):
 
     fixed = parse("--weight_sync.async_weight_update", "true")
     validate_config(fixed)
-    assert fixed.adaptive_async.max_version_gap == 1
+    assert fixed.off_policy.max_version_gap == 1
     adaptive = parse("--adaptive_async.enabled", "true")
     validate_config(adaptive)
-    assert adaptive.adaptive_async.max_version_gap == 3 and staleness_out_of_reach(adaptive.adaptive_async) is None
-    explicit = parse("--adaptive_async.enabled", "true", "--adaptive_async.max_version_gap", "2")
+    assert adaptive.off_policy.max_version_gap == 3 and staleness_out_of_reach(adaptive.adaptive_async, 3) is None
+    explicit = parse("--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "2")
     validate_config(explicit)
-    assert explicit.adaptive_async.max_version_gap == 2
+    assert explicit.off_policy.max_version_gap == 2
+
+
+def test_async_settings_have_one_owner_and_old_configs_keep_working(caplog):
+    """``weight_sync.async_weight_update`` selects the push mode; ``[off_policy]`` holds the gap and the fixed
+    ratio (``Admission`` reads them). The old spellings still run as before, each with one deprecation warning:
+    ``adaptive_async.max_version_gap`` moves to ``off_policy.max_version_gap``, and ``async_weight_update = true``
+    without ``off_policy.async_ratio`` still means ratio 1."""
+    from torchtitan_flux.admission import Admission
+
+    def admission(*overrides):
+        cfg = parse(*overrides)
+        with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
+            caplog.clear()
+            validate_config(cfg)
+        a = Admission(cfg.off_policy, cfg.adaptive_async, cfg.weight_sync, 10)
+        return a, [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()
+                   or "no longer" in r.getMessage()]
+
+    old, warned = admission("--weight_sync.async_weight_update", "true", "--adaptive_async.max_version_gap", "4")
+    assert (old.async_ratio, old.max_version_gap, old.lookahead) == (1.0, 4, 4.0)
+    assert len(warned) == 2 and "use off_policy.max_version_gap" in warned[0] and "off_policy.async_ratio = 1" in warned[1]
+    new, warned = admission("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
+                            "--off_policy.max_version_gap", "4")
+    assert (new.async_ratio, new.max_version_gap, new.lookahead) == (1.0, 4, 4.0) and warned == []
+    blocking_ahead, _ = admission("--off_policy.async_ratio", "0.5", "--off_policy.max_version_gap", "2")
+    assert not blocking_ahead.async_push and blocking_ahead.lookahead == 1.0  # push mode and ratio are independent
+    sync, warned = admission()
+    assert sync.async_ratio == 0.0 and sync.on_policy and warned == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

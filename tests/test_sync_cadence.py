@@ -153,7 +153,7 @@ def test_auto_and_integer_intervals_parse_and_validate(tiny_model_dir):
         cfg = parse("--weight_sync.interval", value)
         validate_config(cfg)
         assert cfg.weight_sync.interval == expect
-    validate_config(parse("--weight_sync.interval", "5", "--adaptive_async.max_version_gap", "4"))
+    validate_config(parse("--weight_sync.interval", "5", "--off_policy.max_version_gap", "4"))
 
 
 def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_path):
@@ -166,7 +166,7 @@ def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_pa
     from _procs import Run
 
     dump = tmp_path / "run"
-    run = Run(dump, tmp_path / "run.log", "--weight_sync.interval", "auto", "--adaptive_async.max_version_gap", "16",
+    run = Run(dump, tmp_path / "run.log", "--weight_sync.interval", "auto", "--off_policy.max_version_gap", "16",
               "--training.steps", "60", faults={"FLUX_FAULT_PUSH_DELAY": "0.03"})
     assert run.proc.wait(300) == 0, run.log.read_text()[-4000:]
     rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]

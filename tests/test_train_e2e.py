@@ -59,7 +59,7 @@ def test_fixed_interval_2_pushes_every_other_step(tiny_model_dir, tmp_path):
     from weights up to one step older than each step's own, never beyond ``max_version_gap``; the final step's
     push is always made, so the engine ends on the trainer's weights."""
     run_train(tmp_path, "--training.steps", "8", "--weight_sync.interval", "2", "--weight_sync.async_weight_update",
-              "true", "--adaptive_async.max_version_gap", "2")
+              "true", "--off_policy.max_version_gap", "2")
     rows = read_metrics(tmp_path)
     # an async push is counted once done, in the next step's row; the last step's is done before its row (the
     # post-sync probe of the last step waits for it)
@@ -124,7 +124,7 @@ def test_killed_run_resumes_bit_exact(tiny_model_dir, tmp_path, mode):
     run ahead to, and requests are pinned to the version staged at dispatch, so nothing depends on timing."""
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--training.steps", "8"]
     if mode == "async_controller":
-        ckpt += ["--adaptive_async.enabled", "true", "--adaptive_async.max_version_gap", "2",
+        ckpt += ["--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "2",
                  "--adaptive_async.initial_async_ratio", "0.8"]
     run_train(tmp_path / "full", *ckpt)
     full = read_metrics(tmp_path / "full")

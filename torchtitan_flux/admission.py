@@ -2,11 +2,11 @@
 
 The one owner of the async settings' run-time state:
 
-* ``async_ratio``: 0 with ``weight_sync.async_weight_update = false``, 1 with it true, the controller's output
-  with ``adaptive_async.enabled`` (``control`` feeds it the staleness of each trained batch; it may also force
-  the next step synchronous);
+* ``async_ratio``: ``off_policy.async_ratio`` (fixed; by default 1 with ``weight_sync.async_weight_update`` and
+  0 without), or the controller's output with ``adaptive_async.enabled`` (``control`` feeds it the staleness of
+  each trained batch; it may also force the next step synchronous);
 * ``lookahead = async_ratio * max_version_gap`` steps, at most ``max_version_gap - (interval - 1)`` since
-  engines may hold weights up to ``interval - 1`` steps old, and with ``adaptive_async.feedforward`` at most
+  engines may hold weights up to ``interval - 1`` steps old, and with ``off_policy.feedforward`` at most
   the pipeline depth that hides generation (``PipelineDepth``, fed by ``observe_times``); ``admit`` turns it
   into whole steps (error diffusion, see its docstring);
 * the push cadence: every ``weight_sync.interval`` steps, or the self-tuning ``SyncCadence`` with
@@ -66,18 +66,18 @@ class PipelineDepth:
 
 
 class Admission:
-    def __init__(self, adaptive_async, weight_sync, total_steps: int):
-        aa, ws = adaptive_async, weight_sync
-        self.max_version_gap, self.async_push, self.fixed_interval = aa.max_version_gap, ws.async_weight_update, ws.interval
+    def __init__(self, off_policy, adaptive_async, weight_sync, total_steps: int):
+        op, aa, ws = off_policy, adaptive_async, weight_sync
+        self.max_version_gap, self.async_push, self.fixed_interval = op.max_version_gap, ws.async_weight_update, ws.interval
         self.controller = AdaptiveAsyncController(aa, total_steps) if aa.enabled else None
-        self.async_ratio = self.controller.async_ratio if self.controller else float(ws.async_weight_update)
+        self.async_ratio = self.controller.async_ratio if self.controller else op.fixed_ratio(ws.async_weight_update)
         self.force_sync = False
         self.carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
         # weight_sync.interval = "auto": rank 0's cadence decides which steps push (broadcast with the batch)
-        max_interval = min(ws.max_interval, aa.max_version_gap + 1)
+        max_interval = min(ws.max_interval, op.max_version_gap + 1)
         self.cadence = SyncCadence(1, ws.overhead_target, max_interval) if ws.interval == "auto" else None
         self._push_s_seen = 0.0  # the push thread's total push time at the last cadence update
-        self.depth = PipelineDepth() if aa.feedforward else None  # adaptive_async.feedforward
+        self.depth = PipelineDepth() if op.feedforward else None  # off_policy.feedforward
 
     @property
     def sync_interval(self) -> int:
@@ -138,7 +138,7 @@ class Admission:
         return decision.metrics
 
     def observe_times(self, gen_s: float, train_s: float) -> dict[str, float]:
-        """Rank 0, ``adaptive_async.feedforward``: a trained batch's generation time and the step's compute time
+        """Rank 0, ``off_policy.feedforward``: a trained batch's generation time and the step's compute time
         -> the pipeline depth that caps the next admissions. Returns its metrics."""
         self.depth.observe(gen_s, train_s)
         return {"pipeline_depth": float(self.depth.depth)}

@@ -198,9 +198,10 @@ class WeightSync:
     """``[weight_sync]``: how trained weights reach the engines."""
 
     async_weight_update: Bool = False
-    """false: after each optimizer step the trainer blocks until every engine holds the new weights.
-    true: the weights are snapshotted into a staging buffer and pushed by a background thread while the
-    trainer goes on; the trainer never waits on an engine."""
+    """How weights are pushed. false: after each optimizer step the trainer blocks until every engine holds the
+    new weights. true: the weights are snapshotted into a staging buffer and pushed by a background thread while
+    the trainer goes on; the trainer never waits on an engine. How far generation runs ahead of training is
+    ``[off_policy]``'s (which, unless ``off_policy.async_ratio`` is set, follows this flag as it used to)."""
 
     timeout_seconds: float = 60.0
     """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
@@ -210,7 +211,7 @@ class WeightSync:
     """Weights are flattened into buckets of about this size for transfer. > 0."""
 
     interval: int | Literal["auto"] = 1
-    """Push every N optimizer steps: an integer >= 1 and <= ``adaptive_async.max_version_gap + 1`` (a larger one
+    """Push every N optimizer steps: an integer >= 1 and <= ``off_policy.max_version_gap + 1`` (a larger one
     could never produce rollouts fresh enough to train on), or "auto": start at 1 and tune the interval so that
     the trainer's time lost to weight sync stays under ``overhead_target`` (``torchtitan_flux/sync_cadence.py``;
     logged as ``sync_interval``, ``sync_overhead``). In async mode, generation runs at most
@@ -257,7 +258,7 @@ class WeightSync:
     at a time, when it is below half of it. In (0, 1)."""
 
     max_interval: int = 16
-    """With ``interval = "auto"``: the interval never goes above this, nor above ``adaptive_async.max_version_gap
+    """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap
     + 1``. >= 1."""
 
     verify_every: int = 10
@@ -266,6 +267,39 @@ class WeightSync:
     sha256 of the whole model: sampling keeps it off most pushes). Embedded engines hash only when asked (the
     summary); vLLM's NCCL path (GPU) and SGLang keep no hash: the logprob probe (``probe_every``) verifies them.
     0: never hash. >= 0."""
+
+
+@dataclass
+class OffPolicy:
+    """``[off_policy]``: how far generation may run ahead of training (owned by ``Admission``, admission.py).
+
+    Generation may run ``async_ratio * max_version_gap`` steps ahead, and no sample older than
+    ``max_version_gap`` policy versions is trained on. The ratio is fixed here, or set every step by the
+    controller with ``adaptive_async.enabled``."""
+
+    max_version_gap: int = 0
+    """No sample older than this many policy versions is trained on, and generation may run at most this many
+    steps ahead of training. >= 1, or 0 (the default): 1 without the controller, ``CONTROLLER_DEFAULT_GAP`` (3)
+    with ``adaptive_async.enabled``, the smallest gap at which the default ``target_staleness`` (0.15) is
+    reachable (with gap 1 staleness saturated at ~0.06). Was ``adaptive_async.max_version_gap``."""
+
+    async_ratio: float = -1.0
+    """The fixed async ratio without the controller: 0 is synchronous and on-policy (each step's rollouts come
+    from the newest weights), 1 lets generation run ``max_version_gap`` steps ahead, fractions admit whole steps
+    ahead on that fraction of steps. In [0, 1], or -1 (the default): 1 with ``weight_sync.async_weight_update =
+    true`` (with a deprecation warning: set it), else 0. Not used with ``adaptive_async.enabled``."""
+
+    def fixed_ratio(self, async_weight_update: bool) -> float:
+        """``async_ratio``, or its default (-1): 1 with ``weight_sync.async_weight_update``, else 0."""
+        return float(async_weight_update) if self.async_ratio == -1 else float(self.async_ratio)
+
+    feedforward: Bool = False
+    """Cap the lookahead at the pipeline depth that hides generation: ``ceil(generation time / training time)``
+    of a step (EMAs of each trained batch's engine-side generation time and the trainer's compute time), at
+    least 1. Lookahead beyond that depth adds staleness and buys no throughput; the controller's (or the fixed
+    ratio's) lookahead stays the ceiling. Admission then depends on measured times, so a run is no longer
+    reproducible bit for bit (like ``weight_sync.interval = "auto"``). On the staleness-sensitive workload of
+    ``benchmarks/controller.py`` it is what lets the controller match the best fixed gap (docs/controller.md)."""
 
 
 @dataclass
@@ -298,7 +332,7 @@ class AdaptiveAsync:
     """``[adaptive_async]``: the controller that sets how asynchronous the run is."""
 
     enabled: Bool = False
-    """Turn the controller on. When off, ``weight_sync.async_weight_update`` alone decides (ratio 0 or 1)."""
+    """Turn the controller on: it sets the async ratio every step. When off, ``off_policy.async_ratio`` does."""
 
     target_staleness: float = 0.15
     """Staleness (in [0, 1]) the controller steers to. In [0, 1]."""
@@ -335,22 +369,11 @@ class AdaptiveAsync:
     """EMA weight of the newest staleness sample. In (0, 1]."""
 
     max_version_gap: int = 0
-    """No sample older than this many policy versions is trained on, and generation may run at most this many
-    steps ahead of training (``async_ratio * max_version_gap``). Applies to fixed async mode
-    (``weight_sync.async_weight_update = true`` runs at async_ratio 1) as well as to the controller. >= 1, or 0
-    (the default): 1 in fixed async mode, ``CONTROLLER_DEFAULT_GAP`` (3) with ``enabled``, the smallest gap at
-    which the default ``target_staleness`` (0.15) is reachable (with gap 1 staleness saturated at ~0.06)."""
+    """Deprecated: use ``off_policy.max_version_gap`` (same meaning; read only at start, with a warning). 0: not
+    set."""
 
     sync_threshold: float = 0.5
     """When smoothed staleness exceeds this, the next step is forced synchronous. In (0, 1]."""
-
-    feedforward: Bool = False
-    """Cap the lookahead at the pipeline depth that hides generation: ``ceil(generation time / training time)``
-    of a step (EMAs of each trained batch's engine-side generation time and the trainer's compute time), at
-    least 1. Lookahead beyond that depth adds staleness and buys no throughput; the controller's (or the fixed
-    ratio's) lookahead stays the ceiling. Admission then depends on measured times, so a run is no longer
-    reproducible bit for bit (like ``weight_sync.interval = "auto"``). On the staleness-sensitive workload of
-    ``benchmarks/controller.py`` it is what lets the controller match the best fixed gap (docs/controller.md)."""
 
     kl_weight: float = 0.4
     """Weight of min(1, KL / kl_norm) in staleness. >= 0 (weights must sum to a positive number)."""
@@ -441,13 +464,14 @@ class JobConfig:
     grpo: Grpo = field(default_factory=Grpo)
     rollout: Rollout = field(default_factory=Rollout)
     weight_sync: WeightSync = field(default_factory=WeightSync)
+    off_policy: OffPolicy = field(default_factory=OffPolicy)
     adaptive_async: AdaptiveAsync = field(default_factory=AdaptiveAsync)
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
-SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "adaptive_async": AdaptiveAsync,
-            "eval": Eval}
+SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "off_policy": OffPolicy,
+            "adaptive_async": AdaptiveAsync, "eval": Eval}
 # fields merged into torchtitan's own sections (their booleans are its)
 ADDED_TO_TORCHTITAN = {"metrics": Metrics, "checkpoint": Checkpoint}

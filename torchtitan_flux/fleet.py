@@ -117,7 +117,7 @@ class EngineFleet:
         else:
             e = EmbeddedEngine(
                 f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self.events,
-                self._devices[index], weight_buffers=self.job_config.adaptive_async.max_version_gap + 1,
+                self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
                 auth_token=token,
             )
         e.start()

@@ -72,9 +72,9 @@ class Scores:
 
 
 def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
-    """``"package.module:name"`` -> the callable (``validation.import_spec``: a ``ConfigError``, a ``ValueError``,
+    """``"package.module:name"`` -> the callable (``user_code.import_spec``: a ``ConfigError``, a ``ValueError``,
     naming ``field_name`` otherwise)."""
-    from torchtitan_flux.validation import import_spec
+    from torchtitan_flux.user_code import import_spec
 
     return import_spec(field_name, spec)
 

@@ -6,11 +6,11 @@ data path (rollouts instead of a text dataloader), the loss (GRPO, ``loss.py``) 
 and add engines, weight sync and metrics.
 
 One training step (policy version = number of optimizer steps done = ``self.step`` after the step):
-  1. admission: generation may run ``lookahead = async_ratio * adaptive_async.max_version_gap`` steps ahead of
+  1. admission: generation may run ``lookahead = async_ratio * off_policy.max_version_gap`` steps ahead of
      training, on average: steps are admitted whole, ``floor(lookahead)`` ahead, and one step further on the
-     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``admission.py``). ``async_ratio`` is 0 with
-     ``weight_sync.async_weight_update = false``, 1 with it true, and the controller's output when
-     ``adaptive_async.enabled``. At lookahead 0 the engines first get the newest weights (a synchronous,
+     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``admission.py``). ``async_ratio`` is
+     ``off_policy.async_ratio`` (by default 1 with ``weight_sync.async_weight_update``, else 0), or the
+     controller's output when ``adaptive_async.enabled``. At lookahead 0 the engines first get the newest weights (a synchronous,
      on-policy step). Rank 0 dispatches, then waits for step ``k``'s rollouts; a batch with samples older than
      ``max_version_gap`` is discarded and regenerated (counted);
   2. the batch is broadcast to every rank; each rank trains on its contiguous slice, in micro-batches of
@@ -63,7 +63,7 @@ from torchtitan_flux.stops import (
     die_with_launcher,
     settle_and_checkpoint,
 )
-from torchtitan_flux.validation import import_spec, step_callback
+from torchtitan_flux.user_code import import_spec, step_callback
 from torchtitan_flux.weight_sync import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
@@ -97,7 +97,8 @@ class FluxTrainer(Trainer):
         self.fleet = EngineFleet(job_config, self._events, trainer_on_gpu=self.device.type == "cuda")
         self.engines = self.fleet.engines  # one list for the run (see fleet.py); empty on ranks > 0
         self._step_ends: list[float] = []
-        self.admission = Admission(job_config.adaptive_async, job_config.weight_sync, job_config.training.steps)
+        self.admission = Admission(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
+                                   job_config.training.steps)
         ws = job_config.weight_sync
         self.probe = PostSyncProbe(
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
@@ -117,7 +118,7 @@ class FluxTrainer(Trainer):
         )
         self.memory["rss_after_staging_mb"] = report.rss_mb()
         self.feed = BatchFeed(self.admission, self.scheduler, self.syncer,
-                              max_version_gap=job_config.adaptive_async.max_version_gap,
+                              max_version_gap=self.admission.max_version_gap,
                               async_push=ws.async_weight_update, last_step=job_config.training.steps,
                               rank=self.rank, world=self.world)
         self.run_state = RunState(self.admission, self.feed, self.scheduler, self.task,
@@ -161,7 +162,7 @@ class FluxTrainer(Trainer):
             group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
             max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
             seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer, jc.model.hf_assets_path),
-            max_version_gap=jc.adaptive_async.max_version_gap,
+            max_version_gap=self.admission.max_version_gap,
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._on_engine_dead,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
             reward_workers=jc.rollout.reward_workers,

@@ -2,9 +2,10 @@
 the torchtitan fields we rely on; the first bad value raises ``ConfigError`` naming the field and what is allowed.
 
 It runs in the entry point before torchtitan starts (one ``error:`` line, exit 2) and again on every rank before
-any engine process is started. It also resolves ``adaptive_async.max_version_gap = 0`` (its default) in place.
-The importer of user code named in the config (``import_spec``: rewards, tasks, controllers, step callbacks)
-lives here too, so a bad name is a validation error.
+any engine process is started. It also resolves ``off_policy.max_version_gap = 0`` (its default) in place, and
+moves the deprecated ``adaptive_async.max_version_gap`` there.
+User code named in the config (rewards, tasks, controllers, step callbacks) is imported here through
+``user_code.import_spec``, so a bad name is a validation error.
 
 Simplification: torchtitan's own sections are validated by torchtitan; we check only the fields we rely on.
 """
@@ -12,7 +13,6 @@ Simplification: torchtitan's own sections are validated by torchtitan; we check 
 import dataclasses
 import importlib
 import importlib.util
-import inspect
 import ipaddress
 import logging
 import math
@@ -22,13 +22,13 @@ import socket
 import types
 import typing
 import urllib.parse
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from torchtitan_flux.config import SECTIONS, AdaptiveAsync, Checkpoint, ConfigError
 from torchtitan_flux.engine.auth import is_loopback, read_token
+from torchtitan_flux.user_code import import_spec, step_callback
 
 
 def _allowed(tp: Any) -> str:
@@ -137,47 +137,6 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What a one-argument step callback gets: the step and its metrics (the ``metrics.jsonl`` row)."""
-
-    step: int
-    metrics: dict[str, Any]
-
-
-def step_callback(fn: Any, name: str = "the step callback") -> Any:
-    """``fn`` as ``callback(step, metrics)``: a function of two positional arguments as it is, one of one
-    (``fn(result)``, the tutorial's form) given a ``StepResult``; ``ConfigError`` naming ``name`` for any other."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (some builtins): take the two-argument form
-        return fn
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(required) <= 2 <= len(positional):
-        return fn
-    if len(required) <= 1 <= len(positional):
-        return lambda step, metrics: fn(StepResult(step, metrics))
-    raise ConfigError(f"{name} takes {len(required)} required arguments; allowed: fn(result) or fn(step, metrics)")
-
-
-def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
-    """The one importer of ``"package.module:attribute"`` strings (``attribute`` may be dotted): the object, or a
-    ``ConfigError`` naming the field ``name``. Used for rewards, tasks, custom controllers and step callbacks."""
-    mod, sep, attr = spec.partition(":")
-    if not sep or not mod or not attr:
-        raise ConfigError(f"{name} = {spec!r} must be of the form 'package.module:attribute'")
-    try:
-        obj = importlib.import_module(mod)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
-    if callable_ and not callable(obj):
-        raise ConfigError(f"{name} = {spec!r} is not callable")
-    return obj
-
-
 def resolve_launch_python(path: str) -> str | None:
     """``rollout.launch_python`` as an existing absolute path: as given (absolute, or relative to the current
     directory), else relative to the directory this package is imported from (the repository root of a source
@@ -206,23 +165,53 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
              "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
 
 
-CONTROLLER_DEFAULT_GAP = 3  # adaptive_async.max_version_gap's default with the controller (see its docstring)
+logger = logging.getLogger("torchtitan_flux")
+
+CONTROLLER_DEFAULT_GAP = 3  # off_policy.max_version_gap's default with the controller (see its docstring)
 
 
-def staleness_out_of_reach(a: "AdaptiveAsync") -> str | None:
+def _resolve_off_policy(o, a, w) -> None:
+    """``[off_policy]`` in place: the deprecated ``adaptive_async.max_version_gap`` moved over, the gap's default
+    (0) and the fixed ratio's (-1) resolved, with a deprecation warning for each old way."""
+    if a.max_version_gap != 0:
+        _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap,
+                 "an integer >= 1, or 0 for the default (deprecated: use off_policy.max_version_gap)")
+        if o.max_version_gap not in (0, a.max_version_gap):
+            raise ConfigError(f"adaptive_async.max_version_gap = {a.max_version_gap} and off_policy.max_version_gap = "
+                              f"{o.max_version_gap} differ; set only off_policy.max_version_gap (the old name is "
+                              "deprecated)")
+        logger.warning("adaptive_async.max_version_gap is deprecated: use off_policy.max_version_gap (same meaning)")
+        o.max_version_gap = a.max_version_gap
+    if o.max_version_gap == 0:
+        o.max_version_gap = CONTROLLER_DEFAULT_GAP if a.enabled else 1
+    _require(o.max_version_gap >= 1, "off_policy.max_version_gap", o.max_version_gap,
+             "an integer >= 1, or 0 for the default (1; 3 with adaptive_async.enabled)")
+    if a.enabled:
+        _require(o.async_ratio == -1, "off_policy.async_ratio", o.async_ratio,
+                 "-1 (unset) with adaptive_async.enabled = true: the controller sets the ratio")
+        return
+    if o.async_ratio == -1 and w.async_weight_update:
+        logger.warning("weight_sync.async_weight_update = true no longer sets how far generation runs ahead: set "
+                       "off_policy.async_ratio = 1 (used now, as before); async_weight_update selects only the "
+                       "background push")
+    _require(o.async_ratio == -1 or 0 <= o.async_ratio <= 1, "off_policy.async_ratio", o.async_ratio,
+             "a number in [0, 1], or -1 for the default (1 with weight_sync.async_weight_update = true, else 0)")
+
+
+def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | None:
     """A warning when the version-gap term alone cannot bring staleness to ``target_staleness`` (the gap is at
     most ``max_version_gap``): the KL and importance-weight terms then have to, and on a slowly moving policy they
     stay near 0, so staleness saturates below the target and the ratio sits at its maximum (measured with the
     defaults, max_version_gap 1: staleness ~0.06 against 0.15, 0.16 of steps in band)."""
     total = a.kl_weight + a.iw_var_weight + a.version_gap_weight
-    reach = a.version_gap_weight / total * min(1.0, a.max_version_gap / a.version_gap_norm) if total > 0 else 0.0
+    reach = a.version_gap_weight / total * min(1.0, max_version_gap / a.version_gap_norm) if total > 0 else 0.0
     if reach >= a.target_staleness:
         return None
     need = next((g for g in range(1, 65)
                  if a.version_gap_weight / total * min(1.0, g / a.version_gap_norm) >= a.target_staleness), None)
-    fix = f"raise adaptive_async.max_version_gap to {need}" if need else "lower adaptive_async.target_staleness"
+    fix = f"raise off_policy.max_version_gap to {need}" if need else "lower adaptive_async.target_staleness"
     return (f"adaptive_async.target_staleness = {a.target_staleness} may be out of reach: with max_version_gap = "
-            f"{a.max_version_gap} the version-gap term of staleness is at most {reach:.3f}, so the target is reached "
+            f"{max_version_gap} the version-gap term of staleness is at most {reach:.3f}, so the target is reached "
             f"only if the KL / importance-weight terms make up the rest; {fix} (or lower the target to {reach:.2f})")
 
 
@@ -258,14 +247,11 @@ def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
 
 def validate_config(job_config: Any) -> None:
     """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use).
-    Resolves ``adaptive_async.max_version_gap = 0`` (its default) in place, so everything after sees the gap."""
+    Resolves ``off_policy.max_version_gap`` in place (``_resolve_off_policy``), so everything after sees the gap."""
     for sec in SECTIONS:
         _check_dataclass(sec, getattr(job_config, sec))
     g, r, w, a = job_config.grpo, job_config.rollout, job_config.weight_sync, job_config.adaptive_async
-    if a.max_version_gap == 0:
-        a.max_version_gap = CONTROLLER_DEFAULT_GAP if a.enabled else 1
-    _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap,
-             "an integer >= 1, or 0 for the default (1; 3 with adaptive_async.enabled)")
+    _resolve_off_policy(job_config.off_policy, a, w)
 
     prof = job_config.profiling
     _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
@@ -320,8 +306,9 @@ def validate_config(job_config: Any) -> None:
     _require(w.bucket_size_mb > 0, "weight_sync.bucket_size_mb", w.bucket_size_mb, "> 0")
     if w.interval != "auto":
         _require(w.interval >= 1, "weight_sync.interval", w.interval, 'an integer >= 1, or "auto"')
-        _require(w.interval <= a.max_version_gap + 1, "weight_sync.interval", w.interval,
-                 f"at most adaptive_async.max_version_gap + 1 = {a.max_version_gap + 1} (rollouts from weights "
+        gap = job_config.off_policy.max_version_gap
+        _require(w.interval <= gap + 1, "weight_sync.interval", w.interval,
+                 f"at most off_policy.max_version_gap + 1 = {gap + 1} (rollouts from weights "
                  f"interval - 1 steps old must fit in the gap), or \"auto\"")
     _require(0 < w.overhead_target < 1, "weight_sync.overhead_target", w.overhead_target, "a number in (0, 1)")
     _require(w.max_interval >= 1, "weight_sync.max_interval", w.max_interval, "an integer >= 1")
@@ -367,8 +354,8 @@ def validate_config(job_config: Any) -> None:
     _require(0 < a.integral_band <= 1, "adaptive_async.integral_band", a.integral_band, "a number in (0, 1]")
     _require(0 < a.sync_threshold <= 1, "adaptive_async.sync_threshold", a.sync_threshold, "0 < x <= 1")
     _validate_torchtitan_fields(job_config)
-    if a.enabled and (hint := staleness_out_of_reach(a)):
-        logging.getLogger("torchtitan_flux").warning(hint)
+    if a.enabled and (hint := staleness_out_of_reach(a, job_config.off_policy.max_version_gap)):
+        logger.warning(hint)
     for ph in ("warmup", "main", "cooldown"):
         spec = getattr(a.phase_schedule, ph)
         _require(spec.steps >= 0, f"adaptive_async.phase_schedule.{ph}.steps", spec.steps, ">= 0")
@@ -423,7 +410,7 @@ def _check_data(job_config: Any) -> None:
     except ValueError as e:
         raise ConfigError(str(e).replace("is not allowed", "is out of range")) from None
     if r.task in tasks.ALIASES:
-        logging.getLogger("torchtitan_flux").warning(
+        logger.warning(
             f"rollout.task = {r.task!r} is deprecated; use {tasks.ALIASES[r.task]!r} (same behaviour)")
     if tasks.ALIASES.get(r.task, r.task) in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
         raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} does not exist; task {r.task!r} needs a dataset "

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 from torchtitan_flux.config import AdaptiveAsync, ConfigError
 from torchtitan_flux.controller.signal import clamp
-from torchtitan_flux.validation import import_spec
+from torchtitan_flux.user_code import import_spec
 
 
 class BaseAsyncController(abc.ABC):
