@@ -347,6 +347,16 @@ class HFLayout:
                              "is not a parameter of its own and has no HF name)")
         return out
 
+    def bucket_meta(self, plan) -> list[tuple[list[str], list[str], list[list[int]]]]:
+        """Per bucket of a ``transport.BucketPlan``: the (HF names, dtypes, shapes) of its tensors, what the
+        servers' per-bucket update requests carry (same shapes: the layout change only permutes rows)."""
+        names = self.hf_names([s.name for s in plan.specs], [s.shape for s in plan.specs])
+        out = []
+        for b in plan.buckets:
+            specs = plan.specs[b.start : b.end]
+            out.append((names[b.start : b.end], [s.dtype for s in specs], [list(s.shape) for s in specs]))
+        return out
+
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A torchtitan parameter in HF layout (llama: q/k rows permuted by ``to_hf``; otherwise unchanged)."""
         if not self.permuted or not (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
