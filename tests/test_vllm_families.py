@@ -136,7 +136,8 @@ def dataclasses_replace(obj, **kw):
 
 
 def _untied_layout(model_dir):
-    from torchtitan_flux.model import FluxLlamaArgs, HFLayout
+    from torchtitan_flux.hf_weights import HFLayout
+    from torchtitan_flux.model import FluxLlamaArgs
 
     args = FluxLlamaArgs.from_hf_dir(model_dir)
     args.tie_word_embeddings = False
