@@ -127,14 +127,10 @@ def pack_completions(completions: list[tuple[list[int], list[float]]], req: Gene
 
 
 class HttpEngine(EngineBase, abc.ABC):
-    """``EngineHandler`` for an inference server reached over HTTP (see the module docstring). Subclasses hold
-    only what differs per server: the abstract hooks at the end (checks, generation, scoring, the weight
-    version, and the push steps ``_init_group``, ``_pause``, ``_open``, ``_send_bucket``, ``_close``,
-    ``_resume``).
-
-    Concurrency: generations run on the ``_gen`` workers, joins and pushes on the single ``_ctl`` thread, the
-    health poll on its own thread; ``_gate`` orders generations against pushes and holds the server's version,
-    ``_lock`` guards the push plan and the dead flag."""
+    """``EngineHandler`` for a server reached over HTTP (see the module docstring); subclasses implement the
+    abstract hooks at the end. Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one
+    ``_ctl`` thread, the health poll on its own; ``_gate`` orders generations against pushes and holds the
+    server's version, ``_lock`` guards the push plan and the dead flag."""
 
     kind = "HTTP"  # server kind, for messages ("vLLM", "SGLang")
     supports_delta = False  # servers load whole buckets through their own loaders
@@ -228,8 +224,6 @@ class HttpEngine(EngineBase, abc.ABC):
                 w.stop()
         if self.client is not None:
             self.client.close()
-
-    # ------------------------------------------------------------------------------- HF layout
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A torchtitan parameter in the layout the server loads (HF; see ``HFLayout.wire_tensor``)."""
