@@ -23,11 +23,10 @@ apply_patches()
 from torchtitan_flux import assets, inference, weight_dict  # noqa: E402
 from torchtitan_flux.inference import forward_logits, generate, score  # noqa: E402
 from torchtitan_flux.weight_dict import LlamaShape  # noqa: E402
+from torchtitan_flux.hf_weights import export_hf_weights, load_hf_weights  # noqa: E402
 from torchtitan_flux.model import (  # noqa: E402
     FLUX_MODEL_NAME,
     FluxLlamaArgs,
-    export_hf_weights,
-    load_hf_weights,
     register_flux_model,
     solve_ffn_args,
     torchtitan_ffn_hidden_dim,

@@ -19,7 +19,8 @@ from torchtitan.models.llama3 import Transformer  # noqa: E402
 from torchtitan_flux import loss as grpo  # noqa: E402
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult  # noqa: E402
 from torchtitan_flux.engine.embedded import EmbeddedEngine  # noqa: E402
-from torchtitan_flux.model import FluxLlamaArgs, load_hf_weights  # noqa: E402
+from torchtitan_flux.hf_weights import load_hf_weights  # noqa: E402
+from torchtitan_flux.model import FluxLlamaArgs  # noqa: E402
 from torchtitan_flux.weight_sync import WeightSyncer  # noqa: E402
 
 

@@ -25,6 +25,7 @@ from hf_families import CASES, build_hf_model, hf_logits  # noqa: E402
 from torchtitan_flux import hf, inference  # noqa: E402
 
 from torchtitan_flux import weight_dict
+from torchtitan_flux import hf_weights  # noqa: E402
 from torchtitan_flux import model as flux_model  # noqa: E402
 from torchtitan_flux.probe import ProbeMismatch, compare  # noqa: E402
 
@@ -47,7 +48,7 @@ def _trainer_model(model_dir: Path):
         model = flux_model.build_model(args)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    flux_model.load_hf_weights(model, model_dir, args)
+    hf_weights.load_hf_weights(model, model_dir, args)
     return model.eval(), args
 
 
@@ -77,7 +78,7 @@ def test_tied_is_one_parameter_and_pushed_once(family_dirs, family, tied):
         assert model.output.weight is model.tok_embeddings.weight
     shape = weight_dict.LlamaShape.from_hf_dir(d)
     assert names == weight_dict.weight_names(shape)  # the engine expects exactly what is pushed, in order
-    layout = flux_model.HFLayout.from_hf_dir(d)
+    layout = hf_weights.HFLayout.from_hf_dir(d)
     hf_names = layout.hf_names(names, [tuple(p.shape) for p in model.parameters()])
     assert ("lm_head.weight" in hf_names) == (not tied)
     on_disk = set(hf.read_state_dict(d))
@@ -91,7 +92,7 @@ def test_export_reloads_in_transformers_with_same_logits(family_dirs, family, ti
     with torch.no_grad():  # move off the initial weights so the export is not a copy of the input folder
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    out = flux_model.export_hf_weights(model, tmp_path / "export", args, d)
+    out = hf_weights.export_hf_weights(model, tmp_path / "export", args, d)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] == tied
     assert ("lm_head.weight" in hf.read_state_dict(out)) == (not tied)

@@ -525,7 +525,7 @@ if __name__ != "__main__":
 
     def hf_sha(handler, weights: dict) -> dict:
         names = list(weights)
-        hf = handler.hf_names(names, [tuple(weights[n].shape) for n in names])
+        hf = handler.layout.hf_names(names, [tuple(weights[n].shape) for n in names])
         return {h: hashlib.sha256(handler.wire_tensor(n, weights[n]).contiguous().view(torch.uint8).numpy()
                                   .tobytes()).hexdigest() for h, n in zip(hf, names)}
 

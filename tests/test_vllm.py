@@ -473,10 +473,10 @@ def test_vllm_nccl_trainer_engine_takes_our_staging_as_its_source():
 def test_server_hashes_sampled_pushes_and_always_the_final_one():
     """weight_sync.verify_every: the vLLM gloo extension hashes every N-th push and the last (summary.json compares
     that one); 0 never hashes. Pure handler logic: no server."""
-    from torchtitan_flux.engine.vllm import VllmEngine
+    from torchtitan_flux.engine.vllm import VllmEngine, VllmOptions
 
     e = VllmEngine.__new__(VllmEngine)
-    e.verify_every, e.final_version = 10, 25
+    e.options = VllmOptions(model_dir="unused", verify_every=10, final_version=25)
     assert [v for v in range(1, 30) if e.hashes(v)] == [10, 20, 25, 26, 27, 28, 29]
-    e.verify_every = 0
+    e.options.verify_every = 0
     assert not any(e.hashes(v) for v in range(0, 30))

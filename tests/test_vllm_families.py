@@ -119,11 +119,11 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
     untied = {**moved, "output.weight": moved["tok_embeddings.weight"] + 0.2 * torch.randn(
         moved["tok_embeddings.weight"].shape, generator=gen)}
     untied_specs = specs + [transport.TensorSpec("output.weight", tuple(untied["output.weight"].shape), "float32")]
-    handler._adapter = _untied_layout(model_dir)  # the pre-fix trainer's names: lm_head.weight included
+    handler.layout = _untied_layout(model_dir)  # the pre-fix trainer's names: lm_head.weight included
     try:
         _push(handler, events, untied_specs, untied, 3)
     finally:
-        handler._adapter = None
+        del handler.layout  # built again from the folder on next use
     version, got = handler.score(tokens)
     with pytest.raises(ProbeMismatch, match="engine vllm0 at version 3"):
         compare(handler.name, version, tokens, inference.score(untied, untied_shape, seq)[0], got, 1e-3)
@@ -136,7 +136,8 @@ def dataclasses_replace(obj, **kw):
 
 
 def _untied_layout(model_dir):
-    from torchtitan_flux.model import FluxLlamaArgs, HFLayout
+    from torchtitan_flux.hf_weights import HFLayout
+    from torchtitan_flux.model import FluxLlamaArgs
 
     args = FluxLlamaArgs.from_hf_dir(model_dir)
     args.tie_word_embeddings = False

@@ -6,7 +6,7 @@ both torchtitan (``--model.hf_assets_path``) and the rollout engines load.
 
 The weights are produced by torchtitan's own llama3 ``Transformer`` (``init_weights()`` under
 ``torch.manual_seed(seed)``) and converted to HF names with ``Llama3StateDictAdapter.to_hf``, so the folder
-round-trips exactly through ``torchtitan_flux.model.load_hf_weights``.
+round-trips exactly through ``torchtitan_flux.hf_weights.load_hf_weights``.
 
 Layout note: the weights are one ``model.safetensors`` and there is deliberately NO
 ``model.safetensors.index.json``. torchtitan's ``StateDictAdapter.__init__`` parses the shard number out of

@@ -1,4 +1,4 @@
-"""Trainer-side model plumbing: one TrainSpec per supported family, HF config -> torchtitan args, HF weight I/O.
+"""Trainer-side model families: one TrainSpec per supported family, HF config -> torchtitan args, models, adapters.
 
 The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_model``; see ``torchtitan_flux.hf``
 for what is supported and refused):
@@ -15,19 +15,15 @@ for what is supported and refused):
   smallest extension that torchtitan lacks, biases on the q/k/v projections (``FluxQwenModel``, mapped by
   ``FluxQwenStateDictAdapter``).
 
-``load_hf_weights`` / ``export_hf_weights``: HF safetensors <-> a (possibly FSDP2-sharded) model via
-``torch.distributed.checkpoint.state_dict`` with full state dicts; a tied model is exported tied
-(``tie_word_embeddings`` kept, no ``lm_head.weight``). Reading config.json and the safetensors shards is
-``torchtitan_flux.hf``'s job, shared with the engines.
+Loading and exporting HF weights, and the HF layout the HTTP engines push, are ``hf_weights.py`` (through
+``state_dict_adapter``); reading config.json and the safetensors shards is ``torchtitan_flux.hf``'s job, shared
+with the engines.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +36,7 @@ if _apply_patches is not None:
     _apply_patches()
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 
 from torchtitan.models.llama3 import Llama3StateDictAdapter, Transformer, TransformerModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
@@ -55,24 +45,11 @@ from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from torchtitan_flux import hf
-from torchtitan_flux.hf import INDEX_FILE, WEIGHTS_FILE, read_state_dict
-from torchtitan_flux.hf import weight_files as hf_weight_files
 
 FLUX_MODEL_NAME = "flux_llama3"  # the llama spec; also the name older configs give for every family
 FLUX_FLAVOR = "hf"
 # family (torchtitan_flux.hf.SUPPORTED) -> the TrainSpec name registered for it
 FAMILY_SPECS = {"llama": "flux_llama3", "qwen3": "flux_qwen3", "qwen2": "flux_qwen2"}
-# Non-weight files copied by export_hf_weights so the exported folder is itself a loadable model dir.
-ASSET_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,10 +157,6 @@ def qwen_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") 
     )
 
 
-def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    return hf.read_config(hf_dir)
-
-
 class _FromHF:
     """Mixin: dataclass args filled from ``{job_config.model.hf_assets_path}/config.json`` by ``_fields``."""
 
@@ -196,14 +169,14 @@ class _FromHF:
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | os.PathLike, max_seq_len: int | None = None):
-        args = cls().apply_hf_config(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))
+        args = cls().apply_hf_config(hf.read_config(hf_dir), str(Path(hf_dir) / "config.json"))
         if max_seq_len is not None:
             args.max_seq_len = int(max_seq_len)
         return args
 
     def update_from_config(self, job_config, **kwargs) -> None:
         hf_dir = job_config.model.hf_assets_path
-        self.apply_hf_config(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))
+        self.apply_hf_config(hf.read_config(hf_dir), str(Path(hf_dir) / "config.json"))
         # max_seq_len from training.seq_len (and torchtitan's own checks).
         super().update_from_config(job_config, **kwargs)
 
@@ -323,41 +296,9 @@ def state_dict_adapter(model_args, hf_assets_path: str | None = None):
     return FluxLlamaStateDictAdapter(model_args, hf_assets_path)
 
 
-class HFLayout:
-    """Names and tensor layout of torchtitan parameters as HF-layout servers (vLLM, SGLang) load them, from the
-    family's state-dict adapter. Used trainer-side by the HTTP engine handlers for every push."""
-
-    def __init__(self, model_args):
-        self.adapter = state_dict_adapter(model_args)
-        self.permuted = not isinstance(model_args, Qwen3ModelArgs)  # llama: q/k rows permuted by ``to_hf``
-
-    @classmethod
-    def from_hf_dir(cls, hf_dir: str | os.PathLike) -> "HFLayout":
-        return cls(args_from_hf_dir(hf_dir))
-
-    def hf_names(self, names: list[str], shapes: list[tuple[int, ...]]) -> list[str]:
-        """HF names of torchtitan parameter names, in order (``to_hf`` on meta tensors: no data is touched)."""
-        meta = {n: torch.empty(s, device="meta") for n, s in zip(names, shapes)}
-        try:
-            out = list(self.adapter.to_hf(meta))
-        except KeyError as e:
-            raise ValueError(f"parameter {e.args[0]!r} has no HF name") from None
-        if len(out) != len(names):
-            raise ValueError(f"{len(names)} parameters map to {len(out)} HF names (a tied output projection "
-                             "is not a parameter of its own and has no HF name)")
-        return out
-
-    def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A torchtitan parameter in HF layout (llama: q/k rows permuted by ``to_hf``; otherwise unchanged)."""
-        if not self.permuted or not (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
-            return tensor
-        (out,) = self.adapter.to_hf({name: tensor}).values()
-        return out
-
-
 def args_from_hf_dir(hf_dir: str | os.PathLike, max_seq_len: int | None = None):
     """The family's torchtitan model args for a HF folder (FluxLlamaArgs or FluxQwenArgs)."""
-    fam = hf.family(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))
+    fam = hf.family(hf.read_config(hf_dir), str(Path(hf_dir) / "config.json"))
     cls = FluxLlamaArgs if fam == "llama" else FluxQwenArgs
     return cls.from_hf_dir(hf_dir, max_seq_len)
 
@@ -444,134 +385,6 @@ def select_model(job_config) -> str:
     (whatever flux name the config gave: the folder alone decides). Raises ValueError naming the supported
     families for any other model, before anything is built. Returns the spec name."""
     hf_dir = job_config.model.hf_assets_path
-    name = FAMILY_SPECS[hf.family(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"))]
+    name = FAMILY_SPECS[hf.family(hf.read_config(hf_dir), str(Path(hf_dir) / "config.json"))]
     job_config.model.name = name
     return name
-
-
-# --------------------------------------------------------------------------------------------------
-# HF weights <-> model
-# --------------------------------------------------------------------------------------------------
-
-_WRAPPER_PREFIXES = re.compile(r"(_orig_mod\.|_checkpoint_wrapped_module\.|_fsdp_wrapped_module\.)")
-
-
-def _clean_fqn(name: str) -> str:
-    name = _WRAPPER_PREFIXES.sub("", name)
-    return name[len("module."):] if name.startswith("module.") else name
-
-
-def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Model state-dict FQNs -> global shapes (DTensor ``.shape`` is global)."""
-    return {_clean_fqn(k): tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    return read_state_dict(hf_dir)
-
-
-def _hf_shapes_for(model_shapes: dict[str, tuple[int, ...]], model_args) -> dict[str, tuple[int, ...]]:
-    adapter = state_dict_adapter(model_args)
-    meta = {k: torch.empty(s, device="meta") for k, s in model_shapes.items()}
-    return {k: tuple(v.shape) for k, v in adapter.to_hf(meta).items()}
-
-
-def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> None:
-    """Load HF safetensors from ``hf_dir`` into the family's torchtitan ``model`` (plain or FSDP2/DTensor).
-
-    Every rank reads the full files and keeps its own shards. Raises FileNotFoundError naming the
-    missing file, or ValueError listing missing / unexpected keys and shape mismatches (e.g. a vocab size
-    in config.json that differs from the weights).
-    """
-    hf_dir = Path(hf_dir)
-    files = hf_weight_files(hf_dir)
-    hf_sd = read_hf_state_dict(hf_dir)
-    if _tied(model_args):  # some tied checkpoints store lm_head anyway: the embedding is the projection
-        hf_sd.pop("lm_head.weight", None)
-
-    model_shapes = _expected_shapes(model)
-    expected = _hf_shapes_for(model_shapes, model_args)
-    missing = sorted(set(expected) - set(hf_sd))
-    unexpected = sorted(set(hf_sd) - set(expected))
-    mismatched = [
-        f"{k}: file {tuple(hf_sd[k].shape)} vs model {expected[k]}"
-        for k in sorted(set(expected) & set(hf_sd))
-        if tuple(hf_sd[k].shape) != expected[k]
-    ]
-    if missing or unexpected or mismatched:
-        where = ", ".join(str(p) for p in files)
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        if mismatched:
-            parts.append(f"shape mismatches [{'; '.join(mismatched)}]")
-        raise ValueError(
-            f"HF weights in {where} do not match the model built from config.json: " + "; ".join(parts)
-        )
-
-    sd = state_dict_adapter(model_args).from_hf(hf_sd)
-    set_model_state_dict(
-        model, sd, options=StateDictOptions(full_state_dict=True, strict=True)
-    )
-
-
-def _tied(model_args) -> bool:
-    return bool(getattr(model_args, "tie_word_embeddings", False) or getattr(model_args, "enable_weight_tying", False))
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def export_hf_weights(
-    model: nn.Module,
-    out_dir: str | os.PathLike,
-    model_args,
-    hf_assets_dir: str | os.PathLike,
-    *,
-    barrier: bool = True,
-) -> Path | None:
-    """Write ``model`` as a HF folder of its family (``model.safetensors`` + config/tokenizer copied from
-    ``hf_assets_dir``). Must be called on every rank (gathers the full state dict); rank 0 writes.
-    Returns the folder on rank 0, None elsewhere. With ``barrier`` all ranks wait for the write.
-    """
-    from safetensors.torch import save_file
-
-    sd = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    out = Path(out_dir)
-    result: Path | None = None
-    if _rank() == 0:
-        sd = {_clean_fqn(k): (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
-        hf_sd = state_dict_adapter(model_args).to_hf(sd)
-        hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in hf_sd.items()}
-        out.mkdir(parents=True, exist_ok=True)
-        src = Path(hf_assets_dir)
-        # A stale index / shards / build record would shadow or misdescribe the new weights.
-        for stale in [out / INDEX_FILE, out / "flux_build.json", *out.glob("model-*-of-*.safetensors")]:
-            stale.unlink(missing_ok=True)
-        tmp = out / (WEIGHTS_FILE + ".tmp")
-        save_file(hf_sd, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / WEIGHTS_FILE)
-        if src.resolve() != out.resolve():
-            for name in ASSET_FILES:
-                if (src / name).is_file():
-                    shutil.copyfile(src / name, out / name)
-        cfg_path = out / "config.json"
-        if cfg_path.is_file():
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-            dtypes = {v.dtype for v in hf_sd.values()}
-            cfg["tie_word_embeddings"] = _tied(model_args)  # a tied model stays tied (no lm_head written)
-            if len(dtypes) == 1:
-                cfg["torch_dtype"] = str(next(iter(dtypes))).replace("torch.", "")
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f, indent=2)
-                f.write("\n")
-        result = out
-    if barrier and dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    return result

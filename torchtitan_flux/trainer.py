@@ -50,8 +50,8 @@ from torchtitan_flux.config import ConfigError
 from torchtitan_flux.evaluation import Evaluator
 from torchtitan_flux.feed import BatchFeed
 from torchtitan_flux.fleet import EngineFleet, set_trainer_threads
+from torchtitan_flux.hf_weights import export_hf_weights, load_hf_weights
 from torchtitan_flux.metrics import MetricsWriter
-from torchtitan_flux.model import export_hf_weights, load_hf_weights
 from torchtitan_flux.preflight import preflight
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted

@@ -1,5 +1,8 @@
-"""``HttpEngine``: the base handler the HTTP rollout engines (vLLM, SGLang) share; they talk to their servers
-through ``HttpClient`` (``engine/http_client.py``).
+"""``HttpEngine``: the abstract base handler the HTTP rollout engines (vLLM, SGLang) share. Its collaborators:
+``HttpClient`` (``engine/http_client.py``) talks to the server, ``StartupChecks`` / ``HealthMonitor``
+(``engine/server_checks.py``) check it, ``Gate`` / ``Workers`` (``engine/threads.py``) are its threads, and the
+model family's ``HFLayout`` (``torchtitan_flux.hf_weights``) gives the HF names and layout. Subclasses implement the
+abstract per-server hooks: the endpoints and payloads, nothing else.
 
 ``HttpEngine`` implements the ``EngineHandler`` protocol (``engine/base.py``) for a server we did not start:
 
@@ -17,10 +20,11 @@ through ``HttpClient`` (``engine/http_client.py``).
   plan, HF names), each concurrent with the trainer's broadcast of that bucket, then ``close`` (version, cache
   reset) and ``resume``. The control thread posts the ``WeightAck`` itself when the server confirmed the last
   call, so ``finish_update`` has nothing to do: the server, not the trainer, knows when it holds the weights.
-* A health thread polls the server (not during a push) and posts a fatal ``EngineError`` once it is gone.
+* A health thread (``HealthMonitor``) polls the server (not during a push) and posts a fatal ``EngineError``
+  once it is gone.
 
 Where names and layouts are converted (trainer side, once, with the model family's torchtitan state-dict adapter,
-``torchtitan_flux.model.HFLayout``): for Llama, torchtitan's wq/wk rows are in the RoPE layout of the original
+``torchtitan_flux.hf_weights.HFLayout``): for Llama, torchtitan's wq/wk rows are in the RoPE layout of the original
 Llama code and HF's q_proj/k_proj rows are permuted (``to_hf`` applies the permutation); Qwen keeps HF's layout.
 A tied model has no ``output.weight`` parameter, so nothing is pushed for ``lm_head``: the engine's embedding is
 its output projection. SGLang's ``load_weights`` takes HF tensors as they are, so the bytes on the
@@ -50,14 +54,14 @@ exceed one generation request.
 
 from __future__ import annotations
 
-import contextlib
-import json
+import abc
+import functools
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import torch
@@ -72,188 +76,108 @@ from torchtitan_flux.engine.base import (
     WeightAck,
     WeightGroupInfo,
 )
-from torchtitan_flux.engine.http_client import HttpClient, HttpError
+from torchtitan_flux.engine.http_client import HttpClient
+from torchtitan_flux.engine.server_checks import HealthMonitor, StartupChecks
+from torchtitan_flux.engine.threads import Gate, Workers
 
 logger = logging.getLogger("torchtitan_flux")
 
-class _Gate:
-    """Reader/writer gate: generations share it, a weight update holds it alone. Writers go first (a pending
-    update blocks new generations), so updates are not starved. ``fail`` wakes every waiter with an error."""
 
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-        self._failed: str | None = None
+@dataclass
+class HttpOptions:
+    """An HTTP handler's keyword arguments (``reconnect`` builds the new handler from them)."""
 
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cv:
-            while (self._writer or self._writers_waiting) and self._failed is None:
-                self._cv.wait()
-            if self._failed is not None:
-                raise RuntimeError(self._failed)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._readers -= 1
-                self._cv.notify_all()
+    model_dir: str | Path  # the trainer's HF model folder: config and tokenizer the server must match
+    max_inflight: int = 8  # generation calls in flight (worker threads)
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    retries: int = 3
+    backoff_s: float = 0.25
+    health_interval_s: float = 5.0  # 0: no health thread
+    health_failures: int = 3  # failed polls in a row that declare the server gone
+    transport: httpx.BaseTransport | None = None  # tests: an in-process server
+    auth_token: str | None = None
 
-    def acquire(self) -> None:
-        with self._cv:
-            self._writers_waiting += 1
-            try:
-                while (self._writer or self._readers) and self._failed is None:
-                    self._cv.wait()
-            finally:
-                self._writers_waiting -= 1
-            if self._failed is not None:
-                raise RuntimeError(self._failed)
-            self._writer = True
-
-    def release(self) -> None:
-        with self._cv:
-            self._writer = False
-            self._cv.notify_all()
-
-    @property
-    def held(self) -> bool:
-        return self._writer
-
-    def fail(self, why: str) -> None:
-        with self._cv:
-            self._failed = why
-            self._cv.notify_all()
+    def client(self, url: str, label: str) -> HttpClient:
+        """The pooled client for the server at ``url``: a connection per worker thread and a few to spare."""
+        return HttpClient(url, label=label, timeout_s=self.request_timeout_s, connect_timeout_s=self.connect_timeout_s,
+                          max_connections=self.max_inflight + 4, retries=self.retries, backoff_s=self.backoff_s,
+                          transport=self.transport, auth_token=self.auth_token)
 
 
-class _Workers:
-    """A fixed set of daemon threads draining a task queue (daemon: a call stuck on a dead server never keeps the
-    trainer from exiting, unlike ``ThreadPoolExecutor``'s joined threads)."""
-
-    def __init__(self, n: int, name: str):
-        self._q: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable, *args) -> None:
-        self._q.put((fn, args))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, args = item
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 - tasks report through events; never lose the thread
-                logger.exception("HTTP engine task failed")
-
-    def stop(self) -> None:
-        with self._q.mutex:
-            self._q.queue.clear()
-        for _ in self._threads:
-            self._q.put(None)
+def pack_completions(completions: list[tuple[list[int], list[float]]], req: GenerationRequest, pad_id: int):
+    """Per-completion (token ids, logprobs) -> the padded tensors of a ``GenerationResult``."""
+    n = len(req.prompt_ids) * req.group_size
+    if len(completions) != n:
+        raise RuntimeError(f"expected {n} completions, the server returned {len(completions)}")
+    T = req.max_new_tokens
+    tokens = torch.full((n, T), pad_id, dtype=torch.int64)
+    logprobs = torch.zeros((n, T), dtype=torch.float32)
+    lengths = torch.zeros(n, dtype=torch.int64)
+    for i, (ids, lps) in enumerate(completions):
+        if len(ids) != len(lps):
+            raise RuntimeError(f"completion {i}: {len(ids)} tokens but {len(lps)} logprobs")
+        if len(ids) > T:
+            raise RuntimeError(f"completion {i} has {len(ids)} tokens > max_new_tokens {T}")
+        if ids:
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            logprobs[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+        lengths[i] = len(ids)
+    return tokens, logprobs, lengths
 
 
-def _read_json(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-class HttpEngine(EngineBase):
-    """``EngineHandler`` for an inference server reached over HTTP. Subclasses hold only what differs per server
-    (the endpoints and payloads): ``_check_server``, ``_generate``, ``_init_group`` and the five push steps
-    ``_pause``, ``_open``, ``_send_bucket``, ``_close``, ``_resume``."""
+class HttpEngine(EngineBase, abc.ABC):
+    """``EngineHandler`` for a server reached over HTTP (see the module docstring); subclasses implement the
+    abstract hooks at the end. Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one
+    ``_ctl`` thread, the health poll on its own; ``_gate`` orders generations against pushes and holds the
+    server's version, ``_lock`` guards the push plan and the dead flag."""
 
     kind = "HTTP"  # server kind, for messages ("vLLM", "SGLang")
     supports_delta = False  # servers load whole buckets through their own loaders
     reconnects = True  # a server is not ours to restart
     launch_hint = ""  # how to start a correctly configured server, appended to start-up errors
+    Options: type[HttpOptions] = HttpOptions  # the constructor's keyword arguments
 
-    def __init__(
-        self,
-        name: str,
-        url: str,
-        events: queue.Queue,
-        *,
-        model_dir: str | Path,
-        max_inflight: int = 8,
-        request_timeout_s: float = 600.0,
-        connect_timeout_s: float = 5.0,
-        retries: int = 3,
-        backoff_s: float = 0.25,
-        health_interval_s: float = 5.0,
-        health_failures: int = 3,
-        transport: httpx.BaseTransport | None = None,
-        auth_token: str | None = None,
-    ):
-        self._init_args = (name, url, events)
-        self._init_kw = dict(
-            model_dir=model_dir, max_inflight=max_inflight, request_timeout_s=request_timeout_s,
-            connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
-            health_interval_s=health_interval_s, health_failures=health_failures, transport=transport,
-            auth_token=auth_token,
-        )
+    def __init__(self, name: str, url: str, events: queue.Queue, **options):
         self.name, self.url, self.events = name, url.rstrip("/"), events
-        self.model_dir = Path(model_dir)
-        self.max_inflight = max_inflight
-        self.request_timeout_s = request_timeout_s
-        self.health_interval_s, self.health_failures = health_interval_s, health_failures
-        self._client_kw = dict(
-            label=f"{self.kind} server {self.url}", timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
-            max_connections=max_inflight + 4, retries=retries, backoff_s=backoff_s, transport=transport,
-            auth_token=auth_token,
-        )
-        self.client: HttpClient | None = None
-        self.hf_config = _read_json(self.model_dir / "config.json")
-        self.eos_id = hf.eos_token_ids(self.hf_config)
+        self.options = self.Options(**options)
+        self.model_dir = Path(self.options.model_dir)
+        self.hf_config = hf.read_config(self.model_dir)
         self.pad_id = int(self.hf_config.get("pad_token_id") or 0)
-        self._adapter = None  # the family's HFLayout, built on first use
+        self.client: HttpClient | None = None
+        self.checks: StartupChecks | None = None  # what ``_check_server`` composes (set by ``start``)
+        self._health: HealthMonitor | None = None
         self._lock = threading.Lock()
-        self._gate = _Gate()
-        self._version = -1  # version the server holds; -1 = the weights it loaded from disk
-        self._version_cv = threading.Condition()  # notified when _version changes (requests wait on min_version)
+        self._gate = Gate()  # generations vs pushes, and the version the server holds
         self._plan: transport.BucketPlan | None = None
         self._bucket_meta: list[tuple[list[str], list[str], list[list[int]]]] = []
         self._info: WeightGroupInfo | None = None
         self._dead = False
         self._closing = False
-        self._gen: _Workers | None = None
-        self._ctl: _Workers | None = None
-        self._health_stop = threading.Event()
+        self._gen: Workers | None = None
+        self._ctl: Workers | None = None
         self.last_push_s = 0.0  # wall time of the last push, gate wait excluded (metrics, tests)
 
     # --------------------------------------------------------------------------- EngineHandler protocol
 
     def start(self) -> None:
-        self.client = HttpClient(self.url, **self._client_kw)
+        o = self.options
+        self.client = o.client(self.url, f"{self.kind} server {self.url}")
+        self.checks = StartupChecks(self.client, self.name, self.kind, self.model_dir, self.hf_config,
+                                    self.launch_hint)
         try:
-            self._check_server()
+            self.checks.run(self._check_server)
         except EngineStartError:
             self.client.close()
             raise
-        except HttpError as e:
-            self.client.close()
-            if e.status is None:
-                raise EngineStartError(
-                    f"{self.name}: cannot reach the {self.kind} server at {self.url} ({e.detail}). Is it running? "
-                    f"{self.launch_hint}"
-                ) from e
-            if e.status == 401:
-                raise EngineStartError(
-                    f"{self.name}: the {self.kind} server at {self.url} refused the trainer's token (HTTP 401): set "
-                    "the variable named by weight_sync.auth_token_env to the server's TORCHTITAN_FLUX_TOKEN"
-                ) from e
-            raise EngineStartError(f"{self.name}: the {self.kind} server at {self.url} is not usable: {e}") from e
-        self._gen = _Workers(self.max_inflight, f"{self.name}-gen")
-        self._ctl = _Workers(1, f"{self.name}-ctl")
-        if self.health_interval_s > 0:
-            threading.Thread(target=self._health_loop, name=f"{self.name}-health", daemon=True).start()
+        self._gen = Workers(o.max_inflight, f"{self.name}-gen")
+        self._ctl = Workers(1, f"{self.name}-ctl")
+        if o.health_interval_s > 0:
+            self._health = HealthMonitor(
+                self.client, self.name, o.health_interval_s, o.health_failures, busy=lambda: self._gate.held,
+                done=lambda: self._dead or self._closing, on_dead=self._die,
+            )
+            self._health.start()
 
     def alive(self) -> bool:
         return self.client is not None and not self._dead and not self._closing
@@ -266,11 +190,10 @@ class HttpEngine(EngineBase):
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
         plan = transport.plan_buckets(info.specs, info.bucket_bytes)
-        names = self.hf_names([s.name for s in plan.specs], [s.shape for s in plan.specs])
-        meta = []
-        for b in plan.buckets:
-            specs = plan.specs[b.start : b.end]
-            meta.append((names[b.start : b.end], [s.dtype for s in specs], [list(s.shape) for s in specs]))
+        try:
+            meta = self.layout.bucket_meta(plan)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
         with self._lock:
             self._plan, self._bucket_meta, self._info = plan, meta, info
         self._ctl.submit(self._join_task, info)
@@ -285,7 +208,7 @@ class HttpEngine(EngineBase):
         """A new, started handler for the same server (what the trainer uses to "restart" a dead HTTP engine: the
         server itself is not ours to restart). Raises ``EngineStartError`` if the server is still unusable. The
         syncer must then rejoin it (``WeightSyncer.replace_engine``): its weights are whatever it holds."""
-        new = type(self)(*self._init_args, **self._init_kw)
+        new = type(self)(self.name, self.url, self.events, **vars(self.options))
         new.start()
         return new
 
@@ -293,7 +216,8 @@ class HttpEngine(EngineBase):
         if self._closing:
             return
         self._closing = True
-        self._health_stop.set()
+        if self._health is not None:
+            self._health.stop()
         self._gate.fail(f"{self.name} is closed")
         for w in (self._gen, self._ctl):
             if w is not None:
@@ -301,28 +225,16 @@ class HttpEngine(EngineBase):
         if self.client is not None:
             self.client.close()
 
-    # ------------------------------------------------------------------------------- syncer hooks
-
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A torchtitan parameter in the layout the server loads (HF; see ``HFLayout.wire_tensor``)."""
-        return self.layout().wire_tensor(name, tensor)
+        return self.layout.wire_tensor(name, tensor)
 
-    # ----------------------------------------------------------------------------------- names
-
+    @functools.cached_property
     def layout(self):
-        """The model family's HF layout (``torchtitan_flux.model.HFLayout``), built on first use."""
-        if self._adapter is None:
-            from torchtitan_flux.model import HFLayout  # imports torchtitan (trainer side only)
+        """The model family's HF layout (``torchtitan_flux.hf_weights.HFLayout``), built on first use."""
+        from torchtitan_flux.hf_weights import HFLayout  # imports torchtitan (trainer side only)
 
-            self._adapter = HFLayout.from_hf_dir(self.model_dir)
-        return self._adapter
-
-    def hf_names(self, names: list[str], shapes: list[tuple[int, ...]]) -> list[str]:
-        """HF names of torchtitan parameter names, in order (see ``HFLayout.hf_names``)."""
-        try:
-            return self.layout().hf_names(names, shapes)
-        except ValueError as e:
-            raise ValueError(f"{self.name}: {e}") from None
+        return HFLayout.from_hf_dir(self.model_dir)
 
     # ------------------------------------------------------------------------------------ tasks
 
@@ -339,19 +251,17 @@ class HttpEngine(EngineBase):
     def _generate_task(self, req: GenerationRequest) -> None:
         if self._dead or self._closing:
             return
-        with self._version_cv:  # born fresh enough; after the wait bound it runs on what the server holds
-            bound = self._info.timeout_s if self._info is not None else 60.0
-            self._version_cv.wait_for(lambda: self._version >= req.min_version or self._dead, timeout=bound)
+        # born fresh enough; after the wait bound it runs on what the server holds
+        self._gate.wait_version(req.min_version, self._info.timeout_s if self._info is not None else 60.0)
         try:
-            with self._gate.shared():
-                version = self._version
+            with self._gate.shared() as version:
                 t0 = time.perf_counter()
                 completions = self._generate(req)
                 dt = time.perf_counter() - t0
                 # no push of ours can run while the gate is held shared: any other version means the server
                 # was restarted (or its weights replaced) behind our back, and the tokens are not ``version``'s
                 reported = self.weight_version() if version >= 0 else None
-            tokens, logprobs, lengths = self._pack(completions, req)
+            tokens, logprobs, lengths = pack_completions(completions, req, self.pad_id)
         except Exception as e:  # noqa: BLE001 - the client already retried: the server cannot serve
             self._die(f"generation request {req.req_id} failed: {e}")
             return
@@ -360,27 +270,8 @@ class HttpEngine(EngineBase):
                       f"to it was version {version}: it was restarted or its weights were replaced; the result is "
                       "dropped and the engine is reconnected and resynced")
             return
-        self.events.put(GenerationResult(req.req_id, self.name, tokens, logprobs, lengths, version, self._version, dt))
-
-    def _pack(self, completions: list[tuple[list[int], list[float]]], req: GenerationRequest):
-        """Per-completion (token ids, logprobs) -> the padded tensors of a ``GenerationResult``."""
-        n = len(req.prompt_ids) * req.group_size
-        if len(completions) != n:
-            raise RuntimeError(f"expected {n} completions, the server returned {len(completions)}")
-        T = req.max_new_tokens
-        tokens = torch.full((n, T), self.pad_id, dtype=torch.int64)
-        logprobs = torch.zeros((n, T), dtype=torch.float32)
-        lengths = torch.zeros(n, dtype=torch.int64)
-        for i, (ids, lps) in enumerate(completions):
-            if len(ids) != len(lps):
-                raise RuntimeError(f"completion {i}: {len(ids)} tokens but {len(lps)} logprobs")
-            if len(ids) > T:
-                raise RuntimeError(f"completion {i} has {len(ids)} tokens > max_new_tokens {T}")
-            if ids:
-                tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-                logprobs[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
-            lengths[i] = len(ids)
-        return tokens, logprobs, lengths
+        newest = self._gate.version
+        self.events.put(GenerationResult(req.req_id, self.name, tokens, logprobs, lengths, version, newest, dt))
 
     def _join_task(self, info: WeightGroupInfo) -> None:
         if self._dead or self._closing:
@@ -423,75 +314,17 @@ class HttpEngine(EngineBase):
             self.events.put(EngineError(self.name, f"weight push {version} not started: {e}", fatal=False))
             return
         self.last_push_s = time.perf_counter() - t0
-        with self._version_cv:
-            self._version = version
-            self._version_cv.notify_all()
-        self._gate.release()
+        self._gate.release(version)
         self.events.put(WeightAck(self.name, version, time.time()))
 
-    def _health_loop(self) -> None:
-        failures = 0
-        while not self._health_stop.wait(self.health_interval_s):
-            if self._dead or self._closing:
-                return
-            if self._gate.held:  # a push is running; some servers answer health checks slowly then
-                failures = 0
-                continue
-            try:
-                self.client.get(self._health_path, timeout_s=max(2.0, self.health_interval_s), retries=0)
-                failures = 0
-            except HttpError as e:
-                failures += 1
-                if failures >= self.health_failures:
-                    self._die(f"health check failed {failures} times in a row: {e}")
-                    return
+    @property
+    def _weight_timeout_s(self) -> float:
+        """Read timeout of a call that blocks while the trainer broadcasts (group init, one bucket)."""
+        return (self._info.timeout_s if self._info is not None else 60.0) + 30.0
 
-    # ---------------------------------------------------------------------------- common checks
-
-    _health_path = "/health"
-
-    def _check_reachable(self) -> None:
-        self.client.get(self._health_path, timeout_s=10.0)
-
-    def _check_tokenizer(self, server_tokens: Callable[[str], list[int]]) -> None:
-        """The server's tokenizer must give the trainer's token ids (prompts travel as ids, completions come back
-        as ids): compare them on a probe string."""
-        from tokenizers import Tokenizer
-
-        probe = "Hello, world! 0123456789 +-*/= {}[]\n\tçé"
-        local = Tokenizer.from_file(str(self.model_dir / "tokenizer.json")).encode(probe, add_special_tokens=False).ids
-        remote = server_tokens(probe)
-        if list(remote) != list(local):
-            raise EngineStartError(
-                f"{self.name}: vocabulary mismatch between the trainer ({self.model_dir}) and the {self.kind} server "
-                f"at {self.url}: {probe!r} tokenizes to {list(remote)[:12]}... on the server but {local[:12]}... "
-                "for the trainer. Serve the trainer's model folder."
-            )
-
-    def _check_config(self, server_cfg: dict, keys: tuple[str, ...], where: str) -> None:
-        bad = [
-            f"{k}: server {server_cfg.get(k)!r} != trainer {self.hf_config.get(k)!r}"
-            for k in keys
-            if server_cfg.get(k) is not None and server_cfg.get(k) != self.hf_config.get(k)
-        ]
-        if bad:
-            raise EngineStartError(
-                f"{self.name}: model mismatch between the trainer ({self.model_dir}/config.json) and the {self.kind} "
-                f"server at {self.url} ({where}): {'; '.join(bad)}. Serve the trainer's model folder."
-            )
-
-    # ---------------------------------------------------------------------------- per server
-
-    def _check_server(self) -> None:
-        raise NotImplementedError
-
-    def weight_version(self) -> str | None:
-        """The weight version the server reports (``str(v)`` after our push of ``v``)."""
-        raise NotImplementedError
-
-    def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
-        """One HTTP generation call: (token ids, behaviour logprobs) per completion, prompt-major."""
-        raise NotImplementedError
+    def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
+        """(version of the last complete push, None): servers keep no hash of what they received unless they say."""
+        return self._gate.version, None
 
     def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
         """(the server's weight version, its logprobs of ``tokens[1:]``): the post-sync probe. The version is read
@@ -500,30 +333,46 @@ class HttpEngine(EngineBase):
         version = int(reported) if reported not in (None, "") and str(reported).lstrip("-").isdigit() else -1
         return version, self._score(list(tokens))
 
+    # ---------------------------------------------------------------------------- per server
+
+    @abc.abstractmethod
+    def _check_server(self) -> None:
+        """Start-up checks (run by ``start`` through ``self.checks.run``): raise ``EngineStartError`` saying why
+        the server cannot serve; compose ``self.checks.reachable`` / ``config`` / ``tokenizer``."""
+
+    @abc.abstractmethod
+    def weight_version(self) -> str | None:
+        """The weight version the server reports (``str(v)`` after our push of ``v``)."""
+
+    @abc.abstractmethod
+    def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
+        """One HTTP generation call: (token ids, behaviour logprobs) per completion, prompt-major."""
+
+    @abc.abstractmethod
     def _score(self, tokens: list[int]) -> list[float]:
         """Teacher-forced logprobs of ``tokens[1:]`` (prompt logprobs of ``tokens``) from the server."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _init_group(self, info: WeightGroupInfo) -> None:
-        raise NotImplementedError
+        """Have the server join the weight-sync group ``info`` (blocks while rank 0 is created)."""
 
+    @abc.abstractmethod
     def _pause(self) -> None:
-        raise NotImplementedError
+        """Stop the server's generation before a push."""
 
+    @abc.abstractmethod
     def _open(self, version: int) -> None:
-        raise NotImplementedError
+        """Open the server's update session for ``version``."""
 
+    @abc.abstractmethod
     def _send_bucket(self, i: int, n: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
                      version: int) -> None:
-        raise NotImplementedError
+        """The request that receives bucket ``i`` of ``n`` (blocks while the trainer broadcasts it)."""
 
+    @abc.abstractmethod
     def _close(self, version: int) -> None:
-        raise NotImplementedError
+        """Close the update session: the server holds ``version`` (and has reset its caches)."""
 
+    @abc.abstractmethod
     def _resume(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def _weight_timeout_s(self) -> float:
-        """Read timeout of a call that blocks while the trainer broadcasts (group init, one bucket)."""
-        return (self._info.timeout_s if self._info is not None else 60.0) + 30.0
+        """Let the server generate again."""

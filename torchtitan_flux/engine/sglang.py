@@ -16,6 +16,8 @@ Everything shared with vLLM is in ``engine/http.py``; this module holds only the
   once per bucket with ``load_format = "flattened_bucket"`` (the bucket travels as ONE uint8 tensor, so
   ``wire_tensors`` sends uint8 views and no header), ``flush_cache`` and ``weight_version`` on the last bucket
   only -> ``/end_weight_update`` -> ``/continue_generation``.
+* no checksum of the received bytes (``/weights_checker`` hashes SGLang's own loaded layout): ``checksum`` is
+  ``HttpEngine``'s (version, None).
 * checks at ``start()``: reachable, a generation model of the trainer's architecture, weight endpoints present
   (``/get_weights_by_name``), hidden size, tensor/data parallel size 1, same tokenizer.
 * the shared token: SGLang's own ``--api-key`` (``scripts/launch_sglang.sh`` passes ``$TORCHTITAN_FLUX_TOKEN``)
@@ -57,11 +59,11 @@ class SglangEngine(HttpEngine):
     # ------------------------------------------------------------------------------------- checks
 
     def _check_server(self) -> None:
-        self._check_reachable()
+        self.checks.reachable()
         self.model_info = info = self.client.get("/model_info")
         if not info.get("is_generation", True):
             raise EngineStartError(f"{self.name}: the SGLang server at {self.url} serves a non-generation model")
-        self._check_config(info, ("architectures", "model_type"), f"serving {info.get('model_path')}")
+        self.checks.config(info, ("architectures", "model_type"), f"serving {info.get('model_path')}")
         server = self.client.get("/server_info")
         for key in ("tp_size", "dp_size", "pp_size"):
             if int(server.get(key) or 1) != 1:
@@ -81,8 +83,8 @@ class SglangEngine(HttpEngine):
             raise
         if isinstance(row, dict):
             row = row.get("parameter", row)
-        self._check_config({"hidden_size": len(row)}, ("hidden_size",), "model.norm.weight")
-        self._check_tokenizer(
+        self.checks.config({"hidden_size": len(row)}, ("hidden_size",), "model.norm.weight")
+        self.checks.tokenizer(
             lambda text: self.client.post("/tokenize", {"prompt": text, "add_special_tokens": False},
                                           idempotent=True)["tokens"]
         )
@@ -193,8 +195,3 @@ class SglangEngine(HttpEngine):
 
     def weight_version(self) -> str | None:
         return self.client.get("/model_info").get("weight_version")
-
-    def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
-        """SGLang has no checksum of the received bytes (``/weights_checker`` hashes its own loaded layout):
-        (version, None)."""
-        return self._version, None

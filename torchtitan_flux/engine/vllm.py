@@ -2,8 +2,8 @@
 
 Start the server with ``scripts/launch_vllm.sh MODEL_DIR PORT`` (dev-mode RL endpoints, our worker extension
 ``torchtitan_flux.engine.vllm_ext`` and its transfer backend, processed log-probs). Everything shared with SGLang
-(worker threads, version gate, health, the push loop, name/layout conversion) is in ``engine/http.py``; this
-module holds only the vLLM endpoints and payloads:
+(worker threads, version gate, checks, health, the push loop, name/layout conversion) is in ``engine/http.py`` and
+its collaborators; this module holds only the vLLM endpoints and payloads:
 
 * generation: ``POST /v1/completions`` with token-id prompts (a batch: one list per prompt), ``n = group_size``,
   ``max_tokens``, ``temperature``, ``top_k``, ``seed``, ``logprobs = 1``, ``return_tokens_as_token_ids`` and
@@ -24,6 +24,7 @@ Launching local servers (``rollout.launch = true``) is ``engine/vllm_launch.py``
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_flux.engine.base import (
@@ -31,7 +32,7 @@ from torchtitan_flux.engine.base import (
     GenerationRequest,
     WeightGroupInfo,
 )
-from torchtitan_flux.engine.http import HttpEngine
+from torchtitan_flux.engine.http import HttpEngine, HttpOptions
 from torchtitan_flux.engine.http_client import HttpError
 from torchtitan_flux.engine.vllm_launch import EXTENSION
 
@@ -43,17 +44,25 @@ CONFIG_KEYS = (
 )
 
 
+@dataclass
+class VllmOptions(HttpOptions):
+    """``HttpOptions`` plus the sampled checksums: the server hashes the received buckets of every
+    ``verify_every``-th push (0: none) and of the final one, ``final_version`` (see ``checksum``); hashing costs a
+    device-to-host copy and sha256 of the whole model, so it is sampled."""
+
+    verify_every: int = 1
+    final_version: int = -1
+
+
 class VllmEngine(HttpEngine):
     kind = "vLLM"
     launch_hint = "Start one with scripts/launch_vllm.sh MODEL_DIR PORT."
     expected_backends = ("gloo",)  # the server's transfer engine: our gloo one (GPU: engine/vllm_nccl.py)
 
-    def __init__(self, *args, verify_every: int = 1, final_version: int = -1, **kw):
-        super().__init__(*args, **kw)
-        self._init_kw.update(verify_every=verify_every, final_version=final_version)
-        # the server hashes the received buckets of every ``verify_every``-th push and of the final one (see
-        # checksum()); hashing costs a device-to-host copy and sha256 of the whole model, so it is sampled
-        self.verify_every, self.final_version = verify_every, final_version
+    Options = VllmOptions
+
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
         self.served_model: str | None = None
         self.max_model_len: int | None = None
         self.server_info: dict[str, Any] = {}
@@ -61,7 +70,7 @@ class VllmEngine(HttpEngine):
     # ------------------------------------------------------------------------------------- checks
 
     def _check_server(self) -> None:
-        self._check_reachable()
+        self.checks.reachable()
         models = self.client.get("/v1/models")["data"]
         if not models:
             raise EngineStartError(f"{self.name}: the vLLM server at {self.url} serves no model")
@@ -98,8 +107,8 @@ class VllmEngine(HttpEngine):
                 f"{self.name}: the vLLM server at {self.url} runs {info.get('world_size')} workers; weight sync "
                 "supports tensor/pipeline/data parallel size 1 per server (run more servers instead)"
             )
-        self._check_config(info["hf_config"], CONFIG_KEYS, f"serving {info.get('model')}")
-        self._check_tokenizer(
+        self.checks.config(info["hf_config"], CONFIG_KEYS, f"serving {info.get('model')}")
+        self.checks.tokenizer(
             lambda text: self.client.post(
                 "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False},
                 idempotent=True,
@@ -149,15 +158,16 @@ class VllmEngine(HttpEngine):
 
     def hashes(self, version: int) -> bool:
         """Whether the server hashes the push of ``version`` (``weight_sync.verify_every``; always the final one)."""
-        if self.verify_every <= 0:
+        every, final = self.options.verify_every, self.options.final_version
+        if every <= 0:
             return False
-        return version % self.verify_every == 0 or 0 <= self.final_version <= version
+        return version % every == 0 or 0 <= final <= version
 
     def _init_group(self, info: WeightGroupInfo) -> None:
         init = {
             "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
             "store_prefix": info.prefix, "backend": info.backend, "timeout_s": info.timeout_s,
-            "checksum": self.verify_every > 0,
+            "checksum": self.options.verify_every > 0,
         }
         self.client.post("/init_weight_transfer_engine", {"init_info": init}, timeout_s=self._weight_timeout_s)
 
@@ -192,7 +202,7 @@ class VllmEngine(HttpEngine):
                                    idempotent=True)["results"][0]
         except HttpError as e:  # a dead server has no checksum; the summary must still be written
             logger.warning(f"{self.name}: no weights checksum: {e}")
-            return self._version, None
+            return self._gate.version, None
         return int(res["version"]), res["sha256"]
 
     def weight_version(self) -> str:

@@ -22,7 +22,8 @@ tensor is copied to the GPU on vLLM's producer stream as it packs.
 
 Checks only a GPU run can make (docs/gpu.md): the rendezvous on a 2-GPU machine, the packed broadcast's throughput,
 and that vLLM's loader takes our HF-layout tensors unchanged (the logprob probe compares engine and trainer).
-There is no byte checksum on this path (vLLM's receiver keeps no hash): ``checksum`` returns (version, None).
+There is no byte checksum on this path (vLLM's receiver keeps no hash): ``checksum`` is ``HttpEngine``'s
+(version, None).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from torchtitan_flux import cuda_rules
 from torchtitan_flux.engine.base import WeightGroupInfo
+from torchtitan_flux.engine.http import HttpEngine
 from torchtitan_flux.engine.vllm import VllmEngine
 
 SERVER_BACKEND = "vllm_nccl"  # what ``flux_model_info`` reports for vLLM's own NCCL engine
@@ -156,5 +158,4 @@ class VllmNcclEngine(VllmEngine):
     def _close(self, version: int) -> None:
         self.client.post("/reset_prefix_cache")
 
-    def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
-        return self._version, None
+    checksum = HttpEngine.checksum  # (version, None): not VllmEngine's, which asks our gloo receiver for its hash
