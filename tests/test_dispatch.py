@@ -85,7 +85,7 @@ def test_split_is_proportional_to_measured_speed():
     for k in range(2, 40):
         counts = step(sched, engines, k)
     assert counts == [10, 20, 10]
-    assert abs(sched.speed["e1"] / sched.speed["e0"] - 2.0) < 1e-3
+    assert abs(sched.split.speed["e1"] / sched.split.speed["e0"] - 2.0) < 1e-3
     # with the default dead zone the split settles within it of the proportional one
     sched, engines = make([10.0, 20.0, 10.0], prompts=40)
     for k in range(1, 40):
@@ -116,7 +116,7 @@ def test_cap_holds_with_a_10x_faster_engine():
     splits = [step(sched, engines, k) for k in range(1, 30)]
     assert all(s[0] <= 12 for s in splits)  # never above 0.75 * 16
     assert splits[-1] == [12, 4]
-    assert abs(sched.speed["e0"] / sched.speed["e1"] - 10.0) < 0.1  # the speed is measured, only the split capped
+    assert abs(sched.split.speed["e0"] / sched.split.speed["e1"] - 10.0) < 0.1  # the speed is measured, only the split capped
     # three engines: the fast one is capped, the excess is spread over the others by speed
     # (100 / 140 = 0.71 of the speed; cap 0.6: e0 gets 0.6, the other 0.4 splits 1:3)
     sched, engines = make([100.0, 10.0, 30.0], prompts=32, dead_zone=0.0, max_share=0.6)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from torchtitan_flux.admission import Admission
-from torchtitan_flux.rollout import RolloutBatch, RolloutScheduler
+from torchtitan_flux.rollout import RolloutScheduler
+from torchtitan_flux.rollout_batch import RolloutBatch
 from torchtitan_flux.weight_sync import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")

@@ -15,7 +15,7 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_flux.rollout import RolloutBatch
+from torchtitan_flux.rollout_batch import RolloutBatch
 
 logger = logging.getLogger("torchtitan_flux")
 

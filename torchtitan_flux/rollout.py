@@ -12,14 +12,8 @@ is the only consumer and routes acks/errors to the ``WeightSyncer`` and results 
 in-flight requests are re-dispatched to the engines still alive (or to its restarted replacement), so no prompt
 is lost.
 
-Dispatch (after floDl's ElChe cadence controller): prompts are split across engines by group in proportion to
-each engine's measured throughput (EMA of completions/s), with
-  * a dead zone: the previous shares are kept while every engine's new share differs from its previous one by
-    less than ``dead_zone`` (relative), so timing jitter does not reshuffle work between steps;
-  * an imbalance cap: while more than one engine is alive, no engine gets more than ``max_share`` of the
-    prompts of one dispatch (the excess goes to the others in proportion to their speed), so one slow
-    measurement cannot starve an engine of the work that would show it has recovered.
-A dead engine is left out of the split, so its share goes to the engines still alive.
+Dispatch: prompts are split across the engines alive by measured speed (``dispatch.SpeedSplit``: dead zone,
+imbalance cap).
 
 A stuck engine: while ``collect`` waits and no result has arrived for ``WAIT_NOTE_S`` seconds, it logs (again every
 ``WAIT_NOTE_S``) which engines hold which of the awaited requests: alive or not, how many requests and completions,
@@ -36,9 +30,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 
+from torchtitan_flux.dispatch import SpeedSplit
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
+from torchtitan_flux.rollout_batch import RolloutBatch, layout_batch
 from torchtitan_flux.rewards import RewardScorer
 from torchtitan_flux.tasks import Prompt, Task, reward_inputs
 
@@ -58,29 +53,6 @@ class RolloutWaitInterrupted(Exception):
     """``interrupt()`` was called while ``collect`` waited: the step being collected is not trained on, so the
     trainer's state is that of its last completed step (the rollouts in flight stay dispatched and are saved or
     regenerated like those generation ran ahead to)."""
-
-
-@dataclass
-class RolloutBatch:
-    """One training step's samples (B = prompts * group_size), laid out for teacher forcing."""
-
-    step: int
-    tokens: torch.Tensor  # [B, L] int64: prompt + completion, right-padded
-    loss_mask: torch.Tensor  # [B, L-1] float32: 1 where position t predicts a completion token t+1
-    behaviour_logprobs: torch.Tensor  # [B, L-1] float32, aligned with loss_mask
-    rewards: torch.Tensor  # [B] float32
-    versions: torch.Tensor  # [B] int64: engine policy version that generated each sample
-    dispatch_version: int  # trainer version when the step's prompts were dispatched
-    newest_seen: int  # newest version any engine had received when its part finished
-    gen_time_s: float  # max engine-side generation time over the step's parts
-    completions: list[str] = field(default_factory=list)
-    prompts: list[str] = field(default_factory=list)  # one per prompt (not per completion)
-    reward_values: dict[str, list] = field(default_factory=dict)  # reward function -> value per completion
-    reward_metrics: dict[str, float] = field(default_factory=dict)  # rewards/<name>/mean, /std
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return int(self.loss_mask.sum().item())
 
 
 @dataclass
@@ -134,9 +106,7 @@ class RolloutScheduler:
         self._req_ids = itertools.count()
         self._steps: dict[int, _Step] = {}
         self._by_req: dict[int, _Part] = {}
-        self.speed = {e.name: 1.0 for e in self.engines}  # EMA of completions/s per engine
-        self.dead_zone, self.max_share = dead_zone, max_share
-        self.shares: dict[str, float] = {}  # the split in force (engine name -> fraction); see _shares
+        self.split = SpeedSplit([e.name for e in self.engines], dead_zone, max_share)
         self.redispatched = 0
         self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
@@ -164,7 +134,7 @@ class RolloutScheduler:
             return
         alive = self._alive()
         first = 0
-        for engine, n in zip(alive, self._split(len(st.prompts), alive)):
+        for engine, n in zip(alive, self.split.split(len(st.prompts), [e.name for e in alive])):
             if n:
                 part = self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version, pin_version)
                 st.parts.append(part)
@@ -183,52 +153,6 @@ class RolloutScheduler:
             if time.monotonic() > deadline:
                 raise NoEngineLeft("no rollout engine is alive")
             self.pump(0.05)
-
-    def _split(self, n: int, engines: list[EngineHandler]) -> list[int]:
-        """Prompts per engine: ``n`` split by ``_shares`` (largest remainder), then no engine above
-        ``floor(max_share * n)`` while another one is alive (when that is feasible: a dispatch of fewer prompts
-        than engines can still only be split as evenly as possible)."""
-        shares = self._shares(engines)
-        raw = [n * s for s in shares]
-        counts = [int(r) for r in raw]
-        for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: n - sum(counts)]:
-            counts[i] += 1
-        if len(engines) > 1:
-            limit = max(int(self.max_share * n + 1e-9), -(-n // len(engines)))
-            for i in range(len(counts)):
-                while counts[i] > limit:  # rounding pushed it over the cap: give one to the most under-served
-                    j = max((j for j in range(len(counts)) if counts[j] < limit), key=lambda j: raw[j] - counts[j])
-                    counts[i] -= 1
-                    counts[j] += 1
-        return counts
-
-    def _shares(self, engines: list[EngineHandler]) -> list[float]:
-        """Fractions of the prompts per engine: proportional to the EMA of measured speed, capped at
-        ``max_share`` while more than one engine is alive (water-filling: the excess is spread over the uncapped
-        engines in proportion to their speed), and the previous fractions kept when no engine's fraction would
-        change by ``dead_zone`` (relative) or more. A change in the set of engines always re-splits."""
-        names = [e.name for e in engines]
-        speeds = [max(self.speed.get(nm, 1.0), 1e-9) for nm in names]
-        shares = [s / sum(speeds) for s in speeds]
-        if len(engines) > 1:
-            cap = max(self.max_share, 1.0 / len(engines))  # below 1/n the cap cannot hold: split evenly
-            capped: set[int] = set()
-            while True:
-                over = [i for i in range(len(shares)) if i not in capped and shares[i] > cap + 1e-12]
-                if not over:
-                    break
-                capped.update(over)
-                free = [i for i in range(len(shares)) if i not in capped]
-                left = 1.0 - cap * len(capped)
-                free_speed = sum(speeds[i] for i in free)
-                shares = [cap if i in capped else left * speeds[i] / free_speed for i in range(len(shares))]
-        prev = self.shares
-        if set(prev) == set(names) and all(
-            abs(new - prev[nm]) < self.dead_zone * prev[nm] for nm, new in zip(names, shares)
-        ):
-            return [prev[nm] for nm in names]
-        self.shares = dict(zip(names, shares))
-        return shares
 
     def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int, pin: int) -> _Part:
         req = GenerationRequest(
@@ -280,8 +204,7 @@ class RolloutScheduler:
                 logger.debug(f"dropped a late result (request {ev.req_id}, engine {ev.engine})")
             else:
                 part.result = ev
-                n = ev.tokens.shape[0]
-                self.speed[ev.engine] = 0.8 * self.speed[ev.engine] + 0.2 * n / max(ev.gen_time_s, 1e-6)
+                self.split.observe(ev.engine, ev.tokens.shape[0], ev.gen_time_s)
                 st = self._steps.get(part.request.step)  # None for evaluation requests (step 0)
                 if st is not None and all(p.result is not None for p in st.parts):
                     self._score(st)
@@ -303,12 +226,12 @@ class RolloutScheduler:
         replacement = self.on_engine_dead(dead)
         self.engines = [replacement if e is dead else e for e in self.engines if e is not dead or replacement]
         if replacement is not None:
-            self.speed[replacement.name] = self.speed.pop(name, 1.0)
+            self.split.replace(name, replacement.name)
         for part in [p for p in self._by_req.values() if p.engine is dead]:
             alive = [e for e in self.engines if e.alive()]
             if not alive:
                 raise NoEngineLeft("every rollout engine died (and none could be restarted or reconnected)")
-            target = max(alive, key=lambda e: self.speed[e.name])
+            target = next(e for e in alive if e.name == self.split.fastest([a.name for a in alive]))
             del self._by_req[part.request.req_id]
             part.request.req_id = next(self._req_ids)
             part.engine, part.sent = target, time.monotonic()
@@ -330,7 +253,8 @@ class RolloutScheduler:
             self.pump(0.05)
             now = time.monotonic()
             if now - max(self.last_result, start) >= WAIT_NOTE_S and now - noted >= WAIT_NOTE_S:
-                logger.warning(self.waiting_note(step, now - start))
+                logger.warning(waiting_note(step, now - start, self.engines, list(self._by_req.values()),
+                                            self.last_result))
                 noted = now
         del self._steps[step]
         self._score(st)  # (a step restored finished from a checkpoint is scored here)
@@ -340,26 +264,6 @@ class RolloutScheduler:
         """Make ``collect`` raise ``RolloutWaitInterrupted`` instead of waiting on (within ~50 ms). For a prompt
         stop on a signal; safe to call from a signal handler."""
         self.interrupted = True
-
-    def waiting_note(self, step: int, waited: float) -> str:
-        """One line: how long step ``step`` has waited, and what each engine holds of the requests in flight."""
-        now = time.monotonic()
-        held = []
-        for e in self.engines:
-            parts = [p for p in self._by_req.values() if p.engine is e]
-            state = "alive" if e.alive() else "dead"
-            if not parts:
-                held.append(f"{e.name} ({state}): nothing in flight")
-                continue
-            steps = sorted({p.request.step for p in parts})
-            n = sum(len(p.request.prompt_ids) * p.request.group_size for p in parts)
-            versions = sorted({str(r.pin_version) if r.pin_version >= 0 else f">= {r.min_version}"
-                               for r in (p.request for p in parts)})
-            held.append(f"{e.name} ({state}): {len(parts)} requests, {n} completions of steps "
-                        f"{', '.join(map(str, steps))} on weight version {', '.join(versions)}, the oldest sent "
-                        f"{now - min(p.sent for p in parts):.0f} s ago")
-        return (f"step {step}: waiting {waited:.0f} s for rollouts, none arrived for {now - self.last_result:.0f} s; "
-                + "; ".join(held))
 
     def decode(self, parts: list[_Part]) -> list[str]:
         """The completion texts of ``parts`` (in the order given), special tokens skipped."""
@@ -380,34 +284,10 @@ class RolloutScheduler:
         st.scores = self.scorer.submit(prompts, completions, ids, columns)
 
     def _build(self, st: _Step) -> RolloutBatch:
-        G = self.group_size
         parts = sorted(st.parts, key=lambda p: p.first)
-        tokens = torch.cat([p.result.tokens for p in parts])
-        logprobs = torch.cat([p.result.logprobs for p in parts])
-        lengths = torch.cat([p.result.lengths for p in parts])
-        versions = torch.cat([torch.full((p.result.tokens.shape[0],), p.result.version) for p in parts])
-        prompt_ids = [ids for ids in st.prompt_ids for _ in range(G)]
-        B = len(prompt_ids)
-        plen = torch.tensor([len(x) for x in prompt_ids])
-        L = int((plen + lengths).max().item())
-        seq = torch.full((B, L), self.pad_id, dtype=torch.int64)
-        mask = torch.zeros(B, L - 1)
-        behaviour = torch.zeros(B, L - 1)
-        for i in range(B):
-            p, c = len(prompt_ids[i]), int(lengths[i])
-            seq[i, :p] = torch.tensor(prompt_ids[i])
-            seq[i, p : p + c] = tokens[i, :c]
-            mask[i, p - 1 : p - 1 + c] = 1.0
-            behaviour[i, p - 1 : p - 1 + c] = logprobs[i, :c]
         scores = st.scores.result()  # a reward function's error (RewardError) stops the run here
-        return RolloutBatch(
-            step=st.step, tokens=seq, loss_mask=mask, behaviour_logprobs=behaviour,
-            rewards=torch.tensor(scores.total, dtype=torch.float32), versions=versions,
-            dispatch_version=min(p.request.dispatch_version for p in parts),
-            newest_seen=max(p.result.newest_seen for p in parts),
-            gen_time_s=max(p.result.gen_time_s for p in parts), completions=st.completions,
-            prompts=[p.text for p in st.prompts], reward_values=scores.per_func, reward_metrics=scores.metrics(),
-        )
+        return layout_batch(st.step, st.prompts, st.prompt_ids, [(p.request, p.result) for p in parts], scores,
+                            st.completions, self.group_size, self.pad_id)
 
     def discard(self, step: int) -> None:
         """Forget ``step``'s requests (their results will be dropped); the next dispatch starts it afresh."""
@@ -455,3 +335,25 @@ class RolloutScheduler:
         self._steps.clear()
         self._by_req.clear()
         self.scorer.close()
+
+
+def waiting_note(step: int, waited: float, engines: list[EngineHandler], in_flight: list[_Part],
+                 last_result: float) -> str:
+    """One line: how long step ``step`` has waited, and what each engine holds of the requests in flight."""
+    now = time.monotonic()
+    held = []
+    for e in engines:
+        parts = [p for p in in_flight if p.engine is e]
+        state = "alive" if e.alive() else "dead"
+        if not parts:
+            held.append(f"{e.name} ({state}): nothing in flight")
+            continue
+        steps = sorted({p.request.step for p in parts})
+        n = sum(len(p.request.prompt_ids) * p.request.group_size for p in parts)
+        versions = sorted({str(r.pin_version) if r.pin_version >= 0 else f">= {r.min_version}"
+                           for r in (p.request for p in parts)})
+        held.append(f"{e.name} ({state}): {len(parts)} requests, {n} completions of steps "
+                    f"{', '.join(map(str, steps))} on weight version {', '.join(versions)}, the oldest sent "
+                    f"{now - min(p.sent for p in parts):.0f} s ago")
+    return (f"step {step}: waiting {waited:.0f} s for rollouts, none arrived for {now - last_result:.0f} s; "
+            + "; ".join(held))
