@@ -103,6 +103,19 @@ def _hf_shapes_for(model_shapes: dict[str, tuple[int, ...]], model_args) -> dict
     return {k: tuple(v.shape) for k, v in adapter.to_hf(meta).items()}
 
 
+def build_reference_model(train_spec, model_args, parallel_dims, job_config, device) -> nn.Module:
+    """A frozen copy of the initial policy (for the KL penalty): built by ``train_spec`` and parallelised like the
+    policy, then loaded from ``model.hf_assets_path``. Collective under FSDP: every rank calls it."""
+    with torch.device("meta"):
+        ref = train_spec.model_cls(model_args)
+    ref = train_spec.parallelize_fn(ref, parallel_dims, job_config)
+    ref.to_empty(device=device)
+    with torch.no_grad():
+        ref.init_weights(buffer_device=None)
+    load_hf_weights(ref, job_config.model.hf_assets_path, model_args)
+    return ref.eval().requires_grad_(False)
+
+
 def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> None:
     """Load HF safetensors from ``hf_dir`` into the family's torchtitan ``model`` (plain or FSDP2/DTensor).
 

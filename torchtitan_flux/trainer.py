@@ -50,7 +50,7 @@ from torchtitan_flux.config import ConfigError
 from torchtitan_flux.evaluation import Evaluator
 from torchtitan_flux.feed import BatchFeed
 from torchtitan_flux.fleet import EngineFleet, set_trainer_threads
-from torchtitan_flux.hf_weights import export_hf_weights, load_hf_weights
+from torchtitan_flux.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.preflight import preflight
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
@@ -87,7 +87,10 @@ class FluxTrainer(Trainer):
             load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
         except (ValueError, OSError) as e:
             raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
-        self.ref_model = self._build_reference_model() if job_config.grpo.kl_coef > 0 else None
+        self.ref_model = None
+        if job_config.grpo.kl_coef > 0:  # a frozen copy of the initial policy, built and sharded like it
+            self.ref_model = build_reference_model(self.train_spec, self.model_args, self.parallel_dims, job_config,
+                                                   self.device)
         self.step_callbacks: list = []
         for spec in job_config.metrics.step_callbacks:  # checked by validate_config
             self.add_step_callback(import_spec("metrics.step_callbacks", spec))
@@ -136,18 +139,6 @@ class FluxTrainer(Trainer):
                 )
 
     # ------------------------------------------------------------------------------------------- setup
-
-    def _build_reference_model(self) -> torch.nn.Module:
-        """A frozen copy of the initial policy, built and sharded the same way (for the KL penalty)."""
-        with torch.device("meta"):
-            ref = self.train_spec.model_cls(self.model_args)
-        ref = self.train_spec.parallelize_fn(ref, self.parallel_dims, self.job_config)
-        ref.to_empty(device=self.device)
-        with torch.no_grad():
-            ref.init_weights(buffer_device=None)
-        load_hf_weights(ref, self.job_config.model.hf_assets_path, self.model_args)
-        ref.eval().requires_grad_(False)
-        return ref
 
     def _on_engine_dead(self, dead):
         """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None."""
