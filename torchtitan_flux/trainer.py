@@ -54,8 +54,7 @@ from torchtitan_flux.hf_weights import build_reference_model, export_hf_weights,
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.preflight import preflight
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
-from torchtitan_flux.rollout import NoEngineLeft, RolloutScheduler, RolloutWaitInterrupted
-from torchtitan_flux.rollout_batch import RolloutBatch
+from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
 from torchtitan_flux.run_state import RunState
 from torchtitan_flux.stops import (
     LossNotFinite,
