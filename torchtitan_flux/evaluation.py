@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from torchtitan_flux.rollout import RolloutScheduler, _Part
-from torchtitan_flux.tasks import Prompt, Task, reward_inputs
+from torchtitan_flux.tasks import Prompt, Task
 
 
 @dataclass
@@ -94,10 +94,8 @@ class Evaluator:
                 return False
             self.scheduler.pump(0.05 if wait else 0)
         if run.scores is None:
-            completions = self.scheduler.decode(run.parts)
-            ids = [row[:c].tolist() for p in run.parts for row, c in zip(p.result.tokens, p.result.lengths.tolist())]
-            prompts, comps, columns = reward_inputs(self.task, self.prompts, completions, self.cfg.n)
-            run.scores = self.scheduler.scorer.submit(prompts, comps, ids, columns)
+            results = [p.result for p in run.parts]
+            _, run.scores = self.scheduler.scoring.submit(self.task, self.prompts, results, self.cfg.n)
         if not wait and not run.scores.done():
             return False
         run.scores.result()

@@ -6,9 +6,9 @@ Every sample carries the engine's policy version that generated it (stamped by t
 request) and the trainer version at dispatch.
 
 Concurrency: everything here runs on the main thread, except reward scoring: when a step's last result arrives
-(in ``pump``) its completions are decoded and handed to the ``RewardScorer``'s worker pool, and ``collect`` waits on
-that future only when it builds the step's batch (so scoring overlaps training in async mode). Engines report through one ``events`` queue; ``pump``
-is the only consumer and routes acks/errors to the ``WeightSyncer`` and results to their step. A dead engine's
+(in ``pump``) its completions are decoded and handed to the reward pool (``rollout_batch.CompletionScorer``), and
+``collect`` waits on that future only when it builds the step's batch (so scoring overlaps training in async
+mode). Engines report through one ``events`` queue; ``pump`` is the only consumer and routes acks/errors to the ``WeightSyncer`` and results to their step. A dead engine's
 in-flight requests are re-dispatched to the engines still alive (or to its restarted replacement), so no prompt
 is lost.
 
@@ -30,12 +30,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-
 from torchtitan_flux.dispatch import SpeedSplit
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
-from torchtitan_flux.rollout_batch import RolloutBatch, layout_batch
-from torchtitan_flux.rewards import RewardScorer
-from torchtitan_flux.tasks import Prompt, Task, reward_inputs
+from torchtitan_flux.rollout_batch import CompletionScorer, RolloutBatch, layout_batch
+from torchtitan_flux.tasks import Prompt, Task
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -110,15 +108,10 @@ class RolloutScheduler:
         self.redispatched = 0
         self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
-        self.scorer = RewardScorer(task.reward_funcs, reward_workers)
+        self.scoring = CompletionScorer(task, tokenizer, reward_workers)
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
     # ---------------------------------------------------------------------------------------- dispatch
-
-    def dispatched(self, step: int) -> int:
-        """How many of ``step``'s prompts have been sent to engines."""
-        st = self._steps.get(step)
-        return 0 if st is None else st.n_dispatched
 
     def _new_step(self, step: int) -> _Step:
         prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
@@ -265,23 +258,11 @@ class RolloutScheduler:
         stop on a signal; safe to call from a signal handler."""
         self.interrupted = True
 
-    def decode(self, parts: list[_Part]) -> list[str]:
-        """The completion texts of ``parts`` (in the order given), special tokens skipped."""
-        out = []
-        for p in parts:
-            for row, c in zip(p.result.tokens, p.result.lengths.tolist()):
-                out.append(self.tokenizer.decode(row[:c].tolist(), skip_special_tokens=True))
-        return out
-
     def _score(self, st: _Step) -> None:
         """Decode ``st``'s completions and hand them to the reward pool (once)."""
-        if st.scores is not None:
-            return
-        parts = sorted(st.parts, key=lambda p: p.first)
-        st.completions = self.decode(parts)
-        ids = [row[:c].tolist() for p in parts for row, c in zip(p.result.tokens, p.result.lengths.tolist())]
-        prompts, completions, columns = reward_inputs(self.task, st.prompts, st.completions, self.group_size)
-        st.scores = self.scorer.submit(prompts, completions, ids, columns)
+        if st.scores is None:
+            results = [p.result for p in sorted(st.parts, key=lambda p: p.first)]
+            st.completions, st.scores = self.scoring.submit(self.task, st.prompts, results, self.group_size)
 
     def _build(self, st: _Step) -> RolloutBatch:
         parts = sorted(st.parts, key=lambda p: p.first)
@@ -334,7 +315,7 @@ class RolloutScheduler:
             self.pump(0.05)
         self._steps.clear()
         self._by_req.clear()
-        self.scorer.close()
+        self.scoring.close()
 
 
 def waiting_note(step: int, waited: float, engines: list[EngineHandler], in_flight: list[_Part],

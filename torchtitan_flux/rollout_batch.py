@@ -1,14 +1,22 @@
-"""``RolloutBatch``: one training step's samples laid out for teacher forcing, and ``layout_batch``, which builds it
-from the step's finished engine requests and rewards. Pure tensor layout: no engine calls, any thread.
+"""Finished engine requests -> a training batch: ``CompletionScorer`` decodes their completions and scores them
+on the reward pool, ``layout_batch`` lays the step's samples out for teacher forcing as a ``RolloutBatch``.
+
+Concurrency: ``CompletionScorer``'s methods run on the caller's (the scheduler's main) thread; only the reward
+functions run on the ``RewardScorer``'s worker pool, and their result is a ``Future`` the caller waits on when it
+builds the batch (so scoring overlaps training in async mode). ``layout_batch`` is pure tensor layout: no engine
+calls, any thread.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
+from torchtitan_flux.rewards import RewardScorer
+from torchtitan_flux.tasks import Prompt, Task, reward_inputs
 
 
 @dataclass
@@ -32,6 +40,32 @@ class RolloutBatch:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+
+class CompletionScorer:
+    """Decodes finished results and scores them with the training task's reward functions on a pool of
+    ``reward_workers`` threads (the training step's rollouts and the held-out evaluation's alike)."""
+
+    def __init__(self, task: Task, tokenizer, reward_workers: int):
+        self.tokenizer = tokenizer
+        self.pool = RewardScorer(task.reward_funcs, reward_workers)
+
+    def decode(self, results: list[GenerationResult]) -> list[str]:
+        """The completion texts of ``results`` (in the order given), special tokens skipped."""
+        return [self.tokenizer.decode(row[:c].tolist(), skip_special_tokens=True)
+                for r in results for row, c in zip(r.tokens, r.lengths.tolist())]
+
+    def submit(self, task: Task, prompts: list[Prompt], results: list[GenerationResult],
+               group_size: int) -> tuple[list[str], Future]:
+        """Decode ``results`` (``group_size`` completions per prompt, in prompt order) and hand them, with
+        ``task``'s reward columns, to the pool: (the completion texts, a future of their ``rewards.Scores``)."""
+        completions = self.decode(results)
+        ids = [row[:c].tolist() for r in results for row, c in zip(r.tokens, r.lengths.tolist())]
+        prompts, texts, columns = reward_inputs(task, prompts, completions, group_size)
+        return completions, self.pool.submit(prompts, texts, ids, columns)
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
