@@ -44,6 +44,15 @@ def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
 
 
+def test_kl_penalty_against_the_frozen_reference_policy(tiny_model_dir, tmp_path):
+    """``grpo.kl_coef > 0`` builds the reference policy (``hf_weights.build_reference_model``): step 1's policy is the
+    reference (KL 0), later steps move away from it (KL > 0), and the run finishes on the engine's weights."""
+    run_train(tmp_path, "--training.steps", "6", "--grpo.kl_coef", "0.05")
+    rows = read_metrics(tmp_path)
+    assert abs(rows[0]["kl"]) < 1e-6 and rows[-1]["kl"] > 1e-6, [r["kl"] for r in rows]
+    assert json.loads((tmp_path / "summary.json").read_text())["checksums_match"]
+
+
 def test_profiling_section_writes_torch_profiler_traces(tiny_model_dir, tmp_path):
     """``[profiling]`` is honoured (it was silently ignored when the trainer had its own loop without torchtitan's
     profiler contexts): a trace of the window ending at step 4 (profile_freq 4 = warmup 3 + active 1)."""
