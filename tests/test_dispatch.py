@@ -12,6 +12,7 @@ import re
 
 import torch
 
+from torchtitan_flux.dispatch import SpeedSplit
 from torchtitan_flux.engine.base import EngineError, GenerationResult
 from torchtitan_flux.rewards import RewardFunc
 from torchtitan_flux.rollout import RolloutScheduler
@@ -109,6 +110,21 @@ def test_dead_zone_keeps_the_split_under_jitter():
     for k in range(10, 50):
         counts = step(sched, engines, k)
     assert 36 <= counts[1] <= 44 and sum(counts) == 60
+
+
+def test_speed_split_alone_dead_zone_cap_and_replacement():
+    """``SpeedSplit`` without a scheduler: the split follows the measured speed, keeps its shares inside the dead
+    zone, caps the fastest engine, and a replacement engine inherits the dead one's speed."""
+    split = SpeedSplit(["a", "b"], dead_zone=0.1, max_share=0.75)
+    assert split.split(10, ["a", "b"]) == [5, 5]  # no measurement yet: even
+    split.speed.update(a=1.05, b=1.0)  # 5% faster: inside the dead zone, the shares in force are kept
+    assert split.split(10, ["a", "b"]) == [5, 5]
+    split.observe("b", 40, 1.0)  # b: 0.8 * 1.0 + 0.2 * 40 = 8.8 completions/s
+    assert abs(split.speed["b"] - 8.8) < 1e-9 and split.fastest(["a", "b"]) == "b"
+    assert split.split(8, ["a", "b"]) == [2, 6]  # 8.8 / 9.85 = 0.89 of the speed, capped at 0.75
+    assert split.split(8, ["b"]) == [8]  # alone: no cap
+    split.replace("b", "b2")
+    assert split.speed == {"a": 1.05, "b2": 8.8}
 
 
 def test_cap_holds_with_a_10x_faster_engine():

@@ -8,9 +8,9 @@ request) and the trainer version at dispatch.
 Concurrency: everything here runs on the main thread, except reward scoring: when a step's last result arrives
 (in ``pump``) its completions are decoded and handed to the reward pool (``rollout_batch.CompletionScorer``), and
 ``collect`` waits on that future only when it builds the step's batch (so scoring overlaps training in async
-mode). Engines report through one ``events`` queue; ``pump`` is the only consumer and routes acks/errors to the ``WeightSyncer`` and results to their step. A dead engine's
-in-flight requests are re-dispatched to the engines still alive (or to its restarted replacement), so no prompt
-is lost.
+mode). Engines report through one ``events`` queue; ``pump`` is the only consumer and routes acks/errors to the
+``WeightSyncer`` and results to their step. A dead engine's in-flight requests are re-dispatched to the engines
+still alive (or to its restarted replacement), so no prompt is lost.
 
 Dispatch: prompts are split across the engines alive by measured speed (``dispatch.SpeedSplit``: dead zone,
 imbalance cap).
