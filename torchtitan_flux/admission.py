@@ -137,6 +137,16 @@ class Admission:
         self.async_ratio, self.force_sync = decision.async_ratio, decision.force_sync
         return decision.metrics
 
+    def after_push(self, fed, compute_s: float, sync_s: float, push_s_total: float, m: dict[str, float]) -> dict:
+        """Rank 0, after a step's ``after_optimizer_step``: what the feedforward depth and the auto cadence learn
+        from the step's times (``fed``: its ``feed.StepInput``). Returns their metrics (none when both are off)."""
+        out: dict[str, Any] = {}
+        if self.depth is not None:
+            out.update(self.observe_times(fed.batch.gen_time_s, compute_s))
+        if self.cadence is not None:
+            out.update(self.tune_cadence(fed.push_due, compute_s, sync_s, fed.wait_s, fed.flush_s, push_s_total, m))
+        return out
+
     def observe_times(self, gen_s: float, train_s: float) -> dict[str, float]:
         """Rank 0, ``off_policy.feedforward``: a trained batch's generation time and the step's compute time
         -> the pipeline depth that caps the next admissions. Returns its metrics."""

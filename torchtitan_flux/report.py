@@ -116,3 +116,15 @@ def rss_mb() -> float:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_per_rank(memory: dict[str, float], world: int) -> list[dict]:
+    """``memory`` plus this rank's peak RSS, gathered from every rank (all ranks call it; index = rank)."""
+    mine = {**memory, "peak_rss_mb": peak_rss_mb()}
+    if world == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, mine)
+    return out

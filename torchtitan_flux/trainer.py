@@ -20,8 +20,8 @@ One training step (policy version = number of optimizer steps done = ``self.step
   4. checkpoint (torchtitan's manager; our ``state_dict`` adds the RNG state), metrics.
 
 Simplifications: one optimizer step per batch (so the "proximal" policy of decoupled PPO is the current one,
-detached); no pipeline parallelism (``pipelining_fn`` is None). ``train_on`` runs its own micro-batch loop
-instead of torchtitan's ``forward_backward_step``, whose loss is ``loss_fn(pred, labels)`` with one label
+detached); no pipeline parallelism (``pipelining_fn`` is None). ``update.backward_on_batch`` runs its own
+micro-batch loop instead of torchtitan's ``forward_backward_step``, whose loss is ``loss_fn(pred, labels)`` with one label
 tensor: the GRPO loss needs the behaviour and reference logprobs, advantages, mask and sample weights per
 token. The loop keeps torchtitan's ``train_context``, AMP, gradient clipping, checkpointing and the
 ``[profiling]`` contexts (torch profiler traces and memory snapshots, stepped once per step).
@@ -63,6 +63,7 @@ from torchtitan_flux.stops import (
     die_with_launcher,
     settle_and_checkpoint,
 )
+from torchtitan_flux.update import backward_on_batch
 from torchtitan_flux.user_code import import_spec, step_callback
 from torchtitan_flux.weight_sync import WeightSyncer
 
@@ -216,11 +217,8 @@ class FluxTrainer(Trainer):
         t2 = time.perf_counter()
         self.syncer.after_optimizer_step(self.step, due=fed.push_due)
         t3 = time.perf_counter()
-        if self.admission.depth is not None and self.rank == 0:
-            metrics.update(self.admission.observe_times(fed.batch.gen_time_s, t2 - t1))
-        if self.admission.cadence is not None and self.rank == 0:
-            metrics.update(self.admission.tune_cadence(
-                fed.push_due, t2 - t1, t3 - t2, fed.wait_s, fed.flush_s, self.syncer.stats.push_s_total, metrics))
+        if self.rank == 0:
+            metrics.update(self.admission.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
         if self.probe is not None and self.probe.due(self.step, jc.training.steps):
             self.syncer.flush(self.step)  # the engines must hold this step's weights
             engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
@@ -249,54 +247,25 @@ class FluxTrainer(Trainer):
     def _finish(self) -> None:
         """After the last step: final push, summary (rank 0), HF export."""
         self.syncer.flush(self.step)
-        memory = [{**self.memory, "peak_rss_mb": report.peak_rss_mb()}]  # before the export gathers the model
-        if self.world > 1:
-            memory = [None] * self.world
-            dist.all_gather_object(memory, {**self.memory, "peak_rss_mb": report.peak_rss_mb()})
-        self._export_final()
+        memory = report.memory_per_rank(self.memory, self.world)  # before the export gathers the model
+        out = os.path.join(self.job_config.job.dump_folder, "hf_final")
+        export_hf_weights(self.model, out, self.model_args, self.job_config.model.hf_assets_path)
         if self.rank == 0:
+            logger.info(f"final policy exported to {out}")
             probed = self.probe.confirmed_version if self.probe is not None else -1
             content = report.summary(self.step, self.syncer, self.engines, probed, self._step_ends, memory)
             report.write_summary(self.job_config.job.dump_folder, content)
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
-        """One GRPO optimizer step on ``batch`` (all ranks)."""
-        jc, g = self.job_config, self.job_config.grpo
+        """One GRPO optimizer step on ``batch`` (all ranks): gradients (``update.py``), clipping, step, metrics."""
+        jc = self.job_config
         self.optimizers.zero_grad()
-        adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)
-        gap = (self.step - 1 - batch.versions).clamp(min=0).float()
-        weights = (1.0 + gap) ** -g.staleness_discount if g.staleness_discount > 0 else None
-        num_tokens = batch.loss_mask.sum()
-        rows = batch.tokens.shape[0] // self.world
-        lo = self.rank * rows
-        mbs = jc.training.local_batch_size
-        sums: dict[str, torch.Tensor] = {}
-        loss_total = torch.zeros((), device=self.device)
-        for s in range(lo, lo + rows, mbs):
-            sl = slice(s, min(s + mbs, lo + rows))
-            tokens = batch.tokens[sl].to(self.device)
-            mask = batch.loss_mask[sl].to(self.device)
-            with self.train_context(), self.maybe_enable_amp:
-                logits = self.model(tokens)
-                logprobs = grpo.token_logprobs(logits[:, :-1].float(), tokens[:, 1:], g.temperature)
-                del logits
-                ref = None
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref = grpo.token_logprobs(self.ref_model(tokens)[:, :-1].float(), tokens[:, 1:], g.temperature)
-                loss, m = grpo.grpo_loss(
-                    logprobs, batch.behaviour_logprobs[sl].to(self.device), adv[sl].to(self.device), mask,
-                    proximal_logprobs=logprobs.detach() if g.tis_cap > 0 else None,
-                    ref_logprobs=ref, sample_weights=None if weights is None else weights[sl].to(self.device),
-                    clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
-                    normalization=g.loss_normalization, tis_cap=g.tis_cap,
-                    num_tokens=num_tokens, num_sequences=batch.tokens.shape[0],
-                )
-            loss.backward()
-            loss_total += loss.detach()
-            ntok = mask.sum()
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v.detach() * ntok
+        grad = backward_on_batch(
+            self.model, self.ref_model, batch, jc.grpo, trained_steps=self.step - 1, rank=self.rank,
+            world=self.world, micro_batch=jc.training.local_batch_size, device=self.device,
+            train_context=self.train_context, amp=self.maybe_enable_amp,
+        )
+        loss_total, sums, num_tokens = grad.loss, grad.metric_sums, grad.num_tokens
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], jc.training.max_norm, foreach=True,
             pp_mesh=None, ep_enabled=False,
@@ -321,7 +290,7 @@ class FluxTrainer(Trainer):
         out = {"loss": stats[0].item()}
         out.update({k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))})
         out["grad_norm"] = grad_norm.item()
-        out["zero_variance_groups"] = zero_groups
+        out["zero_variance_groups"] = grad.zero_variance_groups
         out["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         return out
 
@@ -335,12 +304,6 @@ class FluxTrainer(Trainer):
             self.metrics_writer.log_completions(self.step, batch, self.job_config.grpo.group_size)
         for fn in self.step_callbacks:
             fn(self.step, m)
-
-    def _export_final(self) -> None:
-        out = os.path.join(self.job_config.job.dump_folder, "hf_final")
-        export_hf_weights(self.model, out, self.model_args, self.job_config.model.hf_assets_path)
-        if self.rank == 0:
-            logger.info(f"final policy exported to {out}")
 
     # ----------------------------------------------------------------------------------------- state
 
