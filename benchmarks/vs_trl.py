@@ -22,9 +22,9 @@ trainer the remaining core: both systems use the machine's 2 cores.
 
 Timing (wall clock, the same definition for both):
 * ``time_s`` of step k = time from the start of step 1 to the end of step k. TRL: a TrainerCallback
-  (on_step_begin of step 1, on_step_end of step k). Ours: the timestamps of the per-step log lines (written right
-  after each step's metrics), with step 1's start = its log time - its ``step_time_s``. This includes everything
-  between steps (metrics, TensorBoard, logging), which the trainer's own ``step_time_s`` leaves out.
+  (on_step_begin of step 1, on_step_end of step k). Ours: each ``metrics.jsonl`` row's wall-clock ``time``
+  (written right after the step), with step 1's start = its ``time`` - its ``step_time_s``. This includes
+  everything between steps (metrics, TensorBoard, logging), which the trainer's own ``step_time_s`` leaves out.
 * time to target: ``time_s`` of the first step at which the mean reward over the trailing ``--window`` steps
   reaches the target. It EXCLUDES process startup (imports, model load, engine spawn / trainer construction);
   the "incl. startup" column adds the time from process launch to the start of step 1.
@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -78,7 +77,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import flux_log_times  # noqa: E402
 
 OUR_MODES = {
     "sync": ["--weight_sync.async_weight_update", "false", "--adaptive_async.enabled", "false"],
@@ -208,10 +206,9 @@ def write_curve(path: Path, curve: list[dict]) -> None:
 
 # -------------------------------------------------------------------------------------------------- ours
 
-_LOG_STEP = re.compile(r"step\s+(\d+)/")
-
-
-def _our_curve(run_dir: Path, log_path: Path) -> tuple[list[dict], float | None]:
+def _our_curve(run_dir: Path) -> tuple[list[dict], float | None]:
+    """The reward curve from ``metrics.jsonl``: each row's wall-clock ``time`` (written right after the step),
+    step 1 starting at its row's ``time`` minus its ``step_time_s``; also that start (epoch seconds)."""
     metrics = {}
     with open(run_dir / "metrics.jsonl") as f:
         for line in f:
@@ -219,27 +216,16 @@ def _our_curve(run_dir: Path, log_path: Path) -> tuple[list[dict], float | None]
                 d = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(d, dict) and "step" in d:
+            if isinstance(d, dict) and "step" in d and "reward_mean" in d:  # not the eval.at_start row
                 metrics[int(d["step"])] = d
-    with open(log_path, errors="replace") as f:
-        stamps = {int(m.group(1)): t for t, m in flux_log_times(f.read(), _LOG_STEP)}
     steps = sorted(metrics)
     if not steps:
         return [], None
-    first = steps[0]
-    curve = []
-    if all(s in stamps for s in steps):  # wall clock from the log lines (includes inter-step work)
-        start = stamps[first] - metrics[first]["step_time_s"]
-        for s in steps:
-            t = stamps[s] - start
-            curve.append(_point(s, metrics[s]["reward_mean"], t, curve))
-        return curve, start
-    # fallback: cumulative step_time_s (misses the small work between steps)
-    t = 0.0
+    start = metrics[steps[0]]["time"] - metrics[steps[0]]["step_time_s"]
+    curve: list[dict] = []
     for s in steps:
-        t += metrics[s]["step_time_s"]
-        curve.append(_point(s, metrics[s]["reward_mean"], t, curve))
-    return curve, None
+        curve.append(_point(s, metrics[s]["reward_mean"], metrics[s]["time"] - start, curve))
+    return curve, start
 
 
 def _point(step: int, reward: float, t: float, curve: list[dict]) -> dict:
@@ -290,7 +276,7 @@ def run_ours(mode: str, wl: Workload, seed: int, steps: int, mdir: Path, run_dir
     res.process_wall_s = time.perf_counter() - t0
     if rc != 0:
         res.error = f"exit {rc}; see {log_path}"
-    curve, start = _our_curve(run_dir, log_path) if (run_dir / "metrics.jsonl").is_file() else ([], None)
+    curve, start = _our_curve(run_dir) if (run_dir / "metrics.jsonl").is_file() else ([], None)
     res.ok = rc == 0
     summarise(res, curve, wl, window, start, launch)
     write_curve(run_dir / "curve.jsonl", curve)

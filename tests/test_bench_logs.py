@@ -1,9 +1,11 @@
-"""What the benchmarks read: step times from the trainer's log lines (``benchmarks/common.flux_log_times``) and time to
-target from the metrics rows (``benchmarks/controller.time_to_target``)."""
+"""What the benchmarks read: start-up stamps from the trainer's log lines (``benchmarks/common.flux_log_times``), and
+step times and time to target from the metrics rows' wall-clock ``time`` (``benchmarks/controller.time_to_target``,
+``benchmarks/vs_trl._our_curve``)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 import sys
 
@@ -41,3 +43,20 @@ def test_controller_benchmark_time_to_target_reads_the_rows_wall_clock():
     assert time_to_target(rows, 0.8) == (3.5, 7)  # steps 3..7 average 0.88; steps 2..6 average 0.72
     assert time_to_target(rows, 0.5, window=1) == (1.5, 3)
     assert time_to_target(rows, 1.1) == (float("inf"), 0)
+
+
+def test_vs_trl_curve_reads_the_rows_wall_clock(tmp_path):
+    """``benchmarks/vs_trl.py``: our curve's ``time_s`` of step k is row k's ``time`` minus the start of step 1
+    (row 1's ``time`` minus its ``step_time_s``), so time between steps counts; a row without ``reward_mean`` (the
+    ``eval.at_start`` row) and a torn last line are skipped."""
+    from vs_trl import _our_curve
+
+    rows = [{"step": 0, "time": 99.0, "eval/reward_mean": 0.1},
+            {"step": 1, "time": 100.5, "step_time_s": 0.4, "reward_mean": 0.2},
+            {"step": 2, "time": 101.0, "step_time_s": 0.3, "reward_mean": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 3, "ti')
+    curve, start = _our_curve(tmp_path)
+    assert start == 100.1
+    assert [(p["step"], p["reward_mean"]) for p in curve] == [(1, 0.2), (2, 0.5)]
+    assert [round(p["time_s"], 6) for p in curve] == [0.4, 0.9]
+    assert [round(p["step_time_s"], 6) for p in curve] == [0.4, 0.5]  # the wall period, not the row's step_time_s

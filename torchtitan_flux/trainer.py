@@ -44,7 +44,6 @@ from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enabl
 from torchtitan.train import Trainer
 
 from torchtitan_flux import hf, report, resume
-from torchtitan_flux import loss as grpo
 from torchtitan_flux.admission import Admission
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.evaluation import Evaluator
