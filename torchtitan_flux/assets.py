@@ -47,43 +47,13 @@ ROPE_SCALING = {
 # Flavor table. ``multiple_of``/``ffn_dim_multiplier`` are torchtitan's FeedForward sizing knobs; the
 # resulting hidden size is written to config.json as ``intermediate_size``.
 # Parameter counts (untied embeddings, vocab 259): tiny = 279,488; small = 1,542,528; medium ~ 25M.
+_SHARED = dict(n_kv_heads=2, vocab_size=VOCAB_SIZE, multiple_of=256, ffn_dim_multiplier=None, norm_eps=1e-5,
+               rope_theta=500000.0)
 FLAVORS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        dim=64,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=VOCAB_SIZE,
-        multiple_of=256,  # -> intermediate_size 256
-        ffn_dim_multiplier=None,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=2048,
-    ),
-    "small": dict(
-        dim=128,
-        n_layers=6,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=VOCAB_SIZE,
-        multiple_of=256,  # -> intermediate_size 512
-        ffn_dim_multiplier=None,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=4096,
-    ),
-    "medium": dict(  # for memory and bandwidth measurements, where the tiny ones are lost in noise
-        dim=512,
-        n_layers=8,
-        n_heads=8,
-        n_kv_heads=4,
-        vocab_size=VOCAB_SIZE,
-        multiple_of=256,  # -> intermediate_size 1536
-        ffn_dim_multiplier=None,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=4096,
-    ),
+    "tiny": dict(_SHARED, dim=64, n_layers=4, n_heads=4, max_position_embeddings=2048),  # intermediate_size 256
+    "small": dict(_SHARED, dim=128, n_layers=6, n_heads=4, max_position_embeddings=4096),  # intermediate_size 512
+    # for memory and bandwidth measurements, where the tiny ones are lost in noise; intermediate_size 1536
+    "medium": dict(_SHARED, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_position_embeddings=4096),
 }
 # Expected parameter-count ranges (checked by the tests).
 FLAVOR_PARAM_RANGES = {"tiny": (250_000, 400_000), "small": (1_200_000, 1_800_000), "medium": (20_000_000, 30_000_000)}

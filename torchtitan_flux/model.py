@@ -99,6 +99,16 @@ def solve_ffn_args(dim: int, intermediate_size: int) -> tuple[int, float | None]
     )
 
 
+def _shared_fields(a: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields torchtitan's llama3 and qwen3 args name alike, from ``hf.architecture``'s ``a``."""
+    eos = hf.eos_token_ids(cfg)
+    return dict(
+        dim=a["dim"], n_layers=a["n_layers"], n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"],
+        head_dim=a["head_dim"], vocab_size=a["vocab_size"], norm_eps=a["norm_eps"], rope_theta=a["rope_theta"],
+        attn_type="sdpa", attn_mask_type="causal", eos_id=eos[0] if eos else 0,
+    )
+
+
 def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
     """``FluxLlamaArgs`` field values for a HF Llama config dict (raises ValueError if unsupported)."""
     a = hf.architecture(cfg, where)
@@ -106,17 +116,10 @@ def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") ->
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not a llama config")
     multiple_of, ffn_dim_multiplier = solve_ffn_args(a["dim"], a["intermediate_size"])
     rs = a["rope_scaling"]
-    eos = hf.eos_token_ids(cfg)
     return dict(
-        dim=a["dim"],
-        n_layers=a["n_layers"],
-        n_heads=a["n_heads"],
-        n_kv_heads=a["n_kv_heads"],
-        vocab_size=a["vocab_size"],
+        **_shared_fields(a, cfg),
         multiple_of=multiple_of,
         ffn_dim_multiplier=ffn_dim_multiplier,
-        norm_eps=a["norm_eps"],
-        rope_theta=a["rope_theta"],
         # torchtitan always applies llama3-style scaling; factor 1 makes it the identity.
         rope_scaling_args=RoPEScalingArgs(
             scaling_factor=rs["factor"],
@@ -124,11 +127,7 @@ def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") ->
             high_freq_factor=rs["high_freq_factor"],
             original_max_position_embeddings=rs["original_max_position_embeddings"],
         ),
-        attn_type="sdpa",
-        attn_mask_type="causal",
-        eos_id=eos[0] if eos else 0,
         tie_word_embeddings=a["tied"],
-        head_dim=a["head_dim"],
     )
 
 
@@ -137,23 +136,12 @@ def qwen_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") 
     a = hf.architecture(cfg, where)
     if a["family"] not in ("qwen3", "qwen2"):
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not a qwen3/qwen2 config")
-    eos = hf.eos_token_ids(cfg)
     return dict(
-        dim=a["dim"],
-        n_layers=a["n_layers"],
-        n_heads=a["n_heads"],
-        n_kv_heads=a["n_kv_heads"],
-        head_dim=a["head_dim"],
+        **_shared_fields(a, cfg),
         hidden_dim=a["intermediate_size"],
-        vocab_size=a["vocab_size"],
-        norm_eps=a["norm_eps"],
-        rope_theta=a["rope_theta"],
         qk_norm=a["qk_norm"],
         qkv_bias=a["qkv_bias"],
         enable_weight_tying=a["tied"],
-        attn_type="sdpa",
-        attn_mask_type="causal",
-        eos_id=eos[0] if eos else 0,
     )
 
 
