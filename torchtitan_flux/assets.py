@@ -169,25 +169,13 @@ def flavor_model_args(flavor: str):
         raise ValueError(f"unknown flavor {flavor!r}; known: {sorted(FLAVORS)}")
     _maybe_apply_patches()
     from torchtitan.models.llama3 import TransformerModelArgs
-    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    from torchtitan_flux.model import rope_scaling_args
 
     f = FLAVORS[flavor]
     return TransformerModelArgs(
-        dim=f["dim"],
-        n_layers=f["n_layers"],
-        n_heads=f["n_heads"],
-        n_kv_heads=f["n_kv_heads"],
-        vocab_size=f["vocab_size"],
-        multiple_of=f["multiple_of"],
-        ffn_dim_multiplier=f["ffn_dim_multiplier"],
-        norm_eps=f["norm_eps"],
-        rope_theta=f["rope_theta"],
-        rope_scaling_args=RoPEScalingArgs(
-            scaling_factor=ROPE_SCALING["factor"],
-            low_freq_factor=ROPE_SCALING["low_freq_factor"],
-            high_freq_factor=ROPE_SCALING["high_freq_factor"],
-            original_max_position_embeddings=ROPE_SCALING["original_max_position_embeddings"],
-        ),
+        **{k: v for k, v in f.items() if k != "max_position_embeddings"},
+        rope_scaling_args=rope_scaling_args(ROPE_SCALING),
         max_seq_len=f["max_position_embeddings"],
         attn_type="sdpa",
         eos_id=EOS_ID,

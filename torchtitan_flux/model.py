@@ -99,6 +99,15 @@ def solve_ffn_args(dim: int, intermediate_size: int) -> tuple[int, float | None]
     )
 
 
+def rope_scaling_args(rs: dict[str, Any]) -> RoPEScalingArgs:
+    """torchtitan's llama3 RoPE scaling from a HF ``rope_scaling`` dict (torchtitan always applies llama3-style
+    scaling; factor 1 makes it the identity)."""
+    return RoPEScalingArgs(
+        scaling_factor=rs["factor"], low_freq_factor=rs["low_freq_factor"], high_freq_factor=rs["high_freq_factor"],
+        original_max_position_embeddings=rs["original_max_position_embeddings"],
+    )
+
+
 def _shared_fields(a: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     """The fields torchtitan's llama3 and qwen3 args name alike, from ``hf.architecture``'s ``a``."""
     eos = hf.eos_token_ids(cfg)
@@ -115,18 +124,11 @@ def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") ->
     if a["family"] != "llama":
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not a llama config")
     multiple_of, ffn_dim_multiplier = solve_ffn_args(a["dim"], a["intermediate_size"])
-    rs = a["rope_scaling"]
     return dict(
         **_shared_fields(a, cfg),
         multiple_of=multiple_of,
         ffn_dim_multiplier=ffn_dim_multiplier,
-        # torchtitan always applies llama3-style scaling; factor 1 makes it the identity.
-        rope_scaling_args=RoPEScalingArgs(
-            scaling_factor=rs["factor"],
-            low_freq_factor=rs["low_freq_factor"],
-            high_freq_factor=rs["high_freq_factor"],
-            original_max_position_embeddings=rs["original_max_position_embeddings"],
-        ),
+        rope_scaling_args=rope_scaling_args(a["rope_scaling"]),
         tie_word_embeddings=a["tied"],
     )
 
