@@ -36,7 +36,7 @@ from torchtitan_flux import transport
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
 from torchtitan_flux.weight_sync.links import EngineLink, LinkTable, SyncStats
-from torchtitan_flux.weight_sync.pusher import Pusher
+from torchtitan_flux.weight_sync.pusher import Bystander, Pusher
 from torchtitan_flux.weight_sync.snapshot import Snapshot, clean_name, control_group, tensor_specs
 
 __all__ = ["WeightSyncer", "EngineLink", "SyncStats", "clean_name", "control_group", "tensor_specs"]
@@ -59,7 +59,7 @@ class WeightSyncer:
 
     def __init__(self, cfg, model: torch.nn.Module, engines: list[EngineHandler], *, device: torch.device,
                  is_sender: bool, backend: str = "gloo", pump: Callable[[float], None] = time.sleep):
-        self.cfg, self.is_sender, self.pump = cfg, is_sender, pump
+        self.cfg, self.pump = cfg, pump
         self.async_mode = cfg.async_weight_update
         # Wire-layout hook: HTTP engines load HF-layout tensors; converting while snapshotting keeps one staging
         # buffer holding exactly what goes on the wire. All engines of a run must agree on the layout.
@@ -71,7 +71,7 @@ class WeightSyncer:
             delta=cfg.method == "delta",
         )
         self.table = LinkTable(engines if is_sender else [], cfg.timeout_seconds)
-        self.pusher = None
+        self.pusher: Pusher | Bystander = Bystander()  # ranks > 0: no rank branches below
         if is_sender:
             token = read_token(cfg.auth_token_env)  # never logged or checkpointed
             store = transport.connect_store(cfg.master_addr, cfg.master_port, cfg.timeout_seconds, True)
@@ -88,7 +88,7 @@ class WeightSyncer:
 
     def busy(self) -> bool:
         """Whether a push (or a resync) is in flight."""
-        return self.pusher is not None and self.pusher.busy.is_set()
+        return self.pusher.busy.is_set()
 
     def connect(self) -> None:
         """Create every engine's group (rank 0; blocks until each engine joined or failed)."""
@@ -114,27 +114,25 @@ class WeightSyncer:
             self.stats.blocked_s = 0.0
             return
         if self.async_mode:
-            claimed = self.pusher.claim() if self.is_sender else True
+            claimed = self.pusher.claim()
             idle = self._snapshot_or_release(version, lambda: self.snap.agree(claimed), claimed)
             if not idle:
                 self.stats.coalesced += 1
-            elif self.is_sender:
+            else:
                 self.pusher.hand_over(version)
         else:
             self._claim_waiting()
             try:
                 self._take(version)
-                if self.is_sender:
-                    self.pusher.push(version)
-                    self._wait_acks(version)
+                self.pusher.push(version)
+                self._wait_acks(version)
             finally:
-                if self.is_sender:
-                    self.pusher.release()
+                self.pusher.release()
         self.stats.blocked_s = time.perf_counter() - t0
 
     def _claim_waiting(self) -> None:
         """Rank 0: wait (delivering events) until the claim is ours; a push in flight ends by its deadline."""
-        while self.is_sender and not self.pusher.claim():
+        while not self.pusher.claim():
             self.pump(0.01)
 
     def _snapshot_or_release(self, version: int, decide: Callable[[], bool], claimed: bool) -> bool:
@@ -144,7 +142,7 @@ class WeightSyncer:
             if idle:
                 self._take(version)
         except BaseException:
-            if self.is_sender and claimed:
+            if claimed:
                 self.pusher.release()
             raise
         return idle
@@ -196,15 +194,12 @@ class WeightSyncer:
         if self.version < version:  # the same on every rank (snapshots are agreed), so is this branch
             self._claim_waiting()  # wait for the claim itself: no idle-then-claim race to retry around
             self._snapshot_or_release(version, lambda: True, True)
-            if self.is_sender:
-                self.pusher.hand_over(version)
+            self.pusher.hand_over(version)
         self.wait_idle(self.cfg.timeout_seconds)
-        if self.is_sender:
-            self._wait_acks(version)
+        self._wait_acks(version)
 
     def metrics(self) -> dict[str, float]:
         return self.table.metrics()
 
     def close(self) -> None:
-        if self.pusher is not None:
-            self.pusher.close()
+        self.pusher.close()

@@ -256,3 +256,30 @@ class Pusher:
 
     def _broadcast(self, pg, t: torch.Tensor):
         return self.ring.broadcast(pg, t) if self.ring is not None else compat.broadcast(pg, t)
+
+
+class Bystander:
+    """The pusher of ranks > 0: they take part in every snapshot (the agreement and the FSDP gathers are
+    collectives) but send nothing and hold no engines, so each call is what it would be on a sender without
+    engines: the claim is always free, there is nothing to push, join or wait for."""
+
+    def __init__(self):
+        self.busy = threading.Event()  # never set
+
+    def claim(self) -> bool:
+        return True
+
+    def hand_over(self, version: int) -> None:
+        pass
+
+    def push(self, version: int) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def kick(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
