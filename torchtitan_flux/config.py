@@ -261,8 +261,7 @@ class WeightSync:
     at a time, when it is below half of it."""
 
     max_interval: Annotated[int, Range(ge=1)] = 16
-    """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap
-    + 1``."""
+    """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap + 1``."""
 
     verify_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Engines that checksum what they receive (vLLM through our gloo extension, CPU) hash every N-th push and
@@ -421,8 +420,7 @@ class Eval:
     """Split of the held-out dataset (a folder or a saved ``DatasetDict``)."""
 
     num_prompts: Annotated[int, Range(ge=0, note="0 = all")] = 0
-    """Prompts evaluated: the first N records of the held-out set; 0 means all of a dataset (64 of a generated
-    task)."""
+    """Prompts evaluated: the first N records of the held-out set; 0 means all of a dataset (64 of a generated task)."""
 
     n: Annotated[int, Range(ge=1)] = 1
     """Completions per prompt. With n > 1, pass@n is logged too."""
