@@ -167,20 +167,24 @@ RANGE_FIELDS = [rf for sec, cls in {**SECTIONS, **ADDED_TO_TORCHTITAN}.items() f
 
 
 def _edges(rng, is_int: bool) -> list[tuple[float, bool]]:
-    """(value, allowed?) at each declared bound: the bound itself and its nearest neighbour outside or inside."""
-    step = (lambda b, d: b + d) if is_int else (lambda b, d: math.nextafter(b, d * math.inf))
+    """(value, allowed?) at each declared bound: an inclusive bound passes and its nearest neighbour outside fails;
+    an exclusive bound fails and its nearest neighbour inside passes."""
+    def toward(bound, direction: int):
+        return int(bound) + direction if is_int else math.nextafter(float(bound), direction * math.inf)
+
     edges = []
-    for bound, inside, inclusive in ((rng.ge, 1, True), (rng.gt, 1, False), (rng.le, -1, True), (rng.lt, -1, False)):
+    for bound, inclusive, inside in ((rng.ge, True, 1), (rng.gt, False, 1), (rng.le, True, -1), (rng.lt, False, -1)):
         if bound is not None:
-            edges += [(bound, inclusive), (step(bound, -inside), False) if inclusive else (step(bound, inside), True)]
-    return [(int(v) if is_int else float(v), ok) for v, ok in edges]
+            edges += [(int(bound) if is_int else float(bound), inclusive),
+                      (toward(bound, -inside if inclusive else inside), not inclusive)]
+    return edges
 
 
 @pytest.mark.parametrize("path,rng,allowed,is_int", RANGE_FIELDS, ids=[rf[0] for rf in RANGE_FIELDS])
 def test_every_declared_range_is_checked(tiny_model_dir, path, rng, allowed, is_int):
     """Generated from config.py's ``Range`` declarations, so a section the validation loop missed fails here: just
     outside a bound is the field's one out-of-range error; the bound (or, when exclusive, just inside) passes it."""
-    assert len(RANGE_FIELDS) > 40
+    assert len(RANGE_FIELDS) > 40  # field_ranges finds the declarations (none would run no case at all)
     *parents, name = path.split(".")
     for value, ok in _edges(rng, is_int):
         cfg = parse()
