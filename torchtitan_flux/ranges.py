@@ -27,6 +27,7 @@ class Range:
     """What a special value in the range means, printed after the bounds, e.g. "0 disables"."""
 
     def contains(self, v: float) -> bool:
+        """``v`` is within every declared bound."""
         return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
                 and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
 
@@ -34,7 +35,8 @@ class Range:
         """The allowed values in words, as the errors and the docs give them: "an integer >= 1", "a number in (0, 1]",
         "an integer >= 0 (0 disables)"; ``integer``: the field is an int."""
         kind = "an integer" if integer else "a number"
-        bounds = [(op, b) for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt)) if b is not None]
+        ops = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+        bounds = [(op, bound) for op, bound in ops if bound is not None]
         if len(bounds) == 2:  # lower first
             (low_op, low), (high_op, high) = bounds
             text = f"{kind} in {'[' if low_op == '>=' else '('}{low:g}, {high:g}{']' if high_op == '<=' else ')'}"
