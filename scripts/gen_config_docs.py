@@ -1,4 +1,5 @@
-"""Generate docs/configuration.md from the config dataclasses' field docstrings (torchtitan_flux/config.py).
+"""Generate docs/configuration.md from the config dataclasses' field docstrings (torchtitan_flux/config.py), each
+followed by the field's declared range ("Allowed: ...", torchtitan_flux/ranges.py), when it has one.
 
     python scripts/gen_config_docs.py            # rewrite docs/configuration.md
     python scripts/gen_config_docs.py --check    # exit 1 if it is out of date (CI runs this in the tests)
@@ -53,6 +54,7 @@ def _default(f) -> str:
 def render() -> str:
     sys.path.insert(0, ROOT)
     from torchtitan_flux import config
+    from torchtitan_flux.ranges import field_ranges
 
     docs = field_docs()
     lines = [
@@ -71,13 +73,17 @@ def render() -> str:
         lines.extend([f"## `[{prefix}]`", "", (cls.__doc__ or "").strip(), "",
                       "| field | type | default | meaning |", "|---|---|---|---|"])
         hints = typing.get_type_hints(cls)
+        ranges = field_ranges(cls)
         nested = []
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
                 nested.append((f.name, tp))
                 continue
-            doc = docs.get(cls.__name__, {}).get(f.name, "").replace("|", "\\|")
+            doc = docs.get(cls.__name__, {}).get(f.name, "")
+            if f.name in ranges:
+                doc += f" Allowed: {ranges[f.name][1]}."
+            doc = doc.replace("|", "\\|")
             lines.append(f"| `{f.name}` | {_type(tp)} | {_default(f)} | {doc} |")
         lines.append("")
         for name, tp in nested:

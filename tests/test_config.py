@@ -3,13 +3,17 @@ process is spawned. Table-driven over the real parse path (torchtitan's ConfigMa
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
+import math
 import re
 import socket
 import subprocess
 
 import sys
+import typing
 
 import pytest
 import torch
@@ -21,7 +25,8 @@ apply_patches()
 
 from torchtitan.config import ConfigManager  # noqa: E402
 
-from torchtitan_flux.config import ConfigError  # noqa: E402
+from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, ConfigError  # noqa: E402
+from torchtitan_flux.ranges import field_ranges  # noqa: E402
 from torchtitan_flux.validation import validate_config  # noqa: E402
 from torchtitan_flux.train import _normalise_argv  # noqa: E402
 
@@ -146,6 +151,51 @@ def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, mo
 
 def test_debug_config_is_valid(tiny_model_dir):
     validate_config(parse())
+
+
+def _range_fields(prefix: str, cls) -> list:
+    """(path, range, allowed text, is int) of every field of ``cls`` declaring a ``Range``, nested tables included."""
+    hints = typing.get_type_hints(cls)
+    out = [(f"{prefix}.{name}", rng, allowed, hints[name] is int) for name, (rng, allowed) in field_ranges(cls).items()]
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type):
+            out += _range_fields(f"{prefix}.{f.name}", f.type)
+    return out
+
+
+RANGE_FIELDS = [rf for sec, cls in {**SECTIONS, **ADDED_TO_TORCHTITAN}.items() for rf in _range_fields(sec, cls)]
+
+
+def _edges(rng, is_int: bool) -> list[tuple[float, bool]]:
+    """(value, allowed?) at each declared bound: an inclusive bound passes and its nearest neighbour outside fails;
+    an exclusive bound fails and its nearest neighbour inside passes."""
+    def toward(bound, direction: int):
+        return int(bound) + direction if is_int else math.nextafter(float(bound), direction * math.inf)
+
+    edges = []
+    for bound, inclusive, inside in ((rng.ge, True, 1), (rng.gt, False, 1), (rng.le, True, -1), (rng.lt, False, -1)):
+        if bound is not None:
+            edges += [(int(bound) if is_int else float(bound), inclusive),
+                      (toward(bound, -inside if inclusive else inside), not inclusive)]
+    return edges
+
+
+@pytest.mark.parametrize("path,rng,allowed,is_int", RANGE_FIELDS, ids=[rf[0] for rf in RANGE_FIELDS])
+def test_every_declared_range_is_checked(tiny_model_dir, path, rng, allowed, is_int):
+    """Generated from config.py's ``Range`` declarations, so a section the validation loop missed fails here: just
+    outside a bound is the field's one out-of-range error; the bound (or, when exclusive, just inside) passes it."""
+    assert len(RANGE_FIELDS) > 40  # field_ranges finds the declarations (none would run no case at all)
+    *parents, name = path.split(".")
+    for value, ok in _edges(rng, is_int):
+        cfg = parse()
+        setattr(functools.reduce(getattr, parents, cfg), name, value)
+        try:
+            validate_config(cfg)
+            error = ""
+        except ConfigError as e:
+            error = str(e)
+        out_of_range = f"{path} = {value!r} is out of range; allowed: {allowed}"
+        assert (error != out_of_range) if ok else (error == out_of_range), (value, error)
 
 
 def test_launch_refuses_a_head_dim_vllm_cpu_cannot_serve(tiny_model_dir, monkeypatch):

@@ -4,8 +4,10 @@ torchtitan 0.2.2 merges a ``JobConfig`` dataclass named by ``[job] custom_config
 (``ConfigManager._merge_configs``); ``torchtitan_flux.train`` names this module automatically, so every TOML
 and ``--section.field`` override below works without the user setting it.
 
-Every field has a docstring (``docs/configuration.md`` is generated from them). ``validation.py`` checks the
-values (``validate_config``) and raises ``ConfigError`` naming the field and what is allowed.
+Every field has a docstring (``docs/configuration.md`` is generated from them). A numeric field's range is declared
+once, here, on its type (``Annotated[int, Range(ge=1)]``, ``ranges.py``): ``validation.py`` checks every such field
+and the reference prints it. ``validation.py`` also holds the checks that are not a plain range (cross-field rules,
+URLs, names); it raises ``ConfigError`` naming the field and what is allowed.
 """
 
 
@@ -15,6 +17,7 @@ from typing import Annotated, Literal
 import tyro
 
 from torchtitan_flux.engine.auth import TOKEN_ENV
+from torchtitan_flux.ranges import Range
 
 # CLI booleans take a value (``--weight_sync.async_weight_update true``), like every other field.
 Bool = Annotated[bool, tyro.conf.FlagConversionOff]
@@ -28,18 +31,18 @@ class ConfigError(ValueError):
 class Grpo:
     """``[grpo]``: the GRPO objective."""
 
-    group_size: int = 8
-    """Completions sampled per prompt (G). Advantages are normalised within each group. Must be >= 2."""
+    group_size: Annotated[int, Range(ge=2)] = 8
+    """Completions sampled per prompt (G). Advantages are normalised within each group."""
 
-    clip_low: float = 0.2
-    """Lower clip bound epsilon_low: the policy ratio is clipped at 1 - clip_low. In (0, 1)."""
+    clip_low: Annotated[float, Range(gt=0, lt=1)] = 0.2
+    """Lower clip bound epsilon_low: the policy ratio is clipped at 1 - clip_low."""
 
-    clip_high: float = 0.28
-    """Upper clip bound epsilon_high: the policy ratio is clipped at 1 + clip_high (DAPO's clip-higher). > 0."""
+    clip_high: Annotated[float, Range(gt=0)] = 0.28
+    """Upper clip bound epsilon_high: the policy ratio is clipped at 1 + clip_high (DAPO's clip-higher)."""
 
-    kl_coef: float = 0.0
+    kl_coef: Annotated[float, Range(ge=0)] = 0.0
     """Coefficient of the KL penalty against a frozen copy of the initial policy. 0 disables it (and the
-    reference model is then not built). >= 0."""
+    reference model is then not built)."""
 
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator on sampled tokens: k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, k3 = ref/pi - log(ref/pi) - 1."""
@@ -48,23 +51,23 @@ class Grpo:
     """"token": sum of per-token losses over all completion tokens of the batch divided by their count (DAPO);
     "sequence": mean over completions of each completion's mean token loss (original GRPO)."""
 
-    temperature: float = 1.0
+    temperature: Annotated[float, Range(gt=0)] = 1.0
     """Sampling temperature of the rollout engines; the trainer divides its logits by it too, so behaviour and
-    trainer log-probabilities refer to the same distribution. > 0."""
+    trainer log-probabilities refer to the same distribution."""
 
-    tis_cap: float = 2.0
+    tis_cap: Annotated[float, Range(ge=0, note="0 disables")] = 2.0
     """Truncated importance sampling: each token's loss is weighted by min(pi_trainer / pi_behaviour, tis_cap)
     (detached) and the clipped ratio is taken against the trainer's current policy (decoupled PPO). 0 disables
-    it: the clipped ratio is then taken against the behaviour (engine) log-probabilities directly. >= 0."""
+    it: the clipped ratio is then taken against the behaviour (engine) log-probabilities directly."""
 
     advantage_std_normalize: Bool = True
     """Divide group-centred rewards by the group's standard deviation (+1e-4). Groups whose rewards are all equal
     get advantage 0 either way: they contribute no policy gradient (only KL, if enabled) and are counted in
     the ``zero_variance_groups`` metric."""
 
-    staleness_discount: float = 0.0
+    staleness_discount: Annotated[float, Range(ge=0)] = 0.0
     """Weight of a sample is multiplied by (1 + version_gap) ** -staleness_discount (a staleness-adaptive step
-    size). 0 disables it. >= 0."""
+    size). 0 disables it."""
 
 
 @dataclass
@@ -75,23 +78,23 @@ class Rollout:
     """Rollout engine: "embedded" (a child process holding its own copy of the policy; the default, needs no
     server), "vllm" or "sglang" (HTTP servers; see ``urls``)."""
 
-    num_engines: int = 1
+    num_engines: Annotated[int, Range(ge=1)] = 1
     """Number of embedded engine processes, or of vLLM servers started with ``launch = true`` (otherwise servers
-    are counted by ``urls``). >= 1."""
+    are counted by ``urls``)."""
 
     urls: list[str] = field(default_factory=list)
     """Base URLs of vLLM / SGLang servers, e.g. ["http://127.0.0.1:8000"]. Required for those engines."""
 
-    prompts_per_step: int = 4
-    """Prompts per training step; the batch holds prompts_per_step * grpo.group_size completions. >= 1."""
+    prompts_per_step: Annotated[int, Range(ge=1)] = 4
+    """Prompts per training step; the batch holds prompts_per_step * grpo.group_size completions."""
 
-    max_new_tokens: int = 16
-    """Maximum completion length in tokens. >= 1."""
+    max_new_tokens: Annotated[int, Range(ge=1)] = 16
+    """Maximum completion length in tokens."""
 
-    top_k: int = 0
+    top_k: Annotated[int, Range(ge=0)] = 0
     """Sample only from the top-k tokens; 0 disables. The reported behaviour log-probabilities stay those of the
     full tempered distribution (what the trainer recomputes), so top-k sampling is slightly off-policy; keep 0
-    unless you want that. >= 0."""
+    unless you want that."""
 
     task: str = "digits"
     """Task: "digits" (dense reward: fraction of completion characters that are digits; a random-init model
@@ -107,9 +110,9 @@ class Rollout:
     """Old single reward function, "package.module:function", called per sample as fn(prompt, completion,
     answer) -> float. Still works; ``reward_funcs`` (TRL's batched signature) replaces it."""
 
-    engine_threads: int = 1
+    engine_threads: Annotated[int, Range(ge=1)] = 1
     """CPU threads of each engine on this machine (an embedded engine's torch threads, or a launched vLLM
-    server's OpenMP threads); the trainer gets the remaining cores. >= 1."""
+    server's OpenMP threads); the trainer gets the remaining cores."""
 
     engine_device: str = "auto"
     """Device of the embedded engines: "auto" (CPU when the trainer is on CPU, else the GPU after the trainer's
@@ -118,16 +121,16 @@ class Rollout:
     seed: int = 0
     """Base seed of the engines' samplers (each request derives its own generator from it)."""
 
-    dispatch_dead_zone: float = 0.1
+    dispatch_dead_zone: Annotated[float, Range(ge=0, lt=1)] = 0.1
     """Dead zone of the dispatch split. Prompts are split across engines in proportion to an EMA of each engine's
     measured completions/s; the previous split is kept while every engine's share would change by less than this
     fraction of itself (0.1: by less than 10%), so timing jitter does not reshuffle work. 0 re-splits on every
-    change. In [0, 1)."""
+    change."""
 
-    dispatch_max_share: float = 0.75
+    dispatch_max_share: Annotated[float, Range(gt=0, le=1)] = 0.75
     """Imbalance cap of the dispatch split: while more than one engine is alive, no engine gets more than this
     fraction of a step's prompts (the excess goes to the others in proportion to their speed), however much
-    faster it measures; a lone engine gets everything. Below 1 / (engines alive) the split is even. In (0, 1]."""
+    faster it measures; a lone engine gets everything. Below 1 / (engines alive) the split is even."""
 
     launch: Bool = False
     """Engine "vllm" only: the trainer starts ``num_engines`` local vLLM servers itself (free ports, model
@@ -139,9 +142,9 @@ class Rollout:
     ``.venv-vllm``); a relative path is taken from the current directory, then from the repository root. Must
     exist when ``launch`` is true."""
 
-    launch_timeout_s: float = 600.0
+    launch_timeout_s: Annotated[float, Range(gt=0)] = 600.0
     """Seconds to wait for a launched vLLM server to answer ``/health`` before giving up (the error names the
-    server's log file). > 0."""
+    server's log file)."""
 
     engine_devices: list[str] = field(default_factory=list)
     """Device of each engine, one entry per engine ("cpu" or "cuda:N"): embedded engines run there, servers
@@ -167,9 +170,9 @@ class Rollout:
     """Render text prompts as a one-message user chat through the model folder's chat template (chat datasets
     always are)."""
 
-    max_prompt_tokens: int = 0
+    max_prompt_tokens: Annotated[int, Range(ge=0, note="0 = seq_len - max_new_tokens")] = 0
     """Longest prompt in tokens; 0 means ``training.seq_len - max_new_tokens``. ``max_prompt_tokens +
-    max_new_tokens`` must fit in ``training.seq_len``. >= 0."""
+    max_new_tokens`` must fit in ``training.seq_len``."""
 
     long_prompts: Literal["drop", "error"] = "drop"
     """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (how many is logged at start) or "error"
@@ -183,14 +186,14 @@ class Rollout:
     reward_weights: list[float] = field(default_factory=list)
     """Weight of each of ``reward_funcs`` in the total reward; empty means 1.0 each."""
 
-    reward_workers: int = 1
-    """Threads scoring rewards off the trainer's main loop. >= 1."""
+    reward_workers: Annotated[int, Range(ge=1)] = 1
+    """Threads scoring rewards off the trainer's main loop."""
 
-    max_engine_restarts: int = 3
+    max_engine_restarts: Annotated[int, Range(ge=0)] = 3
     """A dead embedded engine is restarted at most this many times within any 10 minutes; one that dies more
     often (it fails the same way every time: a bad device, a bad setting) is given up: the run goes on with the
     other engines, or, with none left, stops at the step boundary like for a lost engine (checkpoint of the last
-    completed step when checkpoints are on), the engine's own error in the log. 0: never restart. >= 0."""
+    completed step when checkpoints are on), the engine's own error in the log. 0: never restart."""
 
 
 @dataclass
@@ -203,12 +206,12 @@ class WeightSync:
     the trainer goes on; the trainer never waits on an engine. How far generation runs ahead of training is
     ``[off_policy]``'s (which, unless ``off_policy.async_ratio`` is set, follows this flag as it used to)."""
 
-    timeout_seconds: float = 60.0
+    timeout_seconds: Annotated[float, Range(gt=0)] = 60.0
     """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
-    serving its old version, and gets a full resync when it answers again. > 0."""
+    serving its old version, and gets a full resync when it answers again."""
 
-    bucket_size_mb: float = 64.0
-    """Weights are flattened into buckets of about this size for transfer. > 0."""
+    bucket_size_mb: Annotated[float, Range(gt=0)] = 64.0
+    """Weights are flattened into buckets of about this size for transfer."""
 
     interval: int | Literal["auto"] = 1
     """Push every N optimizer steps: an integer >= 1 and <= ``off_policy.max_version_gap + 1`` (a larger one
@@ -225,8 +228,8 @@ class WeightSync:
     """Address the trainer's weight-sync rendezvous (a TCPStore) listens on, and engines connect to. Loopback by
     default; any other address needs the shared token (``auth_token_env``)."""
 
-    master_port: int = 0
-    """Port of the weight-sync rendezvous; 0 picks a free port. 0..65535."""
+    master_port: Annotated[int, Range(ge=0, le=65535)] = 0
+    """Port of the weight-sync rendezvous; 0 picks a free port."""
 
     auth_token_env: str = TOKEN_ENV
     """Name of the environment variable holding the shared token (the token itself never goes in a config file, log,
@@ -240,33 +243,31 @@ class WeightSync:
     """dtype of the weights on the wire and in the staging buffer (parameters are cast while snapshotting).
     "auto": the dtype the engines declare (none do yet), else the parameters' own dtype."""
 
-    probe_every: int = 10
+    probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Post-sync logprob probe: every N steps (and after the last), once the engines hold the step's weights, each
     engine scores a fixed probe sequence and the trainer compares those logprobs with its own
     (``torchtitan_flux/probe.py``); a difference above ``probe_tolerance`` stops the run naming the engine, the
     version and the worst token. Catches wrong names or layouts, dropped tensors, untied heads, wrong dtypes. A
-    probe step waits for its push (async runs included). 0 disables. >= 0."""
+    probe step waits for its push (async runs included)."""
 
-    probe_tolerance: float = 0.1
+    probe_tolerance: Annotated[float, Range(gt=0)] = 0.1
     """Largest allowed |engine - trainer| logprob at any probe token. fp32 engines agree to ~1e-5; bf16 ones to a
-    few 1e-2. > 0."""
+    few 1e-2."""
 
-    overhead_target: float = 0.10
+    overhead_target: Annotated[float, Range(gt=0, lt=1)] = 0.10
     """With ``interval = "auto"``: the largest share of the training step's compute time that weight sync may cost
     the trainer (blocking mode: the wait for the push; async mode: the snapshot plus the rollout wait the push can
     explain, at most its duration). The interval rises when the measured overhead is above it and falls, one step
-    at a time, when it is below half of it. In (0, 1)."""
+    at a time, when it is below half of it."""
 
-    max_interval: int = 16
-    """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap
-    + 1``. >= 1."""
+    max_interval: Annotated[int, Range(ge=1)] = 16
+    """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap + 1``."""
 
-    verify_every: int = 10
+    verify_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Engines that checksum what they receive (vLLM through our gloo extension, CPU) hash every N-th push and
     always the final one, which ``summary.json`` compares with the trainer's weights (a hash costs a copy and a
     sha256 of the whole model: sampling keeps it off most pushes). Embedded engines hash only when asked (the
-    summary); vLLM's NCCL path (GPU) and SGLang keep no hash: the logprob probe (``probe_every``) verifies them.
-    0: never hash. >= 0."""
+    summary); vLLM's NCCL path (GPU) and SGLang keep no hash: the logprob probe (``probe_every``) verifies them."""
 
 
 @dataclass
@@ -307,10 +308,10 @@ class OffPolicy:
 class PhaseSpec:
     """One phase of ``adaptive_async.phase_schedule``."""
 
-    steps: int = 0
-    """Length of the phase in steps (ignored for "main", which lasts between warmup and cooldown). >= 0."""
+    steps: Annotated[int, Range(ge=0)] = 0
+    """Length of the phase in steps (ignored for "main", which lasts between warmup and cooldown)."""
 
-    target_staleness: float = -1.0
+    target_staleness: Annotated[float, Range(le=1, note="negative = use adaptive_async.target_staleness")] = -1.0
     """Target staleness during the phase; negative means ``adaptive_async.target_staleness``."""
 
 
@@ -335,64 +336,64 @@ class AdaptiveAsync:
     enabled: Bool = False
     """Turn the controller on: it sets the async ratio every step. When off, ``off_policy.async_ratio`` does."""
 
-    target_staleness: float = 0.15
-    """Staleness (in [0, 1]) the controller steers to. In [0, 1]."""
+    target_staleness: Annotated[float, Range(ge=0, le=1)] = 0.15
+    """Staleness the controller steers to."""
 
-    min_async_ratio: float = 0.0
-    """Lower bound of async_ratio. In [0, 1], <= max_async_ratio."""
+    min_async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
+    """Lower bound of async_ratio; at most ``max_async_ratio``."""
 
-    max_async_ratio: float = 1.0
-    """Upper bound of async_ratio. In [0, 1], >= min_async_ratio."""
+    max_async_ratio: Annotated[float, Range(ge=0, le=1)] = 1.0
+    """Upper bound of async_ratio; at least ``min_async_ratio``."""
 
-    initial_async_ratio: float = 0.5
-    """async_ratio at step 1. Within the bounds."""
+    initial_async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.5
+    """async_ratio at step 1; within [``min_async_ratio``, ``max_async_ratio``]."""
 
-    kp: float = 3.0
-    """Proportional gain, in async-ratio per unit of staleness error. >= 0. (The tutorial's 0.1 / 0.01 / 0.05 are
+    kp: Annotated[float, Range(ge=0)] = 3.0
+    """Proportional gain, in async-ratio per unit of staleness error. (The tutorial's 0.1 / 0.01 / 0.05 are
     in other units: with ours they take ~380 steps to settle on the simulated plant; 3.0 / 0.3 / 1.5 keep its
     10:1:5 proportions and settle in < 30.)"""
 
-    ki: float = 0.3
-    """Integral gain (per step). >= 0."""
+    ki: Annotated[float, Range(ge=0)] = 0.3
+    """Integral gain (per step)."""
 
-    kd: float = 1.5
-    """Derivative gain, on the measurement (not the error), so target changes cause no kick. >= 0."""
+    kd: Annotated[float, Range(ge=0)] = 1.5
+    """Derivative gain, on the measurement (not the error), so target changes cause no kick."""
 
-    integral_band: float = 0.1
+    integral_band: Annotated[float, Range(gt=0, le=1)] = 0.1
     """Integral separation: the integral accumulates only while |target - smoothed staleness| <= this, so a
     transient far from target (the staleness spike of a fast learning phase) does not wind it away from the
-    operating point it has learned; P and D act on it alone. 1.0 always integrates (a plain PID). In (0, 1].
+    operating point it has learned; P and D act on it alone. 1.0 always integrates (a plain PID).
     Keep it wider than the P-only offset (the error at which ``kp * error`` alone would hold the ratio), or the
     integral never engages and the loop settles off target. Default calibrated on the debug config: in-band
     fraction 0.77 -> 0.81 and throughput up (docs/benchmarks.md)."""
 
-    ema_alpha: float = 0.2
-    """EMA weight of the newest staleness sample. In (0, 1]."""
+    ema_alpha: Annotated[float, Range(gt=0, le=1)] = 0.2
+    """EMA weight of the newest staleness sample."""
 
     max_version_gap: int = 0
     """Deprecated: use ``off_policy.max_version_gap`` (same meaning; read only at start, with a warning). 0: not
     set."""
 
-    sync_threshold: float = 0.5
-    """When smoothed staleness exceeds this, the next step is forced synchronous. In (0, 1]."""
+    sync_threshold: Annotated[float, Range(gt=0, le=1)] = 0.5
+    """When smoothed staleness exceeds this, the next step is forced synchronous."""
 
-    kl_weight: float = 0.4
-    """Weight of min(1, KL / kl_norm) in staleness. >= 0 (weights must sum to a positive number)."""
+    kl_weight: Annotated[float, Range(ge=0)] = 0.4
+    """Weight of min(1, KL / kl_norm) in staleness. The three weights must sum to a positive number."""
 
-    iw_var_weight: float = 0.3
-    """Weight of min(1, importance-weight variance / iw_var_norm) in staleness. >= 0."""
+    iw_var_weight: Annotated[float, Range(ge=0)] = 0.3
+    """Weight of min(1, importance-weight variance / iw_var_norm) in staleness."""
 
-    version_gap_weight: float = 0.3
-    """Weight of min(1, mean version gap / version_gap_norm) in staleness. >= 0."""
+    version_gap_weight: Annotated[float, Range(ge=0)] = 0.3
+    """Weight of min(1, mean version gap / version_gap_norm) in staleness."""
 
-    kl_norm: float = 0.1
-    """KL at which the KL term saturates. > 0."""
+    kl_norm: Annotated[float, Range(gt=0)] = 0.1
+    """KL at which the KL term saturates."""
 
-    iw_var_norm: float = 2.0
-    """Importance-weight variance at which that term saturates. > 0."""
+    iw_var_norm: Annotated[float, Range(gt=0)] = 2.0
+    """Importance-weight variance at which that term saturates."""
 
-    version_gap_norm: float = 5.0
-    """Version gap at which that term saturates. > 0."""
+    version_gap_norm: Annotated[float, Range(gt=0)] = 5.0
+    """Version gap at which that term saturates."""
 
     controller: str = "pid"
     """"pid", or "package.module:Class" naming a subclass of ``torchtitan_flux.controller.BaseAsyncController``."""
@@ -405,8 +406,8 @@ class AdaptiveAsync:
 class Eval:
     """``[eval]``: held-out evaluation through the rollout engines (docs/data.md)."""
 
-    every_steps: int = 0
-    """Evaluate the policy after every N-th training step; 0 disables. >= 0."""
+    every_steps: Annotated[int, Range(ge=0, note="0 disables")] = 0
+    """Evaluate the policy after every N-th training step."""
 
     at_start: Bool = False
     """Also evaluate the initial policy (version 0) before the first step."""
@@ -418,15 +419,14 @@ class Eval:
     split: str = "test"
     """Split of the held-out dataset (a folder or a saved ``DatasetDict``)."""
 
-    num_prompts: int = 0
-    """Prompts evaluated: the first N records of the held-out set; 0 means all of a dataset (64 of a generated
-    task). >= 0."""
+    num_prompts: Annotated[int, Range(ge=0, note="0 = all")] = 0
+    """Prompts evaluated: the first N records of the held-out set; 0 means all of a dataset (64 of a generated task)."""
 
-    n: int = 1
-    """Completions per prompt. With n > 1, pass@n is logged too. >= 1."""
+    n: Annotated[int, Range(ge=1)] = 1
+    """Completions per prompt. With n > 1, pass@n is logged too."""
 
-    temperature: float = 0.0
-    """Sampling temperature of evaluation; 0 is greedy. >= 0."""
+    temperature: Annotated[float, Range(ge=0, note="0 = greedy")] = 0.0
+    """Sampling temperature of evaluation."""
 
     pass_threshold: float = 1.0
     """A completion passes when its total reward is >= this (for pass@k)."""
@@ -436,9 +436,9 @@ class Eval:
 class Metrics:
     """``[metrics]`` fields added to torchtitan's own section."""
 
-    log_completions_every: int = 0
+    log_completions_every: Annotated[int, Range(ge=0, note="0 disables")] = 0
     """Every N steps, write a table of the step's completions (prompt, completion, rewards, version) to
-    ``<dump_folder>/completions.jsonl`` and to W&B (``enable_wandb``); 0 disables. >= 0."""
+    ``<dump_folder>/completions.jsonl`` and to W&B (``enable_wandb``)."""
 
     step_callbacks: list[str] = field(default_factory=list)
     """Functions called on rank 0 after every training step, as ``"package.module:function"`` (imported at start;
