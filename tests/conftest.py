@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"  # the shared helpers; unit/ and integration/ hold the test files, fakes/ the stand-ins
 DEBUG_TOML = ROOT / "train_configs" / "debug_cpu.toml"
 
 

@@ -1,7 +1,7 @@
 """``SglangEngine`` against a contract server for SGLang 0.5.23's HTTP API, and (on a GPU) against real SGLang.
 
 SGLang cannot run on this CPU-only machine (no CPU build on PyPI), so the handler is checked against a contract
-server: this file, run as ``python tests/test_sglang_contract.py serve ...``, in a child process on 127.0.0.1.
+server: this file, run as ``python tests/integration/test_sglang_contract.py serve ...``, in a child process on 127.0.0.1.
 It implements the endpoints and payloads the handler uses, as documented in SGLang 0.5.23's
 ``entrypoints/http_server.py`` / ``managers/io_struct.py`` / ``api/v1/api_types.py``:
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GEN_KEYS = {"input_ids", "sampling_params", "return_logprob", "stream", "rid", "logprob_start_len",
             "top_logprobs_num", "return_text_in_logprobs"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "sampling_seed", "n", "ignore_eos",

@@ -465,8 +465,8 @@ def test_vllm_nccl_trainer_engine_takes_our_staging_as_its_source():
     dtypes kept). The NCCL rendezvous and broadcast themselves need GPUs (docs/gpu.md)."""
     if not VLLM_PY.exists():
         pytest.skip(".venv-vllm is absent (scripts/setup_vllm.sh)")
-    out = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "_vllm_nccl_check.py")], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([str(VLLM_PY), str(Path(__file__).parent / "_vllm_nccl_check.py")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
