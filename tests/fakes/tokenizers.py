@@ -1,0 +1,16 @@
+"""Tokenizers for tests that need one without a tokenizer file."""
+
+from __future__ import annotations
+
+from torchtitan_flux import assets
+
+
+class ByteTokenizer:
+    """The byte-level tokenizer of ``assets`` (token = BYTE_OFFSET + byte), enough for the scheduler."""
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
+        ids = [assets.BYTE_OFFSET + b for b in text.encode()]
+        return ([assets.BOS_ID] if add_bos else []) + ids + ([assets.EOS_ID] if add_eos else [])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - assets.BYTE_OFFSET for i in ids if i >= assets.BYTE_OFFSET).decode(errors="replace")
