@@ -14,3 +14,13 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - assets.BYTE_OFFSET for i in ids if i >= assets.BYTE_OFFSET).decode(errors="replace")
+
+
+class FakeTokenizer:
+    """Every text is ``[1, 2, 3]``, every completion decodes to ``""``: enough to dispatch."""
+
+    def encode(self, text, add_bos=True, add_eos=False):
+        return [1, 2, 3]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
