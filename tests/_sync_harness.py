@@ -7,8 +7,9 @@ without torchrun or torchtitan.
 * the engines are the trainer's own ``EngineFleet`` (embedded engines on CPU), built from the real config
   sections;
 * one ``WeightSyncer(is_sender=True)`` (gloo, loopback, port 0), a ``RolloutScheduler`` on the digits task with a
-  byte tokenizer (``fakes.tokenizers``), ``WeightSyncer(pump=scheduler.pump)`` and an ``on_engine_dead`` that does
-  what ``FluxTrainer._on_engine_dead`` does (``EngineFleet.restart``, then ``WeightSyncer.replace_engine``).
+  byte tokenizer (``fakes.stub_tokenizers``), ``WeightSyncer(pump=scheduler.pump)`` and an ``on_engine_dead``
+  that does what ``FluxTrainer._on_engine_dead`` does (``EngineFleet.restart``, then
+  ``WeightSyncer.replace_engine``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 from conftest import FIGURES
-from fakes.tokenizers import ByteTokenizer
+from fakes.stub_tokenizers import ByteTokenizer
 from torch import nn
 
 from torchtitan_flux import assets, weight_dict

@@ -11,7 +11,7 @@ import re
 
 from fakes.engines import FakeEngine
 from fakes.tasks import FakeTask
-from fakes.tokenizers import FakeTokenizer
+from fakes.stub_tokenizers import FakeTokenizer
 
 from torchtitan_flux.dispatch import SpeedSplit
 from torchtitan_flux.engine.base import EngineError

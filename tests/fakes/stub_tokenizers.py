@@ -1,4 +1,5 @@
-"""Tokenizers for tests that need one without a tokenizer file."""
+"""Tokenizers for tests that need one without a tokenizer file (not named ``tokenizers.py``: run as a script,
+sglang_server.py would import it instead of HF's ``tokenizers``)."""
 
 from __future__ import annotations
 
