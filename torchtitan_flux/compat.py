@@ -5,7 +5,7 @@ inference-engine environments that pin their own torch, so it and this module im
 work on torch >= 2.3. Each guard names the versions it distinguishes and picks by feature (is the API there?),
 so a backport or a removal takes the right path; only a behaviour change (``op_timeout_honoured``) is decided by
 the version number. Tests simulate the older API by monkeypatching
-(``tests/test_compat.py``); ``scripts/check_old_torch.sh`` runs the receiver's tests under torch 2.3.1.
+(``tests/unit/test_compat.py``); ``scripts/check_old_torch.sh`` runs the receiver's tests under torch 2.3.1.
 
 Guards (older -> newer):
   * ``DTensor`` / ``is_dtensor``: ``torch.distributed._tensor`` (<= 2.4) -> ``torch.distributed.tensor`` (2.5+).
@@ -16,7 +16,7 @@ Guards (older -> newer):
   * ``torch_load``: ``weights_only`` default False (<= 2.5) -> True (2.6+); we always pass it.
   * ``F.rms_norm`` (2.4+), else the same math by hand (2.3): the one guard that lives elsewhere, in
     ``inference._rms_norm``, because ``inference.py`` must import nothing of the package (it is also loaded by
-    file path alone, ``benchmarks/trl_runner.py``); ``tests/test_compat.py`` tests it with the others.
+    file path alone, ``benchmarks/trl_runner.py``); ``tests/unit/test_compat.py`` tests it with the others.
   * ``op_timeout_honoured`` / ``new_weight_sync_group(idle_timeout=)``: gloo ignores per-collective timeouts
     before 2.9, so there the receiver's group gets the idle timeout itself.
   * ``store_listens_on_given_socket``: a ``TCPStore`` server on a socket we bound (``master_listen_fd`` with the

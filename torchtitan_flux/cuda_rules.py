@@ -1,7 +1,7 @@
 """The CUDA/NCCL rules of weight sync, in one place. Torch-only (no torchtitan): engines import it too.
 
 Each rule is a function or constant here, used by both sides (``weight_sync/`` on the trainer, ``transport.py``
-in engines). Where a CPU test can express a rule it has one (``tests/test_cuda_rules.py``); where it cannot
+in engines). Where a CPU test can express a rule it has one (``tests/integration/test_cuda_rules.py``); where it cannot
 (stream ordering: no CUDA stream exists on CPU), the rule is this code and ``docs/gpu.md`` says so.
 
 1. One thread, one stream per group. Every collective of a weight-sync group is issued by one thread (the push

@@ -1,4 +1,4 @@
-"""Fault injection from outside the code under test, for ``tests/test_faults_trainer.py``.
+"""Fault injection from outside the code under test, for ``tests/integration/test_faults_trainer.py``.
 
 A test puts this folder first on ``PYTHONPATH``; every Python process of the run (torchrun, the trainer, its
 engine processes) then imports this module at start-up. With none of the variables below set it does nothing.
@@ -12,7 +12,7 @@ engine processes) then imports this module at start-up. With none of the variabl
       request for training step STEP: a long rollout wait (a slow engine, long generations).
   FLUX_FAULT_PUSH_DELAY="SECONDS"   an embedded engine takes SECONDS longer to receive every push (it publishes,
       i.e. acks, each version that much later): a slow link or a large model, for the self-tuning sync cadence
-      (tests/test_sync_cadence.py, ``benchmarks/weight_sync.py --slow-sync``).
+      (tests/integration/test_sync_cadence.py, ``benchmarks/weight_sync.py --slow-sync``).
 """
 
 import os

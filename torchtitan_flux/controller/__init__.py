@@ -30,7 +30,7 @@ Gain units and recommended values
 ---------------------------------
 The PID gains are in async-ratio units per unit of staleness error: ``kp = 3`` means an error of 0.05 (a
 third of the default target) moves the ratio by 0.15; ``ki`` is per step; ``kd`` multiplies the per-step
-change of the smoothed staleness. On the simulated rollout plant of ``tests/test_controller.py`` (staleness
+change of the smoothed staleness. On the simulated rollout plant of ``tests/unit/test_controller.py`` (staleness
 0.45 at ratio 1, lag of 2 steps, 1 step of delay, measurement noise of about 0.02) ``kp = 3.0, ki = 0.3,
 kd = 1.5, ema_alpha = 0.1`` settles the smoothed staleness within +-0.02 of the target 8-23 updates after a
 target step, and 27-29 updates after a fresh start (whose first, on-policy batch initialises the EMA at 0).

@@ -75,7 +75,8 @@ def release_server_liveness() -> None:
     engine. Never call it in the process that started the server: its own copy keeps the server running.
     Reads ``multiprocessing.forkserver``'s private ``_forkserver_alive_fd`` (set by ``_serve_one`` in the child;
     CPython 3.9-3.13); if a future CPython renames it, this does nothing and an engine that cannot exit on its own
-    keeps the server alive as before (tests/test_faults.py::test_engine_does_not_outlive_a_killed_parent fails)."""
+    keeps the server alive as before (tests/integration/test_faults.py::test_engine_does_not_outlive_a_killed_parent
+    fails)."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import queue
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 pytest.importorskip("transformers")
 
 from _engine_push import push_like_syncer, wait_event  # noqa: E402

@@ -122,7 +122,7 @@ def test_plot_controller_draws_the_cadence_panel_when_logged(tmp_path):
     import sys
 
     pytest.importorskip("matplotlib")
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "plot_controller.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "plot_controller.py")
     c, heights = SyncCadence(1, overhead_target=0.10, max_interval=20), {}
     for name, cadence in (("plain", False), ("auto", True)):
         run = tmp_path / name

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torchtitan_flux import compat, transport
 from torchtitan_flux.transport import METHOD_DELTA, METHOD_FULL, TensorSpec, decode_header, encode_header, plan_buckets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict:

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "plot_runs.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_runs.py"
 
 
 def _run(*args):

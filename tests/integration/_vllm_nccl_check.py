@@ -1,5 +1,6 @@
-"""Run by tests/test_vllm.py under .venv-vllm: our staging snapshot as the WeightSource of vLLM's trainer-side
-NCCL engine (metadata and iteration agree by vLLM's own check), vLLM's init info, and the Work-like handle."""
+"""Run by tests/integration/test_vllm.py under .venv-vllm: our staging snapshot as the WeightSource of vLLM's
+trainer-side NCCL engine (metadata and iteration agree by vLLM's own check), vLLM's init info, and the Work-like
+handle."""
 import types, torch
 from torchtitan_flux import transport
 from torchtitan_flux.engine import vllm_nccl

@@ -494,7 +494,7 @@ except RuntimeError:
 def test_gloo_op_timeout_claim_matches_running_torch():
     """Measures what ``op_timeout_honoured("gloo")`` claims for this torch: a broadcast issued with a 60 s timeout on
     a group whose own timeout is 2 s, whose root sends after 3.5 s, succeeds iff per-collective timeouts work."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     proc = subprocess.Popen(
         [sys.executable, "-c", _LATE_ROOT, str(store.port), "2", "3.5"], cwd=root,

@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,7 +181,7 @@ def test_fsdp_shards_are_gathered_with_one_collective_per_bucket(tmp_path):
 
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(ROOT / "tests" / "_gather_worker.py")],
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(Path(__file__).parent / "_gather_worker.py")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0 and "gather ok" in out.stdout, out.stderr[-3000:]

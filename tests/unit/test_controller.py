@@ -36,7 +36,7 @@ from torchtitan_flux.controller import (
     staleness_value,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLOT_SCRIPT = os.path.join(REPO, "scripts", "plot_controller.py")
 
 # Recommended gains: the tutorial's kp : ki : kd = 10 : 1 : 5 proportions, 30x stronger (see controller.py).

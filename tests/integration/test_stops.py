@@ -19,7 +19,7 @@ import sys
 import pytest
 from _procs import Run
 
-from conftest import ROOT, torchrun_cmd
+from conftest import ROOT, TESTS, torchrun_cmd
 
 
 def huge_reward(prompt, completion, answer):
@@ -79,7 +79,8 @@ def test_engine_failing_every_time_is_restarted_a_bounded_number_of_times(tmp_pa
 
 
 def test_non_finite_loss_stops_cleanly_and_keeps_the_last_good_step(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),  # test_stops, _procs
+                                                      os.environ.get("PYTHONPATH", "")]))
     dump = tmp_path / "run"
     p = _run(dump, "--rollout.reward_fn", "test_stops:huge_reward", "--grpo.advantage_std_normalize", "false",
              "--checkpoint.enable", "true", "--training.steps", "6")
@@ -98,7 +99,8 @@ def test_non_finite_loss_stops_cleanly_and_keeps_the_last_good_step(tmp_path, mo
 def test_sys_exit_in_a_reward_mid_run_ends_the_run_with_one_error_line(tmp_path, monkeypatch):
     """Before: the SystemExit crossed the reward thread pool into the main loop and ended the run silently with
     exit code 3."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),  # test_stops, _procs
+                                                      os.environ.get("PYTHONPATH", "")]))
     p = _run(tmp_path / "run", "--rollout.reward_fn", "test_stops:exit_on_a_completion", "--training.steps", "3")
     lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
     assert lines == ["error: reward function 'test_stops:exit_on_a_completion': sample 0: SystemExit: 3"], \

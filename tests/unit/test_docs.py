@@ -28,12 +28,12 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_every_test_the_docs_name_exists():
-    """README.md and docs/*.md back their claims with ``tests/test_x.py::test_y`` references: each must name a
-    test that exists (a renamed or removed test would leave a claim unbacked)."""
+    """README.md and docs/*.md back their claims with ``tests/<unit|integration>/test_x.py::test_y`` references:
+    each must name a test that exists (a renamed or removed test would leave a claim unbacked)."""
     import re
 
     tests = {f.name: set(re.findall(r"^\s*(?:async )?def (test_\w+)", f.read_text(), re.M))
-             for f in (ROOT / "tests").glob("test_*.py")}
+             for f in (ROOT / "tests").rglob("test_*.py")}
     missing = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for m in re.finditer(r"(test_\w+\.py)(?:::(test_\w+))?", doc.read_text()):
@@ -57,9 +57,11 @@ def test_the_tried_table_counts_what_the_tests_run():
         cells = [c.strip() for c in r.strip("|").split("|")]
         parsed.append((cells[0], int(cells[1]), re.findall(r"(test_\w+\.py::test_\w+)", cells[3])))
     ids = sorted({i for _, _, tests in parsed for i in tests})
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *[f"tests/{i}" for i in ids]],
+    where = {f.name: f.relative_to(ROOT) for f in (ROOT / "tests").rglob("test_*.py")}  # under unit/ or integration/
+    args = [f"{where[f]}::{t}" for f, t in (i.split("::") for i in ids)]
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    collected = [ln.split("[")[0].removeprefix("tests/") for ln in out.stdout.splitlines() if "::" in ln]
+    collected = [ln.split("[")[0].rsplit("/", 1)[-1] for ln in out.stdout.splitlines() if "::" in ln]
     assert collected, out.stdout[-2000:] + out.stderr[-2000:]
     for group, tried, tests in parsed:
         assert tests, group

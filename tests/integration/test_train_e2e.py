@@ -8,7 +8,7 @@ import signal
 
 import pytest
 from _procs import Run, count_steps_lost, wait_gone
-from conftest import read_metrics, run_train
+from conftest import TESTS, read_metrics, run_train
 
 REQUIRED = [
     "step", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "policy_version", "step_time_s",
@@ -97,7 +97,7 @@ def test_two_trainer_processes(tiny_model_dir, tmp_path, monkeypatch):
     """Also: ``metrics.step_callbacks`` in both forms are called after every step, on rank 0 only."""
     calls = tmp_path / "callbacks.jsonl"
     monkeypatch.setenv("FLUX_TEST_CALLBACKS", str(calls))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     run_train(tmp_path, "--training.steps", "4", "--metrics.step_callbacks",
               "_step_callbacks:tutorial_form,_step_callbacks:step_and_metrics", nproc=2)
     rows = read_metrics(tmp_path)

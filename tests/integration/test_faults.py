@@ -2,9 +2,9 @@
 and the trainer interrupted (SIGTERM / SIGKILL) mid-run.
 
 The engine faults run at component level (``_sync_harness``: real engine process, ``WeightSyncer``,
-``RolloutScheduler``, restarts through ``WeightSyncer.replace_engine`` like ``EngineFleet.restart``); the
-trainer interruption runs the real trainer under torchrun. After every sync the engine's checksum equals the
-trainer's staging checksum.
+``RolloutScheduler``, restarts through ``EngineFleet.restart`` and ``WeightSyncer.replace_engine`` as in the
+trainer); the trainer interruption runs the real trainer under torchrun. After every sync the engine's checksum
+equals the trainer's staging checksum.
 """
 
 from __future__ import annotations

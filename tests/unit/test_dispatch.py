@@ -1,62 +1,23 @@
 """``RolloutScheduler`` dispatch: prompts split in proportion to the EMA of measured engine speed, with a dead
 zone against jitter (``rollout.dispatch_dead_zone``) and an imbalance cap (``rollout.dispatch_max_share``).
 
-Fake engines only (no processes): each answers a request at once, through the scheduler's event queue, with a
-``gen_time_s`` that corresponds to its configured rate (completions/s), optionally jittered."""
+Fake engines only (``fakes.engines``, no processes): each answers a request at once, through the scheduler's event
+queue, with a ``gen_time_s`` that corresponds to its configured rate (completions/s), optionally jittered."""
 
 from __future__ import annotations
 
 import queue
-import random
 import re
 
-import torch
+from fakes.engines import FakeEngine
+from fakes.tasks import FakeTask
+from fakes.stub_tokenizers import FakeTokenizer
 
 from torchtitan_flux.dispatch import SpeedSplit
-from torchtitan_flux.engine.base import EngineError, GenerationResult
-from torchtitan_flux.rewards import RewardFunc
+from torchtitan_flux.engine.base import EngineError
 from torchtitan_flux.rollout import RolloutScheduler
-from torchtitan_flux.tasks import Prompt
 
 G = 4
-
-
-class FakeTask:
-    chat = False
-    reward_funcs = [RewardFunc("zero", lambda completions, **kw: [0.0] * len(completions))]
-
-    def prompts(self, seed, step, n):
-        return [Prompt(f"p{step}_{i}") for i in range(n)]
-
-
-class FakeTokenizer:
-    def encode(self, text, add_bos=True, add_eos=False):
-        return [1, 2, 3]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
-class FakeEngine:
-    def __init__(self, name: str, rate: float, events: queue.Queue, jitter: float = 0.0, seed: int = 0,
-                 answer: bool = True):
-        self.name, self.rate, self.events, self.jitter = name, rate, events, jitter
-        self.rng = random.Random(seed)
-        self.answer = answer  # False: hold requests (to die with them in flight)
-        self.is_alive = True
-        self.received: list[int] = []  # prompts per request
-
-    def alive(self) -> bool:
-        return self.is_alive
-
-    def submit(self, req) -> None:
-        self.received.append(len(req.prompt_ids))
-        if not self.answer:
-            return
-        n = len(req.prompt_ids) * req.group_size
-        rate = self.rate * (1 + self.rng.uniform(-self.jitter, self.jitter))
-        self.events.put(GenerationResult(req.req_id, self.name, torch.zeros(n, 1, dtype=torch.int64),
-                                         torch.zeros(n, 1), torch.ones(n, dtype=torch.int64), 0, 0, n / rate))
 
 
 def make(rates, *, prompts=16, dead_zone=0.1, max_share=0.75, jitter=0.0, on_dead=None):

@@ -1,5 +1,5 @@
-"""Run by tests/test_cuda_rules.py as 2 gloo processes: ``_gather_bucket`` on FSDP2 shards (uneven rows too) equals
-``full_tensor()`` per parameter, in ONE all_gather per bucket."""
+"""Run by tests/integration/test_cuda_rules.py as 2 gloo processes: ``_gather_bucket`` on FSDP2 shards (uneven rows
+too) equals ``full_tensor()`` per parameter, in ONE all_gather per bucket."""
 
 import os
 import sys
