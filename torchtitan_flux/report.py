@@ -15,6 +15,8 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from torchtitan_flux.rollout_batch import RolloutBatch
 
 logger = logging.getLogger("torchtitan_flux")
@@ -123,8 +125,6 @@ def memory_per_rank(memory: dict[str, float], world: int) -> list[dict]:
     mine = {**memory, "peak_rss_mb": peak_rss_mb()}
     if world == 1:
         return [mine]
-    import torch.distributed as dist
-
     out: list = [None] * world
     dist.all_gather_object(out, mine)
     return out

@@ -131,7 +131,8 @@ class WeightSyncer:
         self.stats.blocked_s = time.perf_counter() - t0
 
     def _claim_waiting(self) -> None:
-        """Rank 0: wait (delivering events) until the claim is ours; a push in flight ends by its deadline."""
+        """Wait (delivering events) until the claim is ours; a push in flight ends by its deadline (ranks > 0:
+        their ``Bystander`` claim is always free)."""
         while not self.pusher.claim():
             self.pump(0.01)
 
@@ -166,7 +167,8 @@ class WeightSyncer:
             self.pusher.start_join(link)
 
     def _wait_acks(self, version: int) -> None:
-        """Rank 0: wait until every usable engine acked ``version`` (events delivered by ``pump``)."""
+        """Wait until every usable engine acked ``version`` (events delivered by ``pump``; ranks > 0 hold no
+        engines and return at once)."""
         deadline = time.monotonic() + self.cfg.timeout_seconds
         while True:
             waiting = self.table.waiting_for(version)
