@@ -129,20 +129,27 @@ def _check_config_file(argv: list[str]) -> str | None:
     return path
 
 
-_DUMP_LOCK = None  # the open lock file of this run's dump folder (rank 0), held until the process ends
+_LOCKS: list = []  # the open lock files of the folders this run writes (rank 0), held until the process ends
 
 
-def _lock_dump_folder(folder: str) -> None:
-    """Rank 0 takes an exclusive lock on ``folder`` for the life of the process: two runs in one dump folder
-    would interleave ``metrics.jsonl`` and overwrite each other's checkpoints. The kernel drops the lock when the
-    process ends, however it ends."""
+def _lock_run_folders(config) -> None:
+    """Rank 0 takes an exclusive lock on every folder the run writes, for the life of the process: the dump folder
+    (metrics, summary, export) and, with checkpoints on, the checkpoint folder -- ``checkpoint.folder`` may be an
+    absolute path shared by runs with different dump folders, and two runs in one checkpoint folder resume from
+    and delete each other's checkpoints. The kernel drops a lock when the process ends, however it ends."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    _lock_folder("job.dump_folder", config.job.dump_folder, config.job.dump_folder)
+    if config.checkpoint.enable:
+        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)  # torchtitan's resolution
+        _lock_folder("checkpoint.folder", config.checkpoint.folder, folder)
+
+
+def _lock_folder(field: str, value: str, folder: str) -> None:
     import fcntl
 
     from torchtitan_flux.config import ConfigError
 
-    global _DUMP_LOCK
-    if os.environ.get("RANK", "0") != "0":
-        return
     os.makedirs(folder, exist_ok=True)
     f = open(os.path.join(folder, ".flux.lock"), "a+")
     try:
@@ -151,13 +158,14 @@ def _lock_dump_folder(folder: str) -> None:
         f.seek(0)
         owner = f.read().strip() or "unknown"
         f.close()
-        raise ConfigError(f"job.dump_folder = {folder!r} is in use by another run (pid {owner}); allowed: a folder "
+        where = "" if os.path.abspath(value) == os.path.abspath(folder) else f" (that is {folder!r})"
+        raise ConfigError(f"{field} = {value!r}{where} is in use by another run (pid {owner}); allowed: a folder "
                           "no running job uses (each run needs its own)") from None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
     f.flush()
-    _DUMP_LOCK = f
+    _LOCKS.append(f)
 
 
 def _report(e: BaseException) -> int:
@@ -220,7 +228,7 @@ def main() -> None:
         except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
             raise unknown_fields_error(e, config_file) or e from None
         validate_config(config)  # bad input: one line, before torchtitan's start-up
-        _lock_dump_folder(config.job.dump_folder)
+        _lock_run_folders(config)
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:

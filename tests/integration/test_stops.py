@@ -126,6 +126,27 @@ def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+def test_a_second_run_in_the_same_checkpoint_folder_is_refused(tmp_path):
+    """Two runs with different dump folders and one absolute ``checkpoint.folder``. Before 2026-11-25 the lock
+    covered the dump folder only: the second run resumed from the first's live checkpoint (another run's step) and
+    the first crashed inside its own save (issue 27's data-loss case)."""
+    shared = tmp_path / "shared_ckpt"
+    ckpt = ("--checkpoint.enable", "true", "--checkpoint.folder", str(shared), "--checkpoint.interval", "5")
+    first = Run(tmp_path / "a", tmp_path / "first.log", *ckpt, "--training.steps", "400")
+    try:
+        first.wait_for(lambda: "Training starts" in first.log.read_text(), 120, "the first run to start training")
+        p = _run(tmp_path / "b", *ckpt, "--training.steps", "2")
+        lines = p.stderr.strip().splitlines()
+        owner = (shared / ".flux.lock").read_text()  # the first run's trainer pid, in the checkpoint folder
+        assert lines[0] == (f"error: checkpoint.folder = '{shared}' is in use by another run (pid {owner}); "
+                            "allowed: a folder no running job uses (each run needs its own)"), p.stderr[-2000:]
+        assert "exitcode  : 2" in p.stderr and not (tmp_path / "b" / "metrics.jsonl").exists()
+        assert first.proc.poll() is None  # the first run goes on
+    finally:
+        first.proc.terminate()
+        first.proc.wait(60)
+
+
 @pytest.mark.faults
 def test_the_only_engine_killed_while_idle_is_restarted_and_the_run_finishes(tmp_path):
     """A long training step (a large local batch of many micro-batches) leaves the engine idle; SIGKILLed then,
