@@ -189,6 +189,11 @@ class Rollout:
     reward_workers: Annotated[int, Range(ge=1)] = 1
     """Threads scoring rewards off the trainer's main loop."""
 
+    reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
+    """The longest one reward function may take on one batch (the start-up check's included). Past it the run
+    stops with one line naming the function (exit code 2), after checkpointing its last completed step like a
+    signal does: a thread cannot be killed, so a function that never returns must not hang the run."""
+
     max_engine_restarts: Annotated[int, Range(ge=0)] = 3
     """A dead embedded engine is restarted at most this many times within any 10 minutes; one that dies more
     often (it fails the same way every time: a bad device, a bad setting) is given up: the run goes on with the

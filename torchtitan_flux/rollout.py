@@ -94,6 +94,7 @@ class RolloutScheduler:
         dead_zone: float = 0.1,
         max_share: float = 0.75,
         reward_workers: int = 1,
+        reward_timeout_s: float = 300.0,
     ):
         self.engines = list(engines)
         self.events, self.task, self.tokenizer = events, task, tokenizer
@@ -108,7 +109,7 @@ class RolloutScheduler:
         self.redispatched = 0
         self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
-        self.scoring = CompletionScorer(task, tokenizer, reward_workers)
+        self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
     # ---------------------------------------------------------------------------------------- dispatch
@@ -266,7 +267,10 @@ class RolloutScheduler:
 
     def _build(self, st: _Step) -> RolloutBatch:
         parts = sorted(st.parts, key=lambda p: p.first)
-        scores = st.scores.result()  # a reward function's error (RewardError) stops the run here
+        # a reward function's error, or one past rollout.reward_timeout_seconds (RewardError), stops the run here
+        scores = self.scoring.wait(st.scores, lambda: self.interrupted)
+        if scores is None:
+            raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {st.step}")
         return layout_batch(st.step, st.prompts, st.prompt_ids, [(p.request, p.result) for p in parts], scores,
                             st.completions, self.group_size, self.pad_id)
 

@@ -291,14 +291,14 @@ def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
                       "eval.dataset_path" if ev.dataset_path else "rollout.dataset_path (eval.split)")
 
 
-def check_rewards(task: Task, seed: int) -> None:
-    """Score an empty completion of one prompt with every reward function, so that a function that fails or
-    returns a bad value stops the run before any engine starts (``RewardError``)."""
+def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
+    """Score an empty completion of one prompt with every reward function, so that a function that fails, returns
+    a bad value or runs past ``timeout_s`` stops the run before any engine starts (``RewardError``)."""
     prompt = task.prompts(seed, 1, 1)
-    scorer = R.RewardScorer(task.reward_funcs)
+    scorer = R.RewardScorer(task.reward_funcs, timeout_s=timeout_s)
     try:
         prompts, completions, columns = reward_inputs(task, prompt, [""], 1)
-        scorer.score(prompts, completions, [[]], columns)
+        scorer.wait(scorer.submit(prompts, completions, [[]], columns))
     finally:
         scorer.close()
 

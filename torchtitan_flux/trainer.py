@@ -53,6 +53,7 @@ from torchtitan_flux.hf_weights import build_reference_model, export_hf_weights,
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.preflight import preflight
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
+from torchtitan_flux.rewards import RewardError
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
 from torchtitan_flux.run_state import RunState
 from torchtitan_flux.stops import (
@@ -156,7 +157,7 @@ class FluxTrainer(Trainer):
             max_version_gap=self.admission.max_version_gap,
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._on_engine_dead,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
-            reward_workers=jc.rollout.reward_workers,
+            reward_workers=jc.rollout.reward_workers, reward_timeout_s=jc.rollout.reward_timeout_seconds,
         )
 
     def add_step_callback(self, fn) -> Any:
@@ -195,7 +196,8 @@ class FluxTrainer(Trainer):
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e), signalled=True)
             raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
-        except (TrainingInterrupted, NoEngineLeft, LossNotFinite) as e:
+        except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError) as e:
+            # a reward function's failure or deadline (RewardError) comes between steps, like a lost engine
             self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e),
                                signalled=isinstance(e, TrainingInterrupted))
             raise

@@ -15,11 +15,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
-from _procs import Run
+from _procs import Run, complete_ckpts
 
-from conftest import ROOT, TESTS, torchrun_cmd
+from conftest import ROOT, TESTS, read_metrics, torchrun_cmd
 
 
 def huge_reward(prompt, completion, answer):
@@ -32,6 +33,27 @@ def exit_on_a_completion(prompt, completion, answer):
     if completion:
         sys.exit(3)
     return 0.0
+
+
+_CALLS = []
+
+
+def never_returns_mid_run(completions, **_):
+    """Scores the start-up check (an empty completion) and the batches of steps 1 and 2, then never returns
+    (issue 27's hang)."""
+    if any(completions):
+        _CALLS.append(1)
+        if len(_CALLS) > 2 and os.environ.get("FLUX_TEST_REWARD_MARKER"):
+            open(os.environ["FLUX_TEST_REWARD_MARKER"], "w").close()
+        while len(_CALLS) > 2:
+            time.sleep(1)
+    return [0.0] * len(completions)
+
+
+def never_returns(completions, **_):
+    """Hangs in the start-up check already."""
+    while True:
+        time.sleep(1)
 
 
 def _run(dump, *overrides, timeout=180, env=None):
@@ -107,6 +129,66 @@ def test_sys_exit_in_a_reward_mid_run_ends_the_run_with_one_error_line(tmp_path,
         p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
     assert "Training starts" in p.stdout + p.stderr  # it failed mid-run, not at the start-up probe
+
+
+def test_a_reward_that_never_returns_stops_the_run_at_its_deadline_and_checkpoints(tmp_path, monkeypatch):
+    """Before 2026-11-25 the run froze with no note; one SIGTERM could not stop it and torchrun SIGKILLed it without
+    a checkpoint (issue 27). Now: one line naming the function, exit 2, the last completed step checkpointed."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    dump = tmp_path / "run"
+    t0 = time.monotonic()
+    p = _run(dump, "--rollout.reward_funcs", "test_stops:never_returns_mid_run", "--rollout.reward_timeout_seconds",
+             "3", "--checkpoint.enable", "true", "--checkpoint.interval", "100", "--training.steps", "5", timeout=120)
+    took = time.monotonic() - t0
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: reward function 'never_returns_mid_run' did not return within "
+        "rollout.reward_timeout_seconds = 3 ("), p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+    assert took < 90, took
+    assert "checkpoint of step 2 written" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
+
+
+def test_sigterm_while_a_reward_hangs_stops_at_once_and_checkpoints_the_last_step(tmp_path, monkeypatch):
+    """The reward of step 3 never returns (deadline 300 s, far past torchrun's 30 s grace period); SIGTERM stops
+    the run at once: step 2 checkpointed, exit non-zero, nothing left running. Before 2026-11-25 one SIGTERM could
+    not stop it, and torchrun's SIGKILL left no checkpoint."""
+    import signal
+
+    from _procs import wait_gone
+
+    marker = tmp_path / "reward_hangs"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FLUX_TEST_REWARD_MARKER", str(marker))
+    dump = tmp_path / "run"
+    run = Run(dump, tmp_path / "run.log", "--rollout.reward_funcs", "test_stops:never_returns_mid_run",
+              "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--training.steps", "40")
+    run.wait_for(marker.exists, 120, "the reward of step 3 to hang")
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(60) != 0
+    took = time.monotonic() - t0
+    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
+    log = run.log.read_text()
+    assert took < 25, f"the stop took {took:.1f} s: {log[-3000:]}"
+    assert "interrupted while waiting for the rewards of step 3" in log and "checkpoint of step 2 written" in log, \
+        log[-3000:]
+    assert complete_ckpts(dump) == [2]
+
+
+def test_a_reward_that_hangs_in_the_start_up_check_is_refused_before_engines_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    p = _run(tmp_path / "run", "--rollout.reward_funcs", "test_stops:never_returns", "--rollout.reward_timeout_seconds",
+             "2", "--training.steps", "3", timeout=120)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == ["error: reward function 'never_returns' did not return within "
+                     "rollout.reward_timeout_seconds = 2 (2 s); the run stops (the function's thread cannot be "
+                     "interrupted)"], p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and "Training starts" not in p.stdout + p.stderr
 
 
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):

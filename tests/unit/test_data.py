@@ -552,3 +552,41 @@ def test_checkpointed_data_state_detects_a_changed_dataset(tmp_path):
     msg = build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3)
     assert msg and "records, sha1 changed" in msg
     assert "position changed" in task.check_resume(saved, 4, 2)  # prompts_per_step changed on resume
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_reward_that_never_returns_fails_at_its_deadline_naming_it(is_async):
+    """Before 2026-11-25 a reward function that never returned froze the run with no note (issue 27); now the wait
+    for its batch raises ``RewardError`` naming it once it has run ``timeout_s``, and a stop request ends the wait."""
+    import asyncio
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck(completions, **_):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    async def stuck_async(completions, **_):
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return [0.0] * len(completions)
+
+    fast = R.RewardFunc("fast", lambda completions, **_: [1.0] * len(completions))
+    scorer = R.RewardScorer([fast, R.RewardFunc("slow", stuck_async if is_async else stuck)], timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        future = scorer.submit(["a"], [""], [[]], {})
+        with pytest.raises(R.RewardError, match=r"^reward function 'slow' did not return within "
+                                                r"rollout.reward_timeout_seconds = 0.5 \("):
+            scorer.wait(future)
+        assert 0.5 <= time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        assert scorer.wait(scorer.submit(["a"], [""], [[]], {}), interrupted=lambda: True) is None  # a stop
+        assert time.monotonic() - t0 < 1
+        release.set()
+        assert scorer.wait(future).total == [1.0]  # a slow function within its deadline is waited for
+    finally:
+        release.set()
+        scorer.close()
