@@ -68,6 +68,13 @@ CASES = [
     (("--rollout.engine", "vllm"), "rollout.urls"),
     (("--rollout.dispatch_dead_zone", "1"), "rollout.dispatch_dead_zone = 1.0 is out of range; allowed: a number in [0, 1)"),
     (("--rollout.dispatch_dead_zone", "-0.1"), "rollout.dispatch_dead_zone"),
+    # silent before 2026-11-25 (issue 27): one metric for both, the NaN never named, the urls unused
+    (("--rollout.reward_funcs", "answer_match,answer_match"),
+     "rollout.reward_funcs lists ['answer_match'] more than once; allowed: each function once"),
+    (("--rollout.reward_funcs", "answer_match", "--rollout.reward_weights", "nan"),
+     "rollout.reward_weights = [nan] holds nan; allowed: finite numbers"),
+    (("--rollout.urls", "http://127.0.0.1:8000"),
+     "rollout.urls = ['http://127.0.0.1:8000'] is set, but rollout.engine = 'embedded' starts its own engines"),
     (("--rollout.dispatch_max_share", "0"), "rollout.dispatch_max_share = 0.0 is out of range; allowed: a number in (0, 1]"),
     (("--rollout.dispatch_max_share", "1.5"), "rollout.dispatch_max_share"),
     (("--rollout.launch", "true"), "rollout.launch = true needs rollout.engine = 'vllm'"),
@@ -384,6 +391,15 @@ def test_a_corrupt_config_json_is_one_line_naming_the_file(model_copy):
         validate_config(parse("--model.hf_assets_path", str(model_copy)))
     (model_copy / "config.json").write_bytes(b'{"model_type": "ll\xffama"}')
     with pytest.raises(ConfigError, match=r"config.json is not valid JSON \('utf-8' codec can't decode byte 0xff"):
+        validate_config(parse("--model.hf_assets_path", str(model_copy)))
+
+
+def test_an_eos_token_outside_the_vocabulary_is_refused(model_copy):
+    """Before 2026-11-25 (issue 27): accepted, and no completion could ever end."""
+    cfg = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [2, cfg["vocab_size"] + 5]}))
+    with pytest.raises(ConfigError, match=rf"config.json: eos_token_id = \[2, {cfg['vocab_size'] + 5}\] is outside the "
+                                          rf"vocabulary \(vocab_size = {cfg['vocab_size']}\); allowed: token ids in "):
         validate_config(parse("--model.hf_assets_path", str(model_copy)))
 
 
