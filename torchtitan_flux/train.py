@@ -175,8 +175,9 @@ def _report(e: BaseException) -> int:
     from torchtitan_flux.rewards import RewardError
     from torchtitan_flux.rollout import NoEngineLeft
     from torchtitan_flux.stops import LossNotFinite, TrainingInterrupted
+    from torchtitan_flux.user_code import UserCodeError
 
-    if isinstance(e, (ConfigError, RewardError)):
+    if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
     elif isinstance(e, EngineStartError):  # a server that is not there, not ours, or exited while starting
         code, line = 1, f"error: {e}"

@@ -64,7 +64,7 @@ from torchtitan_flux.stops import (
     settle_and_checkpoint,
 )
 from torchtitan_flux.update import backward_on_batch
-from torchtitan_flux.user_code import import_spec, step_callback
+from torchtitan_flux.user_code import UserCodeError, import_spec, step_callback
 from torchtitan_flux.weight_sync import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
@@ -93,7 +93,7 @@ class FluxTrainer(Trainer):
                                                    self.device)
         self.step_callbacks: list = []
         for spec in job_config.metrics.step_callbacks:  # checked by validate_config
-            self.add_step_callback(import_spec("metrics.step_callbacks", spec))
+            self.add_step_callback(import_spec("metrics.step_callbacks", spec), name=f"step callback {spec!r}")
         self.scheduler: RolloutScheduler | None = None
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
@@ -160,10 +160,11 @@ class FluxTrainer(Trainer):
             reward_workers=jc.rollout.reward_workers, reward_timeout_s=jc.rollout.reward_timeout_seconds,
         )
 
-    def add_step_callback(self, fn) -> Any:
+    def add_step_callback(self, fn, name: str | None = None) -> Any:
         """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
-        after every step; returns ``fn`` (decorator use)."""
-        self.step_callbacks.append(step_callback(fn))
+        after every step; returns ``fn`` (decorator use). If it raises (or calls ``sys.exit()``) the run stops
+        with one line naming it (``name``, else the function's own)."""
+        self.step_callbacks.append(step_callback(fn, name or f"step callback {getattr(fn, '__qualname__', fn)!r}"))
         return fn
 
     # ------------------------------------------------------------------------------------------- loop
@@ -196,8 +197,8 @@ class FluxTrainer(Trainer):
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e), signalled=True)
             raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
-        except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError) as e:
-            # a reward function's failure or deadline (RewardError) comes between steps, like a lost engine
+        except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError) as e:
+            # a reward function's failure or deadline, a step callback's failure: between steps, like a lost engine
             self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e),
                                signalled=isinstance(e, TrainingInterrupted))
             raise

@@ -191,6 +191,18 @@ def test_a_reward_that_hangs_in_the_start_up_check_is_refused_before_engines_sta
     assert "exitcode  : 2" in p.stderr and "Training starts" not in p.stdout + p.stderr
 
 
+def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    dump = tmp_path / "run"
+    p = _run(dump, "--metrics.step_callbacks", "_step_callbacks:exits_at_step_2", "--checkpoint.enable", "true",
+             "--checkpoint.interval", "100", "--training.steps", "5", timeout=120)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == ["error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough for today"], \
+        p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+    assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
+
+
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")
