@@ -195,12 +195,48 @@ def test_null_and_empty_prompts_are_refused_with_file_and_record(tmp_path):
     rows = [ROWS[0], {"prompt": None, "answer": "1"}, ROWS[2], {"prompt": "", "answer": "3"}]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ConfigError, match=re.escape(f"rollout.dataset_path = {str(p)!r} record 1: column 'prompt' is "
-                                                    "None (2 of 4 records have a null or empty prompt); allowed: a "
+                                                    "None (2 of 4 records have a null, empty or blank prompt); allowed: a "
                                                     "non-empty prompt in every record")):
         build_task(job(tmp_path, p), ByteTokenizer())
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [], "answer": "1"}) + "\n")
     with pytest.raises(ConfigError, match=r"record 0: column 'messages' is \[\] \(1 of 1 records"):
+        build_task(job(tmp_path, chat), ByteTokenizer())
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"prompt": "  \n\t ", "answer": "1"}, r"record 1: column 'prompt' is '  \\n\\t ' \(1 of 3 records have a null, "
+                                             r"empty or blank prompt\)"),
+    ({"prompt": 17, "answer": "1"}, r"record 1: column 'prompt' is int '17' \(1 of 3 records are not text\); allowed: a "
+                                    r"string prompt in every record"),
+    ({"prompt": ["a", "b"], "answer": "1"}, r"record 1: column 'prompt' is list"),
+    ({"prompt": {"q": "a"}, "answer": "1"}, r"record 1: column 'prompt' is dict"),
+    ({"prompt": "fine", "answer": "1", "completions": "x"}, r"has a column named 'completions', which reward functions "
+                                                            r"receive as their own argument; allowed: any other name"),
+    ({"prompt": "fine", "answer": "1", "prompts": "x"}, r"has a column named 'prompts'"),
+])
+def test_prompts_that_are_blank_or_not_text_and_reserved_columns_are_refused(tmp_path, bad, match):
+    """Before 2026-11-25 (issue 27) each was silent: blank prompts trained on, ints / lists / dicts trained on as
+    ``str(value)``, a ``completions`` or ``prompts`` column replaced what the reward functions receive (reward
+    1.000 every step, nothing learned)."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    rows = [ROWS[0], bad, ROWS[2]]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=match):
+        build_task(job(tmp_path, p), ByteTokenizer())
+
+
+def test_chat_messages_without_text_content_are_refused(tmp_path):
+    """Before 2026-11-25 (issue 27): a message without ``content`` was rendered empty."""
+    from torchtitan_flux.config import ConfigError
+
+    model_dir_with_template(tmp_path)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user"}], "answer": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"record 0: column 'messages' must be a list of \{'role', 'content'\} "
+                                          r"messages with text content; got \[\{'role': 'user'\}\]"):
         build_task(job(tmp_path, chat), ByteTokenizer())
 
 
