@@ -230,6 +230,10 @@ def main() -> None:
             raise unknown_fields_error(e, config_file) or e from None
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_run_folders(config)
+        if os.environ.get("RANK", "0") == "0":
+            from torchtitan_flux.resume import set_aside_previous_outputs
+
+            set_aside_previous_outputs(config)
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:

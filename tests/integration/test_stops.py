@@ -203,6 +203,20 @@ def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpo
     assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
 
 
+def test_a_new_run_in_a_used_dump_folder_sets_the_old_outputs_aside(tmp_path):
+    """Before 2026-11-25 (issue 27): a second run with checkpoints off appended steps 1..N again to metrics.jsonl
+    and overwrote hf_final. Now the old outputs move to previous_runs/<time>/, whole; a resume still appends."""
+    dump = tmp_path / "run"
+    for _ in range(2):
+        p = _run(dump, "--training.steps", "2", timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2] and len((dump / "metrics.jsonl").read_text().splitlines()) == 2
+    (old,) = (dump / "previous_runs").iterdir()
+    assert len((old / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (old / "hf_final" / "model.safetensors").exists() and (old / "summary.json").exists()
+    assert f"held a previous run's outputs (metrics.jsonl, summary.json, hf_final): moved to {old}" in p.stderr
+
+
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")
