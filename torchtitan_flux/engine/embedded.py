@@ -302,7 +302,7 @@ class EmbeddedEngine(EngineBase):
         if first:
             self.events.put(EngineError(self.name, message, fatal=True))
         else:
-            logger.info(f"engine {self.name}: {message.strip().splitlines()[-1] if message else ''} (already reported)")
+            logger.debug(f"engine {self.name}: {message.strip().splitlines()[-1] if message else ''} (already reported)")
 
     def _read(self) -> None:
         conn = self._conn
