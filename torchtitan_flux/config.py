@@ -118,8 +118,9 @@ class Rollout:
     """Device of the embedded engines: "auto" (CPU when the trainer is on CPU, else the GPU after the trainer's
     local ranks), "cpu", or "cuda:N"."""
 
-    seed: int = 0
-    """Base seed of the engines' samplers (each request derives its own generator from it)."""
+    seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
+    """Base seed of the engines' samplers (each request derives its own generator from it, which must stay within
+    torch's 64-bit seeds)."""
 
     dispatch_dead_zone: Annotated[float, Range(ge=0, lt=1)] = 0.1
     """Dead zone of the dispatch split. Prompts are split across engines in proportion to an EMA of each engine's
@@ -211,7 +212,7 @@ class WeightSync:
     the trainer goes on; the trainer never waits on an engine. How far generation runs ahead of training is
     ``[off_policy]``'s (which, unless ``off_policy.async_ratio`` is set, follows this flag as it used to)."""
 
-    timeout_seconds: Annotated[float, Range(gt=0)] = 60.0
+    timeout_seconds: Annotated[float, Range(ge=1)] = 60.0
     """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
     serving its old version, and gets a full resync when it answers again."""
 

@@ -167,6 +167,8 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
     _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
     _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    seed = job_config.debug.seed
+    _require(seed is None or 0 <= seed < 2**63, "debug.seed", seed, "an integer in [0, 2**63), or unset")
     mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]
     _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:

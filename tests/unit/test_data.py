@@ -626,3 +626,16 @@ def test_a_reward_that_never_returns_fails_at_its_deadline_naming_it(is_async):
     finally:
         release.set()
         scorer.close()
+
+
+def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
+    """Before 2026-11-25 (issue 27): rewards of 1e38 made ``reward_mean`` non-finite, the row held None, and the
+    progress line raised ``TypeError: unsupported format string passed to NoneType.__format__``."""
+    from torchtitan_flux.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), total_steps=3)
+    try:
+        line = w.progress_line(1, {"reward_mean": None, "loss": float("inf"), "staleness": None, "async_ratio": 1})
+        assert line.startswith("step     1/3  reward nan  loss +inf  staleness nan  async 1.00"), line
+    finally:
+        w.close()
