@@ -190,6 +190,12 @@ class Rollout:
     reward_workers: Annotated[int, Range(ge=1)] = 1
     """Threads scoring rewards off the trainer's main loop."""
 
+    engine_stall_seconds: Annotated[float, Range(gt=0)] = 600.0
+    """An engine alive but holding generation requests with no result for this long (a stopped process, a hung
+    kernel) is declared dead and stopped; like any dead engine it is then restarted (embedded) or reconnected
+    (a server) and its requests re-dispatched. More than ``weight_sync.timeout_seconds``, which a request may
+    spend waiting for its weights, plus the longest generation of one request."""
+
     reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
     """The longest one reward function may take on one batch (the start-up check's included). Past it the run
     stops with one line naming the function (exit code 2), after checkpointing its last completed step like a

@@ -158,6 +158,7 @@ class FluxTrainer(Trainer):
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._on_engine_dead,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
             reward_workers=jc.rollout.reward_workers, reward_timeout_s=jc.rollout.reward_timeout_seconds,
+            stall_s=jc.rollout.engine_stall_seconds,
         )
 
     def add_step_callback(self, fn, name: str | None = None) -> Any:

@@ -281,6 +281,9 @@ def validate_config(job_config: Any) -> None:
     if not (r.engine_device in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", r.engine_device)):
         raise ConfigError(f"rollout.engine_device = {r.engine_device!r}; allowed: 'auto' | 'cpu' | 'cuda:N'")
     _check_data(job_config)
+    if r.engine_stall_seconds <= job_config.weight_sync.timeout_seconds:  # a request may wait that long for weights
+        raise ConfigError(f"rollout.engine_stall_seconds = {r.engine_stall_seconds:g} is out of range; allowed: more "
+                          f"than weight_sync.timeout_seconds = {job_config.weight_sync.timeout_seconds:g}")
     if r.launch:
         if r.engine != "vllm":
             raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")

@@ -217,6 +217,30 @@ def test_a_new_run_in_a_used_dump_folder_sets_the_old_outputs_aside(tmp_path):
     assert f"held a previous run's outputs (metrics.jsonl, summary.json, hf_final): moved to {old}" in p.stderr
 
 
+@pytest.mark.faults
+def test_a_stopped_engine_is_declared_stuck_killed_restarted_and_the_run_finishes(tmp_path):
+    """Before 2026-11-25 (issue 27) a SIGSTOPped engine was waited on forever ("waiting" logged every 30 s). Now,
+    holding requests with no result for rollout.engine_stall_seconds, it is killed (SIGKILL ends a stopped
+    process), restarted, its requests re-dispatched; the run finishes and nothing outlives it."""
+    import signal
+
+    from _procs import wait_gone
+
+    dump, marker = tmp_path / "run", tmp_path / "stalled"
+    run = Run(dump, tmp_path / "run.log", "--rollout.engine_stall_seconds", "8", "--weight_sync.timeout_seconds", "5",
+              "--training.steps", "12", faults={"FLUX_FAULT_GENERATE_STALL": f"6:2:{marker}"})
+    run.wait_for(marker.exists, 120, "step 6's generation to start")
+    (pid,) = run.engines
+    os.kill(pid, signal.SIGSTOP)
+    assert run.proc.wait(120) == 0, run.log.read_text()[-3000:]
+    log = run.log.read_text()
+    assert "declared stuck and stopped" in log and "rollout.engine_stall_seconds = 8" in log, log[-3000:]
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, 13)) and rows[-1]["engine_restarts"] >= 1
+    assert json.loads((dump / "summary.json").read_text())["checksums_match"]
+    assert not wait_gone(run.seen, 10.0), "processes outlived the run"
+
+
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")

@@ -352,6 +352,12 @@ class EmbeddedEngine(EngineBase):
         self._send(("score", list(tokens)))
         return self._replies.get(timeout=timeout)
 
+    def kill(self, why: str) -> None:
+        self._report_dead(why)
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+
     def inject_fault(self, what: str, arg: float = 0.0) -> None:
         self._send(("fault", what, arg))
 
