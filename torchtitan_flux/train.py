@@ -150,17 +150,28 @@ def _lock_folder(field: str, value: str, folder: str) -> None:
 
     from torchtitan_flux.config import ConfigError
 
-    os.makedirs(folder, exist_ok=True)
-    f = open(os.path.join(folder, ".flux.lock"), "a+")
+    allowed = "allowed: a folder this user can write (created if missing)"
+    if not folder:
+        raise ConfigError(f"{field} = {value!r} is empty; {allowed}")
+    same = os.path.abspath(value) == os.path.abspath(folder)
+    named = f"{field} = {value!r}" + ("" if same else f" (that is {folder!r})")
+    try:  # every OS error on the folders a run writes is one line naming the path, before any work
+        os.makedirs(folder, exist_ok=True)
+        f = open(os.path.join(folder, ".flux.lock"), "a+")
+    except OSError as e:
+        why = "it is a file, not a folder" if isinstance(e, FileExistsError) else e.strerror
+        raise ConfigError(f"{named} cannot be used ({why}); {allowed}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        f.close()
+        raise ConfigError(f"{named} is not writable; {allowed}")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         owner = f.read().strip() or "unknown"
         f.close()
-        where = "" if os.path.abspath(value) == os.path.abspath(folder) else f" (that is {folder!r})"
-        raise ConfigError(f"{field} = {value!r}{where} is in use by another run (pid {owner}); allowed: a folder "
-                          "no running job uses (each run needs its own)") from None
+        raise ConfigError(f"{named} is in use by another run (pid {owner}); allowed: a folder no running job uses "
+                          "(each run needs its own)") from None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))

@@ -167,6 +167,10 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
     _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
     _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    gap = job_config.off_policy.max_version_gap  # each embedded engine keeps max_version_gap + 1 weight copies
+    _require(gap <= max(1, tr.steps), "off_policy.max_version_gap", gap,
+             f"at most training.steps = {tr.steps} (each embedded engine keeps max_version_gap + 1 copies of the "
+             "weights), or 0 for the default")
     seed = job_config.debug.seed
     _require(seed is None or 0 <= seed < 2**63, "debug.seed", seed, "an integer in [0, 2**63), or unset")
     mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]

@@ -241,6 +241,39 @@ def test_a_stopped_engine_is_declared_stuck_killed_restarted_and_the_run_finishe
     assert not wait_gone(run.seen, 10.0), "processes outlived the run"
 
 
+@pytest.mark.parametrize("case", ["a file", "empty", "read-only", "checkpoint folder a file"])
+def test_unusable_output_folders_are_one_line_naming_the_path(tmp_path, case):
+    """Before 2026-11-25 (issue 27): FileExistsError / FileNotFoundError tracebacks, and a checkpoint folder that is
+    a file was found only at the final save, so the finished run exported nothing."""
+    if case == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders: the check cannot be exercised as root")
+    dump, extra = tmp_path / "run", []
+    if case == "a file":
+        dump.write_text("")
+    elif case == "empty":
+        dump = ""
+    elif case == "read-only":
+        dump.mkdir()
+        dump.chmod(0o500)
+    else:
+        dump.mkdir()
+        (dump / "checkpoint").write_text("")
+        extra = ["--checkpoint.enable", "true"]
+    p = _run(dump, *extra, "--training.steps", "2", timeout=120)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    line = lines[0] if lines else ""
+    expected = {
+        "a file": f"error: job.dump_folder = '{dump}' cannot be used (it is a file, not a folder); allowed: a folder "
+                  "this user can write (created if missing)",
+        "empty": "error: job.dump_folder = '' is empty; allowed: a folder this user can write (created if missing)",
+        "read-only": f"error: job.dump_folder = '{dump}' is not writable; allowed: a folder this user can write",
+        "checkpoint folder a file": "error: checkpoint.folder = 'checkpoint' (that is "
+                                    f"'{dump}/checkpoint') cannot be used (it is a file, not a folder)",
+    }[case]
+    assert line.startswith(expected), p.stderr[-2000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+
+
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")

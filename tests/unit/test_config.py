@@ -76,6 +76,8 @@ CASES = [
     (("--rollout.urls", "http://127.0.0.1:8000"),
      "rollout.urls = ['http://127.0.0.1:8000'] is set, but rollout.engine = 'embedded' starts its own engines"),
     (("--debug.seed", str(2**70)), f"debug.seed = {2**70} is out of range"),  # before: a torch traceback
+    (("--off_policy.max_version_gap", "100000"), "off_policy.max_version_gap = 100000 is out of range; allowed: at "
+                                                 "most training.steps = 60"),  # before: a join timeout
     (("--rollout.engine_stall_seconds", "30", "--weight_sync.timeout_seconds", "30"),
      "rollout.engine_stall_seconds = 30 is out of range; allowed: more than weight_sync.timeout_seconds = 30"),
     (("--rollout.dispatch_max_share", "0"), "rollout.dispatch_max_share = 0.0 is out of range; allowed: a number in (0, 1]"),
