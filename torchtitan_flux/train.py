@@ -32,10 +32,10 @@ import traceback
 from torchtitan_flux.patches import apply_patches
 
 
-def _bool_kind(path: str) -> str | None:
-    """"value" for a boolean of our sections (takes True/False); "flag" for anything else given true/false,
-    i.e. torchtitan's booleans, which are tyro flags (--x.y / --x.no_y). Imports no torchtitan: this runs
-    before ``ConfigManager`` is imported (see ``main``)."""
+def _field_type(path: str):
+    """The annotated type of ``section.field`` in our sections (``flux_config.SECTIONS``), "torchtitan" for a
+    section of torchtitan's, None when there is no such field. Imports no torchtitan: this runs before
+    ``ConfigManager`` is imported (see ``main``)."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -43,34 +43,45 @@ def _bool_kind(path: str) -> str | None:
     section, _, name = path.partition(".")
     cls = flux_config.SECTIONS.get(section)
     if cls is None:
-        return "flag"
+        return "torchtitan"
     for part in name.split("."):
         hints = typing.get_type_hints(cls) if isinstance(cls, type) else {}
         if part not in hints:
             return None
         cls = hints[part]
-    return "value" if cls is bool else None
+    return cls
 
 
 def _normalise_argv(argv: list[str]) -> list[str]:
-    """Accept ``--section.field true|false`` for every boolean (torchtitan's are tyro flags, ours take a value),
+    """One command-line syntax for every field, whoever declares it:
+    * ``--section.field true|false`` and ``--section.field=true|false`` for every boolean (torchtitan's are tyro
+      flags, ``--x.y`` / ``--x.no_y``; ours take a value);
+    * the comma form for every list, as torchtitan's list fields take it: ``--rollout.reward_weights 1.0,0.5``
+      (tyro wants numbers as separate arguments; ``1.0 0.5`` still works);
     and name our config module unless one is given."""
+    import typing
+
     out: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
-        nxt = argv[i + 1] if i + 1 < len(argv) else ""
-        if a.startswith("--") and "=" not in a and nxt.lower() in ("true", "false"):
-            kind = _bool_kind(a[2:].replace("-", "_"))
-            if kind == "flag":
-                section, _, name = a[2:].rpartition(".")
-                out.append(a if nxt.lower() == "true" else f"--{section}.no_{name}")
-                i += 2
-                continue
-            if kind == "value":
-                out += [a, nxt.capitalize()]
-                i += 2
-                continue
+        key, eq, val = a.partition("=")
+        if not (a.startswith("--") and eq):
+            key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
+        step = 1 if eq else 2
+        kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
+        if val.lower() in ("true", "false") and kind in ("torchtitan", bool):
+            if kind == "torchtitan":
+                section, _, name = key[2:].rpartition(".")
+                out.append(key if val.lower() == "true" else f"--{section}.no_{name}")
+            else:
+                out += [key, val.capitalize()]
+            i += step
+            continue
+        if typing.get_origin(kind) is list and typing.get_args(kind)[0] in (int, float) and "," in val:
+            out += [key, *(v for v in val.split(",") if v.strip())]
+            i += step
+            continue
         out.append(a)
         i += 1
     if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in out):

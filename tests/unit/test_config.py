@@ -161,6 +161,20 @@ def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, mo
     assert needle in str(e.value)
 
 
+def test_one_syntax_for_every_list_and_boolean():
+    """Issue 27's paper cut: ``reward_funcs`` took ``a,b`` but ``reward_weights`` refused ``1,2`` (tyro wanted
+    ``1 2``), and ``--checkpoint.enable=true`` was an unrecognized option. Both forms now work for every field."""
+    for weights in (("1.0,0.5",), ("1.0", "0.5")):
+        cfg = parse("--rollout.reward_funcs", "answer_match,digits", "--rollout.reward_weights", *weights)
+        assert cfg.rollout.reward_funcs == ["answer_match", "digits"] and cfg.rollout.reward_weights == [1.0, 0.5]
+    assert parse("--rollout.reward_weights=2,3").rollout.reward_weights == [2.0, 3.0]
+    for form in (("--checkpoint.enable=true",), ("--checkpoint.enable", "true")):
+        assert parse(*form).checkpoint.enable is True  # a torchtitan flag
+    assert parse("--checkpoint.enable=false").checkpoint.enable is False
+    for form in (("--weight_sync.async_weight_update=true",), ("--weight_sync.async_weight_update", "true")):
+        assert parse(*form).weight_sync.async_weight_update is True  # one of ours
+
+
 def test_debug_config_is_valid(tiny_model_dir):
     validate_config(parse())
 
