@@ -282,7 +282,17 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     r = job_config.rollout
     path = r.dataset_path if dataset_path is None else dataset_path
     split = r.dataset_split if dataset_split is None else dataset_split
-    task = task_factory(r.task)(job_config, tokenizer, path, split, field_name)
+    factory, builtin = task_factory(r.task), ALIASES.get(r.task, r.task) in TASKS
+    try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work
+        # built-ins also take the field to name in their errors; a user's takes the documented four arguments
+        task = factory(job_config, tokenizer, path, split, *([field_name] if builtin else []))
+    except ConfigError:
+        raise
+    except (Exception, SystemExit) as e:
+        raise ConfigError(f"rollout.task = {r.task!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(task, Task):
+        raise ConfigError(f"rollout.task = {r.task!r} returned {type(task).__name__}; allowed: a "
+                          "torchtitan_flux.tasks.Task (prompts(seed, step, n) and its reward functions)")
     task.reward_funcs = reward_funcs(r, task)
     return task
 

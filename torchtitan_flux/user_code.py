@@ -68,6 +68,8 @@ def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
+    except (Exception, SystemExit) as e:  # the module itself failed (sys.exit("reason") at import included)
+        raise ConfigError(f"{name} = {spec!r} cannot be imported: {type(e).__name__}: {e}") from e
     if callable_ and not callable(obj):
         raise ConfigError(f"{name} = {spec!r} is not callable")
     return obj

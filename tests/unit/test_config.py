@@ -175,6 +175,15 @@ def test_one_syntax_for_every_list_and_boolean():
         assert parse(*form).weight_sync.async_weight_update is True  # one of ours
 
 
+def test_a_module_that_exits_at_import_is_one_line_with_its_reason():
+    """Before 2026-11-25 (issue 27): ``sys.exit("reason")`` at a reward module's import ended the run, reason lost."""
+    from torchtitan_flux.user_code import import_spec
+
+    with pytest.raises(ConfigError, match=r"^rollout.reward_funcs = 'fakes.exits_at_import:f' cannot be imported: "
+                                          r"SystemExit: this module needs a GPU$"):
+        import_spec("rollout.reward_funcs", "fakes.exits_at_import:f")
+
+
 def test_debug_config_is_valid(tiny_model_dir):
     validate_config(parse())
 
