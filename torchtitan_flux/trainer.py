@@ -179,7 +179,8 @@ class FluxTrainer(Trainer):
         self.syncer.flush(self.step)  # engines start from the trainer's (possibly resumed) weights
         if self.evaluator is not None and jc.eval.at_start:
             self.evaluator.start(self.step)
-            self.metrics_writer.log(self.step, self.evaluator.collect(wait=True), progress=False)
+            # a row of its own, before any training step: marked, so readers can tell it from the step rows
+            self.metrics_writer.log(self.step, {"eval_only": True, **self.evaluator.collect(wait=True)}, progress=False)
         prof = dict(global_step=self.step, base_folder=jc.job.dump_folder)
         try:
             with maybe_enable_profiling(jc.profiling, **prof) as torch_profiler, \
