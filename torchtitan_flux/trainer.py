@@ -141,7 +141,12 @@ class FluxTrainer(Trainer):
     # ------------------------------------------------------------------------------------------- setup
 
     def _on_engine_dead(self, dead):
-        """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None."""
+        """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None. None while
+        the run is stopping on a signal: a SIGTERM to the whole process group reaches the engines too, and a new
+        engine would only be started to be stopped again."""
+        if self.stops.signal is not None:
+            self.fleet.give_up(dead, f"the run is stopping ({self.stops.signal})")
+            return None
         new = self.fleet.restart(dead)
         if new is not None:
             self.syncer.replace_engine(dead, new)
@@ -201,8 +206,11 @@ class FluxTrainer(Trainer):
             raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
         except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError) as e:
             # a reward function's failure or deadline, a step callback's failure: between steps, like a lost engine
-            self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e),
-                               signalled=isinstance(e, TrainingInterrupted))
+            signalled = isinstance(e, TrainingInterrupted) or self.stops.signal is not None
+            self._save_on_stop(getattr(e, "at_step_boundary", True), signalled=signalled,
+                               reason=f"received {self.stops.signal}" if signalled else str(e))
+            if isinstance(e, NoEngineLeft) and signalled:  # the signal killed the engines too: say the cause
+                raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
             raise
         finally:
             if self.rank == 0 and self.scheduler is not None:
