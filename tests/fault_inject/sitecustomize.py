@@ -13,6 +13,9 @@ engine processes) then imports this module at start-up. With none of the variabl
   FLUX_FAULT_PUSH_DELAY="SECONDS"   an embedded engine takes SECONDS longer to receive every push (it publishes,
       i.e. acks, each version that much later): a slow link or a large model, for the self-tuning sync cadence
       (tests/integration/test_sync_cadence.py, ``benchmarks/weight_sync.py --slow-sync``).
+  FLUX_FAULT_ENGINE_FAIL="MESSAGE"   every embedded engine dies with RuntimeError(MESSAGE) at its first
+      generation request: an engine that fails the same way every time (a bad device, a bad setting), for the
+      bounded-restart test.
   FLUX_FAULT_PUSH_HOLD="VERSION:SECONDS"   the trainer's first regular push of a weight version >= VERSION stays
       in flight after its bytes went out until two more due steps found the pusher busy and were coalesced (at
       most SECONDS), as a push to an engine slow to acknowledge it (a slow link, a big model, a loaded machine)
@@ -96,3 +99,12 @@ if _hold:
         return out
 
     _pusher.Pusher.push = _push_held
+
+_engine_fail = os.environ.get("FLUX_FAULT_ENGINE_FAIL")
+if _engine_fail:
+    from torchtitan_flux.engine import embedded as _embedded_fail
+
+    def _failing_generate(self, req):
+        raise RuntimeError(_engine_fail)
+
+    _embedded_fail._EngineProcess.generate = _failing_generate

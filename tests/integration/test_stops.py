@@ -89,9 +89,10 @@ def test_debug_switch_keeps_the_traceback(tmp_path):
 
 @pytest.mark.faults
 def test_engine_failing_every_time_is_restarted_a_bounded_number_of_times(tmp_path):
-    # a seed beyond int64 makes every engine start fail the same way (the old code restarted it without end)
-    run = Run(tmp_path / "run", tmp_path / "run.log", "--rollout.seed", str(2**64 + 1), "--training.steps", "5",
-              "--rollout.max_engine_restarts", "2")
+    # every engine start fails the same way (the old code restarted it without end); this used a seed beyond int64,
+    # which validation now refuses
+    run = Run(tmp_path / "run", tmp_path / "run.log", "--training.steps", "5", "--rollout.max_engine_restarts", "2",
+              faults={"FLUX_FAULT_ENGINE_FAIL": "injected: this engine cannot generate"})
     rc = run.proc.wait(120)
     log = run.log.read_text()
     assert rc != 0
