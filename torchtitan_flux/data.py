@@ -69,8 +69,9 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
 
 
 def check_jsonl(path: str, field_name: str) -> None:
-    """Every non-blank line of ``path`` is UTF-8 text holding one JSON object; ``ConfigError`` naming the file and
-    the (1-based) line otherwise."""
+    """Every non-blank line of ``path`` is UTF-8 text holding one JSON object, and there is one at least;
+    ``ConfigError`` naming the file and the (1-based) line otherwise."""
+    records = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             where = f"{field_name} = {path!r} line {n}"
@@ -88,6 +89,10 @@ def check_jsonl(path: str, field_name: str) -> None:
                                   "per line") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{where}: a JSON {type(record).__name__}; allowed: one JSON object per line")
+            records += 1
+    if not records:  # the datasets library says 'Instruction "train" corresponds to no data!'
+        raise ConfigError(f"{field_name} = {path!r} holds no records (it is empty or only blank lines); allowed: one "
+                          "JSON object per line")
 
 
 class ChatTemplate:

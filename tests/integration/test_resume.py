@@ -136,6 +136,15 @@ def test_training_steps_below_the_checkpoint_step_is_refused(tiny_model_dir, tmp
     assert "has no readable fingerprint.json (JSONDecodeError" in caplog.text
 
 
+def test_a_load_step_without_a_checkpoint_is_refused_naming_the_ones_there(tiny_model_dir, tmp_path):
+    """Before 2026-11-25 (issue 27): torchtitan's ``FileNotFoundError`` traceback."""
+    for step in (2, 4):
+        _checkpoint(tmp_path, step, None)
+    with pytest.raises(ConfigError, match=rf"^checkpoint.load_step = 3 has no complete checkpoint in {tmp_path}; "
+                                          r"allowed: 2, 4, or -1 for the newest$"):
+        _check(_config(tiny_model_dir, load_step=3), None, tmp_path)
+
+
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_and_is_set_aside(tmp_path, caplog):
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step, None)

@@ -269,6 +269,15 @@ def test_wrong_type_in_toml(tiny_model_dir, tmp_path):
         validate_config(cfg)
 
 
+def test_wrong_type_of_a_torchtitan_field_in_toml(tiny_model_dir, tmp_path):
+    """Before 2026-11-25 (issue 27): ``steps = "five"`` gave ``TypeError: '>=' not supported`` with a traceback."""
+    p = tmp_path / "five.toml"
+    p.write_text(DEBUG_TOML.read_text().replace("steps = 60", 'steps = "five"'))
+    cfg = parse(toml=str(p))
+    with pytest.raises(ConfigError, match=r"^training.steps must be of type int, got str 'five'"):
+        validate_config(cfg)
+
+
 def test_bad_on_config_mismatch_in_toml(tiny_model_dir, tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text(DEBUG_TOML.read_text().replace('folder = "checkpoint"', 'folder = "checkpoint"\non_config_mismatch = "ask"'))

@@ -165,6 +165,18 @@ def test_template_features_transformers_provides(tmp_path):
 
 # ------------------------------------------------------------------------------------------ bad records
 
+@pytest.mark.parametrize("text", ["", "\n\n  \n"], ids=["empty", "blank-lines"])
+def test_an_empty_jsonl_file_is_one_line(tmp_path, text):
+    """Before 2026-11-25 (issue 27): the datasets library's 'Instruction "train" corresponds to no data!'."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.dataset_path = {str(p)!r} holds no records (it is "
+                                                    "empty or only blank lines)")):
+        build_task(job(tmp_path, p), ByteTokenizer())
+
+
 @pytest.mark.parametrize("line, match", [
     (b'{"prompt": "caf\xe9?", "answer": "1"}', r"line 2: byte 0xe9 at column 16 is not UTF-8; allowed: UTF-8 text"),
     (b'{"prompt": "q?", "answer": 1', r"line 2: not valid JSON \(Expecting ',' delimiter at column 29\); allowed: "
