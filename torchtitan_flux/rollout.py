@@ -337,8 +337,11 @@ class RolloutScheduler:
     def drain(self, timeout: float = 5.0) -> None:
         """Forget outstanding requests (shutdown); results that still arrive are dropped."""
         deadline = time.monotonic() + timeout
-        while self._by_req and time.monotonic() < deadline:
-            self.pump(0.05)
+        try:
+            while self._by_req and time.monotonic() < deadline:
+                self.pump(0.05)
+        except NoEngineLeft:  # shutting down anyway: not the run's outcome (which the caller is reporting)
+            pass
         self._steps.clear()
         self._by_req.clear()
         self.scoring.close()

@@ -1,7 +1,7 @@
 """How a training run stops early: the trainer's signal handling, and the exceptions the entry point prints as one
 ``stopped: ...`` line (``train.py``).
 
-First SIGTERM/SIGINT: stop at the next step boundary (the step in progress completes, so no trained step is
+First SIGTERM/SIGINT/SIGHUP (a closed terminal): stop at the next step boundary (the step in progress completes, so no trained step is
 half-applied), or at once while waiting for a step's rollouts (single process: that step has not started, so the
 last completed one is checkpointed; the wait for rollouts is most of a long GRPO step, and torchrun SIGKILLs after
 its grace period, 30 s by default). A second one, 2 s or more later: stop now (the step in progress may be
@@ -42,14 +42,14 @@ class LossNotFinite(RuntimeError):
 
 
 class StopRequests:
-    """The trainer process's SIGTERM/SIGINT handler (see the module docstring). ``signal`` is the name of the
+    """The trainer process's SIGTERM/SIGINT/SIGHUP handler (see the module docstring). ``signal`` is the name of the
     first signal received, or None."""
 
     def __init__(self):
         self.signal: str | None = None
         self._at = 0.0
         self._interruptible = None  # a RolloutScheduler whose wait for rollouts a first signal ends
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal was closed
             signal.signal(sig, self._on_signal)
 
     def interrupt_rollout_waits_of(self, scheduler) -> None:

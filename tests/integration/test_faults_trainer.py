@@ -179,16 +179,17 @@ def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
     assert "Training starts at step 3" in out
 
 
-def test_sigterm_to_the_whole_process_group_stops_without_restarting_the_engine(tiny_model_dir, tmp_path):
-    """A terminal's Ctrl-C / a scheduler's SIGTERM reaches every process of the group, the engines included. Before
-    2026-11-25 (issue 27) the trainer restarted the engine just to finish the step; now a dead engine is not
-    restarted while the run stops, the stop still names the signal and checkpoints the last step, and nothing
-    outlives the run."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_whole_process_group_stops_without_restarting_the_engine(tiny_model_dir, tmp_path, sig):
+    """A scheduler's SIGTERM, or the SIGHUP of a closed terminal, reaches every process of the group, the engines
+    included. Before 2026-11-25 (issue 27) the trainer restarted the engine just to finish the step, and SIGHUP
+    killed the run with no checkpoint and no ``stopped:`` line; now a dead engine is not restarted while the run
+    stops, the stop names the signal and checkpoints the last step, and nothing outlives the run."""
     dump = tmp_path / "run"
     run = Run(dump, tmp_path / "run.log", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
               "--training.steps", "400")
     run.wait_for(lambda: (dump / "metrics.jsonl").exists() and len(read_metrics(dump)) >= 5, 120, "5 steps")
-    os.killpg(run.proc.pid, signal.SIGTERM)
+    os.killpg(run.proc.pid, sig)
     deadline = time.monotonic() + 60
     while run.proc.poll() is None and time.monotonic() < deadline:  # record every engine process the stop starts
         run.scan()
@@ -196,10 +197,10 @@ def test_sigterm_to_the_whole_process_group_stops_without_restarting_the_engine(
     assert run.proc.wait(1) != 0
     assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed run"
     log = run.log.read_text()
-    assert "stopped: received SIGTERM" in log, log[-3000:]
+    assert f"stopped: received {sig.name}" in log, log[-3000:]
     last = max(complete_ckpts(dump))
     assert f"checkpoint of step {last} written" in log
     assert len(run.engines) == 1, run.engines  # no replacement engine was started
     if "rollout engine engine0 died" in log:  # its death was noticed before the stop ended (else a push failed)
-        assert "engine0: not restarted: the run is stopping (SIGTERM)" in log, log[-3000:]
+        assert f"engine0: not restarted: the run is stopping ({sig.name})" in log, log[-3000:]
 
