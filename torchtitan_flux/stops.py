@@ -1,8 +1,8 @@
 """How a training run stops early: the trainer's signal handling, and the exceptions the entry point prints as one
 ``stopped: ...`` line (``train.py``).
 
-First SIGTERM/SIGINT/SIGHUP (a closed terminal): stop at the next step boundary (the step in progress completes, so no trained step is
-half-applied), or at once while waiting for a step's rollouts (single process: that step has not started, so the
+First SIGTERM/SIGINT/SIGHUP (a closed terminal): stop at the next step boundary (the step in progress completes,
+so no trained step is half-applied), or at once while waiting for a step's rollouts (single process: that step has not started, so the
 last completed one is checkpointed; the wait for rollouts is most of a long GRPO step, and torchrun SIGKILLs after
 its grace period, 30 s by default). A second one, 2 s or more later: stop now (the step in progress may be
 incomplete: no checkpoint is written).

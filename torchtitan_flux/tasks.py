@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import string
@@ -34,6 +35,8 @@ from typing import Any, Callable
 from torchtitan_flux import rewards as R
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data import ChatTemplate, EpochSampler, filter_long, load_table
+
+logger = logging.getLogger("torchtitan_flux")
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "answer_match": R.answer_match_reward,
@@ -182,9 +185,21 @@ class Gsm8kTask(DatasetTask):
     name = "gsm8k"
     default_prompt_columns = ("question",)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
+                 field_name: str = "rollout.dataset_path"):
+        super().__init__(job_config, tokenizer, dataset_path, dataset_split, field_name)
         self.reward_funcs = [R.RewardFunc("answer_match", R.answer_match_reward)]
+        # answer_match compares with each record's gold answer: without one a record can only ever score 0
+        missing = [i for i, p in enumerate(self.records) if not R.gold_answer(p.answer)]
+        col, where = job_config.rollout.answer_column, f"{field_name} = {dataset_path!r}"
+        if len(missing) == len(self.records):
+            raise ConfigError(f"{where}: no record has an answer in column {col!r} (rollout.answer_column) that "
+                              "answer_match can compare (GSM8K's '... #### <number>', or the answer itself): every "
+                              "reward would be 0; allowed: a dataset with answers, or the column that holds them")
+        if missing:
+            logger.warning(f"{where}: {len(missing)} of {len(self.records)} records (the first: record "
+                           f"{missing[0]}) have no answer in column {col!r} that answer_match can compare; they "
+                           "can only ever score 0")
 
 
 def _dataset_task(cls):

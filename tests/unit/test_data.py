@@ -103,6 +103,24 @@ def test_gsm8k_task_reads_question_and_scores_the_final_answer(tmp_path):
     assert task.reward_funcs[0].fn(prompts=prompts, completions=comps, **cols) == [1.0, 0.0, 0.0]
 
 
+def test_gsm8k_records_without_a_comparable_answer_are_named(tmp_path, caplog):
+    """Before 2026-11-25 (issue 27): no answer column, or answers with no '####'/number, trained with reward 0 forever
+    and no word. Now none: refused in one line; some: one warning with their count."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "g.jsonl"
+    p.write_text("".join(json.dumps({"question": f"{i}+1?"}) + "\n" for i in range(3)))
+    with pytest.raises(ConfigError, match=r"no record has an answer in column 'answer' \(rollout.answer_column\) that "
+                                          r"answer_match can compare"):
+        build_task(job(tmp_path, p, task="gsm8k", reward_funcs=[]), ByteTokenizer())
+    rows = [{"question": "1+1?", "answer": "#### 2"}, {"question": "2+2?", "answer": "####"},
+            {"question": "3+3?", "answer": ""}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        build_task(job(tmp_path, p, task="gsm8k", reward_funcs=[]), ByteTokenizer())
+    assert "2 of 3 records (the first: record 1) have no answer in column 'answer'" in caplog.text
+
+
 def test_shipped_synthetic_data_is_gsm8k_format():
     from conftest import ROOT
 
