@@ -47,10 +47,17 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
     datasets.disable_progress_bars()
     if os.path.isdir(path):
         saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
-        for name in [] if saved else sorted(os.listdir(path)):
+        files = [] if saved else sorted(os.listdir(path))
+        exts = {os.path.splitext(n)[1].lower() for n in files} & set(_BUILDERS)
+        kinds = sorted(exts)
+        if len({_BUILDERS[e] for e in exts}) > 1:  # the datasets library would read one kind and drop the others
+            raise ConfigError(f"{field_name} = {path!r} mixes data files of types {kinds}; allowed: files of one type "
+                              "in a folder")
+        for name in files:
             if name.endswith(".jsonl"):
                 check_jsonl(os.path.join(path, name), field_name)
-        table = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+        table = _load(lambda: datasets.load_from_disk(path) if saved else datasets.load_dataset(path), path,
+                      field_name)
     else:
         ext = os.path.splitext(path)[1].lower()
         if ext not in _BUILDERS:
@@ -58,7 +65,8 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
                              f"{' | '.join(sorted(_BUILDERS))}, or a folder")
         if ext == ".jsonl":
             check_jsonl(path, field_name)
-        table = datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
+        table = _load(lambda: datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train"), path,
+                      field_name)
     if isinstance(table, datasets.DatasetDict):
         if split not in table:
             raise ConfigError(f"split {split!r} is not in {field_name} = {path!r}; it has {sorted(table)}")
@@ -66,6 +74,20 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
     if len(table) == 0:
         raise ConfigError(f"{field_name} = {path!r} holds no records")
     return table
+
+
+def _load(read, path: str, field_name: str):
+    """``read()``, with the datasets library's errors (an empty or mixed folder, a damaged parquet file, ...) as one
+    line naming the path (``ConfigError``)."""
+    try:
+        return read()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many kinds; the message is what matters
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ConfigError(f"{field_name} = {path!r} cannot be read as a dataset ({type(e).__name__}: {why}); allowed: "
+                          "a .jsonl/.json/.parquet/.csv file, a folder of files of one type, or a save_to_disk "
+                          "folder") from None
 
 
 def check_jsonl(path: str, field_name: str) -> None:

@@ -669,3 +669,26 @@ def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
         assert line.startswith("step     1/3  reward nan  loss +inf  staleness nan  async 1.00"), line
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("case", ["mixed folder", "empty folder", "damaged parquet"])
+def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
+    """Before 2026-11-25 (issue 27): the datasets library's traceback (empty folder, damaged parquet), or a mixed
+    folder read as one of its file types with the others silently left out."""
+    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.data import load_table
+
+    d = tmp_path / "data"
+    d.mkdir()
+    if case == "mixed folder":
+        (d / "a.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+        (d / "b.csv").write_text("prompt,answer\nq?,1\n")
+        match = r"mixes data files of types \['\.csv', '\.jsonl'\]; allowed: files of one type in a folder"
+    elif case == "empty folder":
+        match = r"cannot be read as a dataset \(EmptyDatasetError: .*\); allowed: a \.jsonl"
+    else:
+        d = d / "bad.parquet"
+        d.write_text("not parquet")
+        match = r"cannot be read as a dataset \(ArrowInvalid: Parquet magic bytes not found"
+    with pytest.raises(ConfigError, match=rf"^rollout.dataset_path = '{re.escape(str(d))}' {match}"):
+        load_table(str(d), "train")
