@@ -5,7 +5,8 @@ every step are reproducible after a resume without any dataloader state. Its rew
 TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` / ``rollout.reward_fn`` replace a task's own.
 
 Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a callable taking
-``(job_config, tokenizer, dataset_path, dataset_split)`` and returning a ``Task``):
+``(job_config, tokenizer, dataset_path, dataset_split, field_name)`` and returning a ``Task``; ``field_name`` is
+the config field to name in its errors, as docs/data.md documents):
 
 * ``digits`` — dense sanity task: reward = fraction of the completion's characters that are ASCII digits.
   A random-init byte-level model starts near 10/259 and learns it in minutes on CPU.
@@ -297,10 +298,9 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     r = job_config.rollout
     path = r.dataset_path if dataset_path is None else dataset_path
     split = r.dataset_split if dataset_split is None else dataset_split
-    factory, builtin = task_factory(r.task), ALIASES.get(r.task, r.task) in TASKS
+    factory = task_factory(r.task)
     try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work
-        # built-ins also take the field to name in their errors; a user's takes the documented four arguments
-        task = factory(job_config, tokenizer, path, split, *([field_name] if builtin else []))
+        task = factory(job_config, tokenizer, path, split, field_name)
     except ConfigError:
         raise
     except (Exception, SystemExit) as e:

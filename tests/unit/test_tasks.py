@@ -24,26 +24,26 @@ def test_eval_prompts_are_held_out():
     assert len(t.eval_prompts(0, 0)) == 64 and t.eval_prompts(0, 5) != t.prompts(0, 0, 5)
 
 
-def four_argument_factory(job_config, tokenizer, dataset_path, dataset_split):
-    """A user's task factory as the tasks module documents it."""
+def documented_factory(job_config, tokenizer, dataset_path, dataset_split, field_name):
+    """A user's task factory as docs/data.md documents it."""
     from torchtitan_flux.tasks import DigitsTask
 
     return DigitsTask()
 
 
-def not_a_task(job_config, tokenizer, dataset_path, dataset_split):
+def not_a_task(job_config, tokenizer, dataset_path, dataset_split, field_name):
     return ["a prompt"]
 
 
-def exits(job_config, tokenizer, dataset_path, dataset_split):
+def exits(job_config, tokenizer, dataset_path, dataset_split, field_name):
     import sys
 
     sys.exit("no data today")
 
 
 def test_user_task_factories_are_called_as_documented_and_their_failures_named():
-    """Before 2026-11-25 a user's factory was called with a fifth argument (so the documented signature failed with
-    a TypeError), and one returning a non-Task or calling sys.exit() failed late or silently (issue 27)."""
+    """Before 2026-11-25 (issue 27) a factory returning a non-Task, raising or calling sys.exit() failed late, with a
+    traceback or silently; now one line naming rollout.task."""
     from types import SimpleNamespace
 
     import pytest
@@ -55,7 +55,7 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
         return SimpleNamespace(rollout=SimpleNamespace(task=task, dataset_path="", dataset_split="train",
                                                        reward_funcs=[], reward_weights=[], reward_fn=""))
 
-    assert isinstance(build_task(job("test_tasks:four_argument_factory"), None), DigitsTask)
+    assert isinstance(build_task(job("test_tasks:documented_factory"), None), DigitsTask)
     with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:not_a_task' returned list; allowed: a "
                                           r"torchtitan_flux.tasks.Task"):
         build_task(job("test_tasks:not_a_task"), None)
