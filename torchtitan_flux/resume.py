@@ -128,6 +128,18 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def model_only(step_dir: str) -> bool:
+    """Whether a complete checkpoint holds the model's weights only (torchtitan's ``last_save_model_only``: no
+    optimizer state in its DCP metadata). False when the metadata cannot be read (the load's fallback handles it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable: not this check's business
+        return False
+    return not any(k.startswith("optimizer.") for k in keys)
+
+
 def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     """Before anything starts: refuse (``ConfigError``, one line) a resume from ``folder`` that cannot continue
     the run: ``training.steps`` below the checkpoint's step, or a fingerprint field that differs (a warning
@@ -142,6 +154,14 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     step_dir = os.path.join(folder, f"step-{step}")
     if not ck.enable or step <= 0 or not os.path.isdir(step_dir):  # step 0 is a seed checkpoint (weights only)
         return []
+    if model_only(step_dir):  # else reported unreadable and set aside, and the run fell back to an older one
+        full = [s for s in steps if s < step and not model_only(os.path.join(folder, f"step-{s}"))]
+        raise ConfigError(
+            f"checkpoint {step_dir} holds the model only (written with checkpoint.last_save_model_only = true): it "
+            "cannot resume training (no optimizer, scheduler or run state); allowed: "
+            + (f"--checkpoint.load_step {full[0]} (the newest full checkpoint) to resume from there, " if full else "")
+            + "another --job.dump_folder to start a new run, and checkpoint.last_save_model_only = false in runs you "
+            "mean to extend")
     n = job_config.training.steps
     if n < step:
         raise ConfigError(

@@ -145,6 +145,23 @@ def test_a_load_step_without_a_checkpoint_is_refused_naming_the_ones_there(tiny_
         _check(_config(tiny_model_dir, load_step=3), None, tmp_path)
 
 
+def test_a_model_only_checkpoint_is_refused_naming_the_newest_full_one(tiny_model_dir, tmp_path):
+    """torchtitan's ``last_save_model_only`` (its default) writes the final checkpoint without optimizer state.
+    Before 2026-11-25 (issue 27) a resume reported it unreadable, set it aside and fell back to an older one."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    w = {"tok_embeddings.weight": torch.zeros(2, 2)}
+    dcp.save({**w, "optimizer.state.tok_embeddings.weight.step": torch.zeros(())}, checkpoint_id=str(tmp_path / "step-2"))
+    dcp.save(w, checkpoint_id=str(tmp_path / "step-4"))
+    assert not resume.model_only(str(tmp_path / "step-2")) and resume.model_only(str(tmp_path / "step-4"))
+    with pytest.raises(ConfigError, match=rf"^checkpoint {tmp_path}/step-4 holds the model only \(written with "
+                                          r"checkpoint.last_save_model_only = true\): it cannot resume training .*"
+                                          r"allowed: --checkpoint.load_step 2 \(the newest full checkpoint\)"):
+        _check(_config(tiny_model_dir), None, tmp_path)
+    assert (tmp_path / "step-4" / ".metadata").exists()  # nothing set aside
+
+
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_and_is_set_aside(tmp_path, caplog):
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step, None)
