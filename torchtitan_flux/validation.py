@@ -373,6 +373,7 @@ def _check_model_folder(job_config: Any) -> None:
         cfg = hf_folder.read_config(hf)
         max_pos = cfg.get("max_position_embeddings")
         eos = hf_folder.eos_token_ids(cfg)
+        hf_folder.architecture(cfg, os.path.join(hf, "config.json"))  # a family or variant we refuse: here, not late
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"model.hf_assets_path = {hf!r}: {e}") from None
     vocab = cfg.get("vocab_size")

@@ -440,6 +440,19 @@ def test_an_eos_token_outside_the_vocabulary_is_refused(model_copy):
         validate_config(parse("--model.hf_assets_path", str(model_copy)))
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_scaling type 'yarn' is not supported"),
+    ("hidden_act", "gelu", "hidden_act"),
+])
+def test_a_model_variant_we_refuse_is_refused_at_validation(model_copy, field, value, match):
+    """Before 2026-11-25 (issue 27): the same error, but raised in model.py while torchtitan built the trainer, with
+    a traceback."""
+    cfg = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ConfigError, match=rf"^model.hf_assets_path = '{model_copy}': .*{match}"):
+        validate_config(parse("--model.hf_assets_path", str(model_copy)))
+
+
 def test_a_truncated_safetensors_file_is_named(model_copy):
     """Before: safetensors' ``SafetensorError: Error while deserializing header`` with a traceback, no file named.
     The trainer turns this ValueError into ``error: model.hf_assets_path = ...: <this>`` (FluxTrainer.__init__)."""
