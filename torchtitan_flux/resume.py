@@ -228,14 +228,25 @@ def load(checkpointer, ck_cfg, folder: str, is_writer: bool) -> None:
     load_newest_readable(folder, lambda s: checkpointer.load(step=s), is_writer)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a folder gone): the run stops with one line naming it; the
+    previous complete checkpoint is what a resume loads (the torn one has no ``.metadata``)."""
+
+
 def save(checkpointer, step: int, last_step: bool, folder: str, fp: dict[str, Any], is_writer: bool) -> bool:
     """torchtitan's save, with the config fingerprint written into the step folder first (writer rank), so every
     complete checkpoint has one. Returns whether one was due (written, or staged with an async
-    ``checkpoint.async_mode``)."""
+    ``checkpoint.async_mode``). An OS error of the write is a ``CheckpointWriteError`` naming the folder."""
     due = checkpointer._should_save(step, last_step)
-    if due and is_writer:
-        write_fingerprint(os.path.join(folder, f"step-{step}"), fp)
-    checkpointer.save(step, last_step=last_step)
+    try:
+        if due and is_writer:
+            write_fingerprint(os.path.join(folder, f"step-{step}"), fp)
+        checkpointer.save(step, last_step=last_step)
+    except (OSError, CheckpointException) as e:
+        raise CheckpointWriteError(
+            f"checkpoint of step {step} could not be written to {os.path.join(folder, f'step-{step}')} "
+            f"({_one_line(e)}); a resume loads the previous complete one: free space, or set checkpoint.folder "
+            "elsewhere") from None
     return due
 
 

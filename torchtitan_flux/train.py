@@ -194,6 +194,7 @@ def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
     from torchtitan_flux.engine.base import EngineStartError
+    from torchtitan_flux.resume import CheckpointWriteError
     from torchtitan_flux.rewards import RewardError
     from torchtitan_flux.rollout import NoEngineLeft
     from torchtitan_flux.stops import LossNotFinite, TrainingInterrupted
@@ -203,7 +204,7 @@ def _report(e: BaseException) -> int:
         code, line = 2, f"error: {e}"
     elif isinstance(e, EngineStartError):  # a server that is not there, not ours, or exited while starting
         code, line = 1, f"error: {e}"
-    elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite)):
+    elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError)):
         code, line = 1, f"stopped: {e}"
     else:
         traceback.print_exc()

@@ -16,6 +16,8 @@ engine processes) then imports this module at start-up. With none of the variabl
   FLUX_FAULT_ENGINE_FAIL="MESSAGE"   every embedded engine dies with RuntimeError(MESSAGE) at its first
       generation request: an engine that fails the same way every time (a bad device, a bad setting), for the
       bounded-restart test.
+  FLUX_FAULT_CKPT_ENOSPC="STEP"   writing the checkpoint of step STEP fails with "No space left on device" after
+      its first shard file was opened: a full disk at a save.
   FLUX_FAULT_PUSH_HOLD="VERSION:SECONDS"   the trainer's first regular push of a weight version >= VERSION stays
       in flight after its bytes went out until two more due steps found the pusher busy and were coalesced (at
       most SECONDS), as a push to an engine slow to acknowledge it (a slow link, a big model, a loaded machine)
@@ -108,3 +110,19 @@ if _engine_fail:
         raise RuntimeError(_engine_fail)
 
     _embedded_fail._EngineProcess.generate = _failing_generate
+
+_enospc = os.environ.get("FLUX_FAULT_CKPT_ENOSPC")
+if _enospc:
+    import errno
+
+    from torch.distributed.checkpoint import filesystem as _fs_full
+
+    _write_data = _fs_full._FileSystemWriter.write_data
+
+    def _full_disk(self, plan, planner):
+        if str(self.path).rstrip("/").endswith(f"step-{_enospc}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return _write_data(self, plan, planner)
+
+    _fs_full._FileSystemWriter.write_data = _full_disk
+

@@ -275,6 +275,24 @@ def test_unusable_output_folders_are_one_line_naming_the_path(tmp_path, case):
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
 
 
+def test_a_full_disk_at_a_save_stops_the_run_in_one_line_keeping_the_previous_checkpoint(tmp_path):
+    """Before 2026-11-25 (issue 27): a traceback from inside DCP. Now one ``stopped:`` line naming the step folder
+    and the cause, exit 1; the previous complete checkpoint stays the one a resume loads; nothing outlives it."""
+    from _procs import wait_gone
+
+    dump = tmp_path / "run"
+    run = Run(dump, tmp_path / "run.log", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+              "--training.steps", "8", faults={"FLUX_FAULT_CKPT_ENOSPC": "4"})
+    assert run.proc.wait(120) == 1
+    assert not wait_gone(run.seen, 10.0), "processes outlived the run"
+    log = run.log.read_text()
+    lines = [x for x in log.splitlines() if x.startswith("stopped: ")]
+    assert lines == [f"stopped: checkpoint of step 4 could not be written to {dump}/checkpoint/step-4 (OSError: [Errno "
+                     "28] No space left on device); a resume loads the previous complete one: free space, or set "
+                     "checkpoint.folder elsewhere"], log[-3000:]
+    assert complete_ckpts(dump) == [2] and not _our_traceback_frames(log)
+
+
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")
