@@ -179,6 +179,7 @@ def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
     assert "Training starts at step 3" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_signal_to_the_whole_process_group_stops_without_restarting_the_engine(tiny_model_dir, tmp_path, sig):
     """A scheduler's SIGTERM, or the SIGHUP of a closed terminal, reaches every process of the group, the engines

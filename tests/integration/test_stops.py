@@ -204,6 +204,7 @@ def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpo
     assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_new_run_in_a_used_dump_folder_sets_the_old_outputs_aside(tmp_path):
     """Before 2026-11-25 (issue 27): a second run with checkpoints off appended steps 1..N again to metrics.jsonl
     and overwrote hf_final. Now the old outputs move to previous_runs/<time>/, whole; a resume still appends."""
@@ -218,6 +219,7 @@ def test_a_new_run_in_a_used_dump_folder_sets_the_old_outputs_aside(tmp_path):
     assert f"held a previous run's outputs (metrics.jsonl, summary.json, hf_final): moved to {old}" in p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.faults
 def test_a_stopped_engine_is_declared_stuck_killed_restarted_and_the_run_finishes(tmp_path):
     """Before 2026-11-25 (issue 27) a SIGSTOPped engine was waited on forever ("waiting" logged every 30 s). Now,
@@ -310,6 +312,7 @@ def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_the_same_checkpoint_folder_is_refused(tmp_path):
     """Two runs with different dump folders and one absolute ``checkpoint.folder``. Before 2026-11-25 the lock
     covered the dump folder only: the second run resumed from the first's live checkpoint (another run's step) and
