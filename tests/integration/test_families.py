@@ -16,8 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
+import transformers  # noqa: F401,E402 - a dev dependency (pyproject): missing, this file errors instead of skipping
 from hf_families import CASES, build_hf_model, hf_logits  # noqa: E402
 
 from torchtitan_flux import hf, inference  # noqa: E402
