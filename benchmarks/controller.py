@@ -73,8 +73,11 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="write the first adaptive run's controller plot here")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
                     help='another adaptive mode: e.g. "fast-ema=--adaptive_async.ema_alpha 0.3" (repeatable)')
+    ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.seeds, args.warmup = 12, 1, 4
     workload, default_gaps, default_gap, adaptive_overrides = WORKLOADS[args.workload]
     args.gaps = args.gaps or default_gaps
     args.adaptive_gap = args.adaptive_gap or default_gap

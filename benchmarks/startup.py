@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="launches per start method (default 5)")
     ap.add_argument("--config", default=DEBUG_CONFIG)
+    ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 1
     runs: dict[str, list[dict]] = {m: [] for m in METHODS}
     tmp = tempfile.mkdtemp(prefix="flux_startup_")
     try:

@@ -24,7 +24,10 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--bucket-mb", type=float, default=8.0)
+    ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps = 2
     sys.path.insert(0, ROOT)
     from torchtitan_flux.assets import build_model_dir
 

@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=list(WORKLOADS), default="small")
     ap.add_argument("--reps", type=int, default=20, help="steady steps per micro-batch size (default 20)")
+    ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 2
     import torch
     from torch.nn.attention import SDPBackend
     from torch.profiler import profile

@@ -1,7 +1,8 @@
 """TRL side of ``benchmarks/vs_trl.py``: runs Hugging Face TRL's ``GRPOTrainer`` on a local HF Llama folder.
 
 Runs in ``.venv-trl`` (``scripts/setup_trl.sh``), never in the main venv, and imports nothing of torchtitan_flux
-except, for ``--check-model``, the torch-only ``torchtitan_flux/inference.py`` (loaded by file path).
+except, for ``--check-model``, the torch-only ``torchtitan_flux.inference`` and ``.weight_dict`` (imported from
+the repository root: the package is not installed there).
 
   .venv-trl/bin/python benchmarks/trl_runner.py --check-model DIR
       load DIR in transformers (LlamaForCausalLM + PreTrainedTokenizerFast), check the tokenizer's ids and that
@@ -39,16 +40,14 @@ def digits_reward_text(text: str) -> float:
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
 
 
-def _load_our_inference():
-    """torchtitan_flux/inference.py by path (torch-only; does not import torchtitan or the package)."""
-    import importlib.util
+def _our_inference():
+    """``torchtitan_flux.inference`` and ``.weight_dict`` from this checkout: torch-only modules (they import
+    nothing of torchtitan), imported from the repository root because .venv-trl does not install the package."""
+    if _REPO not in sys.path:
+        sys.path.insert(0, _REPO)
+    from torchtitan_flux import inference, weight_dict
 
-    path = os.path.join(_REPO, "torchtitan_flux", "inference.py")
-    spec = importlib.util.spec_from_file_location("_flux_inference", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_flux_inference"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return inference, weight_dict
 
 
 def expected_prompt_ids(text: str) -> list[int]:
@@ -88,7 +87,7 @@ def check_model(model_dir: str, tol: float = 1e-4) -> int:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    inf = _load_our_inference()
+    inf, weight_dict = _our_inference()
     tok = load_tokenizer(model_dir)
     text = "hello world: 0123"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
@@ -97,7 +96,7 @@ def check_model(model_dir: str, tol: float = 1e-4) -> int:
 
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    weights, shape = inf.load_hf_weights_dict(model_dir)
+    weights, shape = weight_dict.load_hf_weights_dict(model_dir)
     g = torch.Generator().manual_seed(0)
     worst = 0.0
     worst_lp = 0.0

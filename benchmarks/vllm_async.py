@@ -29,7 +29,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--model", default=os.path.join(ROOT, "assets", "small-llama"))
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_vllm_async"))
+    ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 4, 1
     if not os.path.exists(os.path.join(ROOT, ".venv-vllm", "bin", "python")):
         raise SystemExit("needs .venv-vllm: run scripts/setup_vllm.sh first")
     os.environ.setdefault("VLLM_MAX_MODEL_LEN", "512")

@@ -123,8 +123,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--slow-sync", type=float, default=0.0, metavar="SECONDS",
                     help="compare weight_sync.interval 1 with auto, every push slowed by SECONDS on the engine")
+    ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.reps = 8, 2, 1
     if args.slow_sync > 0:
         return slow_sync(args)
 

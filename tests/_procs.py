@@ -1,16 +1,18 @@
 """Process-tree helpers of the fault tests: a torchrun trainer that records every descendant it ever had, and
-checks that none of them outlived it (orphans)."""
+checks that none of them outlived it (orphans); the async livelock's reproduction (``run_held``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
-from conftest import FIGURES, ROOT, torchrun_cmd
+from conftest import FIGURES, ROOT, read_metrics, torchrun_cmd
 
 FAULT_INJECT = ROOT / "tests" / "fault_inject"  # sitecustomize.py: see its docstring
 
@@ -127,3 +129,34 @@ class Run:
     def start_step(self) -> int | None:
         m = re.search(r"Training starts at step (\d+)", self.log.read_text())
         return int(m.group(1)) if m else None
+
+
+def run_held(dump: Path, *overrides: str, nproc: int = 1, hold: str = "5:2", timeout: float = 180.0):
+    """The async livelock's reproduction (``tests/integration/test_livelock.py``): a torchrun run of the debug
+    config for 12 steps, async, ``max_version_gap`` 1, with the first push of a version >= 5 held in flight 2 s
+    (``FLUX_FAULT_PUSH_HOLD``: the two steps after it are coalesced, and the next one needs a version newer than the
+    one staged). Killed (its whole process group) and failed past ``timeout``; returns the metrics rows and the
+    summary of a run that finished."""
+    env = {**os.environ, "FLUX_FAULT_PUSH_HOLD": hold,
+           "PYTHONPATH": os.pathsep.join([str(FAULT_INJECT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    cmd = torchrun_cmd(dump, "--training.steps", "12", "--weight_sync.async_weight_update", "true",
+                       "--off_policy.async_ratio", "1", "--off_policy.max_version_gap", "1", *overrides, nproc=nproc)
+    log = dump.parent / f"{dump.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        steps = [r["step"] for r in read_metrics(dump)] if (dump / "metrics.jsonl").exists() else []
+        raise AssertionError(f"livelock: the run did not finish within {timeout} s (steps done: {steps}):\n"
+                             f"{log.read_text()[-3000:]}") from None
+    assert rc == 0, log.read_text()[-4000:]
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["weight_coalesced"] >= 2 and rows[-1]["weight_catch_ups"] >= 1, rows[-1]
+    assert all(r["version_gap_max"] <= 1 for r in rows)
+    summary = json.loads((dump / "summary.json").read_text())
+    assert summary["final_engine_version"] == 12
+    return rows, summary

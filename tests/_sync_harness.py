@@ -72,6 +72,7 @@ class Harness:
         prompts_per_step: int = 2,
         group_size: int = 4,
         max_new_tokens: int = 8,
+        max_version_gap: int = 10**6,
     ):
         self.model_dir = str(model_dir)
         weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
@@ -99,7 +100,7 @@ class Harness:
         self.scheduler = RolloutScheduler(
             self.engines, self.events, DigitsTask(), ByteTokenizer(),
             group_size=group_size, prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens,
-            temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID, max_version_gap=10**6,  # no admission wait
+            temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID, max_version_gap=max_version_gap,  # default: no wait
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
         )
         self.syncer = WeightSyncer(cfg, self.model, self.engines, device=torch.device("cpu"), is_sender=True,

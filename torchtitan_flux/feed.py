@@ -7,6 +7,12 @@ collects this step's rollouts, discarding (and counting) a batch whose oldest sa
 and pipeline-depth choices go to every rank, which replays the admission so every rank checkpoints the same
 state.
 
+Invariant (no step waits on a version nothing will deliver): the version rollouts are pinned to is never older
+than the oldest the step may train on (``version - max_version_gap``). Coalesced pushes can leave staging that
+old, and then every regeneration would be discarded while no optimizer step -- hence no push -- can come: so
+every rank first has the syncer stage the current weights (``WeightSyncer.catch_up``), and before each wait for
+rollouts rank 0 has the staged version sent to every engine that lacks it (``WeightSyncer.deliver_staged``).
+
 Concurrency: main thread of every trainer rank, between training steps; only rank 0 holds the scheduler. The
 broadcast runs on the CPU control group (gloo), so a slow rollout never trips an NCCL timeout.
 """
@@ -31,7 +37,7 @@ logger = logging.getLogger("torchtitan_flux")
 class StepInput:
     batch: RolloutBatch
     wait_s: float  # seconds from asking for the batch to having it (flush included)
-    flush_s: float  # of which the on-policy flush of the newest weights
+    flush_s: float  # of which the on-policy flush (or the catch-up staging) of the newest weights
     push_due: bool  # this step's weights are pushed after its optimizer step
 
 
@@ -46,10 +52,11 @@ class BatchFeed:
     def next(self, step: int, version: int) -> StepInput:
         """Step ``step``'s batch, with the trainer at policy ``version`` (= ``step - 1``)."""
         t0 = time.perf_counter()
-        flush_s = 0.0
         if self.admission.on_policy and self.async_push:
             self.syncer.flush(version)  # on-policy step: engines must hold the newest weights first
-            flush_s = time.perf_counter() - t0
+        else:  # every rank: the invariant of the module docstring
+            self.syncer.catch_up(version, oldest=version - self.max_version_gap)
+        flush_s = time.perf_counter() - t0
         batch = None
         if self.rank == 0:
             batch = self._collect(step, version)
@@ -62,9 +69,13 @@ class BatchFeed:
     def _collect(self, step: int, version: int) -> RolloutBatch:
         ahead = self.admission.admit()
         pin = self.syncer.version  # newest staged: every engine gets it, so requests can run on exactly it
+        if pin < version - self.max_version_gap:  # next() staged the newest weights: cannot happen
+            raise RuntimeError(f"step {step}: staged weight version {pin} is older than max_version_gap allows "
+                               f"(trainer at {version}); its rollouts would be discarded forever")
         for k in range(step, min(step + ahead, self.last_step) + 1):
             self.scheduler.dispatch(k, version, pin_version=pin)
         while True:
+            self.syncer.deliver_staged()  # the pin reaches every engine, broken groups included
             batch = self.scheduler.collect(step, version, pin_version=pin)
             gap = version - int(batch.versions.min())
             if gap <= self.max_version_gap:

@@ -38,7 +38,8 @@ class GenerationRequest:
     dispatch_version: int  # trainer policy version when the request was dispatched
     min_version: int = -1  # the engine starts it only once it holds this version (or after its wait bound)
     # embedded engines generate on exactly this version (the newest the trainer had staged at dispatch) when they
-    # hold it, which makes async runs reproducible: see ``WeightReceiver.swap``. -1: the newest they hold.
+    # hold it, which makes async runs reproducible: see ``WeightReceiver.swap``. -1: the newest they hold. A pin
+    # older than ``min_version`` (the trainer caught up after coalesced pushes) gives way to ``min_version``.
     pin_version: int = -1
 
 

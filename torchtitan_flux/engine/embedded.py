@@ -135,7 +135,8 @@ class _EngineProcess:
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
-        version = self.receiver.swap(req.pin_version)
+        # a pin older than min_version gives way to it (see GenerationRequest.pin_version)
+        version = self.receiver.swap(max(req.pin_version, req.min_version) if req.pin_version >= 0 else -1)
         t0 = time.perf_counter()
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         gen = torch.Generator(device=self.device).manual_seed(req.seed)

@@ -11,9 +11,19 @@ Layout (one job per module; data flows front -> collaborators, never back):
 Main thread, every rank: ``after_optimizer_step(version)`` right after ``optimizer.step()``. If a push is due and
 rank 0 can claim the pusher (it is idle), every rank snapshots (rank 0's decision is broadcast on the CPU control
 group) and rank 0 hands the push to the push thread. If a push is still in flight, the version is *coalesced*:
-nothing is copied and the next idle step boundary sends the then-newest weights. Blocking mode: rank 0 waits for
+nothing is copied and the next idle due step sends the then-newest weights. Blocking mode: rank 0 waits for
 the claim, snapshots, pushes and waits for acks itself (at most ``timeout_seconds`` per push, plus at most one
-in-flight resync push). The syncer never calls back into the trainer: engine events are delivered by the
+in-flight resync push).
+
+Coalescing must never leave a step waiting for weights no push will bring (the async livelock: two coalesced
+steps in a row, then a step whose rollouts must be newer than anything staged, generated again and again on the
+staged version while no optimizer step -- hence no snapshot -- can come). So before a step's rollouts are
+dispatched the feed calls ``catch_up(version, oldest)``: when the staged version is older than the oldest one the
+step may train on, every rank stages the current weights now (``stage``: rank 0 first waits for the push in
+flight). And ``deliver_staged`` (rank 0, before every collect) rebuilds broken groups and sends the staged
+version to every usable engine that lacks it, so a request pinned to it never waits on a push nobody will make.
+Every wait for the claim is on the main thread, delivering engine events, and ends by the in-flight push's
+deadline; ranks > 0 wait for rank 0 on the control group (no collective timeout), never inside a gather. The syncer never calls back into the trainer: engine events are delivered by the
 ``pump`` it is constructed with (``RolloutScheduler.pump`` on rank 0), which routes acks and errors to
 ``on_event``.
 
@@ -27,6 +37,7 @@ replica holds the same weights, so one sender is enough; spreading engines over 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -40,6 +51,8 @@ from torchtitan_flux.weight_sync.pusher import Bystander, Pusher
 from torchtitan_flux.weight_sync.snapshot import Snapshot, clean_name, control_group, tensor_specs
 
 __all__ = ["WeightSyncer", "EngineLink", "SyncStats", "clean_name", "control_group", "tensor_specs"]
+
+logger = logging.getLogger("torchtitan_flux")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -121,14 +134,42 @@ class WeightSyncer:
             else:
                 self.pusher.hand_over(version)
         else:
-            self._claim_waiting()
-            try:
-                self._take(version)
-                self.pusher.push(version)
-                self._wait_acks(version)
-            finally:
-                self.pusher.release()
+            self.stage(version)
         self.stats.blocked_s = time.perf_counter() - t0
+
+    def stage(self, version: int) -> None:
+        """Every rank: snapshot ``version`` and push it, once the push in flight (if any) has ended -- rank 0
+        waits for the claim delivering events, and a push ends by its deadline; ranks > 0 wait for rank 0's go on
+        the control group, not inside the snapshot's FSDP gathers. Async mode: the push thread sends it; blocking
+        mode: sent and acked here."""
+        self._claim_waiting()
+        self._snapshot_or_release(version, lambda: self.snap.agree(True), True)
+        if self.async_mode:
+            self.pusher.hand_over(version)
+            return
+        try:
+            self.pusher.push(version)
+            self._wait_acks(version)
+        finally:
+            self.pusher.release()
+
+    def catch_up(self, version: int, oldest: int) -> bool:
+        """Every rank, before a step's rollouts are dispatched, with the trainer at ``version``: if the newest
+        staged version is older than ``oldest`` (the oldest version the step may train on), stage ``version``
+        now: pushes were coalesced, and no push would come before this step trains. The answer is the same on
+        every rank (snapshots are agreed). Returns whether it staged."""
+        if self.version >= oldest:
+            return False
+        self.stats.catch_ups += 1
+        logger.info(f"weight sync: staged version {self.version} is older than {oldest}, the oldest this step may "
+                    f"train on (pushes were coalesced); staging version {version} now")
+        self.stage(version)
+        return True
+
+    def deliver_staged(self) -> None:
+        """Rank 0, before waiting on rollouts pinned to the staged version: broken groups are rebuilt and every
+        usable engine that lacks the staged version is sent it (once the push thread is free). Ranks > 0: no-op."""
+        self.pusher.deliver_staged()
 
     def _claim_waiting(self) -> None:
         """Wait (delivering events) until the claim is ours; a push in flight ends by its deadline (ranks > 0:
@@ -194,9 +235,7 @@ class WeightSyncer:
                 self.after_optimizer_step(version)
             return
         if self.version < version:  # the same on every rank (snapshots are agreed), so is this branch
-            self._claim_waiting()  # wait for the claim itself: no idle-then-claim race to retry around
-            self._snapshot_or_release(version, lambda: True, True)
-            self.pusher.hand_over(version)
+            self.stage(version)
         self.wait_idle(self.cfg.timeout_seconds)
         self._wait_acks(version)
 

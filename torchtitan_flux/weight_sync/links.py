@@ -42,6 +42,7 @@ class EngineLink:
 class SyncStats:
     pushes: int = 0
     coalesced: int = 0
+    catch_ups: int = 0  # steps that had to stage the newest weights first: coalescing had left staging too old
     timeouts: int = 0
     errors: int = 0
     resyncs: int = 0
@@ -125,6 +126,7 @@ class LinkTable:
             "weight_snapshot_s": s.last_snapshot_s,
             "weight_pushes": s.pushes,
             "weight_coalesced": s.coalesced,
+            "weight_catch_ups": s.catch_ups,
             "weight_sync_timeouts": s.timeouts,
             "weight_sync_errors": s.errors,
             "weight_resyncs": s.resyncs,

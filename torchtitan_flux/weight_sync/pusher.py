@@ -114,6 +114,20 @@ class Pusher:
             self._job, self._job_links = self.snap.version, late
             self.table.work.notify()
 
+    def deliver_staged(self) -> None:
+        """Main thread: rebuild broken groups, and have the push thread send the staged version to every usable
+        engine that lacks it (now if ``busy`` is free, else when it is released)."""
+        with self.table.lock:
+            self._rejoin_broken()
+            self.kick()
+
+    def _rejoin_broken(self) -> None:
+        """Start a fresh group for every broken engine still alive (caller holds the table's lock)."""
+        for link in self.table.links:
+            if link.broken and not link.joining and not link.dead and link.handler.alive():
+                self.table.stats.resyncs += 1
+                self.start_join(link)
+
     def close(self) -> None:
         with self.table.lock:
             self.closed = True
@@ -197,10 +211,7 @@ class Pusher:
         self.snap.side.synchronize_copy()
         with table.lock:
             if only is None:
-                for link in table.links:
-                    if link.broken and not link.joining and not link.dead and link.handler.alive():
-                        stats.resyncs += 1
-                        self.start_join(link)
+                self._rejoin_broken()
             targets = [(lk, lk.epoch, lk.pg, lk.handler) for lk in (table.links if only is None else only)
                        if lk.usable]
         plan, staging = self.snap.plan, self.snap.staging
@@ -279,6 +290,9 @@ class Bystander:
         pass
 
     def kick(self) -> None:
+        pass
+
+    def deliver_staged(self) -> None:
         pass
 
     def close(self) -> None:
