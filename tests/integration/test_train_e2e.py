@@ -116,7 +116,10 @@ def _kill_after(dump, overrides, step: int, log) -> None:
     run.wait_for(lambda: run.engines and metrics.exists()
                  and any(json.loads(x)["step"] >= step for x in metrics.read_text().splitlines()), 120, f"step {step}")
     for pid in [run.proc.pid] + [p for p in run.seen if p not in run.engines]:
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # a short-lived helper seen by an earlier scan has exited by itself
+            pass
     run.proc.wait(timeout=30)
     assert not wait_gone(run.seen, 10.0), "processes outlived the killed trainer"
 
