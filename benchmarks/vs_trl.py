@@ -115,7 +115,7 @@ WORKLOADS = {
     "small": Workload("small", "tiny", max_new_tokens=16, steps=40, lr=3e-3, target=0.8, seq_len=64),
     "long": Workload("long", "small", max_new_tokens=128, steps=30, lr=3e-3, target=0.8, seq_len=160),
 }
-QUICK_STEPS = {"small": 25, "long": 12}
+QUICK_STEPS = {"small": 6, "long": 3}  # --quick: CI's smoke run of every code path, not a measurement
 
 
 @dataclass

@@ -93,7 +93,8 @@ def slow_sync(args) -> None:
             for mode, flags in modes.items():
                 r, summary = run_training(
                     os.path.join(tmp, f"{mode}{rep}"), "--training.steps", str(args.steps),
-                    "--off_policy.max_version_gap", "16", *flags, *args.extra, config=args.config, env=env)
+                    "--off_policy.max_version_gap", str(min(16, args.steps)), *flags, *args.extra, config=args.config,
+                    env=env)
                 rows[mode] += r[args.warmup :]
                 summaries[mode].append(summary)
                 finals[mode].append(statistics.mean(x["reward_mean"] for x in r[-5:]))

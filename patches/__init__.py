@@ -10,7 +10,7 @@ is in effect.
 import importlib.metadata
 import logging
 
-from . import cpu_device, cpu_profiler, gloo_fsdp_sum, triton_stub
+from . import cpu_device, cpu_profiler, cpu_quiet, gloo_fsdp_sum, triton_stub
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -22,6 +22,7 @@ PATCHES = {
     "triton_stub": triton_stub,
     "cpu_device": cpu_device,
     "cpu_profiler": cpu_profiler,
+    "cpu_quiet": cpu_quiet,
     "gloo_fsdp_sum": gloo_fsdp_sum,
 }
 

@@ -131,12 +131,12 @@ class Run:
         return int(m.group(1)) if m else None
 
 
-def run_held(dump: Path, *overrides: str, nproc: int = 1, hold: str = "5:2", timeout: float = 180.0):
+def run_held(dump: Path, *overrides: str, nproc: int = 1, hold: str = "5:30", timeout: float = 180.0):
     """The async livelock's reproduction (``tests/integration/test_livelock.py``): a torchrun run of the debug
-    config for 12 steps, async, ``max_version_gap`` 1, with the first push of a version >= 5 held in flight 2 s
-    (``FLUX_FAULT_PUSH_HOLD``: the two steps after it are coalesced, and the next one needs a version newer than the
-    one staged). Killed (its whole process group) and failed past ``timeout``; returns the metrics rows and the
-    summary of a run that finished."""
+    config for 12 steps, async, ``max_version_gap`` 1, with the first push of a version >= 5 held in flight until
+    the two due steps after it were coalesced (``FLUX_FAULT_PUSH_HOLD``, at most 30 s), so the next step needs a
+    version newer than the one staged. Killed (its whole process group) and failed past ``timeout``; returns the
+    metrics rows and the summary of a run that finished."""
     env = {**os.environ, "FLUX_FAULT_PUSH_HOLD": hold,
            "PYTHONPATH": os.pathsep.join([str(FAULT_INJECT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     cmd = torchrun_cmd(dump, "--training.steps", "12", "--weight_sync.async_weight_update", "true",

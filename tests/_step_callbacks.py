@@ -26,3 +26,12 @@ def three_arguments(step, metrics, extra):
 
 
 NOT_CALLABLE = 3
+
+
+def exits_at_step_2(step, metrics):
+    """Ends the run the way a user's script might: ``sys.exit("reason")`` (before 2026-11-25: exit 0, no export,
+    no message, the reason lost)."""
+    import sys
+
+    if step == 2:
+        sys.exit("enough for today")

@@ -118,8 +118,9 @@ class Rollout:
     """Device of the embedded engines: "auto" (CPU when the trainer is on CPU, else the GPU after the trainer's
     local ranks), "cpu", or "cuda:N"."""
 
-    seed: int = 0
-    """Base seed of the engines' samplers (each request derives its own generator from it)."""
+    seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
+    """Base seed of the engines' samplers (each request derives its own generator from it, which must stay within
+    torch's 64-bit seeds)."""
 
     dispatch_dead_zone: Annotated[float, Range(ge=0, lt=1)] = 0.1
     """Dead zone of the dispatch split. Prompts are split across engines in proportion to an EMA of each engine's
@@ -189,6 +190,17 @@ class Rollout:
     reward_workers: Annotated[int, Range(ge=1)] = 1
     """Threads scoring rewards off the trainer's main loop."""
 
+    engine_stall_seconds: Annotated[float, Range(gt=0)] = 600.0
+    """An engine alive but holding generation requests with no result for this long (a stopped process, a hung
+    kernel) is declared dead and stopped; like any dead engine it is then restarted (embedded) or reconnected
+    (a server) and its requests re-dispatched. More than ``weight_sync.timeout_seconds``, which a request may
+    spend waiting for its weights, plus the longest generation of one request."""
+
+    reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
+    """The longest one reward function may take on one batch (the start-up check's included). Past it the run
+    stops with one line naming the function (exit code 2), after checkpointing its last completed step like a
+    signal does: a thread cannot be killed, so a function that never returns must not hang the run."""
+
     max_engine_restarts: Annotated[int, Range(ge=0)] = 3
     """A dead embedded engine is restarted at most this many times within any 10 minutes; one that dies more
     often (it fails the same way every time: a bad device, a bad setting) is given up: the run goes on with the
@@ -206,7 +218,7 @@ class WeightSync:
     the trainer goes on; the trainer never waits on an engine. How far generation runs ahead of training is
     ``[off_policy]``'s (which, unless ``off_policy.async_ratio`` is set, follows this flag as it used to)."""
 
-    timeout_seconds: Annotated[float, Range(gt=0)] = 60.0
+    timeout_seconds: Annotated[float, Range(ge=1)] = 60.0
     """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
     serving its old version, and gets a full resync when it answers again."""
 

@@ -98,11 +98,11 @@ class Evaluator:
             _, run.scores = self.scheduler.scoring.submit(self.task, self.prompts, results, self.cfg.n)
         if not wait and not run.scores.done():
             return False
-        run.scores.result()
+        self.scheduler.scoring.wait(run.scores)
         return True
 
     def _metrics(self, run: _Run) -> dict[str, float]:
-        scores, n = run.scores.result(), self.cfg.n
+        scores, n = self.scheduler.scoring.wait(run.scores), self.cfg.n
         passed = [t >= self.cfg.pass_threshold for t in scores.total]
         per_prompt = [passed[i : i + n] for i in range(0, len(passed), n)]
         out = {

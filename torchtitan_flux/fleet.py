@@ -92,6 +92,12 @@ class EngineFleet:
         self.engines[idx] = new
         return new
 
+    def give_up(self, dead, why: str) -> None:
+        """Remove a dead engine for good, not restarting it (``why``: logged)."""
+        dead.close()
+        self.engines.remove(dead)
+        logger.warning(f"{dead.name}: not restarted: {why}")
+
     def close(self) -> None:
         """Stop every engine, then the servers we launched (SIGTERM, SIGKILL after a grace period)."""
         for e in self.engines:

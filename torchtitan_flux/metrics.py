@@ -78,12 +78,16 @@ class MetricsWriter:
         done = step - self._first_step + 1
         rate = done / max(time.perf_counter() - self._t0, 1e-9)
         eta = (self.total_steps - step) / rate if rate > 0 else math.inf
+        def num(key: str) -> float:  # a value the row left out, or a None (non-finite) one, shows as nan
+            v = m.get(key, 0.0)
+            return float(v) if isinstance(v, (int, float)) else math.nan
+
         parts = [
             f"step {step:>5}/{self.total_steps}",
-            f"reward {m.get('reward_mean', 0.0):.3f}",
-            f"loss {m.get('loss', 0.0):+.4f}",
-            f"staleness {m['staleness']:.3f}" if "staleness" in m else f"gap {m.get('version_gap_mean', 0.0):.2f}",
-            f"async {m['async_ratio']:.2f}" if "async_ratio" in m else None,
+            f"reward {num('reward_mean'):.3f}",
+            f"loss {num('loss'):+.4f}",
+            f"staleness {num('staleness'):.3f}" if "staleness" in m else f"gap {num('version_gap_mean'):.2f}",
+            f"async {num('async_ratio'):.2f}" if "async_ratio" in m else None,
             f"{rate:.2f} steps/s",
             f"eta {eta:.0f}s",
         ]

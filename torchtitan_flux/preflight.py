@@ -42,7 +42,7 @@ def preflight(job_config) -> Preflight:
     tokenizer = prompt_tokenizer(job_config)
     task = build_task(job_config, tokenizer)
     eval_task = build_eval_task(job_config, tokenizer, task)
-    check_rewards(task, job_config.rollout.seed)
+    check_rewards(task, job_config.rollout.seed, job_config.rollout.reward_timeout_seconds)
     fp = resume.fingerprint(job_config, task)
     folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
     return Preflight(task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))

@@ -36,13 +36,13 @@ class Range:
         "an integer >= 0 (0 disables)"; ``integer``: the field is an int."""
         kind = "an integer" if integer else "a number"
         ops = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-        bounds = [(op, bound) for op, bound in ops if bound is not None]
+        bounds = [(op, bound if integer else f"{bound:g}") for op, bound in ops if bound is not None]
         if len(bounds) == 2:  # lower first
             (low_op, low), (high_op, high) = bounds
-            text = f"{kind} in {'[' if low_op == '>=' else '('}{low:g}, {high:g}{']' if high_op == '<=' else ')'}"
+            text = f"{kind} in {'[' if low_op == '>=' else '('}{low}, {high}{']' if high_op == '<=' else ')'}"
         else:
             ((op, bound),) = bounds
-            text = f"{kind} {op} {bound:g}"
+            text = f"{kind} {op} {bound}"
         return f"{text} ({self.note})" if self.note else text
 
 

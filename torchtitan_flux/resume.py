@@ -9,6 +9,8 @@ refusals of a resume that cannot continue the run, and falling back past an unre
 * ``load_newest_readable``: when the newest checkpoint fails to load (a truncated shard, a damaged ``.metadata``)
   the previous complete one is loaded, the unreadable one is set aside (its ``.metadata`` renamed, so
   torchtitan's loader skips it and a later save of that step overwrites it), and one warning names it.
+* ``set_aside_previous_outputs``: a run that starts afresh (nothing to resume) in a dump folder holding another
+  run's outputs moves them into ``previous_runs/<time>/`` first, so it never appends to or overwrites them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import re
+import time
 from typing import Any, Callable
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -85,6 +88,34 @@ def write_fingerprint(step_dir: str, fp: dict[str, Any]) -> None:
 def mismatches(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(field, checkpoint's value, current value) of every field both record and that differs."""
     return [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]]
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "completions.jsonl", "eval.jsonl", "hf_final")  # a run's own files
+
+
+def set_aside_previous_outputs(job_config: Any) -> str | None:
+    """Rank 0, before the trainer is built: if this run starts afresh (checkpoints off, or no complete checkpoint
+    to resume) and ``job.dump_folder`` holds a previous run's outputs, move them into
+    ``previous_runs/<UTC time>/`` and say so. Before, such a run appended its rows to the old ``metrics.jsonl``
+    (steps 1..N twice) and overwrote ``hf_final``. Returns the folder they went to, or None."""
+    dump, ck = job_config.job.dump_folder, job_config.checkpoint
+    if ck.enable and complete_steps(os.path.join(dump, ck.folder)):
+        return None  # a resume: its rows continue the same metrics.jsonl
+    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(dump, n))]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = os.path.join(dump, "previous_runs", stamp)
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(dump, "previous_runs", f"{stamp}-{n}")
+    os.makedirs(dest)
+    for name in found:
+        os.replace(os.path.join(dump, name), os.path.join(dest, name))
+    logger.warning(f"job.dump_folder = {dump!r} held a previous run's outputs ({', '.join(found)}): moved to {dest} "
+                   "(a new run never appends to or overwrites them)")
+    return dest
 
 
 def complete_steps(folder: str) -> list[int]:

@@ -25,7 +25,9 @@ a 1-d numpy array or tensor (TRL converts one the same way).
 
 Errors: a function that raises (``sys.exit()`` included), or returns something other than ``len(completions)``
 finite numbers or ``None``, fails the batch with ``RewardError`` naming the function (and the sample index when
-known); the run stops there with that one line (``error: ...``, ``train.py``).
+known); the run stops there with that one line (``error: ...``, ``train.py``). So does a function still running
+``rollout.reward_timeout_seconds`` after it was called (``RewardScorer.wait``): its thread cannot be killed, so
+the run ends instead of waiting on it (the process exits with the thread still in it).
 
 Answer extraction (``extract_answer``) follows GSM8K's convention: the text after the last ``####``, else the
 last ``\\boxed{...}``, else the last number; thousands separators, ``$`` and a trailing ``.`` are dropped.
@@ -34,10 +36,14 @@ last ``\\boxed{...}``, else the last number; thousands separators, ``$`` and a t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 import re
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -98,14 +104,48 @@ def per_sample(fn: Callable[[str, str, str], float]) -> Callable[..., list[float
 class RewardScorer:
     """Scores batches with a list of ``RewardFunc`` on a thread pool (see the module docstring)."""
 
-    def __init__(self, funcs: list[RewardFunc], workers: int = 1):
+    def __init__(self, funcs: list[RewardFunc], workers: int = 1, timeout_s: float = 300.0):
         if not funcs:
             raise ValueError("a task needs at least one reward function")
         self.funcs = list(funcs)
+        self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="flux-reward")
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[str, float]] = {}  # worker thread id -> (function(s) it runs, since when)
 
     def submit(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list]) -> Future:
         return self._pool.submit(self.score, prompts, completions, completion_ids, columns)
+
+    def wait(self, future: Future, interrupted=lambda: False) -> Scores:
+        """``future``'s scores (any thread). Raises ``RewardError`` naming a reward function that has been running
+        for more than ``timeout_s`` (on this batch or another: the pool is stuck either way), and returns None at
+        once when ``interrupted()`` (a stop was asked for; the caller stops)."""
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except FutureTimeout:
+                pass
+            if interrupted():
+                return None
+            now = time.monotonic()
+            with self._lock:
+                late = [(name, now - t0) for name, t0 in self._running.values() if now - t0 > self.timeout_s]
+            if late:
+                name, took = late[0]
+                raise RewardError(f"reward function {name!r} did not return within rollout.reward_timeout_seconds = "
+                                  f"{self.timeout_s:g} ({took:.0f} s); the run stops (the function's thread cannot "
+                                  "be interrupted)")
+
+    @contextlib.contextmanager
+    def _calling(self, name: str):
+        """Marks this worker thread as running ``name`` (for ``wait``'s deadline)."""
+        with self._lock:
+            self._running[threading.get_ident()] = (name, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(threading.get_ident(), None)
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list]) -> Scores:
         kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
@@ -113,7 +153,8 @@ class RewardScorer:
         coros = {}
         for f in self.funcs:
             try:
-                out = f.fn(**kwargs)
+                with self._calling(f.name):
+                    out = f.fn(**kwargs)
             except RewardError as e:
                 raise RewardError(f"reward function {f.name!r}: {e}") from e
             except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
@@ -123,7 +164,8 @@ class RewardScorer:
             else:
                 results[f.name] = out
         if coros:
-            results.update(asyncio.run(_gather(coros)))
+            with self._calling(", ".join(coros)):
+                results.update(asyncio.run(_gather(coros)))
         n = len(completions)
         per_func = {f.name: _check(f.name, results[f.name], n) for f in self.funcs}
         total = [

@@ -17,7 +17,10 @@ imbalance cap).
 
 A stuck engine: while ``collect`` waits and no result has arrived for ``WAIT_NOTE_S`` seconds, it logs (again every
 ``WAIT_NOTE_S``) which engines hold which of the awaited requests: alive or not, how many requests and completions,
-of which steps, the weight version they are pinned to, and how long ago the oldest was sent.
+of which steps, the weight version they are pinned to, and how long ago the oldest was sent. An engine alive but
+holding requests with no result for ``rollout.engine_stall_seconds`` (a stopped process, a hung kernel) is
+declared dead and killed (``pump``): like any dead engine it is restarted (or reconnected) and its requests are
+re-dispatched. Before, a SIGSTOPped engine was waited on forever.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class RolloutScheduler:
         dead_zone: float = 0.1,
         max_share: float = 0.75,
         reward_workers: int = 1,
+        reward_timeout_s: float = 300.0,
+        stall_s: float = 600.0,
     ):
         self.engines = list(engines)
         self.events, self.task, self.tokenizer = events, task, tokenizer
@@ -108,7 +113,10 @@ class RolloutScheduler:
         self.redispatched = 0
         self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
-        self.scoring = CompletionScorer(task, tokenizer, reward_workers)
+        self.stall_s = stall_s  # rollout.engine_stall_seconds
+        self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
+        self._stall_checked = 0.0
+        self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
     # ---------------------------------------------------------------------------------------- dispatch
@@ -185,13 +193,18 @@ class RolloutScheduler:
     # --------------------------------------------------------------------------------------- events
 
     def pump(self, timeout: float) -> None:
-        """Handle at most one engine event, waiting up to ``timeout`` seconds for it."""
+        """Handle at most one engine event, waiting up to ``timeout`` seconds for it (and, once a second, kill the
+        engines that are stuck: see the module docstring)."""
+        now = time.monotonic()
+        if now - self._stall_checked >= 1.0:
+            self._stall_checked = now
+            self._kill_stuck(now)
         try:
             ev = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
         except queue.Empty:
             return
         if isinstance(ev, GenerationResult):
-            self.last_result = time.monotonic()
+            self.last_result = self._last_from[ev.engine] = time.monotonic()
             part = self._by_req.pop(ev.req_id, None)
             if part is None:  # a re-dispatched request's late original, or a request of a discarded step
                 logger.debug(f"dropped a late result (request {ev.req_id}, engine {ev.engine})")
@@ -209,6 +222,16 @@ class RolloutScheduler:
                 self._engine_died(ev.engine, ev.message)
             else:
                 logger.warning(f"engine {ev.engine}: {ev.message}")
+
+    def _kill_stuck(self, now: float) -> None:
+        for e in self.engines:
+            parts = [p for p in self._by_req.values() if p.engine is e]
+            if not parts or not e.alive():
+                continue
+            idle = now - max(self._last_from.get(e.name, 0.0), min(p.sent for p in parts))
+            if idle > self.stall_s:
+                e.kill(f"no result for {idle:.0f} s while holding {len(parts)} requests "
+                       f"(rollout.engine_stall_seconds = {self.stall_s:g}): declared stuck and stopped")
 
     def _engine_died(self, name: str, message: str) -> None:
         dead = next((e for e in self.engines if e.name == name), None)
@@ -266,7 +289,10 @@ class RolloutScheduler:
 
     def _build(self, st: _Step) -> RolloutBatch:
         parts = sorted(st.parts, key=lambda p: p.first)
-        scores = st.scores.result()  # a reward function's error (RewardError) stops the run here
+        # a reward function's error, or one past rollout.reward_timeout_seconds (RewardError), stops the run here
+        scores = self.scoring.wait(st.scores, lambda: self.interrupted)
+        if scores is None:
+            raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {st.step}")
         return layout_batch(st.step, st.prompts, st.prompt_ids, [(p.request, p.result) for p in parts], scores,
                             st.completions, self.group_size, self.pad_id)
 

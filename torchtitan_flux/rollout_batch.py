@@ -46,9 +46,10 @@ class CompletionScorer:
     """Decodes finished results and scores them with the training task's reward functions on a pool of
     ``reward_workers`` threads (the training step's rollouts and the held-out evaluation's alike)."""
 
-    def __init__(self, task: Task, tokenizer, reward_workers: int):
+    def __init__(self, task: Task, tokenizer, reward_workers: int, reward_timeout_s: float = 300.0):
         self.tokenizer = tokenizer
-        self.pool = RewardScorer(task.reward_funcs, reward_workers)
+        self.pool = RewardScorer(task.reward_funcs, reward_workers, reward_timeout_s)
+        self.wait = self.pool.wait  # a submitted batch's scores, under the reward deadline (RewardScorer.wait)
 
     def decode(self, results: list[GenerationResult]) -> list[str]:
         """The completion texts of ``results`` (in the order given), special tokens skipped."""

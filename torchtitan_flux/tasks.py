@@ -114,7 +114,15 @@ class DatasetTask(Task):
                              f"rollout.prompt_column ({r.prompt_column!r}) or a chat column named by "
                              f"rollout.messages_column ({r.messages_column!r})")
         prompt_col = r.messages_column if self.chat else text_col
-        _refuse_empty_prompts(table[prompt_col], prompt_col, f"{field_name} = {dataset_path!r}")
+        where = f"{field_name} = {dataset_path!r}"
+        reserved = sorted(set(cols) & RESERVED_COLUMNS - {prompt_col})
+        if reserved:  # else the column would replace what every reward function receives under that name
+            raise ConfigError(f"{where} has a column named {reserved[0]!r}, which reward functions receive as their "
+                              f"own argument; allowed: any other name (rename the column; reserved: "
+                              f"{', '.join(sorted(RESERVED_COLUMNS))})")
+        _refuse_empty_prompts(table[prompt_col], prompt_col, where)
+        if not self.chat:
+            _refuse_non_text_prompts(table[prompt_col], prompt_col, where)
         template = ChatTemplate(job_config.model.hf_assets_path) if self.chat or r.apply_chat_template else None
         records, lengths = [], []
         for i, row in enumerate(table.to_list()):
@@ -128,9 +136,11 @@ class DatasetTask(Task):
             else:
                 messages = None
             if messages is not None:
-                if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                if not isinstance(messages, list) or not all(
+                        isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in messages):
                     raise ConfigError(f"{field_name} = {dataset_path!r} record {i}: column {prompt_col!r} must be a "
-                                     "list of {'role', 'content'} messages")
+                                     "list of {'role', 'content'} messages with text content; got "
+                                     f"{str(messages)[:80]}")
                 text = template.render(messages, add_generation_prompt=True)
                 p = Prompt(text, answer, columns, messages if self.chat else None, add_bos=False)
             else:
@@ -201,12 +211,27 @@ def task_factory(name: str) -> Callable[..., Task]:
                      "'package.module:name'")
 
 
+RESERVED_COLUMNS = {"prompts", "completions", "completion_ids"}  # reward functions' own arguments (rewards.py)
+
+
+def _refuse_non_text_prompts(values: list, column: str, where: str) -> None:
+    """``ConfigError`` when a text prompt is not a string (a number, a list, a dict would be trained on as its
+    ``str()``)."""
+    bad = [i for i, v in enumerate(values) if not isinstance(v, str)]
+    if bad:
+        raise ConfigError(f"{where} record {bad[0]}: column {column!r} is {type(values[bad[0]]).__name__} "
+                          f"{str(values[bad[0]])[:60]!r} ({len(bad)} of {len(values)} records are not text); allowed: "
+                          "a string prompt in every record (a list of messages goes in rollout.messages_column)")
+
+
 def _refuse_empty_prompts(values: list, column: str, where: str) -> None:
-    """``ConfigError`` when a prompt is null, empty text or an empty message list (see the module docstring)."""
-    empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, (str, list)) and not v)]
+    """``ConfigError`` when a prompt is null, empty or blank text, or an empty message list (see the module
+    docstring)."""
+    empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, (str, list)) and not v)
+             or (isinstance(v, str) and not v.strip())]
     if empty:
         raise ConfigError(f"{where} record {empty[0]}: column {column!r} is {values[empty[0]]!r} ({len(empty)} of "
-                          f"{len(values)} records have a null or empty prompt); allowed: a non-empty prompt in every "
+                          f"{len(values)} records have a null, empty or blank prompt); allowed: a non-empty prompt in every "
                           "record (remove or fill those records)")
 
 
@@ -257,7 +282,17 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     r = job_config.rollout
     path = r.dataset_path if dataset_path is None else dataset_path
     split = r.dataset_split if dataset_split is None else dataset_split
-    task = task_factory(r.task)(job_config, tokenizer, path, split, field_name)
+    factory, builtin = task_factory(r.task), ALIASES.get(r.task, r.task) in TASKS
+    try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work
+        # built-ins also take the field to name in their errors; a user's takes the documented four arguments
+        task = factory(job_config, tokenizer, path, split, *([field_name] if builtin else []))
+    except ConfigError:
+        raise
+    except (Exception, SystemExit) as e:
+        raise ConfigError(f"rollout.task = {r.task!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(task, Task):
+        raise ConfigError(f"rollout.task = {r.task!r} returned {type(task).__name__}; allowed: a "
+                          "torchtitan_flux.tasks.Task (prompts(seed, step, n) and its reward functions)")
     task.reward_funcs = reward_funcs(r, task)
     return task
 
@@ -291,14 +326,14 @@ def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
                       "eval.dataset_path" if ev.dataset_path else "rollout.dataset_path (eval.split)")
 
 
-def check_rewards(task: Task, seed: int) -> None:
-    """Score an empty completion of one prompt with every reward function, so that a function that fails or
-    returns a bad value stops the run before any engine starts (``RewardError``)."""
+def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
+    """Score an empty completion of one prompt with every reward function, so that a function that fails, returns
+    a bad value or runs past ``timeout_s`` stops the run before any engine starts (``RewardError``)."""
     prompt = task.prompts(seed, 1, 1)
-    scorer = R.RewardScorer(task.reward_funcs)
+    scorer = R.RewardScorer(task.reward_funcs, timeout_s=timeout_s)
     try:
         prompts, completions, columns = reward_inputs(task, prompt, [""], 1)
-        scorer.score(prompts, completions, [[]], columns)
+        scorer.wait(scorer.submit(prompts, completions, [[]], columns))
     finally:
         scorer.close()
 

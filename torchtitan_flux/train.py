@@ -32,10 +32,10 @@ import traceback
 from torchtitan_flux.patches import apply_patches
 
 
-def _bool_kind(path: str) -> str | None:
-    """"value" for a boolean of our sections (takes True/False); "flag" for anything else given true/false,
-    i.e. torchtitan's booleans, which are tyro flags (--x.y / --x.no_y). Imports no torchtitan: this runs
-    before ``ConfigManager`` is imported (see ``main``)."""
+def _field_type(path: str):
+    """The annotated type of ``section.field`` in our sections (``flux_config.SECTIONS``), "torchtitan" for a
+    section of torchtitan's, None when there is no such field. Imports no torchtitan: this runs before
+    ``ConfigManager`` is imported (see ``main``)."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -43,34 +43,45 @@ def _bool_kind(path: str) -> str | None:
     section, _, name = path.partition(".")
     cls = flux_config.SECTIONS.get(section)
     if cls is None:
-        return "flag"
+        return "torchtitan"
     for part in name.split("."):
         hints = typing.get_type_hints(cls) if isinstance(cls, type) else {}
         if part not in hints:
             return None
         cls = hints[part]
-    return "value" if cls is bool else None
+    return cls
 
 
 def _normalise_argv(argv: list[str]) -> list[str]:
-    """Accept ``--section.field true|false`` for every boolean (torchtitan's are tyro flags, ours take a value),
+    """One command-line syntax for every field, whoever declares it:
+    * ``--section.field true|false`` and ``--section.field=true|false`` for every boolean (torchtitan's are tyro
+      flags, ``--x.y`` / ``--x.no_y``; ours take a value);
+    * the comma form for every list, as torchtitan's list fields take it: ``--rollout.reward_weights 1.0,0.5``
+      (tyro wants numbers as separate arguments; ``1.0 0.5`` still works);
     and name our config module unless one is given."""
+    import typing
+
     out: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
-        nxt = argv[i + 1] if i + 1 < len(argv) else ""
-        if a.startswith("--") and "=" not in a and nxt.lower() in ("true", "false"):
-            kind = _bool_kind(a[2:].replace("-", "_"))
-            if kind == "flag":
-                section, _, name = a[2:].rpartition(".")
-                out.append(a if nxt.lower() == "true" else f"--{section}.no_{name}")
-                i += 2
-                continue
-            if kind == "value":
-                out += [a, nxt.capitalize()]
-                i += 2
-                continue
+        key, eq, val = a.partition("=")
+        if not (a.startswith("--") and eq):
+            key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
+        step = 1 if eq else 2
+        kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
+        if val.lower() in ("true", "false") and kind in ("torchtitan", bool):
+            if kind == "torchtitan":
+                section, _, name = key[2:].rpartition(".")
+                out.append(key if val.lower() == "true" else f"--{section}.no_{name}")
+            else:
+                out += [key, val.capitalize()]
+            i += step
+            continue
+        if typing.get_origin(kind) is list and typing.get_args(kind)[0] in (int, float) and "," in val:
+            out += [key, *(v for v in val.split(",") if v.strip())]
+            i += step
+            continue
         out.append(a)
         i += 1
     if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in out):
@@ -129,35 +140,54 @@ def _check_config_file(argv: list[str]) -> str | None:
     return path
 
 
-_DUMP_LOCK = None  # the open lock file of this run's dump folder (rank 0), held until the process ends
+_LOCKS: list = []  # the open lock files of the folders this run writes (rank 0), held until the process ends
 
 
-def _lock_dump_folder(folder: str) -> None:
-    """Rank 0 takes an exclusive lock on ``folder`` for the life of the process: two runs in one dump folder
-    would interleave ``metrics.jsonl`` and overwrite each other's checkpoints. The kernel drops the lock when the
-    process ends, however it ends."""
+def _lock_run_folders(config) -> None:
+    """Rank 0 takes an exclusive lock on every folder the run writes, for the life of the process: the dump folder
+    (metrics, summary, export) and, with checkpoints on, the checkpoint folder -- ``checkpoint.folder`` may be an
+    absolute path shared by runs with different dump folders, and two runs in one checkpoint folder resume from
+    and delete each other's checkpoints. The kernel drops a lock when the process ends, however it ends."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    _lock_folder("job.dump_folder", config.job.dump_folder, config.job.dump_folder)
+    if config.checkpoint.enable:
+        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)  # torchtitan's resolution
+        _lock_folder("checkpoint.folder", config.checkpoint.folder, folder)
+
+
+def _lock_folder(field: str, value: str, folder: str) -> None:
     import fcntl
 
     from torchtitan_flux.config import ConfigError
 
-    global _DUMP_LOCK
-    if os.environ.get("RANK", "0") != "0":
-        return
-    os.makedirs(folder, exist_ok=True)
-    f = open(os.path.join(folder, ".flux.lock"), "a+")
+    allowed = "allowed: a folder this user can write (created if missing)"
+    if not folder:
+        raise ConfigError(f"{field} = {value!r} is empty; {allowed}")
+    same = os.path.abspath(value) == os.path.abspath(folder)
+    named = f"{field} = {value!r}" + ("" if same else f" (that is {folder!r})")
+    try:  # every OS error on the folders a run writes is one line naming the path, before any work
+        os.makedirs(folder, exist_ok=True)
+        f = open(os.path.join(folder, ".flux.lock"), "a+")
+    except OSError as e:
+        why = "it is a file, not a folder" if isinstance(e, FileExistsError) else e.strerror
+        raise ConfigError(f"{named} cannot be used ({why}); {allowed}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        f.close()
+        raise ConfigError(f"{named} is not writable; {allowed}")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         owner = f.read().strip() or "unknown"
         f.close()
-        raise ConfigError(f"job.dump_folder = {folder!r} is in use by another run (pid {owner}); allowed: a folder "
-                          "no running job uses (each run needs its own)") from None
+        raise ConfigError(f"{named} is in use by another run (pid {owner}); allowed: a folder no running job uses "
+                          "(each run needs its own)") from None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
     f.flush()
-    _DUMP_LOCK = f
+    _LOCKS.append(f)
 
 
 def _report(e: BaseException) -> int:
@@ -168,8 +198,9 @@ def _report(e: BaseException) -> int:
     from torchtitan_flux.rewards import RewardError
     from torchtitan_flux.rollout import NoEngineLeft
     from torchtitan_flux.stops import LossNotFinite, TrainingInterrupted
+    from torchtitan_flux.user_code import UserCodeError
 
-    if isinstance(e, (ConfigError, RewardError)):
+    if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
     elif isinstance(e, (EngineStartError, ProbeMismatch)):  # a server not there, not ours, or exited while
         code, line = 1, f"error: {e}"  # starting; an engine that does not serve the pushed policy (the probe)
@@ -221,7 +252,11 @@ def main() -> None:
         except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
             raise unknown_fields_error(e, config_file) or e from None
         validate_config(config)  # bad input: one line, before torchtitan's start-up
-        _lock_dump_folder(config.job.dump_folder)
+        _lock_run_folders(config)
+        if os.environ.get("RANK", "0") == "0":
+            from torchtitan_flux.resume import set_aside_previous_outputs
+
+            set_aside_previous_outputs(config)
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:

@@ -53,6 +53,7 @@ from torchtitan_flux.hf_weights import build_reference_model, export_hf_weights,
 from torchtitan_flux.metrics import MetricsWriter
 from torchtitan_flux.preflight import preflight
 from torchtitan_flux.probe import PostSyncProbe, probe_tokens
+from torchtitan_flux.rewards import RewardError
 from torchtitan_flux.rollout import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
 from torchtitan_flux.run_state import RunState
 from torchtitan_flux.stops import (
@@ -63,7 +64,7 @@ from torchtitan_flux.stops import (
     settle_and_checkpoint,
 )
 from torchtitan_flux.update import backward_on_batch
-from torchtitan_flux.user_code import import_spec, step_callback
+from torchtitan_flux.user_code import UserCodeError, import_spec, step_callback
 from torchtitan_flux.weight_sync import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
@@ -92,7 +93,7 @@ class FluxTrainer(Trainer):
                                                    self.device)
         self.step_callbacks: list = []
         for spec in job_config.metrics.step_callbacks:  # checked by validate_config
-            self.add_step_callback(import_spec("metrics.step_callbacks", spec))
+            self.add_step_callback(import_spec("metrics.step_callbacks", spec), name=f"step callback {spec!r}")
         self.scheduler: RolloutScheduler | None = None
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
@@ -140,7 +141,12 @@ class FluxTrainer(Trainer):
     # ------------------------------------------------------------------------------------------- setup
 
     def _on_engine_dead(self, dead):
-        """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None."""
+        """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None. None while
+        the run is stopping on a signal: a SIGTERM to the whole process group reaches the engines too, and a new
+        engine would only be started to be stopped again."""
+        if self.stops.signal is not None:
+            self.fleet.give_up(dead, f"the run is stopping ({self.stops.signal})")
+            return None
         new = self.fleet.restart(dead)
         if new is not None:
             self.syncer.replace_engine(dead, new)
@@ -156,13 +162,15 @@ class FluxTrainer(Trainer):
             max_version_gap=self.admission.max_version_gap,
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._on_engine_dead,
             dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
-            reward_workers=jc.rollout.reward_workers,
+            reward_workers=jc.rollout.reward_workers, reward_timeout_s=jc.rollout.reward_timeout_seconds,
+            stall_s=jc.rollout.engine_stall_seconds,
         )
 
-    def add_step_callback(self, fn) -> Any:
+    def add_step_callback(self, fn, name: str | None = None) -> Any:
         """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
-        after every step; returns ``fn`` (decorator use)."""
-        self.step_callbacks.append(step_callback(fn))
+        after every step; returns ``fn`` (decorator use). If it raises (or calls ``sys.exit()``) the run stops
+        with one line naming it (``name``, else the function's own)."""
+        self.step_callbacks.append(step_callback(fn, name or f"step callback {getattr(fn, '__qualname__', fn)!r}"))
         return fn
 
     # ------------------------------------------------------------------------------------------- loop
@@ -176,7 +184,8 @@ class FluxTrainer(Trainer):
         self.syncer.flush(self.step)  # engines start from the trainer's (possibly resumed) weights
         if self.evaluator is not None and jc.eval.at_start:
             self.evaluator.start(self.step)
-            self.metrics_writer.log(self.step, self.evaluator.collect(wait=True), progress=False)
+            # a row of its own, before any training step: marked, so readers can tell it from the step rows
+            self.metrics_writer.log(self.step, {"eval_only": True, **self.evaluator.collect(wait=True)}, progress=False)
         prof = dict(global_step=self.step, base_folder=jc.job.dump_folder)
         try:
             with maybe_enable_profiling(jc.profiling, **prof) as torch_profiler, \
@@ -195,9 +204,13 @@ class FluxTrainer(Trainer):
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e), signalled=True)
             raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
-        except (TrainingInterrupted, NoEngineLeft, LossNotFinite) as e:
-            self._save_on_stop(getattr(e, "at_step_boundary", True), reason=str(e),
-                               signalled=isinstance(e, TrainingInterrupted))
+        except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError) as e:
+            # a reward function's failure or deadline, a step callback's failure: between steps, like a lost engine
+            signalled = isinstance(e, TrainingInterrupted) or self.stops.signal is not None
+            self._save_on_stop(getattr(e, "at_step_boundary", True), signalled=signalled,
+                               reason=f"received {self.stops.signal}" if signalled else str(e))
+            if isinstance(e, NoEngineLeft) and signalled:  # the signal killed the engines too: say the cause
+                raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
             raise
         finally:
             if self.rank == 0 and self.scheduler is not None:

@@ -1,6 +1,7 @@
 """The one importer of user code named in the config (``"package.module:attribute"``: reward functions, tasks,
 custom controllers, step callbacks), and the step-callback adapter. Failures are ``ConfigError`` lines naming the
-field, raised at validation, before any work.
+field, raised at validation, before any work; a step callback that raises or calls ``sys.exit()`` mid-run is a
+``UserCodeError`` naming it (the run stops with that one line, after checkpointing the step).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from typing import Any
 from torchtitan_flux.config import ConfigError
 
 
+class UserCodeError(RuntimeError):
+    """A step callback raised or called ``sys.exit()``; the message names it and what it raised."""
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What a one-argument step callback gets: the step and its metrics (the ``metrics.jsonl`` row)."""
@@ -23,7 +28,21 @@ class StepResult:
 
 def step_callback(fn: Any, name: str = "the step callback") -> Any:
     """``fn`` as ``callback(step, metrics)``: a function of two positional arguments as it is, one of one
-    (``fn(result)``, the tutorial's form) given a ``StepResult``; ``ConfigError`` naming ``name`` for any other."""
+    (``fn(result)``, the tutorial's form) given a ``StepResult``; ``ConfigError`` naming ``name`` for any other.
+    Whatever it raises, ``SystemExit`` included (which would otherwise end the run with exit 0, no export and no
+    message), comes out as a ``UserCodeError`` naming ``name``."""
+    call = _two_argument_form(fn, name)
+
+    def guarded(step: int, metrics: dict[str, Any]) -> None:
+        try:
+            call(step, metrics)
+        except (Exception, SystemExit) as e:
+            raise UserCodeError(f"{name} raised {type(e).__name__}: {e}") from e
+
+    return guarded
+
+
+def _two_argument_form(fn: Any, name: str) -> Any:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # no signature to read (some builtins): take the two-argument form
@@ -49,6 +68,8 @@ def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
+    except (Exception, SystemExit) as e:  # the module itself failed (sys.exit("reason") at import included)
+        raise ConfigError(f"{name} = {spec!r} cannot be imported: {type(e).__name__}: {e}") from e
     if callable_ and not callable(obj):
         raise ConfigError(f"{name} = {spec!r} is not callable")
     return obj

@@ -167,6 +167,12 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
     _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
     _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    gap = job_config.off_policy.max_version_gap  # each embedded engine keeps max_version_gap + 1 weight copies
+    _require(gap <= max(1, tr.steps), "off_policy.max_version_gap", gap,
+             f"at most training.steps = {tr.steps} (each embedded engine keeps max_version_gap + 1 copies of the "
+             "weights), or 0 for the default")
+    seed = job_config.debug.seed
+    _require(seed is None or 0 <= seed < 2**63, "debug.seed", seed, "an integer in [0, 2**63), or unset")
     mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]
     _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:
@@ -279,6 +285,9 @@ def validate_config(job_config: Any) -> None:
     if not (r.engine_device in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", r.engine_device)):
         raise ConfigError(f"rollout.engine_device = {r.engine_device!r}; allowed: 'auto' | 'cpu' | 'cuda:N'")
     _check_data(job_config)
+    if r.engine_stall_seconds <= job_config.weight_sync.timeout_seconds:  # a request may wait that long for weights
+        raise ConfigError(f"rollout.engine_stall_seconds = {r.engine_stall_seconds:g} is out of range; allowed: more "
+                          f"than weight_sync.timeout_seconds = {job_config.weight_sync.timeout_seconds:g}")
     if r.launch:
         if r.engine != "vllm":
             raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")
@@ -291,6 +300,9 @@ def validate_config(job_config: Any) -> None:
                 f"rollout.launch_python = {r.launch_python!r} does not exist; rollout.launch = true needs a Python "
                 "with vLLM installed (run scripts/setup_vllm.sh to create .venv-vllm)"
             )
+    elif r.engine == "embedded" and r.urls:  # else silently unused
+        raise ConfigError(f"rollout.urls = {r.urls!r} is set, but rollout.engine = 'embedded' starts its own engines; "
+                          "allowed: no urls, or rollout.engine = 'vllm' | 'sglang' to use those servers")
     elif r.engine in ("vllm", "sglang") and not r.urls:
         raise ConfigError(
             f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
@@ -355,9 +367,15 @@ def _check_model_folder(job_config: Any) -> None:
                 "(build the tiny one with `python scripts/build_tiny_model.py`)"
             )
     try:
-        max_pos = hf_folder.read_config(hf).get("max_position_embeddings")
-    except (OSError, ValueError) as e:
+        cfg = hf_folder.read_config(hf)
+        max_pos = cfg.get("max_position_embeddings")
+        eos = hf_folder.eos_token_ids(cfg)
+    except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"model.hf_assets_path = {hf!r}: {e}") from None
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, int) and any(not 0 <= e < vocab for e in eos):  # else no completion could ever end
+        raise ConfigError(f"{os.path.join(hf, 'config.json')}: eos_token_id = {cfg.get('eos_token_id')!r} is outside "
+                          f"the vocabulary (vocab_size = {vocab}); allowed: token ids in [0, {vocab})")
     prompt = max_prompt_tokens(job_config)
     if isinstance(max_pos, int) and prompt + r.max_new_tokens > max_pos:
         budget = r.max_prompt_tokens or f"auto: training.seq_len - max_new_tokens = {prompt}"
@@ -404,6 +422,13 @@ def _check_data(job_config: Any) -> None:
     if r.reward_weights and len(r.reward_weights) != len(r.reward_funcs):
         raise ConfigError(f"rollout.reward_weights has {len(r.reward_weights)} entries for {len(r.reward_funcs)} "
                           "rollout.reward_funcs; allowed: one weight per function, or none (all 1.0)")
+    twice = sorted({s for s in r.reward_funcs if r.reward_funcs.count(s) > 1})
+    if twice:  # one metric per function name: the second would silently merge into the first
+        raise ConfigError(f"rollout.reward_funcs lists {twice} more than once; allowed: each function once (give it "
+                          "a larger rollout.reward_weights entry instead)")
+    bad = [w for w in r.reward_weights if not math.isfinite(w)]
+    if bad:
+        raise ConfigError(f"rollout.reward_weights = {r.reward_weights!r} holds {bad[0]!r}; allowed: finite numbers")
     if r.reward_fn:
         import_spec("rollout.reward_fn", r.reward_fn)
     if ev.dataset_path and not os.path.exists(ev.dataset_path):

@@ -13,10 +13,13 @@ engine processes) then imports this module at start-up. With none of the variabl
   FLUX_FAULT_PUSH_DELAY="SECONDS"   an embedded engine takes SECONDS longer to receive every push (it publishes,
       i.e. acks, each version that much later): a slow link or a large model, for the self-tuning sync cadence
       (tests/integration/test_sync_cadence.py, ``benchmarks/weight_sync.py --slow-sync``).
+  FLUX_FAULT_ENGINE_FAIL="MESSAGE"   every embedded engine dies with RuntimeError(MESSAGE) at its first
+      generation request: an engine that fails the same way every time (a bad device, a bad setting), for the
+      bounded-restart test.
   FLUX_FAULT_PUSH_HOLD="VERSION:SECONDS"   the trainer's first regular push of a weight version >= VERSION stays
-      in flight SECONDS after its bytes went out, as a push to an engine slow to acknowledge it (a slow link, a big
-      model, a loaded machine) does, whatever the engine kind: the steps meanwhile find the pusher busy and are
-      coalesced (tests/integration/test_livelock.py).
+      in flight after its bytes went out until two more due steps found the pusher busy and were coalesced (at
+      most SECONDS), as a push to an engine slow to acknowledge it (a slow link, a big model, a loaded machine)
+      does, whatever the engine kind (tests/integration/test_livelock.py).
 """
 
 import os
@@ -83,18 +86,28 @@ if _hold:
     from torchtitan_flux.weight_sync import pusher as _pusher
 
     _hold_version, _hold_s = int(_hold.split(":")[0]), float(_hold.split(":")[1])
-    _push = _pusher.Pusher.push
-
+    _unheld_push = _pusher.Pusher.push
     _held = []
 
     def _push_held(self, version, only=None):
-        out = _push(self, version, only)
+        out = _unheld_push(self, version, only)
         if version >= _hold_version and only is None and not _held:
             _held.append(version)
-            time.sleep(_hold_s)
+            coalesced, deadline = self.table.stats.coalesced, time.monotonic() + _hold_s
+            while self.table.stats.coalesced < coalesced + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
         return out
 
     _pusher.Pusher.push = _push_held
+
+_engine_fail = os.environ.get("FLUX_FAULT_ENGINE_FAIL")
+if _engine_fail:
+    from torchtitan_flux.engine import embedded as _embedded_fail
+
+    def _failing_generate(self, req):
+        raise RuntimeError(_engine_fail)
+
+    _embedded_fail._EngineProcess.generate = _failing_generate
 
 # FLUX_FAULT_ENGINE_WEIGHTS="VERSION:MODE[:NAME]" (tests/integration/test_probe_e2e.py): from weight version
 # VERSION on, an embedded engine computes (generates and scores the post-sync probe) with other weights than the

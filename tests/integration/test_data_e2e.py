@@ -58,6 +58,9 @@ def test_gsm8k_run_with_eval_wandb_offline_and_completions(tiny_model_dir, tmp_p
               "--metrics.log_completions_every", "10", "--metrics.enable_wandb", "true", "--metrics.log_freq", "5")
     rows = {r["step"]: r for r in read_metrics(tmp_path)}
     assert [s for s, r in rows.items() if "eval/version" in r] == [0, 10, 20]  # at_start, then every 10 (sync)
+    # the at_start evaluation is a row of its own, marked; every step row is a training row
+    assert [s for s, r in rows.items() if r.get("eval_only")] == [0] and "reward_mean" not in rows[0]
+    assert all("reward_mean" in r and "eval_only" not in r for s, r in rows.items() if s > 0)
     for s in (0, 10, 20):
         r = rows[s]
         assert r["eval/version"] == s and r["eval/num_prompts"] == 8 and 0 <= r["eval/pass@1"] <= r["eval/pass@4"] <= 1

@@ -177,3 +177,29 @@ def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
 
     out = _resume(dump, log, False, *args, "--training.steps", "4")  # a second signal keeps only what was saved
     assert "Training starts at step 3" in out
+
+
+def test_sigterm_to_the_whole_process_group_stops_without_restarting_the_engine(tiny_model_dir, tmp_path):
+    """A terminal's Ctrl-C / a scheduler's SIGTERM reaches every process of the group, the engines included. Before
+    2026-11-25 (issue 27) the trainer restarted the engine just to finish the step; now a dead engine is not
+    restarted while the run stops, the stop still names the signal and checkpoints the last step, and nothing
+    outlives the run."""
+    dump = tmp_path / "run"
+    run = Run(dump, tmp_path / "run.log", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
+              "--training.steps", "400")
+    run.wait_for(lambda: (dump / "metrics.jsonl").exists() and len(read_metrics(dump)) >= 5, 120, "5 steps")
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while run.proc.poll() is None and time.monotonic() < deadline:  # record every engine process the stop starts
+        run.scan()
+        time.sleep(0.02)
+    assert run.proc.wait(1) != 0
+    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed run"
+    log = run.log.read_text()
+    assert "stopped: received SIGTERM" in log, log[-3000:]
+    last = max(complete_ckpts(dump))
+    assert f"checkpoint of step {last} written" in log
+    assert len(run.engines) == 1, run.engines  # no replacement engine was started
+    if "rollout engine engine0 died" in log:  # its death was noticed before the stop ended (else a push failed)
+        assert "engine0: not restarted: the run is stopping (SIGTERM)" in log, log[-3000:]
+

@@ -37,19 +37,22 @@ WATCHDOG_S = 40.0  # a livelocked feed is interrupted after this long (the healt
 
 @contextmanager
 def held_push(version: int, seconds: float):
-    """The push of ``version`` stays in flight ``seconds`` after its bytes went out (what ``FLUX_FAULT_PUSH_HOLD``
-    does in a torchrun child)."""
-    original = pusher.Pusher.push
+    """The first regular push of a version >= ``version`` stays in flight after its bytes went out until two more
+    due steps were coalesced (at most ``seconds``): what ``FLUX_FAULT_PUSH_HOLD`` does in a torchrun child."""
+    original, held = pusher.Pusher.push, []
 
     def push(self, v, only=None):
         out = original(self, v, only)
-        if v == version and only is None:
-            time.sleep(seconds)
+        if v >= version and only is None and not held:
+            held.append(v)
+            coalesced, deadline = self.table.stats.coalesced, time.monotonic() + seconds
+            while self.table.stats.coalesced < coalesced + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
         return out
 
     pusher.Pusher.push = push
     try:
-        yield
+        yield held
     finally:
         pusher.Pusher.push = original
 
@@ -74,21 +77,22 @@ def _feed(h, steps: int, gap: int = 1) -> BatchFeed:
 
 
 def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_factory):
-    """The push of version 2 is held 1.5 s: steps 3 and 4 find the pusher busy (coalesced), so staging still holds
-    version 2 when step 5 (trained at version 4, gap 1) needs rollouts of version >= 3. The feed stages version 4
-    first (a catch-up), the engine gets it, and every step trains on rollouts within the gap, none discarded."""
+    """The first push of a version >= 2 (v) is held until the two steps after it are coalesced, so staging still
+    holds v when step v + 3 (trained at version v + 2, gap 1) needs rollouts of version >= v + 1. The feed stages
+    version v + 2 first (a catch-up), the engine gets it, and every step trains on rollouts within the gap, none
+    discarded."""
     h = harness_factory(async_mode=True, max_version_gap=1)
     syncer, steps = h.syncer, 8
     feed = _feed(h, steps)
     syncer.flush(0)
     gaps = []
-    with held_push(2, 1.5), watchdog(h.scheduler):
+    with held_push(2, 10.0) as held, watchdog(h.scheduler):
         for step in range(1, steps + 1):
             fed = feed.next(step, step - 1)
             gaps.append(step - 1 - int(fed.batch.versions.min()))
             perturb(h.model, seed=step)
             syncer.after_optimizer_step(step, due=fed.push_due)
-    assert syncer.stats.coalesced >= 2, syncer.stats
+    assert held and syncer.stats.coalesced >= 2, (held, syncer.stats)
     assert syncer.stats.catch_ups >= 1 and syncer.metrics()["weight_catch_ups"] == syncer.stats.catch_ups
     assert max(gaps) <= 1, gaps
     assert feed.discarded_rollouts == 0  # the catch-up came before dispatch: nothing was generated in vain
@@ -120,6 +124,31 @@ def test_an_engine_whose_push_broke_gets_the_staged_version_without_a_new_step(h
     assert h.engine_checksum() == (1, h.staging_checksum())  # the staged version 1, bit for bit
 
 
+def test_a_stuck_push_thread_ends_the_wait_for_the_claim_with_an_error(harness_factory):
+    """A catch-up waits for the push in flight; a push thread that never lets go (an abort that hangs) must stop the
+    run with an error after ``(engines + 2) * timeout_seconds``, not hang it."""
+    h = harness_factory(async_mode=True, timeout_s=1.0)
+    h.syncer.flush(0)
+    original, release = pusher.Pusher.push, threading.Event()
+
+    def stuck(self, v, only=None):
+        out = original(self, v, only)
+        release.wait(60)
+        return out
+
+    pusher.Pusher.push = stuck
+    try:
+        perturb(h.model, seed=1)
+        h.syncer.after_optimizer_step(1)  # handed to the push thread, which then never lets go
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"the weight push in flight did not end within 3 s"):
+            h.syncer.stage(2)
+        assert time.monotonic() - t0 < 10
+    finally:
+        release.set()
+        pusher.Pusher.push = original
+
+
 # ------------------------------------------------------------------------------------------- end to end
 
 
@@ -133,14 +162,14 @@ def test_coalesced_pushes_never_livelock_the_trainer(tiny_model_dir, tmp_path, n
 
 @pytest.mark.slow
 def test_coalesced_pushes_never_livelock_with_the_sglang_contract_server(tiny_model_dir, tmp_path):
-    """An HTTP engine's push also waits for the generation in progress, so steps take longer (and every other push
-    is coalesced anyway): the first push of a version >= 5 is held 6 s, which coalesces the two steps after it."""
+    """An HTTP engine's push also waits for the generation in progress, so every other push is coalesced anyway;
+    the hold still coalesces the two due steps after the held push."""
     from fakes.sglang_server import ContractServer
 
     s = ContractServer(tiny_model_dir, tmp_path, deadline_s=600, max_requests=20000)
     try:
         rows, summary = run_held(tmp_path / "run", "--rollout.engine", "sglang", "--rollout.urls", s.url,
-                                 "--model.hf_assets_path", str(tiny_model_dir), hold="5:6", timeout=400)
+                                 "--model.hf_assets_path", str(tiny_model_dir), timeout=400)
         assert summary["all_engines_verified"]  # SGLang keeps no checksum: the final probe verifies it
     finally:
         s.stop()

@@ -16,11 +16,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
-from _procs import Run
+from _procs import Run, complete_ckpts
 
-from conftest import ROOT, TESTS, torchrun_cmd
+from conftest import ROOT, TESTS, read_metrics, torchrun_cmd
 
 
 _reward_calls = itertools.count()
@@ -40,6 +41,27 @@ def exit_on_a_completion(prompt, completion, answer):
     if completion:
         sys.exit(3)
     return 0.0
+
+
+_CALLS = []
+
+
+def never_returns_mid_run(completions, **_):
+    """Scores the start-up check (an empty completion) and the batches of steps 1 and 2, then never returns
+    (issue 27's hang)."""
+    if any(completions):
+        _CALLS.append(1)
+        if len(_CALLS) > 2 and os.environ.get("FLUX_TEST_REWARD_MARKER"):
+            open(os.environ["FLUX_TEST_REWARD_MARKER"], "w").close()
+        while len(_CALLS) > 2:
+            time.sleep(1)
+    return [0.0] * len(completions)
+
+
+def never_returns(completions, **_):
+    """Hangs in the start-up check already."""
+    while True:
+        time.sleep(1)
 
 
 def _run(dump, *overrides, timeout=180, env=None):
@@ -75,9 +97,10 @@ def test_debug_switch_keeps_the_traceback(tmp_path):
 
 @pytest.mark.faults
 def test_engine_failing_every_time_is_restarted_a_bounded_number_of_times(tmp_path):
-    # a seed beyond int64 makes every engine start fail the same way (the old code restarted it without end)
-    run = Run(tmp_path / "run", tmp_path / "run.log", "--rollout.seed", str(2**64 + 1), "--training.steps", "5",
-              "--rollout.max_engine_restarts", "2")
+    # every engine start fails the same way (the old code restarted it without end); this used a seed beyond int64,
+    # which validation now refuses
+    run = Run(tmp_path / "run", tmp_path / "run.log", "--training.steps", "5", "--rollout.max_engine_restarts", "2",
+              faults={"FLUX_FAULT_ENGINE_FAIL": "injected: this engine cannot generate"})
     rc = run.proc.wait(120)
     log = run.log.read_text()
     assert rc != 0
@@ -117,6 +140,149 @@ def test_sys_exit_in_a_reward_mid_run_ends_the_run_with_one_error_line(tmp_path,
     assert "Training starts" in p.stdout + p.stderr  # it failed mid-run, not at the start-up probe
 
 
+def test_a_reward_that_never_returns_stops_the_run_at_its_deadline_and_checkpoints(tmp_path, monkeypatch):
+    """Before 2026-11-25 the run froze with no note; one SIGTERM could not stop it and torchrun SIGKILLed it without
+    a checkpoint (issue 27). Now: one line naming the function, exit 2, the last completed step checkpointed."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    dump = tmp_path / "run"
+    t0 = time.monotonic()
+    p = _run(dump, "--rollout.reward_funcs", "test_stops:never_returns_mid_run", "--rollout.reward_timeout_seconds",
+             "3", "--checkpoint.enable", "true", "--checkpoint.interval", "100", "--training.steps", "5", timeout=120)
+    took = time.monotonic() - t0
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: reward function 'never_returns_mid_run' did not return within "
+        "rollout.reward_timeout_seconds = 3 ("), p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+    assert took < 90, took
+    assert "checkpoint of step 2 written" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
+
+
+def test_sigterm_while_a_reward_hangs_stops_at_once_and_checkpoints_the_last_step(tmp_path, monkeypatch):
+    """The reward of step 3 never returns (deadline 300 s, far past torchrun's 30 s grace period); SIGTERM stops
+    the run at once: step 2 checkpointed, exit non-zero, nothing left running. Before 2026-11-25 one SIGTERM could
+    not stop it, and torchrun's SIGKILL left no checkpoint."""
+    import signal
+
+    from _procs import wait_gone
+
+    marker = tmp_path / "reward_hangs"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FLUX_TEST_REWARD_MARKER", str(marker))
+    dump = tmp_path / "run"
+    run = Run(dump, tmp_path / "run.log", "--rollout.reward_funcs", "test_stops:never_returns_mid_run",
+              "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--training.steps", "40")
+    run.wait_for(marker.exists, 120, "the reward of step 3 to hang")
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(60) != 0
+    took = time.monotonic() - t0
+    assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
+    log = run.log.read_text()
+    assert took < 25, f"the stop took {took:.1f} s: {log[-3000:]}"
+    assert "interrupted while waiting for the rewards of step 3" in log and "checkpoint of step 2 written" in log, \
+        log[-3000:]
+    assert complete_ckpts(dump) == [2]
+
+
+def test_a_reward_that_hangs_in_the_start_up_check_is_refused_before_engines_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    p = _run(tmp_path / "run", "--rollout.reward_funcs", "test_stops:never_returns", "--rollout.reward_timeout_seconds",
+             "2", "--training.steps", "3", timeout=120)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == ["error: reward function 'never_returns' did not return within "
+                     "rollout.reward_timeout_seconds = 2 (2 s); the run stops (the function's thread cannot be "
+                     "interrupted)"], p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and "Training starts" not in p.stdout + p.stderr
+
+
+def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    dump = tmp_path / "run"
+    p = _run(dump, "--metrics.step_callbacks", "_step_callbacks:exits_at_step_2", "--checkpoint.enable", "true",
+             "--checkpoint.interval", "100", "--training.steps", "5", timeout=120)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == ["error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough for today"], \
+        p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+    assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
+
+
+def test_a_new_run_in_a_used_dump_folder_sets_the_old_outputs_aside(tmp_path):
+    """Before 2026-11-25 (issue 27): a second run with checkpoints off appended steps 1..N again to metrics.jsonl
+    and overwrote hf_final. Now the old outputs move to previous_runs/<time>/, whole; a resume still appends."""
+    dump = tmp_path / "run"
+    for _ in range(2):
+        p = _run(dump, "--training.steps", "2", timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2] and len((dump / "metrics.jsonl").read_text().splitlines()) == 2
+    (old,) = (dump / "previous_runs").iterdir()
+    assert len((old / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (old / "hf_final" / "model.safetensors").exists() and (old / "summary.json").exists()
+    assert f"held a previous run's outputs (metrics.jsonl, summary.json, hf_final): moved to {old}" in p.stderr
+
+
+@pytest.mark.faults
+def test_a_stopped_engine_is_declared_stuck_killed_restarted_and_the_run_finishes(tmp_path):
+    """Before 2026-11-25 (issue 27) a SIGSTOPped engine was waited on forever ("waiting" logged every 30 s). Now,
+    holding requests with no result for rollout.engine_stall_seconds, it is killed (SIGKILL ends a stopped
+    process), restarted, its requests re-dispatched; the run finishes and nothing outlives it."""
+    import signal
+
+    from _procs import wait_gone
+
+    dump, marker = tmp_path / "run", tmp_path / "stalled"
+    run = Run(dump, tmp_path / "run.log", "--rollout.engine_stall_seconds", "8", "--weight_sync.timeout_seconds", "5",
+              "--training.steps", "12", faults={"FLUX_FAULT_GENERATE_STALL": f"6:2:{marker}"})
+    run.wait_for(marker.exists, 120, "step 6's generation to start")
+    (pid,) = run.engines
+    os.kill(pid, signal.SIGSTOP)
+    assert run.proc.wait(120) == 0, run.log.read_text()[-3000:]
+    log = run.log.read_text()
+    assert "declared stuck and stopped" in log and "rollout.engine_stall_seconds = 8" in log, log[-3000:]
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, 13)) and rows[-1]["engine_restarts"] >= 1
+    assert json.loads((dump / "summary.json").read_text())["checksums_match"]
+    assert not wait_gone(run.seen, 10.0), "processes outlived the run"
+
+
+@pytest.mark.parametrize("case", ["a file", "empty", "read-only", "checkpoint folder a file"])
+def test_unusable_output_folders_are_one_line_naming_the_path(tmp_path, case):
+    """Before 2026-11-25 (issue 27): FileExistsError / FileNotFoundError tracebacks, and a checkpoint folder that is
+    a file was found only at the final save, so the finished run exported nothing."""
+    if case == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders: the check cannot be exercised as root")
+    dump, extra = tmp_path / "run", []
+    if case == "a file":
+        dump.write_text("")
+    elif case == "empty":
+        dump = ""
+    elif case == "read-only":
+        dump.mkdir()
+        dump.chmod(0o500)
+    else:
+        dump.mkdir()
+        (dump / "checkpoint").write_text("")
+        extra = ["--checkpoint.enable", "true"]
+    p = _run(dump, *extra, "--training.steps", "2", timeout=120)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    line = lines[0] if lines else ""
+    expected = {
+        "a file": f"error: job.dump_folder = '{dump}' cannot be used (it is a file, not a folder); allowed: a folder "
+                  "this user can write (created if missing)",
+        "empty": "error: job.dump_folder = '' is empty; allowed: a folder this user can write (created if missing)",
+        "read-only": f"error: job.dump_folder = '{dump}' is not writable; allowed: a folder this user can write",
+        "checkpoint folder a file": "error: checkpoint.folder = 'checkpoint' (that is "
+                                    f"'{dump}/checkpoint') cannot be used (it is a file, not a folder)",
+    }[case]
+    assert line.startswith(expected), p.stderr[-2000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+
+
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")
@@ -132,6 +298,27 @@ def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
         first.proc.wait(60)
     p = _run(dump, "--training.steps", "2")  # the lock goes with the process that held it
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_a_second_run_in_the_same_checkpoint_folder_is_refused(tmp_path):
+    """Two runs with different dump folders and one absolute ``checkpoint.folder``. Before 2026-11-25 the lock
+    covered the dump folder only: the second run resumed from the first's live checkpoint (another run's step) and
+    the first crashed inside its own save (issue 27's data-loss case)."""
+    shared = tmp_path / "shared_ckpt"
+    ckpt = ("--checkpoint.enable", "true", "--checkpoint.folder", str(shared), "--checkpoint.interval", "5")
+    first = Run(tmp_path / "a", tmp_path / "first.log", *ckpt, "--training.steps", "400")
+    try:
+        first.wait_for(lambda: "Training starts" in first.log.read_text(), 120, "the first run to start training")
+        p = _run(tmp_path / "b", *ckpt, "--training.steps", "2")
+        lines = p.stderr.strip().splitlines()
+        owner = (shared / ".flux.lock").read_text()  # the first run's trainer pid, in the checkpoint folder
+        assert lines[0] == (f"error: checkpoint.folder = '{shared}' is in use by another run (pid {owner}); "
+                            "allowed: a folder no running job uses (each run needs its own)"), p.stderr[-2000:]
+        assert "exitcode  : 2" in p.stderr and not (tmp_path / "b" / "metrics.jsonl").exists()
+        assert first.proc.poll() is None  # the first run goes on
+    finally:
+        first.proc.terminate()
+        first.proc.wait(60)
 
 
 @pytest.mark.faults

@@ -68,6 +68,18 @@ CASES = [
     (("--rollout.engine", "vllm"), "rollout.urls"),
     (("--rollout.dispatch_dead_zone", "1"), "rollout.dispatch_dead_zone = 1.0 is out of range; allowed: a number in [0, 1)"),
     (("--rollout.dispatch_dead_zone", "-0.1"), "rollout.dispatch_dead_zone"),
+    # silent before 2026-11-25 (issue 27): one metric for both, the NaN never named, the urls unused
+    (("--rollout.reward_funcs", "answer_match,answer_match"),
+     "rollout.reward_funcs lists ['answer_match'] more than once; allowed: each function once"),
+    (("--rollout.reward_funcs", "answer_match", "--rollout.reward_weights", "nan"),
+     "rollout.reward_weights = [nan] holds nan; allowed: finite numbers"),
+    (("--rollout.urls", "http://127.0.0.1:8000"),
+     "rollout.urls = ['http://127.0.0.1:8000'] is set, but rollout.engine = 'embedded' starts its own engines"),
+    (("--debug.seed", str(2**70)), f"debug.seed = {2**70} is out of range"),  # before: a torch traceback
+    (("--off_policy.max_version_gap", "100000"), "off_policy.max_version_gap = 100000 is out of range; allowed: at "
+                                                 "most training.steps = 60"),  # before: a join timeout
+    (("--rollout.engine_stall_seconds", "30", "--weight_sync.timeout_seconds", "30"),
+     "rollout.engine_stall_seconds = 30 is out of range; allowed: more than weight_sync.timeout_seconds = 30"),
     (("--rollout.dispatch_max_share", "0"), "rollout.dispatch_max_share = 0.0 is out of range; allowed: a number in (0, 1]"),
     (("--rollout.dispatch_max_share", "1.5"), "rollout.dispatch_max_share"),
     (("--rollout.launch", "true"), "rollout.launch = true needs rollout.engine = 'vllm'"),
@@ -159,6 +171,29 @@ def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, mo
     assert out.err.splitlines() == [f"error: {e.value}"] and out.err.endswith("\n"), out.err
     field = needle.split(" ")[0].rstrip(":(")
     assert re.match(r"error: [a-z_]+\.[a-z_.]+", out.err) and (field in out.err), out.err
+
+
+def test_one_syntax_for_every_list_and_boolean():
+    """Issue 27's paper cut: ``reward_funcs`` took ``a,b`` but ``reward_weights`` refused ``1,2`` (tyro wanted
+    ``1 2``), and ``--checkpoint.enable=true`` was an unrecognized option. Both forms now work for every field."""
+    for weights in (("1.0,0.5",), ("1.0", "0.5")):
+        cfg = parse("--rollout.reward_funcs", "answer_match,digits", "--rollout.reward_weights", *weights)
+        assert cfg.rollout.reward_funcs == ["answer_match", "digits"] and cfg.rollout.reward_weights == [1.0, 0.5]
+    assert parse("--rollout.reward_weights=2,3").rollout.reward_weights == [2.0, 3.0]
+    for form in (("--checkpoint.enable=true",), ("--checkpoint.enable", "true")):
+        assert parse(*form).checkpoint.enable is True  # a torchtitan flag
+    assert parse("--checkpoint.enable=false").checkpoint.enable is False
+    for form in (("--weight_sync.async_weight_update=true",), ("--weight_sync.async_weight_update", "true")):
+        assert parse(*form).weight_sync.async_weight_update is True  # one of ours
+
+
+def test_a_module_that_exits_at_import_is_one_line_with_its_reason():
+    """Before 2026-11-25 (issue 27): ``sys.exit("reason")`` at a reward module's import ended the run, reason lost."""
+    from torchtitan_flux.user_code import import_spec
+
+    with pytest.raises(ConfigError, match=r"^rollout.reward_funcs = 'fakes.exits_at_import:f' cannot be imported: "
+                                          r"SystemExit: this module needs a GPU$"):
+        import_spec("rollout.reward_funcs", "fakes.exits_at_import:f")
 
 
 def test_debug_config_is_valid(tiny_model_dir):
@@ -337,7 +372,7 @@ def test_reward_function_checks(tiny_model_dir, tmp_path):
         validate_config(cfg)
         task = build_task(cfg, prompt_tokenizer(cfg))
         with pytest.raises(RewardError, match=match):
-            check_rewards(task, 0)
+            check_rewards(task, 0, 60.0)
     cfg = parse("--rollout.task", "jsonl", "--rollout.dataset_path", str(data), "--rollout.reward_fn",
                 "test_config:missing")
     with pytest.raises(ConfigError, match="rollout.reward_fn"):
@@ -396,6 +431,15 @@ def test_a_corrupt_config_json_is_one_line_naming_the_file(model_copy):
         validate_config(parse("--model.hf_assets_path", str(model_copy)))
     (model_copy / "config.json").write_bytes(b'{"model_type": "ll\xffama"}')
     with pytest.raises(ConfigError, match=r"config.json is not valid JSON \('utf-8' codec can't decode byte 0xff"):
+        validate_config(parse("--model.hf_assets_path", str(model_copy)))
+
+
+def test_an_eos_token_outside_the_vocabulary_is_refused(model_copy):
+    """Before 2026-11-25 (issue 27): accepted, and no completion could ever end."""
+    cfg = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [2, cfg["vocab_size"] + 5]}))
+    with pytest.raises(ConfigError, match=rf"config.json: eos_token_id = \[2, {cfg['vocab_size'] + 5}\] is outside the "
+                                          rf"vocabulary \(vocab_size = {cfg['vocab_size']}\); allowed: token ids in "):
         validate_config(parse("--model.hf_assets_path", str(model_copy)))
 
 

@@ -195,12 +195,48 @@ def test_null_and_empty_prompts_are_refused_with_file_and_record(tmp_path):
     rows = [ROWS[0], {"prompt": None, "answer": "1"}, ROWS[2], {"prompt": "", "answer": "3"}]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ConfigError, match=re.escape(f"rollout.dataset_path = {str(p)!r} record 1: column 'prompt' is "
-                                                    "None (2 of 4 records have a null or empty prompt); allowed: a "
+                                                    "None (2 of 4 records have a null, empty or blank prompt); allowed: a "
                                                     "non-empty prompt in every record")):
         build_task(job(tmp_path, p), ByteTokenizer())
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [], "answer": "1"}) + "\n")
     with pytest.raises(ConfigError, match=r"record 0: column 'messages' is \[\] \(1 of 1 records"):
+        build_task(job(tmp_path, chat), ByteTokenizer())
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"prompt": "  \n\t ", "answer": "1"}, r"record 1: column 'prompt' is '  \\n\\t ' \(1 of 3 records have a null, "
+                                             r"empty or blank prompt\)"),
+    ({"prompt": 17, "answer": "1"}, r"record 1: column 'prompt' is int '17' \(1 of 3 records are not text\); allowed: a "
+                                    r"string prompt in every record"),
+    ({"prompt": ["a", "b"], "answer": "1"}, r"record 1: column 'prompt' is list"),
+    ({"prompt": {"q": "a"}, "answer": "1"}, r"record 1: column 'prompt' is dict"),
+    ({"prompt": "fine", "answer": "1", "completions": "x"}, r"has a column named 'completions', which reward functions "
+                                                            r"receive as their own argument; allowed: any other name"),
+    ({"prompt": "fine", "answer": "1", "prompts": "x"}, r"has a column named 'prompts'"),
+])
+def test_prompts_that_are_blank_or_not_text_and_reserved_columns_are_refused(tmp_path, bad, match):
+    """Before 2026-11-25 (issue 27) each was silent: blank prompts trained on, ints / lists / dicts trained on as
+    ``str(value)``, a ``completions`` or ``prompts`` column replaced what the reward functions receive (reward
+    1.000 every step, nothing learned)."""
+    from torchtitan_flux.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    rows = [ROWS[0], bad, ROWS[2]]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=match):
+        build_task(job(tmp_path, p), ByteTokenizer())
+
+
+def test_chat_messages_without_text_content_are_refused(tmp_path):
+    """Before 2026-11-25 (issue 27): a message without ``content`` was rendered empty."""
+    from torchtitan_flux.config import ConfigError
+
+    model_dir_with_template(tmp_path)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user"}], "answer": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"record 0: column 'messages' must be a list of \{'role', 'content'\} "
+                                          r"messages with text content; got \[\{'role': 'user'\}\]"):
         build_task(job(tmp_path, chat), ByteTokenizer())
 
 
@@ -552,3 +588,54 @@ def test_checkpointed_data_state_detects_a_changed_dataset(tmp_path):
     msg = build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3)
     assert msg and "records, sha1 changed" in msg
     assert "position changed" in task.check_resume(saved, 4, 2)  # prompts_per_step changed on resume
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_reward_that_never_returns_fails_at_its_deadline_naming_it(is_async):
+    """Before 2026-11-25 a reward function that never returned froze the run with no note (issue 27); now the wait
+    for its batch raises ``RewardError`` naming it once it has run ``timeout_s``, and a stop request ends the wait."""
+    import asyncio
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck(completions, **_):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    async def stuck_async(completions, **_):
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return [0.0] * len(completions)
+
+    fast = R.RewardFunc("fast", lambda completions, **_: [1.0] * len(completions))
+    scorer = R.RewardScorer([fast, R.RewardFunc("slow", stuck_async if is_async else stuck)], timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        future = scorer.submit(["a"], [""], [[]], {})
+        with pytest.raises(R.RewardError, match=r"^reward function 'slow' did not return within "
+                                                r"rollout.reward_timeout_seconds = 0.5 \("):
+            scorer.wait(future)
+        assert 0.5 <= time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        assert scorer.wait(scorer.submit(["a"], [""], [[]], {}), interrupted=lambda: True) is None  # a stop
+        assert time.monotonic() - t0 < 1
+        release.set()
+        assert scorer.wait(future).total == [1.0]  # a slow function within its deadline is waited for
+    finally:
+        release.set()
+        scorer.close()
+
+
+def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
+    """Before 2026-11-25 (issue 27): rewards of 1e38 made ``reward_mean`` non-finite, the row held None, and the
+    progress line raised ``TypeError: unsupported format string passed to NoneType.__format__``."""
+    from torchtitan_flux.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), total_steps=3)
+    try:
+        line = w.progress_line(1, {"reward_mean": None, "loss": float("inf"), "staleness": None, "async_ratio": 1})
+        assert line.startswith("step     1/3  reward nan  loss +inf  staleness nan  async 1.00"), line
+    finally:
+        w.close()

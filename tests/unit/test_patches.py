@@ -70,11 +70,36 @@ def test_cpu_device_patch_points_torchtitan_at_cpu():
 
 
 def test_registry_lists_every_patch_module():
-    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_profiler", "gloo_fsdp_sum"]
+    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_profiler", "cpu_quiet", "gloo_fsdp_sum"]
     for module in patches.PATCHES.values():
         doc = module.__doc__
         assert "What:" in doc and "Versions:" in doc and "Why:" in doc
         assert "When:" in doc and "torchtitan 0.2.2" in doc
+
+
+def test_cpu_quiet_drops_only_the_gpu_probing_warnings(capsys):
+    """torchtitan's GPU-probing warnings are dropped on CPU (issue 27's paper cuts); any other root record stays."""
+    import logging
+    import warnings
+
+    assert patches.cpu_quiet.apply() and patches.cpu_quiet.apply()  # idempotent
+    assert logging.getLogger().filters.count(patches.cpu_quiet._FILTER) == 1
+    handler = logging.StreamHandler()
+    logging.getLogger().addHandler(handler)
+    try:
+        logging.getLogger().warning("Error running lspci: [Errno 2] No such file or directory: 'lspci'")
+        logging.getLogger().warning("Peak flops undefined for: CPU, fallback to A100")
+        logging.getLogger().warning("a warning that matters")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            patches.cpu_quiet.apply()
+            warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.")
+            warnings.warn("another warning")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "a warning that matters" in err and "lspci" not in err and "Peak flops" not in err
+    assert [str(w.message) for w in seen] == ["another warning"]
 
 
 def test_version_mismatch_warns(monkeypatch, caplog):
@@ -244,7 +269,7 @@ def _worker(rank: int, port: int) -> None:
     with pytest.raises(RuntimeError, match="PREMUL_SUM"):
         _fsdp_train_step(parallel_dims, job_config, tokens, rank)
 
-    assert patches.apply_patches() == ["triton_stub", "cpu_device", "cpu_profiler", "gloo_fsdp_sum"]
+    assert patches.apply_patches() == ["triton_stub", "cpu_device", "cpu_profiler", "cpu_quiet", "gloo_fsdp_sum"]
     _fsdp_train_step(parallel_dims, job_config, tokens, rank)
     dist.destroy_process_group()
     # Skip the interpreter's finalisation (as torchtitan_flux/train.py does): torch's gloo teardown racing its own

@@ -22,3 +22,42 @@ def test_digits_reward_is_dense_fraction():
 def test_eval_prompts_are_held_out():
     t = DigitsTask()
     assert len(t.eval_prompts(0, 0)) == 64 and t.eval_prompts(0, 5) != t.prompts(0, 0, 5)
+
+
+def four_argument_factory(job_config, tokenizer, dataset_path, dataset_split):
+    """A user's task factory as the tasks module documents it."""
+    from torchtitan_flux.tasks import DigitsTask
+
+    return DigitsTask()
+
+
+def not_a_task(job_config, tokenizer, dataset_path, dataset_split):
+    return ["a prompt"]
+
+
+def exits(job_config, tokenizer, dataset_path, dataset_split):
+    import sys
+
+    sys.exit("no data today")
+
+
+def test_user_task_factories_are_called_as_documented_and_their_failures_named():
+    """Before 2026-11-25 a user's factory was called with a fifth argument (so the documented signature failed with
+    a TypeError), and one returning a non-Task or calling sys.exit() failed late or silently (issue 27)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.tasks import DigitsTask, build_task
+
+    def job(task):
+        return SimpleNamespace(rollout=SimpleNamespace(task=task, dataset_path="", dataset_split="train",
+                                                       reward_funcs=[], reward_weights=[], reward_fn=""))
+
+    assert isinstance(build_task(job("test_tasks:four_argument_factory"), None), DigitsTask)
+    with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:not_a_task' returned list; allowed: a "
+                                          r"torchtitan_flux.tasks.Task"):
+        build_task(job("test_tasks:not_a_task"), None)
+    with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:exits' raised SystemExit: no data today$"):
+        build_task(job("test_tasks:exits"), None)

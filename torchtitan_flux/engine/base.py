@@ -110,6 +110,11 @@ class EngineHandler(Protocol):
     def close(self) -> None:
         """Stop the engine if this handler started it; idempotent."""
 
+    def kill(self, why: str) -> None:
+        """Declare the engine dead with ``why`` as its fatal ``EngineError`` (the scheduler restarts or reconnects
+        it and re-dispatches its requests), and stop its process if this handler started it. For an engine that
+        is alive but makes no progress (``RolloutScheduler``'s stall check)."""
+
     # weight-sync hooks: defaults in ``EngineBase``
     rendezvous_handshake: bool  # False where the server builds its side of the group with its own code
     supports_delta: bool  # whether delta pushes (only the changed buckets) can be sent

@@ -302,7 +302,7 @@ class EmbeddedEngine(EngineBase):
         if first:
             self.events.put(EngineError(self.name, message, fatal=True))
         else:
-            logger.info(f"engine {self.name}: {message.strip().splitlines()[-1] if message else ''} (already reported)")
+            logger.debug(f"engine {self.name}: {message.strip().splitlines()[-1] if message else ''} (already reported)")
 
     def _read(self) -> None:
         conn = self._conn
@@ -351,6 +351,12 @@ class EmbeddedEngine(EngineBase):
         generation requests, like ``checksum`` (one reply queue: callers do not overlap the two)."""
         self._send(("score", list(tokens)))
         return self._replies.get(timeout=timeout)
+
+    def kill(self, why: str) -> None:
+        self._report_dead(why)
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
 
     def inject_fault(self, what: str, arg: float = 0.0) -> None:
         self._send(("fault", what, arg))

@@ -32,9 +32,10 @@ import os
 
 START_METHOD_ENV = "TORCHTITAN_FLUX_ENGINE_START"
 
-# What the fork server imports before it forks engines: everything an engine runs (the entry module, re-run as
-# the child's ``__mp_main__``, imports torch and the torch.distributed modules of the patches).
-ENGINE_PRELOAD = ("torchtitan_flux.train", "torchtitan_flux.engine.embedded", "torchtitan_flux.inference",
+# What the fork server imports before it forks engines: everything an engine runs. The entry module is re-run as
+# the child's ``__mp_main__``; what it imports (torch and the torch.distributed modules of the patches) is
+# preloaded, not the module itself: runpy warns ("found in sys.modules ... prior to execution") when it is.
+ENGINE_PRELOAD = ("torchtitan_flux.patches", "torchtitan_flux.engine.embedded", "torchtitan_flux.inference",
                   "torchtitan_flux.transport", "torchtitan_flux.compat")
 
 

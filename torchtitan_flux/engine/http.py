@@ -238,6 +238,10 @@ class HttpEngine(EngineBase, abc.ABC):
 
     # ------------------------------------------------------------------------------------ tasks
 
+    def kill(self, why: str) -> None:
+        """The server is not ours to stop: the handler gives it up (``_die``) and the fleet reconnects if it can."""
+        self._die(why)
+
     def _die(self, why: str) -> None:
         with self._lock:
             if self._dead or self._closing:

@@ -23,7 +23,9 @@ step may train on, every rank stages the current weights now (``stage``: rank 0 
 flight). And ``deliver_staged`` (rank 0, before every collect) rebuilds broken groups and sends the staged
 version to every usable engine that lacks it, so a request pinned to it never waits on a push nobody will make.
 Every wait for the claim is on the main thread, delivering engine events, and ends by the in-flight push's
-deadline; ranks > 0 wait for rank 0 on the control group (no collective timeout), never inside a gather. The syncer never calls back into the trainer: engine events are delivered by the
+deadline (and the wait is bounded, see ``_claim_waiting``); ranks > 0 wait for rank 0 on the control group (no
+collective timeout), never inside a gather. Not covered: an engine that stays alive but can never receive (a
+refused join, a lagging engine that never answers): its rollouts are discarded until it answers or dies. The syncer never calls back into the trainer: engine events are delivered by the
 ``pump`` it is constructed with (``RolloutScheduler.pump`` on rank 0), which routes acks and errors to
 ``on_event``.
 
@@ -139,7 +141,7 @@ class WeightSyncer:
 
     def stage(self, version: int) -> None:
         """Every rank: snapshot ``version`` and push it, once the push in flight (if any) has ended -- rank 0
-        waits for the claim delivering events, and a push ends by its deadline; ranks > 0 wait for rank 0's go on
+        waits for the claim delivering events (bounded: ``_claim_waiting``); ranks > 0 wait for rank 0's go on
         the control group, not inside the snapshot's FSDP gathers. Async mode: the push thread sends it; blocking
         mode: sent and acked here."""
         self._claim_waiting()
@@ -172,10 +174,21 @@ class WeightSyncer:
         self.pusher.deliver_staged()
 
     def _claim_waiting(self) -> None:
-        """Wait (delivering events) until the claim is ours; a push in flight ends by its deadline (ranks > 0:
-        their ``Bystander`` claim is always free)."""
+        """Wait (delivering events) until the claim is ours (ranks > 0: their ``Bystander`` claim is always free).
+        A push ends by its deadline, and the resync pushes its release may start (one per engine that became
+        usable meanwhile) by theirs, so the wait is bounded: past ``(engines + 2) * timeout_seconds`` the push
+        thread is stuck (e.g. an abort that hangs) and the run stops with that error instead of hanging."""
+        limit = (len(self.links) + 2) * self.cfg.timeout_seconds
+        start = noted = time.monotonic()
         while not self.pusher.claim():
             self.pump(0.01)
+            now = time.monotonic()
+            if now - start > limit:
+                raise RuntimeError(f"the weight push in flight did not end within {limit:.0f} s ((engines + 2) x "
+                                   f"weight_sync.timeout_seconds); the push thread is stuck: {self.stats.failures[-3:]}")
+            if now - noted >= 30.0:
+                logger.warning(f"weight sync: waiting {now - start:.0f} s for the push in flight to end")
+                noted = now
 
     def _snapshot_or_release(self, version: int, decide: Callable[[], bool], claimed: bool) -> bool:
         """Snapshot if ``decide()`` (every rank's agreed answer); on any failure rank 0 lets its claim go."""

@@ -9,11 +9,13 @@ Concurrency invariants (who waits for what):
     thread sends regular pushes itself, holding the claim). One push issues header + buckets on every usable
     engine's group, all under the push stream (``cuda_rules`` rule 1), then polls every Work against ONE
     deadline ``timeout_seconds`` from the start of the push (rule 3); an engine that misses it has its group
-    aborted (NCCL) or dropped (gloo), is marked lagging and broken, and rejoins at the next push. Before letting
-    go of ``busy`` it re-sends the staged version to engines that became usable meanwhile (``release``).
+    aborted (NCCL) or dropped (gloo), is marked lagging and broken, and rejoins at the next push or before the
+    next wait for rollouts (``deliver_staged``), whichever comes first. Before letting go of ``busy`` it
+    re-sends the staged version to engines that became usable meanwhile (``release``).
   * Joiner threads: one per (re)joining engine. Each builds that engine's group eagerly (token handshake, NCCL
     version check, then the group, connected at once on NCCL: rule 8), then ``kick``s the push thread. A joiner
-    never touches ``busy``. An engine the handshake refuses is retried at the next push, not at once.
+    never touches ``busy``. An engine the handshake refuses is retried at the next push or ``deliver_staged``,
+    not at once.
 On a GPU trainer the staging buffer is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a
 time on the push stream (bounded trainer-GPU memory: ``2 * bucket_bytes``).
 """
@@ -173,7 +175,8 @@ class Pusher:
                 table.fail(link, f"join failed: {e}")
                 if link.epoch == epoch:
                     link.joining, link.broken = False, True
-                    # refused (token, NCCL version): retried at the next push only, it would fail again at once
+                    # refused (token, NCCL version): retried at the next push or deliver_staged only, it would
+                    # fail again at once
                     refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
                     if not (refused or self.closed or link.dead) and link.handler.alive():
                         # retry now, not at the next push: a restarted engine may still be starting up, and
