@@ -9,8 +9,9 @@ traceback: the config is parsed and validated here before torchtitan starts, and
 (the model folder, the dataset) is reported the same way, as is a reward function that fails (``RewardError``: it
 raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run); so is an engine server
 that cannot be used or that exited while starting (``EngineStartError``: exit code 1, the server's own last error
-line), and an engine the post-sync probe finds not serving the pushed policy (``ProbeMismatch``: exit code 1). Expected stops (a signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and
-exit code 1. Real bugs keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun
+line), and an engine the post-sync probe finds not serving the pushed policy (``ProbeMismatch``: exit code 1).
+Expected stops (a signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and exit
+code 1. Real bugs keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun
 the line is also written to torchelastic's error file, so that torchrun's failure summary shows it instead of a
 pointer to its docs.
 
