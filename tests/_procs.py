@@ -60,11 +60,23 @@ def count_steps_lost(interrupted_log: str, trained: int, resumed_at: int, gracef
     starts before that, e.g. from an older checkpoint, or after a graceful stop that did not checkpoint its last
     step."""
     written = [int(k) for k in re.findall(r"checkpoint of step (\d+) (?:saved|written)", interrupted_log)]
-    target = trained if graceful else max(written, default=0)
+    if not graceful and not written:  # nothing to count against: 0 lost would be a guess, not a count
+        raise AssertionError("the interrupted run's log has no 'checkpoint of step k saved/written' line, so the "
+                             "steps lost cannot be counted:\n" + interrupted_log[-3000:])
+    target = trained if graceful else max(written)
     lost = max(0, target - (resumed_at - 1))
     FIGURES["resumes"] += 1
     FIGURES["steps_lost"] += lost
     return lost
+
+
+def start_step_of(output: str) -> int:
+    """The step a run logged as its first ("Training starts at step k"); fails when the line is missing, so a
+    resume check can never pass on a run that did not say where it started."""
+    m = re.findall(r"Training starts at step (\d+)", output)
+    assert m, "no 'Training starts at step k' line in the run's output:\n" + output[-3000:]
+    assert len(set(m)) == 1, f"the run's ranks started at different steps: {m}"
+    return int(m[0])
 
 
 class Run:

@@ -9,8 +9,9 @@ traceback: the config is parsed and validated here before torchtitan starts, and
 (the model folder, the dataset) is reported the same way, as is a reward function that fails (``RewardError``: it
 raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run); so is an engine server
 that cannot be used or that exited while starting (``EngineStartError``: exit code 1, the server's own last error
-line). Expected stops (a signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and
-exit code 1. Real bugs keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun
+line), and an engine the post-sync probe finds not serving the pushed policy (``ProbeMismatch``: exit code 1).
+Expected stops (a signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and exit
+code 1. Real bugs keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun
 the line is also written to torchelastic's error file, so that torchrun's failure summary shows it instead of a
 pointer to its docs.
 
@@ -194,6 +195,7 @@ def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
     from torchtitan_flux.engine.base import EngineStartError
+    from torchtitan_flux.probe import ProbeMismatch
     from torchtitan_flux.resume import CheckpointWriteError
     from torchtitan_flux.rewards import RewardError
     from torchtitan_flux.rollout import NoEngineLeft
@@ -202,8 +204,8 @@ def _report(e: BaseException) -> int:
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
-    elif isinstance(e, EngineStartError):  # a server that is not there, not ours, or exited while starting
-        code, line = 1, f"error: {e}"
+    elif isinstance(e, (EngineStartError, ProbeMismatch)):  # a server not there, not ours, or exited while
+        code, line = 1, f"error: {e}"  # starting; an engine that does not serve the pushed policy (the probe)
     elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError)):
         code, line = 1, f"stopped: {e}"
     else:

@@ -126,3 +126,54 @@ if _enospc:
 
     _fs_full._FileSystemWriter.write_data = _full_disk
 
+# FLUX_FAULT_ENGINE_WEIGHTS="VERSION:MODE[:NAME]" (tests/integration/test_probe_e2e.py): from weight version
+# VERSION on, an embedded engine computes (generates and scores the post-sync probe) with other weights than the
+# ones it received; the received bytes, so its checksum, stay right: what the probe exists to catch.
+#   MODE "drop": the tensor NAME is zero, as a tensor the engine never loaded (dropped from the push or loaded
+#   under a wrong name); MODE "bf16": every floating tensor rounded through bfloat16, as an engine that holds the
+#   push in bf16 while the trainer computes in fp32 (a dtype mix-up).
+_wrong_weights = os.environ.get("FLUX_FAULT_ENGINE_WEIGHTS")
+if _wrong_weights:
+    import torch as _torch
+
+    from torchtitan_flux.engine import embedded as _embedded_w
+
+    _ww_version, _ww_mode, *_ww_name = _wrong_weights.split(":")
+    _ww_version = int(_ww_version)
+    if _ww_mode not in ("drop", "bf16") or (_ww_mode == "drop") != bool(_ww_name):
+        raise ValueError(f"FLUX_FAULT_ENGINE_WEIGHTS = {_wrong_weights!r}; allowed: VERSION:drop:NAME or VERSION:bf16")
+
+    def _wrong(weights):
+        if _ww_mode == "drop":
+            if _ww_name[0] not in weights:  # a typo would test nothing
+                raise KeyError(f"FLUX_FAULT_ENGINE_WEIGHTS: no tensor {_ww_name[0]!r}; there are {sorted(weights)}")
+            return {k: _torch.zeros_like(v) if k == _ww_name[0] else v for k, v in weights.items()}
+        return {k: v.to(_torch.bfloat16).to(v.dtype) if v.is_floating_point() else v for k, v in weights.items()}
+
+    class _WrongInference:
+        """The engine's ``inference`` module, computing with ``_wrong`` weights once the engine's version (the
+        newest received for the probe's score, the live one for generation) reaches VERSION."""
+
+        def __init__(self, engine, inner):
+            self._engine, self._inner = engine, inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def score(self, weights, *a, **k):
+            if self._engine.receiver.newest()[0] >= _ww_version:
+                weights = _wrong(weights)
+            return self._inner.score(weights, *a, **k)
+
+        def generate(self, weights, *a, **k):
+            if self._engine.receiver.live_version >= _ww_version:
+                weights = _wrong(weights)
+            return self._inner.generate(weights, *a, **k)
+
+    _engine_init = _embedded_w._EngineProcess.__init__
+
+    def _engine_init_wrong(self, *a, **k):
+        _engine_init(self, *a, **k)
+        self.inference = _WrongInference(self, self.inference)
+
+    _embedded_w._EngineProcess.__init__ = _engine_init_wrong

@@ -85,13 +85,24 @@ def test_nccl_version_mismatch_is_one_clear_error_on_both_sides():
         t.join()
     assert set(errors) == {"trainer", "engine"}
     assert "2.21.5" in errors["trainer"] and "2.18.1" in errors["trainer"]
+    # equal versions: both sides return. An exception raised in a thread is only printed, so each side records
+    # how it ended and the test asserts on that here, in the test's own thread
     store2 = dist.HashStore()
-    ts = [threading.Thread(target=cuda_rules.check_nccl_version, args=(store2, "p", r, 5.0, "2.21.5"))
-          for r in ("trainer", "engine")]
+    ended: dict[str, str] = {}
+
+    def equal_side(role):
+        try:
+            cuda_rules.check_nccl_version(store2, "p", role, 5.0, mine="2.21.5")
+            ended[role] = "returned"
+        except BaseException as e:  # noqa: BLE001 - recorded, asserted below
+            ended[role] = f"{type(e).__name__}: {e}"
+
+    ts = [threading.Thread(target=equal_side, args=(r,)) for r in ("trainer", "engine")]
     for t in ts:
         t.start()
     for t in ts:
-        t.join()  # equal versions: no error (a raise in the thread would be printed, not raised: checked above)
+        t.join(15)
+    assert ended == {"trainer": "returned", "engine": "returned"}, ended
 
 
 def test_wrapper_prefixes_are_cleaned():
@@ -185,3 +196,75 @@ def test_fsdp_shards_are_gathered_with_one_collective_per_bucket(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0 and "gather ok" in out.stdout, out.stderr[-3000:]
+
+
+# ----------------------------------------------------------------- the pusher's own calls (rules 1 and 7)
+
+
+def test_the_pushers_collectives_and_their_waits_run_on_its_push_stream(harness_factory, monkeypatch):
+    """Rule 1, in ``Pusher.push`` itself (not only the helper): every broadcast of a push and the poll of its
+    Works are issued with the push stream current. CPU has no stream, so the pusher gets a stand-in object as
+    its stream (what ``group_stream`` gives on a GPU) and ``on_stream`` records which stream is current."""
+    import contextlib
+
+    from _sync_harness import perturb
+
+    h = harness_factory(async_mode=False, bucket_size_mb=0.01)
+    h.syncer.flush(0)
+    pusher = h.syncer.pusher
+    stream = object()
+    pusher.stream = stream
+    current = threading.local()
+
+    @contextlib.contextmanager
+    def on_stream(s):
+        prev, current.s = getattr(current, "s", None), s
+        try:
+            yield
+        finally:
+            current.s = prev
+
+    seen: list[tuple[str, object]] = []
+    real_broadcast, real_wait = compat.broadcast, cuda_rules.wait_works
+    monkeypatch.setattr(cuda_rules, "on_stream", on_stream)
+    monkeypatch.setattr(compat, "broadcast",
+                        lambda pg, t: seen.append(("broadcast", getattr(current, "s", None))) or real_broadcast(pg, t))
+    monkeypatch.setattr(cuda_rules, "wait_works",
+                        lambda w, d: seen.append(("wait", getattr(current, "s", None))) or real_wait(w, d))
+    perturb(h.model, seed=1)
+    h.syncer.after_optimizer_step(1)  # blocking: pushed and acked on return
+    assert h.link.acked == 1
+    kinds = [k for k, _ in seen]
+    assert kinds.count("broadcast") >= 2 and "wait" in kinds, seen  # header + buckets, then the poll
+    assert all(s is stream for _, s in seen), [(k, "push stream" if s is stream else s) for k, s in seen]
+
+
+def test_the_pushers_join_checks_the_nccl_version_before_building_a_group(harness_factory, monkeypatch):
+    """Rule 7, in ``Pusher._join`` itself: on an NCCL group the trainer side compares NCCL versions (after the
+    token handshake) before the group is built; a mismatch leaves the engine broken with the error counted, no
+    group built and no immediate retry (it would fail again at once)."""
+    from torchtitan_flux import transport
+    from torchtitan_flux.engine.base import WeightGroupInfo
+
+    h = harness_factory(async_mode=False, bucket_size_mb=0.01)
+    h.syncer.flush(0)
+    pusher, link, table = h.syncer.pusher, h.link, h.syncer.table
+    calls: list[tuple] = []
+
+    def mismatch(store, prefix, role, timeout_s, mine=None):
+        calls.append(("nccl_version", prefix, role))
+        raise cuda_rules.NcclVersionMismatch("NCCL 2.21.5 on the trainer, 2.18.1 on the engine")
+
+    monkeypatch.setattr(transport, "handshake", lambda *a, **k: calls.append(("handshake",)))  # no engine side
+    monkeypatch.setattr(cuda_rules, "check_nccl_version", mismatch)
+    monkeypatch.setattr(link.handler, "trainer_group", lambda *a, **k: calls.append(("group",)))
+    info = WeightGroupInfo(pusher.cfg.master_addr, pusher.store.port, "flux_ws/test/nccl", "nccl", 5.0,
+                           list(pusher.snap.specs), pusher.snap.bucket_bytes)
+    with table.lock:
+        link.epoch += 1
+        epoch, errors = link.epoch, table.stats.errors
+    pusher._join(link, epoch, info)
+    assert calls == [("handshake",), ("nccl_version", "flux_ws/test/nccl", "trainer")], calls
+    assert link.broken and not link.joining and link.epoch == epoch  # broken, and not retried at once
+    assert table.stats.errors == errors + 1
+    assert any("NCCL 2.21.5 on the trainer" in f for f in table.stats.failures), table.stats.failures

@@ -11,16 +11,18 @@ import struct
 import subprocess
 
 import pytest
+from _procs import start_step_of
 from conftest import DEBUG_TOML, ROOT, read_metrics, torchrun_cmd
 
 GSM8K = str(ROOT / "train_configs" / "gsm8k_synthetic_cpu.toml")
 
 
-def run_train(dump, *overrides: str) -> None:
-    """conftest.run_train on the GSM8K-style config instead of the debug one."""
+def run_train(dump, *overrides: str) -> str:
+    """conftest.run_train on the GSM8K-style config instead of the debug one; returns the run's output."""
     cmd = [GSM8K if a == str(DEBUG_TOML) else a for a in torchrun_cmd(dump, *overrides)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
 
 
 def wandb_history(run_dir: str) -> dict[int, dict]:
@@ -104,7 +106,14 @@ def test_resume_mid_epoch_reproduces_the_same_prompts(tiny_model_dir, tmp_path):
             "--metrics.log_completions_every", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
     run_train(tmp_path / "full", *args, "--training.steps", "6")
     run_train(tmp_path / "cut", *args, "--training.steps", "3")
-    run_train(tmp_path / "cut", *args, "--training.steps", "6")  # resumes from step 3: 12 prompts = 2 epochs in
+    before = len((tmp_path / "cut" / "completions.jsonl").read_text().splitlines())
+    out = run_train(tmp_path / "cut", *args, "--training.steps", "6")  # resumes from step 3: 12 prompts = 2 epochs in
+    # it did resume: a restart from step 1 would draw the same prompts too (runs are deterministic), so the
+    # tables alone cannot tell; the start line and the steps the resumed run appended can
+    assert start_step_of(out) == 4
+    table_lines = (tmp_path / "cut" / "completions.jsonl").read_text().splitlines()
+    appended = [json.loads(x)["step"] for x in table_lines[before:]]
+    assert sorted(set(appended)) == [4, 5, 6], appended
 
     def table(dump):
         out = {}

@@ -97,6 +97,46 @@ def test_engine_stalled_past_timeout_lags_keeps_serving_then_resyncs(harness_fac
           "after the next step")
 
 
+def test_a_stalled_engine_times_out_alone_while_the_other_stays_in_sync(harness_factory, caplog):
+    """Two engines, one stalled in the middle of every push: the push gives up on that one alone at the deadline
+    (lagging, one timeout counted, it keeps serving its old version), while the other acks the same push, holds
+    the trainer's bytes, serves rollouts of the new version and takes the next push at once."""
+    caplog.set_level(logging.INFO, logger=LOG)
+    timeout = 2.0
+    h = harness_factory(async_mode=True, timeout_s=timeout, bucket_size_mb=0.01, num_engines=2)
+    syncer, sched = h.syncer, h.scheduler
+    syncer.flush(0)
+    assert_in_sync(h, 0, 0)
+    assert_in_sync(h, 0, 1)
+    slow, fast = h.engines
+    links = {lk.handler.name: lk for lk in syncer.links}
+    slow.inject_fault("stall_receive", 60.0)
+    slow.checksum()
+
+    perturb(h.model, seed=1)
+    syncer.after_optimizer_step(1)
+    h.pump_until(lambda: links[fast.name].acked == 1, timeout / 2, "the fast engine's ack of v1")  # before the deadline
+    h.pump_until(lambda: not syncer.busy(), timeout + 3.0, "push 1 to give up on the slow engine")
+    assert links[slow.name].lagging and links[slow.name].acked == 0
+    assert not (links[fast.name].lagging or links[fast.name].broken) and links[fast.name].acked == 1
+    assert_in_sync(h, 1, 1)
+    assert h.engine_checksum(0)[0] == 0  # the slow one still holds v0
+    m = syncer.metrics()
+    assert m["engines_lagging"] == 1 and m["weight_sync_timeouts"] == 1 and m["engine_min_version"] == 0
+    assert any(f"weight sync to {slow.name}: push 1 did not complete" in f for f in syncer.stats.failures)
+    assert not any(fast.name in f for f in syncer.stats.failures), syncer.stats.failures
+
+    # the next push reaches the fast engine at once (it is not held back by the slow one's deadline)
+    perturb(h.model, seed=2)
+    t0 = time.perf_counter()
+    syncer.after_optimizer_step(2)
+    took = h.pump_until(lambda: links[fast.name].acked == 2, timeout, "the fast engine's ack of v2")
+    assert time.perf_counter() - t0 < timeout / 2, took
+    assert_in_sync(h, 2, 1)
+    batch = sched.collect(2, trainer_version=2)  # both engines serve: the fast one's rollouts are of v2
+    assert 2 in set(batch.versions.tolist()), batch.versions
+
+
 # ----------------------------------------------------------------------------------- engine killed
 
 

@@ -156,30 +156,63 @@ def test_auto_and_integer_intervals_parse_and_validate(tiny_model_dir):
     validate_config(parse("--weight_sync.interval", "5", "--off_policy.max_version_gap", "4"))
 
 
-def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_path):
-    """End to end: every push takes 0.03 s more on the engine (a slow link: FLUX_FAULT_PUSH_DELAY), blocking
-    mode, where a training step computes for ~0.02-0.05 s: at interval 1 sync costs ~100% of compute. With
-    ``interval = "auto"`` the interval rises, the measured overhead ends under its target, the version gap stays
-    within max_version_gap, reward still rises and the final weights match."""
+SLOW_LINK = {"FLUX_FAULT_PUSH_DELAY": "0.03"}  # every push 30 ms slower on the engine (tests/fault_inject)
+# the post-sync probe off: its pushes at probe steps are not the cadence's (README: they come on top)
+SLOW_LINK_ARGS = ("--off_policy.max_version_gap", "16", "--training.steps", "60", "--weight_sync.probe_every", "0")
+
+
+def _slow_link_run(tmp_path, name: str, interval: str) -> tuple[list[dict], dict]:
     import json
 
     from _procs import Run
 
-    dump = tmp_path / "run"
-    run = Run(dump, tmp_path / "run.log", "--weight_sync.interval", "auto", "--off_policy.max_version_gap", "16",
-              "--training.steps", "60", faults={"FLUX_FAULT_PUSH_DELAY": "0.03"})
+    dump = tmp_path / name
+    run = Run(dump, tmp_path / f"{name}.log", "--weight_sync.interval", interval, *SLOW_LINK_ARGS, faults=SLOW_LINK)
     assert run.proc.wait(300) == 0, run.log.read_text()[-4000:]
     rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
+    return rows, json.loads((dump / "summary.json").read_text())
+
+
+def measured_overhead(rows: list[dict]) -> float:
+    """Weight-sync overhead measured from the rows, independently of the cadence's own estimate: the trainer's
+    time blocked in weight sync over the steps' time, summed."""
+    return sum(r["weight_sync_s"] for r in rows) / sum(r["step_time_s"] for r in rows)
+
+
+def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_path):
+    """End to end: every push takes 0.03 s more on the engine (a slow link: FLUX_FAULT_PUSH_DELAY), blocking
+    mode, where a training step takes ~0.06-0.08 s: at interval 1 sync costs ~30% of the step time. With
+    ``interval = "auto"`` the interval rises at the first push, and after that first window the overhead
+    MEASURED FROM THE ROWS (sum of weight_sync_s / sum of step_time_s, not the cadence's ``sync_overhead``) is
+    under 10%; the version gap stays within max_version_gap, reward still rises and the final weights match."""
+    rows, summary = _slow_link_run(tmp_path, "auto", "auto")
     decisions = [(r["step"], r["sync_interval"], r["sync_overhead"], r["sync_interval_reason"])
                  for r in rows if "sync_overhead" in r]
     assert decisions[0][3] in ("raise", "cap") and decisions[0][1] > 1, decisions
-    late = [d for d in decisions if d[0] > 20]
-    # settled within ~20 steps: under the target, or a noise-sized step above it that the next push corrects
-    assert late and all(d[2] <= 0.10 * 1.25 for d in late) and any(d[2] <= 0.10 for d in late), decisions
-    assert all(d[3] != "cap" for d in late), decisions  # max_interval (16) was not what held it
+    first_window_end = decisions[0][0]
+    after = [r for r in rows if r["step"] > first_window_end]
+    overhead = measured_overhead(after)
+    assert overhead <= 0.10, (overhead, decisions)
+    assert all(d[3] != "cap" for d in decisions if d[0] > 20), decisions  # max_interval (16) was not what held it
     assert max(r["version_gap_max"] for r in rows) <= 16
     reward = [r["reward_mean"] for r in rows]
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.2
-    summary = json.loads((dump / "summary.json").read_text())
     assert summary["checksums_match"] and summary["final_engine_version"] == 60
+    print(f"\nslow link, auto: measured overhead {overhead:.3f} after step {first_window_end}; "
+          f"intervals {sorted({r['sync_interval'] for r in rows})}")
 
+
+@pytest.mark.slow
+def test_slow_sync_auto_beats_interval_1_at_the_same_reward(tmp_path):
+    """The README's comparison, measured here on one interleaved pair: with every push 30 ms slower, auto runs
+    at least 1.2x the steps/s of interval 1 (README: 1.3x, the benchmark's 1.305; 1.31-1.49 in single pairs on
+    this machine) and ends at the same reward; interval 1's measured overhead is what auto removes."""
+    one, one_summary = _slow_link_run(tmp_path, "interval1", "1")
+    auto, auto_summary = _slow_link_run(tmp_path, "auto", "auto")
+    speedup = auto_summary["steps_per_s"] / one_summary["steps_per_s"]
+    final = {name: sum(r["reward_mean"] for r in rows[-10:]) / 10 for name, rows in (("1", one), ("auto", auto))}
+    print(f"\nslow link: auto / interval 1 steps/s = {speedup:.3f}; overhead interval 1 "
+          f"{measured_overhead(one[5:]):.3f}, auto {measured_overhead(auto[5:]):.3f}; final reward {final}")
+    assert measured_overhead(one[5:]) > 0.2  # the slow link does cost interval 1 (else nothing to win)
+    assert speedup >= 1.2, speedup
+    assert abs(final["auto"] - final["1"]) <= 0.1, final

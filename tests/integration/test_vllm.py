@@ -27,7 +27,7 @@ import pytest
 from _engine_push import push_like_syncer, wait_event
 from fakes.http_servers import VllmStub
 import torch
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, need_vllm
 
 from torchtitan_flux import inference, transport
 
@@ -126,8 +126,7 @@ def small_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_server(small_model_dir, tmp_path_factory):
-    if not VLLM_PY.exists():
-        pytest.skip(f"{VLLM_PY.parent.parent} is absent: run scripts/setup_vllm.sh to test against a real vLLM server")
+    need_vllm()
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     log = open(log_path, "w")
@@ -374,8 +373,7 @@ def test_grpo_run_with_launched_vllm(small_model_dir, tmp_path, monkeypatch):
     """``rollout.launch = true``: the trainer starts its own server, trains 4 steps, and stops it on exit."""
     from conftest import run_train
 
-    if not VLLM_PY.exists():
-        pytest.skip(f"{VLLM_PY.parent.parent} is absent: run scripts/setup_vllm.sh to test against a real vLLM server")
+    need_vllm()
     monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "512")  # inherited by the trainer, read by launch_command
     before = _vllm_pids()
     run_train(
@@ -404,8 +402,7 @@ def test_launched_vllm_server_killed_mid_run_stops_cleanly_and_resumes(small_mod
     from _procs import Run, complete_ckpts, wait_gone
     from conftest import read_metrics, run_train
 
-    if not VLLM_PY.exists():
-        pytest.skip(f"{VLLM_PY.parent.parent} is absent: run scripts/setup_vllm.sh to test against a real vLLM server")
+    need_vllm()
     monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "512")
     args = ("--model.hf_assets_path", str(small_model_dir), "--rollout.engine", "vllm", "--rollout.launch", "true",
             "--weight_sync.async_weight_update", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "1000")
@@ -434,8 +431,7 @@ def test_vllm_nccl_trainer_engine_takes_our_staging_as_its_source():
     """GPU path (engine/vllm_nccl.py), the part that runs on CPU: vLLM 0.32's ``NCCLTrainerWeightTransferEngine``
     accepts our staging buffer as its ``WeightSource`` (its own metadata/iteration check passes, names in order,
     dtypes kept). The NCCL rendezvous and broadcast themselves need GPUs (docs/gpu.md)."""
-    if not VLLM_PY.exists():
-        pytest.skip(".venv-vllm is absent (scripts/setup_vllm.sh)")
+    need_vllm()
     out = subprocess.run([str(VLLM_PY), str(Path(__file__).parent / "_vllm_nccl_check.py")], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

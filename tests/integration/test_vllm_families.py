@@ -13,10 +13,10 @@ import queue
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+import transformers  # noqa: F401,E402 - a dev dependency (pyproject): missing, this file errors instead of skipping
 
 from _engine_push import push_like_syncer, wait_event  # noqa: E402
-from conftest import ROOT, read_metrics, run_train  # noqa: E402
+from conftest import ROOT, need_vllm, read_metrics, run_train  # noqa: E402
 from hf_families import build_hf_model  # noqa: E402
 
 from torchtitan_flux import inference, transport  # noqa: E402
@@ -31,8 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 @pytest.fixture(autouse=True)
 def _needs_vllm(monkeypatch):
-    if not VLLM_PY.exists():
-        pytest.skip(f"{VLLM_PY.parent.parent} is absent: run scripts/setup_vllm.sh to test against a real vLLM server")
+    need_vllm()
     monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "256")  # the tiny models' max_position_embeddings
 
 
@@ -60,8 +59,7 @@ def tied_llama_server(tmp_path_factory):
     from torchtitan_flux.engine.vllm import VllmEngine
     from torchtitan_flux.engine.vllm_launch import launch_servers
 
-    if not VLLM_PY.exists():
-        pytest.skip("no .venv-vllm")
+    need_vllm()
     root = tmp_path_factory.mktemp("vllm_tied")
     model_dir = build_hf_model(root / "model", "llama", tied=True)
     os.environ["VLLM_MAX_MODEL_LEN"] = "256"

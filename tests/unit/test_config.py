@@ -28,7 +28,7 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, ConfigError  # noqa: E402
 from torchtitan_flux.ranges import field_ranges  # noqa: E402
 from torchtitan_flux.validation import validate_config  # noqa: E402
-from torchtitan_flux.train import _normalise_argv  # noqa: E402
+from torchtitan_flux.train import _normalise_argv, _report  # noqa: E402
 
 
 def parse(*overrides: str, toml: str | None = None):
@@ -153,12 +153,24 @@ CASES = [
 
 
 @pytest.mark.parametrize("overrides,needle", CASES, ids=[c[1] + ":" + " ".join(c[0]) for c in CASES])
-def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, monkeypatch):
+def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, monkeypatch, capsys):
+    """Each case is refused by validation, and what the entry point makes of it (``train._report``, the handler
+    of ``train.main``) is exactly one ``error: ...`` line on stderr naming the field, nothing on stdout, exit
+    code 2 (the whole command is run once, in ``test_stops.py::test_bad_input_is_one_line_exit_2_...``)."""
     monkeypatch.delenv("TORCHTITAN_FLUX_TOKEN", raising=False)
+    monkeypatch.delenv("TORCHTITAN_FLUX_DEBUG", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     cfg = parse(*overrides)
+    capsys.readouterr()
     with pytest.raises(ConfigError) as e:
         validate_config(cfg)
     assert needle in str(e.value)
+    code = _report(e.value)
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert out.err.splitlines() == [f"error: {e.value}"] and out.err.endswith("\n"), out.err
+    field = needle.split(" ")[0].rstrip(":(")
+    assert re.match(r"error: [a-z_]+\.[a-z_.]+", out.err) and (field in out.err), out.err
 
 
 def test_one_syntax_for_every_list_and_boolean():

@@ -78,3 +78,43 @@ def test_every_package_is_in_pyproject_packages():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "torchtitan_flux").rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
+
+
+def _collected(*selections: tuple[str, ...]) -> list[int]:
+    """How many tests ``pytest --collect-only`` selects with each of ``selections`` (a marker expression, paths);
+    the collections run side by side (two cores: about the time of the longest)."""
+    import re
+
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *a],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in selections]
+    counts = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        m = re.search(r"^(\d+)(?:/\d+)? tests? collected", out, re.M)
+        assert p.returncode == 0 and m, out[-2000:] + err[-2000:]
+        counts.append(int(m.group(1)))
+    return counts
+
+
+def test_the_test_counts_the_docs_quote_are_what_pytest_collects():
+    """docs/reliability.md quotes how many tests each CPU stage of ``.ci/run`` runs, the cases of the "Bad inputs
+    and faults tried" table and the security tests: each must equal what pytest collects now (collected counts,
+    which a test can know; pass counts are a run's, printed by that run)."""
+    import re
+
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    figures = text.split("## Figures", 1)[1]
+    stages = dict(re.findall(r'`pytest -m "([^"]+)"`\s+collects\s+\*\*(\d+)\*\*', figures))
+    assert set(stages) == {"not slow", "slow and not vllm"}, stages
+    security = re.search(r"test_security\.py`[^|]*\| \*\*(\d+)\*\* tests", figures)
+    assert security, "the figures table must quote the security tests' count"
+    quoted = {**stages, "security": security.group(1)}
+    got = dict(zip(quoted, _collected(*[("-m", e, "tests") for e in stages], ("tests/integration/test_security.py",))))
+    assert got == {k: int(v) for k, v in quoted.items()}, (got, quoted)
+    section = text.split("## Bad inputs and faults tried", 1)[1].split("\n## ", 1)[0]
+    table = [r for r in section.splitlines() if r.startswith("| ") and not r.startswith("| group")]
+    tried = re.search(r"\*\*(\d+)\*\* cases in (\d+) groups", figures)
+    assert tried, "the figures table must quote the tried table's total"
+    assert int(tried.group(1)) == sum(int(r.strip("|").split("|")[1]) for r in table)
+    assert int(tried.group(2)) == len(table)

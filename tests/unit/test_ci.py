@@ -1,0 +1,49 @@
+"""CI's stages (``.ci/run``): the real-vLLM stage fails, instead of skipping, when ``.venv-vllm`` is missing or
+cannot import vLLM (a stage whose every test skipped would pass without testing anything)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from conftest import REQUIRE_VLLM_ENV, ROOT, need_vllm
+
+
+def _outcome(python) -> tuple[str, bool]:
+    """How ``need_vllm(python)`` ends a test: ("Skipped" | "Failed", whether it says why). Caught here, so that a
+    skip cannot escape as this test's own skip."""
+    with pytest.raises(BaseException) as e:
+        need_vllm(python)
+    return e.type.__name__, "is absent" in str(e.value)
+
+
+def test_without_vllm_a_vllm_test_skips_locally_but_fails_under_ci(tmp_path, monkeypatch):
+    missing = tmp_path / ".venv-vllm" / "bin" / "python"
+    monkeypatch.delenv(REQUIRE_VLLM_ENV, raising=False)
+    assert _outcome(missing) == ("Skipped", True)
+    monkeypatch.setenv(REQUIRE_VLLM_ENV, "1")
+    assert _outcome(missing) == ("Failed", True)
+
+
+def test_a_venv_that_cannot_import_vllm_fails_under_ci(tmp_path, monkeypatch):
+    broken = tmp_path / "python"  # a python that exists but has no vllm, as a half-installed .venv-vllm
+    broken.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import no_such_module_vllm_stand_in' \"$@\"\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv(REQUIRE_VLLM_ENV, "1")
+    with pytest.raises(BaseException) as e:  # a skip must not escape as this test's own skip
+        need_vllm(broken)
+    assert e.type is pytest.fail.Exception and "cannot import vllm" in str(e.value), (e.type, e.value)
+
+
+def test_ci_runs_the_vllm_stage_with_the_requirement_and_checks_the_import_first():
+    lines = [x.strip() for x in (ROOT / ".ci" / "run").read_text().splitlines() if not x.strip().startswith("#")]
+    stage = [x for x in lines if re.search(r"pytest .*-m vllm\b", x)]
+    assert stage and all(x.startswith(f"{REQUIRE_VLLM_ENV}=1 ") for x in stage), stage
+    check = [i for i, x in enumerate(lines) if x.startswith('.venv-vllm/bin/python -c "import vllm"')]
+    assert check and check[0] < lines.index(stage[0]) and "exit 1" in lines[check[0]]
+    assert lines[0] == "set -euo pipefail" or "set -euo pipefail" in lines  # a failing step ends the run
+    # every vLLM test goes through need_vllm (a bare pytest.skip on a missing .venv-vllm would bypass CI's rule)
+    for name in ("test_vllm.py", "test_vllm_families.py"):
+        src = (ROOT / "tests" / "integration" / name).read_text()
+        assert "pytest.skip(" not in src and "need_vllm()" in src, name
