@@ -90,6 +90,43 @@ def mismatches(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, An
     return [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]]
 
 
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments (torchtitan's optimizers are Adam / AdamW)
+
+
+def check_room_for_a_checkpoint(job_config: Any) -> None:
+    """Rank 0, at start, with checkpoints on: the checkpoint folder's disk has room for one checkpoint of this
+    model (about ``CHECKPOINT_BYTES_PER_PARAM`` bytes a parameter), else ``ConfigError`` naming the folder, the
+    room needed and the room free: a full disk found at the first save stops the run (``CheckpointWriteError``)
+    after its work was done."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from torchtitan_flux import hf
+
+    ck, dump = job_config.checkpoint, job_config.job.dump_folder
+    if not ck.enable:
+        return
+    params = 0
+    try:
+        for path in hf.weight_files(job_config.model.hf_assets_path):
+            with safe_open(str(path), "pt") as f:
+                for name in f.keys():
+                    n = 1
+                    for d in f.get_slice(name).get_shape():
+                        n *= d
+                    params += n
+    except Exception:  # noqa: BLE001 - missing or damaged weights: the trainer's load names them in one line
+        return
+    need, folder = CHECKPOINT_BYTES_PER_PARAM * params, os.path.join(dump, ck.folder)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise ConfigError(f"checkpoint.folder = {ck.folder!r} (that is {folder!r}) has {free / 2**20:.1f} MiB free; a "
+                          f"checkpoint of this model takes about {need / 2**20:.1f} MiB ({params:,} parameters x "
+                          f"{CHECKPOINT_BYTES_PER_PARAM} bytes: fp32 weights and the optimizer's two moments); "
+                          "allowed: a folder on a disk with room, or checkpoint.enable = false")
+
+
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "completions.jsonl", "eval.jsonl", "hf_final")  # a run's own files
 
 

@@ -246,3 +246,24 @@ def test_resume_refusals_and_the_fallback_past_a_truncated_checkpoint(tiny_model
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert [r["loss"] for r in resumed[4:6]] == [r["loss"] for r in first[4:6]]
     assert resume.complete_steps(str(ckpt))[:2] == [8, 6]  # step 6 written again over the set-aside folder
+
+
+def test_a_disk_without_room_for_a_checkpoint_is_refused_at_start(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 27: a full disk was found at a save (a traceback, the run's work since the last checkpoint lost). Now
+    the start checks the checkpoint folder's free space against one checkpoint of the model."""
+    import shutil
+    from collections import namedtuple
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
+                          job=SimpleNamespace(dump_folder=str(tmp_path)),
+                          model=SimpleNamespace(hf_assets_path=str(tiny_model_dir)))
+    (tmp_path / "checkpoint").mkdir()
+    resume.check_room_for_a_checkpoint(cfg)  # this disk has room
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 2**20, 2**20))
+    with pytest.raises(ConfigError, match=r"^checkpoint.folder = 'checkpoint' \(that is '.*/checkpoint'\) has 1.0 MiB "
+                                          r"free; a checkpoint of this model takes about 3.2 MiB \(279,488 parameters "
+                                          r"x 12 bytes"):
+        resume.check_room_for_a_checkpoint(cfg)
+    cfg.checkpoint.enable = False
+    resume.check_room_for_a_checkpoint(cfg)  # checkpoints off: nothing to check
