@@ -83,10 +83,13 @@ def settle_and_checkpoint(syncer, wait_s: float, save: Callable[[], Any] | None,
     (the step in progress may be incomplete), or with checkpoints off. On a signal ``wait_s`` is short, so the
     checkpoint is written within torchrun's grace period; what does not finish is redone on resume (the
     checkpoint's weights are pushed first; unfinished rollouts are generated afresh)."""
-    try:
-        settled = syncer.wait_idle(wait_s)
-    except NoEngineLeft:  # the last engine's death noticed while waiting (events are pumped): save anyway
-        settled = False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            settled = syncer.wait_idle(max(0.0, deadline - time.monotonic()))
+            break
+        except NoEngineLeft:  # the last engine's death noticed while waiting (a signal to the process group
+            continue  # reaches the engines too): its push fails at once; keep waiting for the push thread
     if not settled:
         logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
                        "pushes the checkpoint's weights to every engine first)")

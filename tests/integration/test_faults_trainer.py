@@ -119,8 +119,12 @@ def test_sigterm_while_a_step_waits_for_its_rollouts_checkpoints_the_last_step_a
     assert not wait_gone(run.seen, 10.0), "processes outlived the SIGTERMed trainer"
     log = run.log.read_text()
     assert took < 25, f"the stop took {took:.1f} s: {log[-3000:]}"
-    assert "interrupted while waiting for the rollouts of step 6" in log and "checkpoint of step 5 written" in log, \
-        log[-3000:]
+    # torchrun signals the worker's whole process group, so the engine may die of the same SIGTERM: then the wait
+    # ends on the lost engine (not restarted during a stop) instead of the interrupt; either way step 6 never started
+    assert ("interrupted while waiting for the rollouts of step 6" in log
+            or "engine0: not restarted: the run is stopping (SIGTERM)" in log), log[-3000:]
+    assert "interrupted after step 5" in log and "checkpoint of step 5 written" in log, log[-3000:]
+    assert "stopped: received SIGTERM" in log
     assert complete_ckpts(dump) == [5] and read_metrics(dump)[-1]["step"] == 5
 
     out = _resume(dump, log, True, *args, "--training.steps", "7")
