@@ -166,7 +166,6 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
     for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
         _check_type(f"training.{name}", getattr(tr, name), int)
-    _check_type("optimizer.lr", opt.lr, float)
     _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
     _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
     _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
