@@ -190,11 +190,12 @@ class Rollout:
     reward_workers: Annotated[int, Range(ge=1)] = 1
     """Threads scoring rewards off the trainer's main loop."""
 
-    engine_stall_seconds: Annotated[float, Range(gt=0)] = 600.0
-    """An engine alive but holding generation requests with no result for this long (a stopped process, a hung
-    kernel) is declared dead and stopped; like any dead engine it is then restarted (embedded) or reconnected
-    (a server) and its requests re-dispatched. More than ``weight_sync.timeout_seconds``, which a request may
-    spend waiting for its weights, plus the longest generation of one request."""
+    engine_stall_seconds: Annotated[float, Range(gt=0)] = 1800.0
+    """An embedded engine alive but holding generation requests with no result for this long (a stopped process,
+    a hung kernel) is declared dead and stopped; like any dead engine it is then restarted and its requests
+    re-dispatched. Time when nothing waited on the engines (training, a save) does not count. Must exceed
+    ``weight_sync.timeout_seconds`` (a request may wait that long for its weights) plus the longest generation of
+    one engine's share of a step (or of an evaluation): raise it for long completions on slow hardware."""
 
     reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
     """The longest one reward function may take on one batch (the start-up check's included). Past it the run

@@ -48,7 +48,8 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
     if os.path.isdir(path):
         saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
         files = [] if saved else sorted(os.listdir(path))
-        exts = {os.path.splitext(n)[1].lower() for n in files} & set(_BUILDERS)
+        meta = {"dataset_infos.json", "dataset_dict.json", "state.json", "dataset_info.json"}  # not data files
+        exts = {os.path.splitext(n)[1].lower() for n in files if n not in meta} & set(_BUILDERS)
         kinds = sorted(exts)
         if len({_BUILDERS[e] for e in exts}) > 1:  # the datasets library would read one kind and drop the others
             raise ConfigError(f"{field_name} = {path!r} mixes data files of types {kinds}; allowed: files of one type "

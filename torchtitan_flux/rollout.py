@@ -116,6 +116,7 @@ class RolloutScheduler:
         self.stall_s = stall_s  # rollout.engine_stall_seconds
         self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
         self._stall_checked = 0.0
+        self._last_pump = self._stall_clock_from = time.monotonic()
         self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
@@ -196,7 +197,10 @@ class RolloutScheduler:
         """Handle at most one engine event, waiting up to ``timeout`` seconds for it (and, once a second, kill the
         engines that are stuck: see the module docstring)."""
         now = time.monotonic()
-        if now - self._stall_checked >= 1.0:
+        if now - self._last_pump > 5.0:  # nobody pumped meanwhile (training, a save): results may sit unread in
+            self._stall_clock_from = now  # the queue, so that time is no evidence of a stall
+        self._last_pump = now
+        if now - self._stall_checked >= 1.0 and self.events.empty():
             self._stall_checked = now
             self._kill_stuck(now)
         try:
@@ -228,8 +232,8 @@ class RolloutScheduler:
             parts = [p for p in self._by_req.values() if p.engine is e]
             if not parts or not e.alive():
                 continue
-            idle = now - max(self._last_from.get(e.name, 0.0), min(p.sent for p in parts))
-            if idle > self.stall_s:
+            idle = now - max(self._last_from.get(e.name, 0.0), min(p.sent for p in parts), self._stall_clock_from)
+            if idle > self.stall_s and not e.reconnects:  # a server's own HTTP timeouts cover its calls
                 e.kill(f"no result for {idle:.0f} s while holding {len(parts)} requests "
                        f"(rollout.engine_stall_seconds = {self.stall_s:g}): declared stuck and stopped")
 

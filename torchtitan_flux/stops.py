@@ -50,6 +50,8 @@ class StopRequests:
         self._at = 0.0
         self._interruptible = None  # a RolloutScheduler whose wait for rollouts a first signal ends
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal was closed
+            if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:  # nohup: the user asked to go on
+                continue
             signal.signal(sig, self._on_signal)
 
     def interrupt_rollout_waits_of(self, scheduler) -> None:

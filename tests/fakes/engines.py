@@ -14,6 +14,8 @@ class FakeEngine:
     """An engine without a process: answers each request at once, through the scheduler's event queue, with a
     ``gen_time_s`` that corresponds to ``rate`` (completions/s), jittered by up to ``jitter`` (a fraction)."""
 
+    reconnects = False  # restarted, not reconnected, when it dies (as an embedded engine)
+
     def __init__(self, name: str, rate: float, events: queue.Queue, jitter: float = 0.0, seed: int = 0,
                  answer: bool = True):
         self.name, self.rate, self.events, self.jitter = name, rate, events, jitter
