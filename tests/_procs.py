@@ -126,6 +126,17 @@ class Run:
             time.sleep(0.05)
         self.scan()
 
+    def sigterm_stops_within(self, seconds: float) -> str:
+        """SIGTERM the trainer; it must exit non-zero within ``seconds``, leaving no process behind. Its log."""
+        t0 = time.monotonic()
+        os.kill(self.proc.pid, signal.SIGTERM)
+        assert self.proc.wait(60) != 0
+        took = time.monotonic() - t0
+        assert not wait_gone(self.seen, 10.0), "processes outlived the SIGTERMed trainer"
+        log = self.log.read_text()
+        assert took < seconds, f"the stop took {took:.1f} s: {log[-3000:]}"
+        return log
+
     def start_step(self) -> int | None:
         m = re.search(r"Training starts at step (\d+)", self.log.read_text())
         return int(m.group(1)) if m else None

@@ -85,22 +85,11 @@ if _gen is not None:
 
 _hold = os.environ.get("FLUX_FAULT_PUSH_HOLD")
 if _hold:
+    from push_hold import held_push as _held_push
+
     from torchtitan_flux.weight_sync import pusher as _pusher
 
-    _hold_version, _hold_s = int(_hold.split(":")[0]), float(_hold.split(":")[1])
-    _unheld_push = _pusher.Pusher.push
-    _held = []
-
-    def _push_held(self, version, only=None):
-        out = _unheld_push(self, version, only)
-        if version >= _hold_version and only is None and not _held:
-            _held.append(version)
-            coalesced, deadline = self.table.stats.coalesced, time.monotonic() + _hold_s
-            while self.table.stats.coalesced < coalesced + 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return out
-
-    _pusher.Pusher.push = _push_held
+    _pusher.Pusher.push = _held_push(_pusher.Pusher.push, int(_hold.split(":")[0]), float(_hold.split(":")[1]), [])
 
 _engine_fail = os.environ.get("FLUX_FAULT_ENGINE_FAIL")
 if _engine_fail:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import pytest
 from _procs import run_held
+from fault_inject import push_hold
 from _sync_harness import assert_in_sync, perturb
 
 from torchtitan_flux.admission import Admission
@@ -37,20 +38,9 @@ WATCHDOG_S = 40.0  # a livelocked feed is interrupted after this long (the healt
 
 @contextmanager
 def held_push(version: int, seconds: float):
-    """The first regular push of a version >= ``version`` stays in flight after its bytes went out until two more
-    due steps were coalesced (at most ``seconds``): what ``FLUX_FAULT_PUSH_HOLD`` does in a torchrun child."""
+    """In-process ``FLUX_FAULT_PUSH_HOLD`` (``fault_inject.push_hold``); yields the held versions."""
     original, held = pusher.Pusher.push, []
-
-    def push(self, v, only=None):
-        out = original(self, v, only)
-        if v >= version and only is None and not held:
-            held.append(v)
-            coalesced, deadline = self.table.stats.coalesced, time.monotonic() + seconds
-            while self.table.stats.coalesced < coalesced + 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return out
-
-    pusher.Pusher.push = push
+    pusher.Pusher.push = push_hold.held_push(original, version, seconds, held)
     try:
         yield held
     finally:
