@@ -112,8 +112,11 @@ class LinkTable:
                     self.fail(link, f"version {link.sent} not acked within {self.timeout_s}s; lagging")
 
     def waiting_for(self, version: int) -> list[EngineLink]:
+        """Links that were sent ``version`` and may still ack it: not lagging, not dead (a dead engine never acks;
+        waiting for it held a stop past torchrun's grace period, 2026-11-25)."""
         with self.lock:
-            return [lk for lk in self.links if lk.sent == version and lk.acked < version and not lk.lagging]
+            return [lk for lk in self.links
+                    if lk.sent == version and lk.acked < version and not (lk.lagging or lk.dead)]
 
     def metrics(self) -> dict[str, float]:
         with self.lock:
