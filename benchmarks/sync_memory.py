@@ -29,7 +29,7 @@ def main() -> None:
     if args.quick:
         args.steps = 2
     sys.path.insert(0, ROOT)
-    from torchtitan_flux.assets import build_model_dir
+    from model_assets import build_model_dir
 
     model = build_model_dir(os.path.join(ROOT, "assets", "medium-llama"), flavor="medium")
     with tempfile.TemporaryDirectory() as tmp:

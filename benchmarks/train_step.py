@@ -48,7 +48,7 @@ def build(flavor: str):
     apply_patches()
     from torchtitan.models.llama3 import Transformer
 
-    from torchtitan_flux.assets import flavor_model_args
+    from model_assets import flavor_model_args
 
     torch.manual_seed(0)
     model = Transformer(flavor_model_args(flavor))
@@ -61,7 +61,7 @@ def build(flavor: str):
 def make_step(model, opt, L: int):
     import torch
 
-    from torchtitan_flux import loss as grpo
+    from torchtitan_flux.rl import loss as grpo
 
     g = torch.Generator().manual_seed(1)
     tok = torch.randint(3, 259, (B, L), generator=g)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(cats.values())
     share = {k: v / total for k, v in cats.items()}
 
-    from torchtitan_flux.assets import FLAVORS
+    from model_assets import FLAVORS
 
     f = FLAVORS[flavor]
     shape = (B, f["n_heads"], L, f["dim"] // f["n_heads"])

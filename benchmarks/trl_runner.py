@@ -1,12 +1,12 @@
 """TRL side of ``benchmarks/vs_trl.py``: runs Hugging Face TRL's ``GRPOTrainer`` on a local HF Llama folder.
 
 Runs in ``.venv-trl`` (``scripts/setup_trl.sh``), never in the main venv, and imports nothing of torchtitan_flux
-except, for ``--check-model``, the torch-only ``torchtitan_flux.inference`` and ``.weight_dict`` (imported from
+except, for ``--check-model``, the torch-only ``torchtitan_flux.models.inference`` and ``.weight_dict`` (imported from
 the repository root: the package is not installed there).
 
   .venv-trl/bin/python benchmarks/trl_runner.py --check-model DIR
       load DIR in transformers (LlamaForCausalLM + PreTrainedTokenizerFast), check the tokenizer's ids and that
-      HF's logits equal torchtitan_flux.inference.forward_logits / score on the same weights; prints
+      HF's logits equal torchtitan_flux.models.inference.forward_logits / score on the same weights; prints
       ``max_abs_logit_diff=...`` and exits 1 if it exceeds 1e-4.
   .venv-trl/bin/python benchmarks/trl_runner.py --spec spec.json
       one GRPO run; spec keys: model_dir, prompts (list of step prompt lists, step 1 first), group_size,
@@ -18,7 +18,7 @@ step's start, as measured by a TrainerCallback at on_step_begin of step 1), step
 completion_len_mean; the first line is {"event": "start", "startup_s": seconds from this interpreter's first statement to the
 first step's start (imports, model load, trainer construction), "start_epoch": time.time() then}.
 
-Reward: the digits task, same semantics as torchtitan_flux.tasks.DigitsTask.reward: the completion's tokens
+Reward: the digits task, same semantics as torchtitan_flux.data.tasks.DigitsTask.reward: the completion's tokens
 (up to and including EOS) decoded with special tokens skipped; fraction of its characters that are digits;
 an empty completion scores 0.
 """
@@ -41,11 +41,12 @@ def digits_reward_text(text: str) -> float:
 
 
 def _our_inference():
-    """``torchtitan_flux.inference`` and ``.weight_dict`` from this checkout: torch-only modules (they import
+    """``torchtitan_flux.models.inference`` and ``.weight_dict`` from this checkout: torch-only modules (they import
     nothing of torchtitan), imported from the repository root because .venv-trl does not install the package."""
     if _REPO not in sys.path:
         sys.path.insert(0, _REPO)
-    from torchtitan_flux import inference, weight_dict
+    from torchtitan_flux.models import inference
+    from torchtitan_flux.models import weight_dict
 
     return inference, weight_dict
 

@@ -38,7 +38,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_MAX_MODEL_LEN", "512")
     if not os.path.exists(os.path.join(args.model, "config.json")):  # the default model: build it (seeded, local)
         sys.path.insert(0, ROOT)
-        from torchtitan_flux.assets import build_model_dir
+        from model_assets import build_model_dir
 
         build_model_dir(args.model, flavor="small", seed=0)
     common = ["--training.steps", str(args.steps), "--model.hf_assets_path", args.model, "--rollout.engine", "vllm",

@@ -12,7 +12,7 @@ normalisation, group-std-scaled advantages, one optimizer step per generation ba
 * small: ``tiny`` flavor (279k params), 16 new tokens, lr 3e-3, target mean reward 0.8;
 * long:  ``small`` flavor (1.54M params), 128 new tokens, lr 3e-3, target mean reward 0.8 (generation dominates).
 
-Both systems load the same HF folder (``torchtitan_flux.assets.build_model_dir``; its logits in transformers
+Both systems load the same HF folder (``model_assets.build_model_dir``; its logits in transformers
 equal ours, see ``benchmarks/trl_runner.py --check-model``) and train on the same prompts (the prompt list of
 ``DigitsTask().prompts(seed, step, 4)``, steps 1..N, handed to TRL in step order, unshuffled).
 
@@ -142,13 +142,13 @@ class RunResult:
 
 
 def model_dir(out: Path, flavor: str) -> Path:
-    from torchtitan_flux.assets import build_model_dir
+    from model_assets import build_model_dir
 
     return build_model_dir(out / "models" / flavor, flavor=flavor, seed=0)
 
 
 def step_prompts(seed: int, steps: int, n: int) -> list[list[str]]:
-    from torchtitan_flux.tasks import DigitsTask
+    from torchtitan_flux.data.tasks import DigitsTask
 
     t = DigitsTask()
     return [[p.text for p in t.prompts(seed, s, n)] for s in range(1, steps + 1)]

@@ -17,7 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from torchtitan_flux.assets import FLAVORS, build_model_dir, count_parameters  # noqa: E402
+from model_assets import FLAVORS, build_model_dir, count_parameters  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

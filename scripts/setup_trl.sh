@@ -5,7 +5,7 @@
 #   TRL_VERSION=1.16.0 bash scripts/setup_trl.sh
 # Re-running is cheap: pip is skipped while the stamp (this script's hash + TRL_VERSION) is unchanged.
 # At the end it checks, in .venv-trl, that the benchmark's model folders load in transformers and that HF's
-# logits equal torchtitan_flux.inference's on the same weights (benchmarks/trl_runner.py --check-model).
+# logits equal torchtitan_flux.models.inference's on the same weights (benchmarks/trl_runner.py --check-model).
 set -euo pipefail   # pipefail: a failing pip fails the script even through the grep filter below
 SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SCRIPT")/.."
@@ -33,13 +33,13 @@ EOF
 fi
 
 # Smoke: the benchmark's model folders (built by the main venv, as vs_trl.py builds them) load in transformers
-# as LlamaForCausalLM + PreTrainedTokenizerFast, and HF's logits equal torchtitan_flux.inference's (torch-only
+# as LlamaForCausalLM + PreTrainedTokenizerFast, and HF's logits equal torchtitan_flux.models.inference's (torch-only
 # module, loaded by path) on the same weights. Fails (exit 1) on a mismatch above 1e-4. SKIP_CHECK=1 skips it.
 if [ "${SKIP_CHECK:-0}" != 1 ]; then
   if [ -x .venv/bin/python ]; then
     for flavor in tiny small; do
       d=outputs/vs_trl/models/$flavor
-      .venv/bin/python -c "from torchtitan_flux.assets import build_model_dir; build_model_dir('$d', flavor='$flavor', seed=0)"
+      .venv/bin/python -c "from model_assets import build_model_dir; build_model_dir('$d', flavor='$flavor', seed=0)"
       TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1 "$VPY" benchmarks/trl_runner.py --check-model "$d"
     done
   else

@@ -6,7 +6,9 @@ import queue
 import time
 from datetime import timedelta
 
-from torchtitan_flux import compat, transport
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.base import EngineError
 
 

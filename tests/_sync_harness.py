@@ -25,12 +25,14 @@ from conftest import FIGURES
 from fakes.stub_tokenizers import ByteTokenizer
 from torch import nn
 
-from torchtitan_flux import assets, weight_dict
+import model_assets as assets
+
+from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
-from torchtitan_flux.fleet import EngineFleet
-from torchtitan_flux.rollout import RolloutScheduler
-from torchtitan_flux.tasks import DigitsTask
-from torchtitan_flux.weight_sync import WeightSyncer
+from torchtitan_flux.rollout.fleet import EngineFleet
+from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.data.tasks import DigitsTask
+from torchtitan_flux.sync.syncer import WeightSyncer
 
 
 def module_from_weights(weights: dict[str, torch.Tensor]) -> nn.Module:

@@ -66,7 +66,7 @@ def need_vllm(python: Path = VLLM_PY) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from torchtitan_flux.assets import build_model_dir
+    from model_assets import build_model_dir
 
     return Path(build_model_dir(ROOT / "assets" / "tiny-llama", flavor="tiny", seed=0))
 

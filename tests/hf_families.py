@@ -1,7 +1,7 @@
 """Tiny random HF models of every supported family, built locally with ``transformers`` (no downloads).
 
 head_dim 32 (vLLM's CPU attention needs >= 32), vocab 259 with the byte-level tokenizer of
-``torchtitan_flux.assets`` so that the digits task and the engines can use them. Weights are re-drawn with
+``model_assets`` so that the digits task and the engines can use them. Weights are re-drawn with
 large enough values that a wrong layout, a dropped tensor or an untied head changes the logits clearly.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_flux import assets
+import model_assets as assets
 
 # (family, tied) cases every family test runs
 CASES = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True), ("qwen2", False), ("qwen2", True)]

@@ -229,7 +229,7 @@ class WeightSync:
     interval: int | Literal["auto"] = 1
     """Push every N optimizer steps: an integer >= 1 and <= ``off_policy.max_version_gap + 1`` (a larger one
     could never produce rollouts fresh enough to train on), or "auto": start at 1 and tune the interval so that
-    the trainer's time lost to weight sync stays under ``overhead_target`` (``torchtitan_flux/sync_cadence.py``;
+    the trainer's time lost to weight sync stays under ``overhead_target`` (``torchtitan_flux/rl/cadence.py``;
     logged as ``sync_interval``, ``sync_overhead``). In async mode, generation runs at most
     ``max_version_gap - (interval - 1)`` steps ahead, so that rollouts from weights up to ``interval - 1`` steps
     old still fit in the gap."""
@@ -259,7 +259,7 @@ class WeightSync:
     probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Post-sync logprob probe: every N steps (and after the last), once the engines hold the step's weights, each
     engine scores a fixed probe sequence and the trainer compares those logprobs with its own
-    (``torchtitan_flux/probe.py``); a difference above ``probe_tolerance`` stops the run naming the engine, the
+    (``torchtitan_flux/sync/probe.py``); a difference above ``probe_tolerance`` stops the run naming the engine, the
     version and the worst token. Catches wrong names or layouts, dropped tensors, untied heads, wrong dtypes. A
     probe step waits for its push (async runs included)."""
 
@@ -409,7 +409,7 @@ class AdaptiveAsync:
     """Version gap at which that term saturates."""
 
     controller: str = "pid"
-    """"pid", or "package.module:Class" naming a subclass of ``torchtitan_flux.controller.BaseAsyncController``."""
+    """"pid", or "package.module:Class" naming a subclass of ``torchtitan_flux.rl.controller.BaseAsyncController``."""
 
     phase_schedule: PhaseSchedule = field(default_factory=PhaseSchedule)
     """Per-phase targets: ``[adaptive_async.phase_schedule.warmup]`` etc."""

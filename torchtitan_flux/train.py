@@ -195,12 +195,12 @@ def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
     from torchtitan_flux.engine.base import EngineStartError
-    from torchtitan_flux.probe import ProbeMismatch
-    from torchtitan_flux.resume import CheckpointWriteError
-    from torchtitan_flux.rewards import RewardError
-    from torchtitan_flux.rollout import NoEngineLeft
-    from torchtitan_flux.stops import LossNotFinite, TrainingInterrupted
-    from torchtitan_flux.user_code import UserCodeError
+    from torchtitan_flux.sync.probe import ProbeMismatch
+    from torchtitan_flux.run.resume import CheckpointWriteError
+    from torchtitan_flux.data.rewards import RewardError
+    from torchtitan_flux.rollout.scheduler import NoEngineLeft
+    from torchtitan_flux.run.stops import LossNotFinite, TrainingInterrupted
+    from torchtitan_flux.run.user_code import UserCodeError
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
@@ -242,9 +242,9 @@ def main() -> None:
     from torchtitan.config import ConfigManager
     from torchtitan.train import main as titan_main
 
-    from torchtitan_flux.validation import unknown_fields_error, validate_config
-    from torchtitan_flux.model import register_flux_model
-    from torchtitan_flux.trainer import FluxTrainer
+    from torchtitan_flux.run.validation import unknown_fields_error, validate_config
+    from torchtitan_flux.models.families import register_flux_model
+    from torchtitan_flux.run.trainer import FluxTrainer
 
     register_flux_model()
     try:
@@ -256,7 +256,7 @@ def main() -> None:
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_run_folders(config)
         if os.environ.get("RANK", "0") == "0":
-            from torchtitan_flux.resume import check_room_for_a_checkpoint, set_aside_previous_outputs
+            from torchtitan_flux.run.resume import check_room_for_a_checkpoint, set_aside_previous_outputs
 
             check_room_for_a_checkpoint(config)
             set_aside_previous_outputs(config)

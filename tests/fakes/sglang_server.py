@@ -9,7 +9,7 @@ It implements the endpoints and payloads the handler uses, as documented in SGLa
 * it joins the weight-sync group the way SGLang does (``tcp://`` rendezvous on the trainer's store,
   ``PrefixStore(group_name)``, torch's ``_new_process_group_helper``) and really receives each
   ``flattened_bucket`` broadcast (one uint8 tensor per call) into its HF-named weights;
-* it generates with those weights (``torchtitan_flux.inference`` after an HF -> torchtitan conversion), so a
+* it generates with those weights (``torchtitan_flux.models.inference`` after an HF -> torchtitan conversion), so a
   wrong name or a wrong q/k layout on the wire shows up as wrong log-probs;
 * it is stricter than SGLang where that catches client bugs: every unknown key, wrong type, update outside a
   ``begin``/``end`` session, ``flush_cache`` or session changes while a generation runs, generation while paused
@@ -93,7 +93,7 @@ class ContractState:
         from safetensors.torch import load_file
         from tokenizers import Tokenizer
 
-        from torchtitan_flux import weight_dict
+        from torchtitan_flux.models import weight_dict
 
         self.model_dir = model_dir
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -115,7 +115,7 @@ class ContractState:
         self._tt = None  # torchtitan-named view of self.hf, rebuilt after each update
 
     def tt_weights(self):
-        from torchtitan_flux import weight_dict
+        from torchtitan_flux.models import weight_dict
 
         if self._tt is None:
             self._tt = weight_dict.hf_to_weights(self.hf, self.shape)
@@ -258,7 +258,7 @@ def handle(state: ContractState, method: str, path: str, body) -> tuple[int, obj
 
 
 def _generate(state: ContractState, body) -> tuple[int, object]:
-    from torchtitan_flux import inference
+    from torchtitan_flux.models import inference
 
     b = _fields(
         body,

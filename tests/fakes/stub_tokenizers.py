@@ -3,7 +3,7 @@ sglang_server.py would import it instead of HF's ``tokenizers``)."""
 
 from __future__ import annotations
 
-from torchtitan_flux import assets
+import model_assets as assets
 
 
 class ByteTokenizer:

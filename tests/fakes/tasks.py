@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from torchtitan_flux.rewards import RewardFunc
-from torchtitan_flux.tasks import Prompt
+from torchtitan_flux.data.rewards import RewardFunc
+from torchtitan_flux.data.tasks import Prompt
 
 
 class FakeTask:

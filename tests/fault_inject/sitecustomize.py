@@ -57,7 +57,7 @@ if _ckpt is not None:
 _push = _parse("FLUX_FAULT_PUSH_STALL")
 _delay = float(os.environ.get("FLUX_FAULT_PUSH_DELAY", "0") or 0)
 if _push is not None or _delay > 0:
-    from torchtitan_flux import transport as _transport
+    from torchtitan_flux.sync import transport as _transport
 
     _publish = _transport.WeightReceiver._publish
 
@@ -87,7 +87,7 @@ _hold = os.environ.get("FLUX_FAULT_PUSH_HOLD")
 if _hold:
     from push_hold import held_push as _held_push
 
-    from torchtitan_flux.weight_sync import pusher as _pusher
+    from torchtitan_flux.sync import pusher as _pusher
 
     _pusher.Pusher.push = _held_push(_pusher.Pusher.push, int(_hold.split(":")[0]), float(_hold.split(":")[1]), [])
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_flux import compat
-from torchtitan_flux.weight_sync import snapshot
+from torchtitan_flux.sync import snapshot
 
 
 def main() -> None:

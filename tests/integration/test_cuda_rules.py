@@ -1,4 +1,4 @@
-"""The CUDA/NCCL rules of ``torchtitan_flux/cuda_rules.py`` and the GPU-path fixes (docs/gpu.md), where a CPU test
+"""The CUDA/NCCL rules of ``torchtitan_flux/sync/cuda_rules.py`` and the GPU-path fixes (docs/gpu.md), where a CPU test
 can express them: polling completion with a stalled gloo peer, the header's device, the NCCL-version check, the
 wire dtype, wrapper-free parameter names, the control plane, and real CPU runs with activation checkpointing."""
 
@@ -16,8 +16,12 @@ import torch.distributed as dist
 from conftest import read_metrics, run_train
 from torch import nn
 
-from torchtitan_flux import compat, cuda_rules, transport
-from torchtitan_flux.weight_sync.snapshot import Snapshot, clean_name, tensor_specs
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import cuda_rules
+
+from torchtitan_flux.sync import transport
+from torchtitan_flux.sync.snapshot import Snapshot, clean_name, tensor_specs
 
 
 def _pair(prefix: str):
@@ -243,7 +247,7 @@ def test_the_pushers_join_checks_the_nccl_version_before_building_a_group(harnes
     """Rule 7, in ``Pusher._join`` itself: on an NCCL group the trainer side compares NCCL versions (after the
     token handshake) before the group is built; a mismatch leaves the engine broken with the error counted, no
     group built and no immediate retry (it would fail again at once)."""
-    from torchtitan_flux import transport
+    from torchtitan_flux.sync import transport
     from torchtitan_flux.engine.base import WeightGroupInfo
 
     h = harness_factory(async_mode=False, bucket_size_mb=0.01)

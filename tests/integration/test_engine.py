@@ -16,12 +16,12 @@ apply_patches()
 
 from torchtitan.models.llama3 import Transformer  # noqa: E402
 
-from torchtitan_flux import loss as grpo  # noqa: E402
+from torchtitan_flux.rl import loss as grpo  # noqa: E402
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult  # noqa: E402
 from torchtitan_flux.engine.embedded import EmbeddedEngine  # noqa: E402
-from torchtitan_flux.hf_weights import load_hf_weights  # noqa: E402
-from torchtitan_flux.model import FluxLlamaArgs  # noqa: E402
-from torchtitan_flux.weight_sync import WeightSyncer  # noqa: E402
+from torchtitan_flux.models.hf_weights import load_hf_weights  # noqa: E402
+from torchtitan_flux.models.families import FluxLlamaArgs  # noqa: E402
+from torchtitan_flux.sync.syncer import WeightSyncer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,14 @@ import torch
 import transformers  # noqa: F401,E402 - a dev dependency (pyproject): missing, this file errors instead of skipping
 from hf_families import CASES, build_hf_model, hf_logits  # noqa: E402
 
-from torchtitan_flux import hf, inference  # noqa: E402
+from torchtitan_flux.models import hf  # noqa: E402
 
-from torchtitan_flux import weight_dict
-from torchtitan_flux import hf_weights  # noqa: E402
-from torchtitan_flux import model as flux_model  # noqa: E402
-from torchtitan_flux.probe import ProbeMismatch, compare  # noqa: E402
+from torchtitan_flux.models import inference
+
+from torchtitan_flux.models import weight_dict
+from torchtitan_flux.models import hf_weights  # noqa: E402
+from torchtitan_flux.models import families as flux_model  # noqa: E402
+from torchtitan_flux.sync.probe import ProbeMismatch, compare  # noqa: E402
 
 TOL = 1e-4  # fp32; logits are O(10)
 
@@ -210,7 +212,7 @@ def test_the_probe_catches_wrong_names_qk_layout_and_dropped_tensors(family_dirs
     debug model; the default is meant to let bf16 engines pass); it is caught at a tolerance below that, 1e-3
     (what fp32 engines can use: the embedded engine's difference is 0)."""
     from torchtitan_flux.config import WeightSync
-    from torchtitan_flux.probe import PROBE_TEXT, PostSyncProbe
+    from torchtitan_flux.sync.probe import PROBE_TEXT, PostSyncProbe
 
     d = family_dirs[(family, False)]
     model, _ = _trainer_model(d)

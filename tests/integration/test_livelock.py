@@ -27,11 +27,11 @@ from _procs import run_held
 from fault_inject import push_hold
 from _sync_harness import assert_in_sync, perturb
 
-from torchtitan_flux.admission import Admission
+from torchtitan_flux.rl.admission import Admission
 from torchtitan_flux.config import AdaptiveAsync, OffPolicy
-from torchtitan_flux.feed import BatchFeed
-from torchtitan_flux.rollout import RolloutWaitInterrupted
-from torchtitan_flux.weight_sync import pusher
+from torchtitan_flux.rl.feed import BatchFeed
+from torchtitan_flux.rollout.scheduler import RolloutWaitInterrupted
+from torchtitan_flux.sync import pusher
 
 WATCHDOG_S = 40.0  # a livelocked feed is interrupted after this long (the healthy runs take a few seconds)
 

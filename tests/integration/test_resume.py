@@ -1,4 +1,4 @@
-"""Resume checks (``torchtitan_flux/resume.py``): the config fingerprint stored with each checkpoint and its
+"""Resume checks (``torchtitan_flux/run/resume.py``): the config fingerprint stored with each checkpoint and its
 comparison, the refusal of ``training.steps`` below the checkpoint's step, and the fallback past an unreadable
 newest checkpoint. The end-to-end test runs them through the real command."""
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT, read_metrics, run_train, torchrun_cmd
 
-from torchtitan_flux import resume
+from torchtitan_flux.run import resume
 from torchtitan_flux.config import ConfigError
 
 

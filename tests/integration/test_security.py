@@ -23,15 +23,17 @@ import torch
 from _sync_harness import module_from_weights
 from conftest import ROOT
 
-from torchtitan_flux import compat, transport
+from torchtitan_flux import compat
 
-from torchtitan_flux import weight_dict
+from torchtitan_flux.sync import transport
+
+from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import WeightSync
 from torchtitan_flux.engine import auth
 from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV, BearerAuthMiddleware
 from torchtitan_flux.engine.base import EngineError
 from torchtitan_flux.engine.embedded import EmbeddedEngine
-from torchtitan_flux.weight_sync import WeightSyncer
+from torchtitan_flux.sync.syncer import WeightSyncer
 
 TOKEN = "s3cret-token"
 

@@ -21,7 +21,11 @@ from _engine_push import push_like_syncer as push
 from _engine_push import wait_event
 from fakes.sglang_server import ROOT, ContractServer
 
-from torchtitan_flux import inference, transport, weight_dict
+from torchtitan_flux.models import inference
+
+from torchtitan_flux.sync import transport
+
+from torchtitan_flux.models import weight_dict
 from torchtitan_flux.engine.base import (
     EngineError,
     GenerationRequest,
@@ -270,7 +274,7 @@ def test_start_fails_clearly(server, tiny, tmp_path):
     finally:
         server.config(weight_api=True)
 
-    from torchtitan_flux.assets import build_model_dir
+    from model_assets import build_model_dir
 
     small = build_model_dir(tmp_path / "small", flavor="small")
     h = SglangEngine("sgl_x", server.url, queue.Queue(), model_dir=small)

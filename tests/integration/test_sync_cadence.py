@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from torchtitan_flux.sync_cadence import SyncCadence
+from torchtitan_flux.rl.cadence import SyncCadence
 
 
 def run(cadence: SyncCadence, steps: int, lost, compute=1.0, noise=0.0, seed=0, stale=lambda step: False):
@@ -147,7 +147,7 @@ def test_plot_controller_draws_the_cadence_panel_when_logged(tmp_path):
 def test_auto_and_integer_intervals_parse_and_validate(tiny_model_dir):
     from test_config import parse
 
-    from torchtitan_flux.validation import validate_config
+    from torchtitan_flux.run.validation import validate_config
 
     for value, expect in (("auto", "auto"), ("2", 2)):
         cfg = parse("--weight_sync.interval", value)

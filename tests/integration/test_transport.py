@@ -1,4 +1,4 @@
-"""The engine-side receiver (``torchtitan_flux.transport``) with torch alone: bucket planning, the push header, flat
+"""The engine-side receiver (``torchtitan_flux.sync.transport``) with torch alone: bucket planning, the push header, flat
 buffers and checksums, and real pushes over a 2-process gloo group into a ``WeightReceiver`` (swap semantics,
 coalescing, delta pushes, the two-buffer invariant, the idle timeout).
 
@@ -23,8 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan_flux import compat, transport
-from torchtitan_flux.transport import METHOD_DELTA, METHOD_FULL, TensorSpec, decode_header, encode_header, plan_buckets
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import transport
+from torchtitan_flux.sync.transport import METHOD_DELTA, METHOD_FULL, TensorSpec, decode_header, encode_header, plan_buckets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,9 +44,9 @@ def _env() -> dict:
 def test_engine_side_imports_no_torchtitan():
     code = (
         "import sys\n"
-        "import torchtitan_flux.transport, torchtitan_flux.inference, torchtitan_flux.compat\n"
+        "import torchtitan_flux.sync.transport, torchtitan_flux.models.inference, torchtitan_flux.compat\n"
         "import torchtitan_flux.engine.base, torchtitan_flux.engine.embedded\n"
-        "assert torchtitan_flux.transport.__file__.startswith(sys.argv[1]), torchtitan_flux.transport.__file__\n"
+        "assert torchtitan_flux.sync.transport.__file__.startswith(sys.argv[1]), torchtitan_flux.sync.transport.__file__\n"
         "bad = sorted(m for m in sys.modules if m == 'torchtitan' or m.startswith('torchtitan.'))\n"
         "assert 'torchtitan' not in sys.modules and not bad, bad\n"
         "print('ok')\n"
@@ -200,8 +202,9 @@ import json, os, sys, threading
 from datetime import timedelta
 
 import torch
-from torchtitan_flux import compat, transport
-import torchtitan_flux.inference, torchtitan_flux.engine.embedded  # the engine's import chain
+from torchtitan_flux import compat
+from torchtitan_flux.sync import transport
+import torchtitan_flux.models.inference, torchtitan_flux.engine.embedded  # the engine's import chain
 
 cfg = json.loads(sys.argv[1])
 specs = [transport.TensorSpec(n, tuple(s), d) for n, s, d in cfg["specs"]]

@@ -5,7 +5,7 @@ The real-server tests (markers ``slow`` and ``vllm``) start ``scripts/launch_vll
 "small" model (the "tiny" flavor has head_dim 16, which vLLM's CPU attention does not support) and skip with a
 clear reason when ``.venv-vllm`` is absent (``scripts/setup_vllm.sh`` creates it). They push modified weights
 through the handler exactly as ``WeightSyncer`` does with the handler hooks, and check that the server's
-log-probs equal the trainer's (``torchtitan_flux.inference.score`` on the same weights) within 1e-5. The shared
+log-probs equal the trainer's (``torchtitan_flux.models.inference.score`` on the same weights) within 1e-5. The shared
 server runs with a token (``TORCHTITAN_FLUX_TOKEN``, so the auth middleware and the rendezvous handshake are on
 for every test that uses it); the launched one (``rollout.launch``) runs without, the default.
 """
@@ -29,9 +29,11 @@ from fakes.http_servers import VllmStub
 import torch
 from conftest import ROOT, free_port, need_vllm
 
-from torchtitan_flux import inference, transport
+from torchtitan_flux.models import inference
 
-from torchtitan_flux import weight_dict
+from torchtitan_flux.sync import transport
+
+from torchtitan_flux.models import weight_dict
 from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.base import (
     EngineError,
@@ -119,7 +121,7 @@ def _tree_rss_mb(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def small_model_dir(tmp_path_factory) -> Path:
-    from torchtitan_flux.assets import build_model_dir
+    from model_assets import build_model_dir
 
     return Path(build_model_dir(tmp_path_factory.mktemp("flux_small"), flavor="small", seed=0))
 

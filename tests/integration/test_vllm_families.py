@@ -19,11 +19,13 @@ from _engine_push import push_like_syncer, wait_event  # noqa: E402
 from conftest import ROOT, need_vllm, read_metrics, run_train  # noqa: E402
 from hf_families import build_hf_model  # noqa: E402
 
-from torchtitan_flux import inference, transport  # noqa: E402
+from torchtitan_flux.models import inference  # noqa: E402
 
-from torchtitan_flux import weight_dict
+from torchtitan_flux.sync import transport
+
+from torchtitan_flux.models import weight_dict
 from torchtitan_flux.engine.base import WeightAck, WeightGroupInfo  # noqa: E402
-from torchtitan_flux.probe import PROBE_TEXT, ProbeMismatch, compare  # noqa: E402
+from torchtitan_flux.sync.probe import PROBE_TEXT, ProbeMismatch, compare  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -55,7 +57,7 @@ def tied_llama_server(tmp_path_factory):
     """A launched vLLM server on a tied Llama, and the handler of it."""
     import os
 
-    from torchtitan_flux.validation import resolve_launch_python
+    from torchtitan_flux.run.validation import resolve_launch_python
     from torchtitan_flux.engine.vllm import VllmEngine
     from torchtitan_flux.engine.vllm_launch import launch_servers
 
@@ -131,8 +133,8 @@ def dataclasses_replace(obj, **kw):
 
 
 def _untied_layout(model_dir):
-    from torchtitan_flux.hf_weights import HFLayout
-    from torchtitan_flux.model import FluxLlamaArgs
+    from torchtitan_flux.models.hf_weights import HFLayout
+    from torchtitan_flux.models.families import FluxLlamaArgs
 
     args = FluxLlamaArgs.from_hf_dir(model_dir)
     args.tie_word_embeddings = False

@@ -14,8 +14,8 @@ import time
 import torch
 from _sync_harness import Harness, assert_in_sync, params_snapshot, perturb
 
-from torchtitan_flux import inference
-from torchtitan_flux.transport import _DTYPES
+from torchtitan_flux.models import inference
+from torchtitan_flux.sync.transport import _DTYPES
 
 LOG = "torchtitan_flux"
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from torchtitan_flux.admission import Admission
+from torchtitan_flux.rl.admission import Admission
 from torchtitan_flux.config import AdaptiveAsync, OffPolicy, WeightSync
 
 GAP = 8

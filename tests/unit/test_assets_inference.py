@@ -1,6 +1,6 @@
 """Tiny model assets, HF weight I/O, the flux_llama3 TrainSpec and the torch-only KV-cache inference.
 
-The torch-only forward (``torchtitan_flux.inference``) is checked against torchtitan's own llama3
+The torch-only forward (``torchtitan_flux.models.inference``) is checked against torchtitan's own llama3
 ``Transformer`` loaded from the same folder.
 """
 
@@ -20,11 +20,15 @@ from torchtitan_flux.patches import apply_patches  # noqa: E402
 
 apply_patches()
 
-from torchtitan_flux import assets, inference, weight_dict  # noqa: E402
-from torchtitan_flux.inference import forward_logits, generate, score  # noqa: E402
-from torchtitan_flux.weight_dict import LlamaShape  # noqa: E402
-from torchtitan_flux.hf_weights import export_hf_weights, load_hf_weights  # noqa: E402
-from torchtitan_flux.model import (  # noqa: E402
+import model_assets as assets  # noqa: E402
+
+from torchtitan_flux.models import inference
+
+from torchtitan_flux.models import weight_dict
+from torchtitan_flux.models.inference import forward_logits, generate, score  # noqa: E402
+from torchtitan_flux.models.weight_dict import LlamaShape  # noqa: E402
+from torchtitan_flux.models.hf_weights import export_hf_weights, load_hf_weights  # noqa: E402
+from torchtitan_flux.models.families import (  # noqa: E402
     FLUX_MODEL_NAME,
     FluxLlamaArgs,
     register_flux_model,
@@ -252,9 +256,9 @@ def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
 def test_inference_module_does_not_import_torchtitan():
     """inference.py imports no torchtitan, and of torchtitan_flux only weight_dict.py, which imports only the HF
     reader, which imports neither."""
-    from torchtitan_flux import hf
+    from torchtitan_flux.models import hf
 
-    for module, allowed in ((inference, {"torchtitan_flux.weight_dict"}), (weight_dict, {"torchtitan_flux"}),
+    for module, allowed in ((inference, {"torchtitan_flux.models.weight_dict"}), (weight_dict, {"torchtitan_flux.models"}),
                             (hf, set())):
         tree = ast.parse(Path(module.__file__).read_text())
         mods = set()
@@ -263,7 +267,7 @@ def test_inference_module_does_not_import_torchtitan():
                 mods |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
                 mods.add(node.module or "")
-                if node.module == "torchtitan_flux":
+                if node.module == "torchtitan_flux.models":
                     assert [a.name for a in node.names] == ["hf"], node.names
         bad = {m for m in mods if m.split(".")[0] in ("torchtitan", "torchtitan_flux")} - allowed
         assert not bad, (module.__name__, bad)

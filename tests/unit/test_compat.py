@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchtitan_flux import compat, transport
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import transport
 
 # ------------------------------------------------------------------------------------------ version string
 
@@ -351,7 +353,7 @@ def _rms_ref(x, w, eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_fallback_before_2_4(monkeypatch, dtype):
-    from torchtitan_flux import inference
+    from torchtitan_flux.models import inference
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 5, 8, generator=g).to(dtype), torch.randn(8, generator=g).to(dtype)
@@ -364,7 +366,7 @@ def test_rms_norm_fallback_before_2_4(monkeypatch, dtype):
 
 
 def test_rms_norm_uses_functional_when_present(monkeypatch):
-    from torchtitan_flux import inference
+    from torchtitan_flux.models import inference
 
     calls = []
 
@@ -380,7 +382,7 @@ def test_rms_norm_uses_functional_when_present(monkeypatch):
 
 
 def test_rms_norm_real_matches_reference():
-    from torchtitan_flux import inference
+    from torchtitan_flux.models import inference
 
     assert inference._HAS_RMS_NORM is hasattr(F, "rms_norm")  # False on torch 2.3
     g = torch.Generator().manual_seed(1)

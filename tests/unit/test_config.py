@@ -27,7 +27,7 @@ from torchtitan.config import ConfigManager  # noqa: E402
 
 from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, ConfigError  # noqa: E402
 from torchtitan_flux.ranges import field_ranges  # noqa: E402
-from torchtitan_flux.validation import validate_config  # noqa: E402
+from torchtitan_flux.run.validation import validate_config  # noqa: E402
 from torchtitan_flux.train import _normalise_argv, _report  # noqa: E402
 
 
@@ -189,7 +189,7 @@ def test_one_syntax_for_every_list_and_boolean():
 
 def test_a_module_that_exits_at_import_is_one_line_with_its_reason():
     """Before 2026-11-25 (issue 27): ``sys.exit("reason")`` at a reward module's import ended the run, reason lost."""
-    from torchtitan_flux.user_code import import_spec
+    from torchtitan_flux.run.user_code import import_spec
 
     with pytest.raises(ConfigError, match=r"^rollout.reward_funcs = 'fakes.exits_at_import:f' cannot be imported: "
                                           r"SystemExit: this module needs a GPU$"):
@@ -371,8 +371,8 @@ def test_unknown_toml_section_or_key_is_one_line_through_the_entry_point(tiny_mo
 
 def test_reward_function_checks(tiny_model_dir, tmp_path):
     """A bad reward function stops the run before any engine starts (probed on one empty completion)."""
-    from torchtitan_flux.rewards import RewardError
-    from torchtitan_flux.tasks import build_task, check_rewards, prompt_tokenizer
+    from torchtitan_flux.data.rewards import RewardError
+    from torchtitan_flux.data.tasks import build_task, check_rewards, prompt_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
@@ -389,7 +389,7 @@ def test_reward_function_checks(tiny_model_dir, tmp_path):
 
 
 def test_bad_jsonl_record(tiny_model_dir, tmp_path):
-    from torchtitan_flux.tasks import build_task, prompt_tokenizer
+    from torchtitan_flux.data.tasks import build_task, prompt_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"answer": "2"}\n')
@@ -402,7 +402,7 @@ def test_bad_jsonl_record(tiny_model_dir, tmp_path):
 def test_step_callbacks_from_config_are_imported_and_take_either_form(tiny_model_dir, tmp_path, monkeypatch):
     """``metrics.step_callbacks``: a torchrun user's way to the tutorial's ``@trainer.add_step_callback`` (before: only
     reachable from Python). The trainer calls them (``test_train_e2e.py::test_two_trainer_processes``)."""
-    from torchtitan_flux.user_code import step_callback
+    from torchtitan_flux.run.user_code import step_callback
 
     for spec, match in [("_step_callbacks:missing", "metrics.step_callbacks = '_step_callbacks:missing' cannot be "
                                                     "imported"),
@@ -468,7 +468,7 @@ def test_a_model_variant_we_refuse_is_refused_at_validation(model_copy, field, v
 def test_a_truncated_safetensors_file_is_named(model_copy):
     """Before: safetensors' ``SafetensorError: Error while deserializing header`` with a traceback, no file named.
     The trainer turns this ValueError into ``error: model.hf_assets_path = ...: <this>`` (FluxTrainer.__init__)."""
-    from torchtitan_flux.hf import read_state_dict
+    from torchtitan_flux.models.hf import read_state_dict
 
     weights = model_copy / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
@@ -482,7 +482,7 @@ def test_a_truncated_safetensors_file_is_named(model_copy):
     ("tokenizer_config.json", '{"bos_token": ', r"tokenizer_config.json is not valid JSON \(Expecting value"),
 ])
 def test_a_corrupt_tokenizer_is_one_line_naming_the_file(model_copy, fname, text, match):
-    from torchtitan_flux.tasks import prompt_tokenizer
+    from torchtitan_flux.data.tasks import prompt_tokenizer
 
     (model_copy / fname).write_text(text)
     with pytest.raises(ConfigError, match=rf"model.hf_assets_path = '{model_copy}': {match}"):
@@ -504,7 +504,7 @@ def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):
 
 
 def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
-    from torchtitan_flux.validation import staleness_out_of_reach
+    from torchtitan_flux.run.validation import staleness_out_of_reach
 
     a = parse("--adaptive_async.enabled", "true").adaptive_async
     hint = staleness_out_of_reach(a, 1)  # target 0.15, but the gap term reaches at most 0.3 * 1/5 = 0.06
@@ -515,7 +515,7 @@ def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
 def test_default_version_gap_works_with_the_default_target(tiny_model_dir):
     """The defaults work together: max_version_gap's default is 1 in fixed async mode and 3 with the controller,
     where the default target_staleness (0.15) is within reach (with gap 1 it was not: staleness ~0.06)."""
-    from torchtitan_flux.validation import staleness_out_of_reach
+    from torchtitan_flux.run.validation import staleness_out_of_reach
 
     fixed = parse("--weight_sync.async_weight_update", "true")
     validate_config(fixed)
@@ -533,7 +533,7 @@ def test_async_settings_have_one_owner_and_old_configs_keep_working(caplog):
     ratio (``Admission`` reads them). The old spellings still run as before, each with one deprecation warning:
     ``adaptive_async.max_version_gap`` moves to ``off_policy.max_version_gap``, and ``async_weight_update = true``
     without ``off_policy.async_ratio`` still means ratio 1."""
-    from torchtitan_flux.admission import Admission
+    from torchtitan_flux.rl.admission import Admission
 
     def admission(*overrides):
         cfg = parse(*overrides)

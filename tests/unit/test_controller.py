@@ -1,4 +1,4 @@
-"""Tests of torchtitan_flux.controller on a simulated rollout plant, and of scripts/plot_controller.py.
+"""Tests of torchtitan_flux.rl.controller on a simulated rollout plant, and of scripts/plot_controller.py.
 
 The plant (``RolloutPlant``) stands in for trainer + engines: the async ratio sets how far generation may run
 ahead, which sets the mean version gap of the batches the trainer sees; KL and importance-weight variance grow
@@ -27,7 +27,7 @@ import sys
 import pytest
 
 from torchtitan_flux.config import AdaptiveAsync, PhaseSchedule, PhaseSpec
-from torchtitan_flux.controller import (
+from torchtitan_flux.rl.controller import (
     AdaptiveAsyncController,
     BaseAsyncController,
     PIDController,
@@ -374,7 +374,7 @@ class TrendController(BaseAsyncController):
 
 
 CUSTOM_MODULE = '''
-from torchtitan_flux.controller import BaseAsyncController
+from torchtitan_flux.rl.controller import BaseAsyncController
 
 class Halver(BaseAsyncController):
     def update(self, staleness):
@@ -432,7 +432,7 @@ def test_custom_controller_rejected(custom_module):
 
 def test_out_of_bounds_controller_output_is_clamped_with_one_warning(custom_module, caplog):
     ctl = AdaptiveAsyncController(cfg_of(controller=f"{custom_module}:Wild", max_async_ratio=0.8), 10)
-    with caplog.at_level(logging.WARNING, logger="torchtitan_flux.controller"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan_flux.rl.controller"):
         outs = [ctl.step(s, StalenessSample()).async_ratio for s in (1, 2, 3)]
     assert outs == [0.8, 0.8, 0.8]
     assert sum("outside" in r.getMessage() for r in caplog.records) == 1

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchtitan_flux import rewards as R
-from torchtitan_flux.data import ChatTemplate, EpochSampler
-from torchtitan_flux.tasks import DatasetTask, Gsm8kTask, build_task, reward_inputs
+from torchtitan_flux.data import rewards as R
+from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler
+from torchtitan_flux.data.tasks import DatasetTask, Gsm8kTask, build_task, reward_inputs
 
 ROWS = [{"prompt": f"q{i}?", "answer": str(i), "level": i % 3} for i in range(10)]
 
@@ -311,7 +311,7 @@ def test_prompt_budget_is_validated_against_seq_len(tiny_model_dir):
     from test_config import parse
 
     from torchtitan_flux.config import ConfigError
-    from torchtitan_flux.validation import validate_config
+    from torchtitan_flux.run.validation import validate_config
 
     with pytest.raises(ConfigError, match=r"rollout.max_prompt_tokens \(60\) \+ rollout.max_new_tokens \(16\) must fit "
                                           r"in training.seq_len = 64"):
@@ -559,7 +559,7 @@ def test_trl_documented_rewards_work_unchanged(tmp_path):
 
 
 def my_task(job_config, tokenizer, dataset_path, dataset_split, field_name):  # a user's task factory
-    from torchtitan_flux.tasks import DigitsTask
+    from torchtitan_flux.data.tasks import DigitsTask
 
     return DigitsTask()
 
@@ -581,8 +581,8 @@ def test_scoring_starts_when_a_steps_results_arrive_not_when_the_trainer_asks():
 
     from test_dispatch import FakeEngine, FakeTokenizer
 
-    from torchtitan_flux.rollout import RolloutScheduler
-    from torchtitan_flux.tasks import Prompt
+    from torchtitan_flux.rollout.scheduler import RolloutScheduler
+    from torchtitan_flux.data.tasks import Prompt
 
     started = threading.Event()
 
@@ -661,7 +661,7 @@ def test_a_reward_that_never_returns_fails_at_its_deadline_naming_it(is_async):
 def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
     """Before 2026-11-25 (issue 27): rewards of 1e38 made ``reward_mean`` non-finite, the row held None, and the
     progress line raised ``TypeError: unsupported format string passed to NoneType.__format__``."""
-    from torchtitan_flux.metrics import MetricsWriter
+    from torchtitan_flux.run.metrics import MetricsWriter
 
     w = MetricsWriter(str(tmp_path), total_steps=3)
     try:
@@ -676,7 +676,7 @@ def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     """Before 2026-11-25 (issue 27): the datasets library's traceback (empty folder, damaged parquet), or a mixed
     folder read as one of its file types with the others silently left out."""
     from torchtitan_flux.config import ConfigError
-    from torchtitan_flux.data import load_table
+    from torchtitan_flux.data.datasets import load_table
 
     d = tmp_path / "data"
     d.mkdir()

@@ -13,9 +13,9 @@ from fakes.engines import FakeEngine
 from fakes.tasks import FakeTask
 from fakes.stub_tokenizers import FakeTokenizer
 
-from torchtitan_flux.dispatch import SpeedSplit
+from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.engine.base import EngineError
-from torchtitan_flux.rollout import RolloutScheduler
+from torchtitan_flux.rollout.scheduler import RolloutScheduler
 
 G = 4
 
@@ -169,7 +169,7 @@ def test_a_stuck_engine_is_reported_every_wait_note_while_collect_waits(monkeypa
     import threading
     import time
 
-    from torchtitan_flux import rollout
+    from torchtitan_flux.rollout import scheduler as rollout
 
     monkeypatch.setattr(rollout, "WAIT_NOTE_S", 0.2)
     sched, (fast, stuck) = make([1.0, 1.0], prompts=4)

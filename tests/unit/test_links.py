@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from torchtitan_flux.engine.base import EngineError, WeightAck
-from torchtitan_flux.weight_sync.links import LinkTable
+from torchtitan_flux.sync.links import LinkTable
 
 
 def _table(*names):

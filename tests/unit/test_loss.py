@@ -1,4 +1,4 @@
-"""Tests of torchtitan_flux.loss against independent float64 loop references."""
+"""Tests of torchtitan_flux.rl.loss against independent float64 loop references."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from torchtitan_flux.loss import group_advantages, grpo_loss, token_logprobs
+from torchtitan_flux.rl.loss import group_advantages, grpo_loss, token_logprobs
 
 # ------------------------------------------------------------------------------------------ references
 

@@ -16,8 +16,8 @@ apply_patches()
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
 
-from torchtitan_flux.validation import validate_config  # noqa: E402
-from torchtitan_flux.model import register_flux_model, select_model  # noqa: E402
+from torchtitan_flux.run.validation import validate_config  # noqa: E402
+from torchtitan_flux.models.families import register_flux_model, select_model  # noqa: E402
 from torchtitan_flux.train import _normalise_argv  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -31,7 +31,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 def test_example_config_builds_the_real_model_on_meta(toml, fixture, spec, params, tmp_path):
     import shutil
 
-    from torchtitan_flux.assets import build_tokenizer
+    from model_assets import build_tokenizer
 
     shutil.copy(FIXTURES / fixture / "config.json", tmp_path / "config.json")
     build_tokenizer(tmp_path)  # validation wants a tokenizer; the real one is not needed to build the model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchtitan_flux.config import ConfigError
-from torchtitan_flux.placement import engine_devices, visible_devices_env
+from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
 
 
 def place(requested=(), legacy="auto", n=2, gpu=True, visible=4, local_world=1):

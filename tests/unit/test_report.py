@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT
 
-from torchtitan_flux import report
+from torchtitan_flux.run import report
 
 TRAINER_SUM = "a" * 64
 

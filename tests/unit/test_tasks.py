@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from torchtitan_flux.rewards import RewardScorer
-from torchtitan_flux.tasks import DigitsTask, Prompt, reward_inputs
+from torchtitan_flux.data.rewards import RewardScorer
+from torchtitan_flux.data.tasks import DigitsTask, Prompt, reward_inputs
 
 
 def test_prompts_depend_only_on_seed_and_step():
@@ -26,7 +26,7 @@ def test_eval_prompts_are_held_out():
 
 def documented_factory(job_config, tokenizer, dataset_path, dataset_split, field_name):
     """A user's task factory as docs/data.md documents it."""
-    from torchtitan_flux.tasks import DigitsTask
+    from torchtitan_flux.data.tasks import DigitsTask
 
     return DigitsTask()
 
@@ -49,7 +49,7 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
     import pytest
 
     from torchtitan_flux.config import ConfigError
-    from torchtitan_flux.tasks import DigitsTask, build_task
+    from torchtitan_flux.data.tasks import DigitsTask, build_task
 
     def job(task):
         return SimpleNamespace(rollout=SimpleNamespace(task=task, dataset_path="", dataset_split="train",
@@ -57,7 +57,7 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
 
     assert isinstance(build_task(job("test_tasks:documented_factory"), None), DigitsTask)
     with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:not_a_task' returned list; allowed: a "
-                                          r"torchtitan_flux.tasks.Task"):
+                                          r"torchtitan_flux.data.tasks.Task"):
         build_task(job("test_tasks:not_a_task"), None)
     with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:exits' raised SystemExit: no data today$"):
         build_task(job("test_tasks:exits"), None)

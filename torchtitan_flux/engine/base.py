@@ -158,7 +158,9 @@ class EngineBase:
     def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
         """Rank 0 of a 2-rank group on ``{prefix}`` of ``store``: NCCL groups get ``cuda_rules.GROUP_TIMEOUT``
         (our push deadline decides, not the watchdog) and connect at once on ``device``."""
-        from torchtitan_flux import compat, cuda_rules, transport
+        from torchtitan_flux import compat
+        from torchtitan_flux.sync import cuda_rules
+        from torchtitan_flux.sync import transport
 
         timeout = cuda_rules.GROUP_TIMEOUT if info.backend == "nccl" else timedelta(seconds=info.timeout_s)
         return compat.new_weight_sync_group(

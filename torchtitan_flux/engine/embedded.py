@@ -81,7 +81,11 @@ class _EngineProcess:
                  auth_token: str | None):
         import json
 
-        from torchtitan_flux import hf, inference, weight_dict
+        from torchtitan_flux.models import hf
+
+        from torchtitan_flux.models import inference
+
+        from torchtitan_flux.models import weight_dict
 
         self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
@@ -105,7 +109,9 @@ class _EngineProcess:
             self.conn.send(msg)
 
     def join(self, info: WeightGroupInfo) -> None:
-        from torchtitan_flux import compat, cuda_rules, transport
+        from torchtitan_flux import compat
+        from torchtitan_flux.sync import cuda_rules
+        from torchtitan_flux.sync import transport
 
         def make_group():
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)

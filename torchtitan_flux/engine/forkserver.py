@@ -35,8 +35,8 @@ START_METHOD_ENV = "TORCHTITAN_FLUX_ENGINE_START"
 # What the fork server imports before it forks engines: everything an engine runs. The entry module is re-run as
 # the child's ``__mp_main__``; what it imports (torch and the torch.distributed modules of the patches) is
 # preloaded, not the module itself: runpy warns ("found in sys.modules ... prior to execution") when it is.
-ENGINE_PRELOAD = ("torchtitan_flux.patches", "torchtitan_flux.engine.embedded", "torchtitan_flux.inference",
-                  "torchtitan_flux.transport", "torchtitan_flux.compat")
+ENGINE_PRELOAD = ("torchtitan_flux.patches", "torchtitan_flux.engine.embedded", "torchtitan_flux.models.inference",
+                  "torchtitan_flux.sync.transport", "torchtitan_flux.compat")
 
 
 def start_method() -> str:

@@ -1,7 +1,7 @@
 """``HttpEngine``: the abstract base handler the HTTP rollout engines (vLLM, SGLang) share. Its collaborators:
 ``HttpClient`` (``engine/http_client.py``) talks to the server, ``StartupChecks`` / ``HealthMonitor``
 (``engine/server_checks.py``) check it, ``Gate`` / ``Workers`` (``engine/threads.py``) are its threads, and the
-model family's ``HFLayout`` (``torchtitan_flux.hf_weights``) gives the HF names and layout. Subclasses implement the
+model family's ``HFLayout`` (``torchtitan_flux.models.hf_weights``) gives the HF names and layout. Subclasses implement the
 abstract per-server hooks: the endpoints and payloads, nothing else.
 
 ``HttpEngine`` implements the ``EngineHandler`` protocol (``engine/base.py``) for a server we did not start:
@@ -24,7 +24,7 @@ abstract per-server hooks: the endpoints and payloads, nothing else.
   once it is gone.
 
 Where names and layouts are converted (trainer side, once, with the model family's torchtitan state-dict adapter,
-``torchtitan_flux.hf_weights.HFLayout``): for Llama, torchtitan's wq/wk rows are in the RoPE layout of the original
+``torchtitan_flux.models.hf_weights.HFLayout``): for Llama, torchtitan's wq/wk rows are in the RoPE layout of the original
 Llama code and HF's q_proj/k_proj rows are permuted (``to_hf`` applies the permutation); Qwen keeps HF's layout.
 A tied model has no ``output.weight`` parameter, so nothing is pushed for ``lm_head``: the engine's embedding is
 its output projection. SGLang's ``load_weights`` takes HF tensors as they are, so the bytes on the
@@ -66,7 +66,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from torchtitan_flux import hf, transport
+from torchtitan_flux.models import hf
+
+from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.base import (
     EngineBase,
     EngineError,
@@ -231,8 +233,8 @@ class HttpEngine(EngineBase, abc.ABC):
 
     @functools.cached_property
     def layout(self):
-        """The model family's HF layout (``torchtitan_flux.hf_weights.HFLayout``), built on first use."""
-        from torchtitan_flux.hf_weights import HFLayout  # imports torchtitan (trainer side only)
+        """The model family's HF layout (``torchtitan_flux.models.hf_weights.HFLayout``), built on first use."""
+        from torchtitan_flux.models.hf_weights import HFLayout  # imports torchtitan (trainer side only)
 
         return HFLayout.from_hf_dir(self.model_dir)
 

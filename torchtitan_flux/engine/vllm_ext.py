@@ -16,7 +16,7 @@ GPU servers use vLLM's own ``nccl`` backend, driven from the trainer by vLLM's `
 (``torchtitan_flux/engine/vllm_nccl.py``); the extension then only serves ``flux_model_info``.
 
 Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP, and what the trainer's
-``WeightSyncer`` broadcasts; see ``torchtitan_flux/transport.py``):
+``WeightSyncer`` broadcasts; see ``torchtitan_flux/sync/transport.py``):
 
 * ``POST /init_weight_transfer_engine {"init_info": FluxInitInfo}``: connect to the trainer's TCPStore and build a
   2-member group on ``PrefixStore(store_prefix)`` (trainer = rank 0, this worker = ``rank_offset``). It blocks
@@ -55,7 +55,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from torchtitan_flux import compat, transport
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.auth import read_token
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -238,7 +240,7 @@ def _refresh_tied_lm_head(model, model_config) -> None:
     the layerwise reload never re-processes it: on CPU it keeps the oneDNN/packed GEMM handle that
     ``process_weights_after_loading`` built from the ORIGINAL embedding at start-up, and the logits stay those of the
     initial head however the embedding is trained (vLLM 0.32 CPU; found by the post-sync probe,
-    ``torchtitan_flux/probe.py``). Re-point the head at the embedding's parameter and rebuild that state (a no-op
+    ``torchtitan_flux/sync/probe.py``). Re-point the head at the embedding's parameter and rebuild that state (a no-op
     off CPU for unquantized heads)."""
     if not getattr(model_config.hf_config, "tie_word_embeddings", False):
         return

@@ -58,7 +58,7 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def unservable_reason(model_dir: str | os.PathLike, gpu: bool | None = None) -> str | None:
     """Why a server launched here could not serve ``model_dir``, for the rules known before launching (CPU:
     the attention head sizes above); None when none applies. ``gpu``: as ``launch_command`` decides it."""
-    from torchtitan_flux import hf
+    from torchtitan_flux.models import hf
 
     if _has_gpu() if gpu is None else gpu:
         return None

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtitan_flux import cuda_rules
+from torchtitan_flux.sync import cuda_rules
 from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine
 from torchtitan_flux.engine.vllm import VllmEngine

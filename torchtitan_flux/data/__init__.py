@@ -1,0 +1,1 @@
+"""What is trained on: tasks, datasets, rewards and evaluation."""

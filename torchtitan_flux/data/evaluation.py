@@ -1,0 +1,120 @@
+"""Held-out evaluation through the rollout engines (``[eval]``).
+
+After every ``eval.every_steps``-th step (and before the first with ``eval.at_start``) the trainer's rank 0 sends
+the held-out prompts to the same engines as training, ``eval.n`` completions each at ``eval.temperature`` (0:
+greedy), pinned to the newest policy version sent to them (the one just trained unless an async push was
+coalesced or ``weight_sync.interval`` skipped it; ``eval/version`` says which), and scores them with the task's reward functions. Logged:
+``eval/reward_mean``, ``eval/pass@1`` (mean over prompts of the fraction of completions whose total reward is
+>= ``eval.pass_threshold``), ``eval/pass@n`` when n > 1 (fraction of prompts with at least one passing
+completion), per-reward ``eval/rewards/<name>/mean``, ``eval/version`` (the policy evaluated), ``eval/time_s``.
+
+Timing: a synchronous run (``weight_sync.async_weight_update = false``) waits for the evaluation at its step, so
+step k's metrics hold the evaluation of version k; training stalls for as long as the evaluation takes and no
+more. An asynchronous run does not wait: the evaluation's requests queue behind the rollouts already in flight
+and its results are picked up at the first step that ends after they are scored (``eval/version`` says which
+policy they measure); the trainer waits only when the next evaluation is due before the previous one finished,
+and at the last step. ``at_start`` always waits (nothing is trained yet) and is logged as a step-0 record.
+Every evaluation is also appended to ``<dump_folder>/eval.jsonl``; when two finish before the same step's
+record, that record shows the newer one (the older is in eval.jsonl).
+
+Concurrency: main thread only (results arrive through the scheduler's ``pump``); scoring runs on the reward pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from torchtitan_flux.rollout.scheduler import RolloutScheduler, _Part
+from torchtitan_flux.data.tasks import Prompt, Task
+
+
+@dataclass
+class _Run:
+    version: int
+    parts: list[_Part]
+    started: float
+    scores: Future | None = None
+
+
+class Evaluator:
+    def __init__(self, eval_cfg, task: Task, scheduler: RolloutScheduler, tokenizer, seed: int, dump_folder: str,
+                 wait: bool):
+        self.cfg, self.task, self.scheduler, self.tokenizer = eval_cfg, task, scheduler, tokenizer
+        self.seed, self.wait = seed, wait
+        self.prompts: list[Prompt] = task.eval_prompts(seed, eval_cfg.num_prompts)
+        self.prompt_ids = [tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in self.prompts]
+        self.path = os.path.join(dump_folder, "eval.jsonl")
+        self._runs: list[_Run] = []
+
+    def due(self, step: int) -> bool:
+        return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+
+    def start(self, version: int) -> None:
+        """Send the held-out prompts for policy ``version`` (call once the engines can get that version)."""
+        parts = self.scheduler.submit_eval(self.prompt_ids, self.cfg.n, self.cfg.temperature, version,
+                                           seed=self.seed * 1_000_003 + version)
+        self._runs.append(_Run(version, parts, time.perf_counter()))
+
+    def after_step(self, step: int, version: int, last: bool) -> dict[str, float]:
+        """Rank 0, after training step ``step``: start the evaluation of ``version`` (the newest policy the
+        engines get: this step's, unless an async push was coalesced or ``weight_sync.interval`` skipped it;
+        ``eval/version`` says which) when due, and return the metrics of the newest evaluation finished (waiting
+        when ``wait`` or at the ``last`` step). One evaluation is in flight at a time."""
+        earlier = None
+        if self.due(step):
+            if self.pending():
+                earlier = self.collect(wait=True)
+            self.start(version)
+        return self.collect(wait=self.wait or last) or earlier or {}
+
+    def pending(self) -> bool:
+        return bool(self._runs)
+
+    def collect(self, wait: bool) -> dict[str, float] | None:
+        """Metrics of the newest evaluation finished (waiting for all of them when ``wait``); None when none is."""
+        newest = None
+        while self._runs:
+            run = self._runs[0]
+            if not self._advance(run, wait):
+                break
+            self._runs.pop(0)
+            newest = self._metrics(run)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(newest) + "\n")
+        return newest
+
+    def _advance(self, run: _Run, wait: bool) -> bool:
+        """Pump results / submit scoring; True once ``run`` is scored."""
+        while any(p.result is None for p in run.parts):
+            if not wait and self.scheduler.events.empty():
+                return False
+            self.scheduler.pump(0.05 if wait else 0)
+        if run.scores is None:
+            results = [p.result for p in run.parts]
+            _, run.scores = self.scheduler.scoring.submit(self.task, self.prompts, results, self.cfg.n)
+        if not wait and not run.scores.done():
+            return False
+        self.scheduler.scoring.wait(run.scores)
+        return True
+
+    def _metrics(self, run: _Run) -> dict[str, float]:
+        scores, n = self.scheduler.scoring.wait(run.scores), self.cfg.n
+        passed = [t >= self.cfg.pass_threshold for t in scores.total]
+        per_prompt = [passed[i : i + n] for i in range(0, len(passed), n)]
+        out = {
+            "eval/version": run.version,
+            "eval/reward_mean": sum(scores.total) / len(scores.total),
+            "eval/pass@1": sum(sum(g) / n for g in per_prompt) / len(per_prompt),
+            "eval/num_prompts": len(per_prompt),
+            "eval/time_s": time.perf_counter() - run.started,
+        }
+        if n > 1:
+            out[f"eval/pass@{n}"] = sum(any(g) for g in per_prompt) / len(per_prompt)
+        for k, v in scores.metrics().items():
+            if k.endswith("/mean"):
+                out[f"eval/{k}"] = v
+        return out

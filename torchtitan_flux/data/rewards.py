@@ -1,0 +1,290 @@
+"""Reward functions with TRL's signature, scored off the trainer's main loop.
+
+A reward function is called once per batch, the way TRL's ``GRPOTrainer`` calls it:
+
+    f(prompts, completions, completion_ids=..., **columns) -> list[float | None]
+
+``prompts`` holds one entry per completion (each prompt repeated ``group_size`` times): the prompt text, or for a
+chat dataset its list of messages; ``completions`` the decoded completion texts, or for a chat dataset
+``[{"role": "assistant", "content": text}]`` per completion (TRL's conversational format); ``completion_ids``
+the completion token ids (EOS excluded); ``columns`` every other column of the dataset (``answer``, ...), one
+value per completion. ``None`` means "not applicable to this sample". ``async def`` functions are awaited.
+
+The total reward of a sample is the weighted sum of the functions' values, ``None`` counting as 0 (TRL's
+``nansum``). Per function, ``rewards/<name>/mean`` and ``/std`` (over the non-``None`` values) go to the metrics.
+
+Concurrency: ``RewardScorer.submit`` hands a batch to a thread pool (``rollout.reward_workers`` threads) and
+returns a ``Future``; the trainer's main thread only waits on it when it needs that step's batch, so scoring a
+step overlaps whatever the main thread does meanwhile (training the previous step in async mode). Several async
+functions of one batch run concurrently on one event loop in the worker thread. A reward function must be
+thread-safe when ``reward_workers > 1``. Pure-Python rewards share the GIL with the trainer; torch ops release
+it, so a light reward costs the trainer little.
+
+Values: Python numbers, numpy scalars and 0-d numpy arrays / torch tensors are taken as floats; the list may also be
+a 1-d numpy array or tensor (TRL converts one the same way).
+
+Errors: a function that raises (``sys.exit()`` included), or returns something other than ``len(completions)``
+finite numbers or ``None``, fails the batch with ``RewardError`` naming the function (and the sample index when
+known); the run stops there with that one line (``error: ...``, ``train.py``). So does a function still running
+``rollout.reward_timeout_seconds`` after it was called (``RewardScorer.wait``): its thread cannot be killed, so
+the run ends instead of waiting on it (the process exits with the thread still in it).
+
+Answer extraction (``extract_answer``) follows GSM8K's convention: the text after the last ``####``, else the
+last ``\\boxed{...}``, else the last number; thousands separators, ``$`` and a trailing ``.`` are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned a bad value; the message names it (and the sample when known)."""
+
+
+@dataclass(frozen=True)
+class RewardFunc:
+    name: str  # "package.module:function", or the built-in's name
+    fn: Callable[..., Any]  # TRL's batched signature
+    weight: float = 1.0
+
+
+@dataclass
+class Scores:
+    """One batch's rewards: ``total[i]`` = sum over functions of weight * value (``None`` -> 0)."""
+
+    total: list[float]
+    per_func: dict[str, list[float | None]]
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name, values in self.per_func.items():
+            present = [v for v in values if v is not None]
+            mean = sum(present) / len(present) if present else math.nan
+            var = sum((v - mean) ** 2 for v in present) / len(present) if present else math.nan
+            out[f"rewards/{name}/mean"] = mean
+            out[f"rewards/{name}/std"] = math.sqrt(var)
+        return out
+
+
+def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
+    """``"package.module:name"`` -> the callable (``user_code.import_spec``: a ``ConfigError``, a ``ValueError``,
+    naming ``field_name`` otherwise)."""
+    from torchtitan_flux.run.user_code import import_spec
+
+    return import_spec(field_name, spec)
+
+
+def per_sample(fn: Callable[[str, str, str], float]) -> Callable[..., list[float]]:
+    """The old ``rollout.reward_fn(prompt, completion, answer) -> float`` as a batched function."""
+
+    def batched(prompts, completions, answer=None, **_):
+        answers = answer if answer is not None else [""] * len(completions)
+        out = []
+        for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
+            try:
+                out.append(fn(p, c, a))
+            except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
+                raise RewardError(f"sample {i}: {type(e).__name__}: {e}") from e
+        return out
+
+    return batched
+
+
+class RewardScorer:
+    """Scores batches with a list of ``RewardFunc`` on a thread pool (see the module docstring)."""
+
+    def __init__(self, funcs: list[RewardFunc], workers: int = 1, timeout_s: float = 300.0):
+        if not funcs:
+            raise ValueError("a task needs at least one reward function")
+        self.funcs = list(funcs)
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="flux-reward")
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[str, float]] = {}  # worker thread id -> (function(s) it runs, since when)
+
+    def submit(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list]) -> Future:
+        return self._pool.submit(self.score, prompts, completions, completion_ids, columns)
+
+    def wait(self, future: Future, interrupted=lambda: False) -> Scores:
+        """``future``'s scores (any thread). Raises ``RewardError`` naming a reward function that has been running
+        for more than ``timeout_s`` (on this batch or another: the pool is stuck either way), and returns None at
+        once when ``interrupted()`` (a stop was asked for; the caller stops)."""
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except FutureTimeout:
+                pass
+            if interrupted():
+                return None
+            now = time.monotonic()
+            with self._lock:
+                late = [(name, now - t0) for name, t0 in self._running.values() if now - t0 > self.timeout_s]
+            if late:
+                name, took = late[0]
+                raise RewardError(f"reward function {name!r} did not return within rollout.reward_timeout_seconds = "
+                                  f"{self.timeout_s:g} ({took:.0f} s); the run stops (the function's thread cannot "
+                                  "be interrupted)")
+
+    @contextlib.contextmanager
+    def _calling(self, name: str):
+        """Marks this worker thread as running ``name`` (for ``wait``'s deadline)."""
+        with self._lock:
+            self._running[threading.get_ident()] = (name, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(threading.get_ident(), None)
+
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list]) -> Scores:
+        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        results: dict[str, Any] = {}
+        coros = {}
+        for f in self.funcs:
+            try:
+                with self._calling(f.name):
+                    out = f.fn(**kwargs)
+            except RewardError as e:
+                raise RewardError(f"reward function {f.name!r}: {e}") from e
+            except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
+                raise RewardError(f"reward function {f.name!r} raised {type(e).__name__}: {e}") from e
+            if inspect.isawaitable(out):
+                coros[f.name] = out
+            else:
+                results[f.name] = out
+        if coros:
+            with self._calling(", ".join(coros)):
+                results.update(asyncio.run(_gather(coros)))
+        n = len(completions)
+        per_func = {f.name: _check(f.name, results[f.name], n) for f in self.funcs}
+        total = [
+            sum(f.weight * v for f in self.funcs if (v := per_func[f.name][i]) is not None) for i in range(n)
+        ]
+        return Scores([float(t) for t in total], per_func)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _gather(coros: dict[str, Any]) -> dict[str, Any]:
+    names = list(coros)
+    outs = await asyncio.gather(*(_guarded(name, c) for name, c in coros.items()), return_exceptions=True)
+    for out in outs:
+        if isinstance(out, BaseException):
+            raise out
+    return dict(zip(names, outs))
+
+
+async def _guarded(name: str, coro: Any) -> Any:
+    """``coro``'s value; its exception as a ``RewardError`` (``SystemExit`` too, which asyncio would re-raise out
+    of the event loop)."""
+    try:
+        return await coro
+    except (Exception, SystemExit) as e:
+        raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+
+
+def _check(name: str, values: Any, n: int) -> list[float | None]:
+    if getattr(values, "ndim", None) == 1 and hasattr(values, "tolist"):  # a numpy array or torch tensor
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(f"reward function {name!r} returned {type(values).__name__}; it must return a list of "
+                          f"{n} floats (or None for 'not applicable')")
+    if len(values) != n:
+        raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(None)
+            continue
+        if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RewardError(f"reward function {name!r} returned {v!r} for sample {i}; allowed: a finite number "
+                              "(float, int, numpy scalar, 0-d tensor) or None")
+        out.append(float(v))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- answers
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _normalize(ans: str) -> str:
+    s = ans.strip().replace(",", "").replace("$", "").rstrip(".").strip()
+    try:
+        x = float(s)
+    except ValueError:
+        return s
+    return str(int(x)) if x.is_integer() else repr(x)
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion or a GSM8K solution, normalised (see the module docstring); None when
+    there is none."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1]
+        m = _NUMBER.search(tail)
+        return _normalize(m.group(0)) if m else (_normalize(tail) or None)
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return _normalize(boxed)
+    nums = _NUMBER.findall(text)
+    return _normalize(nums[-1]) if nums else None
+
+
+def gold_answer(answer: str) -> str | None:
+    """The reference answer of a GSM8K record: the part after ``####`` (or the whole string when absent)."""
+    return extract_answer(str(answer)) if "####" in str(answer) else _normalize(str(answer))
+
+
+def _text(completion: Any) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def answer_match_reward(completions, answer, **_) -> list[float]:
+    """1.0 when the completion's final answer (``extract_answer``) equals the record's ``answer`` (its ``####``
+    part when present), else 0.0."""
+    return [float(extract_answer(_text(c)) == gold_answer(a)) for c, a in zip(completions, answer)]
+
+
+def math_verify_reward(completions, answer, **_) -> list[float]:
+    """1.0 when ``math_verify`` finds the completion equivalent to the gold answer (needs ``pip install
+    math-verify``)."""
+    from math_verify import parse, verify
+
+    out = []
+    for c, a in zip(completions, answer):
+        gold = parse(gold_answer(a) or "")
+        pred = parse(_text(c))
+        out.append(float(bool(gold) and bool(pred) and verify(gold, pred)))
+    return out
+
+
+def digits_reward(completions, **_) -> list[float]:
+    """Fraction of the completion's characters that are ASCII digits (0 for an empty completion)."""
+    return [sum(ch.isdigit() for ch in c) / len(c) if c else 0.0 for c in map(_text, completions)]

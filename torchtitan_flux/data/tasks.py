@@ -1,0 +1,369 @@
+"""Tasks: where prompts come from and which reward functions score them.
+
+A task yields the ``Prompt`` records of a training step as a pure function of (seed, step), so the prompts of
+every step are reproducible after a resume without any dataloader state. Its rewards are ``RewardFunc``s with
+TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` / ``rollout.reward_fn`` replace a task's own.
+
+Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a callable taking
+``(job_config, tokenizer, dataset_path, dataset_split, field_name)`` and returning a ``Task``; ``field_name`` is
+the config field to name in its errors, as docs/data.md documents):
+
+* ``digits`` — dense sanity task: reward = fraction of the completion's characters that are ASCII digits.
+  A random-init byte-level model starts near 10/259 and learns it in minutes on CPU.
+* ``arithmetic`` — "a+b=" with a, b in [0, 50): reward 1 if the completion's final answer (``extract_answer``:
+  after ``####``, else ``\\boxed{}``, else the last number) equals a+b.
+* ``dataset`` (alias ``jsonl``, the old name) — records of a local dataset (``data.load_table``): a text prompt
+  column or a chat ``messages`` column, every other column passed to the rewards; sampled in seeded epochs
+  without replacement (``data.EpochSampler``). No default reward: name one in ``rollout.reward_funcs``.
+  A record whose prompt is null, empty or an empty message list refuses the dataset (naming the file, the
+  first such record and how many there are): training on the text "None" or on nothing is a data bug, not
+  something to skip silently.
+* ``gsm8k`` — a dataset in GSM8K's format (``question``, ``answer`` ending in ``#### <number>``) scored by
+  ``answer_match`` (exact final answer); ``math_verify`` is available as a reward when installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torchtitan_flux.data import rewards as R
+from torchtitan_flux.config import ConfigError
+from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
+
+logger = logging.getLogger("torchtitan_flux")
+
+BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
+    "answer_match": R.answer_match_reward,
+    "math_verify": R.math_verify_reward,
+    "digits": R.digits_reward,
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # what the model is given (for a chat record: the rendered template)
+    answer: str = ""
+    columns: dict[str, Any] = field(default_factory=dict)  # passed to the rewards (``answer`` always included)
+    messages: list | None = None  # chat records: the messages, which the rewards get as ``prompts``
+    add_bos: bool = True  # False for chat-templated text: the template writes its own BOS
+
+
+class Task:
+    """A prompt source and the reward functions that score it."""
+
+    name: str
+    reward_funcs: list[R.RewardFunc]
+    chat: bool = False  # rewards get TRL's conversational format
+
+    def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
+        raise NotImplementedError
+
+    def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
+        """Held-out prompts: ``n`` of them (every record of a dataset when ``n`` is 0)."""
+        return self.prompts(seed + 7_919, 0, n or 64)
+
+
+def _rng(seed: int, step: int) -> random.Random:
+    return random.Random(seed * 1_000_003 + step)
+
+
+class DigitsTask(Task):
+    name = "digits"
+
+    def __init__(self):
+        self.reward_funcs = [R.RewardFunc("digits", R.digits_reward)]
+
+    def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
+        rng = _rng(seed, step)
+        return [Prompt("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) + ":") for _ in range(n)]
+
+
+class ArithmeticTask(Task):
+    name = "arithmetic"
+
+    def __init__(self):
+        self.reward_funcs = [R.RewardFunc("answer_match", R.answer_match_reward)]
+
+    def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
+        rng = _rng(seed, step)
+        out = []
+        for _ in range(n):
+            a, b = rng.randrange(50), rng.randrange(50)
+            out.append(Prompt(f"{a}+{b}=", str(a + b), {"answer": str(a + b)}))
+        return out
+
+
+class DatasetTask(Task):
+    """Records of a local dataset (see the module docstring)."""
+
+    name = "dataset"
+    default_prompt_columns: tuple[str, ...] = ()  # tried after rollout.prompt_column
+
+    def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
+                 field_name: str = "rollout.dataset_path"):
+        r = job_config.rollout
+        table = load_table(dataset_path, dataset_split, field_name)
+        cols = table.column_names
+        text_col = next((c for c in (r.prompt_column, *self.default_prompt_columns) if c in cols), None)
+        self.chat = text_col is None and r.messages_column in cols
+        if text_col is None and not self.chat:
+            raise ConfigError(f"{field_name} = {dataset_path!r} has columns {cols}; it needs a text column named by "
+                             f"rollout.prompt_column ({r.prompt_column!r}) or a chat column named by "
+                             f"rollout.messages_column ({r.messages_column!r})")
+        prompt_col = r.messages_column if self.chat else text_col
+        where = f"{field_name} = {dataset_path!r}"
+        reserved = sorted(set(cols) & RESERVED_COLUMNS - {prompt_col})
+        if reserved:  # else the column would replace what every reward function receives under that name
+            raise ConfigError(f"{where} has a column named {reserved[0]!r}, which reward functions receive as their "
+                              f"own argument; allowed: any other name (rename the column; reserved: "
+                              f"{', '.join(sorted(RESERVED_COLUMNS))})")
+        _refuse_empty_prompts(table[prompt_col], prompt_col, where)
+        if not self.chat:
+            _refuse_non_text_prompts(table[prompt_col], prompt_col, where)
+        template = ChatTemplate(job_config.model.hf_assets_path) if self.chat or r.apply_chat_template else None
+        records, lengths = [], []
+        for i, row in enumerate(table.to_list()):
+            value = row.pop(prompt_col)
+            answer = "" if row.get(r.answer_column) is None else str(row[r.answer_column])
+            columns = {"answer": row.get(r.answer_column), **row}  # as read (a CSV number stays a number)
+            if self.chat:
+                messages = value
+            elif template is not None:
+                messages = [{"role": "user", "content": str(value)}]
+            else:
+                messages = None
+            if messages is not None:
+                if not isinstance(messages, list) or not all(
+                        isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in messages):
+                    raise ConfigError(f"{field_name} = {dataset_path!r} record {i}: column {prompt_col!r} must be a "
+                                     "list of {'role', 'content'} messages with text content; got "
+                                     f"{str(messages)[:80]}")
+                text = template.render(messages, add_generation_prompt=True)
+                p = Prompt(text, answer, columns, messages if self.chat else None, add_bos=False)
+            else:
+                p = Prompt(str(value), answer, columns)
+            records.append(p)
+            lengths.append(len(tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False)))
+        self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts,
+                                   f"{field_name} = {dataset_path!r}", *prompt_budget(job_config, max(lengths)))
+        self.sampler = EpochSampler(len(self.records), r.seed)
+        self.reward_funcs = []
+
+    def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
+        if seed != self.sampler.seed:
+            self.sampler = EpochSampler(len(self.records), seed)
+        return [self.records[i] for i in self.sampler.indices((step - 1) * n, n)]
+
+    def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
+        return self.records[: n or len(self.records)]
+
+    def data_state(self, step: int, prompts_per_step: int) -> dict:
+        """What a checkpoint records of the prompt stream after ``step``: its position (epoch, offset) and which
+        records it runs over (count and a hash of the prompt texts, after length filtering)."""
+        pos = step * prompts_per_step
+        digest = hashlib.sha1("\x00".join(p.text for p in self.records).encode()).hexdigest()
+        return {"position": pos, "epoch": self.sampler.epoch(pos), "records": len(self.records), "sha1": digest}
+
+    def check_resume(self, saved: dict, step: int, prompts_per_step: int) -> str | None:
+        """Why a resume from ``saved`` (a ``data_state``) would not continue the same prompt stream; None if it
+        does."""
+        now = self.data_state(step, prompts_per_step)
+        diff = [k for k in ("records", "sha1", "position") if saved.get(k) != now[k]]
+        if not diff:
+            return None
+        return (f"the prompt stream differs from the checkpoint's ({', '.join(diff)} changed: saved {saved}, now "
+                f"{now}); training goes on from position {now['position']} of the current dataset")
+
+
+class Gsm8kTask(DatasetTask):
+    name = "gsm8k"
+    default_prompt_columns = ("question",)
+
+    def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
+                 field_name: str = "rollout.dataset_path"):
+        super().__init__(job_config, tokenizer, dataset_path, dataset_split, field_name)
+        self.reward_funcs = [R.RewardFunc("answer_match", R.answer_match_reward)]
+        # answer_match compares with each record's gold answer: without one a record can only ever score 0
+        missing = [i for i, p in enumerate(self.records) if not R.gold_answer(p.answer)]
+        col, where = job_config.rollout.answer_column, f"{field_name} = {dataset_path!r}"
+        if len(missing) == len(self.records):
+            raise ConfigError(f"{where}: no record has an answer in column {col!r} (rollout.answer_column) that "
+                              "answer_match can compare (GSM8K's '... #### <number>', or the answer itself): every "
+                              "reward would be 0; allowed: a dataset with answers, or the column that holds them")
+        if missing:
+            logger.warning(f"{where}: {len(missing)} of {len(self.records)} records (the first: record "
+                           f"{missing[0]}) have no answer in column {col!r} that answer_match can compare; they "
+                           "can only ever score 0")
+
+
+def _dataset_task(cls):
+    return lambda jc, tok, path, split, field_name="rollout.dataset_path": cls(jc, tok, path, split, field_name)
+
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "digits": lambda *a, **k: DigitsTask(),
+    "arithmetic": lambda *a, **k: ArithmeticTask(),
+    "dataset": _dataset_task(DatasetTask),
+    "gsm8k": _dataset_task(Gsm8kTask),
+}
+ALIASES = {"jsonl": "dataset"}  # old name, kept working
+DATASET_TASKS = ("dataset", "gsm8k")
+
+
+def task_factory(name: str) -> Callable[..., Task]:
+    name = ALIASES.get(name, name)
+    if name in TASKS:
+        return TASKS[name]
+    if ":" in name:
+        return R.import_callable(name, "rollout.task")
+    raise ValueError(f"rollout.task = {name!r} is not allowed; allowed: {' | '.join([*TASKS, *ALIASES])} or "
+                     "'package.module:name'")
+
+
+RESERVED_COLUMNS = {"prompts", "completions", "completion_ids"}  # reward functions' own arguments (rewards.py)
+
+
+def _refuse_non_text_prompts(values: list, column: str, where: str) -> None:
+    """``ConfigError`` when a text prompt is not a string (a number, a list, a dict would be trained on as its
+    ``str()``)."""
+    bad = [i for i, v in enumerate(values) if not isinstance(v, str)]
+    if bad:
+        raise ConfigError(f"{where} record {bad[0]}: column {column!r} is {type(values[bad[0]]).__name__} "
+                          f"{str(values[bad[0]])[:60]!r} ({len(bad)} of {len(values)} records are not text); allowed: "
+                          "a string prompt in every record (a list of messages goes in rollout.messages_column)")
+
+
+def _refuse_empty_prompts(values: list, column: str, where: str) -> None:
+    """``ConfigError`` when a prompt is null, empty or blank text, or an empty message list (see the module
+    docstring)."""
+    empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, (str, list)) and not v)
+             or (isinstance(v, str) and not v.strip())]
+    if empty:
+        raise ConfigError(f"{where} record {empty[0]}: column {column!r} is {values[empty[0]]!r} ({len(empty)} of "
+                          f"{len(values)} records have a null, empty or blank prompt); allowed: a non-empty prompt in every "
+                          "record (remove or fill those records)")
+
+
+def prompt_budget(job_config, longest: int) -> tuple[str, str]:
+    """For ``data.filter_long``'s messages: where the prompt limit comes from, and what would hold a prompt of
+    ``longest`` tokens."""
+    r, seq_len = job_config.rollout, job_config.training.seq_len
+    fix = f"training.seq_len >= {longest + r.max_new_tokens} (longest prompt + rollout.max_new_tokens)"
+    if r.max_prompt_tokens:
+        return (f"rollout.max_prompt_tokens = {r.max_prompt_tokens}",
+                f"rollout.max_prompt_tokens >= {longest} with {fix}")
+    return (f"training.seq_len - rollout.max_new_tokens = {seq_len} - {r.max_new_tokens} = "
+            f"{seq_len - r.max_new_tokens} tokens (rollout.max_prompt_tokens = 0)", fix)
+
+
+def max_prompt_tokens(job_config) -> int:
+    """``rollout.max_prompt_tokens``, or what ``training.seq_len`` leaves after ``max_new_tokens`` when it is 0."""
+    r = job_config.rollout
+    return r.max_prompt_tokens or job_config.training.seq_len - r.max_new_tokens
+
+
+def reward_funcs(rollout_cfg, task: Task) -> list[R.RewardFunc]:
+    """``rollout.reward_funcs`` (with ``reward_weights``), else the old ``reward_fn``, else the task's own."""
+    specs, weights = list(rollout_cfg.reward_funcs), list(rollout_cfg.reward_weights)
+    if specs:
+        if weights and len(weights) != len(specs):
+            raise ConfigError(f"rollout.reward_weights has {len(weights)} entries for {len(specs)} reward_funcs; "
+                             "give one weight per function, or none (all 1.0)")
+        out = []
+        for spec, w in zip(specs, weights or [1.0] * len(specs)):
+            fn = BUILTIN_REWARDS.get(spec) or R.import_callable(spec, "rollout.reward_funcs")
+            out.append(R.RewardFunc(spec.rpartition(":")[2], fn, float(w)))  # TRL names it by the function
+        if len({f.name for f in out}) < len(out):
+            out = [R.RewardFunc(spec, f.fn, f.weight) for spec, f in zip(specs, out)]
+        return out
+    if rollout_cfg.reward_fn:
+        return [R.RewardFunc(rollout_cfg.reward_fn, R.per_sample(R.import_callable(rollout_cfg.reward_fn,
+                                                                                   "rollout.reward_fn")))]
+    if not task.reward_funcs:
+        raise ConfigError(f"rollout.task = {task.name!r} has no reward of its own; name one in rollout.reward_funcs")
+    return task.reward_funcs
+
+
+def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_split: str | None = None,
+               field_name: str = "rollout.dataset_path") -> Task:
+    """The task named by ``rollout.task``, on ``dataset_path`` / ``dataset_split`` (default: the rollout's),
+    with its reward functions resolved (``reward_funcs``)."""
+    r = job_config.rollout
+    path = r.dataset_path if dataset_path is None else dataset_path
+    split = r.dataset_split if dataset_split is None else dataset_split
+    factory = task_factory(r.task)
+    try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work
+        task = factory(job_config, tokenizer, path, split, field_name)
+    except ConfigError:
+        raise
+    except (Exception, SystemExit) as e:
+        raise ConfigError(f"rollout.task = {r.task!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(task, Task):
+        raise ConfigError(f"rollout.task = {r.task!r} returned {type(task).__name__}; allowed: a "
+                          "torchtitan_flux.data.tasks.Task (prompts(seed, step, n) and its reward functions)")
+    task.reward_funcs = reward_funcs(r, task)
+    return task
+
+
+def reward_inputs(task: Task, prompts: list[Prompt], completions: list[str], group_size: int):
+    """TRL's reward arguments for ``completions`` (``group_size`` per prompt, in order): (prompts, completions,
+    columns), in the conversational format for chat tasks."""
+    rows = [p for p in prompts for _ in range(group_size)]
+    if task.chat:
+        p_in = [p.messages for p in rows]
+        c_in = [[{"role": "assistant", "content": c}] for c in completions]
+    else:
+        p_in, c_in = [p.text for p in rows], list(completions)
+    keys = list(dict.fromkeys(k for p in prompts for k in p.columns))
+    columns = {k: [p.columns.get(k) for p in rows] for k in keys}
+    return p_in, c_in, columns
+
+
+def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
+    """The held-out task of ``[eval]`` (None when evaluation is off): ``eval.dataset_path`` (or the rollout
+    dataset's ``eval.split``) for dataset tasks; a generated task evaluates on prompts of its own held-out seed."""
+    ev, r = job_config.eval, job_config.rollout
+    if not (ev.every_steps or ev.at_start):
+        return None
+    if not isinstance(task, DatasetTask):
+        return task
+    if not ev.dataset_path and not os.path.isdir(r.dataset_path):
+        raise ConfigError(f"eval needs a held-out set: set eval.dataset_path, or make rollout.dataset_path = "
+                         f"{r.dataset_path!r} a folder / saved DatasetDict with split eval.split = {ev.split!r}")
+    return build_task(job_config, tokenizer, ev.dataset_path or r.dataset_path, ev.split,
+                      "eval.dataset_path" if ev.dataset_path else "rollout.dataset_path (eval.split)")
+
+
+def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
+    """Score an empty completion of one prompt with every reward function, so that a function that fails, returns
+    a bad value or runs past ``timeout_s`` stops the run before any engine starts (``RewardError``)."""
+    prompt = task.prompts(seed, 1, 1)
+    scorer = R.RewardScorer(task.reward_funcs, timeout_s=timeout_s)
+    try:
+        prompts, completions, columns = reward_inputs(task, prompt, [""], 1)
+        scorer.wait(scorer.submit(prompts, completions, [[]], columns))
+    finally:
+        scorer.close()
+
+
+def prompt_tokenizer(job_config):
+    """The tokenizer of ``model.hf_assets_path`` (torchtitan's), to measure prompts before the trainer builds its
+    own. (Where the models helper's HF tokenizer loading lands, this should become that loader.)"""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    hf = job_config.model.hf_assets_path
+    try:
+        return HuggingFaceTokenizer(hf)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # torchtitan's json.load of tokenizer_config.json
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: tokenizer_config.json is not valid JSON ({e}); allowed: "
+                          "the file as published (re-download it)") from None
+    except Exception as e:  # the tokenizers library raises a plain Exception for a tokenizer.json it cannot parse
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: tokenizer.json cannot be loaded ({e}); allowed: a "
+                          "tokenizers file as published (re-download it)") from None

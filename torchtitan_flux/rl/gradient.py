@@ -1,0 +1,89 @@
+"""The GRPO gradient of one batch on this rank: advantages, micro-batched forward and backward, metric sums.
+
+Each rank takes its contiguous slice of the batch's rows (``rows = batch rows // world``) in micro-batches of
+``training.local_batch_size`` sequences. The loss of every micro-batch is normalised by the *global* token (or
+sequence) count, so the gradients FSDP sums across ranks are those of the whole batch. The forward runs inside
+torchtitan's ``train_context`` and AMP context, which the trainer passes in; the reference policy (KL penalty)
+runs in the same micro-batches without gradients.
+
+What stays in ``FluxTrainer.train_on``: gradient clipping, the non-finite check, the optimizer and LR steps and
+the cross-rank metric reduction (they touch torchtitan's optimizers, checkpointer and the weight syncer).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from torchtitan_flux.rl import loss as grpo
+from torchtitan_flux.config import Grpo
+from torchtitan_flux.rollout.batch import RolloutBatch
+
+
+@dataclass
+class BatchGradient:
+    """What one rank's backward passes over its slice leave besides the gradients."""
+
+    loss: torch.Tensor
+    """This rank's loss, summed over its micro-batches (detached, a scalar on the training device)."""
+    metric_sums: dict[str, torch.Tensor]
+    """Each loss metric summed over micro-batches, weighted by the micro-batch's completion tokens."""
+    num_tokens: torch.Tensor
+    """Completion tokens of the whole batch (all ranks): the metrics' denominator."""
+    zero_variance_groups: int
+    """Groups whose rewards are all equal (advantage 0)."""
+
+
+def backward_on_batch(
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    batch: RolloutBatch,
+    g: Grpo,
+    *,
+    trained_steps: int,
+    rank: int,
+    world: int,
+    micro_batch: int,
+    device: torch.device,
+    train_context: Callable[[], AbstractContextManager],
+    amp: AbstractContextManager,
+) -> BatchGradient:
+    """Accumulate the GRPO loss's gradient of ``batch`` on this rank's slice (``trained_steps``: optimizer steps
+    done before this one, for the samples' version gaps)."""
+    adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)
+    gap = (trained_steps - batch.versions).clamp(min=0).float()
+    weights = (1.0 + gap) ** -g.staleness_discount if g.staleness_discount > 0 else None
+    num_tokens = batch.loss_mask.sum()
+    rows = batch.tokens.shape[0] // world
+    lo = rank * rows
+    sums: dict[str, torch.Tensor] = {}
+    loss_total = torch.zeros((), device=device)
+    for s in range(lo, lo + rows, micro_batch):
+        sl = slice(s, min(s + micro_batch, lo + rows))
+        tokens = batch.tokens[sl].to(device)
+        mask = batch.loss_mask[sl].to(device)
+        with train_context(), amp:
+            logits = model(tokens)
+            logprobs = grpo.token_logprobs(logits[:, :-1].float(), tokens[:, 1:], g.temperature)
+            del logits
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = grpo.token_logprobs(ref_model(tokens)[:, :-1].float(), tokens[:, 1:], g.temperature)
+            loss, m = grpo.grpo_loss(
+                logprobs, batch.behaviour_logprobs[sl].to(device), adv[sl].to(device), mask,
+                proximal_logprobs=logprobs.detach() if g.tis_cap > 0 else None,
+                ref_logprobs=ref, sample_weights=None if weights is None else weights[sl].to(device),
+                clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
+                normalization=g.loss_normalization, tis_cap=g.tis_cap,
+                num_tokens=num_tokens, num_sequences=batch.tokens.shape[0],
+            )
+        loss.backward()
+        loss_total += loss.detach()
+        ntok = mask.sum()
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v.detach() * ntok
+    return BatchGradient(loss_total, sums, num_tokens, zero_groups)

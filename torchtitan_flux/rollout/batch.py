@@ -1,0 +1,103 @@
+"""Finished engine requests -> a training batch: ``CompletionScorer`` decodes their completions and scores them
+on the reward pool, ``layout_batch`` lays the step's samples out for teacher forcing as a ``RolloutBatch``.
+
+Concurrency: ``CompletionScorer``'s methods run on the caller's (the scheduler's main) thread; only the reward
+functions run on the ``RewardScorer``'s worker pool, and their result is a ``Future`` the caller waits on when it
+builds the batch (so scoring overlaps training in async mode). ``layout_batch`` is pure tensor layout: no engine
+calls, any thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
+from torchtitan_flux.data.rewards import RewardScorer
+from torchtitan_flux.data.tasks import Prompt, Task, reward_inputs
+
+
+@dataclass
+class RolloutBatch:
+    """One training step's samples (B = prompts * group_size), laid out for teacher forcing."""
+
+    step: int
+    tokens: torch.Tensor  # [B, L] int64: prompt + completion, right-padded
+    loss_mask: torch.Tensor  # [B, L-1] float32: 1 where position t predicts a completion token t+1
+    behaviour_logprobs: torch.Tensor  # [B, L-1] float32, aligned with loss_mask
+    rewards: torch.Tensor  # [B] float32
+    versions: torch.Tensor  # [B] int64: engine policy version that generated each sample
+    dispatch_version: int  # trainer version when the step's prompts were dispatched
+    newest_seen: int  # newest version any engine had received when its part finished
+    gen_time_s: float  # max engine-side generation time over the step's parts
+    completions: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)  # one per prompt (not per completion)
+    reward_values: dict[str, list] = field(default_factory=dict)  # reward function -> value per completion
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # rewards/<name>/mean, /std
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+class CompletionScorer:
+    """Decodes finished results and scores them with the training task's reward functions on a pool of
+    ``reward_workers`` threads (the training step's rollouts and the held-out evaluation's alike)."""
+
+    def __init__(self, task: Task, tokenizer, reward_workers: int, reward_timeout_s: float = 300.0):
+        self.tokenizer = tokenizer
+        self.pool = RewardScorer(task.reward_funcs, reward_workers, reward_timeout_s)
+        self.wait = self.pool.wait  # a submitted batch's scores, under the reward deadline (RewardScorer.wait)
+
+    def decode(self, results: list[GenerationResult]) -> list[str]:
+        """The completion texts of ``results`` (in the order given), special tokens skipped."""
+        return [self.tokenizer.decode(row[:c].tolist(), skip_special_tokens=True)
+                for r in results for row, c in zip(r.tokens, r.lengths.tolist())]
+
+    def submit(self, task: Task, prompts: list[Prompt], results: list[GenerationResult],
+               group_size: int) -> tuple[list[str], Future]:
+        """Decode ``results`` (``group_size`` completions per prompt, in prompt order) and hand them, with
+        ``task``'s reward columns, to the pool: (the completion texts, a future of their ``rewards.Scores``)."""
+        completions = self.decode(results)
+        ids = [row[:c].tolist() for r in results for row, c in zip(r.tokens, r.lengths.tolist())]
+        prompts, texts, columns = reward_inputs(task, prompts, completions, group_size)
+        return completions, self.pool.submit(prompts, texts, ids, columns)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
+                 parts: list[tuple[GenerationRequest, GenerationResult]], scores, completions: list[str],
+                 group_size: int, pad_id: int) -> RolloutBatch:
+    """Step ``step``'s batch: prompt + completion rows (right-padded with ``pad_id``), the loss mask and behaviour
+    logprobs aligned with the positions that predict completion tokens, rewards (``scores``, a
+    ``rewards.Scores``) and per-sample policy versions. ``parts`` are (request, result) in prompt order."""
+    G = group_size
+    tokens = torch.cat([r.tokens for _, r in parts])
+    logprobs = torch.cat([r.logprobs for _, r in parts])
+    lengths = torch.cat([r.lengths for _, r in parts])
+    versions = torch.cat([torch.full((r.tokens.shape[0],), r.version) for _, r in parts])
+    prompt_ids = [ids for ids in prompt_ids for _ in range(G)]
+    B = len(prompt_ids)
+    plen = torch.tensor([len(x) for x in prompt_ids])
+    L = int((plen + lengths).max().item())
+    seq = torch.full((B, L), pad_id, dtype=torch.int64)
+    mask = torch.zeros(B, L - 1)
+    behaviour = torch.zeros(B, L - 1)
+    for i in range(B):
+        p, c = len(prompt_ids[i]), int(lengths[i])
+        seq[i, :p] = torch.tensor(prompt_ids[i])
+        seq[i, p : p + c] = tokens[i, :c]
+        mask[i, p - 1 : p - 1 + c] = 1.0
+        behaviour[i, p - 1 : p - 1 + c] = logprobs[i, :c]
+    return RolloutBatch(
+        step=step, tokens=seq, loss_mask=mask, behaviour_logprobs=behaviour,
+        rewards=torch.tensor(scores.total, dtype=torch.float32), versions=versions,
+        dispatch_version=min(q.dispatch_version for q, _ in parts),
+        newest_seen=max(r.newest_seen for _, r in parts),
+        gen_time_s=max(r.gen_time_s for _, r in parts), completions=completions,
+        prompts=[p.text for p in prompts], reward_values=scores.per_func, reward_metrics=scores.metrics(),
+    )

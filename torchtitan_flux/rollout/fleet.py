@@ -1,0 +1,141 @@
+"""``EngineFleet``: rank 0's rollout engines, from start to close.
+
+Which engines (``rollout.engine``): embedded engine processes (placed on ``rollout.engine_devices``), vLLM servers
+we launch (``rollout.launch``) or servers someone else runs (``rollout.urls``: vLLM or SGLang, connected to and
+checked at start). A dead engine is replaced: an embedded one by a fresh process, a server by a reconnect (a
+server is not ours to restart), at most ``rollout.max_engine_restarts`` times per engine within
+``RESTART_WINDOW_S``, so an engine that fails the same way every time is given up instead of restarted forever.
+
+Concurrency: used by the trainer's main thread only (the scheduler calls back into the trainer, which calls
+``restart``, on that thread). ``engines`` is one list object for the whole run: the scheduler and the weight
+syncer hold it too, and ``restart`` replaces or removes entries in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+
+import torch
+
+from torchtitan_flux.engine.auth import read_token
+from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
+
+logger = logging.getLogger("torchtitan_flux")
+
+RESTART_WINDOW_S = 600.0  # rollout.max_engine_restarts counts restarts of one engine within this window
+
+
+class EngineFleet:
+    def __init__(self, job_config, events: queue.Queue, trainer_on_gpu: bool):
+        self.job_config, self.events, self.trainer_on_gpu = job_config, events, trainer_on_gpu
+        self.engines: list = []
+        self.servers: list = []  # launched vLLM servers (stopped by ``close``)
+        self.restarts = 0
+        self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of recent restarts
+        self._urls: list[str] = []
+        self._devices: list[str] = []
+
+    def start(self) -> None:
+        """Launch servers (``rollout.launch``), then start or connect every engine (raises on the first that
+        cannot serve: ``EngineStartError``)."""
+        r = self.job_config.rollout
+        self._urls = list(r.urls)
+        self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
+            list(r.engine_devices), r.engine_device, r.num_engines, trainer_on_gpu=self.trainer_on_gpu,
+            visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        ) if r.engine == "embedded" or r.launch else []
+        if r.launch:
+            from torchtitan_flux.run.validation import resolve_launch_python
+            from torchtitan_flux.engine.vllm_launch import launch_servers
+
+            self.servers = launch_servers(
+                r.num_engines, self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
+                log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
+                threads=None if torch.cuda.is_available() else r.engine_threads,
+                auth_token=read_token(self.job_config.weight_sync.auth_token_env),
+                envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in self._devices],
+            )
+            self._urls = [s.url for s in self.servers]
+        n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines
+        self.engines.extend(self._new_engine(i) for i in range(n))
+
+    def restart(self, dead):
+        """The replacement of a dead engine (already in ``engines`` at the dead one's place), or None when it is
+        given up (removed from ``engines``): a crash loop past ``rollout.max_engine_restarts``, or a server that
+        is not back."""
+        dead.close()
+        idx = self.engines.index(dead)
+        now = time.monotonic()
+        recent = [t for t in self._restart_times.get(idx, []) if now - t < RESTART_WINDOW_S]
+        cap = self.job_config.rollout.max_engine_restarts
+        if not dead.reconnects and len(recent) >= cap:
+            logger.error(f"{dead.name}: died {len(recent) + 1} times within {RESTART_WINDOW_S:.0f} s "
+                         f"(rollout.max_engine_restarts = {cap}); not restarted again: its error is the 'died' "
+                         "line above")
+            self.engines.remove(dead)
+            return None
+        self._restart_times[idx] = recent + [now]
+        self.restarts += 1
+        if dead.reconnects:  # an HTTP server is not ours to restart: reconnect if it is back
+            try:
+                new = dead.reconnect()
+            except Exception as e:  # noqa: BLE001
+                logger.error(f"{dead.name}: server gone ({e}); going on without it")
+                self.engines.remove(dead)
+                return None
+        else:
+            new = self._new_engine(idx)
+        self.engines[idx] = new
+        return new
+
+    def give_up(self, dead, why: str) -> None:
+        """Remove a dead engine for good, not restarting it (``why``: logged)."""
+        dead.close()
+        self.engines.remove(dead)
+        logger.warning(f"{dead.name}: not restarted: {why}")
+
+    def close(self) -> None:
+        """Stop every engine, then the servers we launched (SIGTERM, SIGKILL after a grace period)."""
+        for e in self.engines:
+            e.close()
+        for s in self.servers:
+            s.stop()
+
+    def _new_engine(self, index: int):
+        r, ws = self.job_config.rollout, self.job_config.weight_sync
+        token = read_token(ws.auth_token_env)  # never stored: not in checkpoints
+        if r.engine in ("vllm", "sglang"):  # a server we did not start: connect and check it (start() raises)
+            if r.engine == "vllm" and self.trainer_on_gpu:  # vLLM's own NCCL engines (engine/vllm_nccl.py)
+                from torchtitan_flux.engine.vllm_nccl import VllmNcclEngine as cls
+            elif r.engine == "vllm":
+                from torchtitan_flux.engine.vllm import VllmEngine as cls
+            else:
+                from torchtitan_flux.engine.sglang import SglangEngine as cls
+            kw = {}
+            if r.engine == "vllm":  # sampled checksums of what the server received (weight_sync.verify_every)
+                kw = dict(verify_every=ws.verify_every, final_version=self.job_config.training.steps)
+            e = cls(f"{r.engine}{index}", self._urls[index], self.events, model_dir=self.job_config.model.hf_assets_path,
+                    auth_token=token, **kw)
+        else:
+            e = EmbeddedEngine(
+                f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self.events,
+                self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
+                auth_token=token,
+            )
+        e.start()
+        return e
+
+
+def set_trainer_threads(job_config) -> None:
+    """On CPU, leave the engines on this machine their cores (embedded engines, or servers we launch):
+    trainer threads = (cores - engine threads) / local ranks. Remote servers leave the trainer every core."""
+    if torch.cuda.is_available() or not (job_config.rollout.engine == "embedded" or job_config.rollout.launch):
+        return
+    r = job_config.rollout
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    engine_cores = r.engine_threads * r.num_engines
+    torch.set_num_threads(max(1, ((os.cpu_count() or 1) - engine_cores) // local))

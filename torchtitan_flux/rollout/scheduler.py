@@ -1,0 +1,373 @@
+"""Rollout scheduling on the trainer's rank 0: prompts -> engine requests -> scored, versioned training batches.
+
+``RolloutScheduler`` dispatches the prompts of training step ``k`` to the engines as soon as admission allows
+(``lookahead``: how many steps ahead of the one being trained generation may run) and collects the results.
+Every sample carries the engine's policy version that generated it (stamped by the engine for the whole
+request) and the trainer version at dispatch.
+
+Concurrency: everything here runs on the main thread, except reward scoring: when a step's last result arrives
+(in ``pump``) its completions are decoded and handed to the reward pool (``rollout_batch.CompletionScorer``), and
+``collect`` waits on that future only when it builds the step's batch (so scoring overlaps training in async
+mode). Engines report through one ``events`` queue; ``pump`` is the only consumer and routes acks/errors to the
+``WeightSyncer`` and results to their step. A dead engine's in-flight requests are re-dispatched to the engines
+still alive (or to its restarted replacement), so no prompt is lost.
+
+Dispatch: prompts are split across the engines alive by measured speed (``dispatch.SpeedSplit``: dead zone,
+imbalance cap).
+
+A stuck engine: while ``collect`` waits and no result has arrived for ``WAIT_NOTE_S`` seconds, it logs (again every
+``WAIT_NOTE_S``) which engines hold which of the awaited requests: alive or not, how many requests and completions,
+of which steps, the weight version they are pinned to, and how long ago the oldest was sent. An engine alive but
+holding requests with no result for ``rollout.engine_stall_seconds`` (a stopped process, a hung kernel) is
+declared dead and killed (``pump``): like any dead engine it is restarted (or reconnected) and its requests are
+re-dispatched. Before, a SIGSTOPped engine was waited on forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torchtitan_flux.rollout.split import SpeedSplit
+from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
+from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
+from torchtitan_flux.data.tasks import Prompt, Task
+
+logger = logging.getLogger("torchtitan_flux")
+
+
+DEATH_NOTICE_S = 10.0  # how long a dispatch with no engine alive waits for a queued death (and its restart)
+WAIT_NOTE_S = 30.0  # collect with no result for this long logs who holds what (see the module docstring)
+
+
+class NoEngineLeft(RuntimeError):
+    """Every rollout engine is gone: training cannot go on. Raised between steps (while waiting for rollouts), so
+    the trainer's state is that of a completed step and can be checkpointed."""
+
+
+class RolloutWaitInterrupted(Exception):
+    """``interrupt()`` was called while ``collect`` waited: the step being collected is not trained on, so the
+    trainer's state is that of its last completed step (the rollouts in flight stay dispatched and are saved or
+    regenerated like those generation ran ahead to)."""
+
+
+@dataclass
+class _Part:
+    request: GenerationRequest
+    engine: EngineHandler | None  # None: restored finished from a checkpoint
+    first: int  # index of its first prompt in the step's prompt list
+    result: GenerationResult | None = None
+    sent: float = field(default_factory=time.monotonic)  # when it went to ``engine``
+
+
+@dataclass
+class _Step:
+    step: int
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    parts: list[_Part]
+    n_dispatched: int = 0  # prompts [0, n_dispatched) have been sent to engines
+    completions: list[str] | None = None  # decoded once every part has its result
+    scores: Future | None = None  # rewards.Scores, computed by the scorer's pool
+
+
+class RolloutScheduler:
+    def __init__(
+        self,
+        engines: list[EngineHandler],
+        events: queue.Queue,
+        task: Task,
+        tokenizer,
+        *,
+        group_size: int,
+        prompts_per_step: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        seed: int,
+        pad_id: int,
+        max_version_gap: int,
+        on_weight_event: Callable[[object], None],
+        on_engine_dead: Callable[[EngineHandler], EngineHandler | None],
+        dead_zone: float = 0.1,
+        max_share: float = 0.75,
+        reward_workers: int = 1,
+        reward_timeout_s: float = 300.0,
+        stall_s: float = 600.0,
+    ):
+        self.engines = list(engines)
+        self.events, self.task, self.tokenizer = events, task, tokenizer
+        self.group_size, self.prompts_per_step = group_size, prompts_per_step
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.seed, self.pad_id, self.max_version_gap = seed, pad_id, max_version_gap
+        self.on_weight_event, self.on_engine_dead = on_weight_event, on_engine_dead
+        self._req_ids = itertools.count()
+        self._steps: dict[int, _Step] = {}
+        self._by_req: dict[int, _Part] = {}
+        self.split = SpeedSplit([e.name for e in self.engines], dead_zone, max_share)
+        self.redispatched = 0
+        self.engine_deaths = 0
+        self.last_result = time.monotonic()  # when the newest generation result arrived
+        self.stall_s = stall_s  # rollout.engine_stall_seconds
+        self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
+        self._stall_checked = 0.0
+        self._last_pump = self._stall_clock_from = time.monotonic()
+        self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
+        self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
+
+    # ---------------------------------------------------------------------------------------- dispatch
+
+    def _new_step(self, step: int) -> _Step:
+        prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
+        ids = [self.tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in prompts]
+        st = self._steps[step] = _Step(step, prompts, ids, [])
+        return st
+
+    def dispatch(self, step: int, trainer_version: int, pin_version: int = -1) -> None:
+        """Send all of ``step``'s prompts to the engines (once; later calls for the step do nothing), pinned to
+        ``pin_version`` (see ``GenerationRequest.pin_version``)."""
+        st = self._steps.get(step) or self._new_step(step)
+        if st.n_dispatched:
+            return
+        alive = self._alive()
+        first = 0
+        for engine, n in zip(alive, self.split.split(len(st.prompts), [e.name for e in alive])):
+            if n:
+                part = self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version, pin_version)
+                st.parts.append(part)
+            first += n
+        st.n_dispatched = len(st.prompts)
+
+    def _alive(self) -> list[EngineHandler]:
+        """The engines alive now. With none: an engine that died while nothing pumped events (idle, between two
+        steps of an async run) has its death still queued; pump for up to ``DEATH_NOTICE_S`` so that it is handled
+        (the trainer restarts it, ``on_engine_dead``) instead of giving up on a dead engine that can be replaced."""
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while True:
+            alive = [e for e in self.engines if e.alive()]
+            if alive:
+                return alive
+            if time.monotonic() > deadline:
+                raise NoEngineLeft("no rollout engine is alive")
+            self.pump(0.05)
+
+    def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int, pin: int) -> _Part:
+        req = GenerationRequest(
+            req_id=next(self._req_ids), step=step, prompt_ids=ids, group_size=self.group_size,
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+            seed=(self.seed * 1_000_003 + step) * 131 + first, dispatch_version=trainer_version,
+            # born fresh enough: step k is trained at version k-1, so it needs version >= k-1-max_version_gap;
+            # the engine waits for that push instead of generating from older weights that would be discarded
+            min_version=max(0, step - 1 - self.max_version_gap), pin_version=pin,
+        )
+        return self._send(req, engine, first)
+
+    def submit_eval(self, prompt_ids: list[list[int]], n: int, temperature: float, version: int, seed: int) -> list[_Part]:
+        """Evaluation requests: ``n`` completions of each prompt, generated on exactly policy ``version`` (the
+        engines wait for it), split evenly over the engines alive (the training split is left as it is). Their
+        parts get their results through ``pump`` like any other request (re-dispatched if an engine dies)."""
+        alive = self._alive()
+        parts, first = [], 0
+        for i, engine in enumerate(alive):
+            count = len(prompt_ids) // len(alive) + (i < len(prompt_ids) % len(alive))
+            if count:
+                req = GenerationRequest(
+                    req_id=next(self._req_ids), step=0, prompt_ids=prompt_ids[first : first + count], group_size=n,
+                    max_new_tokens=self.max_new_tokens, temperature=temperature, top_k=self.top_k,
+                    seed=seed * 131 + first, dispatch_version=version, min_version=version, pin_version=version,
+                )
+                parts.append(self._send(req, engine, first))
+            first += count
+        return parts
+
+    def _send(self, req: GenerationRequest, engine: EngineHandler, first: int) -> _Part:
+        part = _Part(req, engine, first)
+        self._by_req[req.req_id] = part
+        engine.submit(req)
+        return part
+
+    # --------------------------------------------------------------------------------------- events
+
+    def pump(self, timeout: float) -> None:
+        """Handle at most one engine event, waiting up to ``timeout`` seconds for it (and, once a second, kill the
+        engines that are stuck: see the module docstring)."""
+        now = time.monotonic()
+        if now - self._last_pump > 5.0:  # nobody pumped meanwhile (training, a save): results may sit unread in
+            self._stall_clock_from = now  # the queue, so that time is no evidence of a stall
+        self._last_pump = now
+        if now - self._stall_checked >= 1.0 and self.events.empty():
+            self._stall_checked = now
+            self._kill_stuck(now)
+        try:
+            ev = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(ev, GenerationResult):
+            self.last_result = self._last_from[ev.engine] = time.monotonic()
+            part = self._by_req.pop(ev.req_id, None)
+            if part is None:  # a re-dispatched request's late original, or a request of a discarded step
+                logger.debug(f"dropped a late result (request {ev.req_id}, engine {ev.engine})")
+            else:
+                part.result = ev
+                self.split.observe(ev.engine, ev.tokens.shape[0], ev.gen_time_s)
+                st = self._steps.get(part.request.step)  # None for evaluation requests (step 0)
+                if st is not None and all(p.result is not None for p in st.parts):
+                    self._score(st)
+        elif isinstance(ev, WeightAck):
+            self.on_weight_event(ev)
+        elif isinstance(ev, EngineError):
+            self.on_weight_event(ev)
+            if ev.fatal:
+                self._engine_died(ev.engine, ev.message)
+            else:
+                logger.warning(f"engine {ev.engine}: {ev.message}")
+
+    def _kill_stuck(self, now: float) -> None:
+        for e in self.engines:
+            parts = [p for p in self._by_req.values() if p.engine is e]
+            if not parts or not e.alive():
+                continue
+            idle = now - max(self._last_from.get(e.name, 0.0), min(p.sent for p in parts), self._stall_clock_from)
+            if idle > self.stall_s and not e.reconnects:  # a server's own HTTP timeouts cover its calls
+                e.kill(f"no result for {idle:.0f} s while holding {len(parts)} requests "
+                       f"(rollout.engine_stall_seconds = {self.stall_s:g}): declared stuck and stopped")
+
+    def _engine_died(self, name: str, message: str) -> None:
+        dead = next((e for e in self.engines if e.name == name), None)
+        if dead is None:
+            return
+        self.engine_deaths += 1
+        logger.error(f"rollout engine {name} died: {message.strip().splitlines()[-1] if message else ''}")
+        replacement = self.on_engine_dead(dead)
+        self.engines = [replacement if e is dead else e for e in self.engines if e is not dead or replacement]
+        if replacement is not None:
+            self.split.replace(name, replacement.name)
+        for part in [p for p in self._by_req.values() if p.engine is dead]:
+            alive = [e for e in self.engines if e.alive()]
+            if not alive:
+                raise NoEngineLeft("every rollout engine died (and none could be restarted or reconnected)")
+            target = next(e for e in alive if e.name == self.split.fastest([a.name for a in alive]))
+            del self._by_req[part.request.req_id]
+            part.request.req_id = next(self._req_ids)
+            part.engine, part.sent = target, time.monotonic()
+            self._by_req[part.request.req_id] = part
+            target.submit(part.request)
+            self.redispatched += 1
+
+    # --------------------------------------------------------------------------------------- collect
+
+    def collect(self, step: int, trainer_version: int, pin_version: int = -1) -> RolloutBatch:
+        """Dispatch ``step`` (unless admission already has), wait for all its parts and build its batch (scored,
+        laid out for training)."""
+        self.dispatch(step, trainer_version, pin_version=pin_version)
+        st = self._steps[step]
+        start = noted = time.monotonic()
+        while any(p.result is None for p in st.parts):
+            if self.interrupted:
+                raise RolloutWaitInterrupted(f"interrupted while waiting for the rollouts of step {step}")
+            self.pump(0.05)
+            now = time.monotonic()
+            if now - max(self.last_result, start) >= WAIT_NOTE_S and now - noted >= WAIT_NOTE_S:
+                logger.warning(waiting_note(step, now - start, self.engines, list(self._by_req.values()),
+                                            self.last_result))
+                noted = now
+        del self._steps[step]
+        self._score(st)  # (a step restored finished from a checkpoint is scored here)
+        return self._build(st)
+
+    def interrupt(self) -> None:
+        """Make ``collect`` raise ``RolloutWaitInterrupted`` instead of waiting on (within ~50 ms). For a prompt
+        stop on a signal; safe to call from a signal handler."""
+        self.interrupted = True
+
+    def _score(self, st: _Step) -> None:
+        """Decode ``st``'s completions and hand them to the reward pool (once)."""
+        if st.scores is None:
+            results = [p.result for p in sorted(st.parts, key=lambda p: p.first)]
+            st.completions, st.scores = self.scoring.submit(self.task, st.prompts, results, self.group_size)
+
+    def _build(self, st: _Step) -> RolloutBatch:
+        parts = sorted(st.parts, key=lambda p: p.first)
+        # a reward function's error, or one past rollout.reward_timeout_seconds (RewardError), stops the run here
+        scores = self.scoring.wait(st.scores, lambda: self.interrupted)
+        if scores is None:
+            raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {st.step}")
+        return layout_batch(st.step, st.prompts, st.prompt_ids, [(p.request, p.result) for p in parts], scores,
+                            st.completions, self.group_size, self.pad_id)
+
+    def discard(self, step: int) -> None:
+        """Forget ``step``'s requests (their results will be dropped); the next dispatch starts it afresh."""
+        st = self._steps.pop(step, None)
+        for part in st.parts if st else []:
+            self._by_req.pop(part.request.req_id, None)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_dict(self, timeout: float) -> dict:
+        """The rollouts already dispatched, for a checkpoint: waits up to ``timeout`` seconds for the requests in
+        flight, then returns every dispatched step whose parts all finished (their results, so a resumed run
+        trains on exactly what the uninterrupted one would have). A step still unfinished after ``timeout`` is
+        left out and generated afresh on resume, from the resumed weights, and so is the work of an engine that
+        dies meanwhile when none is left to take it over (a stop for lack of engines still saves the rest)."""
+        deadline = time.monotonic() + timeout
+        while self._by_req and time.monotonic() < deadline:
+            waiting = any(e.alive() for e in self.engines)  # else: only take the results already queued
+            try:
+                self.pump(0.05 if waiting else 0)
+            except NoEngineLeft:
+                waiting = False
+            if not waiting and self.events.empty():
+                break
+        steps = []
+        for st in self._steps.values():
+            if any(p.result is None for p in st.parts):
+                continue
+            parts = [(p.first, p.request, p.result) for p in st.parts]
+            steps.append({"step": st.step, "n_dispatched": st.n_dispatched, "parts": parts})
+        return {"steps": steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the finished rollouts of ``state_dict``; they are trained on as they are, never regenerated."""
+        for saved in state.get("steps", []):
+            st = self._new_step(saved["step"])
+            st.n_dispatched = saved["n_dispatched"]
+            st.parts = [_Part(req, None, first, result) for first, req, result in saved["parts"]]
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Forget outstanding requests (shutdown); results that still arrive are dropped."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self._by_req and time.monotonic() < deadline:
+                self.pump(0.05)
+        except NoEngineLeft:  # shutting down anyway: not the run's outcome (which the caller is reporting)
+            pass
+        self._steps.clear()
+        self._by_req.clear()
+        self.scoring.close()
+
+
+def waiting_note(step: int, waited: float, engines: list[EngineHandler], in_flight: list[_Part],
+                 last_result: float) -> str:
+    """One line: how long step ``step`` has waited, and what each engine holds of the requests in flight."""
+    now = time.monotonic()
+    held = []
+    for e in engines:
+        parts = [p for p in in_flight if p.engine is e]
+        state = "alive" if e.alive() else "dead"
+        if not parts:
+            held.append(f"{e.name} ({state}): nothing in flight")
+            continue
+        steps = sorted({p.request.step for p in parts})
+        n = sum(len(p.request.prompt_ids) * p.request.group_size for p in parts)
+        versions = sorted({str(r.pin_version) if r.pin_version >= 0 else f">= {r.min_version}"
+                           for r in (p.request for p in parts)})
+        held.append(f"{e.name} ({state}): {len(parts)} requests, {n} completions of steps "
+                    f"{', '.join(map(str, steps))} on weight version {', '.join(versions)}, the oldest sent "
+                    f"{now - min(p.sent for p in parts):.0f} s ago")
+    return (f"step {step}: waiting {waited:.0f} s for rollouts, none arrived for {now - last_result:.0f} s; "
+            + "; ".join(held))

@@ -1,0 +1,1 @@
+"""A training run from start to stop: the trainer, its stops and checkpoints, config checks, reports."""

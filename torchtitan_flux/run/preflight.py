@@ -1,0 +1,48 @@
+"""``preflight``: everything checked and loaded before torchtitan builds the model or any engine starts.
+
+The config's values (``validate_config``) and the batch against the number of trainer ranks (torchrun's
+``WORLD_SIZE``), the model family of ``model.hf_assets_path``, the task and its
+held-out set (datasets load and prompts are length-checked here), the reward functions (called once on a
+sample), and the resume (the checkpoint's config fingerprint against this run's). Every failure is one
+``ConfigError`` line naming the field, before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_flux.run import resume
+from torchtitan_flux.config import ConfigError
+from torchtitan_flux.models.families import select_model
+from torchtitan_flux.data.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
+from torchtitan_flux.run.validation import validate_config
+
+
+@dataclass
+class Preflight:
+    task: Any
+    eval_task: Any  # None without held-out evaluation
+    fingerprint: dict[str, Any]
+    checkpoint_folder: str
+    config_changes: list[str]  # fields that differ from the checkpoint's (checkpoint.on_config_mismatch = "warn")
+
+
+def preflight(job_config) -> Preflight:
+    validate_config(job_config)
+    batch, world = job_config.rollout.prompts_per_step * job_config.grpo.group_size, int(os.environ.get("WORLD_SIZE", 1))
+    if batch % world:
+        raise ConfigError(f"rollout.prompts_per_step * grpo.group_size = {batch} must be divisible by the number of "
+                          f"trainer ranks ({world})")
+    try:  # the family in model.hf_assets_path/config.json picks the TrainSpec, or is refused here
+        select_model(job_config)
+    except ValueError as e:
+        raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
+    tokenizer = prompt_tokenizer(job_config)
+    task = build_task(job_config, tokenizer)
+    eval_task = build_eval_task(job_config, tokenizer, task)
+    check_rewards(task, job_config.rollout.seed, job_config.rollout.reward_timeout_seconds)
+    fp = resume.fingerprint(job_config, task)
+    folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+    return Preflight(task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))

@@ -1,0 +1,294 @@
+"""Resume checks around torchtitan's ``CheckpointManager``: a config fingerprint stored with every checkpoint,
+refusals of a resume that cannot continue the run, and falling back past an unreadable newest checkpoint.
+
+* ``fingerprint.json`` is written into each ``step-N`` folder before DCP writes it (so every complete checkpoint,
+  one with ``.metadata``, has it; torchtitan's purge removes it with the folder). A resume compares it with the
+  current config before anything starts and refuses a difference in one line (``checkpoint.on_config_mismatch``).
+* A resume with ``training.steps`` below the checkpoint's step is refused: there is nothing to train, and the
+  final export would silently be the checkpoint's weights.
+* ``load_newest_readable``: when the newest checkpoint fails to load (a truncated shard, a damaged ``.metadata``)
+  the previous complete one is loaded, the unreadable one is set aside (its ``.metadata`` renamed, so
+  torchtitan's loader skips it and a later save of that step overwrites it), and one warning names it.
+* ``set_aside_previous_outputs``: a run that starts afresh (nothing to resume) in a dump folder holding another
+  run's outputs moves them into ``previous_runs/<time>/`` first, so it never appends to or overwrites them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchtitan_flux.config import ConfigError
+from torchtitan_flux.data.tasks import ALIASES
+
+logger = logging.getLogger("torchtitan_flux")
+
+FINGERPRINT = "fingerprint.json"
+SET_ASIDE = ".metadata.unreadable"  # what an unreadable checkpoint's .metadata is renamed to
+
+
+def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
+    """The settings a checkpoint cannot be resumed without, as ``{field: value}``. Chosen because changing them
+    breaks the resume or silently makes it another run:
+
+    * the model folder's ``config.json`` (dimensions, vocabulary: the weights would not load, or mean something
+      else) and ``tokenizer.json`` (the token ids of the checkpointed rollouts and of the prompt stream), by the
+      hash of their content, so a moved folder still matches;
+    * ``optimizer.name``: the optimizer state is another optimizer's;
+    * ``rollout.prompts_per_step`` and ``grpo.group_size``: the batch shape of the rollouts an async checkpoint
+      holds (their resume crashed on a tensor shape) and the prompt stream position (step * prompts_per_step);
+    * ``rollout.task``, the dataset's records (content hash, after prompt-length filtering) and ``rollout.seed``:
+      which prompts come next and how they are sampled.
+
+    Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
+    checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch, not to
+    ``training.seq_len``, which acts only through the filtered records, hashed above) and ``debug.seed`` (the RNG
+    state itself is in the checkpoint)."""
+    r, hf = job_config.rollout, job_config.model.hf_assets_path
+    fp: dict[str, Any] = {
+        "model.hf_assets_path config.json": _json_sha(os.path.join(hf, "config.json")),
+        "model.hf_assets_path tokenizer.json": _file_sha(os.path.join(hf, "tokenizer.json")),
+        "optimizer.name": job_config.optimizer.name,
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "grpo.group_size": job_config.grpo.group_size,
+        "rollout.task": ALIASES.get(r.task, r.task),
+        "rollout.seed": r.seed,
+    }
+    if hasattr(task, "data_state"):  # dataset tasks; generated ones are a function of (task, seed, step)
+        data = task.data_state(0, r.prompts_per_step)
+        fp["rollout.dataset_path"] = f"{data['records']} records, sha1 {data['sha1'][:12]}"
+    return fp
+
+
+def _file_sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return "sha256 " + hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def _json_sha(path: str) -> str:
+    with open(path) as f:  # key order and whitespace do not count
+        return "sha256 " + hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def write_fingerprint(step_dir: str, fp: dict[str, Any]) -> None:
+    os.makedirs(step_dir, exist_ok=True)
+    tmp = os.path.join(step_dir, FINGERPRINT + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(fp, f, indent=1)
+    os.replace(tmp, os.path.join(step_dir, FINGERPRINT))
+
+
+def mismatches(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, checkpoint's value, current value) of every field both record and that differs."""
+    return [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]]
+
+
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments (torchtitan's optimizers are Adam / AdamW)
+
+
+def check_room_for_a_checkpoint(job_config: Any) -> None:
+    """Rank 0, at start, with checkpoints on: the checkpoint folder's disk has room for one checkpoint of this
+    model (about ``CHECKPOINT_BYTES_PER_PARAM`` bytes a parameter), else ``ConfigError`` naming the folder, the
+    room needed and the room free: a full disk found at the first save stops the run (``CheckpointWriteError``)
+    after its work was done."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from torchtitan_flux.models import hf
+
+    ck, dump = job_config.checkpoint, job_config.job.dump_folder
+    if not ck.enable:
+        return
+    params = 0
+    try:
+        for path in hf.weight_files(job_config.model.hf_assets_path):
+            with safe_open(str(path), "pt") as f:
+                for name in f.keys():
+                    n = 1
+                    for d in f.get_slice(name).get_shape():
+                        n *= d
+                    params += n
+    except Exception:  # noqa: BLE001 - missing or damaged weights: the trainer's load names them in one line
+        return
+    need, folder = CHECKPOINT_BYTES_PER_PARAM * params, os.path.join(dump, ck.folder)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise ConfigError(f"checkpoint.folder = {ck.folder!r} (that is {folder!r}) has {free / 2**20:.1f} MiB free; a "
+                          f"checkpoint of this model takes about {need / 2**20:.1f} MiB ({params:,} parameters x "
+                          f"{CHECKPOINT_BYTES_PER_PARAM} bytes: fp32 weights and the optimizer's two moments); "
+                          "allowed: a folder on a disk with room, or checkpoint.enable = false")
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "completions.jsonl", "eval.jsonl", "hf_final")  # a run's own files
+
+
+def set_aside_previous_outputs(job_config: Any) -> str | None:
+    """Rank 0, before the trainer is built: if this run starts afresh (checkpoints off, or no complete checkpoint
+    to resume) and ``job.dump_folder`` holds a previous run's outputs, move them into
+    ``previous_runs/<UTC time>/`` and say so. Before, such a run appended its rows to the old ``metrics.jsonl``
+    (steps 1..N twice) and overwrote ``hf_final``. Returns the folder they went to, or None."""
+    dump, ck = job_config.job.dump_folder, job_config.checkpoint
+    if ck.enable and complete_steps(os.path.join(dump, ck.folder)):
+        return None  # a resume: its rows continue the same metrics.jsonl
+    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(dump, n))]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = os.path.join(dump, "previous_runs", stamp)
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(dump, "previous_runs", f"{stamp}-{n}")
+    os.makedirs(dest)
+    for name in found:
+        os.replace(os.path.join(dump, name), os.path.join(dest, name))
+    logger.warning(f"job.dump_folder = {dump!r} held a previous run's outputs ({', '.join(found)}): moved to {dest} "
+                   "(a new run never appends to or overwrites them)")
+    return dest
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps of ``folder``'s complete checkpoints (a ``step-N`` folder with ``.metadata``, torchtitan's rule),
+    newest first."""
+    if not os.path.isdir(folder):
+        return []
+    steps = [int(m.group(1)) for name in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))
+             and os.path.isfile(os.path.join(folder, name, ".metadata"))]
+    return sorted(steps, reverse=True)
+
+
+def model_only(step_dir: str) -> bool:
+    """Whether a complete checkpoint holds the model's weights only (torchtitan's ``last_save_model_only``: no
+    optimizer state in its DCP metadata). False when the metadata cannot be read (the load's fallback handles it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable: not this check's business
+        return False
+    return not any(k.startswith("optimizer.") for k in keys)
+
+
+def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
+    """Before anything starts: refuse (``ConfigError``, one line) a resume from ``folder`` that cannot continue
+    the run: ``training.steps`` below the checkpoint's step, or a fingerprint field that differs (a warning
+    instead with ``checkpoint.on_config_mismatch = "warn"``). Returns the fields that differ (warned), else [].
+    No checkpoint to resume: nothing to check."""
+    ck = job_config.checkpoint
+    steps = complete_steps(folder)
+    if ck.enable and ck.load_step > 0 and ck.load_step not in steps:  # torchtitan: a FileNotFoundError traceback
+        raise ConfigError(f"checkpoint.load_step = {ck.load_step} has no complete checkpoint in {folder}; allowed: "
+                          f"{', '.join(map(str, sorted(steps))) or 'none there'}, or -1 for the newest")
+    step = ck.load_step if ck.load_step != -1 else (steps[0] if steps else -1)
+    step_dir = os.path.join(folder, f"step-{step}")
+    if not ck.enable or step <= 0 or not os.path.isdir(step_dir):  # step 0 is a seed checkpoint (weights only)
+        return []
+    if model_only(step_dir):  # else reported unreadable and set aside, and the run fell back to an older one
+        full = [s for s in steps if s < step and not model_only(os.path.join(folder, f"step-{s}"))]
+        raise ConfigError(
+            f"checkpoint {step_dir} holds the model only (written with checkpoint.last_save_model_only = true): it "
+            "cannot resume training (no optimizer, scheduler or run state); allowed: "
+            + (f"--checkpoint.load_step {full[0]} (the newest full checkpoint) to resume from there, " if full else "")
+            + "another --job.dump_folder to start a new run, and checkpoint.last_save_model_only = false in runs you "
+            "mean to extend")
+    n = job_config.training.steps
+    if n < step:
+        raise ConfigError(
+            f"training.steps = {n} is below the step of the checkpoint to resume ({step_dir}): nothing to do; "
+            f"allowed: training.steps > {step} to train on, or another --job.dump_folder to start over"
+        )
+    path = os.path.join(step_dir, FINGERPRINT)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:  # absent: written before fingerprints existed
+        logger.warning(f"{step_dir} has no readable {FINGERPRINT} ({_one_line(e)}): its config is not compared")
+        return []
+    diff = mismatches(saved, fp)
+    if not diff:
+        return []
+    name, old, new = diff[0]
+    more = f" (and {', '.join(d[0] for d in diff[1:])})" if len(diff) > 1 else ""
+    line = (f"{name} = {new!r} differs from the checkpoint's {old!r}{more} ({path}); resume with the checkpoint's "
+            "value, use another --job.dump_folder to start a new run, or set checkpoint.on_config_mismatch = "
+            '"warn" to resume anyway')
+    if ck.on_config_mismatch == "error":
+        raise ConfigError(line)
+    logger.warning(line)
+    return [d[0] for d in diff]
+
+
+def load_newest_readable(folder: str, load: Callable[[int], Any], is_writer: bool) -> int:
+    """Load the newest complete checkpoint of ``folder`` that loads (``load(step)``, every rank); returns its
+    step. When the newest ones raise (a truncated shard, a damaged ``.metadata``) and an earlier one loads, the
+    writer rank sets the newer ones aside (``.metadata`` renamed to ``SET_ASIDE``: torchtitan then ignores them,
+    and a save of that step rewrites the folder) and one warning names them. When none loads, nothing is renamed
+    and a ``ConfigError`` names the newest and how to go on."""
+    steps = complete_steps(folder)
+    failed: list[tuple[str, str]] = []  # (step folder, its error), newest first
+    for step in steps:
+        step_dir = os.path.join(folder, f"step-{step}")
+        try:
+            load(step)
+        # a damaged file raises whatever its reader raises (EOFError, ...), wrapped by DCP in a BaseException
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            failed.append((step_dir, _one_line(e)))
+            continue
+        if failed:
+            if is_writer:
+                for bad, _ in failed:
+                    os.replace(os.path.join(bad, ".metadata"), os.path.join(bad, SET_ASIDE))
+            logger.warning(f"checkpoint {failed[0][0]} cannot be loaded ({failed[0][1]}); resumed from {step_dir} "
+                           f"instead, and set {', '.join(b for b, _ in failed)} aside (.metadata renamed to "
+                           f"{SET_ASIDE})")
+        return step
+    raise ConfigError(
+        f"checkpoint {failed[0][0]} cannot be loaded ({failed[0][1]}), nor can any earlier one in {folder}; delete "
+        f"{folder} to start from scratch, or use another --job.dump_folder"
+    )
+
+
+def load(checkpointer, ck_cfg, folder: str, is_writer: bool) -> None:
+    """torchtitan's load of ``checkpoint.load_step``, or of the newest complete checkpoint that loads
+    (``load_newest_readable``)."""
+    if not ck_cfg.enable or ck_cfg.load_step != -1 or not complete_steps(folder):
+        checkpointer.load(step=ck_cfg.load_step)
+        return
+    load_newest_readable(folder, lambda s: checkpointer.load(step=s), is_writer)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a folder gone): the run stops with one line naming it; the
+    previous complete checkpoint is what a resume loads (the torn one has no ``.metadata``)."""
+
+
+def save(checkpointer, step: int, last_step: bool, folder: str, fp: dict[str, Any], is_writer: bool) -> bool:
+    """torchtitan's save, with the config fingerprint written into the step folder first (writer rank), so every
+    complete checkpoint has one. Returns whether one was due (written, or staged with an async
+    ``checkpoint.async_mode``). An OS error of the write is a ``CheckpointWriteError`` naming the folder."""
+    due = checkpointer._should_save(step, last_step)
+    try:
+        if due and is_writer:
+            write_fingerprint(os.path.join(folder, f"step-{step}"), fp)
+        checkpointer.save(step, last_step=last_step)
+    except (OSError, CheckpointException) as e:
+        raise CheckpointWriteError(
+            f"checkpoint of step {step} could not be written to {os.path.join(folder, f'step-{step}')} "
+            f"({_one_line(e)}); a resume loads the previous complete one: free space, or set checkpoint.folder "
+            "elsewhere") from None
+    return due
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, CheckpointException) and e.failures:  # the first failing rank's own exception
+        e = min(e.failures.items())[1][0]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}".rstrip(": ")

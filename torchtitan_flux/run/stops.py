@@ -1,0 +1,111 @@
+"""How a training run stops early: the trainer's signal handling, and the exceptions the entry point prints as one
+``stopped: ...`` line (``train.py``).
+
+First SIGTERM/SIGINT/SIGHUP (a closed terminal): stop at the next step boundary (the step in progress completes,
+so no trained step is half-applied), or at once while waiting for a step's rollouts (single process: that step has not started, so the
+last completed one is checkpointed; the wait for rollouts is most of a long GRPO step, and torchrun SIGKILLs after
+its grace period, 30 s by default). A second one, 2 s or more later: stop now (the step in progress may be
+incomplete: no checkpoint is written).
+
+Concurrency: the handler runs on the main thread between bytecodes; it only sets fields and calls
+``RolloutScheduler.interrupt`` (which sets a flag), or raises ``TrainingInterrupted`` on a second signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any, Callable
+
+from torchtitan_flux.engine.embedded import die_with_parent
+from torchtitan_flux.rollout.scheduler import NoEngineLeft
+
+logger = logging.getLogger("torchtitan_flux")
+
+DUPLICATE_WINDOW_S = 2.0  # one signal delivered twice (to torchrun's process group and forwarded by torchrun)
+
+
+class TrainingInterrupted(Exception):
+    """SIGTERM or SIGINT during training. An ``Exception`` (not ``SystemExit``) so that torchtitan's ``main``
+    calls ``trainer.close()``, which stops the engines, before the process exits non-zero."""
+
+    def __init__(self, message: str, at_step_boundary: bool):
+        super().__init__(message)
+        self.at_step_boundary = at_step_boundary
+
+
+class LossNotFinite(RuntimeError):
+    """The loss (or the gradient norm) of a step is NaN or infinite: the run stops before the optimizer applies it,
+    so the last completed step's weights (and its checkpoint) are intact."""
+
+
+class StopRequests:
+    """The trainer process's SIGTERM/SIGINT/SIGHUP handler (see the module docstring). ``signal`` is the name of the
+    first signal received, or None."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._at = 0.0
+        self._interruptible = None  # a RolloutScheduler whose wait for rollouts a first signal ends
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal was closed
+            if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:  # nohup: the user asked to go on
+                continue
+            signal.signal(sig, self._on_signal)
+
+    def interrupt_rollout_waits_of(self, scheduler) -> None:
+        """Single-process runs: a first signal also ends ``scheduler``'s wait for rollouts (with several ranks
+        the others would be left waiting in the batch broadcast, so they finish the step instead)."""
+        self._interruptible = scheduler
+
+    def raise_if_requested(self) -> None:
+        """At a step boundary: stop if a signal came."""
+        if self.signal is not None:
+            raise TrainingInterrupted(f"received {self.signal}", at_step_boundary=True)
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            if time.monotonic() - self._at < DUPLICATE_WINDOW_S:
+                return
+            raise TrainingInterrupted(f"received {name} twice", at_step_boundary=False)
+        self.signal, self._at = name, time.monotonic()
+        if self._interruptible is not None:
+            self._interruptible.interrupt()
+        logger.warning(f"received {name}: stopping after the current step (send it again to stop at once)")
+
+
+def settle_and_checkpoint(syncer, wait_s: float, save: Callable[[], Any] | None, step: int) -> None:
+    """Graceful stop: let an in-flight push finish or time out within ``wait_s`` (nothing is left half-sent by
+    us), then ``save()`` a checkpoint of the last completed step (None: none is written).
+
+    The caller passes no ``save`` with several ranks (a second signal can land at different points on each, and a
+    collective save could hang, so those runs resume from their last periodic checkpoint), after a second signal
+    (the step in progress may be incomplete), or with checkpoints off. On a signal ``wait_s`` is short, so the
+    checkpoint is written within torchrun's grace period; what does not finish is redone on resume (the
+    checkpoint's weights are pushed first; unfinished rollouts are generated afresh)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            settled = syncer.wait_idle(max(0.0, deadline - time.monotonic()))
+            break
+        except NoEngineLeft:  # the last engine's death noticed while waiting (a signal to the process group
+            continue  # reaches the engines too): its push fails at once; keep waiting for the push thread
+    if not settled:
+        logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
+                       "pushes the checkpoint's weights to every engine first)")
+    if save is not None:
+        save()
+        logger.warning(f"checkpoint of step {step} written")
+
+
+def die_with_launcher() -> None:
+    """torchrun starts each worker in a session of its own, so a SIGKILL to torchrun's process group does not
+    reach the trainer, which would train on (engines included) as an orphan. Under torchrun, ask the kernel to
+    SIGKILL this process when the agent dies (``PR_SET_PDEATHSIG``); the engines then die with it the same way,
+    and the newest checkpoint with ``.metadata`` stays the one a resume loads."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not die_with_parent():
+        return
+    if os.getppid() == 1:  # the agent died before the prctl
+        os.kill(os.getpid(), signal.SIGKILL)

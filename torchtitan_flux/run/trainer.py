@@ -1,0 +1,351 @@
+"""``FluxTrainer``: torchtitan's ``Trainer`` turned into a GRPO trainer fed by rollout engines.
+
+What is torchtitan's and what is ours: model construction, FSDP2 parallelisation, optimizers, LR schedulers,
+gradient clipping, ``CheckpointManager`` and the entry point are torchtitan's, used as they are. We replace the
+data path (rollouts instead of a text dataloader), the loss (GRPO, ``loss.py``) and the step loop (``train``),
+and add engines, weight sync and metrics.
+
+One training step (policy version = number of optimizer steps done = ``self.step`` after the step):
+  1. admission: generation may run ``lookahead = async_ratio * off_policy.max_version_gap`` steps ahead of
+     training, on average: steps are admitted whole, ``floor(lookahead)`` ahead, and one step further on the
+     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``admission.py``). ``async_ratio`` is
+     ``off_policy.async_ratio`` (by default 1 with ``weight_sync.async_weight_update``, else 0), or the
+     controller's output when ``adaptive_async.enabled``. At lookahead 0 the engines first get the newest weights (a synchronous,
+     on-policy step). Rank 0 dispatches, then waits for step ``k``'s rollouts; a batch with samples older than
+     ``max_version_gap`` is discarded and regenerated (counted);
+  2. the batch is broadcast to every rank; each rank trains on its contiguous slice, in micro-batches of
+     ``training.local_batch_size`` sequences; the loss is normalised by the global token (or sequence) count;
+  3. gradient clipping, ``optimizer.step()``, LR step; then ``WeightSyncer.after_optimizer_step``: blocking
+     push (sync mode) or snapshot + background push (async mode);
+  4. checkpoint (torchtitan's manager; our ``state_dict`` adds the RNG state), metrics.
+
+Simplifications: one optimizer step per batch (so the "proximal" policy of decoupled PPO is the current one,
+detached); no pipeline parallelism (``pipelining_fn`` is None). ``update.backward_on_batch`` runs its own
+micro-batch loop instead of torchtitan's ``forward_backward_step``, whose loss is ``loss_fn(pred, labels)`` with one label
+tensor: the GRPO loss needs the behaviour and reference logprobs, advantages, mask and sample weights per
+token. The loop keeps torchtitan's ``train_context``, AMP, gradient clipping, checkpointing and the
+``[profiling]`` contexts (torch profiler traces and memory snapshots, stepped once per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.checkpoint import AsyncMode
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from torchtitan.train import Trainer
+
+from torchtitan_flux.models import hf
+
+from torchtitan_flux.run import report
+
+from torchtitan_flux.run import resume
+from torchtitan_flux.rl.admission import Admission
+from torchtitan_flux.config import ConfigError
+from torchtitan_flux.data.evaluation import Evaluator
+from torchtitan_flux.rl.feed import BatchFeed
+from torchtitan_flux.rollout.fleet import EngineFleet, set_trainer_threads
+from torchtitan_flux.models.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
+from torchtitan_flux.run.metrics import MetricsWriter
+from torchtitan_flux.run.preflight import preflight
+from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
+from torchtitan_flux.data.rewards import RewardError
+from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
+from torchtitan_flux.run.run_state import RunState
+from torchtitan_flux.run.stops import (
+    LossNotFinite,
+    StopRequests,
+    TrainingInterrupted,
+    die_with_launcher,
+    settle_and_checkpoint,
+)
+from torchtitan_flux.rl.gradient import backward_on_batch
+from torchtitan_flux.run.user_code import UserCodeError, import_spec, step_callback
+from torchtitan_flux.sync.syncer import WeightSyncer
+
+logger = logging.getLogger("torchtitan_flux")
+
+SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most the stop waits for a push, and for rollouts in flight (each)
+
+
+class FluxTrainer(Trainer):
+    def __init__(self, job_config):
+        die_with_launcher()
+        self.stops = StopRequests()
+        pre = preflight(job_config)  # before torchtitan builds anything and before any spawn
+        self.task, self.fingerprint, self.checkpoint_folder = pre.task, pre.fingerprint, pre.checkpoint_folder
+        set_trainer_threads(job_config)
+        super().__init__(job_config)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.model = self.model_parts[0]
+        try:  # a missing, truncated or mismatched weights file: one line naming it
+            load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
+        self.ref_model = None
+        if job_config.grpo.kl_coef > 0:  # a frozen copy of the initial policy, built and sharded like it
+            self.ref_model = build_reference_model(self.train_spec, self.model_args, self.parallel_dims, job_config,
+                                                   self.device)
+        self.step_callbacks: list = []
+        for spec in job_config.metrics.step_callbacks:  # checked by validate_config
+            self.add_step_callback(import_spec("metrics.step_callbacks", spec), name=f"step callback {spec!r}")
+        self.scheduler: RolloutScheduler | None = None
+        self.evaluator: Evaluator | None = None
+        self.metrics_writer: MetricsWriter | None = None
+        self._events: queue.Queue = queue.Queue()
+        self.fleet = EngineFleet(job_config, self._events, trainer_on_gpu=self.device.type == "cuda")
+        self.engines = self.fleet.engines  # one list for the run (see fleet.py); empty on ranks > 0
+        self._step_ends: list[float] = []
+        self.admission = Admission(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
+                                   job_config.training.steps)
+        ws = job_config.weight_sync
+        self.probe = PostSyncProbe(
+            probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
+            ws.timeout_seconds,
+        ) if ws.probe_every > 0 else None
+        if self.rank == 0:
+            self.fleet.start()
+        self.memory = {"rss_before_sync_mb": report.rss_mb()}
+        if self.rank == 0:  # before the syncer, which takes its pump (events flow scheduler -> syncer)
+            self.scheduler = self._build_scheduler()
+            if self.world == 1:
+                self.stops.interrupt_rollout_waits_of(self.scheduler)
+        self.syncer = WeightSyncer(
+            job_config.weight_sync, self.model, self.engines, device=self.device, is_sender=self.rank == 0,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            pump=self.scheduler.pump if self.scheduler is not None else time.sleep,
+        )
+        self.memory["rss_after_staging_mb"] = report.rss_mb()
+        self.feed = BatchFeed(self.admission, self.scheduler, self.syncer,
+                              max_version_gap=self.admission.max_version_gap,
+                              async_push=ws.async_weight_update, last_step=job_config.training.steps,
+                              rank=self.rank, world=self.world)
+        self.run_state = RunState(self.admission, self.feed, self.scheduler, self.task,
+                                  job_config.rollout.prompts_per_step, pre.config_changes, ws.timeout_seconds)
+        if self.rank == 0:
+            self.metrics_writer = MetricsWriter(
+                job_config.job.dump_folder, job_config.training.steps,
+                loggers=self.metrics_processor.logger, log_every=job_config.metrics.log_freq,
+            )
+            if pre.eval_task is not None:
+                self.evaluator = Evaluator(
+                    job_config.eval, pre.eval_task, self.scheduler, self.tokenizer, job_config.rollout.seed,
+                    job_config.job.dump_folder, wait=not job_config.weight_sync.async_weight_update,
+                )
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    def _on_engine_dead(self, dead):
+        """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None. None while
+        the run is stopping on a signal: a SIGTERM to the whole process group reaches the engines too, and a new
+        engine would only be started to be stopped again."""
+        if self.stops.signal is not None:
+            self.fleet.give_up(dead, f"the run is stopping ({self.stops.signal})")
+            return None
+        new = self.fleet.restart(dead)
+        if new is not None:
+            self.syncer.replace_engine(dead, new)
+        return new
+
+    def _build_scheduler(self) -> RolloutScheduler:
+        jc = self.job_config
+        return RolloutScheduler(
+            self.engines, self._events, self.task, self.tokenizer,
+            group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
+            max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
+            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer, jc.model.hf_assets_path),
+            max_version_gap=self.admission.max_version_gap,
+            on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._on_engine_dead,
+            dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
+            reward_workers=jc.rollout.reward_workers, reward_timeout_s=jc.rollout.reward_timeout_seconds,
+            stall_s=jc.rollout.engine_stall_seconds,
+        )
+
+    def add_step_callback(self, fn, name: str | None = None) -> Any:
+        """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
+        after every step; returns ``fn`` (decorator use). If it raises (or calls ``sys.exit()``) the run stops
+        with one line naming it (``name``, else the function's own)."""
+        self.step_callbacks.append(step_callback(fn, name or f"step callback {getattr(fn, '__qualname__', fn)!r}"))
+        return fn
+
+    # ------------------------------------------------------------------------------------------- loop
+
+    def train(self):
+        jc = self.job_config
+        resume.load(self.checkpointer, jc.checkpoint, self.checkpoint_folder, self.rank == 0)
+        logger.info(f"Training starts at step {self.step + 1}")
+        if self.rank == 0:
+            self.syncer.connect()
+        self.syncer.flush(self.step)  # engines start from the trainer's (possibly resumed) weights
+        if self.evaluator is not None and jc.eval.at_start:
+            self.evaluator.start(self.step)
+            # a row of its own, before any training step: marked, so readers can tell it from the step rows
+            self.metrics_writer.log(self.step, {"eval_only": True, **self.evaluator.collect(wait=True)}, progress=False)
+        prof = dict(global_step=self.step, base_folder=jc.job.dump_folder)
+        try:
+            with maybe_enable_profiling(jc.profiling, **prof) as torch_profiler, \
+                    maybe_enable_memory_snapshot(jc.profiling, **prof) as memory_profiler:
+                while self.should_continue_training():
+                    self.gc_handler.run(self.step + 1)
+                    self.train_step_grpo()
+                    for profiler in (torch_profiler, memory_profiler):
+                        if profiler:
+                            profiler.step()
+                    if self.step == 1:
+                        dist_utils.set_pg_timeouts(
+                            timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
+                        )
+                    self.stops.raise_if_requested()
+        except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
+            self._save_on_stop(True, reason=str(e), signalled=True)
+            raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
+        except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError) as e:
+            # a reward function's failure or deadline, a step callback's failure: between steps, like a lost engine
+            signalled = isinstance(e, TrainingInterrupted) or self.stops.signal is not None
+            self._save_on_stop(getattr(e, "at_step_boundary", True), signalled=signalled,
+                               reason=f"received {self.stops.signal}" if signalled else str(e))
+            if isinstance(e, NoEngineLeft) and signalled:  # the signal killed the engines too: say the cause
+                raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
+            raise
+        finally:
+            if self.rank == 0 and self.scheduler is not None:
+                self.scheduler.drain(timeout=1.0)
+        self._finish()
+
+    def train_step_grpo(self) -> None:
+        """One step, all ranks: batch, GRPO update, controller, push, probe, checkpoint, evaluation, metrics."""
+        jc, last = self.job_config, self.step + 1 == self.job_config.training.steps
+        t0 = time.perf_counter()
+        fed = self.feed.next(self.step + 1, self.step)
+        self.step += 1
+        t1 = time.perf_counter()
+        metrics = self.train_on(fed.batch)
+        metrics.update(self.admission.control(self.step, fed.batch.versions, metrics))
+        t2 = time.perf_counter()
+        self.syncer.after_optimizer_step(self.step, due=fed.push_due)
+        t3 = time.perf_counter()
+        if self.rank == 0:
+            metrics.update(self.admission.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
+        if self.probe is not None and self.probe.due(self.step, jc.training.steps):
+            self.syncer.flush(self.step)  # the engines must hold this step's weights
+            engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
+            metrics.update(self.probe.run(self.model, engines, self.step, self.device))
+        saved = resume.save(self.checkpointer, self.step, last, self.checkpoint_folder, self.fingerprint,
+                            self.rank == 0)
+        if saved and self.checkpointer.async_mode == AsyncMode.DISABLED:  # else only staged by now
+            logger.info(f"checkpoint of step {self.step} saved")
+        if self.evaluator is not None:
+            metrics.update(self.evaluator.after_step(self.step, self.syncer.version, last))
+        if self.rank == 0:
+            self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
+            self._step_ends.append(time.perf_counter())
+
+    def _save_on_stop(self, at_step_boundary: bool, reason: str, signalled: bool = False) -> None:
+        """Graceful stop (a signal, or no rollout engine left): ``stops.settle_and_checkpoint``. ``signalled``:
+        the push and the rollouts in flight get at most ``SIGNAL_STOP_WAIT_S`` each."""
+        logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
+        wait = self.job_config.weight_sync.timeout_seconds
+        if signalled:
+            wait = self.run_state.save_wait_s = min(wait, SIGNAL_STOP_WAIT_S)
+        can_save = at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0
+        save = partial(resume.save, self.checkpointer, self.step, True, self.checkpoint_folder, self.fingerprint, True)
+        settle_and_checkpoint(self.syncer, wait, save if can_save else None, self.step)
+
+    def _finish(self) -> None:
+        """After the last step: final push, summary (rank 0), HF export."""
+        self.syncer.flush(self.step)
+        memory = report.memory_per_rank(self.memory, self.world)  # before the export gathers the model
+        out = os.path.join(self.job_config.job.dump_folder, "hf_final")
+        export_hf_weights(self.model, out, self.model_args, self.job_config.model.hf_assets_path)
+        if self.rank == 0:
+            logger.info(f"final policy exported to {out}")
+            probed = self.probe.confirmed_version if self.probe is not None else -1
+            content = report.summary(self.step, self.syncer, self.engines, probed, self._step_ends, memory)
+            report.write_summary(self.job_config.job.dump_folder, content)
+
+    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
+        """One GRPO optimizer step on ``batch`` (all ranks): gradients (``update.py``), clipping, step, metrics."""
+        jc = self.job_config
+        self.optimizers.zero_grad()
+        grad = backward_on_batch(
+            self.model, self.ref_model, batch, jc.grpo, trained_steps=self.step - 1, rank=self.rank,
+            world=self.world, micro_batch=jc.training.local_batch_size, device=self.device,
+            train_context=self.train_context, amp=self.maybe_enable_amp,
+        )
+        loss_total, sums, num_tokens = grad.loss, grad.metric_sums, grad.num_tokens
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], jc.training.max_norm, foreach=True,
+            pp_mesh=None, ep_enabled=False,
+        )
+        if not torch.isfinite(grad_norm).item():  # the same on every rank (a global norm): all stop here
+            self.optimizers.zero_grad()
+            self.step -= 1  # nothing of this step was applied: the weights are still those of the step before
+            raise LossNotFinite(
+                f"loss is not finite at step {self.step + 1} (loss {loss_total.item():.4g}, gradient norm "
+                f"{grad_norm.item():.4g}; rewards of this batch: min {batch.rewards.min().item():.4g}, max "
+                f"{batch.rewards.max().item():.4g}); the weights of step {self.step} are kept"
+            )
+        self.checkpointer.maybe_wait_for_staging()
+        self.syncer.before_optimizer_step()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.ntokens_seen += int(num_tokens)
+
+        stats = torch.stack([loss_total] + [sums[k] for k in sorted(sums)])
+        if self.world > 1:
+            dist.all_reduce(stats)
+        out = {"loss": stats[0].item()}
+        out.update({k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))})
+        out["grad_norm"] = grad_norm.item()
+        out["zero_variance_groups"] = grad.zero_variance_groups
+        out["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        return out
+
+    def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
+        counters = dict(discarded_rollouts=self.feed.discarded_rollouts, engine_restarts=self.fleet.restarts,
+                        redispatched_requests=self.scheduler.redispatched, **self.syncer.metrics())
+        m = report.step_row(self.step, batch, times, counters, m)
+        self.metrics_writer.log(self.step, m)
+        every = self.job_config.metrics.log_completions_every
+        if every and self.step % every == 0:
+            self.metrics_writer.log_completions(self.step, batch, self.job_config.grpo.group_size)
+        for fn in self.step_callbacks:
+            fn(self.step, m)
+
+    # ----------------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **self.run_state.state_dict(self.step)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.run_state.load_state_dict(state_dict, self.step)
+
+    def close(self) -> None:
+        if getattr(self, "syncer", None) is not None:
+            self.syncer.close()
+        if getattr(self, "fleet", None) is not None:
+            self.fleet.close()
+        if getattr(self, "metrics_writer", None) is not None:
+            self.metrics_writer.close()
+        super().close()
+
+
+def _pad_id(tokenizer, hf_dir: str) -> int:
+    pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
+    return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

@@ -1,0 +1,441 @@
+"""``validate_config``: types, ranges and cross-field consistency of the config sections (``config.py``), and of
+the torchtitan fields we rely on; the first bad value raises ``ConfigError`` naming the field and what is allowed.
+A plain single-field range is not written here: it is declared on the field in ``config.py`` (``Range``) and checked
+by ``_check_ranges``; what is here is every other rule.
+
+It runs in the entry point before torchtitan starts (one ``error:`` line, exit 2) and again on every rank before
+any engine process is started. It also resolves ``off_policy.max_version_gap = 0`` (its default) in place, and
+moves the deprecated ``adaptive_async.max_version_gap`` there.
+User code named in the config (rewards, tasks, controllers, step callbacks) is imported here through
+``user_code.import_spec``, so a bad name is a validation error.
+
+Simplification: torchtitan's own sections are validated by torchtitan; we check only the fields we rely on.
+"""
+
+import dataclasses
+import importlib
+import importlib.util
+import ipaddress
+import logging
+import math
+import os
+import re
+import socket
+import types
+import typing
+import urllib.parse
+from typing import Any, Literal
+
+import torch
+
+from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, AdaptiveAsync, Checkpoint, ConfigError
+from torchtitan_flux.engine.auth import is_loopback, read_token
+from torchtitan_flux.ranges import field_ranges
+from torchtitan_flux.run.user_code import import_spec, step_callback
+
+
+def _allowed(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_allowed(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """The weight-sync rendezvous must be able to listen on host:port (checked by binding once, before any engine
+    starts; the trainer binds it again moments later)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError(
+            f"weight_sync.master_port = {port}: cannot listen on {host}:{port} ({e.strerror or e}); allowed: a free "
+            "port, or 0 to pick one"
+        ) from None
+
+
+def _check_type(name: str, value: Any, tp: Any) -> None:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                _check_type(name, value, option)
+                return
+            except ConfigError:
+                pass
+        raise ConfigError(f"{name} = {value!r} is not allowed; allowed: {_allowed(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{name} = {value!r} is not allowed; allowed values: {_allowed(tp)}")
+        return
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        items = (int, float) if item is float else item  # TOML writes 1 for 1.0
+        if not isinstance(value, list) or not all(isinstance(v, items) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{name} must be a list of {item.__name__}, got {value!r}")
+        return
+    if dataclasses.is_dataclass(tp):
+        if not dataclasses.is_dataclass(value):
+            raise ConfigError(f"{name} must be a table with fields {[f.name for f in dataclasses.fields(tp)]}")
+        _check_dataclass(name, value)
+        return
+    ok = (
+        isinstance(value, bool)
+        if tp is bool
+        else isinstance(value, tp) and not isinstance(value, bool)
+        if tp is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if tp is float
+        else isinstance(value, tp)
+    )
+    if not ok:
+        if tp is float and isinstance(value, float):
+            raise ConfigError(f"{name} = {value!r} is out of range; allowed: a finite number")
+        raise ConfigError(f"{name} must be of type {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _check_dataclass(prefix: str, obj: Any) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        _check_type(f"{prefix}.{f.name}", getattr(obj, f.name), hints[f.name])
+
+
+def _require(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name} = {value!r} is out of range; allowed: {allowed}")
+
+
+def _check_ranges(prefix: str, cls: type, obj: Any) -> None:
+    """Every field of ``cls`` (a config.py section) that declares a ``Range``, nested tables included."""
+    for name, (rng, allowed) in field_ranges(cls).items():
+        _require(rng.contains(getattr(obj, name)), f"{prefix}.{name}", getattr(obj, name), allowed)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type):
+            _check_ranges(f"{prefix}.{f.name}", f.type, getattr(obj, f.name))
+
+
+_HOST_NAME = re.compile(r"(?!-)[\w-]{1,63}(?<!-)(\.(?!-)[\w-]{1,63}(?<!-))*", re.ASCII)  # DNS labels (and Docker's _)
+
+
+def _check_url(name: str, url: str) -> None:
+    """A server URL is ``http(s)://host[:port]`` with ``host`` an IP address or a DNS name (a dotted-number host
+    must be a valid IPv4 address: ``999.1.1.1`` would otherwise be looked up as a name and fail only later)."""
+    why = _url_problem(url)
+    if why:
+        raise ConfigError(f"{name} = {url!r} is not a server URL ({why}); allowed: http(s)://host:port with host an "
+                          "IP address or a host name, e.g. 'http://127.0.0.1:8000'")
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # ValueError for a port out of range or not a number
+    except ValueError as e:
+        return str(e)
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https"):
+        return f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+    if not host:
+        return "no host"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if re.fullmatch(r"[\d.]+", host) or not _HOST_NAME.fullmatch(host):
+        return f"host {host!r} is not an IP address or a host name"
+    return None
+
+
+def resolve_launch_python(path: str) -> str | None:
+    """``rollout.launch_python`` as an existing absolute path: as given (absolute, or relative to the current
+    directory), else relative to the directory this package is imported from (the repository root of a source
+    checkout, where ``scripts/setup_vllm.sh`` puts ``.venv-vllm``); None when neither exists."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cand in (path, os.path.join(package_parent, path)):
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return os.path.abspath(cand)
+    return None
+
+
+def _validate_torchtitan_fields(job_config: Any) -> None:
+    """The torchtitan fields a bad value of which would otherwise fail late (a bare assert, a NaN loss) or be
+    silently accepted (``steps 0``)."""
+    tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
+    for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
+        _check_type(f"training.{name}", getattr(tr, name), int)
+    _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
+    _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
+    _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    gap = job_config.off_policy.max_version_gap  # each embedded engine keeps max_version_gap + 1 weight copies
+    _require(gap <= max(1, tr.steps), "off_policy.max_version_gap", gap,
+             f"at most training.steps = {tr.steps} (each embedded engine keeps max_version_gap + 1 copies of the "
+             "weights), or 0 for the default")
+    seed = job_config.debug.seed
+    _require(seed is None or 0 <= seed < 2**63, "debug.seed", seed, "an integer in [0, 2**63), or unset")
+    mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]
+    _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
+    if ck.enable:
+        _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
+    # Adam / AdamW (torchtitan's only optimizers) move every weight by about lr per step whatever the gradient's
+    # scale: lr 1 already overwrites a model in one step (GRPO fine-tuning uses ~1e-7 .. 1e-5), so beyond 1 is a typo
+    _require(math.isfinite(opt.lr) and 0 < opt.lr <= 1, "optimizer.lr", opt.lr,
+             "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
+
+
+logger = logging.getLogger("torchtitan_flux")
+
+CONTROLLER_DEFAULT_GAP = 3  # off_policy.max_version_gap's default with the controller (see its docstring)
+
+
+def _resolve_off_policy(o, a, w) -> None:
+    """``[off_policy]`` in place: the deprecated ``adaptive_async.max_version_gap`` moved over, the gap's default
+    (0) and the fixed ratio's (-1) resolved, with a deprecation warning for each old way."""
+    if a.max_version_gap != 0:
+        _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap,
+                 "an integer >= 1, or 0 for the default (deprecated: use off_policy.max_version_gap)")
+        if o.max_version_gap not in (0, a.max_version_gap):
+            raise ConfigError(f"adaptive_async.max_version_gap = {a.max_version_gap} and off_policy.max_version_gap = "
+                              f"{o.max_version_gap} differ; set only off_policy.max_version_gap (the old name is "
+                              "deprecated)")
+        logger.warning("adaptive_async.max_version_gap is deprecated: use off_policy.max_version_gap (same meaning)")
+        o.max_version_gap = a.max_version_gap
+    if o.max_version_gap == 0:
+        o.max_version_gap = CONTROLLER_DEFAULT_GAP if a.enabled else 1
+    _require(o.max_version_gap >= 1, "off_policy.max_version_gap", o.max_version_gap,
+             "an integer >= 1, or 0 for the default (1; 3 with adaptive_async.enabled)")
+    if a.enabled:
+        _require(o.async_ratio == -1, "off_policy.async_ratio", o.async_ratio,
+                 "-1 (unset) with adaptive_async.enabled = true: the controller sets the ratio")
+        return
+    if o.async_ratio == -1 and w.async_weight_update:
+        logger.warning("weight_sync.async_weight_update = true no longer sets how far generation runs ahead: set "
+                       "off_policy.async_ratio = 1 (used now, as before); async_weight_update selects only the "
+                       "background push")
+    _require(o.async_ratio == -1 or 0 <= o.async_ratio <= 1, "off_policy.async_ratio", o.async_ratio,
+             "a number in [0, 1], or -1 for the default (1 with weight_sync.async_weight_update = true, else 0)")
+
+
+def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | None:
+    """A warning when the version-gap term alone cannot bring staleness to ``target_staleness`` (the gap is at
+    most ``max_version_gap``): the KL and importance-weight terms then have to, and on a slowly moving policy they
+    stay near 0, so staleness saturates below the target and the ratio sits at its maximum (measured with the
+    defaults, max_version_gap 1: staleness ~0.06 against 0.15, 0.16 of steps in band)."""
+    total = a.kl_weight + a.iw_var_weight + a.version_gap_weight
+    reach = a.version_gap_weight / total * min(1.0, max_version_gap / a.version_gap_norm) if total > 0 else 0.0
+    if reach >= a.target_staleness:
+        return None
+    need = next((g for g in range(1, 65)
+                 if a.version_gap_weight / total * min(1.0, g / a.version_gap_norm) >= a.target_staleness), None)
+    fix = f"raise off_policy.max_version_gap to {need}" if need else "lower adaptive_async.target_staleness"
+    return (f"adaptive_async.target_staleness = {a.target_staleness} may be out of reach: with max_version_gap = "
+            f"{max_version_gap} the version-gap term of staleness is at most {reach:.3f}, so the target is reached "
+            f"only if the KL / importance-weight terms make up the rest; {fix} (or lower the target to {reach:.2f})")
+
+
+def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
+    """torchtitan's "Invalid field names in <class ...> data: {...}" (a TOML key or section that does not exist,
+    raised while parsing, with a traceback) as one line naming the file, the section, the keys and the allowed
+    fields; None for any other error."""
+    m = re.match(r"Invalid field names in <class '([\w.]+)'> data: (\{.*?\})", str(e))
+    if m is None:
+        return None
+    path, names = m.group(1), m.group(2)
+    mod, _, cls = path.rpartition(".")
+    if cls in ("JobConfig", "MergedJobConfig"):  # an unknown section (torchtitan's and ours merged)
+        from torchtitan.config import JobConfig
+
+        allowed = sorted({f.name for f in dataclasses.fields(JobConfig)} | set(SECTIONS))
+        return ConfigError(f"job.config_file = {config_file!r}: unknown section(s) {names}; allowed: "
+                           + ", ".join(allowed))
+    section = next((k for k, v in SECTIONS.items() if f"{v.__module__}.{v.__qualname__}" == path), None)
+    if section is None:  # one of torchtitan's sections
+        from torchtitan.config import JobConfig
+
+        section = next((f.name for f in dataclasses.fields(JobConfig)
+                        if getattr(f.type, "__name__", str(f.type)) == cls), None)
+    try:
+        fields = sorted(f.name for f in dataclasses.fields(getattr(importlib.import_module(mod), cls)))
+    except (ImportError, AttributeError, TypeError):
+        fields = []
+    where = f"[{section}]" if section else f"the section of type {cls}"
+    allowed = ", ".join(fields) if fields else "see docs/configuration.md"
+    return ConfigError(f"job.config_file = {config_file!r}: unknown key(s) {names} in {where}; allowed: {allowed}")
+
+
+def validate_config(job_config: Any) -> None:
+    """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use).
+    Resolves ``off_policy.max_version_gap`` in place (``_resolve_off_policy``), so everything after sees the gap."""
+    for sec in SECTIONS:
+        _check_dataclass(sec, getattr(job_config, sec))
+    for sec, cls in {**SECTIONS, **ADDED_TO_TORCHTITAN}.items():
+        _check_ranges(sec, cls, getattr(job_config, sec))
+    r, w, a = job_config.rollout, job_config.weight_sync, job_config.adaptive_async
+    _resolve_off_policy(job_config.off_policy, a, w)
+
+    prof = job_config.profiling
+    _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
+             prof.enable_memory_snapshot, "false on a machine without CUDA (the snapshot records the CUDA caching "
+             "allocator's history; profiling.enable_profiling works on CPU)")
+    if prof.enable_profiling:
+        _require(prof.profile_freq >= prof.profiler_warmup + prof.profiler_active, "profiling.profile_freq",
+                 prof.profile_freq, f">= profiling.profiler_warmup + profiling.profiler_active = "
+                 f"{prof.profiler_warmup + prof.profiler_active}")
+
+    if not (r.engine_device in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", r.engine_device)):
+        raise ConfigError(f"rollout.engine_device = {r.engine_device!r}; allowed: 'auto' | 'cpu' | 'cuda:N'")
+    _check_data(job_config)
+    if r.engine_stall_seconds <= job_config.weight_sync.timeout_seconds:  # a request may wait that long for weights
+        raise ConfigError(f"rollout.engine_stall_seconds = {r.engine_stall_seconds:g} is out of range; allowed: more "
+                          f"than weight_sync.timeout_seconds = {job_config.weight_sync.timeout_seconds:g}")
+    if r.launch:
+        if r.engine != "vllm":
+            raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")
+        if r.urls:
+            raise ConfigError(
+                f"rollout.urls = {r.urls!r} must be empty when rollout.launch = true (the trainer starts the servers)"
+            )
+        if resolve_launch_python(r.launch_python) is None:
+            raise ConfigError(
+                f"rollout.launch_python = {r.launch_python!r} does not exist; rollout.launch = true needs a Python "
+                "with vLLM installed (run scripts/setup_vllm.sh to create .venv-vllm)"
+            )
+    elif r.engine == "embedded" and r.urls:  # else silently unused
+        raise ConfigError(f"rollout.urls = {r.urls!r} is set, but rollout.engine = 'embedded' starts its own engines; "
+                          "allowed: no urls, or rollout.engine = 'vllm' | 'sglang' to use those servers")
+    elif r.engine in ("vllm", "sglang") and not r.urls:
+        raise ConfigError(
+            f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
+            + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else "")
+        )
+
+    for url in r.urls:
+        _check_url("rollout.urls", url)
+
+    if w.interval != "auto":
+        _require(w.interval >= 1, "weight_sync.interval", w.interval, 'an integer >= 1, or "auto"')
+        gap = job_config.off_policy.max_version_gap
+        _require(w.interval <= gap + 1, "weight_sync.interval", w.interval,
+                 f"at most off_policy.max_version_gap + 1 = {gap + 1} (rollouts from weights "
+                 f"interval - 1 steps old must fit in the gap), or \"auto\"")
+    if w.master_port and os.environ.get("RANK", "0") == "0":  # rank 0 hosts it (later ranks would find it taken)
+        _check_port_free(w.master_addr, w.master_port)
+    _require(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", w.auth_token_env) is not None, "weight_sync.auth_token_env",
+             w.auth_token_env, "the name of an environment variable, e.g. 'TORCHTITAN_FLUX_TOKEN'")
+    remote = [("weight_sync.master_addr", w.master_addr)] if not is_loopback(w.master_addr) else []
+    remote += [("rollout.urls", u) for u in r.urls if not is_loopback(urllib.parse.urlsplit(u).hostname or "")]
+    if remote and read_token(w.auth_token_env) is None:
+        name, value = remote[0]
+        raise ConfigError(
+            f"{name} = {value!r} is not a loopback address, so it needs the shared token: set the environment "
+            f"variable {w.auth_token_env} (named by weight_sync.auth_token_env; servers read TORCHTITAN_FLUX_TOKEN). "
+            "Allowed without it: loopback addresses (127.0.0.0/8, ::1, localhost). See \"Security\" in the README."
+        )
+
+    if a.min_async_ratio > a.max_async_ratio:
+        raise ConfigError(
+            f"adaptive_async.min_async_ratio = {a.min_async_ratio} exceeds adaptive_async.max_async_ratio = "
+            f"{a.max_async_ratio}; need min_async_ratio <= max_async_ratio"
+        )
+    _require(
+        a.min_async_ratio <= a.initial_async_ratio <= a.max_async_ratio,
+        "adaptive_async.initial_async_ratio",
+        a.initial_async_ratio,
+        f"within [min_async_ratio, max_async_ratio] = [{a.min_async_ratio}, {a.max_async_ratio}]",
+    )
+    if a.kl_weight + a.iw_var_weight + a.version_gap_weight <= 0:
+        raise ConfigError("adaptive_async.kl_weight + iw_var_weight + version_gap_weight must be > 0")
+    _validate_torchtitan_fields(job_config)
+    if a.enabled and (hint := staleness_out_of_reach(a, job_config.off_policy.max_version_gap)):
+        logger.warning(hint)
+    if a.controller != "pid":
+        import_spec("adaptive_async.controller", a.controller)
+    _check_model_folder(job_config)
+
+
+def _check_model_folder(job_config: Any) -> None:
+    """``model.hf_assets_path`` has a tokenizer and a readable config.json whose ``max_position_embeddings`` holds the
+    longest sequence a rollout makes (a prompt of ``max_prompt_tokens`` plus ``max_new_tokens``)."""
+    from torchtitan_flux.models import hf as hf_folder
+    from torchtitan_flux.data.tasks import max_prompt_tokens
+
+    hf, r = job_config.model.hf_assets_path, job_config.rollout
+    for fname in ("tokenizer.json", "config.json"):
+        if not os.path.isfile(os.path.join(hf, fname)):
+            raise ConfigError(
+                f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
+                "(build the tiny one with `python scripts/build_tiny_model.py`)"
+            )
+    try:
+        cfg = hf_folder.read_config(hf)
+        max_pos = cfg.get("max_position_embeddings")
+        eos = hf_folder.eos_token_ids(cfg)
+        hf_folder.architecture(cfg, os.path.join(hf, "config.json"))  # a family or variant we refuse: here, not late
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"model.hf_assets_path = {hf!r}: {e}") from None
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, int) and any(not 0 <= e < vocab for e in eos):  # else no completion could ever end
+        raise ConfigError(f"{os.path.join(hf, 'config.json')}: eos_token_id = {cfg.get('eos_token_id')!r} is outside "
+                          f"the vocabulary (vocab_size = {vocab}); allowed: token ids in [0, {vocab})")
+    prompt = max_prompt_tokens(job_config)
+    if isinstance(max_pos, int) and prompt + r.max_new_tokens > max_pos:
+        budget = r.max_prompt_tokens or f"auto: training.seq_len - max_new_tokens = {prompt}"
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({budget}) + rollout.max_new_tokens ({r.max_new_tokens}) = "
+            f"{prompt + r.max_new_tokens} tokens exceeds max_position_embeddings = {max_pos} of "
+            f"{os.path.join(hf, 'config.json')}; allowed: at most {max_pos} (lower training.seq_len, "
+            "rollout.max_prompt_tokens or rollout.max_new_tokens)"
+        )
+    if r.launch:
+        from torchtitan_flux.engine.vllm_launch import unservable_reason
+
+        if why := unservable_reason(hf):
+            raise ConfigError(f"rollout.launch = true cannot serve model.hf_assets_path = {hf!r} here: {why}; "
+                              "use a GPU, or a model with a supported head_dim (rollout.engine = 'embedded' serves any)")
+
+
+def _check_data(job_config: Any) -> None:
+    """Task, dataset, prompt length, rewards, ``[eval]`` and our ``[metrics]`` fields (docs/data.md)."""
+    from torchtitan_flux.data import tasks
+
+    r, ev = job_config.rollout, job_config.eval
+    try:
+        tasks.task_factory(r.task)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("is not allowed", "is out of range")) from None
+    if r.task in tasks.ALIASES:
+        logger.warning(
+            f"rollout.task = {r.task!r} is deprecated; use {tasks.ALIASES[r.task]!r} (same behaviour)")
+    if tasks.ALIASES.get(r.task, r.task) in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
+        raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} does not exist; task {r.task!r} needs a dataset "
+                          "file or folder")
+    seq_len = job_config.training.seq_len
+    if tasks.max_prompt_tokens(job_config) < 1 or tasks.max_prompt_tokens(job_config) + r.max_new_tokens > seq_len:
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({r.max_prompt_tokens or 'auto'}) + rollout.max_new_tokens ({r.max_new_tokens}) "
+            f"must fit in training.seq_len = {seq_len} with room for a prompt; lower them or raise training.seq_len"
+        )
+    for spec in r.reward_funcs:
+        if spec not in tasks.BUILTIN_REWARDS:
+            import_spec("rollout.reward_funcs", spec)
+    if "math_verify" in r.reward_funcs and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("rollout.reward_funcs names 'math_verify', which needs `pip install math-verify`")
+    if r.reward_weights and len(r.reward_weights) != len(r.reward_funcs):
+        raise ConfigError(f"rollout.reward_weights has {len(r.reward_weights)} entries for {len(r.reward_funcs)} "
+                          "rollout.reward_funcs; allowed: one weight per function, or none (all 1.0)")
+    twice = sorted({s for s in r.reward_funcs if r.reward_funcs.count(s) > 1})
+    if twice:  # one metric per function name: the second would silently merge into the first
+        raise ConfigError(f"rollout.reward_funcs lists {twice} more than once; allowed: each function once (give it "
+                          "a larger rollout.reward_weights entry instead)")
+    bad = [w for w in r.reward_weights if not math.isfinite(w)]
+    if bad:
+        raise ConfigError(f"rollout.reward_weights = {r.reward_weights!r} holds {bad[0]!r}; allowed: finite numbers")
+    if r.reward_fn:
+        import_spec("rollout.reward_fn", r.reward_fn)
+    if ev.dataset_path and not os.path.exists(ev.dataset_path):
+        raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
+    _check_type("metrics.step_callbacks", job_config.metrics.step_callbacks, list[str])
+    for spec in job_config.metrics.step_callbacks:
+        step_callback(import_spec("metrics.step_callbacks", spec), f"metrics.step_callbacks = {spec!r}")

@@ -1,0 +1,306 @@
+"""``Pusher``: rank 0's join threads and push thread, and the claim that serializes them with snapshots.
+
+Concurrency invariants (who waits for what):
+  * ``busy`` is the claim on the staging buffer and on the weight-sync groups. It is set, under the link
+    table's lock, by the one that takes it (the main thread before a snapshot: ``claim``; or ``kick`` for the
+    push thread) and cleared only by its holder (``release``), so staging is never written while it is sent, and
+    collectives on the weight-sync groups are issued by one thread at a time, in push order.
+  * Push thread: sends every push it is handed while holding ``busy`` (``hand_over``; in blocking mode the main
+    thread sends regular pushes itself, holding the claim). One push issues header + buckets on every usable
+    engine's group, all under the push stream (``cuda_rules`` rule 1), then polls every Work against ONE
+    deadline ``timeout_seconds`` from the start of the push (rule 3); an engine that misses it has its group
+    aborted (NCCL) or dropped (gloo), is marked lagging and broken, and rejoins at the next push or before the
+    next wait for rollouts (``deliver_staged``), whichever comes first. Before letting go of ``busy`` it
+    re-sends the staged version to engines that became usable meanwhile (``release``).
+  * Joiner threads: one per (re)joining engine. Each builds that engine's group eagerly (token handshake, NCCL
+    version check, then the group, connected at once on NCCL: rule 8), then ``kick``s the push thread. A joiner
+    never touches ``busy``. An engine the handshake refuses is retried at the next push or ``deliver_staged``,
+    not at once.
+On a GPU trainer the staging buffer is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a
+time on the push stream (bounded trainer-GPU memory: ``2 * bucket_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import cuda_rules
+
+from torchtitan_flux.sync import transport
+from torchtitan_flux.engine.base import WeightGroupInfo
+from torchtitan_flux.sync.links import EngineLink, LinkTable
+from torchtitan_flux.sync.snapshot import Snapshot
+
+logger = logging.getLogger("torchtitan_flux")
+
+
+class DeviceRing:
+    """Two device buffers of ``max_bytes`` each; host tensors pass through them on ``stream`` to be broadcast on
+    NCCL. Push thread only. A slot is rewritten only after the collectives that read it were ordered before the
+    copy on the stream (``Work.wait()`` under the stream: a device-side dependency, not a host wait)."""
+
+    def __init__(self, device: torch.device, max_bytes: int, stream):
+        self.stream = stream
+        self.slots = [torch.empty(max_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.readers: list[list] = [[], []]
+        self.i = 0
+
+    def broadcast(self, pg, t: torch.Tensor):
+        if t.device.type != "cpu":
+            return compat.broadcast(pg, t)
+        self.i = (self.i + 1) % 2
+        for w in self.readers[self.i]:
+            w.wait()  # rule 1: the stream (not the host) waits for the previous readers of this slot
+        dev = self.slots[self.i][: t.numel() * t.element_size()].view(t.dtype)
+        dev.copy_(t.reshape(-1), non_blocking=True)
+        work = compat.broadcast(pg, dev)
+        self.readers[self.i] = [work]
+        return work
+
+
+class Pusher:
+    """See the module docstring for the ordering invariants."""
+
+    def __init__(self, table: LinkTable, snap: Snapshot, cfg, *, backend: str, device: torch.device,
+                 store, token: str | None):
+        self.table, self.snap, self.cfg, self.backend = table, snap, cfg, backend
+        self.device, self.store, self.token = torch.device(device), store, token
+        self.busy = threading.Event()
+        self.closed = False
+        self._job: int | None = None
+        self._job_links: list[EngineLink] | None = None  # None: every usable engine
+        self.stream = cuda_rules.group_stream(device) if backend == "nccl" else None
+        self.ring = None
+        if backend == "nccl":
+            top = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in snap.plan.buckets), default=1)
+            self.ring = DeviceRing(self.device, top, self.stream)
+        self._thread = threading.Thread(target=self._loop, name="flux-weight-push", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------------------- the claim
+
+    def claim(self) -> bool:
+        """Main thread: take ``busy`` if nobody holds it."""
+        with self.table.lock:
+            if self.busy.is_set():
+                return False
+            self.busy.set()
+            return True
+
+    def hand_over(self, version: int) -> None:
+        """Main thread, holding the claim: the push thread sends ``version`` and releases the claim."""
+        with self.table.lock:
+            self._job, self._job_links = version, None
+            self.table.work.notify()
+
+    def release(self) -> None:
+        """The holder of ``busy`` lets it go, first serving engines that became usable meanwhile."""
+        with self.table.lock:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        self._job = self._job_links = None
+        self.busy.clear()
+        self.kick()
+
+    def kick(self) -> None:
+        """If ``busy`` is free, have the push thread send the staged version to engines that lack it. Caller
+        holds the table's lock."""
+        if self.busy.is_set() or self.closed:
+            return
+        late = self.table.late(self.snap.version)
+        if late:
+            self.busy.set()
+            self._job, self._job_links = self.snap.version, late
+            self.table.work.notify()
+
+    def deliver_staged(self) -> None:
+        """Main thread: rebuild broken groups, and have the push thread send the staged version to every usable
+        engine that lacks it (now if ``busy`` is free, else when it is released)."""
+        with self.table.lock:
+            self._rejoin_broken()
+            self.kick()
+
+    def _rejoin_broken(self) -> None:
+        """Start a fresh group for every broken engine still alive (caller holds the table's lock)."""
+        for link in self.table.links:
+            if link.broken and not link.joining and not link.dead and link.handler.alive():
+                self.table.stats.resyncs += 1
+                self.start_join(link)
+
+    def close(self) -> None:
+        with self.table.lock:
+            self.closed = True
+            self.table.work.notify()
+
+    # -------------------------------------------------------------------------------------------- joins
+
+    def start_join(self, link: EngineLink) -> threading.Thread:
+        """Start ``link``'s rendezvous on a fresh group (caller holds the table's lock)."""
+        link.epoch += 1
+        epoch = link.epoch
+        link.joining, link.pg = True, None
+        info = WeightGroupInfo(
+            self.cfg.master_addr, self.store.port, f"flux_ws/{link.handler.name}/{link.epoch}", self.backend,
+            self.cfg.timeout_seconds, list(self.snap.specs), self.snap.bucket_bytes,
+        )
+        link.handler.join_weight_group(info)
+        t = threading.Thread(target=self._join, args=(link, epoch, info), name=f"flux-join-{link.handler.name}",
+                             daemon=True)
+        t.start()
+        return t
+
+    def _join(self, link: EngineLink, epoch: int, info: WeightGroupInfo) -> None:
+        table = self.table
+        try:
+            # a connection of its own: a store client serves one call at a time, so a wait on a shared one (an
+            # engine that does not answer) would stall every other engine's join
+            store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
+            if link.handler.rendezvous_handshake:
+                transport.handshake(store, info.prefix, self.token, transport.TRAINER, info.timeout_s)
+                if info.backend == "nccl":
+                    cuda_rules.check_nccl_version(store, info.prefix, "trainer", info.timeout_s)
+            cuda_rules.bind_thread(self.device)
+            pg = link.handler.trainer_group(store, info, self.device)
+            with table.lock:
+                if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
+                    return
+                link.pg, link.broken, link.lagging, link.joining = pg, False, False, False
+                link.sent = link.acked = -1  # a new group starts with a full push
+                self.kick()
+        except Exception as e:  # noqa: BLE001 - counted, logged, retried
+            with table.lock:
+                table.fail(link, f"join failed: {e}")
+                if link.epoch == epoch:
+                    link.joining, link.broken = False, True
+                    # refused (token, NCCL version): retried at the next push or deliver_staged only, it would
+                    # fail again at once
+                    refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
+                    if not (refused or self.closed or link.dead) and link.handler.alive():
+                        # retry now, not at the next push: a restarted engine may still be starting up, and
+                        # the trainer may be waiting on its rollouts (no push comes until they do)
+                        table.stats.resyncs += 1
+                        self.start_join(link)
+
+    # -------------------------------------------------------------------------------------- push thread
+
+    def _loop(self) -> None:
+        cuda_rules.bind_thread(self.device)
+        table = self.table
+        while True:
+            with table.lock:
+                while self._job is None and not self.closed:
+                    table.work.wait()
+                if self.closed:
+                    return
+                version, only = self._job, self._job_links
+            try:
+                self.push(version, only)
+            except Exception as e:  # noqa: BLE001 - never lose the thread; counted and logged
+                with table.lock:
+                    table.stats.errors += 1
+                    table.stats.failures.append(f"push {version}: {e}")
+                logger.exception("weight push failed")
+            finally:
+                self.release()
+
+    def push(self, version: int, only: list[EngineLink] | None = None) -> None:
+        """Send staging (holding ``version``) to every usable engine (or to ``only``: a resync) and poll their
+        Works against one deadline. The caller holds ``busy``."""
+        t0 = time.perf_counter()
+        table, stats = self.table, self.table.stats
+        self.snap.side.synchronize_copy()
+        with table.lock:
+            if only is None:
+                self._rejoin_broken()
+            targets = [(lk, lk.epoch, lk.pg, lk.handler) for lk in (table.links if only is None else only)
+                       if lk.usable]
+        plan, staging = self.snap.plan, self.snap.staging
+        full_ids = list(range(len(plan.buckets)))
+        hdev = cuda_rules.header_device(self.backend, self.device)
+        full_header = transport.encode_header(plan, version, full_ids, transport.METHOD_FULL)
+        pending = []
+        with cuda_rules.on_stream(self.stream):
+            for link, epoch, pg, handler in targets:
+                try:
+                    handler.begin_update(version)
+                    ids, header = full_ids, full_header
+                    base = self.snap.changed[0] if self.snap.changed is not None else None
+                    if (base is not None and base >= 0 and handler.supports_delta
+                            and link.sent == link.acked == base):
+                        # the engine holds exactly the previous snapshot: bucket 0 and the changed ones
+                        ids = [0] + [i for i in self.snap.changed[1] if i != 0]
+                        header = transport.encode_header(plan, version, ids, transport.METHOD_DELTA)
+                        stats.delta_buckets_skipped += len(full_ids) - len(ids)
+                    flats = [staging.flats[i] for i in ids]
+                    own = handler.self_push(version, flats)  # vLLM on GPU: its own NCCL engine sends
+                    tensors = [header, *flats] if own is not None else handler.wire_tensors(header.to(hdev), flats)
+                    works = [own] if own is not None else [self._broadcast(pg, t) for t in tensors]
+                    with table.lock:
+                        if link.epoch == epoch:
+                            link.sent, link.sent_at = version, time.time()
+                    pending.append((link, epoch, pg, handler, works, tensors))
+                except Exception as e:  # noqa: BLE001
+                    with table.lock:
+                        if link.epoch == epoch:
+                            link.broken = True
+                        table.fail(link, f"push {version} failed to start: {e}")
+            deadline = time.monotonic() + self.cfg.timeout_seconds  # one deadline for the whole push (rule 3)
+            for link, epoch, pg, handler, works, tensors in pending:
+                try:
+                    if not cuda_rules.wait_works(works, deadline):
+                        if self.backend == "nccl":
+                            cuda_rules.abort_group(pg)
+                        raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
+                                           f"{self.cfg.timeout_seconds}")
+                    cuda_rules.raise_failed(works)
+                    handler.finish_update(version)
+                    stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors[1:])
+                except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
+                    with table.lock:
+                        if link.epoch == epoch:  # else it was replaced/rejoined meanwhile: its new group is fine
+                            link.broken = link.lagging = True
+                        stats.timeouts += 1
+                        table.fail(link, f"push {version} did not complete: {e}")
+        stats.pushes += 1
+        stats.last_push_s = time.perf_counter() - t0
+        stats.push_s_total += stats.last_push_s
+
+    def _broadcast(self, pg, t: torch.Tensor):
+        return self.ring.broadcast(pg, t) if self.ring is not None else compat.broadcast(pg, t)
+
+
+class Bystander:
+    """The pusher of ranks > 0: they take part in every snapshot (the agreement and the FSDP gathers are
+    collectives) but send nothing and hold no engines, so each call is what it would be on a sender without
+    engines: the claim is always free, there is nothing to push, join or wait for."""
+
+    def __init__(self):
+        self.busy = threading.Event()  # never set
+
+    def claim(self) -> bool:
+        return True
+
+    def hand_over(self, version: int) -> None:
+        pass
+
+    def push(self, version: int) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def kick(self) -> None:
+        pass
+
+    def deliver_staged(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,187 @@
+"""``Snapshot``: the trainer's weights, copied bucket by bucket into the staging buffer a push sends (every rank).
+
+Every rank builds one and calls ``take(version)`` at the same step boundaries (``agree`` first: one tiny
+broadcast on the CPU control-plane group, so no rank does a device-to-host sync for it). Per bucket:
+
+  1. gather: FSDP2 shards (``Shard(0)`` on a 1-D mesh) of the bucket's parameters are cast to the wire dtype and
+     all-gathered with ONE collective for the whole bucket (``_gather_bucket``); other DTensor layouts fall back
+     to ``full_tensor()`` per parameter; plain tensors are used as they are;
+  2. the ``ready`` event is recorded on the main stream AFTER those gathers; the side stream waits on it,
+     applies the engine's wire layout (``wire_tensor``) and copies into staging; the gathered tensors are
+     ``record_stream``-ed on the side stream so the allocator does not hand their memory to the next gather while
+     the copy still reads it.
+Only rank 0 (the sender) owns a staging buffer; other ranks only take part in the gathers.
+
+Staging memory (rank 0): ``model_bytes(wire dtype)`` once, in pinned host memory when the trainer is on a GPU
+(the push thread moves it to the GPU two buckets at a time: ``pusher.DeviceRing``), in ordinary memory on CPU.
+The trainer GPU holds, beyond training, at most one gathered bucket in parameter dtype + its wire-dtype cast,
+plus ``2 * bucket_bytes`` of ring. See docs/gpu.md for the formula.
+
+Parameter names are cleaned of every wrapper prefix (activation checkpointing, ``torch.compile``, FSDP1, DDP):
+engines load by the model's own names.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import transport
+
+# segments wrappers insert into ``named_parameters()`` names; removed wherever they appear
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "_fsdp_module.",
+                    "_offload_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """``layers.1._checkpoint_wrapped_module.attention.wq.weight`` -> ``layers.1.attention.wq.weight``."""
+    for seg in WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name.removeprefix("module.") if name.startswith("module.") else name
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def clean_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``named_parameters()`` under clean names, in model order."""
+    out: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        name = clean_name(n)
+        if name in out:
+            raise ValueError(f"parameters {n!r} and another one both clean to {name!r}")
+        out[name] = p
+    return out
+
+
+def tensor_specs(model: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> list[transport.TensorSpec]:
+    """The ordered parameter list a push carries: clean names, global shapes (FSDP shards are gathered), and the
+    wire dtype (``wire_dtype``, else each parameter's own)."""
+    return [
+        transport.TensorSpec(n, tuple(p.shape), dtype_name(wire_dtype or p.dtype))
+        for n, p in clean_parameters(model).items()
+    ]
+
+
+_CONTROL: dict[str, object] = {}
+
+
+def control_group():
+    """The multi-rank control plane (rank 0 -> other ranks: push decisions, rollouts): a gloo group on CPU
+    tensors, created on first use, which must happen on every rank in the same order (``WeightSyncer.__init__``
+    does it). None on single-process runs. Its timeout is ``cuda_rules.GROUP_TIMEOUT``: ranks 1..N wait for
+    rank 0's rollouts as long as generation takes; a dead rank 0 ends the job through torchrun instead."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if "pg" not in _CONTROL:
+        from torchtitan_flux.sync.cuda_rules import GROUP_TIMEOUT
+
+        _CONTROL["pg"] = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+    return _CONTROL["pg"]
+
+
+class Snapshot:
+    """The staging buffer and how it is filled. Main thread only, except ``staging`` (read by the push thread
+    while it holds the pusher's claim; never written then) and ``side.synchronize_copy`` (push thread)."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, is_sender: bool, bucket_bytes: int,
+                 wire_dtype: torch.dtype | None, wire_tensor=None, delta: bool = False):
+        self.is_sender, self.delta = is_sender, delta
+        self.params = clean_parameters(model)
+        self.wire_dtype = wire_dtype
+        self.specs = tensor_specs(model, wire_dtype)
+        self.bucket_bytes = bucket_bytes
+        self.plan = transport.plan_buckets(self.specs, bucket_bytes)
+        self.side = compat.SideStream(device)
+        self._wire = wire_tensor  # the engines' layout hook (HF q/k rows), None: identity
+        on_gpu = torch.device(device).type == "cuda"
+        self.staging = self.plan.allocate("cpu", pin_memory=on_gpu) if is_sender else None
+        self.version = -1  # newest version snapshotted
+        self.changed: tuple[int, list[int]] | None = None  # delta: (previous version, changed buckets)
+        self.last_s = 0.0
+        control_group()  # collective creation: every rank, here
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's decision, seen by every rank (one tiny CPU broadcast on the control group; no device sync)."""
+        pg = control_group()
+        if pg is None:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=pg)
+        return bool(t.item())
+
+    @torch.no_grad()
+    def take(self, version: int) -> None:
+        """Every rank: copy (gathering shards) the parameters into staging, bucket by bucket."""
+        t0 = time.perf_counter()
+        changed = []
+        for i, bucket in enumerate(self.plan.buckets):
+            specs = self.plan.specs[bucket.start : bucket.end]
+            srcs = _gather_bucket([self.params[s.name] for s in specs], self.wire_dtype)
+            self.side.record_after_main()  # after this bucket's gathers and casts
+            if not self.is_sender:
+                continue
+            with self.side.copy_context():
+                self.side.keep_alive(srcs)
+                if self._wire is not None:
+                    srcs = [self._wire(s.name, t) for s, t in zip(specs, srcs)]
+                views = self.staging.bucket_views(i)
+                # delta: staging still holds the previous snapshot, which is what the engines were sent
+                if self.delta and not all(torch.equal(d, t.to(d.device)) for d, t in zip(views, srcs)):
+                    changed.append(i)
+                torch._foreach_copy_(views, srcs, non_blocking=True)
+        self.changed = (self.version, changed) if self.delta else None
+        self.version = version
+        self.last_s = time.perf_counter() - t0
+
+
+def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Full tensors of ``params`` (cast to ``wire_dtype`` first, so the gather moves wire bytes): one
+    ``all_gather_into_tensor`` for every ``Shard(0)`` DTensor of the bucket on a shared 1-D mesh."""
+    cast = (lambda t: t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype))
+    sharded = [p for p in params if compat.is_dtensor(p) and _row_sharded(p)]
+    meshes = {id(p.device_mesh) for p in sharded}
+    if not sharded or len(meshes) != 1:
+        return [cast(p.full_tensor() if compat.is_dtensor(p) else p.detach()) for p in params]
+    mesh = sharded[0].device_mesh
+    group, world = mesh.get_group(), mesh.size()
+    parts, layout = [], []
+    for p in sharded:
+        rows, rest = p.shape[0], tuple(p.shape[1:])
+        chunk = -(-rows // world)  # torch.chunk sizes (FSDP2's sharding)
+        local = cast(p.to_local().detach())
+        pad = chunk - local.shape[0]
+        if pad:
+            local = torch.cat([local, local.new_zeros((pad, *rest))])
+        parts.append(local.reshape(-1))
+        layout.append((rows, rest, chunk))
+    send = torch.cat(parts)
+    out = send.new_empty(world * send.numel())
+    dist.all_gather_into_tensor(out, send, group=group)
+    per_rank = out.view(world, send.numel())
+    full, off = {}, 0
+    for p, (rows, rest, chunk) in zip(sharded, layout):
+        n = chunk * _prod(rest)
+        pieces = per_rank[:, off : off + n].reshape(world * chunk, *rest)
+        full[id(p)] = pieces[:rows]
+        off += n
+    return [full[id(p)] if id(p) in full else cast(p.full_tensor() if compat.is_dtensor(p) else p.detach())
+            for p in params]
+
+
+def _row_sharded(p) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return p.device_mesh.ndim == 1 and len(p.placements) == 1 and p.placements[0] == Shard(0) and p.dim() >= 1
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

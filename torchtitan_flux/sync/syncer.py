@@ -1,0 +1,259 @@
+"""Trainer-side weight sync: snapshot after ``optimizer.step()``, bucketed push to every engine, versions, timeouts.
+
+Layout (one job per module; data flows front -> collaborators, never back):
+  * ``snapshot.Snapshot`` (every rank): clean parameter names, agreement on the control plane, per-bucket FSDP
+    gather, cast to the wire dtype, side-stream copy into the staging buffer (rank 0).
+  * ``links.LinkTable`` (rank 0): one ``EngineLink`` per engine, acks/errors/timeouts, counters.
+  * ``pusher.Pusher`` (rank 0): the claim on staging + groups, the joiner threads and the push thread.
+  * ``WeightSyncer`` (here): the thin front the trainer calls; it builds the three above.
+  * ``torchtitan_flux.sync.cuda_rules``: the CUDA/NCCL rules every collective follows.
+
+Main thread, every rank: ``after_optimizer_step(version)`` right after ``optimizer.step()``. If a push is due and
+rank 0 can claim the pusher (it is idle), every rank snapshots (rank 0's decision is broadcast on the CPU control
+group) and rank 0 hands the push to the push thread. If a push is still in flight, the version is *coalesced*:
+nothing is copied and the next idle due step sends the then-newest weights. Blocking mode: rank 0 waits for
+the claim, snapshots, pushes and waits for acks itself (at most ``timeout_seconds`` per push, plus at most one
+in-flight resync push).
+
+Coalescing must never leave a step waiting for weights no push will bring (the async livelock: two coalesced
+steps in a row, then a step whose rollouts must be newer than anything staged, generated again and again on the
+staged version while no optimizer step -- hence no snapshot -- can come). So before a step's rollouts are
+dispatched the feed calls ``catch_up(version, oldest)``: when the staged version is older than the oldest one the
+step may train on, every rank stages the current weights now (``stage``: rank 0 first waits for the push in
+flight). And ``deliver_staged`` (rank 0, before every collect) rebuilds broken groups and sends the staged
+version to every usable engine that lacks it, so a request pinned to it never waits on a push nobody will make.
+Every wait for the claim is on the main thread, delivering engine events, and ends by the in-flight push's
+deadline (and the wait is bounded, see ``_claim_waiting``); ranks > 0 wait for rank 0 on the control group (no
+collective timeout), never inside a gather. Not covered: an engine that stays alive but can never receive (a
+refused join, a lagging engine that never answers): its rollouts are discarded until it answers or dies. The syncer never calls back into the trainer: engine events are delivered by the
+``pump`` it is constructed with (``RolloutScheduler.pump`` on rank 0), which routes acks and errors to
+``on_event``.
+
+An engine whose push misses ``timeout_seconds`` is marked lagging and keeps serving its old version (its rollouts
+carry that version); when it acks again it is resynced with a full push, after rejoining on a fresh group if its
+group broke.
+
+Simplification: one data-parallel replica sends (rank 0 of the whole job). With HSDP/several replicas, every
+replica holds the same weights, so one sender is enough; spreading engines over replicas is future work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from torchtitan_flux.sync import transport
+from torchtitan_flux.engine.auth import read_token
+from torchtitan_flux.engine.base import EngineHandler
+from torchtitan_flux.sync.links import EngineLink, LinkTable, SyncStats
+from torchtitan_flux.sync.pusher import Bystander, Pusher
+from torchtitan_flux.sync.snapshot import Snapshot, clean_name, control_group, tensor_specs
+
+__all__ = ["WeightSyncer", "EngineLink", "SyncStats", "clean_name", "control_group", "tensor_specs"]
+
+logger = logging.getLogger("torchtitan_flux")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def wire_dtype(cfg, engines: list[EngineHandler]) -> torch.dtype | None:
+    """``weight_sync.wire_dtype``; "auto": what the engines declare (``wire_dtype``), else the parameters'."""
+    if cfg.wire_dtype != "auto":
+        return _DTYPES[cfg.wire_dtype]
+    declared = {e.wire_dtype for e in engines} - {None}
+    if len(declared) > 1:
+        raise ValueError(f"engines declare different wire dtypes {sorted(declared)}: set weight_sync.wire_dtype")
+    return _DTYPES[declared.pop()] if declared else None
+
+
+class WeightSyncer:
+    """The front: see the package docstring. ``pump(timeout)`` delivers engine events (rank 0)."""
+
+    def __init__(self, cfg, model: torch.nn.Module, engines: list[EngineHandler], *, device: torch.device,
+                 is_sender: bool, backend: str = "gloo", pump: Callable[[float], None] = time.sleep):
+        self.cfg, self.pump = cfg, pump
+        self.async_mode = cfg.async_weight_update
+        # Wire-layout hook: HTTP engines load HF-layout tensors; converting while snapshotting keeps one staging
+        # buffer holding exactly what goes on the wire. All engines of a run must agree on the layout.
+        if len({type(e).wire_tensor for e in engines}) > 1:
+            raise ValueError("engines with different wire layouts cannot share one staging buffer")
+        self.snap = Snapshot(
+            model, device=device, is_sender=is_sender, bucket_bytes=int(cfg.bucket_size_mb * 2**20),
+            wire_dtype=wire_dtype(cfg, engines), wire_tensor=engines[0].wire_tensor if engines else None,
+            delta=cfg.method == "delta",
+        )
+        self.table = LinkTable(engines if is_sender else [], cfg.timeout_seconds)
+        self.pusher: Pusher | Bystander = Bystander()  # ranks > 0: no rank branches below
+        if is_sender:
+            token = read_token(cfg.auth_token_env)  # never logged or checkpointed
+            store = transport.connect_store(cfg.master_addr, cfg.master_port, cfg.timeout_seconds, True)
+            self.pusher = Pusher(self.table, self.snap, cfg, backend=backend, device=device, store=store,
+                                 token=token)
+
+    # views the trainer and tests read
+    plan = property(lambda self: self.snap.plan)
+    staging = property(lambda self: self.snap.staging)
+    bucket_bytes = property(lambda self: self.snap.bucket_bytes)
+    version = property(lambda self: self.snap.version)
+    stats = property(lambda self: self.table.stats)
+    links = property(lambda self: self.table.links)
+
+    def busy(self) -> bool:
+        """Whether a push (or a resync) is in flight."""
+        return self.pusher.busy.is_set()
+
+    def connect(self) -> None:
+        """Create every engine's group (rank 0; blocks until each engine joined or failed)."""
+        with self.table.lock:
+            joiners = [self.pusher.start_join(link) for link in self.links]
+        for j in joiners:
+            j.join()
+        failed = [link.handler.name for link in self.links if link.pg is None]
+        if failed:
+            why = [f for f in self.stats.failures if f.startswith(tuple(f"weight sync to {n}:" for n in failed))]
+            raise RuntimeError(f"engines {failed} did not join the weight-sync group within "
+                               f"weight_sync.timeout_seconds = {self.cfg.timeout_seconds}: {'; '.join(why)}")
+
+    def before_optimizer_step(self) -> None:
+        """GPU: the optimizer must not overwrite parameters the side stream is still copying."""
+        self.snap.side.wait_copy_done()
+
+    def after_optimizer_step(self, version: int, due: bool = True) -> None:
+        """Every rank, right after ``optimizer.step()``; see the package docstring. ``due``: whether this version
+        is pushed (the trainer's cadence decides, the same on every rank: ``weight_sync.interval``)."""
+        t0 = time.perf_counter()
+        if not due:
+            self.stats.blocked_s = 0.0
+            return
+        if self.async_mode:
+            claimed = self.pusher.claim()
+            idle = self._snapshot_or_release(version, lambda: self.snap.agree(claimed), claimed)
+            if not idle:
+                self.stats.coalesced += 1
+            else:
+                self.pusher.hand_over(version)
+        else:
+            self.stage(version)
+        self.stats.blocked_s = time.perf_counter() - t0
+
+    def stage(self, version: int) -> None:
+        """Every rank: snapshot ``version`` and push it, once the push in flight (if any) has ended -- rank 0
+        waits for the claim delivering events (bounded: ``_claim_waiting``); ranks > 0 wait for rank 0's go on
+        the control group, not inside the snapshot's FSDP gathers. Async mode: the push thread sends it; blocking
+        mode: sent and acked here."""
+        self._claim_waiting()
+        self._snapshot_or_release(version, lambda: self.snap.agree(True), True)
+        if self.async_mode:
+            self.pusher.hand_over(version)
+            return
+        try:
+            self.pusher.push(version)
+            self._wait_acks(version)
+        finally:
+            self.pusher.release()
+
+    def catch_up(self, version: int, oldest: int) -> bool:
+        """Every rank, before a step's rollouts are dispatched, with the trainer at ``version``: if the newest
+        staged version is older than ``oldest`` (the oldest version the step may train on), stage ``version``
+        now: pushes were coalesced, and no push would come before this step trains. The answer is the same on
+        every rank (snapshots are agreed). Returns whether it staged."""
+        if self.version >= oldest:
+            return False
+        self.stats.catch_ups += 1
+        logger.info(f"weight sync: staged version {self.version} is older than {oldest}, the oldest this step may "
+                    f"train on (pushes were coalesced); staging version {version} now")
+        self.stage(version)
+        return True
+
+    def deliver_staged(self) -> None:
+        """Rank 0, before waiting on rollouts pinned to the staged version: broken groups are rebuilt and every
+        usable engine that lacks the staged version is sent it (once the push thread is free). Ranks > 0: no-op."""
+        self.pusher.deliver_staged()
+
+    def _claim_waiting(self) -> None:
+        """Wait (delivering events) until the claim is ours (ranks > 0: their ``Bystander`` claim is always free).
+        A push ends by its deadline, and the resync pushes its release may start (one per engine that became
+        usable meanwhile) by theirs, so the wait is bounded: past ``(engines + 2) * timeout_seconds`` the push
+        thread is stuck (e.g. an abort that hangs) and the run stops with that error instead of hanging."""
+        limit = (len(self.links) + 2) * self.cfg.timeout_seconds
+        start = noted = time.monotonic()
+        while not self.pusher.claim():
+            self.pump(0.01)
+            now = time.monotonic()
+            if now - start > limit:
+                raise RuntimeError(f"the weight push in flight did not end within {limit:.0f} s ((engines + 2) x "
+                                   f"weight_sync.timeout_seconds); the push thread is stuck: {self.stats.failures[-3:]}")
+            if now - noted >= 30.0:
+                logger.warning(f"weight sync: waiting {now - start:.0f} s for the push in flight to end")
+                noted = now
+
+    def _snapshot_or_release(self, version: int, decide: Callable[[], bool], claimed: bool) -> bool:
+        """Snapshot if ``decide()`` (every rank's agreed answer); on any failure rank 0 lets its claim go."""
+        try:
+            idle = decide()
+            if idle:
+                self._take(version)
+        except BaseException:
+            if claimed:
+                self.pusher.release()
+            raise
+        return idle
+
+    def _take(self, version: int) -> None:
+        self.snap.take(version)
+        self.stats.last_snapshot_s = self.snap.last_s
+
+    def on_event(self, ev) -> None:
+        """Acks and engine errors, delivered on the main thread by the pump."""
+        self.table.on_event(ev, self.pusher.kick)
+
+    def check_timeouts(self) -> None:
+        self.table.check_timeouts()
+
+    def replace_engine(self, old: EngineHandler, new: EngineHandler) -> None:
+        """A restarted engine rejoins on a fresh group and gets the newest version."""
+        with self.table.lock:
+            link = next(lk for lk in self.links if lk.handler is old)
+            link.handler, link.dead, link.lagging, link.broken = new, False, False, False
+            self.pusher.start_join(link)
+
+    def _wait_acks(self, version: int) -> None:
+        """Wait until every usable engine acked ``version`` (events delivered by ``pump``; ranks > 0 hold no
+        engines and return at once)."""
+        deadline = time.monotonic() + self.cfg.timeout_seconds
+        while True:
+            waiting = self.table.waiting_for(version)
+            if not waiting or time.monotonic() > deadline:
+                break
+            self.pump(min(0.05, max(0.0, deadline - time.monotonic())))
+        if waiting:
+            self.check_timeouts()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the push thread is idle (end of training, checkpoints, tests)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.pump(0.01)
+        return True
+
+    def flush(self, version: int) -> None:
+        """Make sure ``version`` is pushed and acked (start, end of training, on-policy steps). Every rank."""
+        if not self.async_mode:
+            if self.version < version:
+                self.after_optimizer_step(version)
+            return
+        if self.version < version:  # the same on every rank (snapshots are agreed), so is this branch
+            self.stage(version)
+        self.wait_idle(self.cfg.timeout_seconds)
+        self._wait_acks(version)
+
+    def metrics(self) -> dict[str, float]:
+        return self.table.metrics()
+
+    def close(self) -> None:
+        self.pusher.close()

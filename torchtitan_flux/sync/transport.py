@@ -1,0 +1,388 @@
+"""Wire format of a weight push, and the engine-side receiver. Torch-only (no torchtitan): runs in engines.
+
+A push of policy version ``v`` on a weight-sync process group (rank 0 = the trainer's sending rank, ranks 1.. =
+engine workers) is:
+
+    header  int64[HEADER_LEN] = [MAGIC, v, n_sent, method, idx_0, ..., idx_{n_sent-1}, -1 ...]
+    bucket  one flat tensor per listed bucket index, in that order
+
+Both sides derive the same ``BucketPlan`` from the same ordered ``TensorSpec`` list (sent once at connect), so
+no per-tensor metadata travels per push. Bucket 0 is always sent, first (a delta push includes it even when it
+did not change): the receiver pre-posts its receive next to the header's into a one-bucket landing buffer, so
+a small model's push costs one round trip, like a raw broadcast, instead of two (header, then the wake-up of
+the receiving thread before its bucket receives are posted). ``method`` is 0 for a full push (every bucket) and 1 for a delta push
+(only the listed buckets changed; the others keep their last values).
+
+Simplification: a tensor is never split across buckets; one larger than ``bucket_bytes`` gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from torchtitan_flux import compat
+
+from torchtitan_flux.sync import cuda_rules
+
+logger = logging.getLogger("torchtitan_flux")
+
+MAGIC = 0x46_4C_55_58  # "FLUX"
+# Waiting for the next push's header is idle time, not a failure: it gets this timeout instead of the group's
+# ``timeout_s`` (which still bounds every bucket of a push once its header arrived, where the backend honours
+# per-collective timeouts: see ``compat.op_timeout_honoured``; the receiver's group is built with
+# ``new_weight_sync_group(idle_timeout=IDLE_TIMEOUT)``).
+IDLE_TIMEOUT = timedelta(days=7)
+METHOD_FULL, METHOD_DELTA = 0, 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # a key of _DTYPES
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # index range [start, end) into BucketPlan.specs
+    end: int
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    specs: tuple[TensorSpec, ...]
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def header_len(self) -> int:
+        return 4 + len(self.buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel * _DTYPES[b.dtype].itemsize for b in self.buckets)
+
+    def allocate(self, device: torch.device | str = "cpu", pin_memory: bool = False) -> "FlatWeights":
+        # written once, so the pages are resident from the start and memory accounting is honest
+        flats = [
+            torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device, pin_memory=pin_memory).zero_()
+            for b in self.buckets
+        ]
+        return FlatWeights(self, flats)
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> BucketPlan:
+    """Group consecutive tensors of one dtype into buckets of at most ``bucket_bytes`` (see the header note)."""
+    buckets: list[Bucket] = []
+    start, numel = 0, 0
+    for i, s in enumerate(specs):
+        size = _DTYPES[s.dtype].itemsize
+        if i > start and (s.dtype != specs[start].dtype or (numel + s.numel) * size > bucket_bytes):
+            buckets.append(Bucket(start, i, specs[start].dtype, numel))
+            start, numel = i, 0
+        numel += s.numel
+    if specs:
+        buckets.append(Bucket(start, len(specs), specs[start].dtype, numel))
+    return BucketPlan(tuple(specs), tuple(buckets))
+
+
+class FlatWeights:
+    """One flat tensor per bucket, and a ``name -> view`` dict into them (the dict a model reads)."""
+
+    def __init__(self, plan: BucketPlan, flats: list[torch.Tensor]):
+        self.plan, self.flats = plan, flats
+        self.views: dict[str, torch.Tensor] = {}
+        for b, flat in zip(plan.buckets, flats):
+            off = 0
+            for s in plan.specs[b.start : b.end]:
+                self.views[s.name] = flat[off : off + s.numel].view(s.shape)
+                off += s.numel
+
+    def bucket_views(self, i: int) -> list[torch.Tensor]:
+        b = self.plan.buckets[i]
+        return [self.views[s.name] for s in self.plan.specs[b.start : b.end]]
+
+    def copy_from(self, other: "FlatWeights") -> None:
+        for dst, src in zip(self.flats, other.flats):
+            dst.copy_(src)
+
+    def checksum(self) -> str:
+        """sha256 over the raw bytes of every bucket in order: equal iff bitwise-equal weights."""
+        h = hashlib.sha256()
+        for flat in self.flats:
+            h.update(flat.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int], method: int) -> torch.Tensor:
+    """The header of a push sending ``bucket_ids`` in that order; bucket 0 must come first (see the module
+    docstring). Built from one Python list: a handful of small torch ops here cost 0.3 ms, a third of a push of
+    the tiny model."""
+    pad = plan.header_len - 4 - len(bucket_ids)
+    return torch.tensor([MAGIC, version, len(bucket_ids), method, *bucket_ids, *([-1] * pad)], dtype=torch.int64)
+
+
+def decode_header(h: torch.Tensor) -> tuple[int, list[int], int]:
+    vals = h.tolist()
+    if vals[0] != MAGIC:
+        raise RuntimeError(f"weight push header has bad magic {vals[0]:#x}; sender and receiver disagree on the plan")
+    version, n, method = vals[1], vals[2], vals[3]
+    return version, vals[4 : 4 + n], method
+
+
+def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torch.distributed.TCPStore:
+    """The weight-sync rendezvous store: the trainer hosts it (``is_master``) and listens on ``host`` only (torch's
+    own server would listen on every interface whatever ``host`` says); engines connect to it."""
+    kw = {}
+    if is_master and compat.store_listens_on_given_socket():  # libuv server on a socket bound here; the store owns it
+        family, *_, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.create_server(addr[:2], family=family)
+        port, kw = sock.getsockname()[1], dict(master_listen_fd=sock.detach(), use_libuv=True)
+    return torch.distributed.TCPStore(
+        host, port, None, is_master=is_master, wait_for_workers=False, timeout=timedelta(seconds=timeout), **kw
+    )
+
+
+def listen_address(peer: str) -> str:
+    """The local address this machine reaches ``peer`` from (a loopback peer: loopback): where a weight-sync
+    group's connections listen (``compat.new_weight_sync_group(listen_host=)``). Sends nothing (a UDP socket's
+    ``connect`` only picks the route)."""
+    family, *_, addr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+TRAINER, ENGINE = "trainer", "engine"
+_OK, _REFUSED = b"ok", b"refused"
+
+
+class AuthError(RuntimeError):
+    """The weight-sync handshake refused a peer: it holds another token than this side."""
+
+
+def handshake(store, prefix: str, token: str | None, role: str, timeout_s: float) -> None:
+    """Mutual proof of the shared token before a weight-sync group is built on ``prefix`` of ``store``. Both sides
+    run it (``role`` TRAINER or ENGINE) right before building their side of the group; a no-op without a token (the
+    loopback default: nothing changes then).
+
+    Keys under ``{prefix}/auth/``. A proof is HMAC-SHA256(token, "role|prefix|trainer nonce|engine nonce"): bound
+    to one side, one link and one join (the prefix carries the join's epoch), so it cannot be replayed or reflected:
+      1. trainer: ``nonce`` = a fresh trainer nonce;
+      2. engine: ``engine`` = a fresh engine nonce and its proof;
+      3. trainer: checks that proof (constant time); ``trainer`` = its own proof, or ``refused``;
+      4. engine: checks the trainer's proof; ``verdict`` = ``ok`` or ``refused``;
+      5. trainer: reads the verdict.
+    A side that refuses or is refused raises ``AuthError`` and must build no group. A side holding a token whose peer
+    does not answer within ``timeout_s`` raises ``TimeoutError`` (a peer without the token, or one still starting).
+    The store protocol itself is unauthenticated: this keeps peers without the token out of weight-sync groups, it
+    does not keep anyone who can reach the store from disturbing it (see "Security" in the README).
+    """
+    if not token:
+        return
+    s = torch.distributed.PrefixStore(f"{prefix}/auth", store)
+    peer = ENGINE if role == TRAINER else TRAINER
+    where = f"weight-sync handshake of {role} on {prefix}"
+
+    def get(key: str) -> bytes:
+        try:
+            s.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # DistStoreError: no answer
+            raise TimeoutError(f"{where}: no answer from the {peer} within {timeout_s:g} s (does it hold the "
+                               "shared token?)") from e
+        return s.get(key)
+
+    def proof(who: str, nonce_t: bytes, nonce_e: bytes) -> bytes:
+        msg = b"|".join([who.encode(), prefix.encode(), nonce_t, nonce_e])
+        return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest().encode()
+
+    def check(got: bytes, want: bytes, reply_key: str) -> None:
+        if not hmac.compare_digest(got, want):
+            s.set(reply_key, _REFUSED)
+            raise AuthError(f"{where}: refused the {peer}: its proof does not match (it holds another token)")
+
+    if role == TRAINER:
+        nonce_t = secrets.token_hex(16).encode()
+        s.set("nonce", nonce_t)
+        nonce_e, _, got = get("engine").partition(b":")
+        check(got, proof(ENGINE, nonce_t, nonce_e), "trainer")
+        s.set("trainer", proof(TRAINER, nonce_t, nonce_e))
+        if get("verdict") != _OK:
+            raise AuthError(f"{where}: the engine refused the trainer's proof (it holds another token)")
+    else:
+        nonce_t, nonce_e = get("nonce"), secrets.token_hex(16).encode()
+        s.set("engine", nonce_e + b":" + proof(ENGINE, nonce_t, nonce_e))
+        got = get("trainer")
+        if got == _REFUSED:
+            raise AuthError(f"{where}: the trainer refused this engine's proof (it holds another token)")
+        check(got, proof(TRAINER, nonce_t, nonce_e), "verdict")
+        s.set("verdict", _OK)
+
+
+def _broadcast_idle(pg, tensor: torch.Tensor):
+    """``compat.broadcast`` from rank 0 with ``IDLE_TIMEOUT`` instead of the group's timeout."""
+    return compat.broadcast(pg, tensor, timeout=IDLE_TIMEOUT)
+
+
+class WeightReceiver:
+    """Engine side: receives pushes on its own thread and publishes each complete version for an atomic swap.
+
+    Concurrency invariants (``buffers`` >= 2 buffers, three owners):
+      * ``live`` is read only by the generation thread; it is never written while referenced as live.
+      * The receiver thread writes only into a buffer it took under ``_lock``: a free one, else the oldest
+        unpublished ``pending`` one (a newer push supersedes it: engine-side coalescing). A superseded loop
+        (``start`` again) takes no buffer any more, so it never steals a version the new loop published.
+      * ``swap()`` is called by the generation thread between requests; under ``_lock`` it makes a pending
+        version live and frees the old live buffer and the pending versions older than the new live one. So a
+        request always runs on one complete version.
+      * live + pending + free + the one being received are always exactly the allocated buffers (plus one
+        replacement per buffer an abandoned loop still holds, see ``_take_buffer``).
+    With two buffers only the newest pending version is kept; ``max_version_gap + 1`` buffers keep every
+    version a queued pinned request can still ask for (see ``swap``).
+    All collectives on the group are issued by the receiver thread alone, in push order. The wait for the next
+    header has no deadline (``IDLE_TIMEOUT``): the time between pushes is the trainer's business, and a receiver
+    whose trainer gave up on it is abandoned by the next ``start``.
+    """
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        device: torch.device | str,
+        on_received: Callable[[int], None],
+        on_error: Callable[[BaseException], None],
+        buffers: int = 2,
+    ):
+        self.plan = plan
+        self._on_received, self._on_error = on_received, on_error
+        self._lock = threading.Lock()
+        self.live: FlatWeights | None = None
+        self.live_version = -1
+        self._pending: list[tuple[int, FlatWeights]] = []  # complete, not yet live; oldest first
+        self._free: list[FlatWeights] = [plan.allocate(device) for _ in range(max(2, buffers))]
+        self._newest: tuple[int, FlatWeights] | None = None  # newest complete version, for delta pushes
+        self.device = device
+        self._stop = threading.Event()
+        self.fault_stall_s = 0.0  # fault injection: sleep before each receive (tests only)
+
+    def start(self, make_group: Callable[[], object]) -> None:
+        """Start the receive loop on a new group from ``make_group``; on a restart (resync after a failure) the
+        previous loop is told to stop and abandoned (it may be blocked in a dead collective), and the live
+        version keeps serving until the new group delivers."""
+        self._stop.set()
+        self._stop = threading.Event()
+        threading.Thread(
+            target=self._run, args=(make_group, self._stop), name="flux-weight-receiver", daemon=True
+        ).start()
+
+    def _take_buffer(self, stop: threading.Event) -> FlatWeights | None:
+        """A buffer to receive into, or None if this loop was superseded (it must not touch any buffer then)."""
+        with self._lock:
+            if stop.is_set():
+                return None
+            if self._free:
+                return self._free.pop()
+            if self._pending:
+                return self._pending.pop(0)[1]
+        # only after a restart whose predecessor still holds a buffer in a dead collective
+        logger.warning("weight receiver: allocating a replacement buffer (previous receive was abandoned)")
+        return self.plan.allocate(self.device)
+
+    def _run(self, make_group: Callable[[], object], stop: threading.Event) -> None:
+        """The receive loop; follows ``cuda_rules``: this thread binds the engine's device (rule 6), issues every
+        collective of the group under its own stream (rule 1), receives the header on the group's device
+        (rule 2), and publishes (acks) only after the bytes landed (rule 5)."""
+        try:
+            cuda_rules.bind_thread(self.device)
+            stream = cuda_rules.group_stream(self.device)
+            pg = make_group()
+            b0 = self.plan.buckets[0]
+            on_gpu = torch.device(self.device).type == "cuda"
+            hdev = cuda_rules.header_device("nccl" if on_gpu else "gloo", self.device)
+            with cuda_rules.on_stream(stream):
+                landing = torch.empty(b0.numel, dtype=_DTYPES[b0.dtype], device=self.device)  # one bucket
+                while not stop.is_set():
+                    header = torch.empty(self.plan.header_len, dtype=torch.int64, device=hdev)
+                    header_work = _broadcast_idle(pg, header)
+                    landing_work = _broadcast_idle(pg, landing)  # pre-posted: bucket 0 needs no wake-up round trip
+                    cuda_rules.landed([header_work], stream)
+                    version, ids, method = decode_header(header)
+                    if not ids or ids[0] != 0:
+                        raise RuntimeError(f"push {version}: bucket 0 must travel first, got buckets {ids}")
+                    if self.fault_stall_s:
+                        stop.wait(self.fault_stall_s)
+                    buf = self._take_buffer(stop)
+                    if buf is None:  # superseded (e.g. during a stall): the new loop owns pending and free
+                        return
+                    if method == METHOD_DELTA:
+                        if self._newest is None:
+                            raise RuntimeError("delta push received before any full push")
+                        if self._newest[1] is not buf:
+                            buf.copy_from(self._newest[1])
+                    works = [compat.broadcast(pg, buf.flats[i]) for i in ids[1:]]  # posted before bucket 0 is copied
+                    landing_work.wait()
+                    buf.flats[0].copy_(landing)
+                    cuda_rules.landed(works, stream)
+                    if not self._publish(version, buf, stop):  # superseded while receiving: never published
+                        return
+                    self._on_received(version)
+        except BaseException as e:  # reported to the trainer through on_error; the trainer decides on resync
+            if not stop.is_set():
+                self._on_error(e)
+
+    def _publish(self, version: int, buf: FlatWeights, stop: threading.Event) -> bool:
+        """Receiver thread: ``buf`` now holds ``version`` completely; pending until a ``swap``."""
+        with self._lock:
+            if stop.is_set():
+                return False
+            self._pending.append((version, buf))
+            self._newest = (version, buf)
+            return True
+
+    def swap(self, upto: int = -1) -> int:
+        """Make the newest complete version live (generation thread, between requests). Returns the live version.
+
+        ``upto >= 0`` (a request pinned to that version): the newest pending version not newer than ``upto``
+        goes live; if there is none and the live one is older than ``upto`` (the pinned version was superseded
+        before it went live), the oldest pending one, the closest there is. So a pinned request runs on its pin
+        whenever the pin reached this engine and was kept, whatever the timing of later pushes."""
+        with self._lock:
+            fits = [i for i, (v, _) in enumerate(self._pending) if upto < 0 or v <= upto]
+            if fits:
+                i = fits[-1]
+            elif self._pending and self.live_version < upto:
+                i = 0
+            else:
+                return self.live_version
+            if self.live is not None:
+                self._free.append(self.live)
+            self._free.extend(buf for _, buf in self._pending[:i])
+            self.live_version, self.live = self._pending[i]
+            del self._pending[: i + 1]
+        return self.live_version
+
+    def newest(self) -> tuple[int, FlatWeights | None]:
+        """(version, buffer) of the newest complete push, live or pending; (-1, None) before the first."""
+        with self._lock:
+            return self._newest if self._newest is not None else (-1, None)
+
+    def stop(self) -> None:
+        self._stop.set()
