@@ -33,10 +33,27 @@ import traceback
 from torchtitan_flux.patches import apply_patches
 
 
+def _torchtitan_bools() -> set[str]:
+    """``section.field`` of every boolean field of torchtitan's ``JobConfig``, read from its source: importing
+    torchtitan here would bind ``sys.argv`` before it is normalised (see ``main``)."""
+    import ast
+    import importlib.util
+
+    src = os.path.join(os.path.dirname(importlib.util.find_spec("torchtitan").origin), "config", "job_config.py")
+    classes = {n.name: n for n in ast.parse(open(src).read()).body if isinstance(n, ast.ClassDef)}
+
+    def fields(cls):
+        return {a.target.id: ast.unparse(a.annotation) for a in cls.body
+                if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+
+    return {f"{section}.{f}" for section, cls in fields(classes["JobConfig"]).items() if cls in classes
+            for f, t in fields(classes[cls]).items() if t == "bool"}
+
+
 def _field_type(path: str):
-    """The annotated type of ``section.field`` in our sections (``flux_config.SECTIONS``), "torchtitan" for a
-    section of torchtitan's, None when there is no such field. Imports no torchtitan: this runs before
-    ``ConfigManager`` is imported (see ``main``)."""
+    """The annotated type of ``section.field`` in our sections (``flux_config.SECTIONS``); for a section of
+    torchtitan's, "torchtitan_bool" for a boolean field (a tyro flag) and "torchtitan" for any other; None when
+    there is no such field of ours. Imports no torchtitan: this runs before ``ConfigManager`` is imported."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -44,7 +61,7 @@ def _field_type(path: str):
     section, _, name = path.partition(".")
     cls = flux_config.SECTIONS.get(section)
     if cls is None:
-        return "torchtitan"
+        return "torchtitan_bool" if path in _torchtitan_bools() else "torchtitan"
     for part in name.split("."):
         hints = typing.get_type_hints(cls) if isinstance(cls, type) else {}
         if part not in hints:
@@ -71,8 +88,8 @@ def _normalise_argv(argv: list[str]) -> list[str]:
             key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
         step = 1 if eq else 2
         kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
-        if val.lower() in ("true", "false") and kind in ("torchtitan", bool):
-            if kind == "torchtitan":
+        if val.lower() in ("true", "false") and kind in ("torchtitan_bool", bool):
+            if kind == "torchtitan_bool":
                 section, _, name = key[2:].rpartition(".")
                 out.append(key if val.lower() == "true" else f"--{section}.no_{name}")
             else:

@@ -185,6 +185,10 @@ def test_one_syntax_for_every_list_and_boolean():
     assert parse("--checkpoint.enable=false").checkpoint.enable is False
     for form in (("--weight_sync.async_weight_update=true",), ("--weight_sync.async_weight_update", "true")):
         assert parse(*form).weight_sync.async_weight_update is True  # one of ours
+    # a torchtitan string field whose value reads "false" stays a string (before 2026-11-25 it became the flag
+    # --job.no_description, which tyro refused)
+    assert parse("--job.description=false").job.description == "false"
+    assert parse("--job.description", "True").job.description == "True"
 
 
 def test_a_module_that_exits_at_import_is_one_line_with_its_reason():
