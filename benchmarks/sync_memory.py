@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.steps = 2
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from model_assets import build_model_dir
 
     model = build_model_dir(os.path.join(ROOT, "assets", "medium-llama"), flavor="medium")

@@ -28,6 +28,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))  # model_assets
 
 WORKLOADS = {"small": ("tiny", 30), "long": ("small", 140)}  # flavor, tokens per sequence (prompt + completion)
 B = 32

@@ -37,7 +37,7 @@ def main() -> None:
         raise SystemExit("needs .venv-vllm: run scripts/setup_vllm.sh first")
     os.environ.setdefault("VLLM_MAX_MODEL_LEN", "512")
     if not os.path.exists(os.path.join(args.model, "config.json")):  # the default model: build it (seeded, local)
-        sys.path.insert(0, ROOT)
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
         from model_assets import build_model_dir
 
         build_model_dir(args.model, flavor="small", seed=0)

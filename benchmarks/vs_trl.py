@@ -77,6 +77,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "scripts"))  # model_assets
 
 OUR_MODES = {
     "sync": ["--weight_sync.async_weight_update", "false", "--adaptive_async.enabled", "false"],

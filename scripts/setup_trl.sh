@@ -39,7 +39,7 @@ if [ "${SKIP_CHECK:-0}" != 1 ]; then
   if [ -x .venv/bin/python ]; then
     for flavor in tiny small; do
       d=outputs/vs_trl/models/$flavor
-      .venv/bin/python -c "from model_assets import build_model_dir; build_model_dir('$d', flavor='$flavor', seed=0)"
+      PYTHONPATH=scripts .venv/bin/python -c "from model_assets import build_model_dir; build_model_dir('$d', flavor='$flavor', seed=0)"
       TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1 "$VPY" benchmarks/trl_runner.py --check-model "$d"
     done
   else
