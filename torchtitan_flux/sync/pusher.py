@@ -109,6 +109,12 @@ class Pusher:
         self.busy.clear()
         self.kick()
 
+    def on_event(self, ev) -> None:
+        """Main thread: an ack or engine error; a lagging engine that answered again gets the staged version."""
+        with self.table.lock:
+            if self.table.record(ev):
+                self.kick()
+
     def kick(self) -> None:
         """If ``busy`` is free, have the push thread send the staged version to engines that lack it. Caller
         holds the table's lock."""
@@ -297,6 +303,9 @@ class Bystander:
         pass
 
     def kick(self) -> None:
+        pass
+
+    def on_event(self, ev) -> None:
         pass
 
     def deliver_staged(self) -> None:
