@@ -1,20 +1,16 @@
 """``Rollouts``: rank 0's rollout side as one object: the engines, their event queue, the scheduler (inherited:
-dispatch, collect, ``pump``) and the sending end of the weight sync.
+dispatch, collect, ``pump``) and the weight syncer that sends to the engines.
 
 Which engines (``rollout.engine``): embedded engine processes (placed on ``rollout.engine_devices``), vLLM servers
 we launch (``rollout.launch``) or servers someone else runs (``rollout.urls``: vLLM or SGLang, connected to and
 checked at start). A dead engine is replaced: an embedded one by a fresh process, a server by a reconnect (a
 server is not ours to restart), at most ``rollout.max_engine_restarts`` times per engine within
-``RESTART_WINDOW_S``, so an engine that fails the same way every time is given up instead of restarted forever.
-While the run stops on a signal a dead engine is given up, not restarted (the signal reached the engines too).
+``RESTART_WINDOW_S``; while the run stops on a signal (which reached the engines too) it is given up instead.
 
-Direction: ``Rollouts`` starts the engines, then builds rank 0's ``WeightSyncer`` with its own ``pump``; the syncer
-waits (for the claim, acks, an idle push thread) by pumping, and ``pump`` delivers acks and engine errors to it
-(``WeightSyncer.on_event``) and tells it about replacements (``replace_engine``). The syncer never calls anything
-else here. Ranks > 0 have no rollout side: their syncer is a bystander that pumps nothing.
-
-Concurrency: main thread only (``pump``, restarts, dispatch); the engines' threads and processes only put events
-on the queue, and the syncer's push and join threads never touch this object.
+Direction: ``Rollouts`` starts the engines, then builds rank 0's ``WeightSyncer`` with its own ``pump`` (the syncer
+waits for the claim, acks and an idle push thread by pumping); ``pump`` delivers acks and engine errors to the
+syncer (``on_event``) and replacements (``replace_engine``), and the syncer calls nothing else here. Ranks > 0 have
+no rollout side. Concurrency: main thread only; engine threads and processes only put events on the queue.
 """
 
 from __future__ import annotations
@@ -50,9 +46,9 @@ class Rollouts(RolloutScheduler):
         self.events: queue.Queue = queue.Queue()
         self.engines: list = []
         self.syncer: WeightSyncer | None = None
+        jc, r = job_config, job_config.rollout
         try:
             self._start()
-            jc, r = job_config, job_config.rollout
             super().__init__(
                 self.engines, self.events, task, tokenizer, group_size=jc.grpo.group_size,
                 prompts_per_step=r.prompts_per_step, max_new_tokens=r.max_new_tokens, temperature=jc.grpo.temperature,
@@ -68,8 +64,7 @@ class Rollouts(RolloutScheduler):
             raise
 
     def _start(self) -> None:
-        """Launch servers (``rollout.launch``), then start or connect every engine (raises on the first that
-        cannot serve: ``EngineStartError``)."""
+        """Launch servers (``rollout.launch``), then start or connect every engine (``EngineStartError``)."""
         r = self.job_config.rollout
         self._urls = list(r.urls)
         self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
@@ -124,8 +119,7 @@ class Rollouts(RolloutScheduler):
         return new
 
     def close(self) -> None:
-        """Stop the syncer's threads, every engine, then the servers we launched (SIGTERM, SIGKILL after a grace
-        period)."""
+        """Stop the syncer's threads, every engine, then the servers we launched."""
         if self.syncer is not None:
             self.syncer.close()
         for e in self.engines:
