@@ -2,8 +2,8 @@
 and the trainer interrupted (SIGTERM / SIGKILL) mid-run.
 
 The engine faults run at component level (``_sync_harness``: the trainer's rank-0 rollout side ``Rollouts`` with a
-real engine process, its ``WeightSyncer`` and its restarts); the trainer interruption runs the real trainer under torchrun. After every sync the engine's checksum
-equals the trainer's staging checksum.
+real engine process, its ``WeightSyncer`` and its restarts); the trainer interruption runs the real trainer under
+torchrun. After every sync the engine's checksum equals the trainer's staging checksum.
 """
 
 from __future__ import annotations
