@@ -285,7 +285,8 @@ class Pusher:
 class Bystander:
     """The pusher of ranks > 0: they take part in every snapshot (the agreement and the FSDP gathers are
     collectives) but send nothing and hold no engines, so each call is what it would be on a sender without
-    engines: the claim is always free, there is nothing to push, join or wait for."""
+    engines: the claim is always free, there is nothing to push, join or wait for (and no engine events: ranks > 0
+    have no rollout side)."""
 
     def __init__(self):
         self.busy = threading.Event()  # never set
@@ -300,12 +301,6 @@ class Bystander:
         pass
 
     def release(self) -> None:
-        pass
-
-    def kick(self) -> None:
-        pass
-
-    def on_event(self, ev) -> None:
         pass
 
     def deliver_staged(self) -> None:
