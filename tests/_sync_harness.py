@@ -1,20 +1,15 @@
-"""Component-level harness for the weight-sync tests: trainer-side pieces wired the way ``FluxTrainer`` wires them,
-without torchrun or torchtitan.
+"""Component-level harness for the weight-sync tests: rank 0's real rollout side (``rollout.fleet.Rollouts``: engines,
+scheduler, event pump and the weight syncer it builds), without torchrun or torchtitan.
 
 * the "policy" is a plain ``nn.Module`` whose parameters are the tiny llama's weights under torchtitan names
   (``tok_embeddings.weight``, ``layers.0.attention.wq.weight``, ...), so the real ``EmbeddedEngine`` child process
   can generate with whatever it receives;
-* the engines are the trainer's own ``EngineFleet`` (embedded engines on CPU), built from the real config
-  sections;
-* one ``WeightSyncer(is_sender=True)`` (gloo, loopback, port 0), a ``RolloutScheduler`` on the digits task with a
-  byte tokenizer (``fakes.stub_tokenizers``), ``WeightSyncer(pump=scheduler.pump)`` and an ``on_engine_dead``
-  that does what ``FluxTrainer._on_engine_dead`` does (``EngineFleet.restart``, then
-  ``WeightSyncer.replace_engine``).
+* ``Rollouts`` is built from the real config sections, as the trainer builds it: embedded engines on CPU, the
+  digits task with a byte tokenizer (``fakes.stub_tokenizers``), its syncer on gloo, loopback, port 0.
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,14 +20,10 @@ from conftest import FIGURES
 from fakes.stub_tokenizers import ByteTokenizer
 from torch import nn
 
-import model_assets as assets
-
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
-from torchtitan_flux.rollout.fleet import EngineFleet
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.rollout.fleet import Rollouts
 from torchtitan_flux.data.tasks import DigitsTask
-from torchtitan_flux.sync.syncer import WeightSyncer
 
 
 def module_from_weights(weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -79,44 +70,36 @@ class Harness:
         self.model_dir = str(model_dir)
         weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
         self.model = module_from_weights(weights)
-        self.events: queue.Queue = queue.Queue()
         cfg = WeightSync(
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
             method=method,
         )
         job_config = SimpleNamespace(
             # never gives an engine up (the tests count restarts in ``restarts``); one thread per engine
-            rollout=Rollout(num_engines=num_engines, engine_threads=1, max_engine_restarts=10**6),
+            rollout=Rollout(num_engines=num_engines, engine_threads=1, max_engine_restarts=10**6,
+                            prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, top_k=0, seed=0),
+            grpo=SimpleNamespace(group_size=group_size, temperature=1.0),
             weight_sync=cfg,
             off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2); see the scheduler
             model=SimpleNamespace(hf_assets_path=self.model_dir),
             job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
             training=SimpleNamespace(steps=0),  # final version of vLLM checksums: no vLLM here
         )
-        self.fleet = EngineFleet(job_config, self.events, trainer_on_gpu=False)
-        self.fleet.start()
-        self.engines = self.fleet.engines  # one list, shared with the scheduler and the syncer as in the trainer
-        self.restarts: list[tuple[int | None, int | None]] = []  # (old pid, new pid)
+        self.scheduler = Rollouts(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),
+                                  stops=SimpleNamespace(signal=None),  # no signal handlers in the test process
+                                  max_version_gap=max_version_gap)  # default: no wait for a version
+        self.syncer = self.scheduler.syncer
         for e in self.engines:  # serves its pipe once up (the first start waits for the fork server's imports)
             e.checksum(timeout=60)
-        self.scheduler = RolloutScheduler(
-            self.engines, self.events, DigitsTask(), ByteTokenizer(),
-            group_size=group_size, prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens,
-            temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID, max_version_gap=max_version_gap,  # default: no wait
-            on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
-        )
-        self.syncer = WeightSyncer(cfg, self.model, self.engines, device=torch.device("cpu"), is_sender=True,
-                                   pump=self.scheduler.pump)
         self.syncer.connect()
 
-    def _restart_engine(self, dead):
-        """What ``FluxTrainer._on_engine_dead`` does, and the restart recorded in ``restarts``."""
-        old_pid = dead.pid
-        new = self.fleet.restart(dead)
-        if new is not None:
-            self.syncer.replace_engine(dead, new)
-        self.restarts.append((old_pid, None if new is None else new.pid))
-        return new
+    @property
+    def engines(self) -> list:
+        return self.scheduler.engines
+
+    @property
+    def restarts(self) -> int:
+        return self.scheduler.restarts
 
     @property
     def link(self):
@@ -144,8 +127,7 @@ class Harness:
         return self.syncer.staging.checksum()
 
     def close(self) -> None:
-        self.syncer.close()
-        self.fleet.close()
+        self.scheduler.close()
 
 
 def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:

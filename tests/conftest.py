@@ -106,7 +106,7 @@ def read_metrics(dump: Path) -> list[dict]:
 
 @pytest.fixture
 def harness_factory(tiny_model_dir):
-    """Build ``_sync_harness.Harness`` rigs (an ``EngineFleet`` of real engine processes + WeightSyncer + scheduler);
+    """Build ``_sync_harness.Harness`` rigs (rank 0's ``Rollouts``: real engine processes, scheduler, WeightSyncer);
     closed after."""
     from _sync_harness import Harness
 

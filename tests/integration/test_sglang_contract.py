@@ -336,7 +336,7 @@ def test_server_with_other_weights_is_detected_and_resynced(tiny, tmp_path):
         assert "weight version 'default'" in ev.message and "version 1" in ev.message
         assert events.empty() and not h.alive()  # the result was dropped
 
-        h2 = h.reconnect()  # what EngineFleet.restart does, then WeightSyncer.replace_engine resyncs
+        h2 = h.reconnect()  # what Rollouts does with a dead server, then WeightSyncer.replace_engine resyncs
         store2, pg2, plan2 = connect(h2, "sgl_r", specs, 64 * 1024, epoch=2)
         push(h2, pg2, plan2, new, 2)
         assert wait_event(events, WeightAck).version == 2

@@ -20,13 +20,12 @@ from torchtitan_flux.rollout.scheduler import RolloutScheduler
 G = 4
 
 
-def make(rates, *, prompts=16, dead_zone=0.1, max_share=0.75, jitter=0.0, on_dead=None):
+def make(rates, *, prompts=16, dead_zone=0.1, max_share=0.75, jitter=0.0):
     events: queue.Queue = queue.Queue()
     engines = [FakeEngine(f"e{i}", r, events, jitter=jitter, seed=i) for i, r in enumerate(rates)]
     sched = RolloutScheduler(
         engines, events, FakeTask(), FakeTokenizer(), group_size=G, prompts_per_step=prompts, max_new_tokens=1,
-        temperature=1.0, top_k=0, seed=0, pad_id=0, max_version_gap=1, on_weight_event=lambda ev: None,
-        on_engine_dead=on_dead or (lambda e: None), dead_zone=dead_zone, max_share=max_share,
+        temperature=1.0, top_k=0, seed=0, pad_id=0, max_version_gap=1, dead_zone=dead_zone, max_share=max_share,
     )
     return sched, engines
 
@@ -134,7 +133,7 @@ def test_engine_dying_with_work_in_flight():
         sched.pump(0)
     engines[2].is_alive = False
     sched.events.put(EngineError("e2", "server gone", fatal=True))
-    sched.pump(0)  # on_engine_dead -> None: e2 is dropped and its 4 prompts are re-dispatched to the others
+    sched.pump(0)  # the scheduler alone drops a dead engine: e2 goes and its 4 prompts are re-dispatched to the others
     assert [e.name for e in sched.engines] == ["e0", "e1"] and sched.redispatched == 1
     while not sched.events.empty():
         sched.pump(0)

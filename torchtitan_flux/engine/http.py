@@ -241,7 +241,7 @@ class HttpEngine(EngineBase, abc.ABC):
     # ------------------------------------------------------------------------------------ tasks
 
     def kill(self, why: str) -> None:
-        """The server is not ours to stop: the handler gives it up (``_die``) and the fleet reconnects if it can."""
+        """The server is not ours to stop: the handler gives it up (``_die``) and ``Rollouts`` reconnects if it can."""
         self._die(why)
 
     def _die(self, why: str) -> None:

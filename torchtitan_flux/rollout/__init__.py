@@ -1,1 +1,1 @@
-"""Rank 0's rollout side: the engine fleet, the scheduler that dispatches and collects, and batch layout."""
+"""Rank 0's rollout side: ``fleet.Rollouts`` (engines, scheduler, event pump), prompt split and batch layout."""

@@ -1,14 +1,16 @@
-"""``EngineFleet``: rank 0's rollout engines, from start to close.
+"""``Rollouts``: rank 0's rollout side as one object: the engines, their event queue, the scheduler (inherited:
+dispatch, collect, ``pump``) and the weight syncer that sends to the engines.
 
 Which engines (``rollout.engine``): embedded engine processes (placed on ``rollout.engine_devices``), vLLM servers
 we launch (``rollout.launch``) or servers someone else runs (``rollout.urls``: vLLM or SGLang, connected to and
 checked at start). A dead engine is replaced: an embedded one by a fresh process, a server by a reconnect (a
 server is not ours to restart), at most ``rollout.max_engine_restarts`` times per engine within
-``RESTART_WINDOW_S``, so an engine that fails the same way every time is given up instead of restarted forever.
+``RESTART_WINDOW_S``; while the run stops on a signal (which reached the engines too) it is given up instead.
 
-Concurrency: used by the trainer's main thread only (the scheduler calls back into the trainer, which calls
-``restart``, on that thread). ``engines`` is one list object for the whole run: the scheduler and the weight
-syncer hold it too, and ``restart`` replaces or removes entries in place.
+Direction: ``Rollouts`` starts the engines, then builds rank 0's ``WeightSyncer`` with its own ``pump`` (the syncer
+waits for the claim, acks and an idle push thread by pumping); ``pump`` delivers acks and engine errors to the
+syncer (``on_event``) and replacements (``replace_engine``), and the syncer calls nothing else here. Ranks > 0 have
+no rollout side. Concurrency: main thread only; engine threads and processes only put events on the queue.
 """
 
 from __future__ import annotations
@@ -22,26 +24,47 @@ import torch
 
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.models import hf
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
+from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.sync.syncer import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
 
 RESTART_WINDOW_S = 600.0  # rollout.max_engine_restarts counts restarts of one engine within this window
 
 
-class EngineFleet:
-    def __init__(self, job_config, events: queue.Queue, trainer_on_gpu: bool):
-        self.job_config, self.events, self.trainer_on_gpu = job_config, events, trainer_on_gpu
-        self.engines: list = []
+class Rollouts(RolloutScheduler):
+    """``stops``: the run's ``StopRequests`` (read: ``signal``). ``max_version_gap``: see ``RolloutScheduler``."""
+
+    def __init__(self, job_config, task, tokenizer, model: torch.nn.Module, *, device: torch.device, stops,
+                 max_version_gap: int):
+        self.job_config, self.stops, self.trainer_on_gpu = job_config, stops, device.type == "cuda"
         self.servers: list = []  # launched vLLM servers (stopped by ``close``)
         self.restarts = 0
         self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of recent restarts
-        self._urls: list[str] = []
-        self._devices: list[str] = []
+        self.events: queue.Queue = queue.Queue()
+        self.engines: list = []
+        self.syncer: WeightSyncer | None = None
+        jc, r = job_config, job_config.rollout
+        try:
+            self._start()
+            super().__init__(
+                self.engines, self.events, task, tokenizer, group_size=jc.grpo.group_size,
+                prompts_per_step=r.prompts_per_step, max_new_tokens=r.max_new_tokens, temperature=jc.grpo.temperature,
+                top_k=r.top_k, seed=r.seed, pad_id=_pad_id(tokenizer, jc.model.hf_assets_path),
+                max_version_gap=max_version_gap, dead_zone=r.dispatch_dead_zone, max_share=r.dispatch_max_share,
+                reward_workers=r.reward_workers, reward_timeout_s=r.reward_timeout_seconds,
+                stall_s=r.engine_stall_seconds,
+            )
+            self.syncer = WeightSyncer(jc.weight_sync, model, self.engines, device=device, is_sender=True,
+                                       backend="nccl" if self.trainer_on_gpu else "gloo", pump=self.pump)
+        except BaseException:
+            self.close()
+            raise
 
-    def start(self) -> None:
-        """Launch servers (``rollout.launch``), then start or connect every engine (raises on the first that
-        cannot serve: ``EngineStartError``)."""
+    def _start(self) -> None:
+        """Launch servers (``rollout.launch``), then start or connect every engine (``EngineStartError``)."""
         r = self.job_config.rollout
         self._urls = list(r.urls)
         self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
@@ -63,11 +86,16 @@ class EngineFleet:
         n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines
         self.engines.extend(self._new_engine(i) for i in range(n))
 
-    def restart(self, dead):
-        """The replacement of a dead engine (already in ``engines`` at the dead one's place), or None when it is
-        given up (removed from ``engines``): a crash loop past ``rollout.max_engine_restarts``, or a server that
-        is not back."""
+    def _weight_event(self, ev) -> None:
+        self.syncer.on_event(ev)
+
+    def _replace(self, dead):
+        """A dead engine's replacement, rejoined by the syncer; None when it is given up: while the run stops on a
+        signal, a crash loop past ``rollout.max_engine_restarts``, or a server that is not back."""
         dead.close()
+        if self.stops.signal is not None:
+            logger.warning(f"{dead.name}: not restarted: the run is stopping ({self.stops.signal})")
+            return None
         idx = self.engines.index(dead)
         now = time.monotonic()
         recent = [t for t in self._restart_times.get(idx, []) if now - t < RESTART_WINDOW_S]
@@ -76,7 +104,6 @@ class EngineFleet:
             logger.error(f"{dead.name}: died {len(recent) + 1} times within {RESTART_WINDOW_S:.0f} s "
                          f"(rollout.max_engine_restarts = {cap}); not restarted again: its error is the 'died' "
                          "line above")
-            self.engines.remove(dead)
             return None
         self._restart_times[idx] = recent + [now]
         self.restarts += 1
@@ -85,21 +112,16 @@ class EngineFleet:
                 new = dead.reconnect()
             except Exception as e:  # noqa: BLE001
                 logger.error(f"{dead.name}: server gone ({e}); going on without it")
-                self.engines.remove(dead)
                 return None
         else:
             new = self._new_engine(idx)
-        self.engines[idx] = new
+        self.syncer.replace_engine(dead, new)
         return new
 
-    def give_up(self, dead, why: str) -> None:
-        """Remove a dead engine for good, not restarting it (``why``: logged)."""
-        dead.close()
-        self.engines.remove(dead)
-        logger.warning(f"{dead.name}: not restarted: {why}")
-
     def close(self) -> None:
-        """Stop every engine, then the servers we launched (SIGTERM, SIGKILL after a grace period)."""
+        """Stop the syncer's threads, every engine, then the servers we launched."""
+        if self.syncer is not None:
+            self.syncer.close()
         for e in self.engines:
             e.close()
         for s in self.servers:
@@ -128,6 +150,11 @@ class EngineFleet:
             )
         e.start()
         return e
+
+
+def _pad_id(tokenizer, hf_dir: str) -> int:
+    pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
+    return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
 
 
 def set_trainer_threads(job_config) -> None:

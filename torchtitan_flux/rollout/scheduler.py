@@ -8,9 +8,10 @@ request) and the trainer version at dispatch.
 Concurrency: everything here runs on the main thread, except reward scoring: when a step's last result arrives
 (in ``pump``) its completions are decoded and handed to the reward pool (``rollout_batch.CompletionScorer``), and
 ``collect`` waits on that future only when it builds the step's batch (so scoring overlaps training in async
-mode). Engines report through one ``events`` queue; ``pump`` is the only consumer and routes acks/errors to the
-``WeightSyncer`` and results to their step. A dead engine's in-flight requests are re-dispatched to the engines
-still alive (or to its restarted replacement), so no prompt is lost.
+mode). Engines report through one ``events`` queue; ``pump`` is the only consumer: results go to their step,
+acks and errors to ``_weight_event`` and a dead engine to ``_replace`` (here: dropped; ``fleet.Rollouts``, rank 0's
+rollout side, hands them to its weight syncer and restarts the engine). A dead engine's in-flight requests are
+re-dispatched to the engines still alive (or to its replacement), so no prompt is lost.
 
 Dispatch: prompts are split across the engines alive by measured speed (``dispatch.SpeedSplit``: dead zone,
 imbalance cap).
@@ -31,7 +32,6 @@ import queue
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
@@ -92,8 +92,6 @@ class RolloutScheduler:
         seed: int,
         pad_id: int,
         max_version_gap: int,
-        on_weight_event: Callable[[object], None],
-        on_engine_dead: Callable[[EngineHandler], EngineHandler | None],
         dead_zone: float = 0.1,
         max_share: float = 0.75,
         reward_workers: int = 1,
@@ -105,7 +103,6 @@ class RolloutScheduler:
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
         self.seed, self.pad_id, self.max_version_gap = seed, pad_id, max_version_gap
-        self.on_weight_event, self.on_engine_dead = on_weight_event, on_engine_dead
         self._req_ids = itertools.count()
         self._steps: dict[int, _Step] = {}
         self._by_req: dict[int, _Part] = {}
@@ -146,7 +143,7 @@ class RolloutScheduler:
     def _alive(self) -> list[EngineHandler]:
         """The engines alive now. With none: an engine that died while nothing pumped events (idle, between two
         steps of an async run) has its death still queued; pump for up to ``DEATH_NOTICE_S`` so that it is handled
-        (the trainer restarts it, ``on_engine_dead``) instead of giving up on a dead engine that can be replaced."""
+        (and its replacement started, ``_replace``) instead of giving up on a dead engine that can be replaced."""
         deadline = time.monotonic() + DEATH_NOTICE_S
         while True:
             alive = [e for e in self.engines if e.alive()]
@@ -219,13 +216,20 @@ class RolloutScheduler:
                 if st is not None and all(p.result is not None for p in st.parts):
                     self._score(st)
         elif isinstance(ev, WeightAck):
-            self.on_weight_event(ev)
+            self._weight_event(ev)
         elif isinstance(ev, EngineError):
-            self.on_weight_event(ev)
+            self._weight_event(ev)
             if ev.fatal:
                 self._engine_died(ev.engine, ev.message)
             else:
                 logger.warning(f"engine {ev.engine}: {ev.message}")
+
+    def _weight_event(self, ev: WeightAck | EngineError) -> None:
+        """An ack or engine error: nothing to do for the scheduler alone (``fleet.Rollouts`` hands it to its syncer)."""
+
+    def _replace(self, dead: EngineHandler) -> EngineHandler | None:
+        """A dead engine's replacement, or None: the scheduler alone drops it (``fleet.Rollouts`` restarts it)."""
+        return None
 
     def _kill_stuck(self, now: float) -> None:
         for e in self.engines:
@@ -243,9 +247,11 @@ class RolloutScheduler:
             return
         self.engine_deaths += 1
         logger.error(f"rollout engine {name} died: {message.strip().splitlines()[-1] if message else ''}")
-        replacement = self.on_engine_dead(dead)
-        self.engines = [replacement if e is dead else e for e in self.engines if e is not dead or replacement]
-        if replacement is not None:
+        replacement = self._replace(dead)
+        if replacement is None:
+            self.engines.remove(dead)
+        else:
+            self.engines[self.engines.index(dead)] = replacement
             self.split.replace(name, replacement.name)
         for part in [p for p in self._by_req.values() if p.engine is dead]:
             alive = [e for e in self.engines if e.alive()]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import time
 from functools import partial
 from typing import Any
@@ -43,8 +42,6 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train import Trainer
 
-from torchtitan_flux.models import hf
-
 from torchtitan_flux.run import report
 
 from torchtitan_flux.run import resume
@@ -52,13 +49,13 @@ from torchtitan_flux.rl.admission import Admission
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data.evaluation import Evaluator
 from torchtitan_flux.rl.feed import BatchFeed
-from torchtitan_flux.rollout.fleet import EngineFleet, set_trainer_threads
+from torchtitan_flux.rollout.fleet import Rollouts, set_trainer_threads
 from torchtitan_flux.models.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
 from torchtitan_flux.run.metrics import MetricsWriter
 from torchtitan_flux.run.preflight import preflight
 from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.data.rewards import RewardError
-from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutBatch, RolloutScheduler, RolloutWaitInterrupted
+from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutBatch, RolloutWaitInterrupted
 from torchtitan_flux.run.run_state import RunState
 from torchtitan_flux.run.stops import (
     LossNotFinite,
@@ -98,12 +95,9 @@ class FluxTrainer(Trainer):
         self.step_callbacks: list = []
         for spec in job_config.metrics.step_callbacks:  # checked by validate_config
             self.add_step_callback(import_spec("metrics.step_callbacks", spec), name=f"step callback {spec!r}")
-        self.scheduler: RolloutScheduler | None = None
+        self.scheduler: Rollouts | None = None  # rank 0's rollout side; None on ranks > 0
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
-        self._events: queue.Queue = queue.Queue()
-        self.fleet = EngineFleet(job_config, self._events, trainer_on_gpu=self.device.type == "cuda")
-        self.engines = self.fleet.engines  # one list for the run (see fleet.py); empty on ranks > 0
         self._step_ends: list[float] = []
         self.admission = Admission(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
                                    job_config.training.steps)
@@ -112,18 +106,16 @@ class FluxTrainer(Trainer):
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
             ws.timeout_seconds,
         ) if ws.probe_every > 0 else None
-        if self.rank == 0:
-            self.fleet.start()
         self.memory = {"rss_before_sync_mb": report.rss_mb()}
-        if self.rank == 0:  # before the syncer, which takes its pump (events flow scheduler -> syncer)
-            self.scheduler = self._build_scheduler()
+        if self.rank == 0:  # starts the engines and builds the syncer it delivers their events to
+            self.scheduler = Rollouts(job_config, self.task, self.tokenizer, self.model, device=self.device,
+                                      stops=self.stops, max_version_gap=self.admission.max_version_gap)
+            self.syncer = self.scheduler.syncer
             if self.world == 1:
                 self.stops.interrupt_rollout_waits_of(self.scheduler)
-        self.syncer = WeightSyncer(
-            job_config.weight_sync, self.model, self.engines, device=self.device, is_sender=self.rank == 0,
-            backend="nccl" if self.device.type == "cuda" else "gloo",
-            pump=self.scheduler.pump if self.scheduler is not None else time.sleep,
-        )
+        else:  # a bystander: takes part in every snapshot, sends nothing
+            self.syncer = WeightSyncer(job_config.weight_sync, self.model, [], device=self.device, is_sender=False,
+                                       backend="nccl" if self.device.type == "cuda" else "gloo")
         self.memory["rss_after_staging_mb"] = report.rss_mb()
         self.feed = BatchFeed(self.admission, self.scheduler, self.syncer,
                               max_version_gap=self.admission.max_version_gap,
@@ -143,32 +135,6 @@ class FluxTrainer(Trainer):
                 )
 
     # ------------------------------------------------------------------------------------------- setup
-
-    def _on_engine_dead(self, dead):
-        """The scheduler's report of a dead engine: its replacement (resynced by the syncer), or None. None while
-        the run is stopping on a signal: a SIGTERM to the whole process group reaches the engines too, and a new
-        engine would only be started to be stopped again."""
-        if self.stops.signal is not None:
-            self.fleet.give_up(dead, f"the run is stopping ({self.stops.signal})")
-            return None
-        new = self.fleet.restart(dead)
-        if new is not None:
-            self.syncer.replace_engine(dead, new)
-        return new
-
-    def _build_scheduler(self) -> RolloutScheduler:
-        jc = self.job_config
-        return RolloutScheduler(
-            self.engines, self._events, self.task, self.tokenizer,
-            group_size=jc.grpo.group_size, prompts_per_step=jc.rollout.prompts_per_step,
-            max_new_tokens=jc.rollout.max_new_tokens, temperature=jc.grpo.temperature, top_k=jc.rollout.top_k,
-            seed=jc.rollout.seed, pad_id=_pad_id(self.tokenizer, jc.model.hf_assets_path),
-            max_version_gap=self.admission.max_version_gap,
-            on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._on_engine_dead,
-            dead_zone=jc.rollout.dispatch_dead_zone, max_share=jc.rollout.dispatch_max_share,
-            reward_workers=jc.rollout.reward_workers, reward_timeout_s=jc.rollout.reward_timeout_seconds,
-            stall_s=jc.rollout.engine_stall_seconds,
-        )
 
     def add_step_callback(self, fn, name: str | None = None) -> Any:
         """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
@@ -237,7 +203,7 @@ class FluxTrainer(Trainer):
             metrics.update(self.admission.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
         if self.probe is not None and self.probe.due(self.step, jc.training.steps):
             self.syncer.flush(self.step)  # the engines must hold this step's weights
-            engines = [e for e in self.engines if e.alive()] if self.rank == 0 else []
+            engines = [e for e in self.scheduler.engines if e.alive()] if self.rank == 0 else []
             metrics.update(self.probe.run(self.model, engines, self.step, self.device))
         saved = resume.save(self.checkpointer, self.step, last, self.checkpoint_folder, self.fingerprint,
                             self.rank == 0)
@@ -269,7 +235,7 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             logger.info(f"final policy exported to {out}")
             probed = self.probe.confirmed_version if self.probe is not None else -1
-            content = report.summary(self.step, self.syncer, self.engines, probed, self._step_ends, memory)
+            content = report.summary(self.step, self.syncer, self.scheduler.engines, probed, self._step_ends, memory)
             report.write_summary(self.job_config.job.dump_folder, content)
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
@@ -311,7 +277,7 @@ class FluxTrainer(Trainer):
         return out
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
-        counters = dict(discarded_rollouts=self.feed.discarded_rollouts, engine_restarts=self.fleet.restarts,
+        counters = dict(discarded_rollouts=self.feed.discarded_rollouts, engine_restarts=self.scheduler.restarts,
                         redispatched_requests=self.scheduler.redispatched, **self.syncer.metrics())
         m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)
@@ -331,18 +297,13 @@ class FluxTrainer(Trainer):
         self.run_state.load_state_dict(state_dict, self.step)
 
     def close(self) -> None:
-        if getattr(self, "syncer", None) is not None:
+        if getattr(self, "scheduler", None) is not None:  # rank 0: its syncer, engines and servers
+            self.scheduler.close()
+        elif getattr(self, "syncer", None) is not None:
             self.syncer.close()
-        if getattr(self, "fleet", None) is not None:
-            self.fleet.close()
         if getattr(self, "metrics_writer", None) is not None:
             self.metrics_writer.close()
         super().close()
-
-
-def _pad_id(tokenizer, hf_dir: str) -> int:
-    pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
-    return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
 
 
 def _td(seconds: float):

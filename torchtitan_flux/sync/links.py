@@ -56,8 +56,7 @@ class SyncStats:
 
 
 class LinkTable:
-    """The links, their lock, and the condition the push thread sleeps on. ``on_change`` (the pusher's kick,
-    passed by the pusher when it is built) is called under ``lock`` when an engine becomes usable again."""
+    """The links, their lock, and the condition the push thread sleeps on."""
 
     def __init__(self, engines: list[EngineHandler], timeout_s: float):
         self.links = [EngineLink(e) for e in engines]
@@ -80,26 +79,27 @@ class LinkTable:
         """Usable links that do not hold ``version`` yet (caller holds ``lock``)."""
         return [] if version < 0 else [lk for lk in self.links if lk.usable and lk.sent < version]
 
-    def on_event(self, ev, kick) -> None:
-        """An ack or engine error (main thread); ``kick`` is called under ``lock`` when a lagging engine answered."""
-        with self.lock:
-            link = self.find(ev.engine)
-            if link is None:
-                return
-            if isinstance(ev, WeightAck):
-                link.acked = max(link.acked, ev.version)
-                if link.lagging and link.acked >= link.sent:
-                    link.lagging = False
-                    link.sent = -1  # answered again: next push is a full resync
-                    self.stats.resyncs += 1
-                    logger.info(f"weight sync: {link.handler.name} answered again; resyncing")
-                    kick()
-            elif isinstance(ev, EngineError):
-                self.fail(link, ev.message.strip().splitlines()[-1] if ev.message else "error")
-                if ev.fatal:
-                    link.dead = True
-                else:
-                    link.broken = True
+    def record(self, ev) -> bool:
+        """An ack or engine error (main thread; caller holds ``lock``). True when a lagging engine answered again
+        (it must be resynced: ``Pusher.on_event``)."""
+        link = self.find(ev.engine)
+        if link is None:
+            return False
+        if isinstance(ev, WeightAck):
+            link.acked = max(link.acked, ev.version)
+            if link.lagging and link.acked >= link.sent:
+                link.lagging = False
+                link.sent = -1  # answered again: next push is a full resync
+                self.stats.resyncs += 1
+                logger.info(f"weight sync: {link.handler.name} answered again; resyncing")
+                return True
+        elif isinstance(ev, EngineError):
+            self.fail(link, ev.message.strip().splitlines()[-1] if ev.message else "error")
+            if ev.fatal:
+                link.dead = True
+            else:
+                link.broken = True
+        return False
 
     def check_timeouts(self) -> None:
         """Mark engines whose last push was not acked within ``timeout_s`` as lagging (main thread)."""

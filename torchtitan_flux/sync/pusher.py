@@ -109,6 +109,12 @@ class Pusher:
         self.busy.clear()
         self.kick()
 
+    def on_event(self, ev) -> None:
+        """Main thread: an ack or engine error; a lagging engine that answered again gets the staged version."""
+        with self.table.lock:
+            if self.table.record(ev):
+                self.kick()
+
     def kick(self) -> None:
         """If ``busy`` is free, have the push thread send the staged version to engines that lack it. Caller
         holds the table's lock."""
@@ -279,7 +285,8 @@ class Pusher:
 class Bystander:
     """The pusher of ranks > 0: they take part in every snapshot (the agreement and the FSDP gathers are
     collectives) but send nothing and hold no engines, so each call is what it would be on a sender without
-    engines: the claim is always free, there is nothing to push, join or wait for."""
+    engines: the claim is always free, there is nothing to push, join or wait for (and no engine events: ranks > 0
+    have no rollout side)."""
 
     def __init__(self):
         self.busy = threading.Event()  # never set
@@ -294,9 +301,6 @@ class Bystander:
         pass
 
     def release(self) -> None:
-        pass
-
-    def kick(self) -> None:
         pass
 
     def deliver_staged(self) -> None:

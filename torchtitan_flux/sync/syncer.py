@@ -25,9 +25,9 @@ version to every usable engine that lacks it, so a request pinned to it never wa
 Every wait for the claim is on the main thread, delivering engine events, and ends by the in-flight push's
 deadline (and the wait is bounded, see ``_claim_waiting``); ranks > 0 wait for rank 0 on the control group (no
 collective timeout), never inside a gather. Not covered: an engine that stays alive but can never receive (a
-refused join, a lagging engine that never answers): its rollouts are discarded until it answers or dies. The syncer never calls back into the trainer: engine events are delivered by the
-``pump`` it is constructed with (``RolloutScheduler.pump`` on rank 0), which routes acks and errors to
-``on_event``.
+refused join, a lagging engine that never answers): its rollouts are discarded until it answers or dies. The syncer
+never calls back into the trainer: rank 0's rollout side (``rollout.fleet.Rollouts``) builds it with its own ``pump``,
+which delivers acks and errors to ``on_event`` and replaced engines to ``replace_engine``.
 
 An engine whose push misses ``timeout_seconds`` is marked lagging and keeps serving its old version (its rollouts
 carry that version); when it acks again it is resynced with a full push, after rejoining on a fresh group if its
@@ -208,7 +208,7 @@ class WeightSyncer:
 
     def on_event(self, ev) -> None:
         """Acks and engine errors, delivered on the main thread by the pump."""
-        self.table.on_event(ev, self.pusher.kick)
+        self.pusher.on_event(ev)
 
     def check_timeouts(self) -> None:
         self.table.check_timeouts()
