@@ -1,4 +1,4 @@
-"""Tiny model assets, HF weight I/O, the flux_llama3 TrainSpec and the torch-only KV-cache inference.
+"""Tiny model assets, HF weight I/O, the flux_llama TrainSpec and the torch-only KV-cache inference.
 
 The torch-only forward (``torchtitan_flux.models.inference``) is checked against torchtitan's own llama3
 ``Transformer`` loaded from the same folder.
@@ -29,7 +29,7 @@ from torchtitan_flux.models.inference import forward_logits, generate, score  # 
 from torchtitan_flux.models.weight_dict import LlamaShape  # noqa: E402
 from torchtitan_flux.models.hf_weights import export_hf_weights, load_hf_weights  # noqa: E402
 from torchtitan_flux.models.families import (  # noqa: E402
-    FLUX_MODEL_NAME,
+    FAMILY_SPECS,
     FluxLlamaArgs,
     register_flux_model,
     solve_ffn_args,
@@ -176,7 +176,7 @@ def test_register_flux_model_idempotent():
     assert register_flux_model() is spec
     from torchtitan.protocols.train_spec import get_train_spec
 
-    assert get_train_spec(FLUX_MODEL_NAME) is spec
+    assert get_train_spec(FAMILY_SPECS["llama"]) is spec
     assert isinstance(spec.model_args["hf"], FluxLlamaArgs)
     assert spec.build_dataloader_fn is None and spec.build_validator_fn is None
     assert spec.pipelining_fn is None and spec.state_dict_adapter is not None

@@ -53,7 +53,7 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
 
     def job(task):
         return SimpleNamespace(rollout=SimpleNamespace(task=task, dataset_path="", dataset_split="train",
-                                                       reward_funcs=[], reward_weights=[], reward_fn=""))
+                                                       reward_funcs=[], reward_weights=[]))
 
     assert isinstance(build_task(job("test_tasks:documented_factory"), None), DigitsTask)
     with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:not_a_task' returned list; allowed: a "

@@ -85,22 +85,6 @@ def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
     return import_spec(field_name, spec)
 
 
-def per_sample(fn: Callable[[str, str, str], float]) -> Callable[..., list[float]]:
-    """The old ``rollout.reward_fn(prompt, completion, answer) -> float`` as a batched function."""
-
-    def batched(prompts, completions, answer=None, **_):
-        answers = answer if answer is not None else [""] * len(completions)
-        out = []
-        for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
-            try:
-                out.append(fn(p, c, a))
-            except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
-                raise RewardError(f"sample {i}: {type(e).__name__}: {e}") from e
-        return out
-
-    return batched
-
-
 class RewardScorer:
     """Scores batches with a list of ``RewardFunc`` on a thread pool (see the module docstring)."""
 
@@ -155,8 +139,6 @@ class RewardScorer:
             try:
                 with self._calling(f.name):
                     out = f.fn(**kwargs)
-            except RewardError as e:
-                raise RewardError(f"reward function {f.name!r}: {e}") from e
             except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
                 raise RewardError(f"reward function {f.name!r} raised {type(e).__name__}: {e}") from e
             if inspect.isawaitable(out):
