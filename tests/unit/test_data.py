@@ -13,7 +13,8 @@ import pytest
 
 from torchtitan_flux.data import rewards as R
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler
-from torchtitan_flux.data.tasks import Gsm8kTask, build_task, reward_inputs
+from torchtitan_flux.data.rewards import reward_inputs
+from torchtitan_flux.data.tasks import Gsm8kTask, build_task
 
 ROWS = [{"prompt": f"q{i}?", "answer": str(i), "level": i % 3} for i in range(10)]
 

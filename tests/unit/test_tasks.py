@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from torchtitan_flux.data.rewards import RewardScorer
-from torchtitan_flux.data.tasks import DigitsTask, Prompt, reward_inputs
+from torchtitan_flux.data.rewards import reward_inputs
+from torchtitan_flux.data.tasks import DigitsTask, Prompt
 
 
 def test_prompts_depend_only_on_seed_and_step():

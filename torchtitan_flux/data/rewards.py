@@ -77,12 +77,18 @@ class Scores:
         return out
 
 
-def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
-    """``"package.module:name"`` -> the callable (``user_code.import_spec``: a ``ConfigError``, a ``ValueError``,
-    naming ``field_name`` otherwise)."""
-    from torchtitan_flux.run.user_code import import_spec
-
-    return import_spec(field_name, spec)
+def reward_inputs(task, prompts: list, completions: list[str], group_size: int):
+    """TRL's reward arguments for ``completions`` (``group_size`` per prompt, in order) of ``prompts``
+    (``data.tasks.Prompt``s of ``task``): (prompts, completions, columns), conversational for chat tasks."""
+    rows = [p for p in prompts for _ in range(group_size)]
+    if task.chat:
+        p_in = [p.messages for p in rows]
+        c_in = [[{"role": "assistant", "content": c}] for c in completions]
+    else:
+        p_in, c_in = [p.text for p in rows], list(completions)
+    keys = list(dict.fromkeys(k for p in prompts for k in p.columns))
+    columns = {k: [p.columns.get(k) for p in rows] for k in keys}
+    return p_in, c_in, columns
 
 
 class RewardScorer:

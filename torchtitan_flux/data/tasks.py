@@ -37,6 +37,7 @@ from typing import Any, Callable
 from torchtitan_flux.data import rewards as R
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
+from torchtitan_flux.run.user_code import import_spec
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -218,7 +219,7 @@ def task_factory(name: str) -> Callable[..., Task]:
     if name in TASKS:
         return TASKS[name]
     if ":" in name:
-        return R.import_callable(name, "rollout.task")
+        return import_spec("rollout.task", name)
     if name == "jsonl":
         raise ValueError("rollout.task = 'jsonl' was renamed: use 'dataset'")
     raise ValueError(f"rollout.task = {name!r} is not allowed; allowed: {' | '.join(TASKS)} or "
@@ -275,7 +276,7 @@ def reward_funcs(rollout_cfg) -> list[R.RewardFunc]:
                           "give one weight per function, or none (all 1.0)")
     out = []
     for spec, w in zip(specs, weights or [1.0] * len(specs)):
-        fn = BUILTIN_REWARDS.get(spec) or R.import_callable(spec, "rollout.reward_funcs")
+        fn = BUILTIN_REWARDS.get(spec) or import_spec("rollout.reward_funcs", spec)
         out.append(R.RewardFunc(spec.rpartition(":")[2], fn, float(w)))  # TRL names it by the function
     if len({f.name for f in out}) < len(out):
         out = [R.RewardFunc(spec, f.fn, f.weight) for spec, f in zip(specs, out)]
@@ -308,20 +309,6 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     return task
 
 
-def reward_inputs(task: Task, prompts: list[Prompt], completions: list[str], group_size: int):
-    """TRL's reward arguments for ``completions`` (``group_size`` per prompt, in order): (prompts, completions,
-    columns), in the conversational format for chat tasks."""
-    rows = [p for p in prompts for _ in range(group_size)]
-    if task.chat:
-        p_in = [p.messages for p in rows]
-        c_in = [[{"role": "assistant", "content": c}] for c in completions]
-    else:
-        p_in, c_in = [p.text for p in rows], list(completions)
-    keys = list(dict.fromkeys(k for p in prompts for k in p.columns))
-    columns = {k: [p.columns.get(k) for p in rows] for k in keys}
-    return p_in, c_in, columns
-
-
 def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
     """The held-out task of ``[eval]`` (None when evaluation is off): ``eval.dataset_path`` (or the rollout
     dataset's ``eval.split``) for dataset tasks; a generated task evaluates on prompts of its own held-out seed."""
@@ -343,7 +330,7 @@ def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
     prompt = task.prompts(seed, 1, 1)
     scorer = R.RewardScorer(task.reward_funcs, timeout_s=timeout_s)
     try:
-        prompts, completions, columns = reward_inputs(task, prompt, [""], 1)
+        prompts, completions, columns = R.reward_inputs(task, prompt, [""], 1)
         scorer.wait(scorer.submit(prompts, completions, [[]], columns))
     finally:
         scorer.close()
