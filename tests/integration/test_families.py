@@ -75,7 +75,7 @@ def test_tied_is_one_parameter_and_pushed_once(family_dirs, family, tied):
     assert ("output.weight" in names) == (not tied)
     if tied:
         assert model.output.weight is model.tok_embeddings.weight
-    shape = weight_dict.LlamaShape.from_hf_dir(d)
+    shape = weight_dict.ModelShape.from_hf_dir(d)
     assert names == weight_dict.weight_names(shape)  # the engine expects exactly what is pushed, in order
     layout = hf_weights.HFLayout.from_hf_dir(d)
     hf_names = layout.hf_names(names, [tuple(p.shape) for p in model.parameters()])

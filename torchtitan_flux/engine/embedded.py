@@ -73,7 +73,7 @@ class _EngineProcess:
         torch.set_num_threads(threads)
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
-        self.shape = weight_dict.LlamaShape.from_hf_config(cfg)
+        self.shape = weight_dict.ModelShape.from_hf_config(cfg)
         self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
