@@ -269,11 +269,9 @@ def max_prompt_tokens(job_config) -> int:
 
 
 def reward_funcs(rollout_cfg) -> list[R.RewardFunc]:
-    """``rollout.reward_funcs`` (with ``reward_weights``); [] when none are named (the task's own then score)."""
+    """``rollout.reward_funcs`` (with ``reward_weights``, as validated); [] when none are named (the task's own then
+    score)."""
     specs, weights = list(rollout_cfg.reward_funcs), list(rollout_cfg.reward_weights)
-    if weights and len(weights) != len(specs):
-        raise ConfigError(f"rollout.reward_weights has {len(weights)} entries for {len(specs)} reward_funcs; "
-                          "give one weight per function, or none (all 1.0)")
     out = []
     for spec, w in zip(specs, weights or [1.0] * len(specs)):
         fn = BUILTIN_REWARDS.get(spec) or import_spec("rollout.reward_funcs", spec)
