@@ -35,12 +35,12 @@ REMOVED = {
 }
 
 
-MODEL_NAME = "flux"  # ``model.name`` of every config: the family is read from model.hf_assets_path/config.json
-
-
 def removed_error(path: str) -> ConfigError | None:
     """The one-line error for a removed field ``section.field`` (``REMOVED``); None for any other."""
     return ConfigError(f"{path} was removed: {REMOVED[path]}") if path in REMOVED else None
+
+
+MODEL_NAME = "flux"  # ``model.name`` of every config: the family is read from model.hf_assets_path/config.json
 
 
 @dataclass

@@ -165,10 +165,11 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     """The torchtitan fields a bad value of which would otherwise fail late (a bare assert, a NaN loss) or be
     silently accepted (``steps 0``)."""
     tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
-    if job_config.model.name != MODEL_NAME:
-        raise ConfigError(f"model.name = {job_config.model.name!r} " + ("was renamed: use 'flux'" if job_config.model.name
-                          == "flux_llama3" else "is not allowed; allowed: 'flux' (the family is read from "
-                          "model.hf_assets_path/config.json)"))
+    name = job_config.model.name
+    if name != MODEL_NAME:
+        why = ("was renamed: use 'flux'" if name == "flux_llama3" else
+               "is not allowed; allowed: 'flux' (the family is read from model.hf_assets_path/config.json)")
+        raise ConfigError(f"model.name = {name!r} {why}")
     for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
         _check_type(f"training.{name}", getattr(tr, name), int)
     _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
