@@ -60,7 +60,6 @@ class Harness:
         async_mode: bool,
         timeout_s: float = 3.0,
         bucket_size_mb: float = 64.0,
-        method: str = "full",
         num_engines: int = 1,
         prompts_per_step: int = 2,
         group_size: int = 4,
@@ -72,7 +71,6 @@ class Harness:
         self.model = module_from_weights(weights)
         cfg = WeightSync(
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
-            method=method,
         )
         job_config = SimpleNamespace(
             # never gives an engine up (the tests count restarts in ``restarts``); one thread per engine

@@ -27,6 +27,22 @@ class ConfigError(ValueError):
     """A bad config value. The message names the field (``section.field``) and the allowed values."""
 
 
+# Fields removed before the first release -> what replaces them (README "Changelog"); naming one is a ConfigError.
+REMOVED = {
+    "rollout.engine_device": "use rollout.engine_devices (one device per engine)",
+    "rollout.reward_fn": "use rollout.reward_funcs (TRL's batched signature, docs/data.md)",
+    "weight_sync.method": "every push sends all weights (delete the key)",
+}
+
+
+def removed_error(path: str) -> ConfigError | None:
+    """The one-line error for a removed field ``section.field`` (``REMOVED``); None for any other."""
+    return ConfigError(f"{path} was removed: {REMOVED[path]}") if path in REMOVED else None
+
+
+MODEL_NAME = "flux"  # ``model.name`` of every config: the family is read from model.hf_assets_path/config.json
+
+
 @dataclass
 class Grpo:
     """``[grpo]``: the GRPO objective."""
@@ -99,24 +115,16 @@ class Rollout:
     task: str = "digits"
     """Task: "digits" (dense reward: fraction of completion characters that are digits; a random-init model
     learns it in minutes), "arithmetic" (exact-match sums, final-answer extraction), "dataset" (records of
-    ``dataset_path``, scored by ``reward_funcs``; "jsonl" is its old name and still works), "gsm8k" (a dataset in
+    ``dataset_path``, scored by ``reward_funcs``), "gsm8k" (a dataset in
     GSM8K's format scored by its final answer), or "package.module:name" (a task factory; docs/data.md)."""
 
     dataset_path: str = ""
     """Dataset of tasks "dataset" / "gsm8k": a local .jsonl / .json / .parquet / .csv file, a folder of such files
     (splits named by file name: train.jsonl, test.jsonl), or a ``save_to_disk`` folder (docs/data.md)."""
 
-    reward_fn: str = ""
-    """Old single reward function, "package.module:function", called per sample as fn(prompt, completion,
-    answer) -> float. Still works; ``reward_funcs`` (TRL's batched signature) replaces it."""
-
     engine_threads: Annotated[int, Range(ge=1)] = 1
     """CPU threads of each engine on this machine (an embedded engine's torch threads, or a launched vLLM
     server's OpenMP threads); the trainer gets the remaining cores."""
-
-    engine_device: str = "auto"
-    """Device of the embedded engines: "auto" (CPU when the trainer is on CPU, else the GPU after the trainer's
-    local ranks), "cpu", or "cuda:N"."""
 
     seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
     """Base seed of the engines' samplers (each request derives its own generator from it, which must stay within
@@ -151,7 +159,7 @@ class Rollout:
     """Device of each engine, one entry per engine ("cpu" or "cuda:N"): embedded engines run there, servers
     started by ``launch`` see only that GPU (``CUDA_VISIBLE_DEVICES``). Empty: CPU when the trainer is on CPU,
     else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``. Checked against the visible GPUs before any engine starts;
-    never a trainer GPU, never one GPU twice. Replaces ``engine_device`` (still honoured when set)."""
+    never a trainer GPU, never one GPU twice."""
 
     dataset_split: str = "train"
     """Split of ``dataset_path`` to train on, when it is a folder or a saved ``DatasetDict`` (a single file has
@@ -182,7 +190,7 @@ class Rollout:
     reward_funcs: list[str] = field(default_factory=list)
     """Reward functions with TRL's batched signature f(prompts, completions, completion_ids, **columns) ->
     list[float | None], each "package.module:function" or a built-in ("answer_match", "math_verify", "digits");
-    sync or async. Empty: ``reward_fn``, else the task's own reward (docs/data.md)."""
+    sync or async. Empty: the task's own reward (docs/data.md)."""
 
     reward_weights: list[float] = field(default_factory=list)
     """Weight of each of ``reward_funcs`` in the total reward; empty means 1.0 each."""
@@ -234,9 +242,6 @@ class WeightSync:
     ``max_version_gap - (interval - 1)`` steps ahead, so that rollouts from weights up to ``interval - 1`` steps
     old still fit in the gap."""
 
-    method: Literal["full", "delta"] = "full"
-    """"full" sends all weights; "delta" sends only tensors that changed since the last push."""
-
     master_addr: str = "127.0.0.1"
     """Address the trainer's weight-sync rendezvous (a TCPStore) listens on, and engines connect to. Loopback by
     default; any other address needs the shared token (``auth_token_env``)."""
@@ -254,7 +259,7 @@ class WeightSync:
 
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the weights on the wire and in the staging buffer (parameters are cast while snapshotting).
-    "auto": the dtype the engines declare (none do yet), else the parameters' own dtype."""
+    "auto": the parameters' own dtype."""
 
     probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Post-sync logprob probe: every N steps (and after the last), once the engines hold the step's weights, each

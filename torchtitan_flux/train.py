@@ -23,6 +23,7 @@ after everything had been written ("terminate called without an active exception
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -33,7 +34,8 @@ import traceback
 from torchtitan_flux.patches import apply_patches
 
 
-def _torchtitan_bools() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _torchtitan_bools() -> frozenset[str]:
     """``section.field`` of every boolean field of torchtitan's ``JobConfig``, read from its source: importing
     torchtitan here would bind ``sys.argv`` before it is normalised (see ``main``)."""
     import ast
@@ -46,8 +48,8 @@ def _torchtitan_bools() -> set[str]:
         return {a.target.id: ast.unparse(a.annotation) for a in cls.body
                 if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
 
-    return {f"{section}.{f}" for section, cls in fields(classes["JobConfig"]).items() if cls in classes
-            for f, t in fields(classes[cls]).items() if t == "bool"}
+    return frozenset(f"{section}.{f}" for section, cls in fields(classes["JobConfig"]).items() if cls in classes
+                     for f, t in fields(classes[cls]).items() if t == "bool")
 
 
 def _field_type(path: str):
@@ -76,8 +78,10 @@ def _normalise_argv(argv: list[str]) -> list[str]:
       flags, ``--x.y`` / ``--x.no_y``; ours take a value);
     * the comma form for every list, as torchtitan's list fields take it: ``--rollout.reward_weights 1.0,0.5``
       (tyro wants numbers as separate arguments; ``1.0 0.5`` still works);
-    and name our config module unless one is given."""
+    and name our config module unless one is given. A removed field (``config.REMOVED``) is a ``ConfigError``."""
     import typing
+
+    from torchtitan_flux import config as flux_config
 
     out: list[str] = []
     i = 0
@@ -88,6 +92,8 @@ def _normalise_argv(argv: list[str]) -> list[str]:
             key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
         step = 1 if eq else 2
         kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
+        if kind is None and (removed := flux_config.removed_error(key[2:].replace("-", "_"))):
+            raise removed
         if val.lower() in ("true", "false") and kind in ("torchtitan_bool", bool):
             if kind == "torchtitan_bool":
                 section, _, name = key[2:].rpartition(".")
@@ -247,7 +253,11 @@ def main() -> None:
         print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
         os._exit(2)
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
-    sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
+    try:
+        sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
+    except ValueError as e:  # a removed field (ConfigError)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     if _starts_embedded_engines(sys.argv[1:]):
         from torchtitan_flux.engine.forkserver import prestart_engine_server
 

@@ -98,7 +98,7 @@ class ContractState:
         self.model_dir = model_dir
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = json.load(f)
-        self.shape = weight_dict.LlamaShape.from_hf_config(self.cfg)
+        self.shape = weight_dict.ModelShape.from_hf_config(self.cfg)
         self.hf = load_file(os.path.join(model_dir, "model.safetensors"))
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.lock = threading.Lock()

@@ -21,7 +21,8 @@ from torchtitan_flux import compat
 from torchtitan_flux.sync import cuda_rules
 
 from torchtitan_flux.sync import transport
-from torchtitan_flux.sync.snapshot import Snapshot, clean_name, tensor_specs
+from torchtitan_flux.models.hf import clean_name
+from torchtitan_flux.sync.snapshot import Snapshot, tensor_specs
 
 
 def _pair(prefix: str):
@@ -147,7 +148,7 @@ def test_receiver_header_is_received_on_the_groups_device(monkeypatch):
     got = threading.Event()
     rx = transport.WeightReceiver(plan, "cpu", lambda v: got.set(), lambda e: None)
     rx.start(lambda: pg1)
-    header = transport.encode_header(plan, 5, [0], transport.METHOD_FULL)
+    header = transport.encode_header(plan, 5, [0])
     works = [compat.broadcast(pg0, header), compat.broadcast(pg0, torch.ones(2))]
     assert cuda_rules.wait_works(works, time.monotonic() + 10) and got.wait(10)
     assert seen == ["gloo"] and rx.newest()[0] == 5
@@ -247,6 +248,7 @@ def test_the_pushers_join_checks_the_nccl_version_before_building_a_group(harnes
     """Rule 7, in ``Pusher._join`` itself: on an NCCL group the trainer side compares NCCL versions (after the
     token handshake) before the group is built; a mismatch leaves the engine broken with the error counted, no
     group built and no immediate retry (it would fail again at once)."""
+    from torchtitan_flux.sync import pusher as pusher_module
     from torchtitan_flux.sync import transport
     from torchtitan_flux.engine.base import WeightGroupInfo
 
@@ -261,7 +263,7 @@ def test_the_pushers_join_checks_the_nccl_version_before_building_a_group(harnes
 
     monkeypatch.setattr(transport, "handshake", lambda *a, **k: calls.append(("handshake",)))  # no engine side
     monkeypatch.setattr(cuda_rules, "check_nccl_version", mismatch)
-    monkeypatch.setattr(link.handler, "trainer_group", lambda *a, **k: calls.append(("group",)))
+    monkeypatch.setattr(pusher_module, "trainer_group", lambda *a, **k: calls.append(("group",)))
     info = WeightGroupInfo(pusher.cfg.master_addr, pusher.store.port, "flux_ws/test/nccl", "nccl", 5.0,
                            list(pusher.snap.specs), pusher.snap.bucket_bytes)
     with table.lock:

@@ -36,7 +36,7 @@ def rig(tiny_model_dir):
     events: queue.Queue = queue.Queue()
     engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events)
     engine.start()
-    cfg = SimpleNamespace(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, interval=1, method="full",
+    cfg = SimpleNamespace(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, interval=1,
                           master_addr="127.0.0.1", master_port=0, auth_token_env="TORCHTITAN_FLUX_TOKEN",
                           wire_dtype="auto")
     results: dict[int, GenerationResult] = {}

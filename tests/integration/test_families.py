@@ -75,7 +75,7 @@ def test_tied_is_one_parameter_and_pushed_once(family_dirs, family, tied):
     assert ("output.weight" in names) == (not tied)
     if tied:
         assert model.output.weight is model.tok_embeddings.weight
-    shape = weight_dict.LlamaShape.from_hf_dir(d)
+    shape = weight_dict.ModelShape.from_hf_dir(d)
     assert names == weight_dict.weight_names(shape)  # the engine expects exactly what is pushed, in order
     layout = hf_weights.HFLayout.from_hf_dir(d)
     hf_names = layout.hf_names(names, [tuple(p.shape) for p in model.parameters()])
@@ -103,15 +103,26 @@ def test_export_reloads_in_transformers_with_same_logits(family_dirs, family, ti
 
 def test_unsupported_family_is_refused_naming_the_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}))
-    job = SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(tmp_path), name="flux_llama3"))
+    job = SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(tmp_path), name="flux"))
     with pytest.raises(ValueError, match=r"gemma2.*supported families: llama .*qwen3 .*qwen2"):
         flux_model.select_model(job)
 
 
 def test_select_model_follows_the_folder(family_dirs):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Model:
+        hf_assets_path: str
+        name: str = "flux"
+
+    @dataclass
+    class Job:
+        model: Model
+
     for (family, _), d in family_dirs.items():
-        job = SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(d), name="flux_llama3"))
-        assert flux_model.select_model(job) == flux_model.FAMILY_SPECS[family] == job.model.name
+        job = Job(Model(str(d)))
+        assert flux_model.select_model(job).model.name == flux_model.FAMILY_SPECS[family] and job.model.name == "flux"
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -62,8 +62,8 @@ def test_fingerprint_holds_the_fields_that_shape_a_resume(tiny_model_dir):
     assert set(fp) == {"model.hf_assets_path config.json", "model.hf_assets_path tokenizer.json", "optimizer.name",
                        "rollout.prompts_per_step", "grpo.group_size", "rollout.task", "rollout.seed"}
     assert fp["rollout.prompts_per_step"] == 4 and fp["grpo.group_size"] == 8
-    with_data = resume.fingerprint(_config(tiny_model_dir, task="jsonl"), _DataTask(["a", "b"]))
-    assert with_data["rollout.task"] == "dataset"  # the old name of the same task matches
+    with_data = resume.fingerprint(_config(tiny_model_dir, task="dataset"), _DataTask(["a", "b"]))
+    assert with_data["rollout.task"] == "dataset"
     assert with_data["rollout.dataset_path"].startswith("2 records, sha1 ")
 
 

@@ -35,15 +35,16 @@ from torchtitan_flux.engine.base import (
 )
 from torchtitan_flux.engine.base import EngineStartError
 from torchtitan_flux.engine.sglang import SglangEngine
+from torchtitan_flux.sync.pusher import trainer_group
 
 
 def connect(handler, name: str, specs, bucket_bytes: int, epoch: int = 1):
-    """The trainer's side of joining (WeightSyncer._start_join with the ``trainer_group`` hook)."""
+    """The trainer's side of joining (the pusher's ``trainer_group``)."""
     store = transport.connect_store("127.0.0.1", 0, 30, True)
     info = WeightGroupInfo("127.0.0.1", store.port, f"flux_ws/{name}/{epoch}", "gloo", 30.0, list(specs),
                            bucket_bytes)
     handler.join_weight_group(info)
-    pg = handler.trainer_group(store, info)
+    pg = trainer_group(handler, store, info)
     return store, pg, transport.plan_buckets(list(specs), bucket_bytes)
 
 

@@ -28,19 +28,18 @@ _reward_calls = itertools.count()
 SANE_CALLS = 1 + 2 * 32  # the start-up probe, then two steps of the debug config (4 prompts x group 8)
 
 
-def huge_reward_after_two_steps(prompt, completion, answer):
+def huge_reward_after_two_steps(completions, **_):
     """Ordinary rewards for the first two steps, then finite but absurd ones: without std normalisation the loss
     overflows fp32 at a step > 1, so there is a good step before it to keep (and checkpoint)."""
-    if next(_reward_calls) < SANE_CALLS:
-        return float(len(completion) % 2)
-    return 1e38 if len(completion) % 2 else -1e38
+    return [float(len(c) % 2) if next(_reward_calls) < SANE_CALLS else 1e38 if len(c) % 2 else -1e38
+            for c in completions]
 
 
-def exit_on_a_completion(prompt, completion, answer):
+def exit_on_a_completion(completions, **_):
     """Passes the start-up probe (an empty completion), then calls sys.exit() mid-run."""
-    if completion:
+    if any(completions):
         sys.exit(3)
-    return 0.0
+    return [0.0] * len(completions)
 
 
 _CALLS = []
@@ -113,7 +112,7 @@ def test_non_finite_loss_stops_cleanly_and_keeps_the_last_good_step(tmp_path, mo
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),  # test_stops, _procs
                                                       os.environ.get("PYTHONPATH", "")]))
     dump = tmp_path / "run"
-    p = _run(dump, "--rollout.reward_fn", "test_stops:huge_reward_after_two_steps",
+    p = _run(dump, "--rollout.reward_funcs", "test_stops:huge_reward_after_two_steps",
              "--grpo.advantage_std_normalize", "false", "--checkpoint.enable", "true", "--training.steps", "6")
     assert p.returncode != 0
     m = re.search(r"stopped: loss is not finite at step (\d+) .* the weights of step (\d+) are kept", p.stderr)
@@ -132,9 +131,9 @@ def test_sys_exit_in_a_reward_mid_run_ends_the_run_with_one_error_line(tmp_path,
     exit code 3."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),  # test_stops, _procs
                                                       os.environ.get("PYTHONPATH", "")]))
-    p = _run(tmp_path / "run", "--rollout.reward_fn", "test_stops:exit_on_a_completion", "--training.steps", "3")
+    p = _run(tmp_path / "run", "--rollout.reward_funcs", "test_stops:exit_on_a_completion", "--training.steps", "3")
     lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
-    assert lines == ["error: reward function 'test_stops:exit_on_a_completion': sample 0: SystemExit: 3"], \
+    assert lines == ["error: reward function 'exit_on_a_completion' raised SystemExit: 3"], \
         p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
     assert "Training starts" in p.stdout + p.stderr  # it failed mid-run, not at the start-up probe

@@ -45,6 +45,7 @@ from torchtitan_flux.engine.base import (
 from torchtitan_flux.engine.base import EngineStartError
 from torchtitan_flux.engine.vllm import VllmEngine
 from torchtitan_flux.engine.vllm_launch import launch_command
+from torchtitan_flux.sync.pusher import trainer_group
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[1, 75, 108, 108, 111], [1, 52, 53, 43, 55, 61], [1, 35]]
@@ -209,7 +210,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm0/1", "gloo", 60.0, specs, 512 * 1024)
         h.join_weight_group(info)
         transport.handshake(store, info.prefix, TOKEN, transport.TRAINER, 60.0)  # the server holds a token
-        pg = h.trainer_group(store, info)
+        pg = trainer_group(h, store, info)
         plan = transport.plan_buckets(specs, 512 * 1024)
         new = _modified(weights)
         posted: list[str] = []  # every control request of the push (docs: one /update_weights per bucket)
@@ -243,7 +244,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         info2 = WeightGroupInfo("127.0.0.1", store2.port, "flux_ws/vllm0/2", "gloo", 60.0, specs, 512 * 1024)
         h.join_weight_group(info2)
         transport.handshake(store2, info2.prefix, TOKEN, transport.TRAINER, 60.0)
-        pg2 = h.trainer_group(store2, info2)
+        pg2 = trainer_group(h, store2, info2)
         push_like_syncer(h, pg2, plan, weights, 2)
         assert wait_event(events, WeightAck, timeout=120).version == 2
         again = generate(3, 0.0)
@@ -283,7 +284,7 @@ def test_requests_without_the_token_are_refused(vllm_server, small_model_dir):
     guarded = [
         ("POST", "/update_weights", {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"],
                                                      "shapes": [[128]], "bucket": 0, "num_buckets": 1,
-                                                     "version": 9, "header_len": 5}}),
+                                                     "version": 9, "header_len": 4}}),
         ("POST", "/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 1,
                                                                 "rank_offset": 1, "world_size": 2,
                                                                 "store_prefix": "x"}}),

@@ -26,6 +26,7 @@ from torchtitan_flux.sync import transport
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.engine.base import WeightAck, WeightGroupInfo  # noqa: E402
 from torchtitan_flux.sync.probe import PROBE_TEXT, ProbeMismatch, compare  # noqa: E402
+from torchtitan_flux.sync.pusher import trainer_group  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -81,7 +82,7 @@ def _push(handler, events, specs, weights, version):
     store = transport.connect_store("127.0.0.1", 0, 60, True)
     info = WeightGroupInfo("127.0.0.1", store.port, f"flux_ws/vllm0/{version}", "gloo", 60.0, specs, 512 * 1024)
     handler.join_weight_group(info)
-    pg = handler.trainer_group(store, info)
+    pg = trainer_group(handler, store, info)
     push_like_syncer(handler, pg, transport.plan_buckets(specs, 512 * 1024), weights, version)
     assert wait_event(events, WeightAck, timeout=120).version == version
 

@@ -65,7 +65,7 @@ def test_blocking_push_versions_acks_and_bitwise_equal_buckets(harness_factory):
     assert syncer.stats.bytes_sent == 4 * plan.nbytes
     assert not syncer.stats.failures
     print(f"\nblocking push: {len(plan.buckets)} buckets, {plan.nbytes} B, last push {syncer.stats.last_push_s:.4f}s, "
-          f"after_optimizer_step (snapshot + push + ack) {syncer.stats.blocked_s:.4f}s")
+          f"after_optimizer_step (snapshot + push + ack) {dt:.4f}s")
 
 
 # ---------------------------------------------------------------------------------------------- async push
@@ -206,27 +206,4 @@ def test_push_landing_mid_request_is_swapped_in_only_between_requests(harness_fa
     assert torch.equal(part2.result.tokens, _reference_tokens(w1, h.shape, part2.request))
     assert_in_sync(h, 1)
     print(f"\natomic swap: request took {res.gen_time_s:.2f}s; push of v1 (blocking, acked, receiver stalled 0.3s) "
-          f"{syncer.stats.blocked_s:.3f}s landed during it")
-
-
-def test_delta_push_sends_only_changed_buckets(harness_factory):
-    """method = "delta": an engine that holds the previous snapshot gets bucket 0 and the changed buckets only,
-    and still ends bitwise equal; Adam-like updates of every tensor make it a full push again."""
-    h = harness_factory(async_mode=False, bucket_size_mb=0.01, timeout_s=5.0, method="delta")
-    syncer = h.syncer
-    syncer.flush(0)
-    n = len(syncer.plan.buckets)
-    last = syncer.plan.specs[-1].name
-    with torch.no_grad():
-        dict(h.model.named_parameters())[last].add_(1.0)  # one tensor, in the last bucket
-    before = syncer.stats.bytes_sent
-    syncer.after_optimizer_step(1)
-    assert not syncer.stats.failures, syncer.stats.failures
-    assert_in_sync(h, 1)
-    assert syncer.stats.delta_buckets_skipped == n - 2  # only buckets 0 and n-1 travelled
-    sent = syncer.stats.bytes_sent - before
-    assert sent < syncer.plan.nbytes / 2
-    perturb(h.model, seed=2)  # every tensor changes
-    syncer.after_optimizer_step(2)
-    assert_in_sync(h, 2)
-    assert syncer.stats.delta_buckets_skipped == n - 2
+          "landed during it")

@@ -1,4 +1,4 @@
-"""Tiny model assets, HF weight I/O, the flux_llama3 TrainSpec and the torch-only KV-cache inference.
+"""Tiny model assets, HF weight I/O, the flux_llama TrainSpec and the torch-only KV-cache inference.
 
 The torch-only forward (``torchtitan_flux.models.inference``) is checked against torchtitan's own llama3
 ``Transformer`` loaded from the same folder.
@@ -26,10 +26,10 @@ from torchtitan_flux.models import inference
 
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.models.inference import forward_logits, generate, score  # noqa: E402
-from torchtitan_flux.models.weight_dict import LlamaShape  # noqa: E402
+from torchtitan_flux.models.weight_dict import ModelShape  # noqa: E402
 from torchtitan_flux.models.hf_weights import export_hf_weights, load_hf_weights  # noqa: E402
 from torchtitan_flux.models.families import (  # noqa: E402
-    FLUX_MODEL_NAME,
+    FAMILY_SPECS,
     FluxLlamaArgs,
     register_flux_model,
     solve_ffn_args,
@@ -176,7 +176,7 @@ def test_register_flux_model_idempotent():
     assert register_flux_model() is spec
     from torchtitan.protocols.train_spec import get_train_spec
 
-    assert get_train_spec(FLUX_MODEL_NAME) is spec
+    assert get_train_spec(FAMILY_SPECS["llama"]) is spec
     assert isinstance(spec.model_args["hf"], FluxLlamaArgs)
     assert spec.build_dataloader_fn is None and spec.build_validator_fn is None
     assert spec.pipelining_fn is None and spec.state_dict_adapter is not None
@@ -276,7 +276,7 @@ def test_inference_module_does_not_import_torchtitan():
 def test_weight_names_and_shapes_match_torchtitan(reference, engine, model_dir):
     ref_model, _ = reference
     weights, shape = engine
-    assert shape == LlamaShape.from_hf_dir(model_dir)
+    assert shape == ModelShape.from_hf_dir(model_dir)
     sd = ref_model.state_dict()
     assert weight_dict.weight_names(shape) == list(sd)
     assert weight_dict.weight_shapes(shape) == {k: tuple(v.shape) for k, v in sd.items()}
@@ -296,7 +296,7 @@ def test_rope_table_matches_torchtitan(model_dir, rope_scaling):
     cfg = json.loads((model_dir / "config.json").read_text())
     if rope_scaling != "as_built":
         cfg["rope_scaling"] = rope_scaling  # None: no scaling (factor 1)
-    shape = LlamaShape.from_hf_config(cfg)
+    shape = ModelShape.from_hf_config(cfg)
     args = FluxLlamaArgs().apply_hf_config(cfg)
     ref = precompute_freqs_cis(args.dim // args.n_heads, 4096, args.rope_theta, args.rope_scaling_args)
     assert torch.equal(inference.precompute_freqs_cis(shape, 4096), ref)

@@ -13,7 +13,8 @@ import pytest
 
 from torchtitan_flux.data import rewards as R
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler
-from torchtitan_flux.data.tasks import DatasetTask, Gsm8kTask, build_task, reward_inputs
+from torchtitan_flux.data.rewards import reward_inputs
+from torchtitan_flux.data.tasks import Gsm8kTask, build_task
 
 ROWS = [{"prompt": f"q{i}?", "answer": str(i), "level": i % 3} for i in range(10)]
 
@@ -26,7 +27,7 @@ class ByteTokenizer:
 def job(tmp_path, path, **rollout):
     r = dict(task="dataset", dataset_path=str(path), dataset_split="train", prompt_column="prompt",
              messages_column="messages", answer_column="answer", apply_chat_template=False, max_prompt_tokens=0,
-             long_prompts="drop", reward_funcs=["test_data:exact"], reward_weights=[], reward_fn="", seed=0,
+             long_prompts="drop", reward_funcs=["test_data:exact"], reward_weights=[], seed=0,
              max_new_tokens=8)
     r.update(rollout)
     return SimpleNamespace(rollout=SimpleNamespace(**r), training=SimpleNamespace(seq_len=64),
@@ -370,15 +371,10 @@ def not_a_list(completions, **kwargs):
     return 1.0
 
 
-def old_style(prompt, completion, answer):
-    return 1.0 if completion == answer else float(prompt == "bad") / 0
-
-
 @pytest.mark.parametrize("fn, match", [
     (raises_on_third, r"reward function 'f' raised KeyError: 'boom'"),
     (wrong_length, r"reward function 'f' returned 1 values for 3 completions"),
     (not_a_list, r"reward function 'f' returned float; it must return a list of 3"),
-    (R.per_sample(old_style), r"reward function 'f': sample 1: ZeroDivisionError"),
 ])
 def test_bad_rewards_stop_with_the_function_and_sample(fn, match):
     scorer = R.RewardScorer([R.RewardFunc("f", fn)])
@@ -429,16 +425,11 @@ async def async_exits(completions, **kwargs):
     raise SystemExit("bye")
 
 
-def old_style_exits(prompt, completion, answer):
-    raise SystemExit(4)
-
-
 @pytest.mark.parametrize("fn, match", [
     (non_scalar_at_one, r"reward function 'f' returned tensor\(\[1\., 2\.\]\) for sample 1; allowed: a finite number"),
     (numpy_nan_at_one, r"reward function 'f' returned nan for sample 1"),
     (exits, r"reward function 'f' raised SystemExit: 3$"),
     (async_exits, r"reward function 'f' raised SystemExit: bye$"),
-    (R.per_sample(old_style_exits), r"reward function 'f': sample 0: SystemExit: 4$"),
 ])
 def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
     """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""
@@ -460,11 +451,8 @@ def test_reward_config_resolution(tmp_path):
     task = build_task(job(tmp_path, path, reward_funcs=["test_data:batched_len", "answer_match"],
                           reward_weights=[0.1, 1.0]), ByteTokenizer())
     assert [(f.name, f.weight) for f in task.reward_funcs] == [("batched_len", 0.1), ("answer_match", 1.0)]
-    old = build_task(job(tmp_path, path, task="jsonl", reward_funcs=[], reward_fn="test_data:old_style"),
-                     ByteTokenizer())  # the old task name and single per-sample reward still work
-    assert isinstance(old, DatasetTask)
-    prompts, comps, cols = reward_inputs(old, old.records[:1], [old.records[0].answer], 1)
-    assert R.RewardScorer(old.reward_funcs).score(prompts, comps, [[]], cols).total == [1.0]
+    with pytest.raises(ValueError, match="^rollout.task = 'jsonl' was renamed: use 'dataset'$"):
+        build_task(job(tmp_path, path, task="jsonl"), ByteTokenizer())
     with pytest.raises(ValueError, match="no reward of its own"):
         build_task(job(tmp_path, path, reward_funcs=[]), ByteTokenizer())
 

@@ -8,8 +8,8 @@ from torchtitan_flux.config import ConfigError
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
 
 
-def place(requested=(), legacy="auto", n=2, gpu=True, visible=4, local_world=1):
-    return engine_devices(list(requested), legacy, n, trainer_on_gpu=gpu, visible=visible, local_world=local_world)
+def place(requested=(), n=2, gpu=True, visible=4, local_world=1):
+    return engine_devices(list(requested), n, trainer_on_gpu=gpu, visible=visible, local_world=local_world)
 
 
 def test_cpu_trainer_keeps_engines_on_cpu():
@@ -40,9 +40,8 @@ def test_explicit_devices_are_validated(devices, why):
         place(devices)
 
 
-def test_explicit_devices_and_the_deprecated_single_device():
+def test_explicit_devices():
     assert place(["cuda:3", "cpu"]) == ["cuda:3", "cpu"]
-    assert place(legacy="cuda:2") == ["cuda:2", "cuda:2"]  # the old field's meaning: one device for all
 
 
 def test_launched_server_sees_only_its_gpu():

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from torchtitan_flux.data.rewards import RewardScorer
-from torchtitan_flux.data.tasks import DigitsTask, Prompt, reward_inputs
+from torchtitan_flux.data.rewards import reward_inputs
+from torchtitan_flux.data.tasks import DigitsTask, Prompt
 
 
 def test_prompts_depend_only_on_seed_and_step():
@@ -53,7 +54,7 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
 
     def job(task):
         return SimpleNamespace(rollout=SimpleNamespace(task=task, dataset_path="", dataset_split="train",
-                                                       reward_funcs=[], reward_weights=[], reward_fn=""))
+                                                       reward_funcs=[], reward_weights=[]))
 
     assert isinstance(build_task(job("test_tasks:documented_factory"), None), DigitsTask)
     with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:not_a_task' returned list; allowed: a "

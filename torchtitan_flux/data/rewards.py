@@ -77,28 +77,18 @@ class Scores:
         return out
 
 
-def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
-    """``"package.module:name"`` -> the callable (``user_code.import_spec``: a ``ConfigError``, a ``ValueError``,
-    naming ``field_name`` otherwise)."""
-    from torchtitan_flux.run.user_code import import_spec
-
-    return import_spec(field_name, spec)
-
-
-def per_sample(fn: Callable[[str, str, str], float]) -> Callable[..., list[float]]:
-    """The old ``rollout.reward_fn(prompt, completion, answer) -> float`` as a batched function."""
-
-    def batched(prompts, completions, answer=None, **_):
-        answers = answer if answer is not None else [""] * len(completions)
-        out = []
-        for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
-            try:
-                out.append(fn(p, c, a))
-            except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
-                raise RewardError(f"sample {i}: {type(e).__name__}: {e}") from e
-        return out
-
-    return batched
+def reward_inputs(task, prompts: list, completions: list[str], group_size: int):
+    """TRL's reward arguments for ``completions`` (``group_size`` per prompt, in order) of ``prompts``
+    (``data.tasks.Prompt``s of ``task``): (prompts, completions, columns), conversational for chat tasks."""
+    rows = [p for p in prompts for _ in range(group_size)]
+    if task.chat:
+        p_in = [p.messages for p in rows]
+        c_in = [[{"role": "assistant", "content": c}] for c in completions]
+    else:
+        p_in, c_in = [p.text for p in rows], list(completions)
+    keys = list(dict.fromkeys(k for p in prompts for k in p.columns))
+    columns = {k: [p.columns.get(k) for p in rows] for k in keys}
+    return p_in, c_in, columns
 
 
 class RewardScorer:
@@ -155,8 +145,6 @@ class RewardScorer:
             try:
                 with self._calling(f.name):
                     out = f.fn(**kwargs)
-            except RewardError as e:
-                raise RewardError(f"reward function {f.name!r}: {e}") from e
             except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
                 raise RewardError(f"reward function {f.name!r} raised {type(e).__name__}: {e}") from e
             if inspect.isawaitable(out):

@@ -2,7 +2,7 @@
 
 A task yields the ``Prompt`` records of a training step as a pure function of (seed, step), so the prompts of
 every step are reproducible after a resume without any dataloader state. Its rewards are ``RewardFunc``s with
-TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` / ``rollout.reward_fn`` replace a task's own.
+TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` replace a task's own.
 
 Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a callable taking
 ``(job_config, tokenizer, dataset_path, dataset_split, field_name)`` and returning a ``Task``; ``field_name`` is
@@ -12,7 +12,7 @@ the config field to name in its errors, as docs/data.md documents):
   A random-init byte-level model starts near 10/259 and learns it in minutes on CPU.
 * ``arithmetic`` — "a+b=" with a, b in [0, 50): reward 1 if the completion's final answer (``extract_answer``:
   after ``####``, else ``\\boxed{}``, else the last number) equals a+b.
-* ``dataset`` (alias ``jsonl``, the old name) — records of a local dataset (``data.load_table``): a text prompt
+* ``dataset`` — records of a local dataset (``data.load_table``): a text prompt
   column or a chat ``messages`` column, every other column passed to the rewards; sampled in seeded epochs
   without replacement (``data.EpochSampler``). No default reward: name one in ``rollout.reward_funcs``.
   A record whose prompt is null, empty or an empty message list refuses the dataset (naming the file, the
@@ -24,6 +24,7 @@ the config field to name in its errors, as docs/data.md documents):
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ from typing import Any, Callable
 from torchtitan_flux.data import rewards as R
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
+from torchtitan_flux.run.user_code import import_spec
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -56,11 +58,14 @@ class Prompt:
 
 
 class Task:
-    """A prompt source and the reward functions that score it."""
+    """A prompt source and the reward functions that score it: those given, else its own (``own_rewards``)."""
 
     name: str
-    reward_funcs: list[R.RewardFunc]
+    own_rewards: tuple[str, ...] = ()  # names in BUILTIN_REWARDS
     chat: bool = False  # rewards get TRL's conversational format
+
+    def __init__(self, reward_funcs: list[R.RewardFunc] | None = None):
+        self.reward_funcs = reward_funcs or [R.RewardFunc(n, BUILTIN_REWARDS[n]) for n in self.own_rewards]
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         raise NotImplementedError
@@ -76,9 +81,7 @@ def _rng(seed: int, step: int) -> random.Random:
 
 class DigitsTask(Task):
     name = "digits"
-
-    def __init__(self):
-        self.reward_funcs = [R.RewardFunc("digits", R.digits_reward)]
+    own_rewards = ("digits",)
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         rng = _rng(seed, step)
@@ -87,9 +90,7 @@ class DigitsTask(Task):
 
 class ArithmeticTask(Task):
     name = "arithmetic"
-
-    def __init__(self):
-        self.reward_funcs = [R.RewardFunc("answer_match", R.answer_match_reward)]
+    own_rewards = ("answer_match",)
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         rng = _rng(seed, step)
@@ -107,7 +108,8 @@ class DatasetTask(Task):
     default_prompt_columns: tuple[str, ...] = ()  # tried after rollout.prompt_column
 
     def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
-                 field_name: str = "rollout.dataset_path"):
+                 field_name: str = "rollout.dataset_path", reward_funcs: list[R.RewardFunc] | None = None):
+        super().__init__(reward_funcs)
         r = job_config.rollout
         table = load_table(dataset_path, dataset_split, field_name)
         cols = table.column_names
@@ -154,7 +156,6 @@ class DatasetTask(Task):
         self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts,
                                    f"{field_name} = {dataset_path!r}", *prompt_budget(job_config, max(lengths)))
         self.sampler = EpochSampler(len(self.records), r.seed)
-        self.reward_funcs = []
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         if seed != self.sampler.seed:
@@ -185,11 +186,11 @@ class DatasetTask(Task):
 class Gsm8kTask(DatasetTask):
     name = "gsm8k"
     default_prompt_columns = ("question",)
+    own_rewards = ("answer_match",)
 
     def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
-                 field_name: str = "rollout.dataset_path"):
-        super().__init__(job_config, tokenizer, dataset_path, dataset_split, field_name)
-        self.reward_funcs = [R.RewardFunc("answer_match", R.answer_match_reward)]
+                 field_name: str = "rollout.dataset_path", reward_funcs: list[R.RewardFunc] | None = None):
+        super().__init__(job_config, tokenizer, dataset_path, dataset_split, field_name, reward_funcs)
         # answer_match compares with each record's gold answer: without one a record can only ever score 0
         missing = [i for i, p in enumerate(self.records) if not R.gold_answer(p.answer)]
         col, where = job_config.rollout.answer_column, f"{field_name} = {dataset_path!r}"
@@ -203,27 +204,25 @@ class Gsm8kTask(DatasetTask):
                            "can only ever score 0")
 
 
-def _dataset_task(cls):
-    return lambda jc, tok, path, split, field_name="rollout.dataset_path": cls(jc, tok, path, split, field_name)
-
-
+# name -> factory(job_config, tokenizer, dataset_path, dataset_split, field_name, reward_funcs)
 TASKS: dict[str, Callable[..., Task]] = {
-    "digits": lambda *a, **k: DigitsTask(),
-    "arithmetic": lambda *a, **k: ArithmeticTask(),
-    "dataset": _dataset_task(DatasetTask),
-    "gsm8k": _dataset_task(Gsm8kTask),
+    "digits": lambda *_, reward_funcs: DigitsTask(reward_funcs),
+    "arithmetic": lambda *_, reward_funcs: ArithmeticTask(reward_funcs),
+    "dataset": DatasetTask,
+    "gsm8k": Gsm8kTask,
 }
-ALIASES = {"jsonl": "dataset"}  # old name, kept working
 DATASET_TASKS = ("dataset", "gsm8k")
 
 
 def task_factory(name: str) -> Callable[..., Task]:
-    name = ALIASES.get(name, name)
+    """A built-in task's factory, or a user's (``"package.module:name"``, called without ``reward_funcs``)."""
     if name in TASKS:
         return TASKS[name]
     if ":" in name:
-        return R.import_callable(name, "rollout.task")
-    raise ValueError(f"rollout.task = {name!r} is not allowed; allowed: {' | '.join([*TASKS, *ALIASES])} or "
+        return import_spec("rollout.task", name)
+    if name == "jsonl":
+        raise ValueError("rollout.task = 'jsonl' was renamed: use 'dataset'")
+    raise ValueError(f"rollout.task = {name!r} is not allowed; allowed: {' | '.join(TASKS)} or "
                      "'package.module:name'")
 
 
@@ -269,38 +268,30 @@ def max_prompt_tokens(job_config) -> int:
     return r.max_prompt_tokens or job_config.training.seq_len - r.max_new_tokens
 
 
-def reward_funcs(rollout_cfg, task: Task) -> list[R.RewardFunc]:
-    """``rollout.reward_funcs`` (with ``reward_weights``), else the old ``reward_fn``, else the task's own."""
+def reward_funcs(rollout_cfg) -> list[R.RewardFunc]:
+    """``rollout.reward_funcs`` (with ``reward_weights``, as validated); [] when none are named (the task's own then
+    score)."""
     specs, weights = list(rollout_cfg.reward_funcs), list(rollout_cfg.reward_weights)
-    if specs:
-        if weights and len(weights) != len(specs):
-            raise ConfigError(f"rollout.reward_weights has {len(weights)} entries for {len(specs)} reward_funcs; "
-                             "give one weight per function, or none (all 1.0)")
-        out = []
-        for spec, w in zip(specs, weights or [1.0] * len(specs)):
-            fn = BUILTIN_REWARDS.get(spec) or R.import_callable(spec, "rollout.reward_funcs")
-            out.append(R.RewardFunc(spec.rpartition(":")[2], fn, float(w)))  # TRL names it by the function
-        if len({f.name for f in out}) < len(out):
-            out = [R.RewardFunc(spec, f.fn, f.weight) for spec, f in zip(specs, out)]
-        return out
-    if rollout_cfg.reward_fn:
-        return [R.RewardFunc(rollout_cfg.reward_fn, R.per_sample(R.import_callable(rollout_cfg.reward_fn,
-                                                                                   "rollout.reward_fn")))]
-    if not task.reward_funcs:
-        raise ConfigError(f"rollout.task = {task.name!r} has no reward of its own; name one in rollout.reward_funcs")
-    return task.reward_funcs
+    out = []
+    for spec, w in zip(specs, weights or [1.0] * len(specs)):
+        fn = BUILTIN_REWARDS.get(spec) or import_spec("rollout.reward_funcs", spec)
+        out.append(R.RewardFunc(spec.rpartition(":")[2], fn, float(w)))  # TRL names it by the function
+    if len({f.name for f in out}) < len(out):
+        out = [R.RewardFunc(spec, f.fn, f.weight) for spec, f in zip(specs, out)]
+    return out
 
 
 def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_split: str | None = None,
                field_name: str = "rollout.dataset_path") -> Task:
     """The task named by ``rollout.task``, on ``dataset_path`` / ``dataset_split`` (default: the rollout's),
-    with its reward functions resolved (``reward_funcs``)."""
+    scored by ``rollout.reward_funcs`` when set, else by its own."""
     r = job_config.rollout
     path = r.dataset_path if dataset_path is None else dataset_path
     split = r.dataset_split if dataset_split is None else dataset_split
-    factory = task_factory(r.task)
+    factory, rewards = task_factory(r.task), reward_funcs(r)
     try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work
-        task = factory(job_config, tokenizer, path, split, field_name)
+        args = (job_config, tokenizer, path, split, field_name)
+        task = factory(*args, reward_funcs=rewards) if r.task in TASKS else factory(*args)
     except ConfigError:
         raise
     except (Exception, SystemExit) as e:
@@ -308,22 +299,12 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     if not isinstance(task, Task):
         raise ConfigError(f"rollout.task = {r.task!r} returned {type(task).__name__}; allowed: a "
                           "torchtitan_flux.data.tasks.Task (prompts(seed, step, n) and its reward functions)")
-    task.reward_funcs = reward_funcs(r, task)
+    if rewards and task.reward_funcs is not rewards:  # a user's task: a copy scored by rollout.reward_funcs
+        task = copy.copy(task)
+        task.reward_funcs = rewards
+    if not task.reward_funcs:
+        raise ConfigError(f"rollout.task = {task.name!r} has no reward of its own; name one in rollout.reward_funcs")
     return task
-
-
-def reward_inputs(task: Task, prompts: list[Prompt], completions: list[str], group_size: int):
-    """TRL's reward arguments for ``completions`` (``group_size`` per prompt, in order): (prompts, completions,
-    columns), in the conversational format for chat tasks."""
-    rows = [p for p in prompts for _ in range(group_size)]
-    if task.chat:
-        p_in = [p.messages for p in rows]
-        c_in = [[{"role": "assistant", "content": c}] for c in completions]
-    else:
-        p_in, c_in = [p.text for p in rows], list(completions)
-    keys = list(dict.fromkeys(k for p in prompts for k in p.columns))
-    columns = {k: [p.columns.get(k) for p in rows] for k in keys}
-    return p_in, c_in, columns
 
 
 def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
@@ -347,7 +328,7 @@ def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
     prompt = task.prompts(seed, 1, 1)
     scorer = R.RewardScorer(task.reward_funcs, timeout_s=timeout_s)
     try:
-        prompts, completions, columns = reward_inputs(task, prompt, [""], 1)
+        prompts, completions, columns = R.reward_inputs(task, prompt, [""], 1)
         scorer.wait(scorer.submit(prompts, completions, [[]], columns))
     finally:
         scorer.close()

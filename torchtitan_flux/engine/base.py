@@ -7,16 +7,15 @@ all handlers, consumed by ``RolloutScheduler`` and ``WeightSyncer``.
 
 Weight pushes are not done by handlers: ``WeightSyncer`` owns the bucketed broadcast and only asks the handler
 for the engine-specific steps around it (``join_weight_group``, ``begin_update``, ``finish_update``) and for the
-declared weight-sync hooks (``wire_tensor``, ``wire_tensors``, ``trainer_group``, ``checksum``, ...), whose
-defaults live in ``EngineBase``: the syncer calls them, never probes for them.
+weight-sync hooks (``wire_tensor``, ``wire_tensors``, ``own_group``, ``checksum``, ...), whose defaults are
+``EngineHandler``'s: the syncer calls them, never probes for them.
 """
 
 from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -85,9 +84,15 @@ class WeightGroupInfo:
 Event = GenerationResult | WeightAck | EngineError
 
 
-class EngineHandler(Protocol):
+class EngineHandler:
+    """The trainer-side proxy of one engine (see the module docstring). Subclasses implement the methods without
+    a body; the weight-sync hooks below them have the embedded engine's defaults."""
+
     name: str
     events: queue.Queue  # shared by all handlers; see the module docstring
+    rendezvous_handshake = True  # False where the server builds its side of the group with its own code
+    reconnects = False  # True: a dead handler is replaced by ``reconnect()`` (a server not ours), else restarted
+    eager_connect = True  # NCCL: connect rank 0 at join (cuda_rules rule 8); only where the peer connects eagerly too
 
     def start(self) -> None:
         """Start or connect to the engine; raise with a clear message if it is unusable."""
@@ -115,65 +120,25 @@ class EngineHandler(Protocol):
         it and re-dispatches its requests), and stop its process if this handler started it. For an engine that
         is alive but makes no progress (``RolloutScheduler``'s stall check)."""
 
-    # weight-sync hooks: defaults in ``EngineBase``
-    rendezvous_handshake: bool  # False where the server builds its side of the group with its own code
-    supports_delta: bool  # whether delta pushes (only the changed buckets) can be sent
-    reconnects: bool  # True: a dead handler is replaced by ``reconnect()`` (a server not ours), else restarted
-    wire_dtype: str | None  # the dtype the engine loads ("bfloat16"...); None: the parameters' dtype
-
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A parameter (clean torchtitan name) in the layout the engine loads; applied while snapshotting."""
-
-    def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors one push broadcasts to this engine, in order."""
-
-    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
-        """Rank 0's side of this engine's weight-sync group, connected (built in the joiner thread)."""
-
-    def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
-        """(version held, sha256 of the received bytes), or (version, None) where the engine cannot tell."""
-
-    def reconnect(self) -> "EngineHandler":
-        """A new, started handler for the same engine (only where ``reconnects``)."""
-
-    def self_push(self, version: int, flats: list[torch.Tensor]) -> Any | None:
-        """None, or a Work-like handle when the engine sends a push by its own means."""
-
-
-class EngineBase:
-    """Defaults of the weight-sync hooks of ``EngineHandler`` (the embedded engine's choices)."""
-
-    rendezvous_handshake = True
-    supports_delta = True
-    reconnects = False
-    eager_connect = True  # NCCL: connect rank 0 at join (cuda_rules rule 8); only where the peer connects eagerly too
-    wire_dtype: str | None = None
-
-    def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors one push broadcasts to this engine, in order."""
         return [header, *flats]
 
-    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
-        """Rank 0 of a 2-rank group on ``{prefix}`` of ``store``: NCCL groups get ``cuda_rules.GROUP_TIMEOUT``
-        (our push deadline decides, not the watchdog) and connect at once on ``device``."""
-        from torchtitan_flux import compat
-        from torchtitan_flux.sync import cuda_rules
-        from torchtitan_flux.sync import transport
-
-        timeout = cuda_rules.GROUP_TIMEOUT if info.backend == "nccl" else timedelta(seconds=info.timeout_s)
-        return compat.new_weight_sync_group(
-            info.backend, self.group_store(store, info), 0, 2, timeout,
-            device=device if info.backend == "nccl" and self.eager_connect else None,
-            listen_host=transport.listen_address(info.host),
-        )
+    def own_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any | None:
+        """None: the pusher builds rank 0's side of the weight-sync group (``pusher.trainer_group``). Else the
+        engine builds it with its own code (``engine/vllm_nccl.py``) and returns it, connected."""
+        return None
 
     def group_store(self, store: Any, info: WeightGroupInfo) -> Any:
         """The store the group's rendezvous uses (the embedded engine's layout: ``{prefix}``)."""
         return torch.distributed.PrefixStore(info.prefix, store)
 
     def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
+        """(version held, sha256 of the received bytes), or (version, None) where the engine cannot tell."""
         return -1, None
 
     def self_push(self, version: int, flats: list[torch.Tensor]) -> Any | None:
@@ -182,4 +147,5 @@ class EngineBase:
         return None
 
     def reconnect(self) -> "EngineHandler":
+        """A new, started handler for the same engine (only where ``reconnects``)."""
         raise NotImplementedError(f"{type(self).__name__} is restarted, not reconnected")

@@ -23,7 +23,6 @@ scheduler restarts an engine by name, so a second report would restart its repla
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -38,40 +37,19 @@ from multiprocessing import connection as mp_connection
 import torch
 
 from torchtitan_flux.engine.base import (
-    EngineBase,
     EngineError,
+    EngineHandler,
     GenerationRequest,
     GenerationResult,
     WeightAck,
     WeightGroupInfo,
 )
-from torchtitan_flux.engine.forkserver import engine_context, release_server_liveness
+from torchtitan_flux.engine.forkserver import name_process, die_with_parent, engine_context, release_server_liveness
 
 logger = logging.getLogger("torchtitan_flux")
 
 
 # ------------------------------------------------------------------------------------------ engine process
-
-
-def _prctl(option: int, arg) -> bool:
-    """Linux ``prctl(option, arg)``; False where there is no libc.so.6 (not Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
-    except OSError:
-        return False
-    return True
-
-
-def die_with_parent() -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); False off Linux
-    (engines still end when their control pipe closes). Used by engine processes and by trainer workers under
-    torchrun (see ``FluxTrainer``)."""
-    return _prctl(1, signal.SIGKILL)
-
-
-def _name_process(name: str) -> None:
-    """``PR_SET_NAME``: the name ``ps -o comm``, ``top`` and psutil's ``name()`` show (15 bytes kept)."""
-    _prctl(15, name.encode()[:15])
 
 
 class _EngineProcess:
@@ -95,7 +73,7 @@ class _EngineProcess:
         torch.set_num_threads(threads)
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
-        self.shape = weight_dict.LlamaShape.from_hf_config(cfg)
+        self.shape = weight_dict.ModelShape.from_hf_config(cfg)
         self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
@@ -229,7 +207,7 @@ def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, wei
                  auth_token: str | None) -> None:
     die_with_parent()
     release_server_liveness()
-    _name_process(f"flux-{name}")
+    name_process(f"flux-{name}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:
         proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token)
@@ -250,7 +228,7 @@ def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, wei
 # ---------------------------------------------------------------------------------------- trainer handler
 
 
-class EmbeddedEngine(EngineBase):
+class EmbeddedEngine(EngineHandler):
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
     def __init__(

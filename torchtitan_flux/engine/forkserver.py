@@ -10,7 +10,7 @@ imports run on another core meanwhile.
 Invariants: the server only imports modules and forks; it holds no threads, no CUDA context, no process group, so
 forking it is safe (CUDA is first touched in the engine). It exits when the process that started it does (its
 liveness pipe closes), and engines ask the kernel to kill them when their parent, the server, dies
-(``engine.embedded.die_with_parent``). ``multiprocessing`` hands every forked child the write end of that pipe
+(``die_with_parent``). ``multiprocessing`` hands every forked child the write end of that pipe
 too, so an engine that cannot notice its trainer's death (stopped, or stuck in a collective) would keep the server,
 itself and the resource tracker alive forever: an engine closes its copy first thing
 (``release_server_liveness``), which makes the chain trainer -> server -> engine -> resource tracker end in order. Its socket is a Unix socket in a private (0700) temporary folder.
@@ -27,8 +27,10 @@ This module imports no torch: the entry point calls it first.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
+import signal
 
 START_METHOD_ENV = "TORCHTITAN_FLUX_ENGINE_START"
 
@@ -89,3 +91,24 @@ def release_server_liveness() -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def _prctl(option: int, arg) -> bool:
+    """Linux ``prctl(option, arg)``; False where there is no libc.so.6 (not Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
+    except OSError:
+        return False
+    return True
+
+
+def die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); False off Linux
+    (engines still end when their control pipe closes). Used by engine processes and by trainer workers under
+    torchrun (see ``FluxTrainer``)."""
+    return _prctl(1, signal.SIGKILL)
+
+
+def name_process(name: str) -> None:
+    """``PR_SET_NAME``: the name ``ps -o comm``, ``top`` and psutil's ``name()`` show (15 bytes kept)."""
+    _prctl(15, name.encode()[:15])

@@ -4,7 +4,7 @@
 model family's ``HFLayout`` (``torchtitan_flux.models.hf_weights``) gives the HF names and layout. Subclasses implement the
 abstract per-server hooks: the endpoints and payloads, nothing else.
 
-``HttpEngine`` implements the ``EngineHandler`` protocol (``engine/base.py``) for a server we did not start:
+``HttpEngine`` is the ``EngineHandler`` (``engine/base.py``) for a server we did not start:
 
 * ``submit`` hands the request to a bounded pool of daemon worker threads, which make the HTTP call and post a
   ``GenerationResult`` (or, when the server is unusable, a fatal ``EngineError``) on the shared events queue.
@@ -38,7 +38,7 @@ wire must already be in HF layout; vLLM takes the same, and doing it once for bo
   buckets only, as uint8 views, which is how ``flattened_bucket`` receives them);
 * ``group_store(store, info)``: where rank 0's side of the weight-sync group meets the server's (SGLang builds
   its side with ``init_custom_process_group``, whose store prefixes differ from ours).
-The hooks and their defaults are declared in ``engine/base.py`` (``EngineHandler``, ``EngineBase``).
+The hooks and their defaults are declared in ``engine/base.py`` (``EngineHandler``).
 
 Failure policy: a push that fails after the server's update session opened leaves the server's weights partly
 updated; the handler then declares itself dead (fatal ``EngineError``), since nothing could be trusted from it,
@@ -70,8 +70,8 @@ from torchtitan_flux.models import hf
 
 from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.base import (
-    EngineBase,
     EngineError,
+    EngineHandler,
     EngineStartError,
     GenerationRequest,
     GenerationResult,
@@ -128,14 +128,13 @@ def pack_completions(completions: list[tuple[list[int], list[float]]], req: Gene
     return tokens, logprobs, lengths
 
 
-class HttpEngine(EngineBase, abc.ABC):
+class HttpEngine(EngineHandler, abc.ABC):
     """``EngineHandler`` for a server reached over HTTP (see the module docstring); subclasses implement the
     abstract hooks at the end. Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one
     ``_ctl`` thread, the health poll on its own; ``_gate`` orders generations against pushes and holds the
     server's version, ``_lock`` guards the push plan and the dead flag."""
 
     kind = "HTTP"  # server kind, for messages ("vLLM", "SGLang")
-    supports_delta = False  # servers load whole buckets through their own loaders
     reconnects = True  # a server is not ours to restart
     launch_hint = ""  # how to start a correctly configured server, appended to start-up errors
     Options: type[HttpOptions] = HttpOptions  # the constructor's keyword arguments

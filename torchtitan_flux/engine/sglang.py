@@ -11,7 +11,7 @@ Everything shared with vLLM is in ``engine/http.py``; this module holds only the
   returns ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
 * weights: once per group, ``/init_weights_update_group`` (SGLang joins with ``init_custom_process_group``,
   group name = our store prefix + a random suffix, since SGLang refuses names it already holds and a server
-  outlives trainer runs; ``trainer_group`` builds rank 0 on the same store prefixes). Per push:
+  outlives trainer runs; ``pusher.trainer_group`` builds rank 0 on the same store prefixes). Per push:
   ``/pause_generation {"mode": "retract"}`` -> ``/begin_weight_update`` -> ``/update_weights_from_distributed``
   once per bucket with ``load_format = "flattened_bucket"`` (the bucket travels as ONE uint8 tensor, so
   ``wire_tensors`` sends uint8 views and no header), ``flush_cache`` and ``weight_version`` on the last bucket

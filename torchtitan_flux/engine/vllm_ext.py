@@ -25,7 +25,7 @@ Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP,
 * ``POST /start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU
   because vLLM repacks Linear weights after loading).
 * ``POST /update_weights {"update_info": FluxUpdateInfo}``: once per bucket, in bucket order. The first call of
-  a push has ``header_len > 0``: it first receives the push header (int64 ``[MAGIC, version, n, method, ids..]``)
+  a push has ``header_len > 0``: it first receives the push header (int64 ``[MAGIC, version, n, ids..]``)
   and checks it is a full push of ``version``. Each call then receives ONE flat tensor (the bucket: the listed
   tensors, in order, HF names and HF layout) and hands its views to ``model.load_weights``.
 * ``POST /finish_weight_update {"weight_version": "N"}``: finalize the reload.
@@ -194,13 +194,13 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
             vals = header.tolist()
             if vals[0] != transport.MAGIC:
                 raise RuntimeError(f"push header has bad magic {vals[0]:#x}: trainer and server disagree on the plan")
-            version, n, method, ids = vals[1], vals[2], vals[3], vals[4 : 4 + vals[2]]
+            version, n, ids = vals[1], vals[2], vals[3 : 3 + vals[2]]
             if version != info.version:
                 raise RuntimeError(f"push header carries version {version}, the HTTP request says {info.version}")
-            if method != transport.METHOD_FULL or ids != list(range(info.num_buckets)):
+            if ids != list(range(info.num_buckets)):
                 raise RuntimeError(
-                    f"only full pushes of all {info.num_buckets} buckets are supported; header has method {method}, "
-                    f"buckets {ids[:8]}{'...' if n > 8 else ''}"
+                    f"only full pushes of all {info.num_buckets} buckets are supported; header has buckets "
+                    f"{ids[:8]}{'...' if n > 8 else ''}"
                 )
             self._push_version = version
             self._hash = hashlib.sha256() if (self._checksum_enabled and info.checksum) else None

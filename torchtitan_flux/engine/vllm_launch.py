@@ -32,7 +32,7 @@ from pathlib import Path
 
 from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.base import EngineStartError
-from torchtitan_flux.engine.embedded import die_with_parent
+from torchtitan_flux.engine.forkserver import die_with_parent
 
 logger = logging.getLogger("torchtitan_flux")
 

@@ -12,7 +12,7 @@ Which of vLLM 0.32's weight-transfer engines we use (``vllm/distributed/weight_t
     GPU, ``placement.py``), and the m2n / sharded-RDT engines (many trainer ranks to many workers; we send from one
     rank, see ``weight_sync``).
 
-Fit with our push thread (``weight_sync/pusher.py``): ``trainer_group`` runs vLLM's ``trainer_init`` in the joiner
+Fit with our push thread (``weight_sync/pusher.py``): ``own_group`` runs vLLM's ``trainer_init`` in the joiner
 thread (it calls the server's ``/init_weight_transfer_engine`` itself, concurrently with opening rank 0 on a
 TCPStore of its own, on a fresh port per join). A push is ``self_push``: it runs on this handler's control thread
 (the one thread that issues this communicator's collectives) as pause -> ``send_weights()`` (start, update_weights,
@@ -115,9 +115,9 @@ class VllmNcclEngine(VllmEngine):
         self._device: torch.device | None = None
 
     def _init_group(self, info: WeightGroupInfo) -> None:
-        pass  # vLLM's trainer_init posts /init_weight_transfer_engine itself (see trainer_group)
+        pass  # vLLM's trainer_init posts /init_weight_transfer_engine itself (see own_group)
 
-    def trainer_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
+    def own_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
         with socket.socket() as s:  # vLLM's TCPStore needs a port of its own

@@ -3,7 +3,7 @@
 The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_model``; see ``torchtitan_flux.models.hf``
 for what is supported and refused):
 
-* ``llama`` (spec ``flux_llama3``): torchtitan's llama3 ``Transformer`` and ``Llama3StateDictAdapter``.
+* ``llama`` (spec ``flux_llama``): torchtitan's llama3 ``Transformer`` and ``Llama3StateDictAdapter``.
   Extended (``FluxLlamaModel``, ``FluxLlamaStateDictAdapter``) in two ways torchtitan's llama3 lacks:
   ``tie_word_embeddings`` (the output projection IS the token embedding: one parameter, as torchtitan's qwen3
   ``enable_weight_tying``; HF folders of a tied model carry no ``lm_head.weight``), and an explicit ``head_dim``
@@ -46,10 +46,9 @@ from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapt
 
 from torchtitan_flux.models import hf
 
-FLUX_MODEL_NAME = "flux_llama3"  # the llama spec; also the name older configs give for every family
 FLUX_FLAVOR = "hf"
 # family (torchtitan_flux.models.hf.SUPPORTED) -> the TrainSpec name registered for it
-FAMILY_SPECS = {"llama": "flux_llama3", "qwen3": "flux_qwen3", "qwen2": "flux_qwen2"}
+FAMILY_SPECS = {"llama": "flux_llama", "qwen3": "flux_qwen3", "qwen2": "flux_qwen2"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -367,14 +366,13 @@ def register_flux_model():
             register_train_spec(name, spec)
         except ValueError:
             pass  # already registered (register_train_spec raises on duplicates)
-    return get_train_spec(FLUX_MODEL_NAME)
+    return get_train_spec(FAMILY_SPECS["llama"])
 
 
-def select_model(job_config) -> str:
-    """Point ``job_config.model.name`` at the TrainSpec of the family in ``model.hf_assets_path``'s config.json
-    (whatever flux name the config gave: the folder alone decides). Raises ValueError naming the supported
-    families for any other model, before anything is built. Returns the spec name."""
+def select_model(job_config):
+    """The job config torchtitan builds from: a copy of ``job_config`` whose ``model.name`` is the TrainSpec of
+    the family in ``model.hf_assets_path``'s config.json. Raises ValueError naming the supported families for any
+    other model, before anything is built."""
     hf_dir = job_config.model.hf_assets_path
     name = FAMILY_SPECS[hf.family(hf.read_config(hf_dir), str(Path(hf_dir) / "config.json"))]
-    job_config.model.name = name
-    return name
+    return dataclasses.replace(job_config, model=dataclasses.replace(job_config.model, name=name))

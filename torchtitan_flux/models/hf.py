@@ -240,3 +240,15 @@ def read_state_dict(hf_dir: str | os.PathLike, device: str | torch.device = "cpu
             raise ValueError(f"{path} cannot be read as safetensors ({e}): truncated or corrupt; allowed: the file "
                              "as published (re-download it)") from None
     return {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+# segments wrappers insert into ``named_parameters()`` names; removed wherever they appear
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "_fsdp_module.",
+                    "_offload_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """``layers.1._checkpoint_wrapped_module.attention.wq.weight`` -> ``layers.1.attention.wq.weight``."""
+    for seg in WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name.removeprefix("module.") if name.startswith("module.") else name

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 from torchtitan_flux.models import hf
-from torchtitan_flux.sync.snapshot import clean_name
+from torchtitan_flux.models.hf import clean_name
 
 # Non-weight files copied by export_hf_weights so the exported folder is itself a loadable model dir.
 ASSET_FILES = (

@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from torchtitan_flux.models.weight_dict import LlamaShape, layer_param_names, output_weight
+from torchtitan_flux.models.weight_dict import ModelShape, layer_param_names, output_weight
 
 __all__ = ["generate", "score", "forward_logits"]
 
@@ -36,7 +36,7 @@ __all__ = ["generate", "score", "forward_logits"]
 # --------------------------------------------------------------------------------------------------
 
 
-def precompute_freqs_cis(shape: LlamaShape, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def precompute_freqs_cis(shape: ModelShape, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """RoPE table of ``end`` positions: llama, [end, head_dim // 2] complex64 rotations with llama3 frequency
     scaling (torchtitan llama3's); qwen, [end, 2 * head_dim] float32 cos|sin (torchtitan qwen3's rope cache)."""
     dim = shape.head_dim
@@ -67,7 +67,7 @@ def precompute_freqs_cis(shape: LlamaShape, end: int, device: torch.device | str
 _FREQS_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def _freqs_cis(shape: LlamaShape, end: int, device: torch.device) -> torch.Tensor:
+def _freqs_cis(shape: ModelShape, end: int, device: torch.device) -> torch.Tensor:
     """Cached RoPE table covering at least ``end`` positions (positions are independent of the length)."""
     key = (shape.rotate_half, shape.head_dim, shape.rope_theta, shape.rope_scaling_factor, shape.rope_low_freq_factor,
            shape.rope_high_freq_factor, shape.rope_original_max_position_embeddings, str(device))
@@ -112,7 +112,7 @@ _LAYER_SLOTS = (  # per-layer tuple layout read by _forward_hidden (None where t
 )
 
 
-def _layers(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> list[tuple[torch.Tensor | None, ...]]:
+def _layers(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> list[tuple[torch.Tensor | None, ...]]:
     present = set(layer_param_names(shape))
     try:
         return [
@@ -126,7 +126,7 @@ def _layers(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> list[tupl
 def _forward_hidden(
     weights: Mapping[str, torch.Tensor],
     layers: list[tuple[torch.Tensor, ...]],
-    shape: LlamaShape,
+    shape: ModelShape,
     tokens: torch.Tensor,  # [B, S]
     fc: torch.Tensor,  # [B or 1, S, 1, hd/2] complex
     mask: torch.Tensor,  # bool (True = attend), broadcastable to [B, n_kv, n_rep * S, T]; or, for
@@ -186,7 +186,7 @@ def _causal_mask(S: int, rep: int, device) -> torch.Tensor:
 
 
 def forward_logits(
-    weights: Mapping[str, torch.Tensor], shape: LlamaShape, tokens: torch.Tensor
+    weights: Mapping[str, torch.Tensor], shape: ModelShape, tokens: torch.Tensor
 ) -> torch.Tensor:
     """Causal logits [B, L, vocab] (float32) of ``tokens`` [B, L], positions 0..L-1 (no cache)."""
     tokens = torch.as_tensor(tokens)
@@ -202,7 +202,7 @@ def forward_logits(
 
 def score(
     weights: Mapping[str, torch.Tensor],
-    shape: LlamaShape,
+    shape: ModelShape,
     sequences: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
@@ -218,7 +218,7 @@ def score(
 
 def generate(
     weights: Mapping[str, torch.Tensor],
-    shape: LlamaShape,
+    shape: ModelShape,
     prompts: list[list[int]],
     *,
     max_new_tokens: int,

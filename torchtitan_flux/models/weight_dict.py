@@ -1,4 +1,4 @@
-"""The rollout engines' view of a model: its architecture (``LlamaShape``, from ``config.json``) and its weights as
+"""The rollout engines' view of a model: its architecture (``ModelShape``, from ``config.json``) and its weights as
 a plain ``dict[str, Tensor]`` in torchtitan names, converted from a HF folder (``load_hf_weights_dict``) or checked
 against the architecture (``check_weights``). The forward that runs on them is ``inference.py``.
 
@@ -21,7 +21,7 @@ from torchtitan_flux.models import hf
 
 
 @dataclass(frozen=True)
-class LlamaShape:
+class ModelShape:
     """Architecture of a model of a supported family (what the forward needs besides the weights).
 
     ``family`` picks the RoPE layout: ``llama`` weights are in torchtitan's layout (q/k rows permuted from HF's,
@@ -71,7 +71,7 @@ class LlamaShape:
         return self.family != "llama"
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "LlamaShape":
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
         """From a HF ``config.json`` dict of a supported family (see ``torchtitan_flux.models.hf``)."""
         a = hf.architecture(dict(cfg))
         rs = a["rope_scaling"]
@@ -97,11 +97,8 @@ class LlamaShape:
         )
 
     @classmethod
-    def from_hf_dir(cls, hf_dir: str | os.PathLike) -> "LlamaShape":
+    def from_hf_dir(cls, hf_dir: str | os.PathLike) -> "ModelShape":
         return cls.from_hf_config(hf.read_config(hf_dir))
-
-
-ModelShape = LlamaShape  # the family-neutral name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,7 +106,7 @@ ModelShape = LlamaShape  # the family-neutral name
 # --------------------------------------------------------------------------------------------------
 
 
-def layer_param_names(shape: LlamaShape) -> tuple[str, ...]:
+def layer_param_names(shape: ModelShape) -> tuple[str, ...]:
     """One layer's parameter names, in torchtitan's ``named_parameters`` order for the family."""
     if shape.family == "llama":
         attn = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight")
@@ -127,7 +124,7 @@ def layer_param_names(shape: LlamaShape) -> tuple[str, ...]:
     )
 
 
-def weight_names(shape: LlamaShape) -> list[str]:
+def weight_names(shape: ModelShape) -> list[str]:
     """All weight names in a fixed order (torchtitan's ``named_parameters`` order; the order of weight pushes).
     A tied model has no ``output.weight``: its output projection is ``tok_embeddings.weight``."""
     names = ["tok_embeddings.weight"]
@@ -137,7 +134,7 @@ def weight_names(shape: LlamaShape) -> list[str]:
     return names
 
 
-def weight_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
+def weight_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Name -> shape, in ``weight_names`` order."""
     d, hd, h, kv, f = shape.dim, shape.head_dim, shape.n_heads, shape.n_kv_heads, shape.intermediate_size
     per_layer = {
@@ -167,7 +164,7 @@ def weight_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_weights(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> None:
+def check_weights(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> None:
     """Raise ValueError naming missing / unexpected names and shape mismatches."""
     expected = weight_shapes(shape)
     missing = [k for k in expected if k not in weights]
@@ -207,7 +204,7 @@ def _reverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, dim1 // n_heads // 2, dim2).transpose(1, 2).reshape(dim1, dim2)
 
 
-def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
+def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """HF state dict -> torchtitan-named weights (llama: undoes HF's q/k RoPE permutation). A tied model's
     ``lm_head.weight``, when a checkpoint stores it anyway, is dropped: the embedding is the output projection."""
     out: dict[str, torch.Tensor] = {}
@@ -236,13 +233,13 @@ def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[
 
 def load_hf_weights_dict(
     hf_dir: str | os.PathLike,
-    shape: LlamaShape | None = None,
+    shape: ModelShape | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-) -> tuple[dict[str, torch.Tensor], LlamaShape]:
+) -> tuple[dict[str, torch.Tensor], ModelShape]:
     """Read a HF folder of a supported family (model.safetensors or the shards of its index) -> (weights, shape)."""
     if shape is None:
-        shape = LlamaShape.from_hf_dir(hf_dir)
+        shape = ModelShape.from_hf_dir(hf_dir)
     weights = hf_to_weights(hf.read_state_dict(hf_dir, device), shape)
     if dtype is not None:
         weights = {k: v.to(dtype) for k, v in weights.items()}
@@ -250,6 +247,6 @@ def load_hf_weights_dict(
     return weights, shape
 
 
-def output_weight(weights: Mapping[str, torch.Tensor], shape: LlamaShape) -> torch.Tensor:
+def output_weight(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> torch.Tensor:
     """The output projection: ``output.weight``, or the token embedding of a tied model."""
     return weights["tok_embeddings.weight" if shape.tied else "output.weight"]

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
-from torchtitan_flux.data.rewards import RewardScorer
-from torchtitan_flux.data.tasks import Prompt, Task, reward_inputs
+from torchtitan_flux.data.rewards import RewardScorer, reward_inputs
 
 
 @dataclass
@@ -46,7 +45,7 @@ class CompletionScorer:
     """Decodes finished results and scores them with the training task's reward functions on a pool of
     ``reward_workers`` threads (the training step's rollouts and the held-out evaluation's alike)."""
 
-    def __init__(self, task: Task, tokenizer, reward_workers: int, reward_timeout_s: float = 300.0):
+    def __init__(self, task, tokenizer, reward_workers: int, reward_timeout_s: float = 300.0):
         self.tokenizer = tokenizer
         self.pool = RewardScorer(task.reward_funcs, reward_workers, reward_timeout_s)
         self.wait = self.pool.wait  # a submitted batch's scores, under the reward deadline (RewardScorer.wait)
@@ -56,7 +55,7 @@ class CompletionScorer:
         return [self.tokenizer.decode(row[:c].tolist(), skip_special_tokens=True)
                 for r in results for row, c in zip(r.tokens, r.lengths.tolist())]
 
-    def submit(self, task: Task, prompts: list[Prompt], results: list[GenerationResult],
+    def submit(self, task, prompts: list, results: list[GenerationResult],
                group_size: int) -> tuple[list[str], Future]:
         """Decode ``results`` (``group_size`` completions per prompt, in prompt order) and hand them, with
         ``task``'s reward columns, to the pool: (the completion texts, a future of their ``rewards.Scores``)."""

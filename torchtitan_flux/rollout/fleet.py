@@ -68,7 +68,7 @@ class Rollouts(RolloutScheduler):
         r = self.job_config.rollout
         self._urls = list(r.urls)
         self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
-            list(r.engine_devices), r.engine_device, r.num_engines, trainer_on_gpu=self.trainer_on_gpu,
+            list(r.engine_devices), r.num_engines, trainer_on_gpu=self.trainer_on_gpu,
             visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         ) if r.engine == "embedded" or r.launch else []
         if r.launch:

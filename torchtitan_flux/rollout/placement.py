@@ -5,25 +5,21 @@ a one-line ``ConfigError`` naming the field. Rules:
   * trainer on CPU: every engine on "cpu" (an explicit list may only say "cpu");
   * ``rollout.engine_devices`` given: one entry per engine, "cpu" or "cuda:N" with N visible, no GPU twice, none
     of the trainer's local GPUs (``cuda:0 .. cuda:{LOCAL_WORLD_SIZE-1}``);
-  * otherwise (auto): engine i gets ``cuda:{LOCAL_WORLD_SIZE + i}``; the deprecated ``rollout.engine_device``
-    (one device for every engine) is still honoured when it is not "auto".
+  * otherwise (auto): engine i gets ``cuda:{LOCAL_WORLD_SIZE + i}``.
 A launched server sees only its own GPU: ``visible_devices_env`` maps "cuda:N" to ``CUDA_VISIBLE_DEVICES`` (through
 the trainer's own ``CUDA_VISIBLE_DEVICES`` when it is set), so inside the server it is ``cuda:0``.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 
 from torchtitan_flux.config import ConfigError
 
-logger = logging.getLogger("torchtitan_flux")
-
 _DEVICE = re.compile(r"cpu|cuda:(\d+)")
 
 
-def engine_devices(requested: list[str], legacy: str, n_engines: int, *, trainer_on_gpu: bool, visible: int,
+def engine_devices(requested: list[str], n_engines: int, *, trainer_on_gpu: bool, visible: int,
                    local_world: int) -> list[str]:
     """The device of each of ``n_engines`` engines (see the module docstring)."""
     for d in requested:
@@ -33,14 +29,11 @@ def engine_devices(requested: list[str], legacy: str, n_engines: int, *, trainer
         raise ConfigError(f"rollout.engine_devices has {len(requested)} entries for {n_engines} engines; give one "
                           "device per engine")
     if not trainer_on_gpu:
-        if any(d != "cpu" for d in requested) or legacy.startswith("cuda"):
+        if any(d != "cpu" for d in requested):
             raise ConfigError("rollout.engine_devices: the trainer runs on CPU (no GPU visible); engines must be 'cpu'")
         return ["cpu"] * n_engines
     if requested:
         devices = list(requested)
-    elif legacy not in ("auto", ""):
-        logger.warning("rollout.engine_device is deprecated: use rollout.engine_devices (one device per engine)")
-        devices = [legacy] * n_engines
     else:
         devices = [f"cuda:{local_world + i}" for i in range(n_engines)]
         if local_world + n_engines > visible:
@@ -55,7 +48,7 @@ def engine_devices(requested: list[str], legacy: str, n_engines: int, *, trainer
                               f"{visible - 1})")
         if g < local_world:
             raise ConfigError(f"rollout.engine_devices: cuda:{g} is trainer rank {g}'s GPU; give engines their own")
-    if len(set(gpus)) != len(gpus) and (requested or legacy in ("auto", "")):
+    if len(set(gpus)) != len(gpus):
         raise ConfigError(f"rollout.engine_devices: {devices} puts two engines on one GPU; give each its own")
     return devices
 

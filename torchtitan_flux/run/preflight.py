@@ -22,6 +22,7 @@ from torchtitan_flux.run.validation import validate_config
 
 @dataclass
 class Preflight:
+    job_config: Any  # what torchtitan builds from: model.name names the family's TrainSpec (select_model)
     task: Any
     eval_task: Any  # None without held-out evaluation
     fingerprint: dict[str, Any]
@@ -36,7 +37,7 @@ def preflight(job_config) -> Preflight:
         raise ConfigError(f"rollout.prompts_per_step * grpo.group_size = {batch} must be divisible by the number of "
                           f"trainer ranks ({world})")
     try:  # the family in model.hf_assets_path/config.json picks the TrainSpec, or is refused here
-        select_model(job_config)
+        titan_config = select_model(job_config)
     except ValueError as e:
         raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
     tokenizer = prompt_tokenizer(job_config)
@@ -45,4 +46,4 @@ def preflight(job_config) -> Preflight:
     check_rewards(task, job_config.rollout.seed, job_config.rollout.reward_timeout_seconds)
     fp = resume.fingerprint(job_config, task)
     folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-    return Preflight(task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))
+    return Preflight(titan_config, task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))

@@ -26,7 +26,6 @@ from typing import Any, Callable
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan_flux.config import ConfigError
-from torchtitan_flux.data.tasks import ALIASES
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -58,7 +57,7 @@ def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
         "optimizer.name": job_config.optimizer.name,
         "rollout.prompts_per_step": r.prompts_per_step,
         "grpo.group_size": job_config.grpo.group_size,
-        "rollout.task": ALIASES.get(r.task, r.task),
+        "rollout.task": r.task,
         "rollout.seed": r.seed,
     }
     if hasattr(task, "data_state"):  # dataset tasks; generated ones are a function of (task, seed, step)

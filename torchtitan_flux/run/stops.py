@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Any, Callable
 
-from torchtitan_flux.engine.embedded import die_with_parent
+from torchtitan_flux.engine.forkserver import die_with_parent
 from torchtitan_flux.rollout.scheduler import NoEngineLeft
 
 logger = logging.getLogger("torchtitan_flux")

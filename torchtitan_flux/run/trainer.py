@@ -80,7 +80,7 @@ class FluxTrainer(Trainer):
         pre = preflight(job_config)  # before torchtitan builds anything and before any spawn
         self.task, self.fingerprint, self.checkpoint_folder = pre.task, pre.fingerprint, pre.checkpoint_folder
         set_trainer_threads(job_config)
-        super().__init__(job_config)
+        super().__init__(pre.job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.model = self.model_parts[0]

@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 import torch
 
-from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, AdaptiveAsync, Checkpoint, ConfigError
+from torchtitan_flux.config import (ADDED_TO_TORCHTITAN, MODEL_NAME, SECTIONS, AdaptiveAsync, Checkpoint, ConfigError,
+                                    removed_error)
 from torchtitan_flux.engine.auth import is_loopback, read_token
 from torchtitan_flux.ranges import field_ranges
 from torchtitan_flux.run.user_code import import_spec, step_callback
@@ -164,6 +165,11 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     """The torchtitan fields a bad value of which would otherwise fail late (a bare assert, a NaN loss) or be
     silently accepted (``steps 0``)."""
     tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
+    name = job_config.model.name
+    if name != MODEL_NAME:
+        why = ("was renamed: use 'flux'" if name == "flux_llama3" else
+               "is not allowed; allowed: 'flux' (the family is read from model.hf_assets_path/config.json)")
+        raise ConfigError(f"model.name = {name!r} {why}")
     for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
         _check_type(f"training.{name}", getattr(tr, name), int)
     _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
@@ -260,6 +266,9 @@ def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
         fields = sorted(f.name for f in dataclasses.fields(getattr(importlib.import_module(mod), cls)))
     except (ImportError, AttributeError, TypeError):
         fields = []
+    for key in re.findall(r"'(\w+)'", names):
+        if section and (removed := removed_error(f"{section}.{key}")):
+            return removed
     where = f"[{section}]" if section else f"the section of type {cls}"
     allowed = ", ".join(fields) if fields else "see docs/configuration.md"
     return ConfigError(f"job.config_file = {config_file!r}: unknown key(s) {names} in {where}; allowed: {allowed}")
@@ -284,8 +293,6 @@ def validate_config(job_config: Any) -> None:
                  prof.profile_freq, f">= profiling.profiler_warmup + profiling.profiler_active = "
                  f"{prof.profiler_warmup + prof.profiler_active}")
 
-    if not (r.engine_device in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", r.engine_device)):
-        raise ConfigError(f"rollout.engine_device = {r.engine_device!r}; allowed: 'auto' | 'cpu' | 'cuda:N'")
     _check_data(job_config)
     if r.engine_stall_seconds <= job_config.weight_sync.timeout_seconds:  # a request may wait that long for weights
         raise ConfigError(f"rollout.engine_stall_seconds = {r.engine_stall_seconds:g} is out of range; allowed: more "
@@ -405,10 +412,7 @@ def _check_data(job_config: Any) -> None:
         tasks.task_factory(r.task)
     except ValueError as e:
         raise ConfigError(str(e).replace("is not allowed", "is out of range")) from None
-    if r.task in tasks.ALIASES:
-        logger.warning(
-            f"rollout.task = {r.task!r} is deprecated; use {tasks.ALIASES[r.task]!r} (same behaviour)")
-    if tasks.ALIASES.get(r.task, r.task) in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
+    if r.task in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
         raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} does not exist; task {r.task!r} needs a dataset "
                           "file or folder")
     seq_len = job_config.training.seq_len
@@ -432,8 +436,6 @@ def _check_data(job_config: Any) -> None:
     bad = [w for w in r.reward_weights if not math.isfinite(w)]
     if bad:
         raise ConfigError(f"rollout.reward_weights = {r.reward_weights!r} holds {bad[0]!r}; allowed: finite numbers")
-    if r.reward_fn:
-        import_spec("rollout.reward_fn", r.reward_fn)
     if ev.dataset_path and not os.path.exists(ev.dataset_path):
         raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
     _check_type("metrics.step_callbacks", job_config.metrics.step_callbacks, list[str])

@@ -47,16 +47,14 @@ class SyncStats:
     errors: int = 0
     resyncs: int = 0
     bytes_sent: int = 0
-    delta_buckets_skipped: int = 0  # method "delta": unchanged buckets not sent
     last_push_s: float = 0.0  # wall time of the last push on the push thread (or main thread, blocking)
     push_s_total: float = 0.0  # wall time of every push so far (read by the trainer's sync cadence)
     last_snapshot_s: float = 0.0
-    blocked_s: float = 0.0  # main-thread time spent in sync during the last step
     failures: list[str] = field(default_factory=list)
 
 
 class LinkTable:
-    """The links, their lock, and the condition the push thread sleeps on."""
+    """The links, their lock, and ``work``, the condition the push thread sleeps on."""
 
     def __init__(self, engines: list[EngineHandler], timeout_s: float):
         self.links = [EngineLink(e) for e in engines]
@@ -124,7 +122,6 @@ class LinkTable:
             min_acked = min((lk.acked for lk in self.links), default=-1)
         s = self.stats
         return {
-            "weight_sync_s": s.blocked_s,
             "weight_push_s": s.last_push_s,
             "weight_snapshot_s": s.last_snapshot_s,
             "weight_pushes": s.pushes,
@@ -133,7 +130,6 @@ class LinkTable:
             "weight_sync_timeouts": s.timeouts,
             "weight_sync_errors": s.errors,
             "weight_resyncs": s.resyncs,
-            "weight_delta_buckets_skipped": s.delta_buckets_skipped,
             "engines_lagging": lagging,
             "engine_min_version": min_acked,
         }

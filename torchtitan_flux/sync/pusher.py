@@ -25,19 +25,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 
 import torch
 
 from torchtitan_flux import compat
-
-from torchtitan_flux.sync import cuda_rules
-
-from torchtitan_flux.sync import transport
+from torchtitan_flux.sync import cuda_rules, transport
 from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.sync.links import EngineLink, LinkTable
 from torchtitan_flux.sync.snapshot import Snapshot
 
 logger = logging.getLogger("torchtitan_flux")
+
+
+def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | None = None):
+    """Rank 0's side of ``handler``'s weight-sync group, connected (in the joiner thread): the engine's own
+    (``own_group``), else a 2-rank group on ``handler.group_store``; NCCL groups get ``cuda_rules.GROUP_TIMEOUT``
+    (our push deadline decides, not the watchdog) and connect at once on ``device``."""
+    own = handler.own_group(store, info, device)
+    if own is not None:
+        return own
+    timeout = cuda_rules.GROUP_TIMEOUT if info.backend == "nccl" else timedelta(seconds=info.timeout_s)
+    return compat.new_weight_sync_group(
+        info.backend, handler.group_store(store, info), 0, 2, timeout,
+        device=device if info.backend == "nccl" and handler.eager_connect else None,
+        listen_host=transport.listen_address(info.host),
+    )
 
 
 class DeviceRing:
@@ -173,7 +186,7 @@ class Pusher:
                 if info.backend == "nccl":
                     cuda_rules.check_nccl_version(store, info.prefix, "trainer", info.timeout_s)
             cuda_rules.bind_thread(self.device)
-            pg = link.handler.trainer_group(store, info, self.device)
+            pg = trainer_group(link.handler, store, info, self.device)
             with table.lock:
                 if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
                     return
@@ -228,23 +241,14 @@ class Pusher:
             targets = [(lk, lk.epoch, lk.pg, lk.handler) for lk in (table.links if only is None else only)
                        if lk.usable]
         plan, staging = self.snap.plan, self.snap.staging
-        full_ids = list(range(len(plan.buckets)))
         hdev = cuda_rules.header_device(self.backend, self.device)
-        full_header = transport.encode_header(plan, version, full_ids, transport.METHOD_FULL)
+        header = transport.encode_header(plan, version, list(range(len(plan.buckets))))
         pending = []
         with cuda_rules.on_stream(self.stream):
             for link, epoch, pg, handler in targets:
                 try:
                     handler.begin_update(version)
-                    ids, header = full_ids, full_header
-                    base = self.snap.changed[0] if self.snap.changed is not None else None
-                    if (base is not None and base >= 0 and handler.supports_delta
-                            and link.sent == link.acked == base):
-                        # the engine holds exactly the previous snapshot: bucket 0 and the changed ones
-                        ids = [0] + [i for i in self.snap.changed[1] if i != 0]
-                        header = transport.encode_header(plan, version, ids, transport.METHOD_DELTA)
-                        stats.delta_buckets_skipped += len(full_ids) - len(ids)
-                    flats = [staging.flats[i] for i in ids]
+                    flats = staging.flats
                     own = handler.self_push(version, flats)  # vLLM on GPU: its own NCCL engine sends
                     tensors = [header, *flats] if own is not None else handler.wire_tensors(header.to(hdev), flats)
                     works = [own] if own is not None else [self._broadcast(pg, t) for t in tensors]

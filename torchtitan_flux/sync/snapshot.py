@@ -29,19 +29,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_flux import compat
-
+from torchtitan_flux.models.hf import clean_name
 from torchtitan_flux.sync import transport
-
-# segments wrappers insert into ``named_parameters()`` names; removed wherever they appear
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "_fsdp_module.",
-                    "_offload_wrapped_module.")
-
-
-def clean_name(name: str) -> str:
-    """``layers.1._checkpoint_wrapped_module.attention.wq.weight`` -> ``layers.1.attention.wq.weight``."""
-    for seg in WRAPPER_SEGMENTS:
-        name = name.replace(seg, "")
-    return name.removeprefix("module.") if name.startswith("module.") else name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -90,8 +79,8 @@ class Snapshot:
     while it holds the pusher's claim; never written then) and ``side.synchronize_copy`` (push thread)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, is_sender: bool, bucket_bytes: int,
-                 wire_dtype: torch.dtype | None, wire_tensor=None, delta: bool = False):
-        self.is_sender, self.delta = is_sender, delta
+                 wire_dtype: torch.dtype | None, wire_tensor=None):
+        self.is_sender = is_sender
         self.params = clean_parameters(model)
         self.wire_dtype = wire_dtype
         self.specs = tensor_specs(model, wire_dtype)
@@ -102,7 +91,6 @@ class Snapshot:
         on_gpu = torch.device(device).type == "cuda"
         self.staging = self.plan.allocate("cpu", pin_memory=on_gpu) if is_sender else None
         self.version = -1  # newest version snapshotted
-        self.changed: tuple[int, list[int]] | None = None  # delta: (previous version, changed buckets)
         self.last_s = 0.0
         control_group()  # collective creation: every rank, here
 
@@ -119,7 +107,6 @@ class Snapshot:
     def take(self, version: int) -> None:
         """Every rank: copy (gathering shards) the parameters into staging, bucket by bucket."""
         t0 = time.perf_counter()
-        changed = []
         for i, bucket in enumerate(self.plan.buckets):
             specs = self.plan.specs[bucket.start : bucket.end]
             srcs = _gather_bucket([self.params[s.name] for s in specs], self.wire_dtype)
@@ -130,12 +117,7 @@ class Snapshot:
                 self.side.keep_alive(srcs)
                 if self._wire is not None:
                     srcs = [self._wire(s.name, t) for s, t in zip(specs, srcs)]
-                views = self.staging.bucket_views(i)
-                # delta: staging still holds the previous snapshot, which is what the engines were sent
-                if self.delta and not all(torch.equal(d, t.to(d.device)) for d, t in zip(views, srcs)):
-                    changed.append(i)
-                torch._foreach_copy_(views, srcs, non_blocking=True)
-        self.changed = (self.version, changed) if self.delta else None
+                torch._foreach_copy_(self.staging.bucket_views(i), srcs, non_blocking=True)
         self.version = version
         self.last_s = time.perf_counter() - t0
 

@@ -50,24 +50,11 @@ from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
 from torchtitan_flux.sync.links import EngineLink, LinkTable, SyncStats
 from torchtitan_flux.sync.pusher import Bystander, Pusher
-from torchtitan_flux.sync.snapshot import Snapshot, clean_name, control_group, tensor_specs
+from torchtitan_flux.sync.snapshot import Snapshot, control_group, tensor_specs
 
-__all__ = ["WeightSyncer", "EngineLink", "SyncStats", "clean_name", "control_group", "tensor_specs"]
+__all__ = ["WeightSyncer", "EngineLink", "SyncStats", "control_group", "tensor_specs"]
 
 logger = logging.getLogger("torchtitan_flux")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def wire_dtype(cfg, engines: list[EngineHandler]) -> torch.dtype | None:
-    """``weight_sync.wire_dtype``; "auto": what the engines declare (``wire_dtype``), else the parameters'."""
-    if cfg.wire_dtype != "auto":
-        return _DTYPES[cfg.wire_dtype]
-    declared = {e.wire_dtype for e in engines} - {None}
-    if len(declared) > 1:
-        raise ValueError(f"engines declare different wire dtypes {sorted(declared)}: set weight_sync.wire_dtype")
-    return _DTYPES[declared.pop()] if declared else None
-
 
 class WeightSyncer:
     """The front: see the package docstring. ``pump(timeout)`` delivers engine events (rank 0)."""
@@ -82,8 +69,8 @@ class WeightSyncer:
             raise ValueError("engines with different wire layouts cannot share one staging buffer")
         self.snap = Snapshot(
             model, device=device, is_sender=is_sender, bucket_bytes=int(cfg.bucket_size_mb * 2**20),
-            wire_dtype=wire_dtype(cfg, engines), wire_tensor=engines[0].wire_tensor if engines else None,
-            delta=cfg.method == "delta",
+            wire_dtype=None if cfg.wire_dtype == "auto" else getattr(torch, cfg.wire_dtype),
+            wire_tensor=engines[0].wire_tensor if engines else None,
         )
         self.table = LinkTable(engines if is_sender else [], cfg.timeout_seconds)
         self.pusher: Pusher | Bystander = Bystander()  # ranks > 0: no rank branches below
@@ -124,9 +111,7 @@ class WeightSyncer:
     def after_optimizer_step(self, version: int, due: bool = True) -> None:
         """Every rank, right after ``optimizer.step()``; see the package docstring. ``due``: whether this version
         is pushed (the trainer's cadence decides, the same on every rank: ``weight_sync.interval``)."""
-        t0 = time.perf_counter()
         if not due:
-            self.stats.blocked_s = 0.0
             return
         if self.async_mode:
             claimed = self.pusher.claim()
@@ -137,7 +122,6 @@ class WeightSyncer:
                 self.pusher.hand_over(version)
         else:
             self.stage(version)
-        self.stats.blocked_s = time.perf_counter() - t0
 
     def stage(self, version: int) -> None:
         """Every rank: snapshot ``version`` and push it, once the push in flight (if any) has ended -- rank 0

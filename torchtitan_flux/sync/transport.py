@@ -3,15 +3,13 @@
 A push of policy version ``v`` on a weight-sync process group (rank 0 = the trainer's sending rank, ranks 1.. =
 engine workers) is:
 
-    header  int64[HEADER_LEN] = [MAGIC, v, n_sent, method, idx_0, ..., idx_{n_sent-1}, -1 ...]
+    header  int64[HEADER_LEN] = [MAGIC, v, n_sent, idx_0, ..., idx_{n_sent-1}, -1 ...]
     bucket  one flat tensor per listed bucket index, in that order
 
 Both sides derive the same ``BucketPlan`` from the same ordered ``TensorSpec`` list (sent once at connect), so
-no per-tensor metadata travels per push. Bucket 0 is always sent, first (a delta push includes it even when it
-did not change): the receiver pre-posts its receive next to the header's into a one-bucket landing buffer, so
+no per-tensor metadata travels per push. Bucket 0 is always sent, first: the receiver pre-posts its receive next to the header's into a one-bucket landing buffer, so
 a small model's push costs one round trip, like a raw broadcast, instead of two (header, then the wake-up of
-the receiving thread before its bucket receives are posted). ``method`` is 0 for a full push (every bucket) and 1 for a delta push
-(only the listed buckets changed; the others keep their last values).
+the receiving thread before its bucket receives are posted). Every push sends every bucket.
 
 Simplification: a tensor is never split across buckets; one larger than ``bucket_bytes`` gets a bucket of its own.
 """
@@ -42,7 +40,6 @@ MAGIC = 0x46_4C_55_58  # "FLUX"
 # per-collective timeouts: see ``compat.op_timeout_honoured``; the receiver's group is built with
 # ``new_weight_sync_group(idle_timeout=IDLE_TIMEOUT)``).
 IDLE_TIMEOUT = timedelta(days=7)
-METHOD_FULL, METHOD_DELTA = 0, 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,7 +72,7 @@ class BucketPlan:
 
     @property
     def header_len(self) -> int:
-        return 4 + len(self.buckets)
+        return 3 + len(self.buckets)
 
     @property
     def nbytes(self) -> int:
@@ -121,10 +118,6 @@ class FlatWeights:
         b = self.plan.buckets[i]
         return [self.views[s.name] for s in self.plan.specs[b.start : b.end]]
 
-    def copy_from(self, other: "FlatWeights") -> None:
-        for dst, src in zip(self.flats, other.flats):
-            dst.copy_(src)
-
     def checksum(self) -> str:
         """sha256 over the raw bytes of every bucket in order: equal iff bitwise-equal weights."""
         h = hashlib.sha256()
@@ -133,20 +126,19 @@ class FlatWeights:
         return h.hexdigest()
 
 
-def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int], method: int) -> torch.Tensor:
+def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int]) -> torch.Tensor:
     """The header of a push sending ``bucket_ids`` in that order; bucket 0 must come first (see the module
     docstring). Built from one Python list: a handful of small torch ops here cost 0.3 ms, a third of a push of
     the tiny model."""
-    pad = plan.header_len - 4 - len(bucket_ids)
-    return torch.tensor([MAGIC, version, len(bucket_ids), method, *bucket_ids, *([-1] * pad)], dtype=torch.int64)
+    pad = plan.header_len - 3 - len(bucket_ids)
+    return torch.tensor([MAGIC, version, len(bucket_ids), *bucket_ids, *([-1] * pad)], dtype=torch.int64)
 
 
-def decode_header(h: torch.Tensor) -> tuple[int, list[int], int]:
+def decode_header(h: torch.Tensor) -> tuple[int, list[int]]:
     vals = h.tolist()
     if vals[0] != MAGIC:
         raise RuntimeError(f"weight push header has bad magic {vals[0]:#x}; sender and receiver disagree on the plan")
-    version, n, method = vals[1], vals[2], vals[3]
-    return version, vals[4 : 4 + n], method
+    return vals[1], vals[3 : 3 + vals[2]]
 
 
 def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torch.distributed.TCPStore:
@@ -278,7 +270,7 @@ class WeightReceiver:
         self.live_version = -1
         self._pending: list[tuple[int, FlatWeights]] = []  # complete, not yet live; oldest first
         self._free: list[FlatWeights] = [plan.allocate(device) for _ in range(max(2, buffers))]
-        self._newest: tuple[int, FlatWeights] | None = None  # newest complete version, for delta pushes
+        self._newest: tuple[int, FlatWeights] | None = None  # newest complete version (``newest``)
         self.device = device
         self._stop = threading.Event()
         self.fault_stall_s = 0.0  # fault injection: sleep before each receive (tests only)
@@ -324,7 +316,7 @@ class WeightReceiver:
                     header_work = _broadcast_idle(pg, header)
                     landing_work = _broadcast_idle(pg, landing)  # pre-posted: bucket 0 needs no wake-up round trip
                     cuda_rules.landed([header_work], stream)
-                    version, ids, method = decode_header(header)
+                    version, ids = decode_header(header)
                     if not ids or ids[0] != 0:
                         raise RuntimeError(f"push {version}: bucket 0 must travel first, got buckets {ids}")
                     if self.fault_stall_s:
@@ -332,11 +324,6 @@ class WeightReceiver:
                     buf = self._take_buffer(stop)
                     if buf is None:  # superseded (e.g. during a stall): the new loop owns pending and free
                         return
-                    if method == METHOD_DELTA:
-                        if self._newest is None:
-                            raise RuntimeError("delta push received before any full push")
-                        if self._newest[1] is not buf:
-                            buf.copy_from(self._newest[1])
                     works = [compat.broadcast(pg, buf.flats[i]) for i in ids[1:]]  # posted before bucket 0 is copied
                     landing_work.wait()
                     buf.flats[0].copy_(landing)
