@@ -74,7 +74,6 @@ class Harness:
         prompts_per_step: int = 2,
         group_size: int = 4,
         max_new_tokens: int = 8,
-        max_version_gap: int = 10**6,
     ):
         self.model_dir = str(model_dir)
         weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
@@ -88,7 +87,7 @@ class Harness:
             # never gives an engine up (the tests count restarts in ``restarts``); one thread per engine
             rollout=Rollout(num_engines=num_engines, engine_threads=1, max_engine_restarts=10**6),
             weight_sync=cfg,
-            off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2); see the scheduler
+            off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2)
             model=SimpleNamespace(hf_assets_path=self.model_dir),
             job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
             training=SimpleNamespace(steps=0),  # final version of vLLM checksums: no vLLM here
@@ -102,7 +101,7 @@ class Harness:
         self.scheduler = RolloutScheduler(
             self.engines, self.events, DigitsTask(), ByteTokenizer(),
             group_size=group_size, prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens,
-            temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID, max_version_gap=max_version_gap,  # default: no wait
+            temperature=1.0, top_k=0, seed=0, pad_id=assets.PAD_ID,
             on_weight_event=lambda ev: self.syncer.on_event(ev), on_engine_dead=self._restart_engine,
         )
         self.syncer = WeightSyncer(cfg, self.model, self.engines, device=torch.device("cpu"), is_sender=True,

@@ -27,6 +27,17 @@ class ConfigError(ValueError):
     """A bad config value. The message names the field (``section.field``) and the allowed values."""
 
 
+# Fields removed before the first release -> what replaces them (README "Changelog"); naming one is a ConfigError.
+REMOVED = {
+    "adaptive_async.max_version_gap": "use off_policy.max_version_gap (same meaning)",
+}
+
+
+def removed_error(path: str) -> ConfigError | None:
+    """The one-line error for a removed field ``section.field`` (``REMOVED``); None for any other."""
+    return ConfigError(f"{path} was removed: {REMOVED[path]}") if path in REMOVED else None
+
+
 @dataclass
 class Grpo:
     """``[grpo]``: the GRPO objective."""
@@ -217,7 +228,7 @@ class WeightSync:
     """How weights are pushed. false: after each optimizer step the trainer blocks until every engine holds the
     new weights. true: the weights are snapshotted into a staging buffer and pushed by a background thread while
     the trainer goes on; the trainer never waits on an engine. How far generation runs ahead of training is
-    ``[off_policy]``'s (which, unless ``off_policy.async_ratio`` is set, follows this flag as it used to)."""
+    ``[off_policy]``'s."""
 
     timeout_seconds: Annotated[float, Range(ge=1)] = 60.0
     """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
@@ -285,27 +296,21 @@ class WeightSync:
 
 @dataclass
 class OffPolicy:
-    """``[off_policy]``: how far generation may run ahead of training (owned by ``Admission``, admission.py).
+    """``[off_policy]``: how far generation may run ahead of training (decided by ``rl/off_policy.py``).
 
     Generation may run ``async_ratio * max_version_gap`` steps ahead, and no sample older than
     ``max_version_gap`` policy versions is trained on. The ratio is fixed here, or set every step by the
     controller with ``adaptive_async.enabled``."""
 
-    max_version_gap: int = 0
+    max_version_gap: Annotated[int, Range(ge=1)] = 1
     """No sample older than this many policy versions is trained on, and generation may run at most this many
-    steps ahead of training. >= 1, or 0 (the default): 1 without the controller, ``CONTROLLER_DEFAULT_GAP`` (3)
-    with ``adaptive_async.enabled``, the smallest gap at which the default ``target_staleness`` (0.15) is
-    reachable (with gap 1 staleness saturated at ~0.06). Was ``adaptive_async.max_version_gap``."""
+    steps ahead of training. With ``adaptive_async.enabled`` and the default ``target_staleness`` (0.15) use 3 or
+    more: with 1 the staleness saturates at ~0.06, below the target (validation warns)."""
 
-    async_ratio: float = -1.0
+    async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
     """The fixed async ratio without the controller: 0 is synchronous and on-policy (each step's rollouts come
     from the newest weights), 1 lets generation run ``max_version_gap`` steps ahead, fractions admit whole steps
-    ahead on that fraction of steps. In [0, 1], or -1 (the default): 1 with ``weight_sync.async_weight_update =
-    true`` (with a deprecation warning: set it), else 0. Not used with ``adaptive_async.enabled``."""
-
-    def fixed_ratio(self, async_weight_update: bool) -> float:
-        """``async_ratio``, or its default (-1): 1 with ``weight_sync.async_weight_update``, else 0."""
-        return float(async_weight_update) if self.async_ratio == -1 else float(self.async_ratio)
+    ahead on that fraction of steps. Leave it 0 with ``adaptive_async.enabled`` (the controller sets the ratio)."""
 
     feedforward: Bool = False
     """Cap the lookahead at the pipeline depth that hides generation: ``ceil(generation time / training time)``
@@ -382,10 +387,6 @@ class AdaptiveAsync:
 
     ema_alpha: Annotated[float, Range(gt=0, le=1)] = 0.2
     """EMA weight of the newest staleness sample."""
-
-    max_version_gap: int = 0
-    """Deprecated: use ``off_policy.max_version_gap`` (same meaning; read only at start, with a warning). 0: not
-    set."""
 
     sync_threshold: Annotated[float, Range(gt=0, le=1)] = 0.5
     """When smoothed staleness exceeds this, the next step is forced synchronous."""

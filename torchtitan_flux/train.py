@@ -59,8 +59,10 @@ def _normalise_argv(argv: list[str]) -> list[str]:
       flags, ``--x.y`` / ``--x.no_y``; ours take a value);
     * the comma form for every list, as torchtitan's list fields take it: ``--rollout.reward_weights 1.0,0.5``
       (tyro wants numbers as separate arguments; ``1.0 0.5`` still works);
-    and name our config module unless one is given."""
+    and name our config module unless one is given. A removed field (``config.REMOVED``) is a ``ConfigError``."""
     import typing
+
+    from torchtitan_flux import config as flux_config
 
     out: list[str] = []
     i = 0
@@ -71,6 +73,8 @@ def _normalise_argv(argv: list[str]) -> list[str]:
             key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
         step = 1 if eq else 2
         kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
+        if kind is None and (removed := flux_config.removed_error(key[2:].replace("-", "_"))):
+            raise removed
         if val.lower() in ("true", "false") and kind in ("torchtitan", bool):
             if kind == "torchtitan":
                 section, _, name = key[2:].rpartition(".")
@@ -230,7 +234,11 @@ def main() -> None:
         print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
         os._exit(2)
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
-    sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
+    try:
+        sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
+    except ValueError as e:  # a removed field (ConfigError)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     if _starts_embedded_engines(sys.argv[1:]):
         from torchtitan_flux.engine.forkserver import prestart_engine_server
 

@@ -27,7 +27,7 @@ from _procs import run_held
 from fault_inject import push_hold
 from _sync_harness import assert_in_sync, perturb
 
-from torchtitan_flux.rl.admission import Admission
+from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.config import AdaptiveAsync, OffPolicy
 from torchtitan_flux.rl.feed import BatchFeed
 from torchtitan_flux.rollout.scheduler import RolloutWaitInterrupted
@@ -61,9 +61,8 @@ def watchdog(scheduler, seconds: float = WATCHDOG_S):
 
 
 def _feed(h, steps: int, gap: int = 1) -> BatchFeed:
-    admission = Admission(OffPolicy(max_version_gap=gap, async_ratio=1.0), AdaptiveAsync(), h.syncer.cfg, steps)
-    return BatchFeed(admission, h.scheduler, h.syncer, max_version_gap=gap, async_push=True, last_step=steps,
-                     rank=0, world=1)
+    off_policy = OffPolicyControl(OffPolicy(max_version_gap=gap, async_ratio=1.0), AdaptiveAsync(), h.syncer.cfg, steps)
+    return BatchFeed(off_policy, h.scheduler, h.syncer, async_push=True, last_step=steps, rank=0, world=1)
 
 
 def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_factory):
@@ -71,7 +70,7 @@ def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_fact
     holds v when step v + 3 (trained at version v + 2, gap 1) needs rollouts of version >= v + 1. The feed stages
     version v + 2 first (a catch-up), the engine gets it, and every step trains on rollouts within the gap, none
     discarded."""
-    h = harness_factory(async_mode=True, max_version_gap=1)
+    h = harness_factory(async_mode=True)
     syncer, steps = h.syncer, 8
     feed = _feed(h, steps)
     syncer.flush(0)
@@ -85,7 +84,7 @@ def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_fact
     assert held and syncer.stats.coalesced >= 2, (held, syncer.stats)
     assert syncer.stats.catch_ups >= 1 and syncer.metrics()["weight_catch_ups"] == syncer.stats.catch_ups
     assert max(gaps) <= 1, gaps
-    assert feed.discarded_rollouts == 0  # the catch-up came before dispatch: nothing was generated in vain
+    assert feed.off_policy.discarded_rollouts == 0  # the catch-up came before dispatch: nothing was generated in vain
     syncer.flush(steps)
     assert_in_sync(h, steps)
 
@@ -95,7 +94,7 @@ def test_an_engine_whose_push_broke_gets_the_staged_version_without_a_new_step(h
     Version 2 is trained but not pushed (a step the cadence skips), so staging holds version 1 -- fresh enough for
     step 3 (trained at 2, gap 1) -- but the engine lacks it and no regular push comes before step 3 trains. The
     feed has the staged version delivered (rejoin + push) instead of regenerating on version 0 forever."""
-    h = harness_factory(async_mode=True, timeout_s=2.0, bucket_size_mb=0.01, max_version_gap=1)
+    h = harness_factory(async_mode=True, timeout_s=2.0, bucket_size_mb=0.01)
     syncer, eng = h.syncer, h.engines[0]
     feed = _feed(h, 3)
     syncer.flush(0)
