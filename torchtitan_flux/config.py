@@ -240,7 +240,7 @@ class WeightSync:
     interval: int | Literal["auto"] = 1
     """Push every N optimizer steps: an integer >= 1 and <= ``off_policy.max_version_gap + 1`` (a larger one
     could never produce rollouts fresh enough to train on), or "auto": start at 1 and tune the interval so that
-    the trainer's time lost to weight sync stays under ``overhead_target`` (``torchtitan_flux/rl/cadence.py``;
+    the trainer's time lost to weight sync stays under ``overhead_target`` (``SyncCadence``, ``rl/off_policy.py``;
     logged as ``sync_interval``, ``sync_overhead``). In async mode, generation runs at most
     ``max_version_gap - (interval - 1)`` steps ahead, so that rollouts from weights up to ``interval - 1`` steps
     old still fit in the gap."""
@@ -410,7 +410,8 @@ class AdaptiveAsync:
     """Version gap at which that term saturates."""
 
     controller: str = "pid"
-    """"pid", or "package.module:Class" naming a subclass of ``torchtitan_flux.rl.controller.BaseAsyncController``."""
+    """"pid", or "package.module:Class" naming a class that implements ``torchtitan_flux.rl.controller.ControlLaw``
+    (built as ``Class(adaptive_async)``)."""
 
     phase_schedule: PhaseSchedule = field(default_factory=PhaseSchedule)
     """Per-phase targets: ``[adaptive_async.phase_schedule.warmup]`` etc."""

@@ -326,7 +326,12 @@ def validate_config(job_config: Any) -> None:
     if a.enabled and (hint := staleness_out_of_reach(a, job_config.off_policy.max_version_gap)):
         logger.warning(hint)
     if a.controller != "pid":
-        import_spec("adaptive_async.controller", a.controller)
+        from torchtitan_flux.rl.controller import ControlLaw
+
+        law = import_spec("adaptive_async.controller", a.controller)
+        _require(isinstance(law, type) and issubclass(law, ControlLaw), "adaptive_async.controller", a.controller,
+                 "'pid', or 'package.module:Class' naming a class with update(staleness, target), metrics(), "
+                 "state_dict() and load_state_dict() (torchtitan_flux.rl.controller.ControlLaw)")
     _check_model_folder(job_config)
 
 
