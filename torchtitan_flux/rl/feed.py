@@ -27,6 +27,7 @@ from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.rollout.batch import RolloutBatch
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
+
 @dataclass
 class StepInput:
     batch: RolloutBatch
