@@ -144,7 +144,8 @@ class AdaptiveAsyncController:
 
     def __init__(self, cfg: AdaptiveAsync, total_steps: int, law: ControlLaw | None = None) -> None:
         self.cfg, self.total_steps = cfg, total_steps
-        self.law = law or (PIDController if cfg.controller == "pid" else import_spec("adaptive_async.controller", cfg.controller))(cfg)
+        spec = cfg.controller
+        self.law = law or (PIDController if spec == "pid" else import_spec("adaptive_async.controller", spec))(cfg)
         self.ema: float | None = None
         self.law_ratio = cfg.initial_async_ratio  # the law's last (clamped) output
         self.forced_syncs = 0

@@ -68,7 +68,8 @@ class PipelineDepth:
 class OffPolicyControl:
     def __init__(self, off_policy, adaptive_async, weight_sync, total_steps: int):
         op, aa, ws = off_policy, adaptive_async, weight_sync
-        self.max_version_gap, self.async_push, self.fixed_interval = op.max_version_gap, ws.async_weight_update, ws.interval
+        self.max_version_gap, self.async_push = op.max_version_gap, ws.async_weight_update
+        self.fixed_interval = ws.interval
         self.controller = AdaptiveAsyncController(aa, total_steps) if aa.enabled else None
         self.async_ratio = float(aa.initial_async_ratio if aa.enabled else op.async_ratio)  # the one copy
         self.force_sync = False
@@ -120,12 +121,8 @@ class OffPolicyControl:
     def admit(self) -> int:
         """How many steps ahead to admit now: ``floor(lookahead)``, plus one on the fraction ``lookahead -
         floor(lookahead)`` of calls (error diffusion: the residual carries over, so the admitted lookahead
-        averages ``lookahead`` and its running error stays within half a step).
-
-        Why whole steps: sending that fraction of the next step's prompts early made every step two engine
-        requests and two decode passes over smaller batches (~10% of throughput on the CPU debug config).
-        Deterministic (a function of the controller's outputs and ``carry``), and ``lookahead = 0`` never admits
-        ahead (the residual stays below one half)."""
+        averages ``lookahead`` and its running error stays within half a step; whole steps, see
+        docs/architecture.md). Deterministic, and ``lookahead = 0`` never admits ahead (the residual stays < 0.5)."""
         lookahead = self.lookahead
         whole = int(lookahead)
         self.carry += lookahead - whole
@@ -259,7 +256,8 @@ class SyncCadence:
         """Whether the step now ending pushes its weights."""
         return self.steps_since_push + 1 >= self.interval
 
-    def observe_step(self, compute_s: float, lost_s: float, pushed: bool, stale: bool = False) -> CadenceDecision | None:
+    def observe_step(self, compute_s: float, lost_s: float, pushed: bool,
+                     stale: bool = False) -> CadenceDecision | None:
         """Account one step; when it pushed, decide the next interval (returned) from the window it closes."""
         self.steps_since_push += 1
         self._window_compute += compute_s

@@ -10,8 +10,9 @@ One training step (policy version = number of optimizer steps done = ``self.step
      training, on average: steps are admitted whole, ``floor(lookahead)`` ahead, and one step further on the
      fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``rl/off_policy.py``). ``async_ratio``
      is ``off_policy.async_ratio``, or the controller's output when ``adaptive_async.enabled``. At lookahead 0
-     the engines first get the newest weights (a synchronous, on-policy step). Rank 0 dispatches, then waits for step ``k``'s rollouts; a batch with samples older than
-     ``max_version_gap`` is discarded and regenerated (counted);
+     the engines first get the newest weights (a synchronous, on-policy step). Rank 0 dispatches, then waits for
+     step ``k``'s rollouts; a batch with samples older than ``max_version_gap`` is discarded and regenerated
+     (counted);
   2. the batch is broadcast to every rank; each rank trains on its contiguous slice, in micro-batches of
      ``training.local_batch_size`` sequences; the loss is normalised by the global token (or sequence) count;
   3. gradient clipping, ``optimizer.step()``, LR step; then ``WeightSyncer.after_optimizer_step``: blocking
