@@ -66,6 +66,8 @@ class PipelineDepth:
 
 
 class OffPolicyControl:
+    """The off-policy decision of the module docstring. Main thread only; every trainer rank holds one."""
+
     def __init__(self, off_policy, adaptive_async, weight_sync, total_steps: int):
         op, aa, ws = off_policy, adaptive_async, weight_sync
         self.max_version_gap, self.async_push = op.max_version_gap, ws.async_weight_update
