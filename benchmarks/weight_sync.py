@@ -13,7 +13,7 @@ Runs ``train_configs/debug_cpu.toml`` (or ``--config``) with ``weight_sync.async
   two processes, timed the same way on the sender, each after the same idle gap (the sync run's train time)
   as our pushes, which follow a training step.
 
-``--slow-sync SECONDS`` instead compares ``weight_sync.interval`` 1 with "auto" (``sync_cadence.py``) when
+``--slow-sync SECONDS`` instead compares ``weight_sync.interval`` 1 with "auto" (``SyncCadence``, ``rl/off_policy.py``) when
 every push costs the engine SECONDS more (``FLUX_FAULT_PUSH_DELAY`` of ``tests/fault_inject``: a slow link or a
 large model), in blocking mode unless the extra overrides say otherwise, with ``max_version_gap`` 16 so that
 the interval may rise: steps/s, sync overhead (blocked sync time / training time), mean version gap and final

@@ -11,7 +11,7 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per training step, with ``step`
 3. PID error (target - staleness) with a zero line;
 4. only when ``weight_sync.interval = "auto"`` was on (``sync_interval`` logged): the push interval (steps) and
    the measured sync overhead against ``sync_overhead_target`` (dashed), the self-tuning cadence of
-   ``torchtitan_flux/rl/cadence.py``.
+   ``torchtitan_flux/rl/off_policy.py``.
 
 Keys are matched exactly or as the last ``/``-separated component (``controller/staleness`` works too).
 Lines that are not JSON objects (a half-written last line of a running job, say) are skipped with a note.

@@ -64,7 +64,6 @@ class Harness:
         prompts_per_step: int = 2,
         group_size: int = 4,
         max_new_tokens: int = 8,
-        max_version_gap: int = 10**6,
     ):
         self.model_dir = str(model_dir)
         weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
@@ -78,14 +77,13 @@ class Harness:
                             prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, top_k=0, seed=0),
             grpo=SimpleNamespace(group_size=group_size, temperature=1.0),
             weight_sync=cfg,
-            off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2); see the scheduler
+            off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2)
             model=SimpleNamespace(hf_assets_path=self.model_dir),
             job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
             training=SimpleNamespace(steps=0),  # final version of vLLM checksums: no vLLM here
         )
         self.scheduler = Rollouts(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),
-                                  stops=SimpleNamespace(signal=None),  # no signal handlers in the test process
-                                  max_version_gap=max_version_gap)  # default: no wait for a version
+                                  stops=SimpleNamespace(signal=None))  # no signal handlers in the test process
         self.syncer = self.scheduler.syncer
         for e in self.engines:  # serves its pipe once up (the first start waits for the fork server's imports)
             e.checksum(timeout=60)

@@ -32,6 +32,7 @@ REMOVED = {
     "rollout.engine_device": "use rollout.engine_devices (one device per engine)",
     "rollout.reward_fn": "use rollout.reward_funcs (TRL's batched signature, docs/data.md)",
     "weight_sync.method": "every push sends all weights (delete the key)",
+    "adaptive_async.max_version_gap": "use off_policy.max_version_gap (same meaning)",
 }
 
 
@@ -225,7 +226,7 @@ class WeightSync:
     """How weights are pushed. false: after each optimizer step the trainer blocks until every engine holds the
     new weights. true: the weights are snapshotted into a staging buffer and pushed by a background thread while
     the trainer goes on; the trainer never waits on an engine. How far generation runs ahead of training is
-    ``[off_policy]``'s (which, unless ``off_policy.async_ratio`` is set, follows this flag as it used to)."""
+    ``[off_policy]``'s."""
 
     timeout_seconds: Annotated[float, Range(ge=1)] = 60.0
     """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
@@ -237,7 +238,7 @@ class WeightSync:
     interval: int | Literal["auto"] = 1
     """Push every N optimizer steps: an integer >= 1 and <= ``off_policy.max_version_gap + 1`` (a larger one
     could never produce rollouts fresh enough to train on), or "auto": start at 1 and tune the interval so that
-    the trainer's time lost to weight sync stays under ``overhead_target`` (``torchtitan_flux/rl/cadence.py``;
+    the trainer's time lost to weight sync stays under ``overhead_target`` (``SyncCadence``, ``rl/off_policy.py``;
     logged as ``sync_interval``, ``sync_overhead``). In async mode, generation runs at most
     ``max_version_gap - (interval - 1)`` steps ahead, so that rollouts from weights up to ``interval - 1`` steps
     old still fit in the gap."""
@@ -290,27 +291,21 @@ class WeightSync:
 
 @dataclass
 class OffPolicy:
-    """``[off_policy]``: how far generation may run ahead of training (owned by ``Admission``, admission.py).
+    """``[off_policy]``: how far generation may run ahead of training (decided by ``rl/off_policy.py``).
 
     Generation may run ``async_ratio * max_version_gap`` steps ahead, and no sample older than
     ``max_version_gap`` policy versions is trained on. The ratio is fixed here, or set every step by the
     controller with ``adaptive_async.enabled``."""
 
-    max_version_gap: int = 0
+    max_version_gap: Annotated[int, Range(ge=1)] = 1
     """No sample older than this many policy versions is trained on, and generation may run at most this many
-    steps ahead of training. >= 1, or 0 (the default): 1 without the controller, ``CONTROLLER_DEFAULT_GAP`` (3)
-    with ``adaptive_async.enabled``, the smallest gap at which the default ``target_staleness`` (0.15) is
-    reachable (with gap 1 staleness saturated at ~0.06). Was ``adaptive_async.max_version_gap``."""
+    steps ahead of training. With ``adaptive_async.enabled`` and the default ``target_staleness`` (0.15) use 3 or
+    more: with 1 the staleness saturates at ~0.06, below the target (validation warns)."""
 
-    async_ratio: float = -1.0
+    async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
     """The fixed async ratio without the controller: 0 is synchronous and on-policy (each step's rollouts come
     from the newest weights), 1 lets generation run ``max_version_gap`` steps ahead, fractions admit whole steps
-    ahead on that fraction of steps. In [0, 1], or -1 (the default): 1 with ``weight_sync.async_weight_update =
-    true`` (with a deprecation warning: set it), else 0. Not used with ``adaptive_async.enabled``."""
-
-    def fixed_ratio(self, async_weight_update: bool) -> float:
-        """``async_ratio``, or its default (-1): 1 with ``weight_sync.async_weight_update``, else 0."""
-        return float(async_weight_update) if self.async_ratio == -1 else float(self.async_ratio)
+    ahead on that fraction of steps. Leave it 0 with ``adaptive_async.enabled`` (the controller sets the ratio)."""
 
     feedforward: Bool = False
     """Cap the lookahead at the pipeline depth that hides generation: ``ceil(generation time / training time)``
@@ -388,10 +383,6 @@ class AdaptiveAsync:
     ema_alpha: Annotated[float, Range(gt=0, le=1)] = 0.2
     """EMA weight of the newest staleness sample."""
 
-    max_version_gap: int = 0
-    """Deprecated: use ``off_policy.max_version_gap`` (same meaning; read only at start, with a warning). 0: not
-    set."""
-
     sync_threshold: Annotated[float, Range(gt=0, le=1)] = 0.5
     """When smoothed staleness exceeds this, the next step is forced synchronous."""
 
@@ -414,7 +405,8 @@ class AdaptiveAsync:
     """Version gap at which that term saturates."""
 
     controller: str = "pid"
-    """"pid", or "package.module:Class" naming a subclass of ``torchtitan_flux.rl.controller.BaseAsyncController``."""
+    """"pid", or "package.module:Class" naming a class that implements ``torchtitan_flux.rl.controller.ControlLaw``
+    (built as ``Class(adaptive_async)``)."""
 
     phase_schedule: PhaseSchedule = field(default_factory=PhaseSchedule)
     """Per-phase targets: ``[adaptive_async.phase_schedule.warmup]`` etc."""

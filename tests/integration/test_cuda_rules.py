@@ -155,7 +155,8 @@ def test_receiver_header_is_received_on_the_groups_device(monkeypatch):
     rx.stop()
 
 
-AC_ASYNC = ["--activation_checkpoint.mode", "selective", "--weight_sync.async_weight_update", "true"]
+AC_ASYNC = ["--activation_checkpoint.mode", "selective", "--weight_sync.async_weight_update", "true",
+            "--off_policy.async_ratio", "1"]
 
 
 @pytest.mark.slow

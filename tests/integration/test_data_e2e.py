@@ -87,7 +87,8 @@ def test_gsm8k_run_with_eval_wandb_offline_and_completions(tiny_model_dir, tmp_p
 
 def test_eval_in_async_mode_overlaps_and_lands_by_the_last_step(tiny_model_dir, tmp_path):
     run_train(tmp_path, "--training.steps", "12", "--eval.every_steps", "4", "--eval.at_start", "false",
-              "--weight_sync.async_weight_update", "true", "--eval.num_prompts", "8")
+              "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
+              "--eval.num_prompts", "8")
     rows = read_metrics(tmp_path)
     evals = [(r["step"], r["eval/version"]) for r in rows if "eval/version" in r]
     assert evals and evals[-1][0] == 12 and evals[-1][1] >= 11  # the final evaluation is waited for

@@ -244,7 +244,8 @@ def test_engine_does_not_outlive_a_killed_parent(tiny_model_dir, tmp_path, metho
 @pytest.mark.slow
 def test_trainer_interrupted_leaves_no_orphans_and_a_loadable_checkpoint(tiny_model_dir, tmp_path):
     dump = tmp_path / "run"
-    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true")
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true",
+            "--off_policy.async_ratio", "1")
 
     # 1) SIGTERM to torchrun (what a job scheduler sends), mid-run, right after a checkpoint
     run = Run(dump, tmp_path / "run1.log", *args, "--training.steps", "40")

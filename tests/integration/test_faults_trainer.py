@@ -75,7 +75,8 @@ def _sigterm_inside(tmp_path, args, fault: str, what: str) -> tuple:
 def test_sigterm_during_a_checkpoint_save_completes_it_and_stops(tiny_model_dir, tmp_path):
     """SIGTERM while step 4's checkpoint is mid-write: the save completes (the signal only sets a flag), the run
     stops at that step boundary with a non-zero exit, nothing outlives it, and the resume starts at step 5."""
-    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "4", "--weight_sync.async_weight_update", "true")
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "4", "--weight_sync.async_weight_update", "true",
+            "--off_policy.async_ratio", "1")
     dump, log = _sigterm_inside(tmp_path, args, "FLUX_FAULT_CKPT_STALL=4:3", "the checkpoint of step 4 to be mid-write")
     assert "interrupted after step 4" in log, log[-3000:]
     assert complete_ckpts(dump) == [4] and read_metrics(dump)[-1]["step"] == 4
@@ -90,7 +91,8 @@ def test_sigterm_during_a_weight_push_settles_it_then_checkpoints(tiny_model_dir
     meanwhile: the trainer finishes its step, waits for the push in flight to settle (acked: no half-sent
     weights), checkpoints the last step, exits non-zero; nothing outlives it; the resume goes on from the next
     step with engine weights equal to the trainer's."""
-    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--weight_sync.async_weight_update", "true")
+    args = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--weight_sync.async_weight_update", "true",
+            "--off_policy.async_ratio", "1")
     dump, log = _sigterm_inside(tmp_path, args, "FLUX_FAULT_PUSH_STALL=5:3", "the push of version 5 to be in flight")
     last = read_metrics(dump)[-1]["step"]
     assert last >= 5 and f"checkpoint of step {last} written" in log, log[-3000:]
@@ -132,7 +134,8 @@ def test_rollouts_of_a_lagging_engine_beyond_max_version_gap_are_discarded_and_c
     discarded, counted (``discarded_rollouts``) and regenerated; no step trains on them; the engine resyncs and
     the run ends with its weights equal to the trainer's."""
     dump, marker = tmp_path / "run", tmp_path / "fault_started"
-    run = Run(dump, tmp_path / "run.log", "--weight_sync.async_weight_update", "true", "--weight_sync.timeout_seconds",
+    run = Run(dump, tmp_path / "run.log", "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
+              "--weight_sync.timeout_seconds",
               "1", "--training.steps", "12", faults={"FLUX_FAULT_PUSH_STALL": f"5:5:{marker}"})
     assert run.proc.wait(240) == 0, run.log.read_text()[-3000:]
     assert marker.exists()

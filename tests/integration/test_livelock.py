@@ -6,8 +6,9 @@ The invariant (``feed.py``): no step waits on a version that no snapshot or push
 rollouts are dispatched the staged version is at least ``version - max_version_gap`` (``WeightSyncer.catch_up``),
 and before each wait for them every engine that lacks the staged version is sent it (``deliver_staged``).
 
-* component level (default suite): the real ``BatchFeed`` / ``Admission`` / ``WeightSyncer`` / ``RolloutScheduler``
-  over an embedded engine process, with a push held in flight in-process, and with an engine whose push broke;
+* component level (default suite): the real ``BatchFeed`` / ``OffPolicyControl`` / ``WeightSyncer`` /
+  ``RolloutScheduler`` over an embedded engine process, with a push held in flight in-process, and with an engine
+  whose push broke;
 * end to end (slow): torchrun with the ``FLUX_FAULT_PUSH_HOLD`` fault hook (``tests/fault_inject``) on 1 and 2
   trainer processes with the embedded engine, and against the SGLang contract server; the real vLLM CPU server's
   run is in ``test_vllm.py`` (``test_coalesced_pushes_never_livelock_with_vllm``).
@@ -27,7 +28,7 @@ from _procs import run_held
 from fault_inject import push_hold
 from _sync_harness import assert_in_sync, perturb
 
-from torchtitan_flux.rl.admission import Admission
+from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.config import AdaptiveAsync, OffPolicy
 from torchtitan_flux.rl.feed import BatchFeed
 from torchtitan_flux.rollout.scheduler import RolloutWaitInterrupted
@@ -61,9 +62,8 @@ def watchdog(scheduler, seconds: float = WATCHDOG_S):
 
 
 def _feed(h, steps: int, gap: int = 1) -> BatchFeed:
-    admission = Admission(OffPolicy(max_version_gap=gap, async_ratio=1.0), AdaptiveAsync(), h.syncer.cfg, steps)
-    return BatchFeed(admission, h.scheduler, h.syncer, max_version_gap=gap, async_push=True, last_step=steps,
-                     rank=0, world=1)
+    off_policy = OffPolicyControl(OffPolicy(max_version_gap=gap, async_ratio=1.0), AdaptiveAsync(), h.syncer.cfg, steps)
+    return BatchFeed(off_policy, h.scheduler, h.syncer, async_push=True, last_step=steps, rank=0, world=1)
 
 
 def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_factory):
@@ -71,7 +71,7 @@ def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_fact
     holds v when step v + 3 (trained at version v + 2, gap 1) needs rollouts of version >= v + 1. The feed stages
     version v + 2 first (a catch-up), the engine gets it, and every step trains on rollouts within the gap, none
     discarded."""
-    h = harness_factory(async_mode=True, max_version_gap=1)
+    h = harness_factory(async_mode=True)
     syncer, steps = h.syncer, 8
     feed = _feed(h, steps)
     syncer.flush(0)
@@ -85,7 +85,7 @@ def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_fact
     assert held and syncer.stats.coalesced >= 2, (held, syncer.stats)
     assert syncer.stats.catch_ups >= 1 and syncer.metrics()["weight_catch_ups"] == syncer.stats.catch_ups
     assert max(gaps) <= 1, gaps
-    assert feed.discarded_rollouts == 0  # the catch-up came before dispatch: nothing was generated in vain
+    assert feed.off_policy.discarded_rollouts == 0  # the catch-up came before dispatch: nothing was generated in vain
     syncer.flush(steps)
     assert_in_sync(h, steps)
 
@@ -95,7 +95,7 @@ def test_an_engine_whose_push_broke_gets_the_staged_version_without_a_new_step(h
     Version 2 is trained but not pushed (a step the cadence skips), so staging holds version 1 -- fresh enough for
     step 3 (trained at 2, gap 1) -- but the engine lacks it and no regular push comes before step 3 trains. The
     feed has the staged version delivered (rejoin + push) instead of regenerating on version 0 forever."""
-    h = harness_factory(async_mode=True, timeout_s=2.0, bucket_size_mb=0.01, max_version_gap=1)
+    h = harness_factory(async_mode=True, timeout_s=2.0, bucket_size_mb=0.01)
     syncer, eng = h.syncer, h.engines[0]
     feed = _feed(h, 3)
     syncer.flush(0)

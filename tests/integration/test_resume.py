@@ -218,7 +218,8 @@ def test_resume_refusals_and_the_fallback_past_a_truncated_checkpoint(tiny_model
     refused in one line; with checkpoint.on_config_mismatch = "warn" the first resumes, generating step 5 afresh;
     with step 6's shard truncated (which gave a bare EOFError) the resume warns, goes on from step 4, and steps 5
     and 6 equal the first run's."""
-    args = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true"]
+    args = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--weight_sync.async_weight_update", "true",
+            "--off_policy.async_ratio", "1"]
     dump, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint"
     run_train(dump, *args, "--training.steps", "6")
     first = read_metrics(dump)

@@ -406,6 +406,7 @@ def test_grpo_runs_against_contract_server(tiny, tmp_path):
             run_train(dump, "--training.steps", "4", "--rollout.engine", "sglang", "--rollout.urls", s.url,
                       "--model.hf_assets_path", str(tiny[0]),
                       "--weight_sync.async_weight_update", "true" if mode == "async" else "false",
+                      "--off_policy.async_ratio", "1" if mode == "async" else "0",
                       "--weight_sync.probe_every", "1", timeout=400)
             summary = json.loads((dump / "summary.json").read_text())
             assert summary["final_engine_version"] == 4

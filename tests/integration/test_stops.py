@@ -339,7 +339,7 @@ def test_the_only_engine_killed_while_idle_is_restarted_and_the_run_finishes(tmp
 
     dump = tmp_path / "run"
     run = Run(dump, tmp_path / "run.log", "--training.steps", "30", "--training.local_batch_size", "1",
-              "--weight_sync.async_weight_update", "true")  # async: nothing pumps engine events between steps
+              "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1")  # async: nothing pumps engine events between steps
     try:
         run.wait_for(lambda: run.engines and (dump / "metrics.jsonl").exists()
                      and len((dump / "metrics.jsonl").read_text().splitlines()) >= 3, 180, "three steps")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from torchtitan_flux.rl.cadence import SyncCadence
+from torchtitan_flux.rl.off_policy import SyncCadence
 
 
 def run(cadence: SyncCadence, steps: int, lost, compute=1.0, noise=0.0, seed=0, stale=lambda step: False):

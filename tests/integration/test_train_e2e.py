@@ -35,7 +35,8 @@ def test_sync_run_learns_and_engine_matches_trainer(tiny_model_dir, tmp_path):
 
 
 def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
-    run_train(tmp_path, "--training.steps", "12", "--weight_sync.async_weight_update", "true")
+    run_train(tmp_path, "--training.steps", "12", "--weight_sync.async_weight_update", "true",
+              "--off_policy.async_ratio", "1")
     rows = read_metrics(tmp_path)
     assert rows[0]["version_gap_max"] == 0  # step 1 is generated from the initial weights
     assert all(r["version_gap_max"] <= 1 for r in rows)  # max_version_gap = 1 bounds it
@@ -68,7 +69,7 @@ def test_fixed_interval_2_pushes_every_other_step(tiny_model_dir, tmp_path):
     from weights up to one step older than each step's own, never beyond ``max_version_gap``; the final step's
     push is always made, so the engine ends on the trainer's weights."""
     run_train(tmp_path, "--training.steps", "8", "--weight_sync.interval", "2", "--weight_sync.async_weight_update",
-              "true", "--off_policy.max_version_gap", "2")
+              "true", "--off_policy.async_ratio", "1", "--off_policy.max_version_gap", "2")
     rows = read_metrics(tmp_path)
     # an async push is counted once done, in the next step's row; the last step's is done before its row (the
     # post-sync probe of the last step waits for it)
@@ -177,7 +178,7 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_d
     checkpoint of exactly the last logged step is written, engines stop, exit code is non-zero; the resume
     starts at the next step."""
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--training.steps", "5000",
-            "--weight_sync.async_weight_update", "true"]
+            "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1"]
     metrics = tmp_path / "metrics.jsonl"
     run = Run(tmp_path, tmp_path / "run.log", *ckpt)
     run.wait_for(lambda: run.engines and metrics.exists() and len(metrics.read_text().splitlines()) >= 10, 120,

@@ -334,7 +334,8 @@ def test_grpo_run_with_vllm(vllm_server, small_model_dir, tmp_path, mode, monkey
     run_train(
         tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
         "--rollout.engine", "vllm", "--rollout.urls", url,
-        "--weight_sync.async_weight_update", "true" if mode == "async" else "false", timeout=400,
+        "--weight_sync.async_weight_update", "true" if mode == "async" else "false",
+        "--off_policy.async_ratio", "1" if mode == "async" else "0", timeout=400,
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_engine_version"] == 4
@@ -382,7 +383,7 @@ def test_grpo_run_with_launched_vllm(small_model_dir, tmp_path, monkeypatch):
     run_train(
         tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
         "--rollout.engine", "vllm", "--rollout.launch", "true", "--weight_sync.async_weight_update", "true",
-        timeout=600,
+        "--off_policy.async_ratio", "1", timeout=600,
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_engine_version"] == 4
@@ -408,7 +409,8 @@ def test_launched_vllm_server_killed_mid_run_stops_cleanly_and_resumes(small_mod
     need_vllm()
     monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "512")
     args = ("--model.hf_assets_path", str(small_model_dir), "--rollout.engine", "vllm", "--rollout.launch", "true",
-            "--weight_sync.async_weight_update", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "1000")
+            "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "1000")
     before = _vllm_pids()
     run = Run(tmp_path, tmp_path / "run.log", *args, "--training.steps", "500")
     metrics = tmp_path / "metrics.jsonl"

@@ -1,21 +1,25 @@
-"""``Admission``: whole steps admitted with error diffusion (the admitted lookahead averages
+"""``OffPolicyControl``: whole steps admitted with error diffusion (the admitted lookahead averages
 ``async_ratio * max_version_gap``, never strays half a step from it, and is 0 at lookahead 0), the lookahead's cap
-under ``weight_sync.interval``, which steps push, and its checkpointed state."""
+under ``weight_sync.interval``, which steps push, the staleness bound, rank 0's decision adopted by the other
+ranks, and its checkpointed state."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from torchtitan_flux.rl.admission import Admission
+from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.config import AdaptiveAsync, OffPolicy, WeightSync
 
 GAP = 8
 
 
-def admission(**ws) -> Admission:
-    return Admission(OffPolicy(max_version_gap=GAP), AdaptiveAsync(), WeightSync(**ws), total_steps=100)
+def admission(ratio: float = 0.0, **ws) -> OffPolicyControl:
+    return OffPolicyControl(OffPolicy(max_version_gap=GAP, async_ratio=ratio), AdaptiveAsync(), WeightSync(**ws),
+                            total_steps=100)
 
 
 def admitted(lookaheads, carry: float = 0.0) -> tuple[list[int], float]:
@@ -56,7 +60,7 @@ def test_a_changing_lookahead_is_tracked_in_the_mean():
 def test_interval_caps_the_lookahead_and_picks_the_pushing_steps():
     """Engines may hold weights up to interval - 1 steps old, so generation runs at most gap - (interval - 1)
     steps ahead; a forced sync step admits nothing ahead and is on-policy."""
-    a = admission(async_weight_update=True, interval=3)
+    a = admission(1.0, async_weight_update=True, interval=3)
     assert a.async_ratio == 1.0 and a.lookahead == GAP - 2
     assert [s for s in range(1, 10) if a.push_due(s)] == [3, 6, 9]
     a.force_sync = True
@@ -65,20 +69,42 @@ def test_interval_caps_the_lookahead_and_picks_the_pushing_steps():
     assert blocking.on_policy and blocking.lookahead == 0.0
 
 
-def test_state_round_trips_under_the_checkpoint_keys_of_old():
-    a = admission(async_weight_update=True)
-    a.async_ratio, a.force_sync, a.carry = 0.35, True, -0.25
+def test_state_round_trips_in_one_dict():
+    a = admission(1.0, async_weight_update=True)
+    a.async_ratio, a.force_sync, a.carry, a.discarded_rollouts = 0.35, True, -0.25, 12
     state = a.state_dict()
-    assert set(state) == {"async_ratio", "force_sync", "admit_carry", "controller"}
-    b = admission(async_weight_update=True)
+    assert set(state) == {"async_ratio", "force_sync", "admit_carry", "discarded_rollouts", "controller", "cadence",
+                          "pipeline_depth"}
+    b = admission(1.0, async_weight_update=True)
     b.load_state_dict(state)
-    assert (b.async_ratio, b.force_sync, b.carry) == (0.35, True, -0.25)
+    assert (b.async_ratio, b.force_sync, b.carry, b.discarded_rollouts) == (0.35, True, -0.25, 12)
+
+
+def test_staleness_is_bounded_in_one_place_and_a_stale_batch_is_counted():
+    """``oldest``: the engines' ``min_version`` and the feed's catch-up; ``accept``: the feed's discard."""
+    a = admission(1.0)
+    assert a.oldest(10) == 10 - GAP
+    fresh = SimpleNamespace(versions=torch.tensor([10 - GAP, 10]), tokens=torch.zeros(2, 3))
+    stale = SimpleNamespace(versions=torch.tensor([9 - GAP, 10, 10]), tokens=torch.zeros(3, 3))
+    assert a.accept(11, 10, fresh) and a.discarded_rollouts == 0
+    assert not a.accept(11, 10, stale) and a.discarded_rollouts == 3
+
+
+def test_other_ranks_adopt_rank_0s_decision_and_replay_its_admission():
+    ws = dict(async_weight_update=True, interval="auto")
+    rank0, rank1 = admission(0.3, **ws), admission(0.3, **ws)
+    rank0.cadence.interval = 4
+    for _ in range(7):
+        rank0.admit()
+        rank1.adopt(rank0.decision())
+    assert rank1.sync_interval == 4 and rank1.carry == rank0.carry
 
 
 def test_feedforward_caps_the_lookahead_at_the_pipeline_depth_that_hides_generation():
     """adaptive_async.feedforward: lookahead <= ceil(generation time / training time) of a step (EMAs), >= 1;
     the controller's (or fixed ratio's) lookahead stays the ceiling; the depth round-trips in the state."""
-    ff = Admission(OffPolicy(max_version_gap=GAP, feedforward=True), AdaptiveAsync(), WeightSync(async_weight_update=True), 100)
+    ff = OffPolicyControl(OffPolicy(max_version_gap=GAP, async_ratio=1.0, feedforward=True), AdaptiveAsync(),
+                          WeightSync(async_weight_update=True), 100)
     assert ff.lookahead == 1.0  # nothing measured yet: one step ahead
     for _ in range(3):
         assert ff.observe_times(gen_s=0.03, train_s=0.05) == {"pipeline_depth": 1.0}
@@ -91,8 +117,9 @@ def test_feedforward_caps_the_lookahead_at_the_pipeline_depth_that_hides_generat
     ff.observe_times(gen_s=float("nan"), train_s=0.05)  # a bad measurement changes nothing
     assert ff.depth.depth == 3
     state = ff.state_dict()
-    again = Admission(OffPolicy(max_version_gap=GAP, feedforward=True), AdaptiveAsync(), WeightSync(async_weight_update=True), 100)
+    again = OffPolicyControl(OffPolicy(max_version_gap=GAP, async_ratio=1.0, feedforward=True), AdaptiveAsync(),
+                             WeightSync(async_weight_update=True), 100)
     again.load_state_dict(state)
     assert again.depth.state_dict() == ff.depth.state_dict()
-    off = admission(async_weight_update=True)  # off: the cap is the gap alone
-    assert off.depth is None and off.lookahead == GAP and "pipeline_depth" not in off.state_dict()
+    off = admission(1.0, async_weight_update=True)  # off: the cap is the gap alone
+    assert off.depth is None and off.lookahead == GAP and off.state_dict()["pipeline_depth"] is None

@@ -116,15 +116,13 @@ CASES = [
      "min_async_ratio <= max_async_ratio"),
     (("--adaptive_async.target_staleness", "1.5"), "adaptive_async.target_staleness"),
     (("--adaptive_async.ema_alpha", "0"), "adaptive_async.ema_alpha"),
-    (("--adaptive_async.max_version_gap", "-1"),
-     "adaptive_async.max_version_gap = -1 is out of range; allowed: an integer >= 1, or 0 for the default"),
     (("--off_policy.max_version_gap", "-1"),
-     "off_policy.max_version_gap = -1 is out of range; allowed: an integer >= 1, or 0 for the default"),
+     "off_policy.max_version_gap = -1 is out of range; allowed: an integer >= 1"),
     (("--off_policy.async_ratio", "1.5"), "off_policy.async_ratio = 1.5 is out of range; allowed: a number in [0, 1]"),
     (("--off_policy.async_ratio", "0.5", "--adaptive_async.enabled", "true"),
-     "off_policy.async_ratio = 0.5 is out of range; allowed: -1 (unset) with adaptive_async.enabled = true"),
-    (("--off_policy.max_version_gap", "2", "--adaptive_async.max_version_gap", "3"),
-     "adaptive_async.max_version_gap = 3 and off_policy.max_version_gap = 2 differ; set only off_policy"),
+     "off_policy.async_ratio = 0.5 is out of range; allowed: 0 (the default) with adaptive_async.enabled = true"),
+    (("--off_policy.async_ratio", "-1"), "off_policy.async_ratio = -1 (follow weight_sync.async_weight_update) was "
+                                         "removed: set off_policy.async_ratio = 1"),
     (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),
     (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
     (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
@@ -538,48 +536,61 @@ def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
     assert staleness_out_of_reach(a, 3) is None
 
 
-def test_default_version_gap_works_with_the_default_target(tiny_model_dir):
-    """The defaults work together: max_version_gap's default is 1 in fixed async mode and 3 with the controller,
-    where the default target_staleness (0.15) is within reach (with gap 1 it was not: staleness ~0.06)."""
+def test_default_version_gap_is_real_and_the_controller_says_when_it_needs_more(tiny_model_dir, caplog):
+    """``off_policy.max_version_gap`` is 1 by default, with or without the controller, and validation never writes
+    into the config; with the controller's default target (0.15) gap 1 is out of reach, which validation warns about
+    with the fix (3 reaches it)."""
     from torchtitan_flux.run.validation import staleness_out_of_reach
 
     fixed = parse("--weight_sync.async_weight_update", "true")
     validate_config(fixed)
-    assert fixed.off_policy.max_version_gap == 1
+    assert fixed.off_policy.max_version_gap == 1 and fixed.off_policy.async_ratio == 0.0
     adaptive = parse("--adaptive_async.enabled", "true")
-    validate_config(adaptive)
-    assert adaptive.off_policy.max_version_gap == 3 and staleness_out_of_reach(adaptive.adaptive_async, 3) is None
-    explicit = parse("--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "2")
+    before = dataclasses.asdict(adaptive.off_policy)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
+        validate_config(adaptive)
+    assert dataclasses.asdict(adaptive.off_policy) == before and adaptive.off_policy.max_version_gap == 1
+    assert any("raise off_policy.max_version_gap to 3" in r.getMessage() for r in caplog.records)
+    explicit = parse("--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "3")
     validate_config(explicit)
-    assert explicit.off_policy.max_version_gap == 2
+    assert explicit.off_policy.max_version_gap == 3 and staleness_out_of_reach(explicit.adaptive_async, 3) is None
 
 
-def test_async_settings_have_one_owner_and_old_configs_keep_working(caplog):
+def test_async_settings_have_one_owner_and_the_old_names_are_one_line_errors(tmp_path):
     """``weight_sync.async_weight_update`` selects the push mode; ``[off_policy]`` holds the gap and the fixed
-    ratio (``Admission`` reads them). The old spellings still run as before, each with one deprecation warning:
-    ``adaptive_async.max_version_gap`` moves to ``off_policy.max_version_gap``, and ``async_weight_update = true``
-    without ``off_policy.async_ratio`` still means ratio 1."""
-    from torchtitan_flux.rl.admission import Admission
+    ratio (``OffPolicyControl`` reads them). The old spellings are one-line errors naming what replaced them:
+    ``adaptive_async.max_version_gap`` (command line and TOML) and ``off_policy.async_ratio = -1``."""
+    from torchtitan_flux.rl.off_policy import OffPolicyControl
+    from torchtitan_flux.run.validation import unknown_fields_error
 
-    def admission(*overrides):
+    def control(*overrides):
         cfg = parse(*overrides)
-        with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
-            caplog.clear()
-            validate_config(cfg)
-        a = Admission(cfg.off_policy, cfg.adaptive_async, cfg.weight_sync, 10)
-        return a, [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()
-                   or "no longer" in r.getMessage()]
+        validate_config(cfg)
+        return OffPolicyControl(cfg.off_policy, cfg.adaptive_async, cfg.weight_sync, 10)
 
-    old, warned = admission("--weight_sync.async_weight_update", "true", "--adaptive_async.max_version_gap", "4")
-    assert (old.async_ratio, old.max_version_gap, old.lookahead) == (1.0, 4, 4.0)
-    assert len(warned) == 2 and "use off_policy.max_version_gap" in warned[0] and "off_policy.async_ratio = 1" in warned[1]
-    new, warned = admission("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
-                            "--off_policy.max_version_gap", "4")
-    assert (new.async_ratio, new.max_version_gap, new.lookahead) == (1.0, 4, 4.0) and warned == []
-    blocking_ahead, _ = admission("--off_policy.async_ratio", "0.5", "--off_policy.max_version_gap", "2")
+    renamed = "adaptive_async.max_version_gap was removed: use off_policy.max_version_gap (same meaning)"
+    with pytest.raises(ConfigError) as e:
+        parse("--weight_sync.async_weight_update", "true", "--adaptive_async.max_version_gap", "4")
+    assert str(e.value) == renamed
+    toml = DEBUG_TOML.read_text() + "\n[adaptive_async]\nmax_version_gap = 4\n"
+    if toml.count("[adaptive_async]") > 1:
+        toml = DEBUG_TOML.read_text().replace("[adaptive_async]", "[adaptive_async]\nmax_version_gap = 4", 1)
+    (tmp_path / "old.toml").write_text(toml)
+    with pytest.raises(ValueError) as e:
+        parse(toml=str(tmp_path / "old.toml"))
+    assert str(unknown_fields_error(e.value, str(tmp_path / "old.toml"))) == renamed
+    with pytest.raises(ConfigError, match=r"^off_policy.async_ratio = -1 \(follow weight_sync.async_weight_update\) "
+                                          r"was removed: set off_policy.async_ratio = 1"):
+        control("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "-1")
+    new = control("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
+                  "--off_policy.max_version_gap", "4")
+    assert (new.async_ratio, new.max_version_gap, new.lookahead) == (1.0, 4, 4.0)
+    blocking_ahead = control("--off_policy.async_ratio", "0.5", "--off_policy.max_version_gap", "2")
     assert not blocking_ahead.async_push and blocking_ahead.lookahead == 1.0  # push mode and ratio are independent
-    sync, warned = admission()
-    assert sync.async_ratio == 0.0 and sync.on_policy and warned == []
+    sync = control()
+    assert sync.async_ratio == 0.0 and sync.on_policy
+    async_push_alone = control("--weight_sync.async_weight_update", "true")  # the ratio no longer follows the flag
+    assert async_push_alone.async_push and async_push_alone.on_policy
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -35,10 +35,9 @@ RESTART_WINDOW_S = 600.0  # rollout.max_engine_restarts counts restarts of one e
 
 
 class Rollouts(RolloutScheduler):
-    """``stops``: the run's ``StopRequests`` (read: ``signal``). ``max_version_gap``: see ``RolloutScheduler``."""
+    """``stops``: the run's ``StopRequests`` (read: ``signal``)."""
 
-    def __init__(self, job_config, task, tokenizer, model: torch.nn.Module, *, device: torch.device, stops,
-                 max_version_gap: int):
+    def __init__(self, job_config, task, tokenizer, model: torch.nn.Module, *, device: torch.device, stops):
         self.job_config, self.stops, self.trainer_on_gpu = job_config, stops, device.type == "cuda"
         self.servers: list = []  # launched vLLM servers (stopped by ``close``)
         self.restarts = 0
@@ -53,7 +52,7 @@ class Rollouts(RolloutScheduler):
                 self.engines, self.events, task, tokenizer, group_size=jc.grpo.group_size,
                 prompts_per_step=r.prompts_per_step, max_new_tokens=r.max_new_tokens, temperature=jc.grpo.temperature,
                 top_k=r.top_k, seed=r.seed, pad_id=_pad_id(tokenizer, jc.model.hf_assets_path),
-                max_version_gap=max_version_gap, dead_zone=r.dispatch_dead_zone, max_share=r.dispatch_max_share,
+                dead_zone=r.dispatch_dead_zone, max_share=r.dispatch_max_share,
                 reward_workers=r.reward_workers, reward_timeout_s=r.reward_timeout_seconds,
                 stall_s=r.engine_stall_seconds,
             )

@@ -91,7 +91,6 @@ class RolloutScheduler:
         top_k: int,
         seed: int,
         pad_id: int,
-        max_version_gap: int,
         dead_zone: float = 0.1,
         max_share: float = 0.75,
         reward_workers: int = 1,
@@ -102,7 +101,7 @@ class RolloutScheduler:
         self.events, self.task, self.tokenizer = events, task, tokenizer
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
-        self.seed, self.pad_id, self.max_version_gap = seed, pad_id, max_version_gap
+        self.seed, self.pad_id = seed, pad_id
         self._req_ids = itertools.count()
         self._steps: dict[int, _Step] = {}
         self._by_req: dict[int, _Part] = {}
@@ -125,9 +124,9 @@ class RolloutScheduler:
         st = self._steps[step] = _Step(step, prompts, ids, [])
         return st
 
-    def dispatch(self, step: int, trainer_version: int, pin_version: int = -1) -> None:
+    def dispatch(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> None:
         """Send all of ``step``'s prompts to the engines (once; later calls for the step do nothing), pinned to
-        ``pin_version`` (see ``GenerationRequest.pin_version``)."""
+        ``pin_version``, generated on ``min_version`` or newer (see ``GenerationRequest``)."""
         st = self._steps.get(step) or self._new_step(step)
         if st.n_dispatched:
             return
@@ -135,7 +134,8 @@ class RolloutScheduler:
         first = 0
         for engine, n in zip(alive, self.split.split(len(st.prompts), [e.name for e in alive])):
             if n:
-                part = self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version, pin_version)
+                part = self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version, pin_version,
+                                    min_version)
                 st.parts.append(part)
             first += n
         st.n_dispatched = len(st.prompts)
@@ -153,14 +153,13 @@ class RolloutScheduler:
                 raise NoEngineLeft("no rollout engine is alive")
             self.pump(0.05)
 
-    def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int, pin: int) -> _Part:
+    def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int, pin: int,
+                min_version: int) -> _Part:
         req = GenerationRequest(
             req_id=next(self._req_ids), step=step, prompt_ids=ids, group_size=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
             seed=(self.seed * 1_000_003 + step) * 131 + first, dispatch_version=trainer_version,
-            # born fresh enough: step k is trained at version k-1, so it needs version >= k-1-max_version_gap;
-            # the engine waits for that push instead of generating from older weights that would be discarded
-            min_version=max(0, step - 1 - self.max_version_gap), pin_version=pin,
+            min_version=min_version, pin_version=pin,
         )
         return self._send(req, engine, first)
 
@@ -267,10 +266,10 @@ class RolloutScheduler:
 
     # --------------------------------------------------------------------------------------- collect
 
-    def collect(self, step: int, trainer_version: int, pin_version: int = -1) -> RolloutBatch:
+    def collect(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> RolloutBatch:
         """Dispatch ``step`` (unless admission already has), wait for all its parts and build its batch (scored,
         laid out for training)."""
-        self.dispatch(step, trainer_version, pin_version=pin_version)
+        self.dispatch(step, trainer_version, pin_version=pin_version, min_version=min_version)
         st = self._steps[step]
         start = noted = time.monotonic()
         while any(p.result is None for p in st.parts):

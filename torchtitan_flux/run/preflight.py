@@ -1,7 +1,7 @@
 """``preflight``: everything checked and loaded before torchtitan builds the model or any engine starts.
 
-The config's values (``validate_config``) and the batch against the number of trainer ranks (torchrun's
-``WORLD_SIZE``), the model family of ``model.hf_assets_path``, the task and its
+The config's values are checked once, by the entry point (``validate_config``); here the batch against the number
+of trainer ranks (torchrun's ``WORLD_SIZE``), the model family of ``model.hf_assets_path``, the task and its
 held-out set (datasets load and prompts are length-checked here), the reward functions (called once on a
 sample), and the resume (the checkpoint's config fingerprint against this run's). Every failure is one
 ``ConfigError`` line naming the field, before any process is spawned.
@@ -17,7 +17,6 @@ from torchtitan_flux.run import resume
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.models.families import select_model
 from torchtitan_flux.data.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
-from torchtitan_flux.run.validation import validate_config
 
 
 @dataclass
@@ -31,7 +30,6 @@ class Preflight:
 
 
 def preflight(job_config) -> Preflight:
-    validate_config(job_config)
     batch, world = job_config.rollout.prompts_per_step * job_config.grpo.group_size, int(os.environ.get("WORLD_SIZE", 1))
     if batch % world:
         raise ConfigError(f"rollout.prompts_per_step * grpo.group_size = {batch} must be divisible by the number of "

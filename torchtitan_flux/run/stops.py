@@ -24,6 +24,7 @@ from torchtitan_flux.rollout.scheduler import NoEngineLeft
 
 logger = logging.getLogger("torchtitan_flux")
 
+SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most a stop (or a save) waits for a push, and for rollouts in flight
 DUPLICATE_WINDOW_S = 2.0  # one signal delivered twice (to torchrun's process group and forwarded by torchrun)
 
 
@@ -58,6 +59,11 @@ class StopRequests:
         """Single-process runs: a first signal also ends ``scheduler``'s wait for rollouts (with several ranks
         the others would be left waiting in the batch broadcast, so they finish the step instead)."""
         self._interruptible = scheduler
+
+    def wait_s(self, timeout_s: float) -> float:
+        """How long to wait for a push or for rollouts in flight: ``timeout_s``, at most ``SIGNAL_STOP_WAIT_S``
+        once a signal came."""
+        return min(timeout_s, SIGNAL_STOP_WAIT_S) if self.signal is not None else timeout_s
 
     def raise_if_requested(self) -> None:
         """At a step boundary: stop if a signal came."""

@@ -8,11 +8,11 @@ and add engines, weight sync and metrics.
 One training step (policy version = number of optimizer steps done = ``self.step`` after the step):
   1. admission: generation may run ``lookahead = async_ratio * off_policy.max_version_gap`` steps ahead of
      training, on average: steps are admitted whole, ``floor(lookahead)`` ahead, and one step further on the
-     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``admission.py``). ``async_ratio`` is
-     ``off_policy.async_ratio`` (by default 1 with ``weight_sync.async_weight_update``, else 0), or the
-     controller's output when ``adaptive_async.enabled``. At lookahead 0 the engines first get the newest weights (a synchronous,
-     on-policy step). Rank 0 dispatches, then waits for step ``k``'s rollouts; a batch with samples older than
-     ``max_version_gap`` is discarded and regenerated (counted);
+     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``rl/off_policy.py``). ``async_ratio``
+     is ``off_policy.async_ratio``, or the controller's output when ``adaptive_async.enabled``. At lookahead 0
+     the engines first get the newest weights (a synchronous, on-policy step). Rank 0 dispatches, then waits for
+     step ``k``'s rollouts; a batch with samples older than ``max_version_gap`` is discarded and regenerated
+     (counted);
   2. the batch is broadcast to every rank; each rank trains on its contiguous slice, in micro-batches of
      ``training.local_batch_size`` sequences; the loss is normalised by the global token (or sequence) count;
   3. gradient clipping, ``optimizer.step()``, LR step; then ``WeightSyncer.after_optimizer_step``: blocking
@@ -45,7 +45,7 @@ from torchtitan.train import Trainer
 from torchtitan_flux.run import report
 
 from torchtitan_flux.run import resume
-from torchtitan_flux.rl.admission import Admission
+from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data.evaluation import Evaluator
 from torchtitan_flux.rl.feed import BatchFeed
@@ -69,8 +69,6 @@ from torchtitan_flux.run.user_code import UserCodeError, import_spec, step_callb
 from torchtitan_flux.sync.syncer import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
-
-SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most the stop waits for a push, and for rollouts in flight (each)
 
 
 class FluxTrainer(Trainer):
@@ -99,8 +97,8 @@ class FluxTrainer(Trainer):
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
         self._step_ends: list[float] = []
-        self.admission = Admission(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
-                                   job_config.training.steps)
+        self.off_policy = OffPolicyControl(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
+                                           job_config.training.steps)
         ws = job_config.weight_sync
         self.probe = PostSyncProbe(
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
@@ -109,7 +107,7 @@ class FluxTrainer(Trainer):
         self.memory = {"rss_before_sync_mb": report.rss_mb()}
         if self.rank == 0:  # starts the engines and builds the syncer it delivers their events to
             self.scheduler = Rollouts(job_config, self.task, self.tokenizer, self.model, device=self.device,
-                                      stops=self.stops, max_version_gap=self.admission.max_version_gap)
+                                      stops=self.stops)
             self.syncer = self.scheduler.syncer
             if self.world == 1:
                 self.stops.interrupt_rollout_waits_of(self.scheduler)
@@ -117,12 +115,10 @@ class FluxTrainer(Trainer):
             self.syncer = WeightSyncer(job_config.weight_sync, self.model, [], device=self.device, is_sender=False,
                                        backend="nccl" if self.device.type == "cuda" else "gloo")
         self.memory["rss_after_staging_mb"] = report.rss_mb()
-        self.feed = BatchFeed(self.admission, self.scheduler, self.syncer,
-                              max_version_gap=self.admission.max_version_gap,
-                              async_push=ws.async_weight_update, last_step=job_config.training.steps,
-                              rank=self.rank, world=self.world)
-        self.run_state = RunState(self.admission, self.feed, self.scheduler, self.task,
-                                  job_config.rollout.prompts_per_step, pre.config_changes, ws.timeout_seconds)
+        self.feed = BatchFeed(self.off_policy, self.scheduler, self.syncer, async_push=ws.async_weight_update,
+                              last_step=job_config.training.steps, rank=self.rank, world=self.world)
+        self.run_state = RunState(self.off_policy, self.scheduler, self.task, job_config.rollout.prompts_per_step,
+                                  pre.config_changes, self.stops, ws.timeout_seconds, self.world)
         if self.rank == 0:
             self.metrics_writer = MetricsWriter(
                 job_config.job.dump_folder, job_config.training.steps,
@@ -172,12 +168,12 @@ class FluxTrainer(Trainer):
                         )
                     self.stops.raise_if_requested()
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
-            self._save_on_stop(True, reason=str(e), signalled=True)
+            self._save_on_stop(True, reason=str(e))
             raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
         except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError) as e:
             # a reward function's failure or deadline, a step callback's failure: between steps, like a lost engine
             signalled = isinstance(e, TrainingInterrupted) or self.stops.signal is not None
-            self._save_on_stop(getattr(e, "at_step_boundary", True), signalled=signalled,
+            self._save_on_stop(getattr(e, "at_step_boundary", True),
                                reason=f"received {self.stops.signal}" if signalled else str(e))
             if isinstance(e, NoEngineLeft) and signalled:  # the signal killed the engines too: say the cause
                 raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
@@ -195,12 +191,12 @@ class FluxTrainer(Trainer):
         self.step += 1
         t1 = time.perf_counter()
         metrics = self.train_on(fed.batch)
-        metrics.update(self.admission.control(self.step, fed.batch.versions, metrics))
+        metrics.update(self.off_policy.control(self.step, fed.batch.versions, metrics))
         t2 = time.perf_counter()
         self.syncer.after_optimizer_step(self.step, due=fed.push_due)
         t3 = time.perf_counter()
         if self.rank == 0:
-            metrics.update(self.admission.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
+            metrics.update(self.off_policy.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
         if self.probe is not None and self.probe.due(self.step, jc.training.steps):
             self.syncer.flush(self.step)  # the engines must hold this step's weights
             engines = [e for e in self.scheduler.engines if e.alive()] if self.rank == 0 else []
@@ -215,13 +211,11 @@ class FluxTrainer(Trainer):
             self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
             self._step_ends.append(time.perf_counter())
 
-    def _save_on_stop(self, at_step_boundary: bool, reason: str, signalled: bool = False) -> None:
-        """Graceful stop (a signal, or no rollout engine left): ``stops.settle_and_checkpoint``. ``signalled``:
-        the push and the rollouts in flight get at most ``SIGNAL_STOP_WAIT_S`` each."""
+    def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
+        """Graceful stop (a signal, or no rollout engine left): ``stops.settle_and_checkpoint``. After a signal
+        the push and the rollouts in flight get at most ``SIGNAL_STOP_WAIT_S`` each (``StopRequests.wait_s``)."""
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
-        wait = self.job_config.weight_sync.timeout_seconds
-        if signalled:
-            wait = self.run_state.save_wait_s = min(wait, SIGNAL_STOP_WAIT_S)
+        wait = self.stops.wait_s(self.job_config.weight_sync.timeout_seconds)
         can_save = at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0
         save = partial(resume.save, self.checkpointer, self.step, True, self.checkpoint_folder, self.fingerprint, True)
         settle_and_checkpoint(self.syncer, wait, save if can_save else None, self.step)
@@ -277,7 +271,7 @@ class FluxTrainer(Trainer):
         return out
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
-        counters = dict(discarded_rollouts=self.feed.discarded_rollouts, engine_restarts=self.scheduler.restarts,
+        counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.scheduler.restarts,
                         redispatched_requests=self.scheduler.redispatched, **self.syncer.metrics())
         m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)

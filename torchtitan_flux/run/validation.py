@@ -4,8 +4,7 @@ A plain single-field range is not written here: it is declared on the field in `
 by ``_check_ranges``; what is here is every other rule.
 
 It runs in the entry point before torchtitan starts (one ``error:`` line, exit 2) and again on every rank before
-any engine process is started. It also resolves ``off_policy.max_version_gap = 0`` (its default) in place, and
-moves the deprecated ``adaptive_async.max_version_gap`` there.
+any engine process is started. It never writes into the config.
 User code named in the config (rewards, tasks, controllers, step callbacks) is imported here through
 ``user_code.import_spec``, so a bad name is a validation error.
 
@@ -178,7 +177,7 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     gap = job_config.off_policy.max_version_gap  # each embedded engine keeps max_version_gap + 1 weight copies
     _require(gap <= max(1, tr.steps), "off_policy.max_version_gap", gap,
              f"at most training.steps = {tr.steps} (each embedded engine keeps max_version_gap + 1 copies of the "
-             "weights), or 0 for the default")
+             "weights)")
     seed = job_config.debug.seed
     _require(seed is None or 0 <= seed < 2**63, "debug.seed", seed, "an integer in [0, 2**63), or unset")
     mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]
@@ -192,37 +191,6 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
 
 
 logger = logging.getLogger("torchtitan_flux")
-
-CONTROLLER_DEFAULT_GAP = 3  # off_policy.max_version_gap's default with the controller (see its docstring)
-
-
-def _resolve_off_policy(o, a, w) -> None:
-    """``[off_policy]`` in place: the deprecated ``adaptive_async.max_version_gap`` moved over, the gap's default
-    (0) and the fixed ratio's (-1) resolved, with a deprecation warning for each old way."""
-    if a.max_version_gap != 0:
-        _require(a.max_version_gap >= 1, "adaptive_async.max_version_gap", a.max_version_gap,
-                 "an integer >= 1, or 0 for the default (deprecated: use off_policy.max_version_gap)")
-        if o.max_version_gap not in (0, a.max_version_gap):
-            raise ConfigError(f"adaptive_async.max_version_gap = {a.max_version_gap} and off_policy.max_version_gap = "
-                              f"{o.max_version_gap} differ; set only off_policy.max_version_gap (the old name is "
-                              "deprecated)")
-        logger.warning("adaptive_async.max_version_gap is deprecated: use off_policy.max_version_gap (same meaning)")
-        o.max_version_gap = a.max_version_gap
-    if o.max_version_gap == 0:
-        o.max_version_gap = CONTROLLER_DEFAULT_GAP if a.enabled else 1
-    _require(o.max_version_gap >= 1, "off_policy.max_version_gap", o.max_version_gap,
-             "an integer >= 1, or 0 for the default (1; 3 with adaptive_async.enabled)")
-    if a.enabled:
-        _require(o.async_ratio == -1, "off_policy.async_ratio", o.async_ratio,
-                 "-1 (unset) with adaptive_async.enabled = true: the controller sets the ratio")
-        return
-    if o.async_ratio == -1 and w.async_weight_update:
-        logger.warning("weight_sync.async_weight_update = true no longer sets how far generation runs ahead: set "
-                       "off_policy.async_ratio = 1 (used now, as before); async_weight_update selects only the "
-                       "background push")
-    _require(o.async_ratio == -1 or 0 <= o.async_ratio <= 1, "off_policy.async_ratio", o.async_ratio,
-             "a number in [0, 1], or -1 for the default (1 with weight_sync.async_weight_update = true, else 0)")
-
 
 def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | None:
     """A warning when the version-gap term alone cannot bring staleness to ``target_staleness`` (the gap is at
@@ -275,14 +243,18 @@ def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
 
 
 def validate_config(job_config: Any) -> None:
-    """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use).
-    Resolves ``off_policy.max_version_gap`` in place (``_resolve_off_policy``), so everything after sees the gap."""
+    """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
+    o = job_config.off_policy
+    if o.async_ratio == -1:  # before the range check, which would not say what replaced it
+        raise ConfigError("off_policy.async_ratio = -1 (follow weight_sync.async_weight_update) was removed: set "
+                          "off_policy.async_ratio = 1 (what it meant with async_weight_update = true) or 0")
     for sec in SECTIONS:
         _check_dataclass(sec, getattr(job_config, sec))
     for sec, cls in {**SECTIONS, **ADDED_TO_TORCHTITAN}.items():
         _check_ranges(sec, cls, getattr(job_config, sec))
     r, w, a = job_config.rollout, job_config.weight_sync, job_config.adaptive_async
-    _resolve_off_policy(job_config.off_policy, a, w)
+    _require(not a.enabled or o.async_ratio == 0, "off_policy.async_ratio", o.async_ratio,
+             "0 (the default) with adaptive_async.enabled = true: the controller sets the ratio")
 
     prof = job_config.profiling
     _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
@@ -358,7 +330,12 @@ def validate_config(job_config: Any) -> None:
     if a.enabled and (hint := staleness_out_of_reach(a, job_config.off_policy.max_version_gap)):
         logger.warning(hint)
     if a.controller != "pid":
-        import_spec("adaptive_async.controller", a.controller)
+        from torchtitan_flux.rl.controller import ControlLaw
+
+        law = import_spec("adaptive_async.controller", a.controller)
+        _require(isinstance(law, type) and issubclass(law, ControlLaw), "adaptive_async.controller", a.controller,
+                 "'pid', or 'package.module:Class' naming a class with update(staleness, target), metrics(), "
+                 "state_dict() and load_state_dict() (torchtitan_flux.rl.controller.ControlLaw)")
     _check_model_folder(job_config)
 
 

@@ -1,0 +1,302 @@
+"""``OffPolicyControl``: the one owner of the off-policy decision: how far generation runs ahead of training,
+which samples are too stale to train on, which steps push weights, and the pipeline depth.
+
+* ``async_ratio``: ``off_policy.async_ratio``, or the controller's output with ``adaptive_async.enabled``
+  (``control`` feeds it the staleness of each trained batch; it may also force the next step synchronous);
+* ``lookahead = async_ratio * max_version_gap`` steps, at most ``max_version_gap - (interval - 1)`` since
+  engines may hold weights up to ``interval - 1`` steps old, and with ``off_policy.feedforward`` at most
+  the pipeline depth that hides generation (``PipelineDepth``); ``admit`` turns it into whole steps;
+* staleness, decided here only: a step trained at policy ``version`` takes samples of version ``oldest(version)``
+  or newer; the engines wait for it (``GenerationRequest.min_version``) and ``accept`` discards, and counts, a
+  batch with an older sample;
+* the push cadence: every ``weight_sync.interval`` steps, or the self-tuning ``SyncCadence`` with
+  ``interval = "auto"`` (``tune_cadence``).
+
+Concurrency: main thread only. Every trainer rank holds one. Rank 0 decides what depends on its measurements
+(the cadence, the depth); the feed broadcasts ``decision()`` with each batch and the other ranks ``adopt`` it,
+which replays the admission. The controller's inputs are all-reduced, so its state is the same on every rank.
+A checkpoint holds rank 0's ``state_dict`` (``RunState`` broadcasts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchtitan_flux.rl.controller import AdaptiveAsyncController, StalenessSample
+
+logger = logging.getLogger("torchtitan_flux")
+
+STALE_BAND = 0.05  # staleness this far above its target counts as out of band (as in benchmarks/controller.py)
+DEPTH_EMA = 0.2  # EMA weight of the newest step's generation and training times (PipelineDepth)
+
+
+class PipelineDepth:
+    """The feedforward term: how many steps must be in flight for generation to hide behind training.
+
+    With a step's generation taking ``g`` seconds (engine-side, for the whole batch) and its training ``t``,
+    an engine that serves the in-flight steps concurrently keeps the trainer busy with ``ceil(g / t)`` steps
+    ahead (Little's law: in flight = latency x rate); fewer leave the trainer waiting, more only add staleness.
+    ``g`` and ``t`` are EMAs (weight ``DEPTH_EMA``) of each trained batch's ``gen_time_s`` and the trainer's
+    compute time. Before the first measurement the depth is 1. Rank 0 measures; other ranks are told ``depth``.
+    """
+
+    def __init__(self):
+        self.gen_s: float | None = None
+        self.train_s: float | None = None
+        self.depth = 1
+
+    def observe(self, gen_s: float, train_s: float) -> None:
+        if not (math.isfinite(gen_s) and math.isfinite(train_s) and gen_s >= 0 and train_s > 0):
+            return
+        a = DEPTH_EMA
+        self.gen_s = gen_s if self.gen_s is None else a * gen_s + (1 - a) * self.gen_s
+        self.train_s = train_s if self.train_s is None else a * train_s + (1 - a) * self.train_s
+        self.depth = max(1, math.ceil(self.gen_s / self.train_s))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gen_s": self.gen_s, "train_s": self.train_s, "depth": self.depth}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen_s, self.train_s, self.depth = state["gen_s"], state["train_s"], int(state["depth"])
+
+
+class OffPolicyControl:
+    """The off-policy decision of the module docstring. Main thread only; every trainer rank holds one."""
+
+    def __init__(self, off_policy, adaptive_async, weight_sync, total_steps: int):
+        op, aa, ws = off_policy, adaptive_async, weight_sync
+        self.max_version_gap, self.async_push = op.max_version_gap, ws.async_weight_update
+        self.fixed_interval = ws.interval
+        self.controller = AdaptiveAsyncController(aa, total_steps) if aa.enabled else None
+        self.async_ratio = float(aa.initial_async_ratio if aa.enabled else op.async_ratio)  # the one copy
+        self.force_sync = False
+        self.carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
+        self.discarded_rollouts = 0  # samples thrown away as too stale
+        max_interval = min(ws.max_interval, op.max_version_gap + 1)
+        self.cadence = SyncCadence(1, ws.overhead_target, max_interval) if ws.interval == "auto" else None
+        self._push_s_seen = 0.0  # the push thread's total push time at the last cadence update
+        self.depth = PipelineDepth() if op.feedforward else None
+
+    @property
+    def sync_interval(self) -> int:
+        """Every how many steps weights are pushed now (``weight_sync.interval``, or the cadence's choice)."""
+        return self.cadence.interval if self.cadence is not None else self.fixed_interval
+
+    @property
+    def lookahead(self) -> float:
+        """How many steps ahead of training generation may run (see the module docstring)."""
+        if self.force_sync:
+            return 0.0
+        gap = self.max_version_gap
+        cap = gap - (self.sync_interval - 1)
+        if self.depth is not None:
+            cap = min(cap, self.depth.depth)
+        return min(self.async_ratio * gap, cap)
+
+    @property
+    def on_policy(self) -> bool:
+        """The next step is synchronous: in async mode the engines must first get the newest weights."""
+        return self.force_sync or self.async_ratio == 0
+
+    def oldest(self, version: int) -> int:
+        """The oldest policy version a step trained at ``version`` may take samples from."""
+        return version - self.max_version_gap
+
+    def accept(self, step: int, version: int, batch) -> bool:
+        """Whether step ``step``'s ``batch`` may be trained on at policy ``version``; a stale one is counted."""
+        gap = version - int(batch.versions.min())
+        if gap <= self.max_version_gap:
+            return True
+        self.discarded_rollouts += batch.tokens.shape[0]
+        logger.warning(f"step {step}: rollouts {gap} versions old exceed max_version_gap; regenerating")
+        return False
+
+    def push_due(self, step: int) -> bool:
+        """Whether ``step`` pushes its weights (rank 0's answer; other ranks get it with the batch)."""
+        return self.cadence.due() if self.cadence is not None else step % self.fixed_interval == 0
+
+    def admit(self) -> int:
+        """How many steps ahead to admit now: ``floor(lookahead)``, plus one on the fraction ``lookahead -
+        floor(lookahead)`` of calls (error diffusion: the residual carries over, so the admitted lookahead
+        averages ``lookahead`` and its running error stays within half a step; whole steps, see
+        docs/architecture.md). Deterministic, and ``lookahead = 0`` never admits ahead (the residual stays < 0.5)."""
+        lookahead = self.lookahead
+        whole = int(lookahead)
+        self.carry += lookahead - whole
+        if self.carry >= 0.5:
+            self.carry -= 1.0
+            return whole + 1
+        return whole
+
+    def decision(self) -> tuple[int, int]:
+        """Rank 0's measured choices, broadcast with each batch: the push interval and the pipeline depth."""
+        return self.sync_interval, self.depth.depth if self.depth is not None else 0
+
+    def adopt(self, decision: tuple[int, int]) -> None:
+        """Ranks > 0: take rank 0's ``decision()`` and replay its admission (so every rank has the same carry)."""
+        interval, depth = decision
+        if self.cadence is not None:
+            self.cadence.interval = interval
+        if self.depth is not None:
+            self.depth.depth = depth
+        self.admit()
+
+    def control(self, step: int, versions: torch.Tensor, m: dict[str, float]) -> dict[str, float]:
+        """Staleness of the batch just trained (its samples' ``versions``, the step's metrics ``m``) -> the
+        controller -> ``async_ratio`` of the next admission. Returns the controller's metrics."""
+        out = {"async_ratio": self.async_ratio}
+        if self.controller is None:
+            return out
+        gap = (step - 1 - versions).float()
+        sample = StalenessSample(
+            kl=m["behaviour_kl"], iw_var=m["iw_var"], version_gap_mean=gap.mean().item(),
+            version_gap_max=gap.max().item(), ess_fraction=m["ess_fraction"],
+        )
+        decision = self.controller.step(step, sample)
+        self.async_ratio, self.force_sync = decision.async_ratio, decision.force_sync
+        return decision.metrics
+
+    def after_push(self, fed, compute_s: float, sync_s: float, push_s_total: float, m: dict[str, float]) -> dict:
+        """Rank 0, after a step's ``after_optimizer_step``: what the feedforward depth and the auto cadence learn
+        from the step's times (``fed``: its ``feed.StepInput``). Returns their metrics (none when both are off)."""
+        out: dict[str, Any] = {}
+        if self.depth is not None:
+            out.update(self.observe_times(fed.batch.gen_time_s, compute_s))
+        if self.cadence is not None:
+            out.update(self.tune_cadence(fed.push_due, compute_s, sync_s, fed.wait_s, fed.flush_s, push_s_total, m))
+        return out
+
+    def observe_times(self, gen_s: float, train_s: float) -> dict[str, float]:
+        """Rank 0, ``off_policy.feedforward``: a trained batch's generation time and the step's compute time
+        -> the pipeline depth that caps the next admissions. Returns its metrics."""
+        self.depth.observe(gen_s, train_s)
+        return {"pipeline_depth": float(self.depth.depth)}
+
+    def tune_cadence(self, pushed: bool, compute_s: float, sync_s: float, rollout_wait: float, flush_s: float,
+                     push_s_total: float, m: dict[str, float]) -> dict[str, Any]:
+        """Rank 0, ``weight_sync.interval = "auto"``: account this step's time lost to weight sync and, when it
+        pushed, let the cadence pick the next interval (``SyncCadence``). Lost time: blocking mode, the main
+        thread's time in the push (``sync_s``); async mode, that (the snapshot) plus an on-policy flush, plus the
+        part of the rollout wait the push thread's work can explain (at most the push time spent since the last
+        step; ``push_s_total`` is the push thread's running total). Staleness wins: with the controller on,
+        staleness above its target by more than ``STALE_BAND`` halves the interval and blocks raises."""
+        lost = sync_s + flush_s
+        if self.async_push:
+            lost += min(max(rollout_wait - flush_s, 0.0), push_s_total - self._push_s_seen)
+            self._push_s_seen = push_s_total
+        stale = "staleness" in m and m["staleness"] > m["target_staleness"] + STALE_BAND
+        before = self.cadence.interval
+        d = self.cadence.observe_step(compute_s, lost, pushed, stale=stale)
+        out: dict[str, Any] = {"sync_interval": self.cadence.interval, "sync_lost_s": lost,
+                               "sync_overhead_target": self.cadence.target}
+        if d is not None:
+            out.update(sync_overhead=d.overhead, sync_interval_reason=d.reason)
+            if d.interval != before:
+                logger.info(f"weight_sync.interval {before} -> {d.interval} ({d.reason}: overhead "
+                            f"{d.overhead:.3f}, target {self.cadence.target})")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything above, in one dict (a part switched off is None)."""
+        parts = {"controller": self.controller, "cadence": self.cadence, "pipeline_depth": self.depth}
+        return {"async_ratio": self.async_ratio, "force_sync": self.force_sync, "admit_carry": self.carry,
+                "discarded_rollouts": self.discarded_rollouts,
+                **{k: p.state_dict() if p is not None else None for k, p in parts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.async_ratio, self.force_sync = float(state["async_ratio"]), bool(state["force_sync"])
+        self.carry, self.discarded_rollouts = float(state["admit_carry"]), int(state["discarded_rollouts"])
+        for part, key in ((self.controller, "controller"), (self.cadence, "cadence"), (self.depth, "pipeline_depth")):
+            if part is not None and state[key] is not None:  # None: saved with that part off
+                part.load_state_dict(state[key])
+
+
+@dataclass
+class CadenceDecision:
+    """What ``SyncCadence.after_push`` decided, for metrics (``sync_interval``, ``sync_overhead``) and logs."""
+
+    interval: int
+    overhead: float  # smoothed lost time per push / (smoothed compute per step * the interval in force when measured)
+    reason: str  # "hold", "raise", "lower", "stale" (halved for staleness), "cap" (a raise clipped at max_interval)
+
+
+class SyncCadence:
+    """``weight_sync.interval = "auto"``: every how many steps weights are pushed, so that the trainer's time lost
+    to weight sync stays under a target (flodl's ``ElChe``, ``shared/seeds/002_*``). Main thread only.
+
+    Per step: ``due()`` says whether it pushes; ``observe_step(compute_s, lost_s, pushed, stale)`` reports its
+    compute time and the time it lost to weight sync. A push closes a window; on EMAs (``ema_alpha``) of the lost
+    time per window and the compute per step, the overhead at interval ``k`` is ``lost / (k * compute)``:
+      * above ``target``: raise ``k`` straight to ``ceil(lost / (target * compute))``, capped at ``max_interval``;
+      * below ``lower_fraction * target`` and ``k > min_interval``: lower ``k`` by one (the dead zone in between
+        stops flapping: ``o * k / (k - 1) <= 2 * o < target``);
+      * ``stale`` (the controller's staleness out of band) wins: ``k`` is halved (ceil, >= 1) and may not rise.
+    In async mode a push's cost shows in the next steps' rollout waits, so windows are shifted by one step."""
+
+    def __init__(self, start_interval: int, overhead_target: float, max_interval: int, ema_alpha: float = 0.5,
+                 lower_fraction: float = 0.5):
+        if not 1 <= start_interval <= max_interval:
+            raise ValueError(f"need 1 <= start_interval ({start_interval}) <= max_interval ({max_interval})")
+        self.interval = start_interval
+        self.min_interval = start_interval
+        self.max_interval = max_interval
+        self.target = overhead_target
+        self.alpha = ema_alpha
+        self.lower_fraction = lower_fraction
+        self.steps_since_push = 0
+        self._window_compute = 0.0
+        self._window_lost = 0.0
+        self._lost_ema: float | None = None  # seconds lost per push window
+        self._compute_ema: float | None = None  # seconds of compute per step
+
+    def due(self) -> bool:
+        """Whether the step now ending pushes its weights."""
+        return self.steps_since_push + 1 >= self.interval
+
+    def observe_step(self, compute_s: float, lost_s: float, pushed: bool,
+                     stale: bool = False) -> CadenceDecision | None:
+        """Account one step; when it pushed, decide the next interval (returned) from the window it closes."""
+        self.steps_since_push += 1
+        self._window_compute += compute_s
+        self._window_lost += lost_s
+        if not pushed:
+            return None
+        per_step = self._window_compute / self.steps_since_push
+        self._lost_ema = _ema(self._lost_ema, self._window_lost, self.alpha)
+        self._compute_ema = _ema(self._compute_ema, per_step, self.alpha)
+        self.steps_since_push, self._window_compute, self._window_lost = 0, 0.0, 0.0
+        overhead = self._lost_ema / max(self._compute_ema * self.interval, 1e-9)
+        reason = "hold"
+        if stale:
+            halved = max(1, math.ceil(self.interval / 2))
+            reason = "stale" if halved < self.interval else "hold"
+            self.interval = halved
+        elif overhead > self.target:
+            need = math.ceil(self._lost_ema / (self.target * max(self._compute_ema, 1e-9)))
+            new = min(max(need, self.interval + 1), self.max_interval)
+            reason = "raise" if new >= need else "cap"  # "cap": max_interval keeps it above the target
+            self.interval = new
+        elif overhead < self.lower_fraction * self.target and self.interval > self.min_interval:
+            self.interval -= 1
+            reason = "lower"
+        return CadenceDecision(self.interval, overhead, reason)
+
+    def state_dict(self) -> dict:
+        return {"interval": self.interval, "steps_since_push": self.steps_since_push,
+                "window_compute": self._window_compute, "window_lost": self._window_lost,
+                "lost_ema": self._lost_ema, "compute_ema": self._compute_ema}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.interval = min(max(int(sd["interval"]), 1), self.max_interval)
+        self.steps_since_push = int(sd["steps_since_push"])
+        self._window_compute, self._window_lost = float(sd["window_compute"]), float(sd["window_lost"])
+        self._lost_ema, self._compute_ema = sd["lost_ema"], sd["compute_ema"]
+
+
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else alpha * new + (1 - alpha) * old
