@@ -584,7 +584,7 @@ def test_scoring_starts_when_a_steps_results_arrive_not_when_the_trainer_asks():
     events: queue.Queue = queue.Queue()
     sched = RolloutScheduler(
         [FakeEngine("e0", 100.0, events)], events, task, FakeTokenizer(), group_size=2, prompts_per_step=2,
-        max_new_tokens=1, temperature=1.0, top_k=0, seed=0, pad_id=0, max_version_gap=1,
+        max_new_tokens=1, temperature=1.0, top_k=0, seed=0, pad_id=0,
     )
     sched.dispatch(1, 0)
     t0 = time.perf_counter()

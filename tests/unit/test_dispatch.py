@@ -25,7 +25,7 @@ def make(rates, *, prompts=16, dead_zone=0.1, max_share=0.75, jitter=0.0):
     engines = [FakeEngine(f"e{i}", r, events, jitter=jitter, seed=i) for i, r in enumerate(rates)]
     sched = RolloutScheduler(
         engines, events, FakeTask(), FakeTokenizer(), group_size=G, prompts_per_step=prompts, max_new_tokens=1,
-        temperature=1.0, top_k=0, seed=0, pad_id=0, max_version_gap=1, dead_zone=dead_zone, max_share=max_share,
+        temperature=1.0, top_k=0, seed=0, pad_id=0, dead_zone=dead_zone, max_share=max_share,
     )
     return sched, engines
 
