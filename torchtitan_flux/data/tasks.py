@@ -1,25 +1,13 @@
-"""Tasks: where prompts come from and which reward functions score them.
+"""Tasks: where prompts come from and which reward functions score them (the built-in tasks: docs/data.md).
 
 A task yields the ``Prompt`` records of a training step as a pure function of (seed, step), so the prompts of
 every step are reproducible after a resume without any dataloader state. Its rewards are ``RewardFunc``s with
-TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` replace a task's own.
+TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` replace a task's own. Besides ``TASKS``,
+``rollout.task`` may name ``"package.module:name"``: a callable ``(job_config, tokenizer, dataset_path,
+dataset_split, field_name) -> Task``, ``field_name`` being the config field its errors name.
 
-Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a callable taking
-``(job_config, tokenizer, dataset_path, dataset_split, field_name)`` and returning a ``Task``; ``field_name`` is
-the config field to name in its errors, as docs/data.md documents):
-
-* ``digits`` — dense sanity task: reward = fraction of the completion's characters that are ASCII digits.
-  A random-init byte-level model starts near 10/259 and learns it in minutes on CPU.
-* ``arithmetic`` — "a+b=" with a, b in [0, 50): reward 1 if the completion's final answer (``extract_answer``:
-  after ``####``, else ``\\boxed{}``, else the last number) equals a+b.
-* ``dataset`` — records of a local dataset (``data.load_table``): a text prompt
-  column or a chat ``messages`` column, every other column passed to the rewards; sampled in seeded epochs
-  without replacement (``data.EpochSampler``). No default reward: name one in ``rollout.reward_funcs``.
-  A record whose prompt is null, empty or an empty message list refuses the dataset (naming the file, the
-  first such record and how many there are): training on the text "None" or on nothing is a data bug, not
-  something to skip silently.
-* ``gsm8k`` — a dataset in GSM8K's format (``question``, ``answer`` ending in ``#### <number>``) scored by
-  ``answer_match`` (exact final answer); ``math_verify`` is available as a reward when installed.
+A dataset record whose prompt is null, empty or an empty message list refuses the dataset: training on the text
+"None" or on nothing is a data bug, not something to skip silently.
 """
 
 from __future__ import annotations
@@ -102,7 +90,7 @@ class ArithmeticTask(Task):
 
 
 class DatasetTask(Task):
-    """Records of a local dataset (see the module docstring)."""
+    """Records of a local dataset (``data.load_table``), sampled in seeded epochs (``data.EpochSampler``)."""
 
     name = "dataset"
     default_prompt_columns: tuple[str, ...] = ()  # tried after rollout.prompt_column
@@ -230,8 +218,7 @@ RESERVED_COLUMNS = {"prompts", "completions", "completion_ids"}  # reward functi
 
 
 def _refuse_non_text_prompts(values: list, column: str, where: str) -> None:
-    """``ConfigError`` when a text prompt is not a string (a number, a list, a dict would be trained on as its
-    ``str()``)."""
+    """``ConfigError`` when a text prompt is not a string (it would be trained on as its ``str()``)."""
     bad = [i for i, v in enumerate(values) if not isinstance(v, str)]
     if bad:
         raise ConfigError(f"{where} record {bad[0]}: column {column!r} is {type(values[bad[0]]).__name__} "
@@ -240,8 +227,7 @@ def _refuse_non_text_prompts(values: list, column: str, where: str) -> None:
 
 
 def _refuse_empty_prompts(values: list, column: str, where: str) -> None:
-    """``ConfigError`` when a prompt is null, empty or blank text, or an empty message list (see the module
-    docstring)."""
+    """``ConfigError`` when a prompt is null, empty or blank text, or an empty message list."""
     empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, (str, list)) and not v)
              or (isinstance(v, str) and not v.strip())]
     if empty:
@@ -336,7 +322,7 @@ def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
 
 def prompt_tokenizer(job_config):
     """The tokenizer of ``model.hf_assets_path`` (torchtitan's), to measure prompts before the trainer builds its
-    own. (Where the models helper's HF tokenizer loading lands, this should become that loader.)"""
+    own."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     hf = job_config.model.hf_assets_path
