@@ -1,7 +1,6 @@
 """``SpeedSplit``: how a step's prompts are split across the rollout engines (after floDl's ElChe).
 
-Prompts go to engines by group, in proportion to each engine's measured throughput (an EMA of completions/s,
-``observe``), with
+Prompts go to engines by group, in proportion to each engine's measured throughput (an EMA of completions/s), with
   * a dead zone: the previous shares are kept while every engine's new share differs from its previous one by
     less than ``dead_zone`` (relative), so timing jitter does not reshuffle work between steps;
   * an imbalance cap: while more than one engine is alive, no engine gets more than ``max_share`` of the
@@ -54,10 +53,8 @@ class SpeedSplit:
         return counts
 
     def _shares(self, names: list[str]) -> list[float]:
-        """Fractions of the prompts per engine: proportional to the EMA of measured speed, capped at
-        ``max_share`` while more than one engine is alive (water-filling: the excess is spread over the uncapped
-        engines in proportion to their speed), and the previous fractions kept when no engine's fraction would
-        change by ``dead_zone`` (relative) or more. A change in the set of engines always re-splits."""
+        """Fractions of the prompts per engine (see the module docstring; the cap by water-filling). A change in
+        the set of engines always re-splits."""
         speeds = [max(self.speed.get(nm, 1.0), 1e-9) for nm in names]
         shares = [s / sum(speeds) for s in speeds]
         if len(names) > 1:
