@@ -182,8 +182,7 @@ def grpo_loss(
 
     # ---- policy ratio (the only path with gradient) and IS weight
     anchor = mu if proximal_logprobs is None else proximal_logprobs.detach().to(dtype)
-    log_ratio = torch.where(live, logprobs - anchor, zero)
-    ratio = _bounded_exp(log_ratio)
+    ratio = _bounded_exp(torch.where(live, logprobs - anchor, zero))
 
     truncated = None
     if proximal_logprobs is None or tis_cap <= 0:
@@ -199,11 +198,8 @@ def grpo_loss(
     per_token = -surrogate if w is None else -(w * surrogate)
 
     # ---- KL penalty against the reference policy
-    delta = None
-    if ref_logprobs is not None:
-        delta = torch.where(live, ref_logprobs.detach().to(dtype) - logprobs, zero)
+    delta = None if ref_logprobs is None else torch.where(live, ref_logprobs.detach().to(dtype) - logprobs, zero)
     if kl_coef > 0:
-        assert delta is not None
         if kl_estimator == "k1":
             kl = -delta
         elif kl_estimator == "k2":
@@ -218,18 +214,13 @@ def grpo_loss(
 
     # ---- normalisation
     if normalization == "token":
-        if num_tokens is None:
-            denom = maskf.sum().clamp(min=1.0)
-        else:
-            denom = _explicit_count("num_tokens", num_tokens, logprobs)
+        denom = (maskf.sum().clamp(min=1.0) if num_tokens is None
+                 else _explicit_count("num_tokens", num_tokens, logprobs))
         loss = per_token.sum() / denom
     else:
-        row_len = maskf.sum(dim=1).clamp(min=1.0)
-        row_mean = per_token.sum(dim=1) / row_len
-        if num_sequences is None:
-            denom = float(max(n_rows, 1))
-        else:
-            denom = _explicit_count("num_sequences", num_sequences, logprobs)
+        row_mean = per_token.sum(dim=1) / maskf.sum(dim=1).clamp(min=1.0)
+        denom = (float(max(n_rows, 1)) if num_sequences is None
+                 else _explicit_count("num_sequences", num_sequences, logprobs))
         loss = row_mean.sum() / denom
 
     # ---- metrics (detached, local masked means)
@@ -242,11 +233,7 @@ def grpo_loss(
 
         metrics: dict[str, Tensor] = {}
         metrics["clip_frac"] = mmean((clipped < unclipped).to(dtype))
-        if delta is not None:
-            d = delta.detach()
-            metrics["kl"] = mmean(_bounded_exp(d) - d - 1.0)
-        else:
-            metrics["kl"] = zero.clone()
+        metrics["kl"] = zero.clone() if delta is None else mmean(_bounded_exp(delta) - delta - 1.0)  # k3
         metrics["ratio_mean"] = mmean(ratio.detach())
         metrics["is_weight_mean"] = one.clone() if w is None else mmean(w)
         metrics["is_weight_truncated_frac"] = zero.clone() if truncated is None else mmean(truncated.to(dtype))
