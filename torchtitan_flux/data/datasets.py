@@ -41,10 +41,9 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
         files = [] if saved else sorted(os.listdir(path))
         meta = {"dataset_infos.json", "dataset_dict.json", "state.json", "dataset_info.json"}  # not data files
         exts = {os.path.splitext(n)[1].lower() for n in files if n not in meta} & set(_BUILDERS)
-        kinds = sorted(exts)
         if len({_BUILDERS[e] for e in exts}) > 1:  # the datasets library would read one kind and drop the others
-            raise ConfigError(f"{field_name} = {path!r} mixes data files of types {kinds}; allowed: files of one type "
-                              "in a folder")
+            raise ConfigError(f"{field_name} = {path!r} mixes data files of types {sorted(exts)}; allowed: files of "
+                              "one type in a folder")
         for name in files:
             if name.endswith(".jsonl"):
                 check_jsonl(os.path.join(path, name), field_name)

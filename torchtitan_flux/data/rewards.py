@@ -3,9 +3,8 @@
     f(prompts, completions, completion_ids=..., **columns) -> list[float | None]
 
 Every argument holds one entry per completion; ``None`` means "not applicable" and counts as 0 in the weighted
-total (TRL's ``nansum``). A function that raises (``sys.exit()`` included), returns something other than
-``len(completions)`` finite numbers or ``None``, or runs past ``rollout.reward_timeout_seconds`` fails the batch
-with a ``RewardError`` naming it, and the run stops with that one line.
+total (TRL's ``nansum``). A function that raises, returns a bad value or runs past
+``rollout.reward_timeout_seconds`` fails the batch with a ``RewardError`` naming it; the run stops with that line.
 
 Concurrency: ``RewardScorer.submit`` hands a batch to a thread pool (``rollout.reward_workers`` threads) and returns
 a ``Future`` that the main thread waits on only when it needs that step's batch, so scoring overlaps training in
@@ -156,8 +155,7 @@ async def _gather(coros: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _guarded(name: str, coro: Any) -> Any:
-    """``coro``'s value; its exception as a ``RewardError`` (``SystemExit`` too, which asyncio would re-raise out
-    of the event loop)."""
+    """``coro``'s value; its exception (``SystemExit`` included) as a ``RewardError``."""
     try:
         return await coro
     except (Exception, SystemExit) as e:
@@ -236,14 +234,12 @@ def _text(completion: Any) -> str:
 
 
 def answer_match_reward(completions, answer, **_) -> list[float]:
-    """1.0 when the completion's final answer (``extract_answer``) equals the record's ``answer`` (its ``####``
-    part when present), else 0.0."""
+    """1.0 when the completion's final answer (``extract_answer``) equals the record's (``gold_answer``), else 0.0."""
     return [float(extract_answer(_text(c)) == gold_answer(a)) for c, a in zip(completions, answer)]
 
 
 def math_verify_reward(completions, answer, **_) -> list[float]:
-    """1.0 when ``math_verify`` finds the completion equivalent to the gold answer (needs ``pip install
-    math-verify``)."""
+    """1.0 when ``math_verify`` (``pip install math-verify``) finds the completion equivalent to the gold answer."""
     from math_verify import parse, verify
 
     out = []

@@ -41,16 +41,13 @@ Simplifications and numerical choices
     * Everything is computed in ``logprobs.dtype`` (pass float32 or float64 log-probabilities).
 
 Metrics (detached 0-d tensors; means over this call's completion tokens, i.e. *local*, not global counts)
-    ``clip_frac``                 fraction of tokens where the clipped branch is the strict minimum
-                                  (``clamp(rho) * A < rho * A``), i.e. clipping zeroes the policy gradient;
-    ``kl``                        mean k3 KL estimate vs ``ref`` (0 when ``ref_logprobs`` is None);
-    ``ratio_mean``, ``is_weight_mean`` (1 without IS weight), ``is_weight_truncated_frac``
-                                  (fraction of tokens with ``exp(prox - mu) > tis_cap``);
-    staleness (for the adaptive async controller), from ``pi`` = ``prox`` if given else ``lp`` against ``mu``,
-    with ``r = exp(pi - mu)`` the untruncated per-token importance weight:
-    ``behaviour_kl``              ``mean(r - 1 - log r)``: the k3 estimator of ``KL(mu || pi)`` (non-negative);
-    ``iw_var``                    population variance of ``r``;
-    ``ess_fraction``              ``(sum r)^2 / (n * sum r^2)`` in ``(0, 1]``, 1 = on-policy (1 with no tokens).
+    ``clip_frac``: fraction of tokens where the clipped branch is the strict minimum (``clamp(rho) * A < rho * A``:
+    clipping zeroes the gradient); ``kl``: mean k3 KL vs ``ref`` (0 without ``ref_logprobs``); ``ratio_mean``;
+    ``is_weight_mean`` (1 without IS weight); ``is_weight_truncated_frac`` (tokens with ``exp(prox - mu) > tis_cap``).
+    Staleness, for the adaptive controller, from the untruncated weight ``r = exp(pi - mu)``, ``pi`` = ``prox`` if
+    given else ``lp``: ``behaviour_kl`` = ``mean(r - 1 - log r)`` (the k3 estimate of ``KL(mu || pi)``), ``iw_var``
+    (population variance of ``r``), ``ess_fraction`` = ``(sum r)^2 / (n * sum r^2)`` in ``(0, 1]`` (1: on-policy, or
+    no tokens).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """``SpeedSplit``: how a step's prompts are split across the rollout engines (after floDl's ElChe).
 
 Prompts go to engines by group, in proportion to each engine's measured throughput (an EMA of completions/s), with
-  * a dead zone: the previous shares are kept while every engine's new share differs from its previous one by
-    less than ``dead_zone`` (relative), so timing jitter does not reshuffle work between steps;
-  * an imbalance cap: while more than one engine is alive, no engine gets more than ``max_share`` of the
-    prompts of one dispatch (the excess goes to the others in proportion to their speed), so one slow
-    measurement cannot starve an engine of the work that would show it has recovered.
-Engines are named; the caller passes the names of those alive, so a dead engine's share goes to the others.
+a dead zone (the previous shares are kept while every engine's new share is within ``dead_zone``, relative, of its
+previous one, so timing jitter does not reshuffle work) and an imbalance cap (while more than one engine is alive,
+none gets more than ``max_share`` of a dispatch, the excess going to the others by speed, so one slow measurement
+cannot starve an engine of the work that would show it has recovered). The caller passes the engines alive.
 
 Concurrency: the scheduler's (main) thread only. Pure bookkeeping: no engine calls.
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -26,21 +27,16 @@ SET_ASIDE = ".metadata.unreadable"  # what an unreadable checkpoint's .metadata 
 
 def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
     """The settings a checkpoint cannot be resumed without, as ``{field: value}``; changing one breaks the resume
-    or silently makes it another run:
-
-    * the model folder's ``config.json`` (dimensions, vocabulary: the weights would not load, or mean something
-      else) and ``tokenizer.json`` (the token ids of the checkpointed rollouts and of the prompt stream), by the
-      hash of their content, so a moved folder still matches;
-    * ``optimizer.name``: the optimizer state is another optimizer's;
-    * ``rollout.prompts_per_step`` and ``grpo.group_size``: the batch shape of the rollouts an async checkpoint
-      holds (a resume would fail on a tensor shape) and the prompt stream position (step * prompts_per_step);
-    * ``rollout.task``, the dataset's records (content hash, after prompt-length filtering) and ``rollout.seed``:
-      which prompts come next and how they are sampled.
+    or silently makes it another run: the model folder's ``config.json`` (the weights would not load, or mean
+    something else) and ``tokenizer.json`` (the token ids of the checkpointed rollouts and prompt stream), by
+    content hash so that a moved folder still matches; ``optimizer.name`` (the optimizer state);
+    ``rollout.prompts_per_step`` and ``grpo.group_size`` (the shape of an async checkpoint's rollouts, the prompt
+    stream position); ``rollout.task``, the dataset's records (content hash, after length filtering) and
+    ``rollout.seed`` (which prompts come next).
 
     Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
-    checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch, not to
-    ``training.seq_len``, which acts only through the filtered records) and ``debug.seed`` (the RNG state is in
-    the checkpoint)."""
+    checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch; the prompt
+    limit acts through the filtered records) and ``debug.seed`` (the RNG state is in the checkpoint)."""
     r, hf = job_config.rollout, job_config.model.hf_assets_path
     fp: dict[str, Any] = {
         "model.hf_assets_path config.json": _json_sha(os.path.join(hf, "config.json")),
@@ -94,11 +90,7 @@ def check_room_for_a_checkpoint(job_config: Any) -> None:
     try:
         for path in hf.weight_files(job_config.model.hf_assets_path):
             with safe_open(str(path), "pt") as f:
-                for name in f.keys():
-                    n = 1
-                    for d in f.get_slice(name).get_shape():
-                        n *= d
-                    params += n
+                params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     except Exception:  # noqa: BLE001 - missing or damaged weights: the trainer's load names them in one line
         return
     need, folder = CHECKPOINT_BYTES_PER_PARAM * params, os.path.join(dump, ck.folder)
