@@ -3,8 +3,7 @@
 Rank 0 sends the held-out prompts to the training engines, pinned to the newest policy version sent to them, and
 scores the completions with the task's reward functions. A synchronous run waits for the evaluation at its step;
 an asynchronous one picks the results up at the first step that ends after they are scored, and waits only when
-the next evaluation is due before the previous one finished, and at the last step. Every evaluation is appended
-to ``<dump_folder>/eval.jsonl``.
+the next evaluation is due before the previous one finished, and at the last step.
 
 Concurrency: main thread only (results arrive through the scheduler's ``pump``); scoring runs on the reward pool.
 """

@@ -67,9 +67,6 @@ LOG_RATIO_CLAMP = 20.0
 Count = Union[int, float, Tensor]
 
 
-# --------------------------------------------------------------------------------------------- advantages
-
-
 def group_advantages(
     rewards: Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-4
 ) -> tuple[Tensor, int]:
@@ -94,9 +91,6 @@ def group_advantages(
     zero_var = g.amax(dim=1) == g.amin(dim=1)  # [num_groups]
     adv = torch.where(zero_var.unsqueeze(1), torch.zeros_like(centred), centred)
     return adv.reshape(-1).to(out_dtype), int(zero_var.sum().item())
-
-
-# ------------------------------------------------------------------------------------------------- loss
 
 
 def _check_shape(name: str, t: Optional[Tensor], shape: torch.Size) -> None:
@@ -246,9 +240,6 @@ def grpo_loss(
         ess = sum_r.square() / (n_tok * sum_r2).clamp(min=torch.finfo(dtype).tiny)
         metrics["ess_fraction"] = torch.where(n_tok > 0, ess, one)
     return loss, metrics
-
-
-# ---------------------------------------------------------------------------------------- log-probs
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:

@@ -2,10 +2,8 @@
 completions table (what each holds: docs/data.md, Logging).
 
 ``metrics.jsonl`` is appended and flushed every step, so a killed run keeps every completed step's line and a
-resumed run appends after them. TensorBoard and W&B go through torchtitan's own loggers
-(``metrics_processor.logger``) and get every ``metrics.log_freq``-th step plus every step carrying evaluation
-metrics (a writer thread fed every step costs the trainer ~8%: docs/benchmarks.md). ``close`` flushes the files;
-torchtitan's ``metrics_processor.close`` then finishes the W&B run.
+resumed run appends after them. TensorBoard and W&B (torchtitan's own loggers) get every ``metrics.log_freq``-th
+step and every step carrying evaluation metrics (feeding them every step costs ~8%: docs/benchmarks.md).
 """
 
 from __future__ import annotations

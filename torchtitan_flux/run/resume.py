@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import time
 from typing import Any, Callable
 
@@ -77,8 +78,6 @@ CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments (torchti
 def check_room_for_a_checkpoint(job_config: Any) -> None:
     """Rank 0, at start, with checkpoints on: ``ConfigError`` unless the checkpoint folder's disk has room for one
     checkpoint of this model (a full disk found at the first save would stop the run after its work was done)."""
-    import shutil
-
     from safetensors import safe_open
 
     from torchtitan_flux.models import hf
