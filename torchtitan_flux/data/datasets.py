@@ -71,8 +71,6 @@ def _load(read, path: str, field_name: str):
     """``read()``, with the datasets library's errors as one ``ConfigError`` line naming the path."""
     try:
         return read()
-    except ConfigError:
-        raise
     except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many kinds; the message is what matters
         why = " ".join(str(e).split())[:300] or type(e).__name__
         raise ConfigError(f"{field_name} = {path!r} cannot be read as a dataset ({type(e).__name__}: {why}); allowed: "

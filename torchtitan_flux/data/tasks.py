@@ -98,17 +98,16 @@ class DatasetTask(Task):
     def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
                  field_name: str = "rollout.dataset_path", reward_funcs: list[R.RewardFunc] | None = None):
         super().__init__(reward_funcs)
-        r = job_config.rollout
+        r, where = job_config.rollout, f"{field_name} = {dataset_path!r}"
         table = load_table(dataset_path, dataset_split, field_name)
         cols = table.column_names
         text_col = next((c for c in (r.prompt_column, *self.default_prompt_columns) if c in cols), None)
         self.chat = text_col is None and r.messages_column in cols
         if text_col is None and not self.chat:
-            raise ConfigError(f"{field_name} = {dataset_path!r} has columns {cols}; it needs a text column named by "
+            raise ConfigError(f"{where} has columns {cols}; it needs a text column named by "
                              f"rollout.prompt_column ({r.prompt_column!r}) or a chat column named by "
                              f"rollout.messages_column ({r.messages_column!r})")
         prompt_col = r.messages_column if self.chat else text_col
-        where = f"{field_name} = {dataset_path!r}"
         reserved = sorted(set(cols) & RESERVED_COLUMNS - {prompt_col})
         if reserved:  # else the column would replace what every reward function receives under that name
             raise ConfigError(f"{where} has a column named {reserved[0]!r}, which reward functions receive as their "
@@ -123,26 +122,20 @@ class DatasetTask(Task):
             value = row.pop(prompt_col)
             answer = "" if row.get(r.answer_column) is None else str(row[r.answer_column])
             columns = {"answer": row.get(r.answer_column), **row}  # as read (a CSV number stays a number)
-            if self.chat:
-                messages = value
-            elif template is not None:
-                messages = [{"role": "user", "content": str(value)}]
+            if template is None:
+                p = Prompt(str(value), answer, columns)
             else:
-                messages = None
-            if messages is not None:
+                messages = value if self.chat else [{"role": "user", "content": str(value)}]
                 if not isinstance(messages, list) or not all(
                         isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in messages):
-                    raise ConfigError(f"{field_name} = {dataset_path!r} record {i}: column {prompt_col!r} must be a "
-                                     "list of {'role', 'content'} messages with text content; got "
-                                     f"{str(messages)[:80]}")
-                text = template.render(messages, add_generation_prompt=True)
-                p = Prompt(text, answer, columns, messages if self.chat else None, add_bos=False)
-            else:
-                p = Prompt(str(value), answer, columns)
+                    raise ConfigError(f"{where} record {i}: column {prompt_col!r} must be a list of {{'role', "
+                                      f"'content'}} messages with text content; got {str(messages)[:80]}")
+                p = Prompt(template.render(messages, add_generation_prompt=True), answer, columns,
+                           messages if self.chat else None, add_bos=False)
             records.append(p)
             lengths.append(len(tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False)))
-        self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts,
-                                   f"{field_name} = {dataset_path!r}", *prompt_budget(job_config, max(lengths)))
+        self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts, where,
+                                   *prompt_budget(job_config, max(lengths)))
         self.sampler = EpochSampler(len(self.records), r.seed)
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
