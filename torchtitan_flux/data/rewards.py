@@ -146,12 +146,11 @@ class RewardScorer:
 
 
 async def _gather(coros: dict[str, Any]) -> dict[str, Any]:
-    names = list(coros)
     outs = await asyncio.gather(*(_guarded(name, c) for name, c in coros.items()), return_exceptions=True)
     for out in outs:
         if isinstance(out, BaseException):
             raise out
-    return dict(zip(names, outs))
+    return dict(zip(coros, outs))
 
 
 async def _guarded(name: str, coro: Any) -> Any:
