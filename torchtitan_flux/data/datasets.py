@@ -1,23 +1,14 @@
 """Prompt datasets: local files through HF ``datasets``, chat templates, prompt-length filtering, epoch sampling.
 
-* ``load_table(path, split)``: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file (its one split), a
-  folder of such files (splits named by the file names, e.g. ``train.jsonl`` / ``test.jsonl``), or a folder
-  written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``. Only local paths: nothing is downloaded.
-  A ``.jsonl`` file is checked line by line first (``check_jsonl``): ``datasets`` takes bytes that are not UTF-8
-  without a word and reports a syntax error without the line, so bad input is refused naming file and line.
-* ``ChatTemplate``: the model folder's own ``chat_template`` (``tokenizer_config.json``, or
-  ``chat_template.jinja`` beside it), rendered the way ``transformers``' ``apply_chat_template`` renders it: a
-  jinja2 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` / ``lstrip_blocks``, ``loopcontrols``, the
-  ``tojson`` filter and the ``raise_exception`` / ``strftime_now`` globals, the tokenizer's special tokens as
-  variables, and ``add_generation_prompt``. Like ``apply_chat_template(tokenize=True)``, the rendered text is
-  tokenized without adding a BOS (the template writes its own).
-  Simplification: no tools / documents / ``{% generation %}`` blocks (prompts only).
-* ``EpochSampler``: sampling without replacement: record ``i`` of the run's prompt stream is
-  ``perm(seed, i // N)[i % N]``, a fresh seeded permutation of the N records per epoch. The position in the
-  stream is ``(step - 1) * prompts_per_step``: a function of the training step, which the checkpoint holds, so a
-  resume mid-epoch reproduces exactly the prompts the uninterrupted run would have drawn (no dataloader state to
-  get out of step); the checkpoint records the position and the records' identity to warn when they changed
-  (``DatasetTask.data_state``).
+* ``load_table``: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, a folder of such files (splits named by
+  the file names), or a ``save_to_disk`` folder; local paths only. A ``.jsonl`` file is checked line by line first
+  (``datasets`` takes bytes that are not UTF-8 silently and names no line in a syntax error).
+* ``ChatTemplate``: the model folder's own ``chat_template``, rendered the way ``transformers``'
+  ``apply_chat_template`` renders it (docs/data.md). Simplification: no tools / documents / ``{% generation %}``
+  blocks (prompts only).
+* ``EpochSampler``: record ``i`` of the prompt stream is ``perm(seed, i // N)[i % N]``, a fresh seeded permutation
+  per epoch. The position is ``(step - 1) * prompts_per_step``, a function of the checkpointed step, so a resume
+  mid-epoch draws exactly the prompts the uninterrupted run would have (no dataloader state).
 """
 
 from __future__ import annotations
@@ -37,8 +28,8 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "
 
 
 def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
-    """A ``datasets.Dataset`` from a local file or folder (see the module docstring). ``split`` picks one split
-    of a folder or a ``DatasetDict``; a single file has one split and ignores it."""
+    """A ``datasets.Dataset`` from a local file or folder; ``split`` picks one split of a folder or a
+    ``DatasetDict`` (a single file ignores it)."""
     import datasets
 
     if not os.path.exists(path):
@@ -50,10 +41,9 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
         files = [] if saved else sorted(os.listdir(path))
         meta = {"dataset_infos.json", "dataset_dict.json", "state.json", "dataset_info.json"}  # not data files
         exts = {os.path.splitext(n)[1].lower() for n in files if n not in meta} & set(_BUILDERS)
-        kinds = sorted(exts)
         if len({_BUILDERS[e] for e in exts}) > 1:  # the datasets library would read one kind and drop the others
-            raise ConfigError(f"{field_name} = {path!r} mixes data files of types {kinds}; allowed: files of one type "
-                              "in a folder")
+            raise ConfigError(f"{field_name} = {path!r} mixes data files of types {sorted(exts)}; allowed: files of "
+                              "one type in a folder")
         for name in files:
             if name.endswith(".jsonl"):
                 check_jsonl(os.path.join(path, name), field_name)
@@ -78,12 +68,9 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
 
 
 def _load(read, path: str, field_name: str):
-    """``read()``, with the datasets library's errors (an empty or mixed folder, a damaged parquet file, ...) as one
-    line naming the path (``ConfigError``)."""
+    """``read()``, with the datasets library's errors as one ``ConfigError`` line naming the path."""
     try:
         return read()
-    except ConfigError:
-        raise
     except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many kinds; the message is what matters
         why = " ".join(str(e).split())[:300] or type(e).__name__
         raise ConfigError(f"{field_name} = {path!r} cannot be read as a dataset ({type(e).__name__}: {why}); allowed: "
@@ -195,9 +182,8 @@ class EpochSampler:
 
 def filter_long(records: list[Any], lengths: list[int], max_tokens: int, policy: str, field_name: str,
                 limit: str, fix: str) -> list[Any]:
-    """Records whose prompt has at most ``max_tokens`` tokens. ``policy`` "drop" logs how many were dropped;
-    "error" refuses the dataset when any is longer. ``limit`` says where ``max_tokens`` comes from and ``fix`` what
-    would keep every prompt (``tasks.prompt_budget``)."""
+    """Records whose prompt has at most ``max_tokens`` tokens; ``policy`` "drop" logs how many were dropped,
+    "error" refuses the dataset. ``limit`` and ``fix`` are message parts (``tasks.prompt_budget``)."""
     keep = [r for r, n in zip(records, lengths) if n <= max_tokens]
     dropped = len(records) - len(keep)
     if dropped and policy == "error":

@@ -1,21 +1,9 @@
-"""Held-out evaluation through the rollout engines (``[eval]``).
+"""Held-out evaluation through the rollout engines (``[eval]``; metrics and timing: docs/data.md).
 
-After every ``eval.every_steps``-th step (and before the first with ``eval.at_start``) the trainer's rank 0 sends
-the held-out prompts to the same engines as training, ``eval.n`` completions each at ``eval.temperature`` (0:
-greedy), pinned to the newest policy version sent to them (the one just trained unless an async push was
-coalesced or ``weight_sync.interval`` skipped it; ``eval/version`` says which), and scores them with the task's reward functions. Logged:
-``eval/reward_mean``, ``eval/pass@1`` (mean over prompts of the fraction of completions whose total reward is
->= ``eval.pass_threshold``), ``eval/pass@n`` when n > 1 (fraction of prompts with at least one passing
-completion), per-reward ``eval/rewards/<name>/mean``, ``eval/version`` (the policy evaluated), ``eval/time_s``.
-
-Timing: a synchronous run (``weight_sync.async_weight_update = false``) waits for the evaluation at its step, so
-step k's metrics hold the evaluation of version k; training stalls for as long as the evaluation takes and no
-more. An asynchronous run does not wait: the evaluation's requests queue behind the rollouts already in flight
-and its results are picked up at the first step that ends after they are scored (``eval/version`` says which
-policy they measure); the trainer waits only when the next evaluation is due before the previous one finished,
-and at the last step. ``at_start`` always waits (nothing is trained yet) and is logged as a step-0 record.
-Every evaluation is also appended to ``<dump_folder>/eval.jsonl``; when two finish before the same step's
-record, that record shows the newer one (the older is in eval.jsonl).
+Rank 0 sends the held-out prompts to the training engines, pinned to the newest policy version sent to them, and
+scores the completions with the task's reward functions. A synchronous run waits for the evaluation at its step;
+an asynchronous one picks the results up at the first step that ends after they are scored, and waits only when
+the next evaluation is due before the previous one finished, and at the last step.
 
 Concurrency: main thread only (results arrive through the scheduler's ``pump``); scoring runs on the reward pool.
 """
@@ -60,19 +48,15 @@ class Evaluator:
         self._runs.append(_Run(version, parts, time.perf_counter()))
 
     def after_step(self, step: int, version: int, last: bool) -> dict[str, float]:
-        """Rank 0, after training step ``step``: start the evaluation of ``version`` (the newest policy the
-        engines get: this step's, unless an async push was coalesced or ``weight_sync.interval`` skipped it;
-        ``eval/version`` says which) when due, and return the metrics of the newest evaluation finished (waiting
-        when ``wait`` or at the ``last`` step). One evaluation is in flight at a time."""
+        """Rank 0, after training step ``step``: start the evaluation of ``version`` (the newest policy the engines
+        get) when due, and return the metrics of the newest evaluation finished (waiting when ``wait`` or at the
+        ``last`` step). One evaluation is in flight at a time."""
         earlier = None
         if self.due(step):
-            if self.pending():
+            if self._runs:
                 earlier = self.collect(wait=True)
             self.start(version)
         return self.collect(wait=self.wait or last) or earlier or {}
-
-    def pending(self) -> bool:
-        return bool(self._runs)
 
     def collect(self, wait: bool) -> dict[str, float] | None:
         """Metrics of the newest evaluation finished (waiting for all of them when ``wait``); None when none is."""

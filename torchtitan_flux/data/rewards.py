@@ -1,36 +1,16 @@
-"""Reward functions with TRL's signature, scored off the trainer's main loop.
-
-A reward function is called once per batch, the way TRL's ``GRPOTrainer`` calls it:
+"""Reward functions with TRL's signature, scored off the trainer's main loop (the contract: docs/data.md).
 
     f(prompts, completions, completion_ids=..., **columns) -> list[float | None]
 
-``prompts`` holds one entry per completion (each prompt repeated ``group_size`` times): the prompt text, or for a
-chat dataset its list of messages; ``completions`` the decoded completion texts, or for a chat dataset
-``[{"role": "assistant", "content": text}]`` per completion (TRL's conversational format); ``completion_ids``
-the completion token ids (EOS excluded); ``columns`` every other column of the dataset (``answer``, ...), one
-value per completion. ``None`` means "not applicable to this sample". ``async def`` functions are awaited.
+Every argument holds one entry per completion; ``None`` means "not applicable" and counts as 0 in the weighted
+total (TRL's ``nansum``). A function that raises, returns a bad value or runs past
+``rollout.reward_timeout_seconds`` fails the batch with a ``RewardError`` naming it; the run stops with that line.
 
-The total reward of a sample is the weighted sum of the functions' values, ``None`` counting as 0 (TRL's
-``nansum``). Per function, ``rewards/<name>/mean`` and ``/std`` (over the non-``None`` values) go to the metrics.
-
-Concurrency: ``RewardScorer.submit`` hands a batch to a thread pool (``rollout.reward_workers`` threads) and
-returns a ``Future``; the trainer's main thread only waits on it when it needs that step's batch, so scoring a
-step overlaps whatever the main thread does meanwhile (training the previous step in async mode). Several async
-functions of one batch run concurrently on one event loop in the worker thread. A reward function must be
-thread-safe when ``reward_workers > 1``. Pure-Python rewards share the GIL with the trainer; torch ops release
-it, so a light reward costs the trainer little.
-
-Values: Python numbers, numpy scalars and 0-d numpy arrays / torch tensors are taken as floats; the list may also be
-a 1-d numpy array or tensor (TRL converts one the same way).
-
-Errors: a function that raises (``sys.exit()`` included), or returns something other than ``len(completions)``
-finite numbers or ``None``, fails the batch with ``RewardError`` naming the function (and the sample index when
-known); the run stops there with that one line (``error: ...``, ``train.py``). So does a function still running
-``rollout.reward_timeout_seconds`` after it was called (``RewardScorer.wait``): its thread cannot be killed, so
-the run ends instead of waiting on it (the process exits with the thread still in it).
-
-Answer extraction (``extract_answer``) follows GSM8K's convention: the text after the last ``####``, else the
-last ``\\boxed{...}``, else the last number; thousands separators, ``$`` and a trailing ``.`` are dropped.
+Concurrency: ``RewardScorer.submit`` hands a batch to a thread pool (``rollout.reward_workers`` threads) and returns
+a ``Future`` that the main thread waits on only when it needs that step's batch, so scoring overlaps training in
+async mode. Async functions of one batch run concurrently on one event loop in the worker thread. A reward function
+must be thread-safe when ``reward_workers > 1``. A timed-out function's thread cannot be killed: the run ends
+instead of waiting on it.
 """
 
 from __future__ import annotations
@@ -166,17 +146,15 @@ class RewardScorer:
 
 
 async def _gather(coros: dict[str, Any]) -> dict[str, Any]:
-    names = list(coros)
     outs = await asyncio.gather(*(_guarded(name, c) for name, c in coros.items()), return_exceptions=True)
     for out in outs:
         if isinstance(out, BaseException):
             raise out
-    return dict(zip(names, outs))
+    return dict(zip(coros, outs))
 
 
 async def _guarded(name: str, coro: Any) -> Any:
-    """``coro``'s value; its exception as a ``RewardError`` (``SystemExit`` too, which asyncio would re-raise out
-    of the event loop)."""
+    """``coro``'s value; its exception (``SystemExit`` included) as a ``RewardError``."""
     try:
         return await coro
     except (Exception, SystemExit) as e:
@@ -232,8 +210,8 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion or a GSM8K solution, normalised (see the module docstring); None when
-    there is none."""
+    """The final answer of a completion or a GSM8K solution: the text after the last ``####``, else the last
+    ``\\boxed{...}``, else the last number, normalised (``_normalize``); None when there is none."""
     if "####" in text:
         tail = text.rsplit("####", 1)[1]
         m = _NUMBER.search(tail)
@@ -255,14 +233,12 @@ def _text(completion: Any) -> str:
 
 
 def answer_match_reward(completions, answer, **_) -> list[float]:
-    """1.0 when the completion's final answer (``extract_answer``) equals the record's ``answer`` (its ``####``
-    part when present), else 0.0."""
+    """1.0 when the completion's final answer (``extract_answer``) equals the record's (``gold_answer``), else 0.0."""
     return [float(extract_answer(_text(c)) == gold_answer(a)) for c, a in zip(completions, answer)]
 
 
 def math_verify_reward(completions, answer, **_) -> list[float]:
-    """1.0 when ``math_verify`` finds the completion equivalent to the gold answer (needs ``pip install
-    math-verify``)."""
+    """1.0 when ``math_verify`` (``pip install math-verify``) finds the completion equivalent to the gold answer."""
     from math_verify import parse, verify
 
     out = []

@@ -1,25 +1,13 @@
-"""Tasks: where prompts come from and which reward functions score them.
+"""Tasks: where prompts come from and which reward functions score them (the built-in tasks: docs/data.md).
 
 A task yields the ``Prompt`` records of a training step as a pure function of (seed, step), so the prompts of
 every step are reproducible after a resume without any dataloader state. Its rewards are ``RewardFunc``s with
-TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` replace a task's own.
+TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` replace a task's own. Besides ``TASKS``,
+``rollout.task`` may name ``"package.module:name"``: a callable ``(job_config, tokenizer, dataset_path,
+dataset_split, field_name) -> Task``, ``field_name`` being the config field its errors name.
 
-Registry (``TASKS``; ``rollout.task`` may also name ``"package.module:name"``, a callable taking
-``(job_config, tokenizer, dataset_path, dataset_split, field_name)`` and returning a ``Task``; ``field_name`` is
-the config field to name in its errors, as docs/data.md documents):
-
-* ``digits`` — dense sanity task: reward = fraction of the completion's characters that are ASCII digits.
-  A random-init byte-level model starts near 10/259 and learns it in minutes on CPU.
-* ``arithmetic`` — "a+b=" with a, b in [0, 50): reward 1 if the completion's final answer (``extract_answer``:
-  after ``####``, else ``\\boxed{}``, else the last number) equals a+b.
-* ``dataset`` — records of a local dataset (``data.load_table``): a text prompt
-  column or a chat ``messages`` column, every other column passed to the rewards; sampled in seeded epochs
-  without replacement (``data.EpochSampler``). No default reward: name one in ``rollout.reward_funcs``.
-  A record whose prompt is null, empty or an empty message list refuses the dataset (naming the file, the
-  first such record and how many there are): training on the text "None" or on nothing is a data bug, not
-  something to skip silently.
-* ``gsm8k`` — a dataset in GSM8K's format (``question``, ``answer`` ending in ``#### <number>``) scored by
-  ``answer_match`` (exact final answer); ``math_verify`` is available as a reward when installed.
+A dataset record whose prompt is null, empty or an empty message list refuses the dataset: training on the text
+"None" or on nothing is a data bug, not something to skip silently.
 """
 
 from __future__ import annotations
@@ -102,7 +90,7 @@ class ArithmeticTask(Task):
 
 
 class DatasetTask(Task):
-    """Records of a local dataset (see the module docstring)."""
+    """Records of a local dataset (``data.load_table``), sampled in seeded epochs (``data.EpochSampler``)."""
 
     name = "dataset"
     default_prompt_columns: tuple[str, ...] = ()  # tried after rollout.prompt_column
@@ -110,17 +98,16 @@ class DatasetTask(Task):
     def __init__(self, job_config, tokenizer, dataset_path: str, dataset_split: str,
                  field_name: str = "rollout.dataset_path", reward_funcs: list[R.RewardFunc] | None = None):
         super().__init__(reward_funcs)
-        r = job_config.rollout
+        r, where = job_config.rollout, f"{field_name} = {dataset_path!r}"
         table = load_table(dataset_path, dataset_split, field_name)
         cols = table.column_names
         text_col = next((c for c in (r.prompt_column, *self.default_prompt_columns) if c in cols), None)
         self.chat = text_col is None and r.messages_column in cols
         if text_col is None and not self.chat:
-            raise ConfigError(f"{field_name} = {dataset_path!r} has columns {cols}; it needs a text column named by "
+            raise ConfigError(f"{where} has columns {cols}; it needs a text column named by "
                              f"rollout.prompt_column ({r.prompt_column!r}) or a chat column named by "
                              f"rollout.messages_column ({r.messages_column!r})")
         prompt_col = r.messages_column if self.chat else text_col
-        where = f"{field_name} = {dataset_path!r}"
         reserved = sorted(set(cols) & RESERVED_COLUMNS - {prompt_col})
         if reserved:  # else the column would replace what every reward function receives under that name
             raise ConfigError(f"{where} has a column named {reserved[0]!r}, which reward functions receive as their "
@@ -135,26 +122,20 @@ class DatasetTask(Task):
             value = row.pop(prompt_col)
             answer = "" if row.get(r.answer_column) is None else str(row[r.answer_column])
             columns = {"answer": row.get(r.answer_column), **row}  # as read (a CSV number stays a number)
-            if self.chat:
-                messages = value
-            elif template is not None:
-                messages = [{"role": "user", "content": str(value)}]
+            if template is None:
+                p = Prompt(str(value), answer, columns)
             else:
-                messages = None
-            if messages is not None:
+                messages = value if self.chat else [{"role": "user", "content": str(value)}]
                 if not isinstance(messages, list) or not all(
                         isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in messages):
-                    raise ConfigError(f"{field_name} = {dataset_path!r} record {i}: column {prompt_col!r} must be a "
-                                     "list of {'role', 'content'} messages with text content; got "
-                                     f"{str(messages)[:80]}")
-                text = template.render(messages, add_generation_prompt=True)
-                p = Prompt(text, answer, columns, messages if self.chat else None, add_bos=False)
-            else:
-                p = Prompt(str(value), answer, columns)
+                    raise ConfigError(f"{where} record {i}: column {prompt_col!r} must be a list of {{'role', "
+                                      f"'content'}} messages with text content; got {str(messages)[:80]}")
+                p = Prompt(template.render(messages, add_generation_prompt=True), answer, columns,
+                           messages if self.chat else None, add_bos=False)
             records.append(p)
             lengths.append(len(tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False)))
-        self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts,
-                                   f"{field_name} = {dataset_path!r}", *prompt_budget(job_config, max(lengths)))
+        self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts, where,
+                                   *prompt_budget(job_config, max(lengths)))
         self.sampler = EpochSampler(len(self.records), r.seed)
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
@@ -230,8 +211,7 @@ RESERVED_COLUMNS = {"prompts", "completions", "completion_ids"}  # reward functi
 
 
 def _refuse_non_text_prompts(values: list, column: str, where: str) -> None:
-    """``ConfigError`` when a text prompt is not a string (a number, a list, a dict would be trained on as its
-    ``str()``)."""
+    """``ConfigError`` when a text prompt is not a string (it would be trained on as its ``str()``)."""
     bad = [i for i, v in enumerate(values) if not isinstance(v, str)]
     if bad:
         raise ConfigError(f"{where} record {bad[0]}: column {column!r} is {type(values[bad[0]]).__name__} "
@@ -240,8 +220,7 @@ def _refuse_non_text_prompts(values: list, column: str, where: str) -> None:
 
 
 def _refuse_empty_prompts(values: list, column: str, where: str) -> None:
-    """``ConfigError`` when a prompt is null, empty or blank text, or an empty message list (see the module
-    docstring)."""
+    """``ConfigError`` when a prompt is null, empty or blank text, or an empty message list."""
     empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, (str, list)) and not v)
              or (isinstance(v, str) and not v.strip())]
     if empty:
@@ -336,7 +315,7 @@ def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
 
 def prompt_tokenizer(job_config):
     """The tokenizer of ``model.hf_assets_path`` (torchtitan's), to measure prompts before the trainer builds its
-    own. (Where the models helper's HF tokenizer loading lands, this should become that loader.)"""
+    own."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     hf = job_config.model.hf_assets_path

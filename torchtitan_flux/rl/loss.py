@@ -8,12 +8,10 @@ engine) log-probabilities, ``prox`` = proximal log-probabilities (the trainer's 
 updates, computed without grad), ``ref`` = frozen reference policy log-probabilities; ``A_i`` the
 advantage of row ``i`` (broadcast over its tokens).
 
-Advantages (``group_advantages``)
-    Rewards are group-contiguous (``N = num_prompts * G``).
-    ``A = r - mean_g(r)``; with ``std_normalize``: ``A = (r - mean_g(r)) / (std_g(r) + eps)`` where ``std_g``
-    is the **population** standard deviation (no Bessel correction, ``correction=0``: divide by ``G``, not
-    ``G - 1``). Groups whose rewards are all exactly equal get advantage exactly 0 (not a round-off residue)
-    and are counted.
+Advantages (``group_advantages``), over group-contiguous rewards (``N = num_prompts * G``)
+    ``A = r - mean_g(r)``; with ``std_normalize``: ``A = (r - mean_g(r)) / (std_g(r) + eps)``, ``std_g`` the
+    **population** standard deviation (``correction=0``: divide by ``G``). Groups whose rewards are all exactly
+    equal get advantage exactly 0 (not a round-off residue) and are counted.
 
 Loss (``grpo_loss``)
     ratio  ``rho = exp(lp - mu)``                     and ``w = 1``           when ``proximal_logprobs`` is None
@@ -31,34 +29,25 @@ Loss (``grpo_loss``)
     ``num_tokens`` / ``num_sequences`` so the per-rank, per-micro-batch losses sum to the global mean.
 
 Simplifications and numerical choices
-    * ``behaviour_logprobs``, ``proximal_logprobs``, ``ref_logprobs``, ``advantages`` and ``sample_weights``
-      are treated as constants (detached); gradients flow only through ``logprobs``.
-    * Masked positions are replaced by 0 *before* any ``exp`` (``torch.where`` on the log-ratio), so padding
-      may hold anything (``-inf``, garbage): it gets exactly zero gradient and never produces NaN.
-    * Log-ratios (``lp - mu``, ``lp - prox``, ``prox - mu``, ``ref - lp``) are clamped to
-      ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` (20, i.e. ratios in ``[2e-9, 4.9e8]``, as verl does) before
-      exponentiation to avoid overflow; a token beyond that range gets zero gradient from the clamped term.
-    * Default denominators (``mask.sum()``, row lengths, ``N``) are clamped to >= 1, so an all-padding batch
-      gives loss 0 (with zero gradient), never NaN. Explicit python-number ``num_tokens`` / ``num_sequences``
-      must be > 0; explicit tensors are used as given (checking them would force a device sync).
-    * ``mask`` may be bool or float; non-zero marks a completion token, and float values are used as
-      per-token weights (pass 0/1).
+    * Gradients flow only through ``logprobs``; every other input is detached.
+    * Masked positions are replaced by 0 *before* any ``exp``, so padding may hold anything (``-inf``,
+      garbage): it gets exactly zero gradient and never produces NaN.
+    * Log-ratios are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` (20, as verl does) before
+      exponentiation; a token beyond that range gets zero gradient from the clamped term.
+    * Default denominators are clamped to >= 1, so an all-padding batch gives loss 0, never NaN. Explicit
+      python-number ``num_tokens`` / ``num_sequences`` must be > 0; explicit tensors are used as given
+      (checking them would force a device sync).
+    * ``mask`` may be bool or float; float values are used as per-token weights (pass 0/1).
     * Everything is computed in ``logprobs.dtype`` (pass float32 or float64 log-probabilities).
 
 Metrics (detached 0-d tensors; means over this call's completion tokens, i.e. *local*, not global counts)
-    ``clip_frac``                 fraction of tokens where the clipped branch is the strict minimum
-                                  (``clamp(rho) * A < rho * A``), i.e. clipping zeroes the policy gradient;
-    ``kl``                        mean k3 KL estimate vs ``ref`` (0 when ``ref_logprobs`` is None);
-    ``ratio_mean``                mean of ``rho``;
-    ``is_weight_mean``            mean of ``w`` (1 when no IS weight is applied);
-    ``is_weight_truncated_frac``  fraction of tokens with ``exp(prox - mu) > tis_cap`` (0 if no truncation);
-    staleness (for the adaptive async controller), from ``pi`` = ``prox`` if given else ``lp`` (detached)
-    against ``mu``, with ``r = exp(pi - mu)`` the untruncated per-token importance weight:
-    ``behaviour_kl``              ``mean(r - 1 - log r)``: the k3 estimator of ``KL(mu || pi)`` from samples
-                                  of ``mu`` (unbiased, since ``E_mu[r] = 1``, and non-negative per token);
-    ``iw_var``                    population variance of ``r`` over tokens;
-    ``ess_fraction``              ``(sum r)^2 / (n * sum r^2)`` in ``(0, 1]``, 1 = on-policy.
-    With no completion tokens the means are 0 and ``ess_fraction`` is 1.
+    ``clip_frac``: fraction of tokens where the clipped branch is the strict minimum (``clamp(rho) * A < rho * A``:
+    clipping zeroes the gradient); ``kl``: mean k3 KL vs ``ref`` (0 without ``ref_logprobs``); ``ratio_mean``;
+    ``is_weight_mean`` (1 without IS weight); ``is_weight_truncated_frac`` (tokens with ``exp(prox - mu) > tis_cap``).
+    Staleness, for the adaptive controller, from the untruncated weight ``r = exp(pi - mu)``, ``pi`` = ``prox`` if
+    given else ``lp``: ``behaviour_kl`` = ``mean(r - 1 - log r)`` (the k3 estimate of ``KL(mu || pi)``), ``iw_var``
+    (population variance of ``r``), ``ess_fraction`` = ``(sum r)^2 / (n * sum r^2)`` in ``(0, 1]`` (1: on-policy, or
+    no tokens).
 """
 
 from __future__ import annotations
@@ -69,14 +58,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-__all__ = [
-    "KL_ESTIMATORS",
-    "LOG_RATIO_CLAMP",
-    "NORMALIZATIONS",
-    "group_advantages",
-    "grpo_loss",
-    "token_logprobs",
-]
+__all__ = ["KL_ESTIMATORS", "LOG_RATIO_CLAMP", "NORMALIZATIONS", "group_advantages", "grpo_loss", "token_logprobs"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 NORMALIZATIONS = ("token", "sequence")
@@ -85,21 +67,12 @@ LOG_RATIO_CLAMP = 20.0
 Count = Union[int, float, Tensor]
 
 
-# --------------------------------------------------------------------------------------------- advantages
-
-
 def group_advantages(
     rewards: Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-4
 ) -> tuple[Tensor, int]:
-    """Group-relative advantages of group-contiguous ``rewards`` ``[N]``.
-
-    ``A = r - mean_g(r)``, divided by ``std_g(r) + eps`` when ``std_normalize`` (population std,
-    ``correction=0``). Zero-variance groups (all rewards exactly equal) get exactly 0.
-
-    Returns ``(advantages [N], number_of_zero_variance_groups)``. The advantages have ``rewards``' dtype
-    (float32 for integer / bool rewards); internally the statistics are computed in float64. The count is
-    a python int (one host sync).
-    """
+    """``(advantages [N], number of zero-variance groups)`` of group-contiguous ``rewards`` ``[N]`` (module
+    docstring). The advantages have ``rewards``' dtype (float32 for integer / bool rewards; statistics in
+    float64); the count is a python int (one host sync)."""
     if not isinstance(rewards, Tensor) or rewards.dim() != 1:
         raise ValueError(f"rewards must be a 1-D tensor, got {getattr(rewards, 'shape', type(rewards))}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -118,9 +91,6 @@ def group_advantages(
     zero_var = g.amax(dim=1) == g.amin(dim=1)  # [num_groups]
     adv = torch.where(zero_var.unsqueeze(1), torch.zeros_like(centred), centred)
     return adv.reshape(-1).to(out_dtype), int(zero_var.sum().item())
-
-
-# ------------------------------------------------------------------------------------------------- loss
 
 
 def _check_shape(name: str, t: Optional[Tensor], shape: torch.Size) -> None:
@@ -203,8 +173,7 @@ def grpo_loss(
 
     # ---- policy ratio (the only path with gradient) and IS weight
     anchor = mu if proximal_logprobs is None else proximal_logprobs.detach().to(dtype)
-    log_ratio = torch.where(live, logprobs - anchor, zero)
-    ratio = _bounded_exp(log_ratio)
+    ratio = _bounded_exp(torch.where(live, logprobs - anchor, zero))
 
     truncated = None
     if proximal_logprobs is None or tis_cap <= 0:
@@ -220,11 +189,8 @@ def grpo_loss(
     per_token = -surrogate if w is None else -(w * surrogate)
 
     # ---- KL penalty against the reference policy
-    delta = None
-    if ref_logprobs is not None:
-        delta = torch.where(live, ref_logprobs.detach().to(dtype) - logprobs, zero)
+    delta = None if ref_logprobs is None else torch.where(live, ref_logprobs.detach().to(dtype) - logprobs, zero)
     if kl_coef > 0:
-        assert delta is not None
         if kl_estimator == "k1":
             kl = -delta
         elif kl_estimator == "k2":
@@ -239,18 +205,13 @@ def grpo_loss(
 
     # ---- normalisation
     if normalization == "token":
-        if num_tokens is None:
-            denom = maskf.sum().clamp(min=1.0)
-        else:
-            denom = _explicit_count("num_tokens", num_tokens, logprobs)
+        denom = (maskf.sum().clamp(min=1.0) if num_tokens is None
+                 else _explicit_count("num_tokens", num_tokens, logprobs))
         loss = per_token.sum() / denom
     else:
-        row_len = maskf.sum(dim=1).clamp(min=1.0)
-        row_mean = per_token.sum(dim=1) / row_len
-        if num_sequences is None:
-            denom = float(max(n_rows, 1))
-        else:
-            denom = _explicit_count("num_sequences", num_sequences, logprobs)
+        row_mean = per_token.sum(dim=1) / maskf.sum(dim=1).clamp(min=1.0)
+        denom = (float(max(n_rows, 1)) if num_sequences is None
+                 else _explicit_count("num_sequences", num_sequences, logprobs))
         loss = row_mean.sum() / denom
 
     # ---- metrics (detached, local masked means)
@@ -263,11 +224,7 @@ def grpo_loss(
 
         metrics: dict[str, Tensor] = {}
         metrics["clip_frac"] = mmean((clipped < unclipped).to(dtype))
-        if delta is not None:
-            d = delta.detach()
-            metrics["kl"] = mmean(_bounded_exp(d) - d - 1.0)
-        else:
-            metrics["kl"] = zero.clone()
+        metrics["kl"] = zero.clone() if delta is None else mmean(_bounded_exp(delta) - delta - 1.0)  # k3
         metrics["ratio_mean"] = mmean(ratio.detach())
         metrics["is_weight_mean"] = one.clone() if w is None else mmean(w)
         metrics["is_weight_truncated_frac"] = zero.clone() if truncated is None else mmean(truncated.to(dtype))
@@ -285,18 +242,11 @@ def grpo_loss(
     return loss, metrics
 
 
-# ---------------------------------------------------------------------------------------- log-probs
-
-
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
-    """``log_softmax(logits / temperature)`` at ``targets``: ``[N, T, V], [N, T] -> [N, T]``. Differentiable.
-
-    Computed as ``logit[target] - logsumexp(logits)`` without materialising the full log-softmax.
-    float32 / float64 logits are used in their own dtype (no float64 upcast). float16 / bfloat16 logits are
-    upcast once to float32 (one float32 copy of the logits, which ``logsumexp`` keeps for backward) and the
-    result is float32; half-precision log-sum-exp is too coarse for importance ratios. Callers with very
-    large ``N * T * V`` should call this on chunks of the sequence.
-    """
+    """``log_softmax(logits / temperature)`` at ``targets``: ``[N, T, V], [N, T] -> [N, T]``, differentiable,
+    without materialising the full log-softmax. float16 / bfloat16 logits are upcast once to float32 (half-precision
+    log-sum-exp is too coarse for importance ratios); float32 / float64 keep their dtype. Callers with very large
+    ``N * T * V`` should call this on chunks of the sequence."""
     if not isinstance(logits, Tensor) or logits.dim() < 1 or not logits.is_floating_point():
         raise ValueError("logits must be a floating-point tensor [..., V]")
     if not isinstance(targets, Tensor) or targets.shape != logits.shape[:-1]:

@@ -1,10 +1,8 @@
 """Finished engine requests -> a training batch: ``CompletionScorer`` decodes their completions and scores them
 on the reward pool, ``layout_batch`` lays the step's samples out for teacher forcing as a ``RolloutBatch``.
 
-Concurrency: ``CompletionScorer``'s methods run on the caller's (the scheduler's main) thread; only the reward
-functions run on the ``RewardScorer``'s worker pool, and their result is a ``Future`` the caller waits on when it
-builds the batch (so scoring overlaps training in async mode). ``layout_batch`` is pure tensor layout: no engine
-calls, any thread.
+Concurrency: ``CompletionScorer``'s methods run on the scheduler's main thread; only the reward functions run on
+the ``RewardScorer``'s pool, as a ``Future`` waited on when the batch is built. ``layout_batch``: any thread.
 """
 
 from __future__ import annotations
@@ -50,17 +48,12 @@ class CompletionScorer:
         self.pool = RewardScorer(task.reward_funcs, reward_workers, reward_timeout_s)
         self.wait = self.pool.wait  # a submitted batch's scores, under the reward deadline (RewardScorer.wait)
 
-    def decode(self, results: list[GenerationResult]) -> list[str]:
-        """The completion texts of ``results`` (in the order given), special tokens skipped."""
-        return [self.tokenizer.decode(row[:c].tolist(), skip_special_tokens=True)
-                for r in results for row, c in zip(r.tokens, r.lengths.tolist())]
-
     def submit(self, task, prompts: list, results: list[GenerationResult],
                group_size: int) -> tuple[list[str], Future]:
-        """Decode ``results`` (``group_size`` completions per prompt, in prompt order) and hand them, with
-        ``task``'s reward columns, to the pool: (the completion texts, a future of their ``rewards.Scores``)."""
-        completions = self.decode(results)
+        """Decode ``results`` (``group_size`` completions per prompt, in prompt order; special tokens skipped) and
+        hand them, with ``task``'s reward columns, to the pool: (the completion texts, a future of their scores)."""
         ids = [row[:c].tolist() for r in results for row, c in zip(r.tokens, r.lengths.tolist())]
+        completions = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         prompts, texts, columns = reward_inputs(task, prompts, completions, group_size)
         return completions, self.pool.submit(prompts, texts, ids, columns)
 

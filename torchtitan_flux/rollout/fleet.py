@@ -2,15 +2,14 @@
 dispatch, collect, ``pump``) and the weight syncer that sends to the engines.
 
 Which engines (``rollout.engine``): embedded engine processes (placed on ``rollout.engine_devices``), vLLM servers
-we launch (``rollout.launch``) or servers someone else runs (``rollout.urls``: vLLM or SGLang, connected to and
-checked at start). A dead engine is replaced: an embedded one by a fresh process, a server by a reconnect (a
-server is not ours to restart), at most ``rollout.max_engine_restarts`` times per engine within
-``RESTART_WINDOW_S``; while the run stops on a signal (which reached the engines too) it is given up instead.
+we launch (``rollout.launch``) or servers someone else runs (``rollout.urls``: vLLM or SGLang). A dead engine is
+replaced (an embedded one by a fresh process, a server by a reconnect) at most ``rollout.max_engine_restarts``
+times per engine within ``RESTART_WINDOW_S``, and not at all while the run stops on a signal.
 
-Direction: ``Rollouts`` starts the engines, then builds rank 0's ``WeightSyncer`` with its own ``pump`` (the syncer
-waits for the claim, acks and an idle push thread by pumping); ``pump`` delivers acks and engine errors to the
-syncer (``on_event``) and replacements (``replace_engine``), and the syncer calls nothing else here. Ranks > 0 have
-no rollout side. Concurrency: main thread only; engine threads and processes only put events on the queue.
+Direction: ``Rollouts`` builds rank 0's ``WeightSyncer`` with its own ``pump`` (the syncer waits by pumping);
+``pump`` delivers acks and engine errors to the syncer (``on_event``) and replacements (``replace_engine``), and
+the syncer calls nothing else here. Ranks > 0 have no rollout side. Concurrency: main thread only; engine threads
+and processes only put events on the queue.
 """
 
 from __future__ import annotations

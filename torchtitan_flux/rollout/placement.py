@@ -1,13 +1,8 @@
 """Engine placement: which device each rollout engine (embedded, or a server started by ``rollout.launch``) gets.
 
-Decided once on rank 0 before any engine starts (``engine_devices``), validated against the visible devices, with
-a one-line ``ConfigError`` naming the field. Rules:
-  * trainer on CPU: every engine on "cpu" (an explicit list may only say "cpu");
-  * ``rollout.engine_devices`` given: one entry per engine, "cpu" or "cuda:N" with N visible, no GPU twice, none
-    of the trainer's local GPUs (``cuda:0 .. cuda:{LOCAL_WORLD_SIZE-1}``);
-  * otherwise (auto): engine i gets ``cuda:{LOCAL_WORLD_SIZE + i}``.
-A launched server sees only its own GPU: ``visible_devices_env`` maps "cuda:N" to ``CUDA_VISIBLE_DEVICES`` (through
-the trainer's own ``CUDA_VISIBLE_DEVICES`` when it is set), so inside the server it is ``cuda:0``.
+Decided once on rank 0 before any engine starts: ``rollout.engine_devices`` as given (validated against the visible
+GPUs and the trainer's local ones), else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``, or on "cpu" when the trainer
+is. A launched server sees only its own GPU (``visible_devices_env``), as ``cuda:0``.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ _DEVICE = re.compile(r"cpu|cuda:(\d+)")
 
 def engine_devices(requested: list[str], n_engines: int, *, trainer_on_gpu: bool, visible: int,
                    local_world: int) -> list[str]:
-    """The device of each of ``n_engines`` engines (see the module docstring)."""
+    """The device of each of ``n_engines`` engines, or a ``ConfigError`` naming ``rollout.engine_devices``."""
     for d in requested:
         if not _DEVICE.fullmatch(d):
             raise ConfigError(f"rollout.engine_devices: {d!r} is not a device; allowed: 'cpu' | 'cuda:N'")

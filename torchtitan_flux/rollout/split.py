@@ -1,13 +1,10 @@
 """``SpeedSplit``: how a step's prompts are split across the rollout engines (after floDl's ElChe).
 
-Prompts go to engines by group, in proportion to each engine's measured throughput (an EMA of completions/s,
-``observe``), with
-  * a dead zone: the previous shares are kept while every engine's new share differs from its previous one by
-    less than ``dead_zone`` (relative), so timing jitter does not reshuffle work between steps;
-  * an imbalance cap: while more than one engine is alive, no engine gets more than ``max_share`` of the
-    prompts of one dispatch (the excess goes to the others in proportion to their speed), so one slow
-    measurement cannot starve an engine of the work that would show it has recovered.
-Engines are named; the caller passes the names of those alive, so a dead engine's share goes to the others.
+Prompts go to engines by group, in proportion to each engine's measured throughput (an EMA of completions/s), with
+a dead zone (the previous shares are kept while every engine's new share is within ``dead_zone``, relative, of its
+previous one, so timing jitter does not reshuffle work) and an imbalance cap (while more than one engine is alive,
+none gets more than ``max_share`` of a dispatch, the excess going to the others by speed, so one slow measurement
+cannot starve an engine of the work that would show it has recovered). The caller passes the engines alive.
 
 Concurrency: the scheduler's (main) thread only. Pure bookkeeping: no engine calls.
 """
@@ -54,10 +51,8 @@ class SpeedSplit:
         return counts
 
     def _shares(self, names: list[str]) -> list[float]:
-        """Fractions of the prompts per engine: proportional to the EMA of measured speed, capped at
-        ``max_share`` while more than one engine is alive (water-filling: the excess is spread over the uncapped
-        engines in proportion to their speed), and the previous fractions kept when no engine's fraction would
-        change by ``dead_zone`` (relative) or more. A change in the set of engines always re-splits."""
+        """Fractions of the prompts per engine (see the module docstring; the cap by water-filling). A change in
+        the set of engines always re-splits."""
         speeds = [max(self.speed.get(nm, 1.0), 1e-9) for nm in names]
         shares = [s / sum(speeds) for s in speeds]
         if len(names) > 1:

@@ -1,19 +1,9 @@
-"""Per-step metrics: ``<dump_folder>/metrics.jsonl`` (one JSON object per step), TensorBoard / W&B, a console line,
-and the completions table.
+"""Per-step metrics (rank 0 only): ``<dump_folder>/metrics.jsonl``, TensorBoard / W&B, a console line, and the
+completions table (what each holds: docs/data.md, Logging).
 
-Written by rank 0 only. ``metrics.jsonl`` is appended and flushed every step, so a killed run keeps every
-completed step's line; a resumed run appends after them. TensorBoard and W&B go through torchtitan's own loggers
-(``metrics.enable_tensorboard`` / ``metrics.enable_wandb``: the trainer's ``metrics_processor.logger``, which
-writes under ``<dump_folder>/<metrics.save_tb_folder>/<date>``; W&B reads ``WANDB_PROJECT``, ``WANDB_MODE`` etc.
-from the environment) and get every ``metrics.log_freq``-th step, plus every step carrying evaluation metrics: a
-TensorBoard writer thread costs the trainer about 8% of a 60 ms step when it writes ~50 scalars every step
-(measured with py-spy on the debug config).
-
-Completions table (``metrics.log_completions_every``): every N-th step's completions, one row each (step,
-policy version, prompt, completion, total reward, each reward function's value), appended to
-``<dump_folder>/completions.jsonl`` and logged to W&B as a ``wandb.Table`` named ``completions``. ``close`` (called
-by the trainer's ``close``, before the entry point's ``os._exit``) flushes the files; torchtitan's
-``metrics_processor.close`` then finishes the W&B run.
+``metrics.jsonl`` is appended and flushed every step, so a killed run keeps every completed step's line and a
+resumed run appends after them. TensorBoard and W&B (torchtitan's own loggers) get every ``metrics.log_freq``-th
+step and every step carrying evaluation metrics (feeding them every step costs ~8%: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -58,11 +48,10 @@ class MetricsWriter:
         """The completions table of ``step`` from its ``RolloutBatch`` (``group_size`` completions per prompt)."""
         prompts = [p for p in batch.prompts for _ in range(group_size)]
         versions, total, per_func = batch.versions.tolist(), batch.rewards.tolist(), batch.reward_values
-        completions = batch.completions
         if self._completions is None:
             self._completions = open(self._completions_path, "a", buffering=1)
         rows = []
-        for i, (p, c, v, t) in enumerate(zip(prompts, completions, versions, total)):
+        for i, (p, c, v, t) in enumerate(zip(prompts, batch.completions, versions, total)):
             rewards = {name: values[i] for name, values in per_func.items()}
             self._completions.write(json.dumps({"step": step, "version": v, "prompt": p, "completion": c,
                                                 "reward": t, "rewards": rewards}) + "\n")

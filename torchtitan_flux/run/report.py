@@ -1,9 +1,6 @@
-"""What a run reports (rank 0): the per-step row of ``metrics.jsonl`` and ``summary.json`` at the end.
-
-``step_row`` turns a trained batch, the step's timings and the loss/controller/probe metrics into the row
-``MetricsWriter`` writes (and the progress line reads). ``summary`` checks every engine's final weights (a byte
-checksum where the engine offers one, else the logprob probe's verdict; a missing checksum is "not verified",
-never a match) and adds throughput and memory.
+"""What a run reports (rank 0): the per-step row of ``metrics.jsonl`` and ``summary.json`` at the end, which
+checks every engine's final weights (a byte checksum where the engine offers one, else the logprob probe's
+verdict; a missing checksum is "not verified", never a match).
 """
 
 from __future__ import annotations
@@ -116,13 +113,9 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def memory_per_rank(memory: dict[str, float], world: int) -> list[dict]:
     """``memory`` plus this rank's peak RSS, gathered from every rank (all ranks call it; index = rank)."""
-    mine = {**memory, "peak_rss_mb": peak_rss_mb()}
+    mine = {**memory, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if world == 1:
         return [mine]
     out: list = [None] * world

@@ -1,16 +1,7 @@
 """Resume checks around torchtitan's ``CheckpointManager``: a config fingerprint stored with every checkpoint,
-refusals of a resume that cannot continue the run, and falling back past an unreadable newest checkpoint.
-
-* ``fingerprint.json`` is written into each ``step-N`` folder before DCP writes it (so every complete checkpoint,
-  one with ``.metadata``, has it; torchtitan's purge removes it with the folder). A resume compares it with the
-  current config before anything starts and refuses a difference in one line (``checkpoint.on_config_mismatch``).
-* A resume with ``training.steps`` below the checkpoint's step is refused: there is nothing to train, and the
-  final export would silently be the checkpoint's weights.
-* ``load_newest_readable``: when the newest checkpoint fails to load (a truncated shard, a damaged ``.metadata``)
-  the previous complete one is loaded, the unreadable one is set aside (its ``.metadata`` renamed, so
-  torchtitan's loader skips it and a later save of that step overwrites it), and one warning names it.
-* ``set_aside_previous_outputs``: a run that starts afresh (nothing to resume) in a dump folder holding another
-  run's outputs moves them into ``previous_runs/<time>/`` first, so it never appends to or overwrites them.
+refusals of a resume that cannot continue the run (a changed fingerprint field, ``training.steps`` below the
+checkpoint's step, a model-only checkpoint), falling back past an unreadable newest checkpoint, and setting a
+previous run's outputs aside when a run starts afresh in its dump folder.
 """
 
 from __future__ import annotations
@@ -18,8 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
+import shutil
 import time
 from typing import Any, Callable
 
@@ -34,22 +27,17 @@ SET_ASIDE = ".metadata.unreadable"  # what an unreadable checkpoint's .metadata 
 
 
 def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
-    """The settings a checkpoint cannot be resumed without, as ``{field: value}``. Chosen because changing them
-    breaks the resume or silently makes it another run:
-
-    * the model folder's ``config.json`` (dimensions, vocabulary: the weights would not load, or mean something
-      else) and ``tokenizer.json`` (the token ids of the checkpointed rollouts and of the prompt stream), by the
-      hash of their content, so a moved folder still matches;
-    * ``optimizer.name``: the optimizer state is another optimizer's;
-    * ``rollout.prompts_per_step`` and ``grpo.group_size``: the batch shape of the rollouts an async checkpoint
-      holds (their resume crashed on a tensor shape) and the prompt stream position (step * prompts_per_step);
-    * ``rollout.task``, the dataset's records (content hash, after prompt-length filtering) and ``rollout.seed``:
-      which prompts come next and how they are sampled.
+    """The settings a checkpoint cannot be resumed without, as ``{field: value}``; changing one breaks the resume
+    or silently makes it another run: the model folder's ``config.json`` (the weights would not load, or mean
+    something else) and ``tokenizer.json`` (the token ids of the checkpointed rollouts and prompt stream), by
+    content hash so that a moved folder still matches; ``optimizer.name`` (the optimizer state);
+    ``rollout.prompts_per_step`` and ``grpo.group_size`` (the shape of an async checkpoint's rollouts, the prompt
+    stream position); ``rollout.task``, the dataset's records (content hash, after length filtering) and
+    ``rollout.seed`` (which prompts come next).
 
     Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
-    checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch, not to
-    ``training.seq_len``, which acts only through the filtered records, hashed above) and ``debug.seed`` (the RNG
-    state itself is in the checkpoint)."""
+    checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch; the prompt
+    limit acts through the filtered records) and ``debug.seed`` (the RNG state is in the checkpoint)."""
     r, hf = job_config.rollout, job_config.model.hf_assets_path
     fp: dict[str, Any] = {
         "model.hf_assets_path config.json": _json_sha(os.path.join(hf, "config.json")),
@@ -84,21 +72,12 @@ def write_fingerprint(step_dir: str, fp: dict[str, Any]) -> None:
     os.replace(tmp, os.path.join(step_dir, FINGERPRINT))
 
 
-def mismatches(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(field, checkpoint's value, current value) of every field both record and that differs."""
-    return [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]]
-
-
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments (torchtitan's optimizers are Adam / AdamW)
 
 
 def check_room_for_a_checkpoint(job_config: Any) -> None:
-    """Rank 0, at start, with checkpoints on: the checkpoint folder's disk has room for one checkpoint of this
-    model (about ``CHECKPOINT_BYTES_PER_PARAM`` bytes a parameter), else ``ConfigError`` naming the folder, the
-    room needed and the room free: a full disk found at the first save stops the run (``CheckpointWriteError``)
-    after its work was done."""
-    import shutil
-
+    """Rank 0, at start, with checkpoints on: ``ConfigError`` unless the checkpoint folder's disk has room for one
+    checkpoint of this model (a full disk found at the first save would stop the run after its work was done)."""
     from safetensors import safe_open
 
     from torchtitan_flux.models import hf
@@ -110,11 +89,7 @@ def check_room_for_a_checkpoint(job_config: Any) -> None:
     try:
         for path in hf.weight_files(job_config.model.hf_assets_path):
             with safe_open(str(path), "pt") as f:
-                for name in f.keys():
-                    n = 1
-                    for d in f.get_slice(name).get_shape():
-                        n *= d
-                    params += n
+                params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     except Exception:  # noqa: BLE001 - missing or damaged weights: the trainer's load names them in one line
         return
     need, folder = CHECKPOINT_BYTES_PER_PARAM * params, os.path.join(dump, ck.folder)
@@ -130,10 +105,9 @@ RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "completions.jsonl", "eval.jsonl
 
 
 def set_aside_previous_outputs(job_config: Any) -> str | None:
-    """Rank 0, before the trainer is built: if this run starts afresh (checkpoints off, or no complete checkpoint
-    to resume) and ``job.dump_folder`` holds a previous run's outputs, move them into
-    ``previous_runs/<UTC time>/`` and say so. Before, such a run appended its rows to the old ``metrics.jsonl``
-    (steps 1..N twice) and overwrote ``hf_final``. Returns the folder they went to, or None."""
+    """Rank 0, before the trainer is built: if this run starts afresh (nothing to resume) and ``job.dump_folder``
+    holds a previous run's outputs, move them into ``previous_runs/<UTC time>/`` and say so. Returns the folder
+    they went to, or None."""
     dump, ck = job_config.job.dump_folder, job_config.checkpoint
     if ck.enable and complete_steps(os.path.join(dump, ck.folder)):
         return None  # a resume: its rows continue the same metrics.jsonl
@@ -178,9 +152,8 @@ def model_only(step_dir: str) -> bool:
 
 def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     """Before anything starts: refuse (``ConfigError``, one line) a resume from ``folder`` that cannot continue
-    the run: ``training.steps`` below the checkpoint's step, or a fingerprint field that differs (a warning
-    instead with ``checkpoint.on_config_mismatch = "warn"``). Returns the fields that differ (warned), else [].
-    No checkpoint to resume: nothing to check."""
+    the run. A fingerprint field that differs is a warning instead with ``checkpoint.on_config_mismatch = "warn"``;
+    returns the fields warned about, else []."""
     ck = job_config.checkpoint
     steps = complete_steps(folder)
     if ck.enable and ck.load_step > 0 and ck.load_step not in steps:  # torchtitan: a FileNotFoundError traceback
@@ -211,7 +184,7 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     except (OSError, ValueError) as e:  # absent: written before fingerprints existed
         logger.warning(f"{step_dir} has no readable {FINGERPRINT} ({_one_line(e)}): its config is not compared")
         return []
-    diff = mismatches(saved, fp)
+    diff = [(k, saved[k], fp[k]) for k in fp if k in saved and saved[k] != fp[k]]  # (field, saved, now)
     if not diff:
         return []
     name, old, new = diff[0]
@@ -227,10 +200,9 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
 
 def load_newest_readable(folder: str, load: Callable[[int], Any], is_writer: bool) -> int:
     """Load the newest complete checkpoint of ``folder`` that loads (``load(step)``, every rank); returns its
-    step. When the newest ones raise (a truncated shard, a damaged ``.metadata``) and an earlier one loads, the
-    writer rank sets the newer ones aside (``.metadata`` renamed to ``SET_ASIDE``: torchtitan then ignores them,
-    and a save of that step rewrites the folder) and one warning names them. When none loads, nothing is renamed
-    and a ``ConfigError`` names the newest and how to go on."""
+    step. The writer rank sets newer unreadable ones aside (``.metadata`` renamed to ``SET_ASIDE``: torchtitan
+    then ignores them, and a save of that step rewrites the folder), and one warning names them. When none loads,
+    nothing is renamed and a ``ConfigError`` names the newest."""
     steps = complete_steps(folder)
     failed: list[tuple[str, str]] = []  # (step folder, its error), newest first
     for step in steps:
@@ -272,7 +244,7 @@ class CheckpointWriteError(RuntimeError):
 def save(checkpointer, step: int, last_step: bool, folder: str, fp: dict[str, Any], is_writer: bool) -> bool:
     """torchtitan's save, with the config fingerprint written into the step folder first (writer rank), so every
     complete checkpoint has one. Returns whether one was due (written, or staged with an async
-    ``checkpoint.async_mode``). An OS error of the write is a ``CheckpointWriteError`` naming the folder."""
+    ``checkpoint.async_mode``)."""
     due = checkpointer._should_save(step, last_step)
     try:
         if due and is_writer:

@@ -1,11 +1,9 @@
 """How a training run stops early: the trainer's signal handling, and the exceptions the entry point prints as one
 ``stopped: ...`` line (``train.py``).
 
-First SIGTERM/SIGINT/SIGHUP (a closed terminal): stop at the next step boundary (the step in progress completes,
-so no trained step is half-applied), or at once while waiting for a step's rollouts (single process: that step has not started, so the
-last completed one is checkpointed; the wait for rollouts is most of a long GRPO step, and torchrun SIGKILLs after
-its grace period, 30 s by default). A second one, 2 s or more later: stop now (the step in progress may be
-incomplete: no checkpoint is written).
+First SIGTERM/SIGINT/SIGHUP: stop at the next step boundary (no trained step is half-applied), or, single
+process, at once while waiting for a step's rollouts (most of a long GRPO step, and torchrun SIGKILLs after its
+grace period). A second one, 2 s or more later: stop now, writing no checkpoint (the step may be incomplete).
 
 Concurrency: the handler runs on the main thread between bytecodes; it only sets fields and calls
 ``RolloutScheduler.interrupt`` (which sets a flag), or raises ``TrainingInterrupted`` on a second signal.
@@ -83,13 +81,9 @@ class StopRequests:
 
 
 def settle_and_checkpoint(syncer, wait_s: float, save: Callable[[], Any] | None, step: int) -> None:
-    """Graceful stop: let an in-flight push finish or time out within ``wait_s`` (nothing is left half-sent by
-    us), then ``save()`` a checkpoint of the last completed step (None: none is written).
-
-    The caller passes no ``save`` with several ranks (a second signal can land at different points on each, and a
-    collective save could hang, so those runs resume from their last periodic checkpoint), after a second signal
-    (the step in progress may be incomplete), or with checkpoints off. On a signal ``wait_s`` is short, so the
-    checkpoint is written within torchrun's grace period; what does not finish is redone on resume (the
+    """Graceful stop: let an in-flight push finish or time out within ``wait_s``, then ``save()`` a checkpoint of
+    the last completed step. The caller passes no ``save`` with several ranks (a collective save after a signal
+    could hang), after a second signal, or with checkpoints off. What does not finish is redone on resume (the
     checkpoint's weights are pushed first; unfinished rollouts are generated afresh)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -107,10 +101,9 @@ def settle_and_checkpoint(syncer, wait_s: float, save: Callable[[], Any] | None,
 
 
 def die_with_launcher() -> None:
-    """torchrun starts each worker in a session of its own, so a SIGKILL to torchrun's process group does not
-    reach the trainer, which would train on (engines included) as an orphan. Under torchrun, ask the kernel to
-    SIGKILL this process when the agent dies (``PR_SET_PDEATHSIG``); the engines then die with it the same way,
-    and the newest checkpoint with ``.metadata`` stays the one a resume loads."""
+    """Under torchrun, ask the kernel to SIGKILL this process when the agent dies (``PR_SET_PDEATHSIG``): each
+    worker runs in a session of its own, so a SIGKILL to torchrun's process group would leave it training on as
+    an orphan. The engines then die with it the same way."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not die_with_parent():
         return
     if os.getppid() == 1:  # the agent died before the prctl

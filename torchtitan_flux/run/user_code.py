@@ -27,10 +27,9 @@ class StepResult:
 
 
 def step_callback(fn: Any, name: str = "the step callback") -> Any:
-    """``fn`` as ``callback(step, metrics)``: a function of two positional arguments as it is, one of one
-    (``fn(result)``, the tutorial's form) given a ``StepResult``; ``ConfigError`` naming ``name`` for any other.
-    Whatever it raises, ``SystemExit`` included (which would otherwise end the run with exit 0, no export and no
-    message), comes out as a ``UserCodeError`` naming ``name``."""
+    """``fn`` as ``callback(step, metrics)``: ``fn(step, metrics)`` as it is, ``fn(result)`` given a
+    ``StepResult``; ``ConfigError`` naming ``name`` for any other. Whatever it raises, ``SystemExit`` included
+    (else a silent exit 0), comes out as a ``UserCodeError`` naming ``name``."""
     call = _two_argument_form(fn, name)
 
     def guarded(step: int, metrics: dict[str, Any]) -> None:
@@ -57,8 +56,7 @@ def _two_argument_form(fn: Any, name: str) -> Any:
 
 
 def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
-    """The one importer of ``"package.module:attribute"`` strings (``attribute`` may be dotted): the object, or a
-    ``ConfigError`` naming the field ``name``. Used for rewards, tasks, custom controllers and step callbacks."""
+    """The object ``spec`` names (``attribute`` may be dotted), or a ``ConfigError`` naming the field ``name``."""
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
         raise ConfigError(f"{name} = {spec!r} must be of the form 'package.module:attribute'")
