@@ -191,6 +191,17 @@ def test_one_syntax_for_every_list_and_boolean():
     assert parse("--job.description", "True").job.description == "True"
 
 
+def test_a_spec_naming_a_moved_module_names_its_new_place():
+    """The modules moved into folders (issue 25): a config naming an old path gets the new one, in one line."""
+    from torchtitan_flux.run.user_code import import_spec
+
+    with pytest.raises(ConfigError, match=r"^rollout.task = 'torchtitan_flux.tasks:DigitsTask': module "
+                                          r"torchtitan_flux.tasks was moved; allowed: "
+                                          r"torchtitan_flux.data.tasks:DigitsTask$"):
+        import_spec("rollout.task", "torchtitan_flux.tasks:DigitsTask")
+    assert import_spec("rollout.task", "torchtitan_flux.data.tasks:DigitsTask").__name__ == "DigitsTask"
+
+
 def test_a_module_that_exits_at_import_is_one_line_with_its_reason():
     """Before 2026-11-25 (issue 27): ``sys.exit("reason")`` at a reward module's import ended the run, reason lost."""
     from torchtitan_flux.run.user_code import import_spec
