@@ -78,8 +78,7 @@ class LinkTable:
         return [] if version < 0 else [lk for lk in self.links if lk.usable and lk.sent < version]
 
     def record(self, ev) -> bool:
-        """An ack or engine error (main thread; caller holds ``lock``). True when a lagging engine answered again
-        (it must be resynced: ``Pusher.on_event``)."""
+        """An ack or engine error (caller holds ``lock``). True when a lagging engine answered again (resync)."""
         link = self.find(ev.engine)
         if link is None:
             return False
@@ -110,8 +109,7 @@ class LinkTable:
                     self.fail(link, f"version {link.sent} not acked within {self.timeout_s}s; lagging")
 
     def waiting_for(self, version: int) -> list[EngineLink]:
-        """Links that were sent ``version`` and may still ack it: not lagging, not dead (a dead engine never acks;
-        waiting for it held a stop past torchrun's grace period, 2026-11-25)."""
+        """Links that were sent ``version`` and may still ack it (not lagging, not dead)."""
         with self.lock:
             return [lk for lk in self.links
                     if lk.sent == version and lk.acked < version and not (lk.lagging or lk.dead)]

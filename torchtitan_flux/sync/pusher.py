@@ -1,23 +1,18 @@
 """``Pusher``: rank 0's join threads and push thread, and the claim that serializes them with snapshots.
 
-Concurrency invariants (who waits for what):
-  * ``busy`` is the claim on the staging buffer and on the weight-sync groups. It is set, under the link
-    table's lock, by the one that takes it (the main thread before a snapshot: ``claim``; or ``kick`` for the
-    push thread) and cleared only by its holder (``release``), so staging is never written while it is sent, and
-    collectives on the weight-sync groups are issued by one thread at a time, in push order.
-  * Push thread: sends every push it is handed while holding ``busy`` (``hand_over``; in blocking mode the main
-    thread sends regular pushes itself, holding the claim). One push issues header + buckets on every usable
-    engine's group, all under the push stream (``cuda_rules`` rule 1), then polls every Work against ONE
-    deadline ``timeout_seconds`` from the start of the push (rule 3); an engine that misses it has its group
-    aborted (NCCL) or dropped (gloo), is marked lagging and broken, and rejoins at the next push or before the
-    next wait for rollouts (``deliver_staged``), whichever comes first. Before letting go of ``busy`` it
-    re-sends the staged version to engines that became usable meanwhile (``release``).
-  * Joiner threads: one per (re)joining engine. Each builds that engine's group eagerly (token handshake, NCCL
-    version check, then the group, connected at once on NCCL: rule 8), then ``kick``s the push thread. A joiner
-    never touches ``busy``. An engine the handshake refuses is retried at the next push or ``deliver_staged``,
-    not at once.
-On a GPU trainer the staging buffer is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a
-time on the push stream (bounded trainer-GPU memory: ``2 * bucket_bytes``).
+Concurrency invariants:
+  * ``busy`` is the claim on staging and on the weight-sync groups: set under the link table's lock by its
+    taker (main thread: ``claim``; push thread: ``kick``), cleared only by its holder (``release``). So staging is
+    never written while sent, and one thread at a time issues collectives on the groups, in push order.
+  * Push thread: sends each push it is handed (``hand_over``; blocking mode: the main thread pushes itself).
+    One push issues header + buckets on every usable engine's group under the push stream (``cuda_rules`` rule
+    1) and polls every Work against ONE deadline (rule 3); an engine that misses it has its group aborted (NCCL)
+    or dropped (gloo), is marked lagging and broken, and rejoins at the next push or ``deliver_staged``.
+    ``release`` re-sends the staged version to engines that became usable meanwhile.
+  * Joiner threads: one per (re)joining engine; each builds that engine's group eagerly (handshake, NCCL version
+    check, group: rule 8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried
+    at the next push or ``deliver_staged``, not at once.
+On a GPU trainer staging is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a time.
 """
 
 from __future__ import annotations
@@ -39,9 +34,8 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | None = None):
-    """Rank 0's side of ``handler``'s weight-sync group, connected (in the joiner thread): the engine's own
-    (``own_group``), else a 2-rank group on ``handler.group_store``; NCCL groups get ``cuda_rules.GROUP_TIMEOUT``
-    (our push deadline decides, not the watchdog) and connect at once on ``device``."""
+    """Rank 0's side of ``handler``'s weight-sync group, connected: the engine's own (``own_group``), else a
+    2-rank group on ``handler.group_store`` (NCCL: ``cuda_rules.GROUP_TIMEOUT``, connected at once)."""
     own = handler.own_group(store, info, device)
     if own is not None:
         return own
@@ -54,9 +48,8 @@ def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | 
 
 
 class DeviceRing:
-    """Two device buffers of ``max_bytes`` each; host tensors pass through them on ``stream`` to be broadcast on
-    NCCL. Push thread only. A slot is rewritten only after the collectives that read it were ordered before the
-    copy on the stream (``Work.wait()`` under the stream: a device-side dependency, not a host wait)."""
+    """Two device buffers host tensors pass through on ``stream`` to be broadcast on NCCL (push thread only). A
+    slot is rewritten only after its previous readers were ordered before the copy on the stream."""
 
     def __init__(self, device: torch.device, max_bytes: int, stream):
         self.stream = stream
@@ -178,8 +171,7 @@ class Pusher:
     def _join(self, link: EngineLink, epoch: int, info: WeightGroupInfo) -> None:
         table = self.table
         try:
-            # a connection of its own: a store client serves one call at a time, so a wait on a shared one (an
-            # engine that does not answer) would stall every other engine's join
+            # a store client of its own: a wait on a shared one would stall every other engine's join
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
             if link.handler.rendezvous_handshake:
                 transport.handshake(store, info.prefix, self.token, transport.TRAINER, info.timeout_s)
@@ -198,12 +190,10 @@ class Pusher:
                 table.fail(link, f"join failed: {e}")
                 if link.epoch == epoch:
                     link.joining, link.broken = False, True
-                    # refused (token, NCCL version): retried at the next push or deliver_staged only, it would
-                    # fail again at once
+                    # a refusal would fail again at once; anything else retries now (a restarted engine may
+                    # still be starting, and the trainer may be waiting on its rollouts)
                     refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
                     if not (refused or self.closed or link.dead) and link.handler.alive():
-                        # retry now, not at the next push: a restarted engine may still be starting up, and
-                        # the trainer may be waiting on its rollouts (no push comes until they do)
                         table.stats.resyncs += 1
                         self.start_join(link)
 
@@ -287,10 +277,8 @@ class Pusher:
 
 
 class Bystander:
-    """The pusher of ranks > 0: they take part in every snapshot (the agreement and the FSDP gathers are
-    collectives) but send nothing and hold no engines, so each call is what it would be on a sender without
-    engines: the claim is always free, there is nothing to push, join or wait for (and no engine events: ranks > 0
-    have no rollout side)."""
+    """The pusher of ranks > 0: they take part in every snapshot but send nothing and hold no engines, so the
+    claim is always free and there is nothing to push, join or wait for."""
 
     def __init__(self):
         self.busy = threading.Event()  # never set
