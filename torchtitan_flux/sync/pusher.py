@@ -89,8 +89,6 @@ class Pusher:
         self._thread = threading.Thread(target=self._loop, name="flux-weight-push", daemon=True)
         self._thread.start()
 
-    # ---------------------------------------------------------------------------------------- the claim
-
     def claim(self) -> bool:
         """Main thread: take ``busy`` if nobody holds it."""
         with self.table.lock:
@@ -151,8 +149,6 @@ class Pusher:
             self.closed = True
             self.table.work.notify()
 
-    # -------------------------------------------------------------------------------------------- joins
-
     def start_join(self, link: EngineLink) -> threading.Thread:
         """Start ``link``'s rendezvous on a fresh group (caller holds the table's lock)."""
         link.epoch += 1
@@ -196,8 +192,6 @@ class Pusher:
                     if not (refused or self.closed or link.dead) and link.handler.alive():
                         table.stats.resyncs += 1
                         self.start_join(link)
-
-    # -------------------------------------------------------------------------------------- push thread
 
     def _loop(self) -> None:
         cuda_rules.bind_thread(self.device)

@@ -5,11 +5,10 @@ control group, no device-to-host sync). Per bucket:
 
   1. gather: the bucket's FSDP2 shards (``Shard(0)`` on a 1-D mesh) are cast to the wire dtype and all-gathered
      with ONE collective (``_gather_bucket``); other DTensors use ``full_tensor()``; plain tensors as they are;
-  2. an event recorded on the main stream after the gathers is waited on by the side stream, which applies the
-     engines' wire layout (``wire_tensor``) and copies into staging; the gathered tensors are ``record_stream``-ed
-     there so the allocator does not reuse their memory while the copy reads it.
-Only rank 0 owns staging (pinned host memory on GPU); memory formula: docs/gpu.md. Parameter names are cleaned
-of wrapper prefixes: engines load by the model's own names.
+  2. the side stream waits on an event recorded after the gathers, applies the engines' wire layout
+     (``wire_tensor``) and copies into staging, holding the gathered tensors (``record_stream``) meanwhile.
+Only rank 0 owns staging (pinned host memory on GPU; memory: docs/gpu.md). Parameter names are cleaned of
+wrapper prefixes: engines load by the model's own names.
 """
 
 from __future__ import annotations

@@ -2,25 +2,15 @@
 
 Layout (data flows front -> collaborators, never back): ``snapshot.Snapshot`` (every rank: gather, cast, copy
 into staging), ``links.LinkTable`` (rank 0: one ``EngineLink`` per engine, acks, counters), ``pusher.Pusher``
-(rank 0: the claim, joiner threads, push thread), ``WeightSyncer`` (here: the front the trainer calls), and
-``cuda_rules`` (the CUDA/NCCL rules every collective follows).
+(rank 0: the claim, joiner threads, push thread), ``cuda_rules``, and ``WeightSyncer`` here, the front.
 
 Main thread, every rank: ``after_optimizer_step(version)``. If rank 0 can claim the idle pusher, every rank
-snapshots (rank 0's decision is broadcast on the CPU control group) and the push thread sends it; if a push is in
-flight the version is *coalesced* (the next idle due step sends the then-newest weights). Blocking mode: rank 0
-waits for the claim, snapshots, pushes and waits for acks itself.
-
-Coalescing must never leave a step waiting for weights no push will bring (the async livelock). So before a
-step's rollouts are dispatched the feed calls ``catch_up(version, oldest)``, which stages the current weights when
-the staged version is too old; and ``deliver_staged`` (rank 0, before every collect) rebuilds broken groups and
-sends the staged version to every usable engine lacking it. Every wait for the claim is on the main thread,
-delivering engine events, and bounded (``_claim_waiting``); ranks > 0 wait for rank 0 on the control group, never
-inside a gather. Not covered: an engine that stays alive but can never receive: its rollouts are discarded until
-it answers or dies. The syncer never calls back into the trainer: ``rollout.fleet.Rollouts`` builds it with its
-own ``pump``, which delivers acks and errors to ``on_event`` and replaced engines to ``replace_engine``.
-
-An engine whose push misses ``timeout_seconds`` is lagging and keeps serving its old version; when it acks again
-it is resynced with a full push (after rejoining on a fresh group if its group broke).
+snapshots (rank 0's decision is agreed on the CPU control group) and the push thread sends it; if a push is in
+flight the version is *coalesced*. Blocking mode: rank 0 pushes and waits for acks itself. ``catch_up`` and
+``deliver_staged`` keep coalescing from leaving a step waiting for weights no push will bring (the async livelock,
+docs/architecture.md). Every wait for the claim is on the main thread, delivering engine events, and bounded;
+ranks > 0 wait for rank 0 on the control group, never inside a gather. The syncer never calls back into the
+trainer: ``rollout.fleet.Rollouts`` gives it its ``pump`` and calls ``on_event`` and ``replace_engine``.
 
 Simplification: one data-parallel replica sends (rank 0 of the whole job); every replica holds the same weights.
 """
@@ -36,13 +26,14 @@ import torch
 from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
-from torchtitan_flux.sync.links import EngineLink, LinkTable, SyncStats
+from torchtitan_flux.sync.links import LinkTable
 from torchtitan_flux.sync.pusher import Bystander, Pusher
-from torchtitan_flux.sync.snapshot import Snapshot, control_group, tensor_specs
+from torchtitan_flux.sync.snapshot import Snapshot, control_group
 
-__all__ = ["WeightSyncer", "EngineLink", "SyncStats", "control_group", "tensor_specs"]
+__all__ = ["WeightSyncer", "control_group"]
 
 logger = logging.getLogger("torchtitan_flux")
+
 
 class WeightSyncer:
     """The front: see the package docstring. ``pump(timeout)`` delivers engine events (rank 0)."""

@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 
 from torchtitan_flux import compat
-
 from torchtitan_flux.sync import cuda_rules
 
 logger = logging.getLogger("torchtitan_flux")
@@ -75,11 +74,8 @@ class BucketPlan:
 
     def allocate(self, device: torch.device | str = "cpu", pin_memory: bool = False) -> "FlatWeights":
         # written once, so the pages are resident from the start and memory accounting is honest
-        flats = [
-            torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device, pin_memory=pin_memory).zero_()
-            for b in self.buckets
-        ]
-        return FlatWeights(self, flats)
+        return FlatWeights(self, [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device,
+                                              pin_memory=pin_memory).zero_() for b in self.buckets])
 
 
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> BucketPlan:
@@ -231,14 +227,8 @@ class WeightReceiver:
     receiver thread issues collectives on the group, in push order; the wait for a header has no deadline.
     """
 
-    def __init__(
-        self,
-        plan: BucketPlan,
-        device: torch.device | str,
-        on_received: Callable[[int], None],
-        on_error: Callable[[BaseException], None],
-        buffers: int = 2,
-    ):
+    def __init__(self, plan: BucketPlan, device: torch.device | str, on_received: Callable[[int], None],
+                 on_error: Callable[[BaseException], None], buffers: int = 2):
         self.plan = plan
         self._on_received, self._on_error = on_received, on_error
         self._lock = threading.Lock()
@@ -256,9 +246,8 @@ class WeightReceiver:
         may be blocked in a dead collective) and the live version serves until the new group delivers."""
         self._stop.set()
         self._stop = threading.Event()
-        threading.Thread(
-            target=self._run, args=(make_group, self._stop), name="flux-weight-receiver", daemon=True
-        ).start()
+        threading.Thread(target=self._run, args=(make_group, self._stop), name="flux-weight-receiver",
+                         daemon=True).start()
 
     def _take_buffer(self, stop: threading.Event) -> FlatWeights | None:
         """A buffer to receive into, or None if this loop was superseded (it must not touch any buffer then)."""
