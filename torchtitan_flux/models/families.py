@@ -1,15 +1,8 @@
 """Trainer-side model families: one TrainSpec per supported family, HF config -> torchtitan args, models, adapters.
 
-The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_model``; ``models.hf`` says what
-is supported):
-
-* ``llama`` (``flux_llama``): torchtitan's llama3 model and adapter, extended with ``tie_word_embeddings`` (the
-  output projection IS the token embedding; no ``lm_head.weight`` in HF files) and an explicit ``head_dim`` other
-  than ``dim / n_heads``.
-* ``qwen3`` (``flux_qwen3``): torchtitan's ``Qwen3Model`` / ``Qwen3StateDictAdapter``, unchanged.
-* ``qwen2`` (``flux_qwen2``, Qwen2 / Qwen2.5): the same with ``qk_norm=False`` and q/k/v biases.
-
-HF weights in and out, and the HF layout HTTP engines push: ``hf_weights.py``.
+The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_model``). ``llama``: torchtitan's
+llama3 model and adapter, plus ``tie_word_embeddings`` and an explicit ``head_dim``; ``qwen3``: torchtitan's
+``Qwen3Model``, unchanged; ``qwen2``: the same with ``qk_norm=False`` and q/k/v biases. HF weights: ``hf_weights.py``.
 """
 
 from __future__ import annotations
@@ -52,8 +45,7 @@ def torchtitan_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: fl
 
 
 def solve_ffn_args(dim: int, intermediate_size: int) -> tuple[int, float | None]:
-    """(multiple_of, ffn_dim_multiplier) making torchtitan's FFN hidden dim exactly ``intermediate_size``,
-    torchtitan's conventional values first."""
+    """(multiple_of, ffn_dim_multiplier) making torchtitan's FFN hidden dim exactly ``intermediate_size``."""
     if int(intermediate_size) != intermediate_size or intermediate_size <= 0 or dim <= 0:
         raise ValueError(f"cannot reproduce intermediate_size={intermediate_size!r} with hidden_size={dim!r}: "
                          "both must be positive integers")
@@ -173,8 +165,7 @@ class FluxLlamaModel(Transformer):
 
 
 class FluxLlamaStateDictAdapter(Llama3StateDictAdapter):
-    """torchtitan's llama3 adapter; for a tied model ``lm_head.weight`` is not in HF files (dropped by ``to_hf``,
-    taken from the embedding by ``from_hf`` when absent)."""
+    """torchtitan's llama3 adapter; a tied model has no ``lm_head.weight`` in HF files."""
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         out = super().to_hf(state_dict)

@@ -185,8 +185,7 @@ def weight_files(hf_dir: str | os.PathLike) -> list[Path]:
 
 
 def read_state_dict(hf_dir: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files, by HF name (RoPE ``inv_freq`` buffers dropped); ValueError
-    naming a file that is truncated or corrupt."""
+    """Every tensor of the folder's safetensors by HF name (no ``inv_freq``); ValueError naming a corrupt file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -149,15 +149,12 @@ def export_hf_weights(model: nn.Module, out_dir: str | os.PathLike, model_args, 
                     shutil.copyfile(src / name, out / name)
         cfg_path = out / "config.json"
         if cfg_path.is_file():
-            with open(cfg_path) as f:
-                cfg = json.load(f)
+            cfg = json.loads(cfg_path.read_text())
             dtypes = {v.dtype for v in hf_sd.values()}
             cfg["tie_word_embeddings"] = _tied(model_args)  # a tied model stays tied (no lm_head written)
             if len(dtypes) == 1:
                 cfg["torch_dtype"] = str(next(iter(dtypes))).replace("torch.", "")
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f, indent=2)
-                f.write("\n")
+            cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
         result = out
     if barrier and distributed:
         dist.barrier()

@@ -1,10 +1,8 @@
 """A torch-only forward with a KV cache for the supported families (Llama 3.x, Qwen3, Qwen2.5), for the
 rollout engines. Must NOT import torchtitan (engine environments pin their own torch); torch >= 2.3 APIs only.
 
-The math (llama3 RoPE through complex ``freqs_cis``, RMSNorm, SwiGLU, GQA) is copied from torchtitan's
-``models/llama3/model/model.py``, the qwen RoPE (``rotate_half``) and q/k RMSNorm from ``models/qwen3/model/model.py``
-(Copyright (c) Meta Platforms, Inc. and affiliates, BSD-3-Clause license), so logits match torchtitan's to float
-rounding.
+The math is copied from torchtitan's ``models/llama3/model/model.py`` and ``models/qwen3/model/model.py``
+(Copyright (c) Meta Platforms, Inc. and affiliates, BSD-3-Clause license): logits match torchtitan's to rounding.
 
 Weights are a plain ``dict[str, Tensor]`` in torchtitan names (``weight_dict``). Every function takes the dict as
 an argument and keeps no reference to it, so an engine can swap the whole dict atomically between requests.
@@ -190,17 +188,12 @@ def score(weights: Mapping[str, torch.Tensor], shape: ModelShape, sequences: tor
 def generate(weights: Mapping[str, torch.Tensor], shape: ModelShape, prompts: list[list[int]], *,
              max_new_tokens: int, temperature: float, top_k: int = 0, eos_id: int | list[int], pad_id: int,
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample completions for a batch of token-id prompts with a KV cache (prompts left-padded, positions from 0
-    at each row's first real token, pads never attended).
-
-    Sampling is from ``softmax(logits / temperature)``, restricted to the ``top_k`` largest logits when
-    ``top_k > 0``; ``temperature == 0`` is greedy. A token's logprob is ``log_softmax(logits / temperature)``
-    over the FULL vocabulary (what the trainer recomputes; greedy: ``log_softmax(logits)``). A row stops after
-    emitting ``eos_id`` (an id or a list of ids); later slots hold ``pad_id`` with logprob 0.
-
-    Returns (tokens [B, max_new_tokens], logprobs [B, max_new_tokens], lengths [B] up to and including eos) on
-    the weights' device.
-    """
+    """Sample completions for token-id prompts with a KV cache (prompts left-padded, pads never attended), from
+    ``softmax(logits / temperature)`` (``top_k > 0``: its ``top_k`` largest logits; ``temperature == 0``: greedy).
+    A token's logprob is ``log_softmax(logits / temperature)`` over the FULL vocabulary (what the trainer
+    recomputes; greedy: ``log_softmax(logits)``). A row stops after emitting ``eos_id`` (an id or a list); later
+    slots hold ``pad_id``, logprob 0. Positions start at 0 at each row's first real token.
+    Returns (tokens, logprobs) [B, max_new_tokens] and lengths [B] (eos included) on the weights' device."""
     emb = weights["tok_embeddings.weight"]
     device, dtype = emb.device, emb.dtype
     B = len(prompts)

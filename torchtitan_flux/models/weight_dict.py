@@ -20,8 +20,7 @@ from torchtitan_flux.models import hf
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture of a model of a supported family (what the forward needs besides the weights); ``family``
-    picks the RoPE layout (``rotate_half``)."""
+    """Architecture of a model of a supported family: what the forward needs besides the weights."""
 
     dim: int
     n_layers: int
@@ -99,8 +98,7 @@ def layer_param_names(shape: ModelShape) -> tuple[str, ...]:
 
 
 def weight_names(shape: ModelShape) -> list[str]:
-    """All weight names in a fixed order (torchtitan's ``named_parameters`` order; the order of weight pushes).
-    A tied model has no ``output.weight``: its output projection is ``tok_embeddings.weight``."""
+    """All weight names, in torchtitan's ``named_parameters`` order (a tied model has no ``output.weight``)."""
     names = ["tok_embeddings.weight"]
     for i in range(shape.n_layers):
         names += [f"layers.{i}.{p}" for p in layer_param_names(shape)]
@@ -165,8 +163,7 @@ def _reverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """HF state dict -> torchtitan-named weights (llama: undoes HF's q/k RoPE permutation). A tied model's
-    ``lm_head.weight``, when a checkpoint stores it anyway, is dropped: the embedding is the output projection."""
+    """HF state dict -> torchtitan-named weights (llama: q/k rows permuted back; tied: no ``output.weight``)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in hf_sd.items():
         m = _HF_LAYER.match(key)

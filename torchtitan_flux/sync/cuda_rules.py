@@ -80,8 +80,7 @@ def bind_thread(device: torch.device | str) -> None:
 
 
 def wait_works(works: Iterable[Any], deadline: float) -> bool:
-    """Rule 3: poll every Work until all completed (True) or ``time.monotonic()`` passes ``deadline`` (False).
-    Errors: ``raise_failed``. The period starts short (a small push takes ~1 ms) and backs off."""
+    """Rule 3: poll every Work until all completed (True) or ``deadline`` passes (False); errors: ``raise_failed``."""
     pending, period, spin_until = list(works), POLL_S[0], time.monotonic() + SPIN_S
     while pending:
         pending = [w for w in pending if not w.is_completed()]

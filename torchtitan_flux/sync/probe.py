@@ -97,8 +97,7 @@ class PostSyncProbe:
         return self.every > 0 and (step % self.every == 0 or step == last_step)
 
     def engine_logprobs(self, engine, version: int) -> tuple[int, list[float]]:
-        """The engine's (version, logprobs) once it holds ``version`` (it may still be applying the push);
-        (its version, []) if it does not within ``timeout_s`` (a lagging engine: the syncer deals with it)."""
+        """The engine's (version, logprobs) once it holds ``version``; past ``timeout_s``, (its version, [])."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             held, lps = engine.score(self.tokens, timeout=self.timeout_s)
@@ -107,8 +106,7 @@ class PostSyncProbe:
             time.sleep(0.02)
 
     def run(self, model: torch.nn.Module, engines: list, version: int, device) -> dict[str, float]:
-        """Probe ``engines`` (rank 0's list; empty on other ranks) at ``version``; metrics for this step.
-        Raises ``ProbeMismatch`` on the first engine that fails."""
+        """Probe ``engines`` (rank 0's; empty elsewhere) at ``version``: this step's metrics, or ``ProbeMismatch``."""
         t0 = time.perf_counter()
         expected = model_logprobs(model, self.tokens, device)
         worst, checked = 0.0, 0

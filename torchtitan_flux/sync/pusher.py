@@ -86,8 +86,7 @@ class Pusher:
         if backend == "nccl":
             top = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in snap.plan.buckets), default=1)
             self.ring = DeviceRing(self.device, top, self.stream)
-        self._thread = threading.Thread(target=self._loop, name="flux-weight-push", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._loop, name="flux-weight-push", daemon=True).start()
 
     def claim(self) -> bool:
         """Main thread: take ``busy`` if nobody holds it."""
@@ -106,12 +105,9 @@ class Pusher:
     def release(self) -> None:
         """The holder of ``busy`` lets it go, first serving engines that became usable meanwhile."""
         with self.table.lock:
-            self._release_locked()
-
-    def _release_locked(self) -> None:
-        self._job = self._job_links = None
-        self.busy.clear()
-        self.kick()
+            self._job = self._job_links = None
+            self.busy.clear()
+            self.kick()
 
     def on_event(self, ev) -> None:
         """Main thread: an ack or engine error; a lagging engine that answered again gets the staged version."""
@@ -120,8 +116,7 @@ class Pusher:
                 self.kick()
 
     def kick(self) -> None:
-        """If ``busy`` is free, have the push thread send the staged version to engines that lack it. Caller
-        holds the table's lock."""
+        """Caller holds the lock: if ``busy`` is free, the push thread sends the staged version to ``late`` links."""
         if self.busy.is_set() or self.closed:
             return
         late = self.table.late(self.snap.version)
@@ -131,8 +126,7 @@ class Pusher:
             self.table.work.notify()
 
     def deliver_staged(self) -> None:
-        """Main thread: rebuild broken groups, and have the push thread send the staged version to every usable
-        engine that lacks it (now if ``busy`` is free, else when it is released)."""
+        """Main thread: rebuild broken groups; the push thread sends the staged version to engines lacking it."""
         with self.table.lock:
             self._rejoin_broken()
             self.kick()
@@ -214,8 +208,7 @@ class Pusher:
                 self.release()
 
     def push(self, version: int, only: list[EngineLink] | None = None) -> None:
-        """Send staging (holding ``version``) to every usable engine (or to ``only``: a resync) and poll their
-        Works against one deadline. The caller holds ``busy``."""
+        """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``."""
         t0 = time.perf_counter()
         table, stats = self.table, self.table.stats
         self.snap.side.synchronize_copy()
@@ -227,6 +220,7 @@ class Pusher:
         plan, staging = self.snap.plan, self.snap.staging
         hdev = cuda_rules.header_device(self.backend, self.device)
         header = transport.encode_header(plan, version, list(range(len(plan.buckets))))
+        send = self.ring.broadcast if self.ring is not None else compat.broadcast
         pending = []
         with cuda_rules.on_stream(self.stream):
             for link, epoch, pg, handler in targets:
@@ -235,7 +229,7 @@ class Pusher:
                     flats = staging.flats
                     own = handler.self_push(version, flats)  # vLLM on GPU: its own NCCL engine sends
                     tensors = [header, *flats] if own is not None else handler.wire_tensors(header.to(hdev), flats)
-                    works = [own] if own is not None else [self._broadcast(pg, t) for t in tensors]
+                    works = [own] if own is not None else [send(pg, t) for t in tensors]
                     with table.lock:
                         if link.epoch == epoch:
                             link.sent, link.sent_at = version, time.time()
@@ -265,9 +259,6 @@ class Pusher:
         stats.pushes += 1
         stats.last_push_s = time.perf_counter() - t0
         stats.push_s_total += stats.last_push_s
-
-    def _broadcast(self, pg, t: torch.Tensor):
-        return self.ring.broadcast(pg, t) if self.ring is not None else compat.broadcast(pg, t)
 
 
 class Bystander:

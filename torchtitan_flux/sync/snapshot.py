@@ -36,8 +36,7 @@ def clean_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def tensor_specs(model: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> list[transport.TensorSpec]:
-    """The ordered parameter list a push carries: clean names, global shapes (FSDP shards are gathered), and the
-    wire dtype (``wire_dtype``, else each parameter's own)."""
+    """The ordered parameter list a push carries: clean names, global shapes, wire dtype (else each one's own)."""
     return [
         transport.TensorSpec(n, tuple(p.shape), str(wire_dtype or p.dtype).removeprefix("torch."))
         for n, p in clean_parameters(model).items()

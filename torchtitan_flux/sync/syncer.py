@@ -87,8 +87,7 @@ class WeightSyncer:
         self.snap.side.wait_copy_done()
 
     def after_optimizer_step(self, version: int, due: bool = True) -> None:
-        """Every rank, right after ``optimizer.step()``; see the package docstring. ``due``: whether this version
-        is pushed (the trainer's cadence decides, the same on every rank: ``weight_sync.interval``)."""
+        """Every rank, right after ``optimizer.step()``; ``due``: whether the cadence pushes this version."""
         if not due:
             return
         if self.async_mode:
@@ -102,8 +101,7 @@ class WeightSyncer:
             self.stage(version)
 
     def stage(self, version: int) -> None:
-        """Every rank: snapshot ``version`` and push it once the push in flight has ended (async: by the push
-        thread; blocking: sent and acked here)."""
+        """Every rank: snapshot ``version`` and push it once the push in flight ended (blocking: acked here too)."""
         self._claim_waiting()
         self._snapshot_or_release(version, lambda: self.snap.agree(True), True)
         if self.async_mode:

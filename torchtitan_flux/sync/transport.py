@@ -1,7 +1,6 @@
 """Wire format of a weight push, and the engine-side receiver. Torch-only (no torchtitan): runs in engines.
 
-A push of policy version ``v`` on a weight-sync process group (rank 0 = the trainer's sending rank, ranks 1.. =
-engine workers) is:
+A push of policy version ``v`` on a weight-sync group (rank 0: the trainer; ranks 1..: engine workers) is:
 
     header  int64[HEADER_LEN] = [MAGIC, v, n_sent, idx_0, ..., idx_{n_sent-1}, -1 ...]
     bucket  one flat tensor per listed bucket index, in that order
@@ -131,8 +130,7 @@ def decode_header(h: torch.Tensor) -> tuple[int, list[int]]:
 
 
 def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torch.distributed.TCPStore:
-    """The weight-sync rendezvous store: the trainer hosts it (``is_master``), listening on ``host`` only (torch's
-    own server listens on every interface); engines connect to it."""
+    """The weight-sync store: the trainer hosts it (``is_master``), listening on ``host`` only; engines connect."""
     kw = {}
     if is_master and compat.store_listens_on_given_socket():  # libuv server on a socket bound here; the store owns it
         family, *_, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -169,8 +167,7 @@ def handshake(store, prefix: str, token: str | None, role: str, timeout_s: float
       4. engine: checks the trainer's proof; ``verdict`` = ``ok`` or ``refused``;
       5. trainer: reads the verdict.
     A side that refuses or is refused raises ``AuthError`` and builds no group; a silent peer, ``TimeoutError``.
-    The store itself is unauthenticated (see "Security" in the README).
-    """
+    The store itself is unauthenticated (README, "Security")."""
     if not token:
         return
     s = torch.distributed.PrefixStore(f"{prefix}/auth", store)
