@@ -246,10 +246,9 @@ def build_model(model_args):
 
 
 def fsdp_tied(parallelize_fn):
-    """``parallelize_fn`` made safe for a tied output projection under FSDP2: torchtitan's ``apply_fsdp`` would
-    shard ``tok_embeddings`` and ``[norm, output]`` as two groups holding one parameter, which FSDP2 refuses. So
-    the three are hidden from ``parallelize_fn`` (it skips None parts) and sharded as ONE group, not resharded
-    after forward, with the same mesh and mixed precision. Untied models and runs without FSDP are unchanged."""
+    """``parallelize_fn`` made safe for a tied output projection under FSDP2, which refuses torchtitan's two groups
+    ``tok_embeddings`` and ``[norm, output]`` holding one parameter: the three are hidden from ``parallelize_fn``
+    and sharded as ONE group (not resharded after forward). Untied models and runs without FSDP: unchanged."""
 
     def parallelize(model, parallel_dims, job_config):
         out, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)

@@ -1,12 +1,10 @@
 """The one reader of Hugging Face model folders, shared by the trainer and every rollout engine.
 
 Reads ``config.json``, ``generation_config.json``, ``tokenizer_config.json`` and the safetensors weights (one
-file or the shards of an index). Torch-only, no torchtitan: engines import it.
-
-Supported families (``SUPPORTED``, from ``model_type`` or ``architectures``), tied or untied, GQA, any even
-``head_dim``: ``llama`` (Llama 3.0-3.2, ``rope_scaling`` none or ``llama3``), ``qwen3`` (dense, q/k RMSNorm),
-``qwen2`` (Qwen2 / Qwen2.5, q/k/v biases). Everything else (MoE, sliding windows, other RoPE scalings or
-activations) is refused in one line naming the field, before any weights are read.
+file or the shards of an index). Torch-only, no torchtitan: engines import it. Supported families
+(``SUPPORTED``), tied or untied, GQA, any even ``head_dim``: ``llama`` (Llama 3.0-3.2, ``rope_scaling`` none or
+``llama3``), ``qwen3`` (dense), ``qwen2`` (Qwen2 / Qwen2.5). Everything else (MoE, sliding windows, other RoPE
+scalings or activations) is refused in one line naming the field, before any weights are read.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -58,10 +57,8 @@ def family(cfg: dict[str, Any], where: str = CONFIG_FILE) -> str:
             if arch in names:
                 return fam
     supported = ", ".join(f"{f} ({'/'.join(a)})" for f, a in SUPPORTED.items())
-    raise ValueError(
-        f"{where}: model_type {model_type!r} / architectures {cfg.get('architectures')!r} is not supported; "
-        f"supported families: {supported}"
-    )
+    raise ValueError(f"{where}: model_type {model_type!r} / architectures {cfg.get('architectures')!r} is not "
+                     f"supported; supported families: {supported}")
 
 
 def eos_token_ids(cfg: dict[str, Any]) -> list[int]:
@@ -72,19 +69,15 @@ def eos_token_ids(cfg: dict[str, Any]) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-
-
 def _token_text(tok: Any) -> str | None:
     """A special token of tokenizer_config.json: a string or an AddedToken dict ({"content": ...})."""
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
 def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """What the data layer needs from the folder's tokenizer and generation settings: special tokens (text or
-    None), ``add_bos_token`` (None: tokenizer.json decides), ``chat_template`` (``chat_template.jinja`` wins),
-    ``eos_token_ids`` (config.json's, then generation_config.json's), ``pad_token_id`` (config.json, else
-    generation_config.json, else the first EOS id, else 0), ``generation`` (generation_config.json as is)."""
+    """What the data layer needs from the folder: special tokens, ``add_bos_token`` (None: tokenizer.json decides),
+    ``chat_template`` (``chat_template.jinja`` wins), ``eos_token_ids`` (config.json's, then generation_config's),
+    ``pad_token_id`` (config.json, generation_config, first EOS id, or 0), ``generation`` (generation_config)."""
     d = Path(hf_dir)
     tok_cfg: dict[str, Any] = {}
     if (d / TOKENIZER_CONFIG_FILE).is_file():

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 from torchtitan_flux.models import hf
-from torchtitan_flux.models.hf import clean_name
 
 # Non-weight files copied by export_hf_weights so the exported folder is itself a loadable model dir.
 ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -93,7 +92,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> 
     if _tied(model_args):  # some tied checkpoints store lm_head anyway: the embedding is the projection
         hf_sd.pop("lm_head.weight", None)
 
-    meta = {clean_name(k): torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}  # global
+    meta = {hf.clean_name(k): torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}  # global
     expected = {k: tuple(v.shape) for k, v in state_dict_adapter(model_args).to_hf(meta).items()}
     missing = sorted(set(expected) - set(hf_sd))
     unexpected = sorted(set(hf_sd) - set(expected))
@@ -108,9 +107,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> 
             parts.append(f"unexpected keys {unexpected}")
         if mismatched:
             parts.append(f"shape mismatches [{'; '.join(mismatched)}]")
-        raise ValueError(
-            f"HF weights in {where} do not match the model built from config.json: " + "; ".join(parts)
-        )
+        raise ValueError(f"HF weights in {where} do not match the model built from config.json: " + "; ".join(parts))
 
     sd = state_dict_adapter(model_args).from_hf(hf_sd)
     set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
@@ -132,7 +129,7 @@ def export_hf_weights(model: nn.Module, out_dir: str | os.PathLike, model_args, 
     result: Path | None = None
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:
-        sd = {clean_name(k): (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+        sd = {hf.clean_name(k): (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
         hf_sd = state_dict_adapter(model_args).to_hf(sd)
         hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in hf_sd.items()}
         out.mkdir(parents=True, exist_ok=True)

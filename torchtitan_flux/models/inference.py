@@ -107,18 +107,12 @@ def _layers(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> list[tupl
         raise ValueError(f"weights are missing {e.args[0]!r}") from None
 
 
-def _forward_hidden(
-    weights: Mapping[str, torch.Tensor],
-    layers: list[tuple[torch.Tensor, ...]],
-    shape: ModelShape,
-    tokens: torch.Tensor,  # [B, S]
-    fc: torch.Tensor,  # [B or 1, S, 1, hd/2] complex
-    mask: torch.Tensor,  # bool (True = attend) to [B, n_kv, rep * S, T], or (S == 1 only) 0/-inf [B, 1, 1, T]
-    caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    start: int,
-) -> torch.Tensor:
-    """Final-norm hidden states [B, S, dim]. With ``caches``, K/V of the S tokens are written at
-    ``start:start+S`` and attention reads ``[:start+S]``; without, attention is over the S tokens."""
+def _forward_hidden(weights: Mapping[str, torch.Tensor], layers: list[tuple[torch.Tensor, ...]], shape: ModelShape,
+                    tokens: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
+                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int) -> torch.Tensor:
+    """Final-norm hidden states [B, S, dim] of ``tokens`` [B, S]; ``fc``: their RoPE rows [B or 1, S, 1, ...];
+    ``mask``: bool (True = attend) to [B, n_kv, rep * S, T], or (S == 1 only) 0/-inf [B, 1, 1, T]. With
+    ``caches``, K/V of the S tokens are written at ``start:start+S`` and attention reads ``[:start+S]``."""
     B, S = tokens.shape
     H, KV, hd, rep, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.n_rep, shape.norm_eps
     scale = 1.0 / math.sqrt(hd)
@@ -196,8 +190,7 @@ def generate(weights: Mapping[str, torch.Tensor], shape: ModelShape, prompts: li
     Returns (tokens, logprobs) [B, max_new_tokens] and lengths [B] (eos included) on the weights' device."""
     emb = weights["tok_embeddings.weight"]
     device, dtype = emb.device, emb.dtype
-    B = len(prompts)
-    N = int(max_new_tokens)
+    B, N = len(prompts), int(max_new_tokens)
     out_tokens = torch.full((B, max(N, 0)), pad_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((B, max(N, 0)), dtype=torch.float32, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)

@@ -3,11 +3,10 @@
 Each rule is a function or constant here, used by both sides (``sync/`` on the trainer, ``transport.py`` in
 engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot test (streams): ``docs/gpu.md``.
 
-1. One thread, one stream per group. Every collective of a weight-sync group is issued by one thread (the push
-   thread on the trainer, the receiver thread in an engine) inside ``on_stream(stream)`` with the group's own
-   side stream (``group_stream``). ``ProcessGroupNCCL`` makes its internal NCCL stream wait on the *current*
-   stream when a collective is enqueued, and ``Work.wait()`` makes the current stream wait on it: issued from
-   the default stream, a push would queue behind training kernels (trainer) or block generation (engine).
+1. One thread, one stream per group: every collective of a weight-sync group is issued by one thread (trainer:
+   the push thread; engine: the receiver) inside ``on_stream`` with the group's own stream (``group_stream``).
+   NCCL's stream waits on the *current* stream at enqueue, and ``Work.wait()`` makes the current stream wait on
+   it: from the default stream a push would queue behind training kernels or block generation.
 2. The header lives on the group's device (``header_device``): NCCL rejects CPU tensors; gloo wants CPU.
 3. Host-side completion is decided by polling ``Work.is_completed()`` against OUR deadline (``wait_works``),
    one deadline per push, never by ``Work.wait(timeout)`` (counted from enqueue, and under
@@ -17,10 +16,8 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
 5. The receiver acks only after the bytes landed: ``landed(works, stream)`` waits on the Works on the receiver's
    stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host).
 6. The receiver thread calls ``bind_thread(device)`` first, so its CUDA context is the engine's GPU.
-7. NCCL versions are compared at join (``check_nccl_version``): NCCL refuses communicators across versions, and
-   the mismatch gets a one-line error instead of a rejoin loop.
-8. The trainer joins eagerly, in the joiner thread (``sync/pusher.py``), with ``eager_connect``: never
-   lazily inside the first broadcast while holding the push claim.
+7. NCCL versions are compared at join (``check_nccl_version``): a mismatch is one error line, not a rejoin loop.
+8. The trainer joins eagerly in the joiner thread (``eager_connect``), never inside a broadcast holding the claim.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class NcclVersionMismatch(RuntimeError):
 
 def header_device(backend: str, device: torch.device | str) -> torch.device:
     """Rule 2: where a push header (and every tensor a group carries) must live for ``backend``."""
-    device = torch.device(device)
-    return device if backend == "nccl" else torch.device("cpu")
+    return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
 def group_stream(device: torch.device | str) -> Any:

@@ -68,8 +68,7 @@ def compare(engine: str, version: int, tokens: list[int], expected: torch.Tensor
     if len(got) != expected.numel():
         raise ProbeMismatch(f"probe: engine {engine} at version {version} returned {len(got)} logprobs for "
                             f"{expected.numel()} probe tokens")
-    diff = (torch.tensor(got, dtype=torch.float32) - expected).abs()
-    diff = torch.nan_to_num(diff, nan=float("inf"))
+    diff = torch.nan_to_num((torch.tensor(got, dtype=torch.float32) - expected).abs(), nan=float("inf"))
     i = int(diff.argmax())
     report = ProbeReport(engine, version, float(diff[i]), i + 1, tokens[i + 1], float(expected[i]), float(got[i]))
     if report.max_abs_diff > tolerance:

@@ -4,11 +4,10 @@ Concurrency invariants:
   * ``busy`` is the claim on staging and on the weight-sync groups: set under the link table's lock by its
     taker (main thread: ``claim``; push thread: ``kick``), cleared only by its holder (``release``). So staging is
     never written while sent, and one thread at a time issues collectives on the groups, in push order.
-  * Push thread: sends each push it is handed (``hand_over``; blocking mode: the main thread pushes itself).
-    One push issues header + buckets on every usable engine's group under the push stream (``cuda_rules`` rule
-    1) and polls every Work against ONE deadline (rule 3); an engine that misses it has its group aborted (NCCL)
-    or dropped (gloo), is marked lagging and broken, and rejoins at the next push or ``deliver_staged``.
-    ``release`` re-sends the staged version to engines that became usable meanwhile.
+  * Push thread: sends each push it is handed (``hand_over``; blocking mode: the main thread pushes itself):
+    header + buckets on every usable engine's group under the push stream (``cuda_rules`` rule 1), all Works
+    polled against ONE deadline (rule 3). An engine that misses it is lagging and broken (NCCL: group aborted) and
+    rejoins at the next push or ``deliver_staged``. ``release`` serves engines that became usable meanwhile.
   * Joiner threads: one per (re)joining engine; each builds that engine's group eagerly (handshake, NCCL version
     check, group: rule 8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried
     at the next push or ``deliver_staged``, not at once.

@@ -47,9 +47,8 @@ _CONTROL: dict[str, object] = {}
 
 
 def control_group():
-    """The multi-rank control plane (rank 0 -> other ranks: push decisions, rollouts): a gloo group created on
-    first use, on every rank in the same order (``Snapshot``); None on single-process runs. Its timeout is
-    ``cuda_rules.GROUP_TIMEOUT``: ranks > 0 wait for rollouts as long as generation takes."""
+    """The multi-rank control plane (rank 0 -> others: push decisions, rollouts): a gloo group created on first
+    use on every rank (``Snapshot``), never timing out (``GROUP_TIMEOUT``); None on single-process runs."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if "pg" not in _CONTROL:

@@ -1,8 +1,7 @@
 """Trainer-side weight sync: snapshot after ``optimizer.step()``, bucketed push to every engine, versions, timeouts.
 
-Layout (data flows front -> collaborators, never back): ``snapshot.Snapshot`` (every rank: gather, cast, copy
-into staging), ``links.LinkTable`` (rank 0: one ``EngineLink`` per engine, acks, counters), ``pusher.Pusher``
-(rank 0: the claim, joiner threads, push thread), ``cuda_rules``, and ``WeightSyncer`` here, the front.
+Layout (data flows front -> collaborators, never back): ``WeightSyncer`` here is the front; ``snapshot.Snapshot``
+(every rank), ``links.LinkTable`` and ``pusher.Pusher`` (rank 0) its collaborators; ``cuda_rules`` the rules.
 
 Main thread, every rank: ``after_optimizer_step(version)``. If rank 0 can claim the idle pusher, every rank
 snapshots (rank 0's decision is agreed on the CPU control group) and the push thread sends it; if a push is in

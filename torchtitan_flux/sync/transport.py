@@ -218,10 +218,9 @@ class WeightReceiver:
         ``pending`` one (engine-side coalescing). A superseded loop (``start`` again) takes no buffer any more.
       * ``swap()`` (generation thread, between requests) makes a pending version live under ``_lock`` and frees
         the old live buffer and older pending ones, so a request always runs on one complete version.
-      * live + pending + free + the one being received are exactly the allocated buffers (plus a replacement per
-        buffer an abandoned loop still holds).
-    ``max_version_gap + 1`` buffers keep every version a queued pinned request can still ask for. Only the
-    receiver thread issues collectives on the group, in push order; the wait for a header has no deadline.
+      * live + pending + free + the one being received are the allocated buffers (+ those abandoned loops hold).
+    ``max_version_gap + 1`` buffers keep every version a queued pinned request can ask for. Only the receiver
+    thread issues collectives on the group, in push order; the wait for a header has no deadline.
     """
 
     def __init__(self, plan: BucketPlan, device: torch.device | str, on_received: Callable[[int], None],
