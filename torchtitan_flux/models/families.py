@@ -1,23 +1,8 @@
 """Trainer-side model families: one TrainSpec per supported family, HF config -> torchtitan args, models, adapters.
 
-The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_model``; see ``torchtitan_flux.models.hf``
-for what is supported and refused):
-
-* ``llama`` (spec ``flux_llama``): torchtitan's llama3 ``Transformer`` and ``Llama3StateDictAdapter``.
-  Extended (``FluxLlamaModel``, ``FluxLlamaStateDictAdapter``) in two ways torchtitan's llama3 lacks:
-  ``tie_word_embeddings`` (the output projection IS the token embedding: one parameter, as torchtitan's qwen3
-  ``enable_weight_tying``; HF folders of a tied model carry no ``lm_head.weight``), and an explicit ``head_dim``
-  other than ``dim / n_heads`` (torchtitan derives it: the attention projections and the RoPE table are rebuilt
-  with it, and the adapter's q/k permutation takes the rows from the tensor instead of ``dim``).
-* ``qwen3`` (spec ``flux_qwen3``): torchtitan's ``Qwen3Model`` / ``Qwen3StateDictAdapter`` with
-  ``enable_weight_tying`` from ``tie_word_embeddings``, unchanged.
-* ``qwen2`` (spec ``flux_qwen2``, Qwen2 / Qwen2.5): the same ``Qwen3Model`` with ``qk_norm=False`` and, the
-  smallest extension that torchtitan lacks, biases on the q/k/v projections (``FluxQwenModel``, mapped by
-  ``FluxQwenStateDictAdapter``).
-
-Loading and exporting HF weights, and the HF layout the HTTP engines push, are ``hf_weights.py`` (through
-``state_dict_adapter``); reading config.json and the safetensors shards is ``torchtitan_flux.models.hf``'s job, shared
-with the engines.
+The family comes from ``{model.hf_assets_path}/config.json`` alone (``select_model``). ``llama``: torchtitan's
+llama3 model and adapter, plus ``tie_word_embeddings`` and an explicit ``head_dim``; ``qwen3``: torchtitan's
+``Qwen3Model``, unchanged; ``qwen2``: the same with ``qk_norm=False`` and q/k/v biases. HF weights: ``hf_weights.py``.
 """
 
 from __future__ import annotations
@@ -51,11 +36,6 @@ FLUX_FLAVOR = "hf"
 FAMILY_SPECS = {"llama": "flux_llama", "qwen3": "flux_qwen3", "qwen2": "flux_qwen2"}
 
 
-# --------------------------------------------------------------------------------------------------
-# HF config -> torchtitan args
-# --------------------------------------------------------------------------------------------------
-
-
 def torchtitan_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """Hidden size of torchtitan's llama3 ``FeedForward`` (``TransformerBlock`` passes ``4 * dim``)."""
     hidden_dim = int(2 * (4 * dim) / 3)
@@ -65,42 +45,26 @@ def torchtitan_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: fl
 
 
 def solve_ffn_args(dim: int, intermediate_size: int) -> tuple[int, float | None]:
-    """(multiple_of, ffn_dim_multiplier) making torchtitan's FFN hidden dim exactly ``intermediate_size``.
-
-    Prefers torchtitan's conventional values (256/None; 1024 or 4096 with 1.3 as in Llama-3), then
-    ``multiple_of = intermediate_size`` (with a multiplier shrinking the base size when needed).
-    """
+    """(multiple_of, ffn_dim_multiplier) making torchtitan's FFN hidden dim exactly ``intermediate_size``."""
     if int(intermediate_size) != intermediate_size or intermediate_size <= 0 or dim <= 0:
-        raise ValueError(
-            f"cannot reproduce intermediate_size={intermediate_size!r} with hidden_size={dim!r}: "
-            "both must be positive integers"
-        )
+        raise ValueError(f"cannot reproduce intermediate_size={intermediate_size!r} with hidden_size={dim!r}: "
+                         "both must be positive integers")
     intermediate_size = int(intermediate_size)
     base = int(2 * (4 * dim) / 3)
-    candidates: list[tuple[int, float | None]] = [
-        (256, None),
-        (1024, 1.3),
-        (4096, 1.3),
-        (4096, 1.2),
-        (intermediate_size, None),
-    ]
+    candidates: list[tuple[int, float | None]] = [(256, None), (1024, 1.3), (4096, 1.3), (4096, 1.2),
+                                                  (intermediate_size, None)]
     if base > 0:
-        candidates += [
-            (intermediate_size, (intermediate_size + 0.5) / base),
-            (intermediate_size, intermediate_size / base),
-        ]
+        candidates += [(intermediate_size, (intermediate_size + 0.5) / base),
+                       (intermediate_size, intermediate_size / base)]
     for multiple_of, mult in candidates:
         if torchtitan_ffn_hidden_dim(dim, multiple_of, mult) == intermediate_size:
             return multiple_of, mult
-    raise ValueError(
-        f"cannot choose multiple_of/ffn_dim_multiplier so that torchtitan's FeedForward hidden dim "
-        f"equals intermediate_size={intermediate_size} for hidden_size={dim}"
-    )
+    raise ValueError(f"cannot choose multiple_of/ffn_dim_multiplier so that torchtitan's FeedForward hidden dim "
+                     f"equals intermediate_size={intermediate_size} for hidden_size={dim}")
 
 
 def rope_scaling_args(rs: dict[str, Any]) -> RoPEScalingArgs:
-    """torchtitan's llama3 RoPE scaling from a HF ``rope_scaling`` dict (torchtitan always applies llama3-style
-    scaling; factor 1 makes it the identity)."""
+    """torchtitan's llama3 RoPE scaling from ``hf.architecture``'s ``rope_scaling`` (factor 1: identity)."""
     return RoPEScalingArgs(
         scaling_factor=rs["factor"], low_freq_factor=rs["low_freq_factor"], high_freq_factor=rs["high_freq_factor"],
         original_max_position_embeddings=rs["original_max_position_embeddings"],
@@ -123,13 +87,8 @@ def hf_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") ->
     if a["family"] != "llama":
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not a llama config")
     multiple_of, ffn_dim_multiplier = solve_ffn_args(a["dim"], a["intermediate_size"])
-    return dict(
-        **_shared_fields(a, cfg),
-        multiple_of=multiple_of,
-        ffn_dim_multiplier=ffn_dim_multiplier,
-        rope_scaling_args=rope_scaling_args(a["rope_scaling"]),
-        tie_word_embeddings=a["tied"],
-    )
+    return dict(**_shared_fields(a, cfg), multiple_of=multiple_of, ffn_dim_multiplier=ffn_dim_multiplier,
+                rope_scaling_args=rope_scaling_args(a["rope_scaling"]), tie_word_embeddings=a["tied"])
 
 
 def qwen_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
@@ -137,13 +96,8 @@ def qwen_config_to_args_fields(cfg: dict[str, Any], where: str = "config.json") 
     a = hf.architecture(cfg, where)
     if a["family"] not in ("qwen3", "qwen2"):
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not a qwen3/qwen2 config")
-    return dict(
-        **_shared_fields(a, cfg),
-        hidden_dim=a["intermediate_size"],
-        qk_norm=a["qk_norm"],
-        qkv_bias=a["qkv_bias"],
-        enable_weight_tying=a["tied"],
-    )
+    return dict(**_shared_fields(a, cfg), hidden_dim=a["intermediate_size"], qk_norm=a["qk_norm"],
+                qkv_bias=a["qkv_bias"], enable_weight_tying=a["tied"])
 
 
 class _FromHF:
@@ -166,8 +120,7 @@ class _FromHF:
     def update_from_config(self, job_config, **kwargs) -> None:
         hf_dir = job_config.model.hf_assets_path
         self.apply_hf_config(hf.read_config(hf_dir), str(Path(hf_dir) / "config.json"))
-        # max_seq_len from training.seq_len (and torchtitan's own checks).
-        super().update_from_config(job_config, **kwargs)
+        super().update_from_config(job_config, **kwargs)  # max_seq_len from training.seq_len
 
 
 @dataclass
@@ -185,9 +138,7 @@ def _llama_head_dim(model_args) -> int:
 
 
 class FluxLlamaModel(Transformer):
-    """torchtitan's llama3 ``Transformer``; with ``tie_word_embeddings`` the output projection shares the
-    embedding's parameter (as torchtitan's ``Qwen3Model`` with ``enable_weight_tying``); with an explicit
-    ``head_dim`` other than ``dim // n_heads`` each attention's projections are rebuilt that wide."""
+    """torchtitan's llama3 ``Transformer``, with ``tie_word_embeddings`` and an explicit ``head_dim``."""
 
     def __init__(self, model_args: FluxLlamaArgs):
         super().__init__(model_args)
@@ -208,15 +159,13 @@ class FluxLlamaModel(Transformer):
         return precompute_freqs_cis(_llama_head_dim(a), a.max_seq_len, a.rope_theta, a.rope_scaling_args)
 
     def init_weights(self, *args, **kwargs):
-        tied = getattr(self.model_args, "tie_word_embeddings", False)
-        if tied:  # building on the meta device and ``to_empty`` may untie (as in Qwen3Model.init_weights)
+        if getattr(self.model_args, "tie_word_embeddings", False):  # ``to_empty`` may untie (as in Qwen3Model)
             self.output.weight = self.tok_embeddings.weight
         super().init_weights(*args, **kwargs)
 
 
 class FluxLlamaStateDictAdapter(Llama3StateDictAdapter):
-    """torchtitan's llama3 adapter; for a tied model ``lm_head.weight`` is not in HF files (dropped by ``to_hf``,
-    taken from the embedding by ``from_hf`` when absent)."""
+    """torchtitan's llama3 adapter; a tied model has no ``lm_head.weight`` in HF files."""
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         out = super().to_hf(state_dict)
@@ -229,8 +178,7 @@ class FluxLlamaStateDictAdapter(Llama3StateDictAdapter):
             hf_state_dict = {**hf_state_dict, "lm_head.weight": hf_state_dict["model.embed_tokens.weight"]}
         return super().from_hf(hf_state_dict)
 
-    # torchtitan passes k's row count as ``dim // n_heads * n_kv_heads``, wrong for an explicit head_dim; the
-    # tensor's own (full, unsharded) rows are right for every head_dim.
+    # k's rows are the tensor's own, not torchtitan's ``dim // n_heads * n_kv_heads`` (wrong for explicit head_dim)
     def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
         return super()._permute(w, n_heads_arg)
 
@@ -297,24 +245,15 @@ def build_model(model_args):
     return FluxQwenModel(model_args) if isinstance(model_args, Qwen3ModelArgs) else FluxLlamaModel(model_args)
 
 
-def _output_is_embedding(model: nn.Module) -> bool:
-    out, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
-    return out is not None and emb is not None and out.weight is emb.weight
-
-
 def fsdp_tied(parallelize_fn):
-    """``parallelize_fn`` (torchtitan's llama3 / qwen3 one) made safe for a tied output projection under FSDP2.
-
-    torchtitan 0.2.2's ``apply_fsdp`` shards ``tok_embeddings`` and ``[norm, output]`` as two FSDP groups, which
-    FSDP2 refuses when both hold the same parameter (even for torchtitan's own tied Qwen3 flavors). For a tied
-    model under FSDP the three modules are hidden from ``parallelize_fn`` (its ``apply_fsdp`` skips parts that are
-    None; TP / pipelining are not supported with tying here) and then sharded as ONE group, never resharded after
-    forward (the embedding is needed again at the output), with the same mesh and mixed-precision settings.
-    Untied models and runs without FSDP go straight to ``parallelize_fn``.
-    """
+    """``parallelize_fn`` made safe for a tied output projection under FSDP2, which refuses torchtitan's two groups
+    ``tok_embeddings`` and ``[norm, output]`` holding one parameter: the three are hidden from ``parallelize_fn``
+    and sharded as ONE group (not resharded after forward). Untied models and runs without FSDP: unchanged."""
 
     def parallelize(model, parallel_dims, job_config):
-        if not (_output_is_embedding(model) and parallel_dims.fsdp_enabled):
+        out, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+        tied = out is not None and emb is not None and out.weight is emb.weight
+        if not (tied and parallel_dims.fsdp_enabled):
             return parallelize_fn(model, parallel_dims, job_config)
         if parallel_dims.tp_enabled or parallel_dims.pp_enabled or parallel_dims.cp_enabled:
             raise ValueError("tied word embeddings are supported with FSDP/HSDP only (no TP, PP or CP)")
@@ -358,9 +297,7 @@ def register_flux_model():
             model_args={FLUX_FLAVOR: FluxLlamaArgs() if fam == "llama" else FluxQwenArgs()},
             state_dict_adapter=FluxLlamaStateDictAdapter if fam == "llama" else FluxQwenStateDictAdapter,
             parallelize_fn=fsdp_tied(base.parallelize_fn),
-            build_dataloader_fn=None,
-            build_validator_fn=None,
-            pipelining_fn=None,
+            build_dataloader_fn=None, build_validator_fn=None, pipelining_fn=None,
         )
         try:
             register_train_spec(name, spec)
@@ -370,9 +307,8 @@ def register_flux_model():
 
 
 def select_model(job_config):
-    """The job config torchtitan builds from: a copy of ``job_config`` whose ``model.name`` is the TrainSpec of
-    the family in ``model.hf_assets_path``'s config.json. Raises ValueError naming the supported families for any
-    other model, before anything is built."""
+    """A copy of ``job_config`` whose ``model.name`` is the TrainSpec of ``model.hf_assets_path``'s family;
+    ValueError naming the supported families for any other model, before anything is built."""
     hf_dir = job_config.model.hf_assets_path
     name = FAMILY_SPECS[hf.family(hf.read_config(hf_dir), str(Path(hf_dir) / "config.json"))]
     return dataclasses.replace(job_config, model=dataclasses.replace(job_config.model, name=name))

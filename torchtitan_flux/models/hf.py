@@ -1,19 +1,10 @@
 """The one reader of Hugging Face model folders, shared by the trainer and every rollout engine.
 
-Reads ``config.json`` (which model family, its architecture, tying, EOS ids), ``generation_config.json``
-defaults, ``tokenizer_config.json`` (special tokens, BOS handling, chat template), and the safetensors weights (``model.safetensors`` or the shards of
-``model.safetensors.index.json``). Torch-only and without torchtitan: the engines import it in environments
-that do not have torchtitan (``inference.py``, the embedded engine).
-
-Supported families (``SUPPORTED``), picked from ``model_type`` (or ``architectures``):
-
-* ``llama``: Llama 3.0 / 3.1 / 3.2 (``rope_scaling`` none or ``llama3``), tied or untied, GQA, any even
-  ``head_dim`` (an explicit one different from ``hidden_size / num_attention_heads`` included).
-* ``qwen3``: Qwen3 dense (q/k RMSNorm, explicit ``head_dim``), tied or untied.
-* ``qwen2``: Qwen2 / Qwen2.5 (q/k/v biases), tied or untied.
-
-Everything else (MoE, sliding-window attention, other RoPE scalings, other activations) is refused with a
-one-line error naming the field, before any weights are read.
+Reads ``config.json``, ``generation_config.json``, ``tokenizer_config.json`` and the safetensors weights (one
+file or the shards of an index). Torch-only, no torchtitan: engines import it. Supported families
+(``SUPPORTED``), tied or untied, GQA, any even ``head_dim``: ``llama`` (Llama 3.0-3.2, ``rope_scaling`` none or
+``llama3``), ``qwen3`` (dense), ``qwen2`` (Qwen2 / Qwen2.5). Everything else (MoE, sliding windows, other RoPE
+scalings or activations) is refused in one line naming the field, before any weights are read.
 """
 
 from __future__ import annotations
@@ -27,15 +18,13 @@ import torch
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # family -> HF ``architectures`` names of that family
-SUPPORTED: dict[str, tuple[str, ...]] = {
-    "llama": ("LlamaForCausalLM",),
-    "qwen3": ("Qwen3ForCausalLM",),
-    "qwen2": ("Qwen2ForCausalLM",),
-}
+SUPPORTED: dict[str, tuple[str, ...]] = {"llama": ("LlamaForCausalLM",), "qwen3": ("Qwen3ForCausalLM",),
+                                         "qwen2": ("Qwen2ForCausalLM",)}
 
 
 def _read_json(path: Path) -> Any:
@@ -68,10 +57,8 @@ def family(cfg: dict[str, Any], where: str = CONFIG_FILE) -> str:
             if arch in names:
                 return fam
     supported = ", ".join(f"{f} ({'/'.join(a)})" for f, a in SUPPORTED.items())
-    raise ValueError(
-        f"{where}: model_type {model_type!r} / architectures {cfg.get('architectures')!r} is not supported; "
-        f"supported families: {supported}"
-    )
+    raise ValueError(f"{where}: model_type {model_type!r} / architectures {cfg.get('architectures')!r} is not "
+                     f"supported; supported families: {supported}")
 
 
 def eos_token_ids(cfg: dict[str, Any]) -> list[int]:
@@ -82,38 +69,21 @@ def eos_token_ids(cfg: dict[str, Any]) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def generation_defaults(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """``generation_config.json`` (or {}): the folder's sampling defaults and EOS ids for the data layer."""
-    path = Path(hf_dir) / GENERATION_CONFIG_FILE
-    if not path.is_file():
-        return {}
-    return _read_json(path)
-
-
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-
-
 def _token_text(tok: Any) -> str | None:
     """A special token of tokenizer_config.json: a string or an AddedToken dict ({"content": ...})."""
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
 def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """What the data layer needs from the folder's tokenizer and generation settings.
-
-    Keys: ``bos_token`` / ``eos_token`` / ``pad_token`` (text or None), ``add_bos_token`` (bool or None: the
-    tokenizer.json post-processor decides), ``chat_template`` (Jinja text or None; a separate
-    ``chat_template.jinja`` wins, as in transformers >= 4.43), ``eos_token_ids`` (config.json's, then any extra ones
-    of generation_config.json: every id that ends a completion), ``pad_token_id`` (config.json, else
-    generation_config.json, else the first EOS id, else 0), ``generation`` (generation_config.json as is: sampling
-    defaults such as temperature / top_p / top_k for callers that want them).
-    """
+    """What the data layer needs from the folder: special tokens, ``add_bos_token`` (None: tokenizer.json decides),
+    ``chat_template`` (``chat_template.jinja`` wins), ``eos_token_ids`` (config.json's, then generation_config's),
+    ``pad_token_id`` (config.json, generation_config, first EOS id, or 0), ``generation`` (generation_config)."""
     d = Path(hf_dir)
     tok_cfg: dict[str, Any] = {}
     if (d / TOKENIZER_CONFIG_FILE).is_file():
         tok_cfg = _read_json(d / TOKENIZER_CONFIG_FILE)
     cfg = read_config(d) if (d / CONFIG_FILE).is_file() else {}
-    gen = generation_defaults(d)
+    gen = _read_json(d / GENERATION_CONFIG_FILE) if (d / GENERATION_CONFIG_FILE).is_file() else {}
     eos = eos_token_ids(cfg)
     eos += [e for e in eos_token_ids(gen) if e not in eos]
     pad = cfg.get("pad_token_id", gen.get("pad_token_id"))
@@ -123,14 +93,9 @@ def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if (d / "chat_template.jinja").is_file():
         template = (d / "chat_template.jinja").read_text()
     return {
-        "bos_token": _token_text(tok_cfg.get("bos_token")),
-        "eos_token": _token_text(tok_cfg.get("eos_token")),
-        "pad_token": _token_text(tok_cfg.get("pad_token")),
-        "add_bos_token": tok_cfg.get("add_bos_token"),
-        "chat_template": template,
-        "eos_token_ids": eos,
-        "pad_token_id": int(pad),
-        "generation": gen,
+        **{k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")},
+        "add_bos_token": tok_cfg.get("add_bos_token"), "chat_template": template,
+        "eos_token_ids": eos, "pad_token_id": int(pad), "generation": gen,
     }
 
 
@@ -152,11 +117,7 @@ def _rope_scaling(cfg: dict[str, Any], fam: str, where: str) -> dict[str, float]
 
 
 def architecture(cfg: dict[str, Any], where: str = CONFIG_FILE) -> dict[str, Any]:
-    """Family-neutral architecture of a HF config; ValueError naming the field for anything unsupported.
-
-    Keys: family, dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, intermediate_size, norm_eps,
-    rope_theta, rope_scaling (dict), max_position_embeddings, tied, qk_norm, qkv_bias.
-    """
+    """Family-neutral architecture of a HF config; ValueError naming the field for anything unsupported."""
     fam = family(cfg, where)
     try:
         dim = int(cfg["hidden_size"])
@@ -181,28 +142,18 @@ def architecture(cfg: dict[str, Any], where: str = CONFIG_FILE) -> dict[str, Any
         raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
     if cfg.get("mlp_bias", False):
         raise ValueError(f"{where}: mlp_bias=true is not supported")
-    if fam == "llama" and cfg.get("attention_bias", False):
-        raise ValueError(f"{where}: attention_bias=true is not supported for llama")
-    if fam == "qwen3" and cfg.get("attention_bias", False):
-        raise ValueError(f"{where}: attention_bias=true is not supported for qwen3")
+    if fam in ("llama", "qwen3") and cfg.get("attention_bias", False):
+        raise ValueError(f"{where}: attention_bias=true is not supported for {fam}")
     if cfg.get("use_sliding_window", False):
         raise ValueError(f"{where}: use_sliding_window=true is not supported (full attention only)")
     return dict(
-        family=fam,
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        intermediate_size=intermediate_size,
+        family=fam, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        vocab_size=vocab_size, intermediate_size=intermediate_size,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if fam != "llama" else 1e-5)),
         rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling(cfg, fam, where),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=fam == "qwen3",
-        qkv_bias=fam == "qwen2",
+        tied=bool(cfg.get("tie_word_embeddings", False)), qk_norm=fam == "qwen3", qkv_bias=fam == "qwen2",
     )
 
 
@@ -227,8 +178,7 @@ def weight_files(hf_dir: str | os.PathLike) -> list[Path]:
 
 
 def read_state_dict(hf_dir: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files, by HF name (RoPE ``inv_freq`` buffers dropped); ValueError
-    naming a file that is truncated or corrupt."""
+    """Every tensor of the folder's safetensors by HF name (no ``inv_freq``); ValueError naming a corrupt file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

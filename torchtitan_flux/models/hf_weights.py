@@ -1,13 +1,6 @@
-"""HF weights <-> torchtitan models, trainer side, through each family's state-dict adapter (``model.py``):
-
-* ``load_hf_weights``: a HF folder into a (possibly FSDP2-sharded) model, checked key by key and shape by shape
-  first; ``export_hf_weights``: a model as a loadable HF folder. Both go through
-  ``torch.distributed.checkpoint.state_dict`` with full state dicts; a tied model is exported tied
-  (``tie_word_embeddings`` kept, no ``lm_head.weight``).
-* ``HFLayout``: names and tensor layout of torchtitan parameters as HF-layout servers (vLLM, SGLang) load them,
-  what the HTTP engine handlers (``engine/http.py``) push.
-
-Reading config.json and the safetensors shards is ``torchtitan_flux.models.hf``'s job, shared with the engines.
+"""HF weights <-> torchtitan models, trainer side, through each family's state-dict adapter (``families.py``):
+``load_hf_weights`` (checked key by key and shape by shape first), ``export_hf_weights`` (a loadable HF folder; a
+tied model stays tied), and ``HFLayout`` (the HF names and layout the HTTP engines push).
 
 Simplifications: every rank reads the whole files on load (then keeps its shards); export gathers the full state
 dict to rank 0's CPU and writes one ``model.safetensors`` (no sharded export).
@@ -20,39 +13,25 @@ import os
 import shutil
 from pathlib import Path
 
-# first: importing ``model`` applies the CPU patches torchtitan needs before it is imported
+# first: importing ``families`` applies the CPU patches torchtitan needs before it is imported
 from torchtitan_flux.models.families import args_from_hf_dir, state_dict_adapter
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 from torchtitan_flux.models import hf
-from torchtitan_flux.models.hf import clean_name
 
 # Non-weight files copied by export_hf_weights so the exported folder is itself a loadable model dir.
-ASSET_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
+ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 class HFLayout:
-    """Names and tensor layout of torchtitan parameters as HF-layout servers (vLLM, SGLang) load them, from the
-    family's state-dict adapter. Used trainer-side by the HTTP engine handlers for every push."""
+    """Names and tensor layout of torchtitan parameters as HF-layout servers (vLLM, SGLang) load them."""
 
     def __init__(self, model_args):
         self.adapter = state_dict_adapter(model_args)
@@ -75,8 +54,7 @@ class HFLayout:
         return out
 
     def bucket_meta(self, plan) -> list[tuple[list[str], list[str], list[list[int]]]]:
-        """Per bucket of a ``transport.BucketPlan``: the (HF names, dtypes, shapes) of its tensors, what the
-        servers' per-bucket update requests carry (same shapes: the layout change only permutes rows)."""
+        """Per bucket of a ``transport.BucketPlan``: the (HF names, dtypes, shapes) its update request carries."""
         names = self.hf_names([s.name for s in plan.specs], [s.shape for s in plan.specs])
         out = []
         for b in plan.buckets:
@@ -90,17 +68,6 @@ class HFLayout:
             return tensor
         (out,) = self.adapter.to_hf({name: tensor}).values()
         return out
-
-
-def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Model state-dict FQNs -> global shapes (DTensor ``.shape`` is global)."""
-    return {clean_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def _hf_shapes_for(model_shapes: dict[str, tuple[int, ...]], model_args) -> dict[str, tuple[int, ...]]:
-    adapter = state_dict_adapter(model_args)
-    meta = {k: torch.empty(s, device="meta") for k, s in model_shapes.items()}
-    return {k: tuple(v.shape) for k, v in adapter.to_hf(meta).items()}
 
 
 def build_reference_model(train_spec, model_args, parallel_dims, job_config, device) -> nn.Module:
@@ -117,27 +84,20 @@ def build_reference_model(train_spec, model_args, parallel_dims, job_config, dev
 
 
 def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> None:
-    """Load HF safetensors from ``hf_dir`` into the family's torchtitan ``model`` (plain or FSDP2/DTensor).
-
-    Every rank reads the full files and keeps its own shards. Raises FileNotFoundError naming the
-    missing file, or ValueError listing missing / unexpected keys and shape mismatches (e.g. a vocab size
-    in config.json that differs from the weights).
-    """
+    """Load HF safetensors from ``hf_dir`` into ``model`` (plain or FSDP2); FileNotFoundError naming a missing
+    file, or ValueError listing missing / unexpected keys and shape mismatches."""
     hf_dir = Path(hf_dir)
     files = hf.weight_files(hf_dir)
     hf_sd = hf.read_state_dict(hf_dir)
     if _tied(model_args):  # some tied checkpoints store lm_head anyway: the embedding is the projection
         hf_sd.pop("lm_head.weight", None)
 
-    model_shapes = _expected_shapes(model)
-    expected = _hf_shapes_for(model_shapes, model_args)
+    meta = {hf.clean_name(k): torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}  # global
+    expected = {k: tuple(v.shape) for k, v in state_dict_adapter(model_args).to_hf(meta).items()}
     missing = sorted(set(expected) - set(hf_sd))
     unexpected = sorted(set(hf_sd) - set(expected))
-    mismatched = [
-        f"{k}: file {tuple(hf_sd[k].shape)} vs model {expected[k]}"
-        for k in sorted(set(expected) & set(hf_sd))
-        if tuple(hf_sd[k].shape) != expected[k]
-    ]
+    mismatched = [f"{k}: file {tuple(hf_sd[k].shape)} vs model {expected[k]}"
+                  for k in sorted(set(expected) & set(hf_sd)) if tuple(hf_sd[k].shape) != expected[k]]
     if missing or unexpected or mismatched:
         where = ", ".join(str(p) for p in files)
         parts = []
@@ -147,45 +107,29 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> 
             parts.append(f"unexpected keys {unexpected}")
         if mismatched:
             parts.append(f"shape mismatches [{'; '.join(mismatched)}]")
-        raise ValueError(
-            f"HF weights in {where} do not match the model built from config.json: " + "; ".join(parts)
-        )
+        raise ValueError(f"HF weights in {where} do not match the model built from config.json: " + "; ".join(parts))
 
     sd = state_dict_adapter(model_args).from_hf(hf_sd)
-    set_model_state_dict(
-        model, sd, options=StateDictOptions(full_state_dict=True, strict=True)
-    )
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
 def _tied(model_args) -> bool:
     return bool(getattr(model_args, "tie_word_embeddings", False) or getattr(model_args, "enable_weight_tying", False))
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def export_hf_weights(
-    model: nn.Module,
-    out_dir: str | os.PathLike,
-    model_args,
-    hf_assets_dir: str | os.PathLike,
-    *,
-    barrier: bool = True,
-) -> Path | None:
-    """Write ``model`` as a HF folder of its family (``model.safetensors`` + config/tokenizer copied from
-    ``hf_assets_dir``). Must be called on every rank (gathers the full state dict); rank 0 writes.
-    Returns the folder on rank 0, None elsewhere. With ``barrier`` all ranks wait for the write.
-    """
+def export_hf_weights(model: nn.Module, out_dir: str | os.PathLike, model_args, hf_assets_dir: str | os.PathLike,
+                      *, barrier: bool = True) -> Path | None:
+    """Write ``model`` as a HF folder (``model.safetensors`` + config/tokenizer copied from ``hf_assets_dir``).
+    Every rank calls it (gathers the full state dict); rank 0 writes and gets the folder, others None. With
+    ``barrier`` all ranks wait for the write."""
     from safetensors.torch import save_file
 
-    sd = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = Path(out_dir)
     result: Path | None = None
-    if _rank() == 0:
-        sd = {clean_name(k): (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        sd = {hf.clean_name(k): (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
         hf_sd = state_dict_adapter(model_args).to_hf(sd)
         hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in hf_sd.items()}
         out.mkdir(parents=True, exist_ok=True)
@@ -202,16 +146,13 @@ def export_hf_weights(
                     shutil.copyfile(src / name, out / name)
         cfg_path = out / "config.json"
         if cfg_path.is_file():
-            with open(cfg_path) as f:
-                cfg = json.load(f)
+            cfg = json.loads(cfg_path.read_text())
             dtypes = {v.dtype for v in hf_sd.values()}
             cfg["tie_word_embeddings"] = _tied(model_args)  # a tied model stays tied (no lm_head written)
             if len(dtypes) == 1:
                 cfg["torch_dtype"] = str(next(iter(dtypes))).replace("torch.", "")
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f, indent=2)
-                f.write("\n")
+            cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
         result = out
-    if barrier and dist.is_available() and dist.is_initialized():
+    if barrier and distributed:
         dist.barrier()
     return result

@@ -1,21 +1,11 @@
 """A torch-only forward with a KV cache for the supported families (Llama 3.x, Qwen3, Qwen2.5), for the
-rollout engines.
+rollout engines. Must NOT import torchtitan (engine environments pin their own torch); torch >= 2.3 APIs only.
 
-This module must NOT import torchtitan: it runs inside inference-engine environments that pin their own
-torch. It only uses APIs available in torch >= 2.3 (``F.scaled_dot_product_attention`` with ``attn_mask``;
-``F.rms_norm`` only when present).
+The math is copied from torchtitan's ``models/llama3/model/model.py`` and ``models/qwen3/model/model.py``
+(Copyright (c) Meta Platforms, Inc. and affiliates, BSD-3-Clause license): logits match torchtitan's to rounding.
 
-The math (RoPE with llama3 frequency scaling through complex ``freqs_cis``, RMSNorm, SwiGLU, GQA) is
-copied from torchtitan's ``torchtitan/models/llama3/model/model.py``; the qwen families' RoPE (``rotate_half``
-with a cos|sin cache) and q/k RMSNorm from ``torchtitan/models/qwen3/model/model.py`` (Copyright (c) Meta
-Platforms, Inc. and affiliates, BSD-3-Clause license), so the logits match torchtitan's models to float
-rounding. Qwen2's q/k/v biases are plain ``F.linear`` biases.
-
-Weights are a plain ``dict[str, Tensor]`` in torchtitan names (``tok_embeddings.weight``,
-``layers.{i}.attention.wq.weight``, ..., ``norm.weight``, ``output.weight``; a tied model has no
-``output.weight`` and uses ``tok_embeddings.weight``). Every function takes the dict
-as an argument and keeps no reference to it after returning, so an engine can swap the whole dict
-atomically between requests.
+Weights are a plain ``dict[str, Tensor]`` in torchtitan names (``weight_dict``). Every function takes the dict as
+an argument and keeps no reference to it, so an engine can swap the whole dict atomically between requests.
 """
 
 from __future__ import annotations
@@ -29,11 +19,6 @@ import torch.nn.functional as F
 from torchtitan_flux.models.weight_dict import ModelShape, layer_param_names, output_weight
 
 __all__ = ["generate", "score", "forward_logits"]
-
-
-# --------------------------------------------------------------------------------------------------
-# math (from torchtitan, BSD-3-Clause)
-# --------------------------------------------------------------------------------------------------
 
 
 def precompute_freqs_cis(shape: ModelShape, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -53,9 +38,8 @@ def precompute_freqs_cis(shape: ModelShape, end: int, device: torch.device | str
     high_freq_wavelen = original_max_position_embeddings / high_freq_factor
     low_freq_wavelen = original_max_position_embeddings / low_freq_factor
     freqs = torch.where(wavelen > low_freq_wavelen, freqs / scaling_factor, freqs)
-    smooth_factor = (original_max_position_embeddings / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor
-    )
+    smooth_factor = ((original_max_position_embeddings / wavelen - low_freq_factor)
+                     / (high_freq_factor - low_freq_factor))
     smoothed_freqs = (1 - smooth_factor) * freqs / scaling_factor + smooth_factor * freqs
     is_medium_freqs = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     freqs = torch.where(is_medium_freqs, smoothed_freqs, freqs)
@@ -123,19 +107,12 @@ def _layers(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> list[tupl
         raise ValueError(f"weights are missing {e.args[0]!r}") from None
 
 
-def _forward_hidden(
-    weights: Mapping[str, torch.Tensor],
-    layers: list[tuple[torch.Tensor, ...]],
-    shape: ModelShape,
-    tokens: torch.Tensor,  # [B, S]
-    fc: torch.Tensor,  # [B or 1, S, 1, hd/2] complex
-    mask: torch.Tensor,  # bool (True = attend), broadcastable to [B, n_kv, n_rep * S, T]; or, for
-    # S == 1 only, an additive float mask (0 / -inf) [B, 1, 1, T]
-    caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    start: int,
-) -> torch.Tensor:
-    """Final-norm hidden states [B, S, dim]. With ``caches``, K/V of the S tokens are written at
-    ``start:start+S`` and attention reads ``[:start+S]``; without, attention is over the S tokens."""
+def _forward_hidden(weights: Mapping[str, torch.Tensor], layers: list[tuple[torch.Tensor, ...]], shape: ModelShape,
+                    tokens: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
+                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int) -> torch.Tensor:
+    """Final-norm hidden states [B, S, dim] of ``tokens`` [B, S]; ``fc``: their RoPE rows [B or 1, S, 1, ...];
+    ``mask``: bool (True = attend) to [B, n_kv, rep * S, T], or (S == 1 only) 0/-inf [B, 1, 1, T]. With
+    ``caches``, K/V of the S tokens are written at ``start:start+S`` and attention reads ``[:start+S]``."""
     B, S = tokens.shape
     H, KV, hd, rep, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.n_rep, shape.norm_eps
     scale = 1.0 / math.sqrt(hd)
@@ -157,15 +134,13 @@ def _forward_hidden(
         else:
             k = k.transpose(1, 2)
             v = v.transpose(1, 2)
-        # GQA without repeating K/V: query head g*rep + r uses kv head g (as torchtitan's enable_gqa);
-        # fold the rep query heads of a group into the query-length axis.
+        # GQA without repeating K/V: the rep query heads of kv head g are folded into the query-length axis
         if S == 1:
             qg = q.view(B, KV, rep, hd)
         else:
             qg = q.view(B, S, KV, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, rep * S, hd)
         if S == 1 and mask.dtype != torch.bool:
-            # decode step: explicit attention with an additive mask (faster than SDPA's CPU kernels
-            # at these sizes); ``mask`` is 0 / -inf, [B, 1, 1, T].
+            # decode step: explicit attention, additive mask (faster than SDPA's CPU kernels at these sizes)
             att = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(mask)
             o = torch.matmul(torch.softmax(att, dim=-1), v)
         else:
@@ -180,14 +155,7 @@ def _forward_hidden(
     return _rms_norm(x, weights["norm.weight"], eps)
 
 
-def _causal_mask(S: int, rep: int, device) -> torch.Tensor:
-    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril_()
-    return causal.repeat(rep, 1)[None, None]  # [1, 1, rep*S, S]
-
-
-def forward_logits(
-    weights: Mapping[str, torch.Tensor], shape: ModelShape, tokens: torch.Tensor
-) -> torch.Tensor:
+def forward_logits(weights: Mapping[str, torch.Tensor], shape: ModelShape, tokens: torch.Tensor) -> torch.Tensor:
     """Causal logits [B, L, vocab] (float32) of ``tokens`` [B, L], positions 0..L-1 (no cache)."""
     tokens = torch.as_tensor(tokens)
     device = weights["tok_embeddings.weight"].device
@@ -195,20 +163,15 @@ def forward_logits(
     B, L = tokens.shape
     with torch.no_grad():
         fc = _freqs_cis(shape, L, device)[:L].view(1, L, 1, -1)
-        mask = _causal_mask(L, shape.n_rep, device)
+        mask = torch.ones(L, L, dtype=torch.bool, device=device).tril_().repeat(shape.n_rep, 1)[None, None]
         h = _forward_hidden(weights, _layers(weights, shape), shape, tokens, fc, mask, None, 0)
         return F.linear(h, output_weight(weights, shape)).float()
 
 
-def score(
-    weights: Mapping[str, torch.Tensor],
-    shape: ModelShape,
-    sequences: torch.Tensor,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """Teacher-forced logprobs [B, L-1] (float32) of ``sequences[:, 1:]`` under
-    ``log_softmax(logits / temperature)`` (temperature <= 0 is treated as 1). Causal only: rows may be
-    right-padded (values at padded positions are meaningless)."""
+def score(weights: Mapping[str, torch.Tensor], shape: ModelShape, sequences: torch.Tensor,
+          temperature: float = 1.0) -> torch.Tensor:
+    """Teacher-forced logprobs [B, L-1] (float32) of ``sequences[:, 1:]`` under ``log_softmax(logits /
+    temperature)`` (temperature <= 0: 1). Rows may be right-padded (padded positions are meaningless)."""
     logits = forward_logits(weights, shape, sequences)[:, :-1]
     if temperature and temperature > 0:
         logits = logits / temperature
@@ -216,35 +179,18 @@ def score(
     return torch.log_softmax(logits, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
 
 
-def generate(
-    weights: Mapping[str, torch.Tensor],
-    shape: ModelShape,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int = 0,
-    eos_id: int | list[int],
-    pad_id: int,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample completions for a batch of token-id prompts with a KV cache.
-
-    Prompts are left-padded to a common length; each row's positions start at 0 at its first real token
-    and pads are never attended. Sampling is from ``softmax(logits / temperature)`` restricted to the
-    ``top_k`` largest logits when ``top_k > 0``; ``temperature == 0`` is greedy. The returned logprob of a
-    sampled token is ``log_softmax(logits / temperature)`` over the FULL vocabulary (what the trainer
-    recomputes; with top_k the sampling distribution is the truncated one), or ``log_softmax(logits)``
-    when greedy. A row stops after emitting ``eos_id`` (an id or a list of ids, as HF's ``eos_token_id``;
-    included); later slots hold ``pad_id`` with logprob 0.
-
-    Returns (tokens LongTensor[B, max_new_tokens], logprobs FloatTensor[B, max_new_tokens],
-    lengths LongTensor[B]) on the weights' device; ``lengths`` counts tokens up to and including eos.
-    """
+def generate(weights: Mapping[str, torch.Tensor], shape: ModelShape, prompts: list[list[int]], *,
+             max_new_tokens: int, temperature: float, top_k: int = 0, eos_id: int | list[int], pad_id: int,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample completions for token-id prompts with a KV cache (prompts left-padded, pads never attended), from
+    ``softmax(logits / temperature)`` (``top_k > 0``: its ``top_k`` largest logits; ``temperature == 0``: greedy).
+    A token's logprob is ``log_softmax(logits / temperature)`` over the FULL vocabulary (what the trainer
+    recomputes; greedy: ``log_softmax(logits)``). A row stops after emitting ``eos_id`` (an id or a list); later
+    slots hold ``pad_id``, logprob 0. Positions start at 0 at each row's first real token.
+    Returns (tokens, logprobs) [B, max_new_tokens] and lengths [B] (eos included) on the weights' device."""
     emb = weights["tok_embeddings.weight"]
     device, dtype = emb.device, emb.dtype
-    B = len(prompts)
-    N = int(max_new_tokens)
+    B, N = len(prompts), int(max_new_tokens)
     out_tokens = torch.full((B, max(N, 0)), pad_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((B, max(N, 0)), dtype=torch.float32, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
@@ -269,55 +215,46 @@ def generate(
     top_k = int(top_k) if top_k and 0 < top_k < shape.vocab_size else 0
 
     with torch.no_grad():
-        # GRPO batches repeat each prompt G times: prefill each distinct prompt once, then copy its
-        # KV cache rows to all of its completions.
+        # GRPO batches repeat each prompt G times: prefill each distinct prompt once, then copy its KV rows
         uniq: dict[tuple[int, ...], int] = {}
         inverse = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
         uprompts = list(uniq)
         U = len(uprompts)
-        uplens = [len(p) for p in uprompts]
 
         # left-padded prompt batch [U, P]
         flat = [pad_id] * (U * P)
         for u, p in enumerate(uprompts):
             flat[u * P + P - len(p): (u + 1) * P] = p
         tokens = torch.tensor(flat, dtype=torch.long).view(U, P).to(device)
-        uplen = torch.tensor(uplens, dtype=torch.long, device=device)
-        upad = P - uplen
+        upad = P - torch.tensor([len(p) for p in uprompts], dtype=torch.long, device=device)
         ar = torch.arange(P, device=device)
         positions = (ar[None, :] - upad[:, None]).clamp_(min=0)  # [U, P], 0 at the first real token
         fc_all = _freqs_cis(shape, T, device)
         fc = fc_all[positions].unsqueeze(2)  # [U, P, 1, hd/2]
         ukey_valid = ar[None, :] >= upad[:, None]  # [U, P]
         causal = ar[None, :] <= ar[:, None]  # [P(query), P(key)]
-        eye = torch.eye(P, dtype=torch.bool, device=device)
-        pmask = (causal[None] & ukey_valid[:, None, :]) | eye[None]  # pads attend only to themselves
+        eye = torch.eye(P, dtype=torch.bool, device=device)[None]
+        pmask = (causal[None] & ukey_valid[:, None, :]) | eye  # pads attend only to themselves
         pmask = pmask.repeat(1, rep, 1).unsqueeze(1)  # [U, 1, rep*P, P]
 
-        ucaches = [
-            (torch.empty(U, KV, T, hd, dtype=dtype, device=device),
-             torch.empty(U, KV, T, hd, dtype=dtype, device=device))
-            for _ in range(shape.n_layers)
-        ]
+        ucaches = [(torch.empty(U, KV, T, hd, dtype=dtype, device=device),
+                    torch.empty(U, KV, T, hd, dtype=dtype, device=device)) for _ in range(shape.n_layers)]
         h = _forward_hidden(weights, layers, shape, tokens, fc, pmask, ucaches, 0)[:, -1]
         if U == B and inverse == list(range(B)):
-            caches = ucaches
-            key_valid = ukey_valid
+            caches, key_valid = ucaches, ukey_valid
         else:
             inv = torch.tensor(inverse, dtype=torch.long, device=device)
             caches = [(kc.index_select(0, inv), vc.index_select(0, inv)) for kc, vc in ucaches]
             del ucaches
             h = h.index_select(0, inv)
             key_valid = ukey_valid.index_select(0, inv)
-        plen = torch.tensor(plens, dtype=torch.long, device=device)
 
         # additive decode mask over the whole cache: prompt pads -inf, everything generated 0
         dmask = torch.zeros(B, 1, 1, T, dtype=dtype, device=device)
         dmask[:, 0, 0, :P].masked_fill_(~key_valid, float("-inf"))
 
-        V = shape.vocab_size
         done = torch.zeros(B, dtype=torch.bool, device=device)
-        pos = plen.clone()  # position of the next token of each row
+        pos = torch.tensor(plens, dtype=torch.long, device=device)  # position of the next token of each row
         for t in range(N):
             logits = F.linear(h, out_w).float()  # [B, V]
             if greedy:
@@ -331,11 +268,11 @@ def generate(
                     probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
                 else:
                     probs = logp.exp()
-                # Inverse-CDF sampling: one uniform per row (torch.multinomial draws an exponential
-                # per vocabulary entry, ~10x slower here). Zero-probability tokens are never chosen.
+                # inverse-CDF sampling, one uniform per row (~10x faster than torch.multinomial here);
+                # zero-probability tokens are never chosen
                 cdf = probs.cumsum_(dim=-1)
                 u = torch.rand(B, 1, generator=generator, device=device).mul_(cdf[:, -1:])
-                tok = torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)
+                tok = torch.searchsorted(cdf, u, right=True).clamp_(max=shape.vocab_size - 1)
                 lp = logp.gather(1, tok)
             tok = tok.squeeze(1).masked_fill_(done, pad_id)
             out_tokens[:, t] = tok
@@ -345,8 +282,7 @@ def generate(
             if t == N - 1 or bool(done.all()):
                 break
             fc = fc_all[pos].view(B, 1, 1, -1)
-            h = _forward_hidden(
-                weights, layers, shape, tok.view(B, 1), fc, dmask[..., : P + t + 1], caches, P + t
-            )[:, 0]
+            h = _forward_hidden(weights, layers, shape, tok.view(B, 1), fc, dmask[..., : P + t + 1], caches,
+                                P + t)[:, 0]
             pos += 1
     return out_tokens, out_lp, lengths

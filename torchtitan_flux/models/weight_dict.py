@@ -1,11 +1,9 @@
 """The rollout engines' view of a model: its architecture (``ModelShape``, from ``config.json``) and its weights as
-a plain ``dict[str, Tensor]`` in torchtitan names, converted from a HF folder (``load_hf_weights_dict``) or checked
-against the architecture (``check_weights``). The forward that runs on them is ``inference.py``.
+a plain ``dict[str, Tensor]`` in torchtitan names (``load_hf_weights_dict``, ``check_weights``), which
+``inference.py`` runs. Must NOT import torchtitan (it runs in engine environments).
 
-Like ``inference.py`` this module must NOT import torchtitan: it runs inside inference-engine environments.
-Names: ``tok_embeddings.weight``, ``layers.{i}.attention.wq.weight``, ..., ``norm.weight``, ``output.weight``; a
-tied model has no ``output.weight`` (its token embedding is the output projection). Llama q/k rows are in
-torchtitan's RoPE layout (HF's rows are permuted back on load); Qwen keeps HF's layout.
+Names: ``tok_embeddings.weight``, ``layers.{i}.attention.wq.weight``, ..., ``norm.weight``, ``output.weight`` (a
+tied model has none). Llama q/k rows are in torchtitan's RoPE layout (permuted back on load); Qwen keeps HF's.
 """
 
 from __future__ import annotations
@@ -22,12 +20,7 @@ from torchtitan_flux.models import hf
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture of a model of a supported family (what the forward needs besides the weights).
-
-    ``family`` picks the RoPE layout: ``llama`` weights are in torchtitan's layout (q/k rows permuted from HF's,
-    RoPE on interleaved pairs through complex ``freqs_cis``); ``qwen3`` / ``qwen2`` weights keep HF's layout
-    (RoPE by ``rotate_half``, as torchtitan's qwen3 model).
-    """
+    """Architecture of a model of a supported family: what the forward needs besides the weights."""
 
     dim: int
     n_layers: int
@@ -75,35 +68,20 @@ class ModelShape:
         """From a HF ``config.json`` dict of a supported family (see ``torchtitan_flux.models.hf``)."""
         a = hf.architecture(dict(cfg))
         rs = a["rope_scaling"]
+        same = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "intermediate_size", "norm_eps",
+                "rope_theta", "max_position_embeddings", "family", "qk_norm", "qkv_bias", "tied")
         return cls(
-            dim=a["dim"],
-            n_layers=a["n_layers"],
-            n_heads=a["n_heads"],
-            n_kv_heads=a["n_kv_heads"],
-            vocab_size=a["vocab_size"],
-            intermediate_size=a["intermediate_size"],
-            norm_eps=a["norm_eps"],
-            rope_theta=a["rope_theta"],
+            **{k: a[k] for k in same},
             rope_scaling_factor=rs["factor"],
             rope_low_freq_factor=rs["low_freq_factor"],
             rope_high_freq_factor=rs["high_freq_factor"],
             rope_original_max_position_embeddings=rs["original_max_position_embeddings"],
-            max_position_embeddings=a["max_position_embeddings"],
-            family=a["family"],
             head_size=a["head_dim"] if a["head_dim"] * a["n_heads"] != a["dim"] else 0,
-            qk_norm=a["qk_norm"],
-            qkv_bias=a["qkv_bias"],
-            tied=a["tied"],
         )
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | os.PathLike) -> "ModelShape":
         return cls.from_hf_config(hf.read_config(hf_dir))
-
-
-# --------------------------------------------------------------------------------------------------
-# weight names
-# --------------------------------------------------------------------------------------------------
 
 
 def layer_param_names(shape: ModelShape) -> tuple[str, ...]:
@@ -115,18 +93,12 @@ def layer_param_names(shape: ModelShape) -> tuple[str, ...]:
         for p in ("wq", "wk", "wv"):
             attn += (f"attention.{p}.weight",) + ((f"attention.{p}.bias",) if shape.qkv_bias else ())
         attn += ("attention.wo.weight",)
-    return attn + (
-        "feed_forward.w1.weight",
-        "feed_forward.w2.weight",
-        "feed_forward.w3.weight",
-        "attention_norm.weight",
-        "ffn_norm.weight",
-    )
+    return attn + ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+                   "attention_norm.weight", "ffn_norm.weight")
 
 
 def weight_names(shape: ModelShape) -> list[str]:
-    """All weight names in a fixed order (torchtitan's ``named_parameters`` order; the order of weight pushes).
-    A tied model has no ``output.weight``: its output projection is ``tok_embeddings.weight``."""
+    """All weight names, in torchtitan's ``named_parameters`` order (a tied model has no ``output.weight``)."""
     names = ["tok_embeddings.weight"]
     for i in range(shape.n_layers):
         names += [f"layers.{i}.{p}" for p in layer_param_names(shape)]
@@ -138,20 +110,13 @@ def weight_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Name -> shape, in ``weight_names`` order."""
     d, hd, h, kv, f = shape.dim, shape.head_dim, shape.n_heads, shape.n_kv_heads, shape.intermediate_size
     per_layer = {
-        "attention.q_norm.weight": (hd,),
-        "attention.k_norm.weight": (hd,),
-        "attention.wq.weight": (h * hd, d),
-        "attention.wq.bias": (h * hd,),
-        "attention.wk.weight": (kv * hd, d),
-        "attention.wk.bias": (kv * hd,),
-        "attention.wv.weight": (kv * hd, d),
-        "attention.wv.bias": (kv * hd,),
+        "attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,),
+        "attention.wq.weight": (h * hd, d), "attention.wq.bias": (h * hd,),
+        "attention.wk.weight": (kv * hd, d), "attention.wk.bias": (kv * hd,),
+        "attention.wv.weight": (kv * hd, d), "attention.wv.bias": (kv * hd,),
         "attention.wo.weight": (d, h * hd),
-        "feed_forward.w1.weight": (f, d),
-        "feed_forward.w2.weight": (d, f),
-        "feed_forward.w3.weight": (f, d),
-        "attention_norm.weight": (d,),
-        "ffn_norm.weight": (d,),
+        "feed_forward.w1.weight": (f, d), "feed_forward.w2.weight": (d, f), "feed_forward.w3.weight": (f, d),
+        "attention_norm.weight": (d,), "ffn_norm.weight": (d,),
     }
     out: dict[str, tuple[int, ...]] = {}
     for name in weight_names(shape):
@@ -178,23 +143,16 @@ def check_weights(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> Non
 # HF -> torchtitan names (as torchtitan's Llama3StateDictAdapter / Qwen3StateDictAdapter.from_hf, plus the
 # qwen2 biases of ``torchtitan_flux.models.families``).
 _FROM_HF = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
+    "model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.weight": "attention.wk.weight", "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.v_proj.bias": "attention.wv.bias",
     "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.q_proj.bias": "attention.wq.bias",
-    "self_attn.k_proj.bias": "attention.wk.bias",
-    "self_attn.v_proj.bias": "attention.wv.bias",
-    "self_attn.q_norm.weight": "attention.q_norm.weight",
-    "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight", "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
 }
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -205,8 +163,7 @@ def _reverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """HF state dict -> torchtitan-named weights (llama: undoes HF's q/k RoPE permutation). A tied model's
-    ``lm_head.weight``, when a checkpoint stores it anyway, is dropped: the embedding is the output projection."""
+    """HF state dict -> torchtitan-named weights (llama: q/k rows permuted back; tied: no ``output.weight``)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in hf_sd.items():
         m = _HF_LAYER.match(key)
@@ -231,12 +188,8 @@ def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[
     return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
-def load_hf_weights_dict(
-    hf_dir: str | os.PathLike,
-    shape: ModelShape | None = None,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
-) -> tuple[dict[str, torch.Tensor], ModelShape]:
+def load_hf_weights_dict(hf_dir: str | os.PathLike, shape: ModelShape | None = None, dtype: torch.dtype | None = None,
+                         device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], ModelShape]:
     """Read a HF folder of a supported family (model.safetensors or the shards of its index) -> (weights, shape)."""
     if shape is None:
         shape = ModelShape.from_hf_dir(hf_dir)

@@ -1,14 +1,12 @@
 """The CUDA/NCCL rules of weight sync, in one place. Torch-only (no torchtitan): engines import it too.
 
-Each rule is a function or constant here, used by both sides (``weight_sync/`` on the trainer, ``transport.py``
-in engines). Where a CPU test can express a rule it has one (``tests/integration/test_cuda_rules.py``); where it cannot
-(stream ordering: no CUDA stream exists on CPU), the rule is this code and ``docs/gpu.md`` says so.
+Each rule is a function or constant here, used by both sides (``sync/`` on the trainer, ``transport.py`` in
+engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot test (streams): ``docs/gpu.md``.
 
-1. One thread, one stream per group. Every collective of a weight-sync group is issued by one thread (the push
-   thread on the trainer, the receiver thread in an engine) inside ``on_stream(stream)`` with the group's own
-   side stream (``group_stream``). ``ProcessGroupNCCL`` makes its internal NCCL stream wait on the *current*
-   stream when a collective is enqueued, and ``Work.wait()`` makes the current stream wait on it: issued from
-   the default stream, a push would queue behind training kernels (trainer) or block generation (engine).
+1. One thread, one stream per group: every collective of a weight-sync group is issued by one thread (trainer:
+   the push thread; engine: the receiver) inside ``on_stream`` with the group's own stream (``group_stream``).
+   NCCL's stream waits on the *current* stream at enqueue, and ``Work.wait()`` makes the current stream wait on
+   it: from the default stream a push would queue behind training kernels or block generation.
 2. The header lives on the group's device (``header_device``): NCCL rejects CPU tensors; gloo wants CPU.
 3. Host-side completion is decided by polling ``Work.is_completed()`` against OUR deadline (``wait_works``),
    one deadline per push, never by ``Work.wait(timeout)`` (counted from enqueue, and under
@@ -18,10 +16,8 @@ in engines). Where a CPU test can express a rule it has one (``tests/integration
 5. The receiver acks only after the bytes landed: ``landed(works, stream)`` waits on the Works on the receiver's
    stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host).
 6. The receiver thread calls ``bind_thread(device)`` first, so its CUDA context is the engine's GPU.
-7. NCCL versions are compared at join (``check_nccl_version``): NCCL refuses communicators across versions, and
-   the mismatch gets a one-line error instead of a rejoin loop.
-8. The trainer joins eagerly, in the joiner thread (``weight_sync/pusher.py``), with ``eager_connect``: never
-   lazily inside the first broadcast while holding the push claim.
+7. NCCL versions are compared at join (``check_nccl_version``): a mismatch is one error line, not a rejoin loop.
+8. The trainer joins eagerly in the joiner thread (``eager_connect``), never inside a broadcast holding the claim.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ import torch
 from torchtitan_flux import compat
 
 GROUP_TIMEOUT = timedelta(days=7)  # rule 4: far beyond any push deadline; our polling decides
-# rule 3: ``wait_works`` yields between polls for the first SPIN_S (a small push completes in about a millisecond
-# and a sleep's wake-up latency would double that), then sleeps POLL_S[0], doubling up to POLL_S[1]
+# rule 3: ``wait_works`` yields for the first SPIN_S, then sleeps POLL_S[0], doubling up to POLL_S[1]
 SPIN_S = 0.003
 POLL_S = (0.0001, 0.002)
 
@@ -48,8 +43,7 @@ class NcclVersionMismatch(RuntimeError):
 
 def header_device(backend: str, device: torch.device | str) -> torch.device:
     """Rule 2: where a push header (and every tensor a group carries) must live for ``backend``."""
-    device = torch.device(device)
-    return device if backend == "nccl" else torch.device("cpu")
+    return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
 def group_stream(device: torch.device | str) -> Any:
@@ -82,9 +76,7 @@ def bind_thread(device: torch.device | str) -> None:
 
 
 def wait_works(works: Iterable[Any], deadline: float) -> bool:
-    """Rule 3: poll every Work until all completed or ``time.monotonic()`` passes ``deadline``; returns whether
-    all completed (errors: ``raise_failed``). Never calls ``wait(timeout)``. The period starts short (a small
-    push completes in about a millisecond) and backs off (a long one should not burn a core)."""
+    """Rule 3: poll every Work until all completed (True) or ``deadline`` passes (False); errors: ``raise_failed``."""
     pending, period, spin_until = list(works), POLL_S[0], time.monotonic() + SPIN_S
     while pending:
         pending = [w for w in pending if not w.is_completed()]
@@ -102,8 +94,7 @@ def wait_works(works: Iterable[Any], deadline: float) -> bool:
 
 
 def raise_failed(works: Iterable[Any]) -> None:
-    """Completed Works may have failed: ``Work.wait()`` on a completed Work returns at once or raises its error
-    (NCCL: it also orders the current stream after it, which the caller's ``on_stream`` makes the push stream)."""
+    """Raise the error of a completed Work that failed (``Work.wait()`` on a completed Work returns at once)."""
     for w in works:
         w.wait()
 
@@ -121,8 +112,7 @@ def abort_group(pg: Any) -> None:
 
 
 def landed(works: list[Any], stream: Any) -> None:
-    """Rule 5 (receiver): return once the data of ``works`` is in memory. GPU: ``Work.wait()`` makes ``stream``
-    wait, then an event recorded on it is synchronized (the host learns the bytes landed). CPU: blocks in wait."""
+    """Rule 5 (receiver): return once the data of ``works`` is in memory (GPU: through an event on ``stream``)."""
     with on_stream(stream):
         for w in works:
             w.wait()
@@ -143,9 +133,8 @@ def nccl_version() -> str | None:
 
 
 def check_nccl_version(store: Any, prefix: str, role: str, timeout_s: float, mine: str | None = None) -> None:
-    """Rule 7: both sides publish their NCCL version under ``{prefix}/nccl/{role}`` and compare; raises
-    ``NcclVersionMismatch`` naming both versions. Call only for backend ``nccl``, right before building the
-    group (``mine`` overrides the detected version: tests)."""
+    """Rule 7: both sides publish their NCCL version under ``{prefix}/nccl/{role}``; ``NcclVersionMismatch``
+    naming both if they differ. NCCL only, right before building the group (``mine``: tests)."""
     mine = mine if mine is not None else (nccl_version() or "none")
     peer = "engine" if role == "trainer" else "trainer"
     store.set(f"{prefix}/nccl/{role}", mine)

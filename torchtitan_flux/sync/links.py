@@ -1,9 +1,8 @@
 """``LinkTable``: rank 0's view of every engine (its group, versions sent/acked, health) and the counters.
 
-Every ``EngineLink`` field is read and written under ``LinkTable.lock`` (shared with ``Pusher``, which waits on
-``LinkTable.work``). ``epoch`` counts an engine's groups: a joiner or push whose epoch is no longer the link's
-(the engine was replaced or rejoined meanwhile) counts and logs its failure but leaves the link alone.
-Acks and engine errors arrive on the main thread (``on_event``); timeouts are checked there too.
+Every ``EngineLink`` field is read and written under ``LinkTable.lock`` (shared with ``Pusher``). ``epoch``
+counts an engine's groups: a joiner or push whose epoch is no longer the link's counts its failure but leaves
+the link alone. Acks, engine errors and timeouts are handled on the main thread.
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ class LinkTable:
         return [] if version < 0 else [lk for lk in self.links if lk.usable and lk.sent < version]
 
     def record(self, ev) -> bool:
-        """An ack or engine error (main thread; caller holds ``lock``). True when a lagging engine answered again
-        (it must be resynced: ``Pusher.on_event``)."""
+        """An ack or engine error (caller holds ``lock``). True when a lagging engine answered again (resync)."""
         link = self.find(ev.engine)
         if link is None:
             return False
@@ -110,8 +108,7 @@ class LinkTable:
                     self.fail(link, f"version {link.sent} not acked within {self.timeout_s}s; lagging")
 
     def waiting_for(self, version: int) -> list[EngineLink]:
-        """Links that were sent ``version`` and may still ack it: not lagging, not dead (a dead engine never acks;
-        waiting for it held a stop past torchrun's grace period, 2026-11-25)."""
+        """Links that were sent ``version`` and may still ack it (not lagging, not dead)."""
         with self.lock:
             return [lk for lk in self.links
                     if lk.sent == version and lk.acked < version and not (lk.lagging or lk.dead)]
@@ -122,14 +119,8 @@ class LinkTable:
             min_acked = min((lk.acked for lk in self.links), default=-1)
         s = self.stats
         return {
-            "weight_push_s": s.last_push_s,
-            "weight_snapshot_s": s.last_snapshot_s,
-            "weight_pushes": s.pushes,
-            "weight_coalesced": s.coalesced,
-            "weight_catch_ups": s.catch_ups,
-            "weight_sync_timeouts": s.timeouts,
-            "weight_sync_errors": s.errors,
-            "weight_resyncs": s.resyncs,
-            "engines_lagging": lagging,
-            "engine_min_version": min_acked,
+            "weight_push_s": s.last_push_s, "weight_snapshot_s": s.last_snapshot_s,
+            "weight_pushes": s.pushes, "weight_coalesced": s.coalesced, "weight_catch_ups": s.catch_ups,
+            "weight_sync_timeouts": s.timeouts, "weight_sync_errors": s.errors, "weight_resyncs": s.resyncs,
+            "engines_lagging": lagging, "engine_min_version": min_acked,
         }

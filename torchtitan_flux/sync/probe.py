@@ -1,18 +1,13 @@
 """Post-sync logprob probe: does every engine serve the policy the trainer just pushed?
 
-A checksum covers the bytes an engine received, not what it does with them: a tensor loaded under the wrong
-name, a dropped one, an untied head, a wrong q/k layout or dtype all pass it. The probe checks behaviour instead.
-Every ``weight_sync.probe_every`` steps, once the engines hold the step's version, each engine scores a fixed
-probe sequence (teacher-forced logprobs of its tokens: the embedded engine through its forward, vLLM through
-``prompt_logprobs`` on ``/v1/completions``, SGLang through ``input_token_logprobs`` on ``/generate``) and the
-trainer compares them with the logprobs its own model gives the same tokens. A difference above
-``weight_sync.probe_tolerance`` at any token raises ``ProbeMismatch`` naming the engine, the version and the
-worst token; the largest difference is a metric (``probe_max_abs_diff``) at every probe step.
+A checksum covers the bytes an engine received, not what it does with them (a wrong name, dropped tensor, untied
+head, q/k layout or dtype all pass it). So every ``weight_sync.probe_every`` steps, once the engines hold the
+step's version, each engine scores a fixed probe sequence (teacher-forced logprobs) and the trainer compares them
+with its own model's; a difference above ``weight_sync.probe_tolerance`` raises ``ProbeMismatch``.
 
-Concurrency: ``PostSyncProbe.run`` is called from the training loop on every trainer rank (the trainer's forward
-is collective under FSDP), between the optimizer step's push and the next step, so no push is in flight or can
-start while an engine scores; only rank 0 (the sender) talks to engines. Simplification: logprobs are raw
-(temperature 1), as both sides compute them before any sampling transform.
+Concurrency: ``PostSyncProbe.run`` is called on every trainer rank (the forward is collective under FSDP) between
+a step's push and the next step, so no push is in flight while an engine scores; only rank 0 talks to engines.
+Simplification: logprobs are raw (temperature 1) on both sides.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ import torch
 
 from torchtitan_flux import compat
 
-# Mixed text so that the probe covers digits, letters, punctuation and spaces (byte-level tokenizers give ~60
-# tokens; BPE tokenizers fewer).
+# digits, letters, punctuation and spaces
 PROBE_TEXT = "Q: 12 + 35 = ? A: 47. The quick brown fox jumps over the lazy dog; 0123456789 xyz!"
 
 
@@ -55,12 +49,8 @@ def probe_tokens(tokenizer, vocab_size: int, max_len: int, text: str = PROBE_TEX
 
 
 def model_logprobs(model: torch.nn.Module, tokens: list[int], device: torch.device | str) -> torch.Tensor:
-    """log p(tokens[i] | tokens[:i]) for i >= 1 under ``model`` (float32, on the CPU).
-
-    An FSDP2 model is resharded afterwards: its root is not resharded after forward (torchtitan's setting, as a
-    backward normally follows), so a forward without backward would leave the unsharded parameters registered on
-    the module, and the next checkpoint's ``get_optimizer_state_dict`` would not find the optimizer's (sharded)
-    parameters among the model's (KeyError; found by a 2-rank resume test)."""
+    """log p(tokens[i] | tokens[:i]) for i >= 1 under ``model`` (float32, on the CPU). An FSDP2 model is
+    resharded afterwards: a forward without backward leaves its root unsharded, which breaks the next checkpoint."""
     seq = torch.tensor([tokens], dtype=torch.long, device=device)
     with torch.no_grad():
         logits = model(seq)[0, :-1].float()
@@ -74,13 +64,11 @@ def model_logprobs(model: torch.nn.Module, tokens: list[int], device: torch.devi
 
 def compare(engine: str, version: int, tokens: list[int], expected: torch.Tensor, got: list[float],
             tolerance: float) -> ProbeReport:
-    """A ``ProbeReport``; raises ``ProbeMismatch`` when ``got`` differs from ``expected`` by more than
-    ``tolerance`` anywhere (or has the wrong length)."""
+    """A ``ProbeReport``; ``ProbeMismatch`` when ``got`` differs from ``expected`` by more than ``tolerance``."""
     if len(got) != expected.numel():
         raise ProbeMismatch(f"probe: engine {engine} at version {version} returned {len(got)} logprobs for "
                             f"{expected.numel()} probe tokens")
-    diff = (torch.tensor(got, dtype=torch.float32) - expected).abs()
-    diff = torch.nan_to_num(diff, nan=float("inf"))
+    diff = torch.nan_to_num((torch.tensor(got, dtype=torch.float32) - expected).abs(), nan=float("inf"))
     i = int(diff.argmax())
     report = ProbeReport(engine, version, float(diff[i]), i + 1, tokens[i + 1], float(expected[i]), float(got[i]))
     if report.max_abs_diff > tolerance:
@@ -108,8 +96,7 @@ class PostSyncProbe:
         return self.every > 0 and (step % self.every == 0 or step == last_step)
 
     def engine_logprobs(self, engine, version: int) -> tuple[int, list[float]]:
-        """The engine's (version, logprobs) once it holds ``version`` (it may still be applying the push);
-        (its version, []) if it does not within ``timeout_s`` (a lagging engine: the syncer deals with it)."""
+        """The engine's (version, logprobs) once it holds ``version``; past ``timeout_s``, (its version, [])."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             held, lps = engine.score(self.tokens, timeout=self.timeout_s)
@@ -118,8 +105,7 @@ class PostSyncProbe:
             time.sleep(0.02)
 
     def run(self, model: torch.nn.Module, engines: list, version: int, device) -> dict[str, float]:
-        """Probe ``engines`` (rank 0's list; empty on other ranks) at ``version``; metrics for this step.
-        Raises ``ProbeMismatch`` on the first engine that fails."""
+        """Probe ``engines`` (rank 0's; empty elsewhere) at ``version``: this step's metrics, or ``ProbeMismatch``."""
         t0 = time.perf_counter()
         expected = model_logprobs(model, self.tokens, device)
         worst, checked = 0.0, 0

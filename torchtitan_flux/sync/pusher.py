@@ -1,23 +1,17 @@
 """``Pusher``: rank 0's join threads and push thread, and the claim that serializes them with snapshots.
 
-Concurrency invariants (who waits for what):
-  * ``busy`` is the claim on the staging buffer and on the weight-sync groups. It is set, under the link
-    table's lock, by the one that takes it (the main thread before a snapshot: ``claim``; or ``kick`` for the
-    push thread) and cleared only by its holder (``release``), so staging is never written while it is sent, and
-    collectives on the weight-sync groups are issued by one thread at a time, in push order.
-  * Push thread: sends every push it is handed while holding ``busy`` (``hand_over``; in blocking mode the main
-    thread sends regular pushes itself, holding the claim). One push issues header + buckets on every usable
-    engine's group, all under the push stream (``cuda_rules`` rule 1), then polls every Work against ONE
-    deadline ``timeout_seconds`` from the start of the push (rule 3); an engine that misses it has its group
-    aborted (NCCL) or dropped (gloo), is marked lagging and broken, and rejoins at the next push or before the
-    next wait for rollouts (``deliver_staged``), whichever comes first. Before letting go of ``busy`` it
-    re-sends the staged version to engines that became usable meanwhile (``release``).
-  * Joiner threads: one per (re)joining engine. Each builds that engine's group eagerly (token handshake, NCCL
-    version check, then the group, connected at once on NCCL: rule 8), then ``kick``s the push thread. A joiner
-    never touches ``busy``. An engine the handshake refuses is retried at the next push or ``deliver_staged``,
-    not at once.
-On a GPU trainer the staging buffer is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a
-time on the push stream (bounded trainer-GPU memory: ``2 * bucket_bytes``).
+Concurrency invariants:
+  * ``busy`` is the claim on staging and on the weight-sync groups: set under the link table's lock by its
+    taker (main thread: ``claim``; push thread: ``kick``), cleared only by its holder (``release``). So staging is
+    never written while sent, and one thread at a time issues collectives on the groups, in push order.
+  * Push thread: sends each push it is handed (``hand_over``; blocking mode: the main thread pushes itself):
+    header + buckets on every usable engine's group under the push stream (``cuda_rules`` rule 1), all Works
+    polled against ONE deadline (rule 3). An engine that misses it is lagging and broken (NCCL: group aborted) and
+    rejoins at the next push or ``deliver_staged``. ``release`` serves engines that became usable meanwhile.
+  * Joiner threads: one per (re)joining engine; each builds that engine's group eagerly (handshake, NCCL version
+    check, group: rule 8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried
+    at the next push or ``deliver_staged``, not at once.
+On a GPU trainer staging is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a time.
 """
 
 from __future__ import annotations
@@ -39,9 +33,8 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | None = None):
-    """Rank 0's side of ``handler``'s weight-sync group, connected (in the joiner thread): the engine's own
-    (``own_group``), else a 2-rank group on ``handler.group_store``; NCCL groups get ``cuda_rules.GROUP_TIMEOUT``
-    (our push deadline decides, not the watchdog) and connect at once on ``device``."""
+    """Rank 0's side of ``handler``'s weight-sync group, connected: the engine's own (``own_group``), else a
+    2-rank group on ``handler.group_store`` (NCCL: ``cuda_rules.GROUP_TIMEOUT``, connected at once)."""
     own = handler.own_group(store, info, device)
     if own is not None:
         return own
@@ -54,9 +47,8 @@ def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | 
 
 
 class DeviceRing:
-    """Two device buffers of ``max_bytes`` each; host tensors pass through them on ``stream`` to be broadcast on
-    NCCL. Push thread only. A slot is rewritten only after the collectives that read it were ordered before the
-    copy on the stream (``Work.wait()`` under the stream: a device-side dependency, not a host wait)."""
+    """Two device buffers host tensors pass through on ``stream`` to be broadcast on NCCL (push thread only). A
+    slot is rewritten only after its previous readers were ordered before the copy on the stream."""
 
     def __init__(self, device: torch.device, max_bytes: int, stream):
         self.stream = stream
@@ -93,10 +85,7 @@ class Pusher:
         if backend == "nccl":
             top = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in snap.plan.buckets), default=1)
             self.ring = DeviceRing(self.device, top, self.stream)
-        self._thread = threading.Thread(target=self._loop, name="flux-weight-push", daemon=True)
-        self._thread.start()
-
-    # ---------------------------------------------------------------------------------------- the claim
+        threading.Thread(target=self._loop, name="flux-weight-push", daemon=True).start()
 
     def claim(self) -> bool:
         """Main thread: take ``busy`` if nobody holds it."""
@@ -115,12 +104,9 @@ class Pusher:
     def release(self) -> None:
         """The holder of ``busy`` lets it go, first serving engines that became usable meanwhile."""
         with self.table.lock:
-            self._release_locked()
-
-    def _release_locked(self) -> None:
-        self._job = self._job_links = None
-        self.busy.clear()
-        self.kick()
+            self._job = self._job_links = None
+            self.busy.clear()
+            self.kick()
 
     def on_event(self, ev) -> None:
         """Main thread: an ack or engine error; a lagging engine that answered again gets the staged version."""
@@ -129,8 +115,7 @@ class Pusher:
                 self.kick()
 
     def kick(self) -> None:
-        """If ``busy`` is free, have the push thread send the staged version to engines that lack it. Caller
-        holds the table's lock."""
+        """Caller holds the lock: if ``busy`` is free, the push thread sends the staged version to ``late`` links."""
         if self.busy.is_set() or self.closed:
             return
         late = self.table.late(self.snap.version)
@@ -140,8 +125,7 @@ class Pusher:
             self.table.work.notify()
 
     def deliver_staged(self) -> None:
-        """Main thread: rebuild broken groups, and have the push thread send the staged version to every usable
-        engine that lacks it (now if ``busy`` is free, else when it is released)."""
+        """Main thread: rebuild broken groups; the push thread sends the staged version to engines lacking it."""
         with self.table.lock:
             self._rejoin_broken()
             self.kick()
@@ -157,8 +141,6 @@ class Pusher:
         with self.table.lock:
             self.closed = True
             self.table.work.notify()
-
-    # -------------------------------------------------------------------------------------------- joins
 
     def start_join(self, link: EngineLink) -> threading.Thread:
         """Start ``link``'s rendezvous on a fresh group (caller holds the table's lock)."""
@@ -178,8 +160,7 @@ class Pusher:
     def _join(self, link: EngineLink, epoch: int, info: WeightGroupInfo) -> None:
         table = self.table
         try:
-            # a connection of its own: a store client serves one call at a time, so a wait on a shared one (an
-            # engine that does not answer) would stall every other engine's join
+            # a store client of its own: a wait on a shared one would stall every other engine's join
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
             if link.handler.rendezvous_handshake:
                 transport.handshake(store, info.prefix, self.token, transport.TRAINER, info.timeout_s)
@@ -198,16 +179,12 @@ class Pusher:
                 table.fail(link, f"join failed: {e}")
                 if link.epoch == epoch:
                     link.joining, link.broken = False, True
-                    # refused (token, NCCL version): retried at the next push or deliver_staged only, it would
-                    # fail again at once
+                    # a refusal would fail again at once; anything else retries now (a restarted engine may
+                    # still be starting, and the trainer may be waiting on its rollouts)
                     refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
                     if not (refused or self.closed or link.dead) and link.handler.alive():
-                        # retry now, not at the next push: a restarted engine may still be starting up, and
-                        # the trainer may be waiting on its rollouts (no push comes until they do)
                         table.stats.resyncs += 1
                         self.start_join(link)
-
-    # -------------------------------------------------------------------------------------- push thread
 
     def _loop(self) -> None:
         cuda_rules.bind_thread(self.device)
@@ -230,8 +207,7 @@ class Pusher:
                 self.release()
 
     def push(self, version: int, only: list[EngineLink] | None = None) -> None:
-        """Send staging (holding ``version``) to every usable engine (or to ``only``: a resync) and poll their
-        Works against one deadline. The caller holds ``busy``."""
+        """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``."""
         t0 = time.perf_counter()
         table, stats = self.table, self.table.stats
         self.snap.side.synchronize_copy()
@@ -243,6 +219,7 @@ class Pusher:
         plan, staging = self.snap.plan, self.snap.staging
         hdev = cuda_rules.header_device(self.backend, self.device)
         header = transport.encode_header(plan, version, list(range(len(plan.buckets))))
+        send = self.ring.broadcast if self.ring is not None else compat.broadcast
         pending = []
         with cuda_rules.on_stream(self.stream):
             for link, epoch, pg, handler in targets:
@@ -251,7 +228,7 @@ class Pusher:
                     flats = staging.flats
                     own = handler.self_push(version, flats)  # vLLM on GPU: its own NCCL engine sends
                     tensors = [header, *flats] if own is not None else handler.wire_tensors(header.to(hdev), flats)
-                    works = [own] if own is not None else [self._broadcast(pg, t) for t in tensors]
+                    works = [own] if own is not None else [send(pg, t) for t in tensors]
                     with table.lock:
                         if link.epoch == epoch:
                             link.sent, link.sent_at = version, time.time()
@@ -282,15 +259,10 @@ class Pusher:
         stats.last_push_s = time.perf_counter() - t0
         stats.push_s_total += stats.last_push_s
 
-    def _broadcast(self, pg, t: torch.Tensor):
-        return self.ring.broadcast(pg, t) if self.ring is not None else compat.broadcast(pg, t)
-
 
 class Bystander:
-    """The pusher of ranks > 0: they take part in every snapshot (the agreement and the FSDP gathers are
-    collectives) but send nothing and hold no engines, so each call is what it would be on a sender without
-    engines: the claim is always free, there is nothing to push, join or wait for (and no engine events: ranks > 0
-    have no rollout side)."""
+    """The pusher of ranks > 0: they take part in every snapshot but send nothing and hold no engines, so the
+    claim is always free and there is nothing to push, join or wait for."""
 
     def __init__(self):
         self.busy = threading.Event()  # never set

@@ -1,28 +1,19 @@
 """``Snapshot``: the trainer's weights, copied bucket by bucket into the staging buffer a push sends (every rank).
 
-Every rank builds one and calls ``take(version)`` at the same step boundaries (``agree`` first: one tiny
-broadcast on the CPU control-plane group, so no rank does a device-to-host sync for it). Per bucket:
+Every rank calls ``take(version)`` at the same step boundaries (after ``agree``: one tiny broadcast on the CPU
+control group, no device-to-host sync). Per bucket:
 
-  1. gather: FSDP2 shards (``Shard(0)`` on a 1-D mesh) of the bucket's parameters are cast to the wire dtype and
-     all-gathered with ONE collective for the whole bucket (``_gather_bucket``); other DTensor layouts fall back
-     to ``full_tensor()`` per parameter; plain tensors are used as they are;
-  2. the ``ready`` event is recorded on the main stream AFTER those gathers; the side stream waits on it,
-     applies the engine's wire layout (``wire_tensor``) and copies into staging; the gathered tensors are
-     ``record_stream``-ed on the side stream so the allocator does not hand their memory to the next gather while
-     the copy still reads it.
-Only rank 0 (the sender) owns a staging buffer; other ranks only take part in the gathers.
-
-Staging memory (rank 0): ``model_bytes(wire dtype)`` once, in pinned host memory when the trainer is on a GPU
-(the push thread moves it to the GPU two buckets at a time: ``pusher.DeviceRing``), in ordinary memory on CPU.
-The trainer GPU holds, beyond training, at most one gathered bucket in parameter dtype + its wire-dtype cast,
-plus ``2 * bucket_bytes`` of ring. See docs/gpu.md for the formula.
-
-Parameter names are cleaned of every wrapper prefix (activation checkpointing, ``torch.compile``, FSDP1, DDP):
-engines load by the model's own names.
+  1. gather: the bucket's FSDP2 shards (``Shard(0)`` on a 1-D mesh) are cast to the wire dtype and all-gathered
+     with ONE collective (``_gather_bucket``); other DTensors use ``full_tensor()``; plain tensors as they are;
+  2. the side stream waits on an event recorded after the gathers, applies the engines' wire layout
+     (``wire_tensor``) and copies into staging, holding the gathered tensors (``record_stream``) meanwhile.
+Only rank 0 owns staging (pinned host memory on GPU; memory: docs/gpu.md). Parameter names are cleaned of
+wrapper prefixes: engines load by the model's own names.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -31,10 +22,6 @@ import torch.distributed as dist
 from torchtitan_flux import compat
 from torchtitan_flux.models.hf import clean_name
 from torchtitan_flux.sync import transport
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def clean_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,10 +36,9 @@ def clean_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def tensor_specs(model: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> list[transport.TensorSpec]:
-    """The ordered parameter list a push carries: clean names, global shapes (FSDP shards are gathered), and the
-    wire dtype (``wire_dtype``, else each parameter's own)."""
+    """The ordered parameter list a push carries: clean names, global shapes, wire dtype (else each one's own)."""
     return [
-        transport.TensorSpec(n, tuple(p.shape), dtype_name(wire_dtype or p.dtype))
+        transport.TensorSpec(n, tuple(p.shape), str(wire_dtype or p.dtype).removeprefix("torch."))
         for n, p in clean_parameters(model).items()
     ]
 
@@ -61,10 +47,8 @@ _CONTROL: dict[str, object] = {}
 
 
 def control_group():
-    """The multi-rank control plane (rank 0 -> other ranks: push decisions, rollouts): a gloo group on CPU
-    tensors, created on first use, which must happen on every rank in the same order (``WeightSyncer.__init__``
-    does it). None on single-process runs. Its timeout is ``cuda_rules.GROUP_TIMEOUT``: ranks 1..N wait for
-    rank 0's rollouts as long as generation takes; a dead rank 0 ends the job through torchrun instead."""
+    """The multi-rank control plane (rank 0 -> others: push decisions, rollouts): a gloo group created on first
+    use on every rank (``Snapshot``), never timing out (``GROUP_TIMEOUT``); None on single-process runs."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if "pg" not in _CONTROL:
@@ -148,7 +132,7 @@ def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -
     per_rank = out.view(world, send.numel())
     full, off = {}, 0
     for p, (rows, rest, chunk) in zip(sharded, layout):
-        n = chunk * _prod(rest)
+        n = chunk * math.prod(rest)
         pieces = per_rank[:, off : off + n].reshape(world * chunk, *rest)
         full[id(p)] = pieces[:rows]
         off += n
@@ -160,10 +144,3 @@ def _row_sharded(p) -> bool:
     from torch.distributed.tensor import Shard
 
     return p.device_mesh.ndim == 1 and len(p.placements) == 1 and p.placements[0] == Shard(0) and p.dim() >= 1
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

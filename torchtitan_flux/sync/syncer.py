@@ -1,40 +1,17 @@
 """Trainer-side weight sync: snapshot after ``optimizer.step()``, bucketed push to every engine, versions, timeouts.
 
-Layout (one job per module; data flows front -> collaborators, never back):
-  * ``snapshot.Snapshot`` (every rank): clean parameter names, agreement on the control plane, per-bucket FSDP
-    gather, cast to the wire dtype, side-stream copy into the staging buffer (rank 0).
-  * ``links.LinkTable`` (rank 0): one ``EngineLink`` per engine, acks/errors/timeouts, counters.
-  * ``pusher.Pusher`` (rank 0): the claim on staging + groups, the joiner threads and the push thread.
-  * ``WeightSyncer`` (here): the thin front the trainer calls; it builds the three above.
-  * ``torchtitan_flux.sync.cuda_rules``: the CUDA/NCCL rules every collective follows.
+Layout (data flows front -> collaborators, never back): ``WeightSyncer`` here is the front; ``snapshot.Snapshot``
+(every rank), ``links.LinkTable`` and ``pusher.Pusher`` (rank 0) its collaborators; ``cuda_rules`` the rules.
 
-Main thread, every rank: ``after_optimizer_step(version)`` right after ``optimizer.step()``. If a push is due and
-rank 0 can claim the pusher (it is idle), every rank snapshots (rank 0's decision is broadcast on the CPU control
-group) and rank 0 hands the push to the push thread. If a push is still in flight, the version is *coalesced*:
-nothing is copied and the next idle due step sends the then-newest weights. Blocking mode: rank 0 waits for
-the claim, snapshots, pushes and waits for acks itself (at most ``timeout_seconds`` per push, plus at most one
-in-flight resync push).
+Main thread, every rank: ``after_optimizer_step(version)``. If rank 0 can claim the idle pusher, every rank
+snapshots (rank 0's decision is agreed on the CPU control group) and the push thread sends it; if a push is in
+flight the version is *coalesced*. Blocking mode: rank 0 pushes and waits for acks itself. ``catch_up`` and
+``deliver_staged`` keep coalescing from leaving a step waiting for weights no push will bring (the async livelock,
+docs/architecture.md). Every wait for the claim is on the main thread, delivering engine events, and bounded;
+ranks > 0 wait for rank 0 on the control group, never inside a gather. The syncer never calls back into the
+trainer: ``rollout.fleet.Rollouts`` gives it its ``pump`` and calls ``on_event`` and ``replace_engine``.
 
-Coalescing must never leave a step waiting for weights no push will bring (the async livelock: two coalesced
-steps in a row, then a step whose rollouts must be newer than anything staged, generated again and again on the
-staged version while no optimizer step -- hence no snapshot -- can come). So before a step's rollouts are
-dispatched the feed calls ``catch_up(version, oldest)``: when the staged version is older than the oldest one the
-step may train on, every rank stages the current weights now (``stage``: rank 0 first waits for the push in
-flight). And ``deliver_staged`` (rank 0, before every collect) rebuilds broken groups and sends the staged
-version to every usable engine that lacks it, so a request pinned to it never waits on a push nobody will make.
-Every wait for the claim is on the main thread, delivering engine events, and ends by the in-flight push's
-deadline (and the wait is bounded, see ``_claim_waiting``); ranks > 0 wait for rank 0 on the control group (no
-collective timeout), never inside a gather. Not covered: an engine that stays alive but can never receive (a
-refused join, a lagging engine that never answers): its rollouts are discarded until it answers or dies. The syncer
-never calls back into the trainer: rank 0's rollout side (``rollout.fleet.Rollouts``) builds it with its own ``pump``,
-which delivers acks and errors to ``on_event`` and replaced engines to ``replace_engine``.
-
-An engine whose push misses ``timeout_seconds`` is marked lagging and keeps serving its old version (its rollouts
-carry that version); when it acks again it is resynced with a full push, after rejoining on a fresh group if its
-group broke.
-
-Simplification: one data-parallel replica sends (rank 0 of the whole job). With HSDP/several replicas, every
-replica holds the same weights, so one sender is enough; spreading engines over replicas is future work.
+Simplification: one data-parallel replica sends (rank 0 of the whole job); every replica holds the same weights.
 """
 
 from __future__ import annotations
@@ -48,13 +25,14 @@ import torch
 from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
-from torchtitan_flux.sync.links import EngineLink, LinkTable, SyncStats
+from torchtitan_flux.sync.links import LinkTable
 from torchtitan_flux.sync.pusher import Bystander, Pusher
-from torchtitan_flux.sync.snapshot import Snapshot, control_group, tensor_specs
+from torchtitan_flux.sync.snapshot import Snapshot, control_group
 
-__all__ = ["WeightSyncer", "EngineLink", "SyncStats", "control_group", "tensor_specs"]
+__all__ = ["WeightSyncer", "control_group"]
 
 logger = logging.getLogger("torchtitan_flux")
+
 
 class WeightSyncer:
     """The front: see the package docstring. ``pump(timeout)`` delivers engine events (rank 0)."""
@@ -63,8 +41,7 @@ class WeightSyncer:
                  is_sender: bool, backend: str = "gloo", pump: Callable[[float], None] = time.sleep):
         self.cfg, self.pump = cfg, pump
         self.async_mode = cfg.async_weight_update
-        # Wire-layout hook: HTTP engines load HF-layout tensors; converting while snapshotting keeps one staging
-        # buffer holding exactly what goes on the wire. All engines of a run must agree on the layout.
+        # HTTP engines load HF-layout tensors: staging holds the wire layout, so all engines must share it
         if len({type(e).wire_tensor for e in engines}) > 1:
             raise ValueError("engines with different wire layouts cannot share one staging buffer")
         self.snap = Snapshot(
@@ -109,8 +86,7 @@ class WeightSyncer:
         self.snap.side.wait_copy_done()
 
     def after_optimizer_step(self, version: int, due: bool = True) -> None:
-        """Every rank, right after ``optimizer.step()``; see the package docstring. ``due``: whether this version
-        is pushed (the trainer's cadence decides, the same on every rank: ``weight_sync.interval``)."""
+        """Every rank, right after ``optimizer.step()``; ``due``: whether the cadence pushes this version."""
         if not due:
             return
         if self.async_mode:
@@ -124,10 +100,7 @@ class WeightSyncer:
             self.stage(version)
 
     def stage(self, version: int) -> None:
-        """Every rank: snapshot ``version`` and push it, once the push in flight (if any) has ended -- rank 0
-        waits for the claim delivering events (bounded: ``_claim_waiting``); ranks > 0 wait for rank 0's go on
-        the control group, not inside the snapshot's FSDP gathers. Async mode: the push thread sends it; blocking
-        mode: sent and acked here."""
+        """Every rank: snapshot ``version`` and push it once the push in flight ended (blocking: acked here too)."""
         self._claim_waiting()
         self._snapshot_or_release(version, lambda: self.snap.agree(True), True)
         if self.async_mode:
@@ -140,10 +113,8 @@ class WeightSyncer:
             self.pusher.release()
 
     def catch_up(self, version: int, oldest: int) -> bool:
-        """Every rank, before a step's rollouts are dispatched, with the trainer at ``version``: if the newest
-        staged version is older than ``oldest`` (the oldest version the step may train on), stage ``version``
-        now: pushes were coalesced, and no push would come before this step trains. The answer is the same on
-        every rank (snapshots are agreed). Returns whether it staged."""
+        """Every rank, before a step's rollouts are dispatched: stage ``version`` now if the staged version is
+        older than ``oldest`` (the oldest the step may train on). Returns whether it staged (same on every rank)."""
         if self.version >= oldest:
             return False
         self.stats.catch_ups += 1
@@ -153,15 +124,12 @@ class WeightSyncer:
         return True
 
     def deliver_staged(self) -> None:
-        """Rank 0, before waiting on rollouts pinned to the staged version: broken groups are rebuilt and every
-        usable engine that lacks the staged version is sent it (once the push thread is free). Ranks > 0: no-op."""
+        """Rank 0: rebuild broken groups and send the staged version to usable engines lacking it (ranks > 0: no-op)."""
         self.pusher.deliver_staged()
 
     def _claim_waiting(self) -> None:
-        """Wait (delivering events) until the claim is ours (ranks > 0: their ``Bystander`` claim is always free).
-        A push ends by its deadline, and the resync pushes its release may start (one per engine that became
-        usable meanwhile) by theirs, so the wait is bounded: past ``(engines + 2) * timeout_seconds`` the push
-        thread is stuck (e.g. an abort that hangs) and the run stops with that error instead of hanging."""
+        """Wait (delivering events) until the claim is ours. Every push and resync ends by its deadline, so past
+        ``(engines + 2) * timeout_seconds`` the push thread is stuck and the run stops instead of hanging."""
         limit = (len(self.links) + 2) * self.cfg.timeout_seconds
         start = noted = time.monotonic()
         while not self.pusher.claim():
@@ -179,16 +147,13 @@ class WeightSyncer:
         try:
             idle = decide()
             if idle:
-                self._take(version)
+                self.snap.take(version)
+                self.stats.last_snapshot_s = self.snap.last_s
         except BaseException:
             if claimed:
                 self.pusher.release()
             raise
         return idle
-
-    def _take(self, version: int) -> None:
-        self.snap.take(version)
-        self.stats.last_snapshot_s = self.snap.last_s
 
     def on_event(self, ev) -> None:
         """Acks and engine errors, delivered on the main thread by the pump."""
@@ -205,8 +170,7 @@ class WeightSyncer:
             self.pusher.start_join(link)
 
     def _wait_acks(self, version: int) -> None:
-        """Wait until every usable engine acked ``version`` (events delivered by ``pump``; ranks > 0 hold no
-        engines and return at once)."""
+        """Wait until every usable engine acked ``version`` (ranks > 0 hold no engines: at once)."""
         deadline = time.monotonic() + self.cfg.timeout_seconds
         while True:
             waiting = self.table.waiting_for(version)

@@ -1,15 +1,13 @@
 """Wire format of a weight push, and the engine-side receiver. Torch-only (no torchtitan): runs in engines.
 
-A push of policy version ``v`` on a weight-sync process group (rank 0 = the trainer's sending rank, ranks 1.. =
-engine workers) is:
+A push of policy version ``v`` on a weight-sync group (rank 0: the trainer; ranks 1..: engine workers) is:
 
     header  int64[HEADER_LEN] = [MAGIC, v, n_sent, idx_0, ..., idx_{n_sent-1}, -1 ...]
     bucket  one flat tensor per listed bucket index, in that order
 
 Both sides derive the same ``BucketPlan`` from the same ordered ``TensorSpec`` list (sent once at connect), so
-no per-tensor metadata travels per push. Bucket 0 is always sent, first: the receiver pre-posts its receive next to the header's into a one-bucket landing buffer, so
-a small model's push costs one round trip, like a raw broadcast, instead of two (header, then the wake-up of
-the receiving thread before its bucket receives are posted). Every push sends every bucket.
+no per-tensor metadata travels per push. Every push sends every bucket, bucket 0 first: the receiver pre-posts
+its receive with the header's into a one-bucket landing buffer (one round trip per small push, not two).
 
 Simplification: a tensor is never split across buckets; one larger than ``bucket_bytes`` gets a bucket of its own.
 """
@@ -19,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -29,16 +28,13 @@ from typing import Callable
 import torch
 
 from torchtitan_flux import compat
-
 from torchtitan_flux.sync import cuda_rules
 
 logger = logging.getLogger("torchtitan_flux")
 
 MAGIC = 0x46_4C_55_58  # "FLUX"
-# Waiting for the next push's header is idle time, not a failure: it gets this timeout instead of the group's
-# ``timeout_s`` (which still bounds every bucket of a push once its header arrived, where the backend honours
-# per-collective timeouts: see ``compat.op_timeout_honoured``; the receiver's group is built with
-# ``new_weight_sync_group(idle_timeout=IDLE_TIMEOUT)``).
+# The wait for the next push's header is idle time, not a failure: it gets this timeout, not the group's
+# ``timeout_s`` (which still bounds a push's buckets where the backend honours it: ``compat.op_timeout_honoured``).
 IDLE_TIMEOUT = timedelta(days=7)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,10 +47,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -80,11 +73,8 @@ class BucketPlan:
 
     def allocate(self, device: torch.device | str = "cpu", pin_memory: bool = False) -> "FlatWeights":
         # written once, so the pages are resident from the start and memory accounting is honest
-        flats = [
-            torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device, pin_memory=pin_memory).zero_()
-            for b in self.buckets
-        ]
-        return FlatWeights(self, flats)
+        return FlatWeights(self, [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device,
+                                              pin_memory=pin_memory).zero_() for b in self.buckets])
 
 
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> BucketPlan:
@@ -127,9 +117,7 @@ class FlatWeights:
 
 
 def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int]) -> torch.Tensor:
-    """The header of a push sending ``bucket_ids`` in that order; bucket 0 must come first (see the module
-    docstring). Built from one Python list: a handful of small torch ops here cost 0.3 ms, a third of a push of
-    the tiny model."""
+    """The header of a push sending ``bucket_ids`` in that order, bucket 0 first (one ``torch.tensor``: cheap)."""
     pad = plan.header_len - 3 - len(bucket_ids)
     return torch.tensor([MAGIC, version, len(bucket_ids), *bucket_ids, *([-1] * pad)], dtype=torch.int64)
 
@@ -142,8 +130,7 @@ def decode_header(h: torch.Tensor) -> tuple[int, list[int]]:
 
 
 def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torch.distributed.TCPStore:
-    """The weight-sync rendezvous store: the trainer hosts it (``is_master``) and listens on ``host`` only (torch's
-    own server would listen on every interface whatever ``host`` says); engines connect to it."""
+    """The weight-sync store: the trainer hosts it (``is_master``), listening on ``host`` only; engines connect."""
     kw = {}
     if is_master and compat.store_listens_on_given_socket():  # libuv server on a socket bound here; the store owns it
         family, *_, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -155,9 +142,7 @@ def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torc
 
 
 def listen_address(peer: str) -> str:
-    """The local address this machine reaches ``peer`` from (a loopback peer: loopback): where a weight-sync
-    group's connections listen (``compat.new_weight_sync_group(listen_host=)``). Sends nothing (a UDP socket's
-    ``connect`` only picks the route)."""
+    """The local address this machine reaches ``peer`` from: where a weight-sync group listens. Sends nothing."""
     family, *_, addr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(addr)
@@ -173,22 +158,16 @@ class AuthError(RuntimeError):
 
 
 def handshake(store, prefix: str, token: str | None, role: str, timeout_s: float) -> None:
-    """Mutual proof of the shared token before a weight-sync group is built on ``prefix`` of ``store``. Both sides
-    run it (``role`` TRAINER or ENGINE) right before building their side of the group; a no-op without a token (the
-    loopback default: nothing changes then).
-
-    Keys under ``{prefix}/auth/``. A proof is HMAC-SHA256(token, "role|prefix|trainer nonce|engine nonce"): bound
-    to one side, one link and one join (the prefix carries the join's epoch), so it cannot be replayed or reflected:
+    """Mutual proof of the shared token before a weight-sync group is built on ``prefix`` (both sides, ``role``
+    TRAINER or ENGINE); a no-op without a token. Keys under ``{prefix}/auth/``. A proof is HMAC-SHA256(token,
+    "role|prefix|trainer nonce|engine nonce"): bound to one side and one join, so it cannot be replayed or reflected:
       1. trainer: ``nonce`` = a fresh trainer nonce;
       2. engine: ``engine`` = a fresh engine nonce and its proof;
       3. trainer: checks that proof (constant time); ``trainer`` = its own proof, or ``refused``;
       4. engine: checks the trainer's proof; ``verdict`` = ``ok`` or ``refused``;
       5. trainer: reads the verdict.
-    A side that refuses or is refused raises ``AuthError`` and must build no group. A side holding a token whose peer
-    does not answer within ``timeout_s`` raises ``TimeoutError`` (a peer without the token, or one still starting).
-    The store protocol itself is unauthenticated: this keeps peers without the token out of weight-sync groups, it
-    does not keep anyone who can reach the store from disturbing it (see "Security" in the README).
-    """
+    A side that refuses or is refused raises ``AuthError`` and builds no group; a silent peer, ``TimeoutError``.
+    The store itself is unauthenticated (README, "Security")."""
     if not token:
         return
     s = torch.distributed.PrefixStore(f"{prefix}/auth", store)
@@ -230,39 +209,22 @@ def handshake(store, prefix: str, token: str | None, role: str, timeout_s: float
         s.set("verdict", _OK)
 
 
-def _broadcast_idle(pg, tensor: torch.Tensor):
-    """``compat.broadcast`` from rank 0 with ``IDLE_TIMEOUT`` instead of the group's timeout."""
-    return compat.broadcast(pg, tensor, timeout=IDLE_TIMEOUT)
-
-
 class WeightReceiver:
     """Engine side: receives pushes on its own thread and publishes each complete version for an atomic swap.
 
     Concurrency invariants (``buffers`` >= 2 buffers, three owners):
-      * ``live`` is read only by the generation thread; it is never written while referenced as live.
+      * ``live`` is read only by the generation thread; it is never written while live.
       * The receiver thread writes only into a buffer it took under ``_lock``: a free one, else the oldest
-        unpublished ``pending`` one (a newer push supersedes it: engine-side coalescing). A superseded loop
-        (``start`` again) takes no buffer any more, so it never steals a version the new loop published.
-      * ``swap()`` is called by the generation thread between requests; under ``_lock`` it makes a pending
-        version live and frees the old live buffer and the pending versions older than the new live one. So a
-        request always runs on one complete version.
-      * live + pending + free + the one being received are always exactly the allocated buffers (plus one
-        replacement per buffer an abandoned loop still holds, see ``_take_buffer``).
-    With two buffers only the newest pending version is kept; ``max_version_gap + 1`` buffers keep every
-    version a queued pinned request can still ask for (see ``swap``).
-    All collectives on the group are issued by the receiver thread alone, in push order. The wait for the next
-    header has no deadline (``IDLE_TIMEOUT``): the time between pushes is the trainer's business, and a receiver
-    whose trainer gave up on it is abandoned by the next ``start``.
+        ``pending`` one (engine-side coalescing). A superseded loop (``start`` again) takes no buffer any more.
+      * ``swap()`` (generation thread, between requests) makes a pending version live under ``_lock`` and frees
+        the old live buffer and older pending ones, so a request always runs on one complete version.
+      * live + pending + free + the one being received are the allocated buffers (+ those abandoned loops hold).
+    ``max_version_gap + 1`` buffers keep every version a queued pinned request can ask for. Only the receiver
+    thread issues collectives on the group, in push order; the wait for a header has no deadline.
     """
 
-    def __init__(
-        self,
-        plan: BucketPlan,
-        device: torch.device | str,
-        on_received: Callable[[int], None],
-        on_error: Callable[[BaseException], None],
-        buffers: int = 2,
-    ):
+    def __init__(self, plan: BucketPlan, device: torch.device | str, on_received: Callable[[int], None],
+                 on_error: Callable[[BaseException], None], buffers: int = 2):
         self.plan = plan
         self._on_received, self._on_error = on_received, on_error
         self._lock = threading.Lock()
@@ -276,14 +238,12 @@ class WeightReceiver:
         self.fault_stall_s = 0.0  # fault injection: sleep before each receive (tests only)
 
     def start(self, make_group: Callable[[], object]) -> None:
-        """Start the receive loop on a new group from ``make_group``; on a restart (resync after a failure) the
-        previous loop is told to stop and abandoned (it may be blocked in a dead collective), and the live
-        version keeps serving until the new group delivers."""
+        """Start the receive loop on a new group from ``make_group``; a previous loop is stopped and abandoned (it
+        may be blocked in a dead collective) and the live version serves until the new group delivers."""
         self._stop.set()
         self._stop = threading.Event()
-        threading.Thread(
-            target=self._run, args=(make_group, self._stop), name="flux-weight-receiver", daemon=True
-        ).start()
+        threading.Thread(target=self._run, args=(make_group, self._stop), name="flux-weight-receiver",
+                         daemon=True).start()
 
     def _take_buffer(self, stop: threading.Event) -> FlatWeights | None:
         """A buffer to receive into, or None if this loop was superseded (it must not touch any buffer then)."""
@@ -299,9 +259,7 @@ class WeightReceiver:
         return self.plan.allocate(self.device)
 
     def _run(self, make_group: Callable[[], object], stop: threading.Event) -> None:
-        """The receive loop; follows ``cuda_rules``: this thread binds the engine's device (rule 6), issues every
-        collective of the group under its own stream (rule 1), receives the header on the group's device
-        (rule 2), and publishes (acks) only after the bytes landed (rule 5)."""
+        """The receive loop, following ``cuda_rules`` rules 6, 1, 2 and 5 (ack only after the bytes landed)."""
         try:
             cuda_rules.bind_thread(self.device)
             stream = cuda_rules.group_stream(self.device)
@@ -313,8 +271,8 @@ class WeightReceiver:
                 landing = torch.empty(b0.numel, dtype=_DTYPES[b0.dtype], device=self.device)  # one bucket
                 while not stop.is_set():
                     header = torch.empty(self.plan.header_len, dtype=torch.int64, device=hdev)
-                    header_work = _broadcast_idle(pg, header)
-                    landing_work = _broadcast_idle(pg, landing)  # pre-posted: bucket 0 needs no wake-up round trip
+                    header_work = compat.broadcast(pg, header, timeout=IDLE_TIMEOUT)
+                    landing_work = compat.broadcast(pg, landing, timeout=IDLE_TIMEOUT)  # pre-posted bucket 0
                     cuda_rules.landed([header_work], stream)
                     version, ids = decode_header(header)
                     if not ids or ids[0] != 0:
@@ -345,12 +303,9 @@ class WeightReceiver:
             return True
 
     def swap(self, upto: int = -1) -> int:
-        """Make the newest complete version live (generation thread, between requests). Returns the live version.
-
-        ``upto >= 0`` (a request pinned to that version): the newest pending version not newer than ``upto``
-        goes live; if there is none and the live one is older than ``upto`` (the pinned version was superseded
-        before it went live), the oldest pending one, the closest there is. So a pinned request runs on its pin
-        whenever the pin reached this engine and was kept, whatever the timing of later pushes."""
+        """Make the newest complete version live (generation thread, between requests); returns the live version.
+        ``upto >= 0`` (a pinned request): the newest pending version <= ``upto``, else, if the live one is older
+        than ``upto``, the oldest pending one (the pin was superseded before it went live)."""
         with self._lock:
             fits = [i for i, (v, _) in enumerate(self._pending) if upto < 0 or v <= upto]
             if fits:
