@@ -1,24 +1,18 @@
 """Entry point: ``torchrun -m torchtitan_flux.train --job.config_file train_configs/<x>.toml [--section.field v]``.
 
-Applies the patches torchtitan needs on this machine, registers our model spec, makes torchtitan's
-``ConfigManager`` merge our config sections (``--job.custom_config_module torchtitan_flux.config`` is added
-unless the command line or TOML names another module), and runs ``torchtitan.train.main(FluxTrainer)``.
+Applies the patches torchtitan needs, registers our model spec, makes torchtitan's ``ConfigManager`` merge our
+config sections (``--job.custom_config_module torchtitan_flux.config`` unless another is named), and runs
+``torchtitan.train.main(FluxTrainer)``.
 
-Bad input is reported as one line, ``error: <field> = <value> ...; allowed: ...``, with exit code 2 and no Python
-traceback: the config is parsed and validated here before torchtitan starts, and a ``ConfigError`` found later
-(the model folder, the dataset) is reported the same way, as is a reward function that fails (``RewardError``: it
-raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run); so is an engine server
-that cannot be used or that exited while starting (``EngineStartError``: exit code 1, the server's own last error
-line), and an engine the post-sync probe finds not serving the pushed policy (``ProbeMismatch``: exit code 1).
-Expected stops (a signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and exit
-code 1. Real bugs keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun
-the line is also written to torchelastic's error file, so that torchrun's failure summary shows it instead of a
-pointer to its docs.
+How a run ends (``_report``): bad input (``ConfigError``, ``RewardError``, ``UserCodeError``) is one line,
+``error: <field> = <value> ...; allowed: ...``, exit code 2, no traceback: the config is validated here before
+torchtitan starts. An unusable engine server (``EngineStartError``) or a failed post-sync probe
+(``ProbeMismatch``) is one ``error:`` line, exit 1; an expected stop (a signal, no engine left, a non-finite loss)
+one ``stopped: ...`` line, exit 1. Real bugs keep their traceback, as does everything under
+``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun the line also goes to torchelastic's error file, for its summary.
 
-Once that returns or raises (the trainer is closed either way: engines stopped, metrics, checkpoints and the
-export written), the process ends with ``os._exit``: skipping the interpreter's finalisation, where torch's C++
-teardown of the weight-sync groups and store, racing daemon threads, aborted about 1 run in 20 on this machine
-after everything had been written ("terminate called without an active exception", exit -6).
+The process then ends with ``os._exit`` (the trainer is closed by then, everything written): the interpreter's
+finalisation, where torch's C++ teardown of the weight-sync groups races daemon threads, could abort the process.
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ def _torchtitan_bools() -> frozenset[str]:
 
 
 def _field_type(path: str):
-    """The annotated type of ``section.field`` in our sections (``flux_config.SECTIONS``); for a section of
-    torchtitan's, "torchtitan_bool" for a boolean field (a tyro flag) and "torchtitan" for any other; None when
-    there is no such field of ours. Imports no torchtitan: this runs before ``ConfigManager`` is imported."""
+    """The annotated type of ``section.field`` of ours (None: no such field); in torchtitan's sections
+    "torchtitan_bool" (a tyro flag) or "torchtitan". Imports no torchtitan (it runs before ``ConfigManager``)."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -114,10 +107,8 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 
 
 def _starts_embedded_engines(argv: list[str]) -> bool:
-    """Whether this process will start embedded engines: global rank 0 with ``rollout.engine = "embedded"`` (the
-    default). A best-effort peek at the command line and the TOML before torchtitan parses them: it only decides
-    whether to start the engines' fork server early (``engine.forkserver``); a wrong answer costs start-up time,
-    never correctness, and the real parse reports bad input."""
+    """Whether this process (global rank 0, ``rollout.engine = "embedded"``) will start embedded engines: a
+    best-effort peek that only decides whether to prestart the fork server (a wrong answer costs start-up time)."""
     if os.environ.get("RANK", "0") != "0":
         return False
     engine, config_file = None, None
@@ -168,10 +159,8 @@ _LOCKS: list = []  # the open lock files of the folders this run writes (rank 0)
 
 
 def _lock_run_folders(config) -> None:
-    """Rank 0 takes an exclusive lock on every folder the run writes, for the life of the process: the dump folder
-    (metrics, summary, export) and, with checkpoints on, the checkpoint folder -- ``checkpoint.folder`` may be an
-    absolute path shared by runs with different dump folders, and two runs in one checkpoint folder resume from
-    and delete each other's checkpoints. The kernel drops a lock when the process ends, however it ends."""
+    """Rank 0 locks every folder the run writes for the life of the process (the kernel drops the lock however it
+    ends): the dump folder and, with checkpoints on, the checkpoint folder, which runs could otherwise share."""
     if os.environ.get("RANK", "0") != "0":
         return
     _lock_folder("job.dump_folder", config.job.dump_folder, config.job.dump_folder)
@@ -227,8 +216,8 @@ def _report(e: BaseException) -> int:
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
-    elif isinstance(e, (EngineStartError, ProbeMismatch)):  # a server not there, not ours, or exited while
-        code, line = 1, f"error: {e}"  # starting; an engine that does not serve the pushed policy (the probe)
+    elif isinstance(e, (EngineStartError, ProbeMismatch)):
+        code, line = 1, f"error: {e}"
     elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError)):
         code, line = 1, f"stopped: {e}"
     else:

@@ -1,18 +1,16 @@
 """The embedded rollout engine: a child process holding its own copy of the policy (the default engine).
 
-Process model: the trainer's weight-sync rank starts each engine with ``multiprocessing``, from the fork server
-of ``engine.forkserver`` (else spawn). The engine asks the kernel to SIGKILL it when its parent dies
-(``PR_SET_PDEATHSIG``; the parent is the fork server, which exits with the trainer) and also exits when its
-control pipe closes, so no engine outlives its trainer. It names itself ``flux-<name>`` (``PR_SET_NAME``: what
-``ps -o comm``, ``top`` and psutil show).
+Process model: rank 0 starts each engine from the fork server of ``engine.forkserver`` (else spawn). The engine
+dies with its parent (``PR_SET_PDEATHSIG``) and exits when its control pipe closes, so no engine outlives its
+trainer. It names itself ``flux-<name>`` (``PR_SET_NAME``).
 
 Threads inside the engine:
   * the main thread serves the control pipe in order: it generates with the live weights and, between requests
-    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Generation requests that
-    arrive before the first weights are queued (in order) while the other messages (join, fault, checksum,
-    shutdown) are still served, so a (re)join that arrives after a request is never stuck behind it;
-  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them. With
-    a shared token it first runs ``transport.handshake`` on each new group's prefix and joins only if it passes.
+    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Requests that are not
+    ready yet queue in order while the other messages (join, fault, checksum, shutdown) are still served, so a
+    (re)join is never stuck behind a request;
+  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them
+    (after ``transport.handshake`` when there is a shared token).
 Both send on the pipe; ``_send`` serialises them with a lock.
 
 Trainer side, ``EmbeddedEngine`` is the ``EngineHandler``: one reader thread turns pipe messages into events.
@@ -36,14 +34,8 @@ from multiprocessing import connection as mp_connection
 
 import torch
 
-from torchtitan_flux.engine.base import (
-    EngineError,
-    EngineHandler,
-    GenerationRequest,
-    GenerationResult,
-    WeightAck,
-    WeightGroupInfo,
-)
+from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck,
+                                        WeightGroupInfo)
 from torchtitan_flux.engine.forkserver import name_process, die_with_parent, engine_context, release_server_liveness
 
 logger = logging.getLogger("torchtitan_flux")
@@ -59,11 +51,7 @@ class _EngineProcess:
                  auth_token: str | None):
         import json
 
-        from torchtitan_flux.models import hf
-
-        from torchtitan_flux.models import inference
-
-        from torchtitan_flux.models import weight_dict
+        from torchtitan_flux.models import hf, inference, weight_dict
 
         self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
@@ -88,8 +76,7 @@ class _EngineProcess:
 
     def join(self, info: WeightGroupInfo) -> None:
         from torchtitan_flux import compat
-        from torchtitan_flux.sync import cuda_rules
-        from torchtitan_flux.sync import transport
+        from torchtitan_flux.sync import cuda_rules, transport
 
         def make_group():
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
@@ -235,10 +222,9 @@ class EmbeddedEngine(EngineHandler):
         self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu", weight_buffers: int = 2,
         auth_token: str | None = None,
     ):
-        """``weight_buffers``: weight versions the engine holds (live + received, >= 2); the trainer gives
-        ``max_version_gap + 1`` so every version a queued pinned request asks for is kept (see
-        ``transport.WeightReceiver.swap``). ``auth_token``: the shared token its weight-sync joins prove (None: no
-        handshake); it reaches the child through its start pipe, not its command line."""
+        """``weight_buffers``: weight versions the engine holds (live + received, >= 2; see
+        ``transport.WeightReceiver.swap``). ``auth_token``: what its weight-sync joins prove (None: no handshake);
+        it reaches the child through its start pipe, not its command line."""
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
         self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
         self._proc: mp.Process | None = None

@@ -1,29 +1,21 @@
 """``SglangEngine``: the rollout-engine handler for an SGLang (0.5.23) server.
 
 Start the server with ``scripts/launch_sglang.sh MODEL_DIR PORT`` (GPU only: SGLang has no CPU build on PyPI).
-Everything shared with vLLM is in ``engine/http.py``; this module holds only the SGLang endpoints and payloads
+What vLLM and SGLang share is ``engine/http.py``'s; this module holds only the SGLang endpoints and payloads
 (``sglang/srt/entrypoints/http_server.py`` and ``managers/io_struct.py`` of 0.5.23):
 
-* generation: ``POST /generate`` with ``input_ids`` (one list per completion: each prompt repeated
-  ``group_size`` times, so the output order is unambiguous), per-completion ``sampling_params``
-  (``max_new_tokens``, ``temperature``, ``top_k``, ``sampling_seed = seed + sample``) and ``return_logprob``.
-  Tokens and log-probs come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``); SGLang
-  returns ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
-* weights: once per group, ``/init_weights_update_group`` (SGLang joins with ``init_custom_process_group``,
-  group name = our store prefix + a random suffix, since SGLang refuses names it already holds and a server
-  outlives trainer runs; ``pusher.trainer_group`` builds rank 0 on the same store prefixes). Per push:
-  ``/pause_generation {"mode": "retract"}`` -> ``/begin_weight_update`` -> ``/update_weights_from_distributed``
-  once per bucket with ``load_format = "flattened_bucket"`` (the bucket travels as ONE uint8 tensor, so
-  ``wire_tensors`` sends uint8 views and no header), ``flush_cache`` and ``weight_version`` on the last bucket
-  only -> ``/end_weight_update`` -> ``/continue_generation``.
-* no checksum of the received bytes (``/weights_checker`` hashes SGLang's own loaded layout): ``checksum`` is
-  ``HttpEngine``'s (version, None).
-* checks at ``start()``: reachable, a generation model of the trainer's architecture, weight endpoints present
-  (``/get_weights_by_name``), hidden size, tensor/data parallel size 1, same tokenizer.
-* the shared token: SGLang's own ``--api-key`` (``scripts/launch_sglang.sh`` passes ``$TORCHTITAN_FLUX_TOKEN``)
-  guards every endpoint but ``/health*`` and ``/metrics*``. SGLang joins weight-sync groups with its own code, so
-  the rendezvous handshake (``transport.handshake``) is skipped for it: the API key is what keeps others from
-  starting a join or an update.
+* generation: ``POST /generate`` with one ``input_ids`` list per completion (each prompt repeated ``group_size``
+  times) and per-completion ``sampling_params`` (``sampling_seed = seed + sample``). Log-probs are
+  ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
+* weights: once per group, ``/init_weights_update_group`` (SGLang joins with ``init_custom_process_group``, so
+  ``group_store`` matches its store prefixes). Per push: ``/pause_generation`` -> ``/begin_weight_update`` ->
+  ``/update_weights_from_distributed`` per bucket (``flattened_bucket``: ONE uint8 tensor, no header; cache flush
+  and ``weight_version`` on the last) -> ``/end_weight_update`` -> ``/continue_generation``. No checksum of the
+  received bytes: ``checksum`` is ``HttpEngine``'s (version, None).
+* checks at ``start()``: reachable, a generation model of the trainer's architecture, weight endpoints present,
+  hidden size, parallel sizes 1, same tokenizer.
+* the shared token: SGLang's own ``--api-key`` guards every endpoint but ``/health*`` and ``/metrics*``; SGLang
+  joins groups with its own code, so there is no rendezvous handshake: the API key keeps others from joining.
 """
 
 from __future__ import annotations
@@ -33,11 +25,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_flux.engine.base import (
-    EngineStartError,
-    GenerationRequest,
-    WeightGroupInfo,
-)
+from torchtitan_flux.engine.base import EngineStartError, GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine
 from torchtitan_flux.engine.http_client import HttpError
 
@@ -46,9 +34,7 @@ class SglangEngine(HttpEngine):
     kind = "SGLang"
     launch_hint = "Start one with scripts/launch_sglang.sh MODEL_DIR PORT (needs a CUDA GPU)."
     rendezvous_handshake = False  # SGLang joins with its own code (see the module docstring)
-    # SGLang builds its side of an NCCL group with its own code, which may connect lazily (at the first
-    # broadcast): an eager connect here could wait for a peer that waits for us. Checked only on a GPU (gpu.md).
-    eager_connect = False
+    eager_connect = False  # its own NCCL code may connect lazily: an eager connect could wait for it (gpu.md)
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -129,17 +115,14 @@ class SglangEngine(HttpEngine):
     # -------------------------------------------------------------------------------------- weights
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
-        # SGLang refuses a group name it already holds, and a server outlives trainer runs (whose store prefixes
-        # repeat: flux_ws/<engine>/<epoch>), so each join gets a fresh group name.
+        # a fresh group name per join: SGLang refuses one it holds, and it outlives runs (whose prefixes repeat)
         self._group_names[info.prefix] = f"{info.prefix}#{uuid.uuid4().hex[:12]}"
         super().join_weight_group(info)
 
     def group_store(self, store: Any, info: WeightGroupInfo) -> Any:
-        """The store prefixes SGLang's ``init_custom_process_group`` uses on its side: it wraps the rendezvous
-        store in ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` adds ``"{group_name}/"``
-        and ``"{device}/"`` for the first device of the backend (gloo: cpu, nccl: cuda; one backend object serves
-        every device when they all use the same backend). Nothing is registered with ``torch.distributed``'s
-        global state."""
+        """The store prefixes SGLang's ``init_custom_process_group`` uses on its side: ``PrefixStore(group_name)``,
+        then torch's ``_new_process_group_helper`` adds ``"{group_name}/"`` and ``"{device}/"`` (the backend's
+        first device)."""
         from torch.distributed.distributed_c10d import Backend, BackendConfig
 
         device_map = BackendConfig(Backend(info.backend)).get_device_backend_map()

@@ -1,24 +1,17 @@
 """``VllmEngine``: the rollout-engine handler for a vLLM (>= 0.32) OpenAI-compatible server.
 
-Start the server with ``scripts/launch_vllm.sh MODEL_DIR PORT`` (dev-mode RL endpoints, our worker extension
-``torchtitan_flux.engine.vllm_ext`` and its transfer backend, processed log-probs). Everything shared with SGLang
-(worker threads, version gate, checks, health, the push loop, name/layout conversion) is in ``engine/http.py`` and
-its collaborators; this module holds only the vLLM endpoints and payloads:
+Start the server with ``scripts/launch_vllm.sh MODEL_DIR PORT`` (launching from the trainer: ``engine/vllm_launch.py``).
+What vLLM and SGLang share is ``engine/http.py``'s; this module holds only the vLLM endpoints and payloads:
 
-* generation: ``POST /v1/completions`` with token-id prompts (a batch: one list per prompt), ``n = group_size``,
-  ``max_tokens``, ``temperature``, ``top_k``, ``seed``, ``logprobs = 1``, ``return_tokens_as_token_ids`` and
-  ``return_token_ids``. Choices come back indexed ``prompt * n + sample``; vLLM gives child sample ``j`` the
-  seed ``seed + j``. Greedy requests (temperature 0, where vLLM refuses n > 1) repeat each prompt instead.
-  Each sampled token's log-prob is ``log_softmax(logits / T)`` (the server runs with ``--logprobs-mode
-  processed_logprobs``); with ``top_k > 0`` vLLM reports it under the top-k-truncated distribution, not the full
-  tempered one the embedded engine reports.
-* weights: once, ``/init_weight_transfer_engine`` (concurrent with the trainer creating rank 0); per push
-  ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` once per bucket (the first also takes
-  the push header) -> ``/finish_weight_update {"weight_version": "N"}`` -> ``/reset_prefix_cache`` -> ``/resume``.
-* checks at ``start()``: reachable, RL endpoints on (``/weight_info``), the extension loaded and a ``gloo`` /
-  vLLM ``nccl`` (GPU: ``engine/vllm_nccl.py``) transfer engine configured, one worker, same model config and same tokenizer as the trainer.
-
-Launching local servers (``rollout.launch = true``) is ``engine/vllm_launch.py``.
+* generation: ``POST /v1/completions`` with token-id prompts, ``n = group_size`` and ``seed`` (vLLM gives sample
+  ``j`` the seed ``seed + j``; greedy requests, where vLLM refuses n > 1, repeat each prompt instead). Log-probs are
+  ``log_softmax(logits / T)`` (``--logprobs-mode processed_logprobs``); with ``top_k > 0`` vLLM reports them under
+  the top-k-truncated distribution, not the full tempered one the embedded engine reports.
+* weights: once, ``/init_weight_transfer_engine``; per push ``/pause?mode=wait`` -> ``/start_weight_update`` ->
+  ``/update_weights`` per bucket (the first also takes the header) -> ``/finish_weight_update`` ->
+  ``/reset_prefix_cache`` -> ``/resume`` (the server side: ``engine/vllm_ext.py``).
+* checks at ``start()``: reachable, RL endpoints on, our extension and transfer engine, one worker, same model
+  config and tokenizer as the trainer.
 """
 
 from __future__ import annotations
@@ -27,11 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_flux.engine.base import (
-    EngineStartError,
-    GenerationRequest,
-    WeightGroupInfo,
-)
+from torchtitan_flux.engine.base import EngineStartError, GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine, HttpOptions
 from torchtitan_flux.engine.http_client import HttpError
 from torchtitan_flux.engine.vllm_launch import EXTENSION
@@ -46,9 +35,8 @@ CONFIG_KEYS = (
 
 @dataclass
 class VllmOptions(HttpOptions):
-    """``HttpOptions`` plus the sampled checksums: the server hashes the received buckets of every
-    ``verify_every``-th push (0: none) and of the final one, ``final_version`` (see ``checksum``); hashing costs a
-    device-to-host copy and sha256 of the whole model, so it is sampled."""
+    """``HttpOptions`` plus the sampled checksums: the server hashes every ``verify_every``-th push (0: none) and
+    the final one, ``final_version`` (hashing copies the whole model to the host, so it is sampled)."""
 
     verify_every: int = 1
     final_version: int = -1
@@ -87,9 +75,7 @@ class VllmEngine(HttpEngine):
                 ) from e
             raise
         try:
-            (info, *_rest) = self.client.post("/collective_rpc", {"method": "flux_model_info"}, idempotent=True)[
-                "results"
-            ]
+            info = self.client.post("/collective_rpc", {"method": "flux_model_info"}, idempotent=True)["results"][0]
         except HttpError as e:
             raise EngineStartError(
                 f"{self.name}: the vLLM server at {self.url} does not have our worker extension ({e.detail[:200]}). "

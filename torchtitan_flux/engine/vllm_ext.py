@@ -1,48 +1,34 @@
 """vLLM worker extension: receive torchtitan_flux weight pushes through vLLM's official RL weight-update API.
 
 Runs INSIDE the vLLM server's worker processes, so it imports only torch, vllm and the torch-only parts of
-torchtitan_flux (``transport``, ``engine.auth``; never torchtitan). Load it with::
+torchtitan_flux (``transport``, ``engine.auth``; never torchtitan). ``scripts/launch_vllm.sh`` loads it with
+``--worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension`` and ``--weight-transfer-config
+'{"backend":"gloo"}'``; importing this module registers ``FluxGlooWeightTransferEngine`` for that backend (CPU
+servers: vLLM's own backends all need CUDA). GPU servers use vLLM's own ``nccl`` backend (``engine/vllm_nccl.py``)
+and the extension then only serves ``flux_model_info``.
 
-    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension \\
-        --weight-transfer-config '{"backend":"gloo"}'          # CPU; '{"backend":"nccl"}' (vLLM's) on GPU
+Wire protocol (driven over HTTP by ``engine.vllm.VllmEngine``; broadcasts from ``sync/transport.py``):
 
-(``scripts/launch_vllm.sh`` does this.) vLLM resolves ``--worker-extension-cls`` in each worker before it loads the
-model, and creates the weight-transfer engine right after loading; importing this module registers our engines
-with ``WeightTransferEngineFactory`` first, so the ``--weight-transfer-config`` backend resolves:
-
-* ``gloo``: ``FluxGlooWeightTransferEngine`` (CPU servers; vLLM's own backends all need CUDA).
-GPU servers use vLLM's own ``nccl`` backend, driven from the trainer by vLLM's ``NCCLTrainerWeightTransferEngine``
-(``torchtitan_flux/engine/vllm_nccl.py``); the extension then only serves ``flux_model_info``.
-
-Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP, and what the trainer's
-``WeightSyncer`` broadcasts; see ``torchtitan_flux/sync/transport.py``):
-
-* ``POST /init_weight_transfer_engine {"init_info": FluxInitInfo}``: connect to the trainer's TCPStore and build a
-  2-member group on ``PrefixStore(store_prefix)`` (trainer = rank 0, this worker = ``rank_offset``). It blocks
-  until the trainer creates its side, which it does concurrently. When the server holds the shared token
-  (``$TORCHTITAN_FLUX_TOKEN``) it first runs ``transport.handshake`` with the trainer and joins only if it passes.
-* ``POST /start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU
-  because vLLM repacks Linear weights after loading).
-* ``POST /update_weights {"update_info": FluxUpdateInfo}``: once per bucket, in bucket order. The first call of
-  a push has ``header_len > 0``: it first receives the push header (int64 ``[MAGIC, version, n, ids..]``)
-  and checks it is a full push of ``version``. Each call then receives ONE flat tensor (the bucket: the listed
-  tensors, in order, HF names and HF layout) and hands its views to ``model.load_weights``.
+* ``POST /init_weight_transfer_engine {"init_info": FluxInitInfo}``: join a 2-member group on
+  ``PrefixStore(store_prefix)`` of the trainer's TCPStore (trainer = rank 0, after ``transport.handshake`` when
+  the server holds ``$TORCHTITAN_FLUX_TOKEN``); blocks until the trainer creates its side, concurrently.
+* ``POST /start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU).
+* ``POST /update_weights {"update_info": FluxUpdateInfo}``: once per bucket, in order. The first call first
+  receives the push header (int64 ``[MAGIC, version, n, ids..]``) and checks it is a full push of ``version``;
+  each call then receives ONE flat bucket (HF names and layout) and hands its views to ``model.load_weights``.
 * ``POST /finish_weight_update {"weight_version": "N"}``: finalize the reload.
 
-``FluxWorkerExtension`` adds two methods callable through ``POST /collective_rpc``: ``flux_model_info`` (the
-served model's config and the configured transfer engine, for the handler's start-up checks) and
-``flux_weights_checksum`` (version and sha256 over the bytes of the newest complete push the trainer asked to
-hash (``FluxUpdateInfo.checksum``: every ``weight_sync.verify_every``-th push and the final one), bucket by bucket:
-equal to the trainer's staging-buffer checksum when the engine holds exactly the trainer's weights).
+``FluxWorkerExtension`` adds, through ``POST /collective_rpc``, ``flux_model_info`` (the served config and transfer
+engine, for the start-up checks) and ``flux_weights_checksum`` (version and sha256 of the newest push the trainer
+asked to hash: equal to the trainer's staging checksum when the engine holds exactly its weights).
 
-Simplification: tensor parallelism 1 (the trainer's weight-sync groups have two members); the engine refuses
-other world sizes at init.
+Simplification: tensor parallelism 1; the engine refuses other world sizes at init.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -56,9 +42,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from torchtitan_flux import compat
-
-from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.auth import read_token
+from torchtitan_flux.sync import transport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXT_VERSION = 1
@@ -234,14 +219,9 @@ class FluxGlooWeightTransferEngine(_FluxWeightTransferEngine):
 
 
 def _refresh_tied_lm_head(model, model_config) -> None:
-    """Make a tied ``lm_head`` compute with the embedding just pushed.
-
-    A tied head receives no tensor of its own (``load_weights`` skips ``lm_head.*`` when the config ties them), so
-    the layerwise reload never re-processes it: on CPU it keeps the oneDNN/packed GEMM handle that
-    ``process_weights_after_loading`` built from the ORIGINAL embedding at start-up, and the logits stay those of the
-    initial head however the embedding is trained (vLLM 0.32 CPU; found by the post-sync probe,
-    ``torchtitan_flux/sync/probe.py``). Re-point the head at the embedding's parameter and rebuild that state (a no-op
-    off CPU for unquantized heads)."""
+    """Make a tied ``lm_head`` compute with the embedding just pushed: it receives no tensor of its own, so the
+    reload never re-processes it and (vLLM 0.32 CPU) its packed GEMM state stays the initial embedding's
+    (docs/engines.md, post-sync probe). Re-point it at the embedding and rebuild that state."""
     if not getattr(model_config.hf_config, "tie_word_embeddings", False):
         return
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -257,10 +237,7 @@ def _refresh_tied_lm_head(model, model_config) -> None:
 
 
 def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    return math.prod(int(s) for s in shape)
 
 
 # GPU servers use vLLM's own "nccl" engine instead (engine/vllm_nccl.py): no NCCL receiver of ours runs in vLLM
