@@ -1,15 +1,12 @@
 """The shared token that guards rollout servers and weight-sync rendezvous once they leave loopback. Stdlib only: it
 is also imported inside vLLM servers (``BearerAuthMiddleware``, and ``vllm_ext`` for the token).
 
-* The token is the value of an environment variable, never a config value, so it stays out of TOML files, logs,
-  metrics and checkpoints. The trainer reads the variable named by ``weight_sync.auth_token_env``; servers (this
-  middleware, ``vllm_ext``, ``scripts/launch_*.sh``) read ``TOKEN_ENV``, which ``rollout.launch`` and the launch
-  scripts set for the servers they start.
-* HTTP: ``HttpClient`` sends ``Authorization: Bearer <token>`` on every request; a vLLM server started with
-  ``--middleware torchtitan_flux.engine.auth.BearerAuthMiddleware`` refuses every other request (401) but the
-  health and metrics probes. vLLM's own ``--api-key`` guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``,
-  not the RL weight-update endpoints. SGLang's ``--api-key`` guards everything but ``/health*`` and ``/metrics*``.
-* Rendezvous: ``transport.handshake``.
+* The token is an environment variable's value, never a config value, so it stays out of TOML files, logs, metrics
+  and checkpoints: the trainer reads the variable named by ``weight_sync.auth_token_env``, servers ``TOKEN_ENV``.
+* HTTP: ``HttpClient`` sends ``Authorization: Bearer <token>``; a vLLM server started with ``--middleware``
+  ``MIDDLEWARE`` refuses every other request (401) but the health and metrics probes (vLLM's own ``--api-key``
+  does not guard the RL weight-update endpoints). SGLang's ``--api-key`` guards everything but ``/health*`` and
+  ``/metrics*``. Rendezvous: ``transport.handshake``.
 """
 
 from __future__ import annotations

@@ -36,9 +36,8 @@ class GenerationRequest:
     seed: int  # sampling seed of this request: same seed, same weights, same batch => same tokens
     dispatch_version: int  # trainer policy version when the request was dispatched
     min_version: int = -1  # the engine starts it only once it holds this version (or after its wait bound)
-    # embedded engines generate on exactly this version (the newest the trainer had staged at dispatch) when they
-    # hold it, which makes async runs reproducible: see ``WeightReceiver.swap``. -1: the newest they hold. A pin
-    # older than ``min_version`` (the trainer caught up after coalesced pushes) gives way to ``min_version``.
+    # embedded engines generate on exactly this version when they hold it (reproducible async runs; see
+    # ``WeightReceiver.swap``); -1: the newest they hold. A pin older than ``min_version`` gives way to it.
     pin_version: int = -1
 
 
@@ -116,9 +115,8 @@ class EngineHandler:
         """Stop the engine if this handler started it; idempotent."""
 
     def kill(self, why: str) -> None:
-        """Declare the engine dead with ``why`` as its fatal ``EngineError`` (the scheduler restarts or reconnects
-        it and re-dispatches its requests), and stop its process if this handler started it. For an engine that
-        is alive but makes no progress (``RolloutScheduler``'s stall check)."""
+        """Declare a stalled engine dead with ``why`` as its fatal ``EngineError`` (it is restarted or reconnected,
+        its requests re-dispatched), and stop its process if this handler started it."""
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A parameter (clean torchtitan name) in the layout the engine loads; applied while snapshotting."""

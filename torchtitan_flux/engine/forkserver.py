@@ -1,26 +1,18 @@
 """How embedded engine processes start: from a fork server where the platform has one (Linux, macOS), else spawn
 (``TORCHTITAN_FLUX_ENGINE_START=spawn`` forces spawn).
 
-The fork server is a helper process that ``multiprocessing`` starts as a fresh interpreter; it imports torch and
-the engine code once (``ENGINE_PRELOAD``) and then forks each engine from that state, so an engine, or a restarted
-one, is up in ~0.1 s instead of paying the ~1.7 s of imports of a spawned interpreter (measured on 2 CPU cores).
-``prestart_engine_server`` starts it at the top of the entry point, before the trainer imports torchtitan, so its
-imports run on another core meanwhile.
+The fork server is a helper process that imports torch and the engine code once (``ENGINE_PRELOAD``) and forks
+each engine from that state, so an engine, or a restarted one, skips the interpreter's imports (docs/benchmarks.md).
+``prestart_engine_server`` starts it at the top of the entry point, so its imports overlap the trainer's.
 
 Invariants: the server only imports modules and forks; it holds no threads, no CUDA context, no process group, so
-forking it is safe (CUDA is first touched in the engine). It exits when the process that started it does (its
-liveness pipe closes), and engines ask the kernel to kill them when their parent, the server, dies
-(``die_with_parent``). ``multiprocessing`` hands every forked child the write end of that pipe
-too, so an engine that cannot notice its trainer's death (stopped, or stuck in a collective) would keep the server,
-itself and the resource tracker alive forever: an engine closes its copy first thing
-(``release_server_liveness``), which makes the chain trainer -> server -> engine -> resource tracker end in order. Its socket is a Unix socket in a private (0700) temporary folder.
-An engine inherits the environment the server started with (the top of the entry point), not the trainer's at
-the engine's start. After that point only torchtitan's start-up changes the trainer's environment, for the
-trainer's own process group and determinism (``TORCH_NCCL_*`` error handling / flight recorder,
-``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``); engines keep the values from before: for an engine's NCCL
-weight-sync group (GPU; not run here) torchrun's ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (tear the process down on
-an NCCL error) instead of torchtitan's 3 (the same, skipping communicator clean-up). Code that sets a variable
-for engines must do it before ``prestart_engine_server``.
+forking it is safe. It exits when the process that started it does (its liveness pipe closes), and engines die
+with their parent, the server (``die_with_parent``). Every forked child inherits the write end of that pipe, so an
+engine closes its copy first thing (``release_server_liveness``): else a stopped or stuck engine would keep the
+server, itself and the resource tracker alive forever. The server's socket is in a private (0700) folder.
+An engine inherits the environment of the top of the entry point, not the trainer's later one (torchtitan's start-up
+sets ``TORCH_NCCL_*``, ``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED`` for the trainer only; engines keep
+torchrun's ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``): set a variable for engines before ``prestart_engine_server``.
 
 This module imports no torch: the entry point calls it first.
 """
@@ -34,9 +26,7 @@ import signal
 
 START_METHOD_ENV = "TORCHTITAN_FLUX_ENGINE_START"
 
-# What the fork server imports before it forks engines: everything an engine runs. The entry module is re-run as
-# the child's ``__mp_main__``; what it imports (torch and the torch.distributed modules of the patches) is
-# preloaded, not the module itself: runpy warns ("found in sys.modules ... prior to execution") when it is.
+# Everything an engine runs. Not the entry module itself (re-run as ``__mp_main__``: runpy warns when preloaded).
 ENGINE_PRELOAD = ("torchtitan_flux.patches", "torchtitan_flux.engine.embedded", "torchtitan_flux.models.inference",
                   "torchtitan_flux.sync.transport", "torchtitan_flux.compat")
 
@@ -73,13 +63,10 @@ def prestart_engine_server() -> bool:
 
 
 def release_server_liveness() -> None:
-    """In an engine forked by the server: close the inherited write end of the server's liveness pipe, so the
-    server's lifetime is its starter's, not also this engine's (see the module docstring). A no-op in a spawned
-    engine. Never call it in the process that started the server: its own copy keeps the server running.
-    Reads ``multiprocessing.forkserver``'s private ``_forkserver_alive_fd`` (set by ``_serve_one`` in the child;
-    CPython 3.9-3.13); if a future CPython renames it, this does nothing and an engine that cannot exit on its own
-    keeps the server alive as before (tests/integration/test_faults.py::test_engine_does_not_outlive_a_killed_parent
-    fails)."""
+    """In an engine forked by the server: close the inherited write end of the server's liveness pipe (see the
+    module docstring); a no-op in a spawned engine. Never call it in the server's starter. Reads CPython's private
+    ``forkserver._forkserver_alive_fd`` (3.9-3.13); a rename would make it a no-op, which
+    ``test_faults.py::test_engine_does_not_outlive_a_killed_parent`` catches."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
