@@ -69,8 +69,7 @@ def _load_fsdp2() -> tuple[Any, type | None]:
 
 
 def __getattr__(name: str) -> Any:
-    """``compat.DTensor``, ``compat.fully_shard``, ``compat.FSDPModule`` (None where absent), imported on first
-    use: engines never pay for the distributed-tensor imports."""
+    """``compat.DTensor``, ``compat.fully_shard``, ``compat.FSDPModule`` (None where absent), imported on first use."""
     if name == "DTensor":
         return _load_dtensor()
     if name == "fully_shard":
@@ -101,16 +100,9 @@ def store_listens_on_given_socket() -> bool:
     return TORCH_VERSION >= (2, 4)
 
 
-def new_weight_sync_group(
-    backend: str,
-    store: Any,
-    rank: int,
-    world_size: int,
-    timeout: timedelta,
-    device: torch.device | None = None,
-    idle_timeout: timedelta | None = None,
-    listen_host: str | None = None,
-) -> Any:
+def new_weight_sync_group(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta,
+                          device: torch.device | None = None, idle_timeout: timedelta | None = None,
+                          listen_host: str | None = None) -> Any:
     """A process group on ``store`` that is not registered with ``torch.distributed``'s global state (no clash
     with the trainer's default group, no ``init_process_group``).
 
@@ -184,9 +176,7 @@ class SideStream:
     def __init__(self, device: torch.device):
         device = torch.device(device)
         mod = device_module(device) if device.type not in ("cpu", "meta") else None
-        self.enabled = mod is not None and all(
-            hasattr(mod, a) for a in ("Stream", "Event", "current_stream", "stream")
-        )
+        self.enabled = mod is not None and all(hasattr(mod, a) for a in ("Stream", "Event", "current_stream", "stream"))
         if not self.enabled:
             return
         self.mod, self.device = mod, device

@@ -1,9 +1,6 @@
-"""What an HTTP engine handler checks of its server: once at start (``StartupChecks``: reachable, the trainer's
-model config and tokenizer, HTTP failures turned into one ``EngineStartError`` that says what to do) and while it
-runs (``HealthMonitor``: a health poll on a thread of its own).
-
-Simplifications: the tokenizer is compared on one probe string, not on the whole vocabulary; health is one GET
-of ``/health`` (what vLLM and SGLang both serve), not a generation.
+"""What an HTTP engine handler checks of its server: once at start (``StartupChecks``) and while it runs
+(``HealthMonitor``). Simplifications: the tokenizer is compared on one probe string, not the whole vocabulary;
+health is one GET of ``/health`` (vLLM and SGLang both serve it), not a generation.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ HEALTH_PATH = "/health"
 
 class StartupChecks:
     """The checks a server's ``_check_server`` composes (``reachable``, ``config``, ``tokenizer``), and ``run``,
-    which turns an HTTP failure of any of them into an ``EngineStartError`` naming the server and the fix.
-    ``kind`` names the server in messages ("vLLM", "SGLang"); ``launch_hint`` says how to start one."""
+    which turns an HTTP failure of any of them into an ``EngineStartError`` naming the server and the fix."""
 
     def __init__(self, client: HttpClient, name: str, kind: str, model_dir: Path, hf_config: dict,
                  launch_hint: str):
@@ -79,9 +75,8 @@ class StartupChecks:
 
 class HealthMonitor:
     """Polls the server's health endpoint every ``interval_s`` on a daemon thread and calls ``on_dead(why)`` once
-    ``failures`` polls in a row failed. While ``busy()`` (a weight update runs: some servers answer health checks
-    slowly then) a poll is skipped and the count starts over. The thread ends at ``stop()``, once ``done()``, or
-    after ``on_dead``."""
+    ``failures`` polls in a row failed. While ``busy()`` (a weight update, when servers answer slowly) polls are
+    skipped and the count starts over. The thread ends at ``stop()``, once ``done()``, or after ``on_dead``."""
 
     def __init__(self, client: HttpClient, name: str, interval_s: float, failures: int, *,
                  busy: Callable[[], bool], done: Callable[[], bool], on_dead: Callable[[str], None]):

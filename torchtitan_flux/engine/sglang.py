@@ -42,8 +42,6 @@ class SglangEngine(HttpEngine):
         self._group: str | None = None  # the group the server holds for us
         self._group_names: dict[str, str] = {}  # our store prefix -> SGLang group name
 
-    # ------------------------------------------------------------------------------------- checks
-
     def _check_server(self) -> None:
         self.checks.reachable()
         self.model_info = info = self.client.get("/model_info")
@@ -70,23 +68,16 @@ class SglangEngine(HttpEngine):
         if isinstance(row, dict):
             row = row.get("parameter", row)
         self.checks.config({"hidden_size": len(row)}, ("hidden_size",), "model.norm.weight")
-        self.checks.tokenizer(
-            lambda text: self.client.post("/tokenize", {"prompt": text, "add_special_tokens": False},
-                                          idempotent=True)["tokens"]
-        )
-
-    # ---------------------------------------------------------------------------------- generation
+        self.checks.tokenizer(lambda text: self.client.post(
+            "/tokenize", {"prompt": text, "add_special_tokens": False}, idempotent=True)["tokens"])
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
         G = req.group_size
         input_ids = [p for p in req.prompt_ids for _ in range(G)]
         params = []
         for i in range(len(input_ids)):
-            sp: dict[str, Any] = {
-                "max_new_tokens": req.max_new_tokens,
-                "temperature": req.temperature,
-                "sampling_seed": req.seed + i % G,
-            }
+            sp: dict[str, Any] = {"max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
+                                  "sampling_seed": req.seed + i % G}
             if req.top_k > 0:
                 sp["top_k"] = req.top_k
             params.append(sp)
@@ -111,8 +102,6 @@ class SglangEngine(HttpEngine):
         if isinstance(out, list):
             out = out[0]
         return [float(t[0]) for t in out["meta_info"]["input_token_logprobs"][1:]]
-
-    # -------------------------------------------------------------------------------------- weights
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
         # a fresh group name per join: SGLang refuses one it holds, and it outlives runs (whose prefixes repeat)
@@ -143,14 +132,9 @@ class SglangEngine(HttpEngine):
                 self.client.post("/destroy_weights_update_group", {"group_name": old})
             except HttpError:
                 pass  # a broken group may already be gone
-        self.client.post(
-            "/init_weights_update_group",
-            {
-                "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
-                "group_name": self._group, "backend": info.backend,
-            },
-            timeout_s=self._weight_timeout_s,
-        )
+        init = {"master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
+                "group_name": self._group, "backend": info.backend}
+        self.client.post("/init_weights_update_group", init, timeout_s=self._weight_timeout_s)
 
     def _pause(self) -> None:
         self.client.post("/pause_generation", {"mode": "retract"})
@@ -160,15 +144,10 @@ class SglangEngine(HttpEngine):
 
     def _send_bucket(self, i, n, names, dtypes, shapes, version) -> None:
         last = i == n - 1
-        self.client.post(
-            "/update_weights_from_distributed",
-            {
-                "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self._group,
-                "flush_cache": last, "abort_all_requests": False, "weight_version": str(version) if last else None,
-                "load_format": "flattened_bucket",
-            },
-            timeout_s=self._weight_timeout_s,
-        )
+        update = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self._group, "flush_cache": last,
+                  "abort_all_requests": False, "weight_version": str(version) if last else None,
+                  "load_format": "flattened_bucket"}
+        self.client.post("/update_weights_from_distributed", update, timeout_s=self._weight_timeout_s)
 
     def _close(self, version: int) -> None:
         self.client.post("/end_weight_update", {})

@@ -1,8 +1,6 @@
-"""Thread utilities of the HTTP engine handlers (``engine/http.py``): the gate over a server's weights (which
-version they are at, and who may use them) and the worker pool.
-
-Simplifications: both are plain ``threading`` primitives (no asyncio): a handler makes blocking HTTP calls, a
-few at a time, so one thread per in-flight call is the simplest correct design.
+"""Thread utilities of the HTTP engine handlers (``engine/http.py``): the gate over a server's weights and the
+worker pool. Simplification: plain ``threading`` (no asyncio): a handler makes a few blocking HTTP calls at a
+time, so one thread per in-flight call is the simplest correct design.
 """
 
 from __future__ import annotations
@@ -17,14 +15,13 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 class Gate:
-    """Reader/writer gate over a server's weights, and the ``version`` they are at (-1: what it loaded from disk).
-    Generations share it (``shared`` yields the version, which cannot change while they hold it); a weight
-    update holds it alone and publishes its version on ``release``. Writers go first (a pending update blocks new
-    generations), so updates are not starved. ``fail`` wakes every waiter, and every later ``shared`` /
-    ``acquire`` raises ``RuntimeError`` with its reason: nothing runs on a dead server again.
+    """Reader/writer gate over a server's weights, and the ``version`` they are at (-1: loaded from disk).
+    Generations share it (``shared`` yields the version); a weight update holds it alone and publishes its version
+    on ``release``. Writers go first, so updates are not starved. After ``fail`` every wait and every later
+    ``shared`` / ``acquire`` raises ``RuntimeError`` with its reason: nothing runs on a dead server again.
 
     Concurrency: every state change happens under one condition variable; ``held`` and ``version`` are read
-    without it where a stale value is harmless (the health thread's skip, a result's ``newest_seen``)."""
+    without it where a stale value is harmless."""
 
     def __init__(self):
         self._cv = threading.Condition()

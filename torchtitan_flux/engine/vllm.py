@@ -55,8 +55,6 @@ class VllmEngine(HttpEngine):
         self.max_model_len: int | None = None
         self.server_info: dict[str, Any] = {}
 
-    # ------------------------------------------------------------------------------------- checks
-
     def _check_server(self) -> None:
         self.checks.reachable()
         models = self.client.get("/v1/models")["data"]
@@ -94,30 +92,17 @@ class VllmEngine(HttpEngine):
                 "supports tensor/pipeline/data parallel size 1 per server (run more servers instead)"
             )
         self.checks.config(info["hf_config"], CONFIG_KEYS, f"serving {info.get('model')}")
-        self.checks.tokenizer(
-            lambda text: self.client.post(
-                "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False},
-                idempotent=True,
-            )["tokens"]
-        )
-
-    # ---------------------------------------------------------------------------------- generation
+        self.checks.tokenizer(lambda text: self.client.post(
+            "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False}, idempotent=True,
+        )["tokens"])
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
         greedy = req.temperature == 0  # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)] if greedy else req.prompt_ids
         body: dict[str, Any] = {
-            "model": self.served_model,
-            "prompt": prompts,
-            "n": 1 if greedy else req.group_size,
-            "max_tokens": req.max_new_tokens,
-            "temperature": req.temperature,
-            "top_p": 1.0,
-            "seed": req.seed,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
+            "model": self.served_model, "prompt": prompts, "n": 1 if greedy else req.group_size,
+            "max_tokens": req.max_new_tokens, "temperature": req.temperature, "top_p": 1.0, "seed": req.seed,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True, "skip_special_tokens": False,
         }
         if req.top_k > 0:
             body["top_k"] = req.top_k
@@ -139,8 +124,6 @@ class VllmEngine(HttpEngine):
                 "prompt_logprobs": 0}
         rows = self.client.post("/v1/completions", body, idempotent=True)["choices"][0]["prompt_logprobs"]
         return [float(row[str(t)]["logprob"]) for row, t in zip(rows[1:], tokens[1:])]
-
-    # -------------------------------------------------------------------------------------- weights
 
     def hashes(self, version: int) -> bool:
         """Whether the server hashes the push of ``version`` (``weight_sync.verify_every``; always the final one)."""
@@ -177,8 +160,6 @@ class VllmEngine(HttpEngine):
 
     def _resume(self) -> None:
         self.client.post("/resume")
-
-    # --------------------------------------------------------------------------------------- extras
 
     def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
         """(version of the last complete push, sha256 over its buckets as received) -- equal to the trainer's

@@ -66,10 +66,8 @@ class FluxInitInfo(WeightTransferInitInfo):
         if not self.store_prefix:
             raise ValueError("init_info.store_prefix must be a non-empty string")
         if self.world_size != self.rank_offset + 1:
-            raise ValueError(
-                f"init_info world_size={self.world_size}, rank_offset={self.rank_offset}: torchtitan_flux weight "
-                "sync supports one trainer rank and one worker (tensor_parallel_size 1)"
-            )
+            raise ValueError(f"init_info world_size={self.world_size}, rank_offset={self.rank_offset}: torchtitan_flux "
+                             "weight sync supports one trainer rank and one worker (tensor_parallel_size 1)")
 
 
 @dataclass
@@ -86,10 +84,8 @@ class FluxUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         n = len(self.names)
         if n == 0 or len(self.dtype_names) != n or len(self.shapes) != n:
-            raise ValueError(
-                f"update_info needs equally long, non-empty names/dtype_names/shapes; got "
-                f"{n}/{len(self.dtype_names)}/{len(self.shapes)}"
-            )
+            raise ValueError(f"update_info needs equally long, non-empty names/dtype_names/shapes; got "
+                             f"{n}/{len(self.dtype_names)}/{len(self.shapes)}")
         if len(set(self.dtype_names)) != 1 or self.dtype_names[0] not in _DTYPES:
             raise ValueError(f"a bucket holds one dtype of {sorted(_DTYPES)}; got {sorted(set(self.dtype_names))}")
         if not 0 <= self.bucket < self.num_buckets:
@@ -116,14 +112,10 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         self._push_version = None
         self.last_checksum: tuple[int, str | None] = (-1, None)
 
-    # ------------------------------------------------------------------------------------------ group
-
     def init_transfer_engine(self, init_info: FluxInitInfo) -> None:
         if init_info.backend != self.BACKEND:
-            raise ValueError(
-                f"the trainer asks for a {init_info.backend!r} weight-sync group but this server was started with "
-                f"--weight-transfer-config backend for {self.BACKEND!r}"
-            )
+            raise ValueError(f"the trainer asks for a {init_info.backend!r} weight-sync group but this server was "
+                             f"started with --weight-transfer-config backend for {self.BACKEND!r}")
         pc = self.parallel_config
         if pc.world_size * pc.data_parallel_size != 1:
             raise ValueError("torchtitan_flux weight sync supports tensor/pipeline/data parallel size 1 per server")
@@ -142,8 +134,6 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
     def shutdown(self) -> None:
         self.group = None  # raw groups are not registered with torch.distributed; dropping them closes them
         self._store = None
-
-    # ---------------------------------------------------------------------------------------- session
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -170,9 +160,8 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         if self.group is None:
             raise RuntimeError("weight-sync group not initialized: call /init_weight_transfer_engine first")
         if info.bucket != self._next_bucket:
-            raise RuntimeError(
-                f"bucket {info.bucket} arrived, expected bucket {self._next_bucket} (buckets go in order)"
-            )
+            raise RuntimeError(f"bucket {info.bucket} arrived, expected bucket {self._next_bucket} "
+                               "(buckets go in order)")
         if info.header_len:
             header = torch.empty(info.header_len, dtype=torch.int64, device=self._wire_device)
             self._broadcast(header)
@@ -183,16 +172,13 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
             if version != info.version:
                 raise RuntimeError(f"push header carries version {version}, the HTTP request says {info.version}")
             if ids != list(range(info.num_buckets)):
-                raise RuntimeError(
-                    f"only full pushes of all {info.num_buckets} buckets are supported; header has buckets "
-                    f"{ids[:8]}{'...' if n > 8 else ''}"
-                )
+                raise RuntimeError(f"only full pushes of all {info.num_buckets} buckets are supported; header has "
+                                   f"buckets {ids[:8]}{'...' if n > 8 else ''}")
             self._push_version = version
             self._hash = hashlib.sha256() if (self._checksum_enabled and info.checksum) else None
         elif info.version != self._push_version:
-            raise RuntimeError(
-                f"bucket {info.bucket} of version {info.version} inside the push of {self._push_version}"
-            )
+            raise RuntimeError(f"bucket {info.bucket} of version {info.version} inside the push of "
+                               f"{self._push_version}")
         dtype = _DTYPES[info.dtype_names[0]]
         numels = [_numel(s) for s in info.shapes]
         flat = torch.empty(sum(numels), dtype=dtype, device=self._wire_device)  # fresh per bucket: the reload
