@@ -13,9 +13,8 @@ Threads inside the engine:
     (after ``transport.handshake`` when there is a shared token).
 Both send on the pipe; ``_send`` serialises them with a lock.
 
-Trainer side, ``EmbeddedEngine`` is the ``EngineHandler``: one reader thread turns pipe messages into events.
-It reports the engine's death (a fatal ``EngineError``) at most once, and not at all after ``close()``: the
-scheduler restarts an engine by name, so a second report would restart its replacement.
+Trainer side, ``EmbeddedEngine``'s reader thread turns pipe messages into events. It reports the engine's death at
+most once, and not after ``close()``: engines restart by name, so a second report would restart the replacement.
 """
 
 from __future__ import annotations
@@ -39,9 +38,6 @@ from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationR
 from torchtitan_flux.engine.forkserver import name_process, die_with_parent, engine_context, release_server_liveness
 
 logger = logging.getLogger("torchtitan_flux")
-
-
-# ------------------------------------------------------------------------------------------ engine process
 
 
 class _EngineProcess:
@@ -112,27 +108,17 @@ class _EngineProcess:
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
         tokens, logprobs, lengths = self.inference.generate(
-            self.receiver.live.views,
-            self.shape,
-            prompts,
-            max_new_tokens=req.max_new_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            eos_id=self.eos_id,
-            pad_id=self.pad_id,
-            generator=gen,
-        )
+            self.receiver.live.views, self.shape, prompts, max_new_tokens=req.max_new_tokens,
+            temperature=req.temperature, top_k=req.top_k, eos_id=self.eos_id, pad_id=self.pad_id, generator=gen)
         tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu()
         dt = time.perf_counter() - t0
-        # numpy, not tensors: torch's pickler would pass each tensor as a shared-memory file descriptor through a
-        # resource-sharer connection, which costs more than copying these few kilobytes inline
+        # numpy, not tensors: torch's pickler would pass each tensor as a shared-memory file descriptor (slower)
         arrays = (tokens.numpy(), logprobs.numpy(), lengths.numpy())
         self._send(("result", req.req_id, *arrays, version, self.receiver.newest()[0], dt))
 
     def _ready(self, req: GenerationRequest, arrived: float) -> bool:
         """A request runs once the engine holds ``min_version`` and its ``pin_version`` (or has waited
-        ``timeout_s`` for them: then it runs on what it has, stamped with that version), and never before the
-        first weights."""
+        ``timeout_s``: then on what it has), and never before the first weights."""
         newest = self.receiver.newest()[0] if self.receiver is not None else -1
         need = max(req.min_version, req.pin_version)
         return newest >= 0 and (newest >= need or time.monotonic() - arrived > self._wait_bound_s)
@@ -212,16 +198,11 @@ def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, wei
         os._exit(0)  # do not wait on the receiver thread's blocking collective
 
 
-# ---------------------------------------------------------------------------------------- trainer handler
-
-
 class EmbeddedEngine(EngineHandler):
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
-    def __init__(
-        self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu", weight_buffers: int = 2,
-        auth_token: str | None = None,
-    ):
+    def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu",
+                 weight_buffers: int = 2, auth_token: str | None = None):
         """``weight_buffers``: weight versions the engine holds (live + received, >= 2; see
         ``transport.WeightReceiver.swap``). ``auth_token``: what its weight-sync joins prove (None: no handshake);
         it reaches the child through its start pipe, not its command line."""

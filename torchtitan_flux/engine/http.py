@@ -3,8 +3,8 @@ share, for a server we did not start. Subclasses implement only the abstract per
 payloads). Collaborators: ``HttpClient`` talks to the server, ``StartupChecks`` / ``HealthMonitor`` check it,
 ``Gate`` / ``Workers`` are its threads, the model family's ``HFLayout`` gives the HF names and layout.
 
-* ``submit`` hands the request to a pool of daemon worker threads, which post a ``GenerationResult`` (or, when
-  the server is unusable, a fatal ``EngineError``) on the shared events queue.
+* ``submit`` hands the request to a pool of worker threads, which post a ``GenerationResult`` (or a fatal
+  ``EngineError``) on the shared events queue; the health thread (``HealthMonitor``) posts one once the server is gone.
 * Version tracking: a reader/writer gate. Every generation holds it shared and is stamped with the version the
   server held when it started; a push holds it exclusively, so every token of a request comes from one version.
   After each generation the server's reported version is compared with the stamp: a server restarted or updated
@@ -13,7 +13,6 @@ payloads). Collaborators: ``HttpClient`` talks to the server, ``StartupChecks`` 
 * A push (``begin_update(v)``) runs on one control thread: gate, ``pause``, ``open``, ONE HTTP request per bucket
   of the ``BucketPlan`` (HF names; concurrent with the trainer's broadcast of that bucket), ``close``, ``resume``.
   The control thread posts the ``WeightAck`` once the server confirmed the last call.
-* The health thread (``HealthMonitor``) posts a fatal ``EngineError`` once the server is gone.
 
 Names and layouts are converted once, trainer side (``HFLayout``): ``join_weight_group`` maps each spec to its HF
 name (same shapes, same bucket offsets) and the syncer applies ``wire_tensor`` while it snapshots, so the staging
@@ -126,8 +125,6 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._ctl: Workers | None = None
         self.last_push_s = 0.0  # wall time of the last push, gate wait excluded (metrics, tests)
 
-    # --------------------------------------------------------------------------- EngineHandler protocol
-
     def start(self) -> None:
         o = self.options
         self.client = o.client(self.url, f"{self.kind} server {self.url}")
@@ -141,10 +138,9 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._gen = Workers(o.max_inflight, f"{self.name}-gen")
         self._ctl = Workers(1, f"{self.name}-ctl")
         if o.health_interval_s > 0:
-            self._health = HealthMonitor(
-                self.client, self.name, o.health_interval_s, o.health_failures, busy=lambda: self._gate.held,
-                done=lambda: self._dead or self._closing, on_dead=self._die,
-            )
+            self._health = HealthMonitor(self.client, self.name, o.health_interval_s, o.health_failures,
+                                         busy=lambda: self._gate.held, done=lambda: self._dead or self._closing,
+                                         on_dead=self._die)
             self._health.start()
 
     def alive(self) -> bool:
@@ -202,8 +198,6 @@ class HttpEngine(EngineHandler, abc.ABC):
         from torchtitan_flux.models.hf_weights import HFLayout  # imports torchtitan (trainer side only)
 
         return HFLayout.from_hf_dir(self.model_dir)
-
-    # ------------------------------------------------------------------------------------ tasks
 
     def kill(self, why: str) -> None:
         """The server is not ours to stop: the handler gives it up (``_die``) and ``Rollouts`` reconnects if it can."""
@@ -304,7 +298,7 @@ class HttpEngine(EngineHandler, abc.ABC):
         version = int(reported) if reported not in (None, "") and str(reported).lstrip("-").isdigit() else -1
         return version, self._score(list(tokens))
 
-    # ---------------------------------------------------------------------------- per server
+    # ---------------------------------------------------------------- per server: the subclasses' hooks
 
     @abc.abstractmethod
     def _check_server(self) -> None:

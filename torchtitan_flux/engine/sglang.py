@@ -38,13 +38,12 @@ class SglangEngine(HttpEngine):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.model_info: dict[str, Any] = {}
         self._group: str | None = None  # the group the server holds for us
         self._group_names: dict[str, str] = {}  # our store prefix -> SGLang group name
 
     def _check_server(self) -> None:
         self.checks.reachable()
-        self.model_info = info = self.client.get("/model_info")
+        info = self.client.get("/model_info")
         if not info.get("is_generation", True):
             raise EngineStartError(f"{self.name}: the SGLang server at {self.url} serves a non-generation model")
         self.checks.config(info, ("architectures", "model_type"), f"serving {info.get('model_path')}")
@@ -60,10 +59,8 @@ class SglangEngine(HttpEngine):
                                    idempotent=True)
         except HttpError as e:
             if e.status == 404:
-                raise EngineStartError(
-                    f"{self.name}: the SGLang server at {self.url} has no weight-update endpoints "
-                    "(POST /get_weights_by_name -> 404); use SGLang >= 0.5.23"
-                ) from e
+                raise EngineStartError(f"{self.name}: the SGLang server at {self.url} has no weight-update endpoints "
+                                       "(POST /get_weights_by_name -> 404); use SGLang >= 0.5.23") from e
             raise
         if isinstance(row, dict):
             row = row.get("parameter", row)

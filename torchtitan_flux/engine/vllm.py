@@ -27,10 +27,8 @@ from torchtitan_flux.engine.vllm_launch import EXTENSION
 
 logger = logging.getLogger("torchtitan_flux")
 
-CONFIG_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "tie_word_embeddings",
-)
+CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "tie_word_embeddings")
 
 
 @dataclass
@@ -52,8 +50,6 @@ class VllmEngine(HttpEngine):
     def __init__(self, *args, **options):
         super().__init__(*args, **options)
         self.served_model: str | None = None
-        self.max_model_len: int | None = None
-        self.server_info: dict[str, Any] = {}
 
     def _check_server(self) -> None:
         self.checks.reachable()
@@ -61,7 +57,6 @@ class VllmEngine(HttpEngine):
         if not models:
             raise EngineStartError(f"{self.name}: the vLLM server at {self.url} serves no model")
         self.served_model = models[0]["id"]
-        self.max_model_len = models[0].get("max_model_len")
         try:
             self.client.get("/weight_info")
         except HttpError as e:
@@ -79,7 +74,6 @@ class VllmEngine(HttpEngine):
                 f"{self.name}: the vLLM server at {self.url} does not have our worker extension ({e.detail[:200]}). "
                 f"Start it with --worker-extension-cls {EXTENSION} (scripts/launch_vllm.sh does)."
             ) from e
-        self.server_info = info
         if info.get("transfer_backend") not in self.expected_backends:
             raise EngineStartError(
                 f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
@@ -128,9 +122,7 @@ class VllmEngine(HttpEngine):
     def hashes(self, version: int) -> bool:
         """Whether the server hashes the push of ``version`` (``weight_sync.verify_every``; always the final one)."""
         every, final = self.options.verify_every, self.options.final_version
-        if every <= 0:
-            return False
-        return version % every == 0 or 0 <= final <= version
+        return every > 0 and (version % every == 0 or 0 <= final <= version)
 
     def _init_group(self, info: WeightGroupInfo) -> None:
         init = {
@@ -162,8 +154,7 @@ class VllmEngine(HttpEngine):
         self.client.post("/resume")
 
     def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
-        """(version of the last complete push, sha256 over its buckets as received) -- equal to the trainer's
-        ``staging.checksum()`` when the staging buffer is in wire (HF) layout. (-1, None) before any push."""
+        """(version of the last hashed push, sha256 of its buckets as received); (-1, None) before any push."""
         try:
             res = self.client.post("/collective_rpc", {"method": "flux_weights_checksum"}, timeout_s=timeout,
                                    idempotent=True)["results"][0]
