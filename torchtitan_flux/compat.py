@@ -39,9 +39,6 @@ def _parse_version(v: str) -> tuple[int, int]:
 TORCH_VERSION = _parse_version(torch.__version__)  # only behaviour guards use it; API guards test for the API
 
 
-# ------------------------------------------------------------------------------------- DTensor and FSDP2
-
-
 def _load_dtensor() -> type | None:
     try:  # torch >= 2.5 (in 2.3/2.4 the package exists, for tensor parallelism, but has no DTensor)
         from torch.distributed.tensor import DTensor
@@ -83,9 +80,6 @@ def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (e.g. an FSDP2-sharded parameter), on either import path."""
     cls = _load_dtensor()
     return cls is not None and isinstance(t, cls)
-
-
-# ---------------------------------------------------------------------------------------- process groups
 
 
 def op_timeout_honoured(backend: str) -> bool:
@@ -143,9 +137,6 @@ def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, timeout: timedelta |
     if timeout is not None:
         opts.timeout = timeout
     return pg.broadcast([tensor], opts)
-
-
-# -------------------------------------------------------------------------------- devices and streams
 
 
 def accelerator_available() -> bool:
@@ -213,9 +204,6 @@ class SideStream:
     def synchronize_copy(self) -> None:
         if self.enabled:
             self.done.synchronize()
-
-
-# --------------------------------------------------------------------------------------- serialization
 
 
 def torch_load(path: Any, **kw: Any) -> Any:

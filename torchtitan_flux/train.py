@@ -4,15 +4,11 @@ Applies the patches torchtitan needs, registers our model spec, makes torchtitan
 config sections (``--job.custom_config_module torchtitan_flux.config`` unless another is named), and runs
 ``torchtitan.train.main(FluxTrainer)``.
 
-How a run ends (``_report``): bad input (``ConfigError``, ``RewardError``, ``UserCodeError``) is one line,
-``error: <field> = <value> ...; allowed: ...``, exit code 2, no traceback: the config is validated here before
-torchtitan starts. An unusable engine server (``EngineStartError``) or a failed post-sync probe
-(``ProbeMismatch``) is one ``error:`` line, exit 1; an expected stop (a signal, no engine left, a non-finite loss)
-one ``stopped: ...`` line, exit 1. Real bugs keep their traceback, as does everything under
-``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun the line also goes to torchelastic's error file, for its summary.
-
-The process then ends with ``os._exit`` (the trainer is closed by then, everything written): the interpreter's
-finalisation, where torch's C++ teardown of the weight-sync groups races daemon threads, could abort the process.
+How a run ends (``_report``; the config is validated here, before torchtitan starts): bad input is one line,
+``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync probe
+one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their traceback
+(as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Then ``os._exit``: the interpreter's finalisation, where
+torch's C++ teardown of the weight-sync groups races daemon threads, could abort the process (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -66,12 +62,10 @@ def _field_type(path: str):
 
 
 def _normalise_argv(argv: list[str]) -> list[str]:
-    """One command-line syntax for every field, whoever declares it:
-    * ``--section.field true|false`` and ``--section.field=true|false`` for every boolean (torchtitan's are tyro
-      flags, ``--x.y`` / ``--x.no_y``; ours take a value);
-    * the comma form for every list, as torchtitan's list fields take it: ``--rollout.reward_weights 1.0,0.5``
-      (tyro wants numbers as separate arguments; ``1.0 0.5`` still works);
-    and name our config module unless one is given. A removed field (``config.REMOVED``) is a ``ConfigError``."""
+    """One command-line syntax for every field, whoever declares it: ``--section.field true|false`` (or ``=``) for
+    every boolean (torchtitan's are tyro flags, ``--x.y`` / ``--x.no_y``), the comma form for every list
+    (``--rollout.reward_weights 1.0,0.5``; ``1.0 0.5`` still works), and our config module unless one is named.
+    A removed field (``config.REMOVED``) is a ``ConfigError``."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -131,8 +125,8 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
 
 
 def _check_config_file(argv: list[str]) -> str | None:
-    """The TOML named by ``--job.config_file`` is readable and parses, else a ``ConfigError`` naming the file (and
-    the line of a syntax error). torchtitan would log a traceback of its own and then raise. Returns its path."""
+    """The path of the TOML named by ``--job.config_file``; a ``ConfigError`` naming it when it is unreadable or
+    not valid TOML (torchtitan would log a traceback of its own)."""
     import tomllib
 
     from torchtitan_flux.config import ConfigError

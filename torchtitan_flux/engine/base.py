@@ -2,13 +2,9 @@
 
 A handler is the trainer-side proxy of one inference engine (an embedded child process, or a vLLM / SGLang
 server). It never blocks the caller on the engine: ``submit`` queues work and returns, and everything the engine
-reports (finished generations, weight acks, errors, death) arrives as an event on the ``events`` queue shared by
-all handlers, consumed by ``RolloutScheduler`` and ``WeightSyncer``.
-
-Weight pushes are not done by handlers: ``WeightSyncer`` owns the bucketed broadcast and only asks the handler
-for the engine-specific steps around it (``join_weight_group``, ``begin_update``, ``finish_update``) and for the
-weight-sync hooks (``wire_tensor``, ``wire_tensors``, ``own_group``, ``checksum``, ...), whose defaults are
-``EngineHandler``'s: the syncer calls them, never probes for them.
+reports (generations, weight acks, errors, death) arrives as an event on the ``events`` queue all handlers share.
+``WeightSyncer`` owns the pushes and asks the handler only for the engine-specific steps around them and for the
+weight-sync hooks, whose defaults are ``EngineHandler``'s (the syncer calls them, never probes for them).
 """
 
 from __future__ import annotations
@@ -84,8 +80,8 @@ Event = GenerationResult | WeightAck | EngineError
 
 
 class EngineHandler:
-    """The trainer-side proxy of one engine (see the module docstring). Subclasses implement the methods without
-    a body; the weight-sync hooks below them have the embedded engine's defaults."""
+    """The trainer-side proxy of one engine. Subclasses implement the methods without a body; the weight-sync
+    hooks below them have the embedded engine's defaults."""
 
     name: str
     events: queue.Queue  # shared by all handlers; see the module docstring
