@@ -30,15 +30,12 @@ class StartupChecks:
             check_server()
         except HttpError as e:
             if e.status is None:
-                raise EngineStartError(
-                    f"{self.name}: cannot reach the {self.kind} server at {url} ({e.detail}). Is it running? "
-                    f"{self.launch_hint}"
-                ) from e
+                raise EngineStartError(f"{self.name}: cannot reach the {self.kind} server at {url} ({e.detail}). "
+                                       f"Is it running? {self.launch_hint}") from e
             if e.status == 401:
-                raise EngineStartError(
-                    f"{self.name}: the {self.kind} server at {url} refused the trainer's token (HTTP 401): set "
-                    "the variable named by weight_sync.auth_token_env to the server's TORCHTITAN_FLUX_TOKEN"
-                ) from e
+                raise EngineStartError(f"{self.name}: the {self.kind} server at {url} refused the trainer's token "
+                                       "(HTTP 401): set the variable named by weight_sync.auth_token_env to the "
+                                       "server's TORCHTITAN_FLUX_TOKEN") from e
             raise EngineStartError(f"{self.name}: the {self.kind} server at {url} is not usable: {e}") from e
 
     def reachable(self) -> None:
@@ -61,11 +58,8 @@ class StartupChecks:
 
     def config(self, server_cfg: dict, keys: tuple[str, ...], where: str) -> None:
         """The server's model config agrees with the trainer's ``config.json`` on ``keys`` (those it reports)."""
-        bad = [
-            f"{k}: server {server_cfg.get(k)!r} != trainer {self.hf_config.get(k)!r}"
-            for k in keys
-            if server_cfg.get(k) is not None and server_cfg.get(k) != self.hf_config.get(k)
-        ]
+        bad = [f"{k}: server {server_cfg.get(k)!r} != trainer {self.hf_config.get(k)!r}" for k in keys
+               if server_cfg.get(k) is not None and server_cfg.get(k) != self.hf_config.get(k)]
         if bad:
             raise EngineStartError(
                 f"{self.name}: model mismatch between the trainer ({self.model_dir}/config.json) and the {self.kind} "

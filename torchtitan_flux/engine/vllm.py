@@ -61,30 +61,26 @@ class VllmEngine(HttpEngine):
             self.client.get("/weight_info")
         except HttpError as e:
             if e.status == 404:
-                raise EngineStartError(
-                    f"{self.name}: the vLLM server at {self.url} has no RL weight-update endpoints (GET /weight_info "
-                    "-> 404). Start it with VLLM_SERVER_DEV_MODE=1, --worker-extension-cls "
-                    f"{EXTENSION} and --weight-transfer-config (scripts/launch_vllm.sh does)."
-                ) from e
+                raise EngineStartError(f"{self.name}: the vLLM server at {self.url} has no RL weight-update "
+                                       "endpoints (GET /weight_info -> 404). Start it with VLLM_SERVER_DEV_MODE=1, "
+                                       f"--worker-extension-cls {EXTENSION} and --weight-transfer-config "
+                                       "(scripts/launch_vllm.sh does).") from e
             raise
         try:
             info = self.client.post("/collective_rpc", {"method": "flux_model_info"}, idempotent=True)["results"][0]
         except HttpError as e:
-            raise EngineStartError(
-                f"{self.name}: the vLLM server at {self.url} does not have our worker extension ({e.detail[:200]}). "
-                f"Start it with --worker-extension-cls {EXTENSION} (scripts/launch_vllm.sh does)."
-            ) from e
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} does not have our worker extension "
+                                   f"({e.detail[:200]}). Start it with --worker-extension-cls {EXTENSION} "
+                                   "(scripts/launch_vllm.sh does).") from e
         if info.get("transfer_backend") not in self.expected_backends:
-            raise EngineStartError(
-                f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
-                f"{info.get('transfer_engine')!r}, not one of ours. Start it with --weight-transfer-config "
-                "'{\"backend\":\"gloo\"}' (CPU) or '{\"backend\":\"nccl\"}' (GPU, vLLM's own engine)."
-            )
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
+                                   f"{info.get('transfer_engine')!r}, not one of ours. Start it with "
+                                   "--weight-transfer-config '{\"backend\":\"gloo\"}' (CPU) or "
+                                   "'{\"backend\":\"nccl\"}' (GPU, vLLM's own engine).")
         if info.get("world_size") != 1:
-            raise EngineStartError(
-                f"{self.name}: the vLLM server at {self.url} runs {info.get('world_size')} workers; weight sync "
-                "supports tensor/pipeline/data parallel size 1 per server (run more servers instead)"
-            )
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} runs {info.get('world_size')} "
+                                   "workers; weight sync supports tensor/pipeline/data parallel size 1 per server "
+                                   "(run more servers instead)")
         self.checks.config(info["hf_config"], CONFIG_KEYS, f"serving {info.get('model')}")
         self.checks.tokenizer(lambda text: self.client.post(
             "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False}, idempotent=True,

@@ -63,10 +63,9 @@ def unservable_reason(model_dir: str | os.PathLike, gpu: bool | None = None) -> 
             f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only")
 
 
-def launch_command(
-    model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike, extra_args: tuple[str, ...] = (),
-    env: dict[str, str] | None = None, gpu: bool | None = None, auth_token: str | None = None,
-) -> tuple[list[str], dict[str, str]]:
+def launch_command(model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike,
+                   extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, gpu: bool | None = None,
+                   auth_token: str | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of a vLLM server ready for torchtitan_flux weight sync on 127.0.0.1:``port``, as
     ``scripts/launch_vllm.sh`` builds it (transfer backend ``gloo`` on CPU, vLLM's ``nccl`` on a GPU; the same
     ``VLLM_*`` knobs, read from ``env``). With ``auth_token`` the server gets it as ``$TORCHTITAN_FLUX_TOKEN`` (in
@@ -179,11 +178,9 @@ class LaunchedServer:
         atexit.unregister(self.stop)
 
 
-def launch_servers(
-    n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
-    timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
-    auth_token: str | None = None, envs: list[dict[str, str]] | None = None,
-) -> list[LaunchedServer]:
+def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
+                   timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
+                   auth_token: str | None = None, envs: list[dict[str, str]] | None = None) -> list[LaunchedServer]:
     """Start ``n`` local vLLM servers of ``model_dir`` on free ports and wait until each answers ``/health``.
     ``threads`` caps each server's OpenMP threads (CPU); ``envs[i]`` is added to server i's environment (its own
     GPU). Logs: ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not healthy within
@@ -211,19 +208,16 @@ def launch_servers(
         while pending:
             for s in list(pending):
                 if s.proc.poll() is not None:
-                    raise EngineStartError(
-                        f"the vLLM server launched at {s.url} exited with code {s.proc.returncode} before it was "
-                        f"healthy: {last_error_line(s.tail(20000))} (full log: {s.log_path})"
-                    )
+                    raise EngineStartError(f"the vLLM server launched at {s.url} exited with code "
+                                           f"{s.proc.returncode} before it was healthy: "
+                                           f"{last_error_line(s.tail(20000))} (full log: {s.log_path})")
                 if s.healthy():
                     pending.remove(s)
             if pending and time.monotonic() - t0 > timeout_s:
                 s = pending[0]
-                raise EngineStartError(
-                    f"the vLLM server launched at {s.url} did not answer /health within {timeout_s:g} s "
-                    f"(rollout.launch_timeout_s); its last log line: {last_error_line(s.tail(20000))} "
-                    f"(full log: {s.log_path})"
-                )
+                raise EngineStartError(f"the vLLM server launched at {s.url} did not answer /health within "
+                                       f"{timeout_s:g} s (rollout.launch_timeout_s); its last log line: "
+                                       f"{last_error_line(s.tail(20000))} (full log: {s.log_path})")
             if pending:
                 time.sleep(1.0)
         logger.info(f"{n} vLLM server(s) healthy after {time.monotonic() - t0:.1f} s")
