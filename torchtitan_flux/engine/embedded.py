@@ -219,11 +219,8 @@ class EmbeddedEngine(EngineHandler):
     def start(self) -> None:
         ctx = engine_context()
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_engine_main,
-            args=(child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token),
-            name=self.name, daemon=True,
-        )
+        args = (child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token)
+        self._proc = ctx.Process(target=_engine_main, args=args, name=self.name, daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent

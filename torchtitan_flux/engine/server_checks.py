@@ -50,21 +50,19 @@ class StartupChecks:
         local = Tokenizer.from_file(str(self.model_dir / "tokenizer.json")).encode(probe, add_special_tokens=False).ids
         remote = server_tokens(probe)
         if list(remote) != list(local):
-            raise EngineStartError(
-                f"{self.name}: vocabulary mismatch between the trainer ({self.model_dir}) and the {self.kind} server "
-                f"at {self.client.base_url}: {probe!r} tokenizes to {list(remote)[:12]}... on the server but "
-                f"{local[:12]}... for the trainer. Serve the trainer's model folder."
-            )
+            raise EngineStartError(f"{self.name}: vocabulary mismatch between the trainer ({self.model_dir}) and "
+                                   f"the {self.kind} server at {self.client.base_url}: {probe!r} tokenizes to "
+                                   f"{list(remote)[:12]}... on the server but {local[:12]}... for the trainer. "
+                                   "Serve the trainer's model folder.")
 
     def config(self, server_cfg: dict, keys: tuple[str, ...], where: str) -> None:
         """The server's model config agrees with the trainer's ``config.json`` on ``keys`` (those it reports)."""
         bad = [f"{k}: server {server_cfg.get(k)!r} != trainer {self.hf_config.get(k)!r}" for k in keys
                if server_cfg.get(k) is not None and server_cfg.get(k) != self.hf_config.get(k)]
         if bad:
-            raise EngineStartError(
-                f"{self.name}: model mismatch between the trainer ({self.model_dir}/config.json) and the {self.kind} "
-                f"server at {self.client.base_url} ({where}): {'; '.join(bad)}. Serve the trainer's model folder."
-            )
+            raise EngineStartError(f"{self.name}: model mismatch between the trainer ({self.model_dir}/config.json) "
+                                   f"and the {self.kind} server at {self.client.base_url} ({where}): "
+                                   f"{'; '.join(bad)}. Serve the trainer's model folder.")
 
 
 class HealthMonitor:

@@ -50,10 +50,8 @@ class SglangEngine(HttpEngine):
         server = self.client.get("/server_info")
         for key in ("tp_size", "dp_size", "pp_size"):
             if int(server.get(key) or 1) != 1:
-                raise EngineStartError(
-                    f"{self.name}: the SGLang server at {self.url} has {key} = {server.get(key)}; weight sync supports "
-                    "1 (run more servers instead)"
-                )
+                raise EngineStartError(f"{self.name}: the SGLang server at {self.url} has {key} = "
+                                       f"{server.get(key)}; weight sync supports 1 (run more servers instead)")
         try:
             row = self.client.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 100000},
                                    idempotent=True)

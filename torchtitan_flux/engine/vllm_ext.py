@@ -235,6 +235,10 @@ for _name, _cls in REGISTERED.items():
         pass
 
 
+HF_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "tie_word_embeddings", "architectures", "eos_token_id")
+
+
 class FluxWorkerExtension:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``; methods callable via ``/collective_rpc``."""
 
@@ -248,13 +252,7 @@ class FluxWorkerExtension:
             "model": str(cfg.model),
             "dtype": str(cfg.dtype).removeprefix("torch."),
             "max_model_len": int(cfg.max_model_len),
-            "hf_config": {
-                k: getattr(hf, k, None)
-                for k in (
-                    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "intermediate_size", "tie_word_embeddings", "architectures", "eos_token_id",
-                )
-            },
+            "hf_config": {k: getattr(hf, k, None) for k in HF_CONFIG_KEYS},
             "transfer_engine": type(engine).__name__ if engine is not None else None,
             # ours: "gloo" / "nccl"; vLLM's own NCCL engine (GPU): "vllm_nccl" (engine/vllm_nccl.py)
             "transfer_backend": getattr(engine, "BACKEND", None)
