@@ -1,22 +1,16 @@
 """Version guards: every torch API we use whose location, signature or default changed between torch 2.3 and 2.13.
 
-The engine-side weight receiver (``transport.py``, ``inference.py``, ``engine/embedded.py``) runs inside
-inference-engine environments that pin their own torch, so it and this module import nothing from torchtitan and
-work on torch >= 2.3. Each guard picks by feature (is the API there?), so a backport or a removal takes the right
-path; only behaviour changes (``op_timeout_honoured``, ``store_listens_on_given_socket``) compare version numbers.
+The engine-side weight receiver (``transport.py``, ``inference.py``, ``engine/embedded.py``) runs in inference
+environments that pin their own torch, so it and this module import nothing from torchtitan and work on torch
+>= 2.3. Guards pick by feature (is the API there?); only behaviour changes compare version numbers.
 ``tests/unit/test_compat.py`` simulates the older APIs; ``scripts/check_old_torch.sh`` runs the receiver's tests
-under torch 2.3.1. ``F.rms_norm`` (2.4+) is guarded in ``inference._rms_norm``, since ``inference.py`` imports
-nothing of the package (``benchmarks/trl_runner.py`` loads it by path).
+under torch 2.3.1. ``F.rms_norm`` (2.4+) is guarded in ``inference._rms_norm`` (``inference.py`` imports nothing).
 
-Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one):
-  * ``ProcessGroupGloo(store, rank, size, timeout)`` and ``ProcessGroupNCCL(store, rank, size, Options)`` with
-    ``Options._timeout``: we build groups with these rather than ``distributed_c10d._new_process_group_helper``,
-    whose options keyword was renamed ``pg_options`` (<= 2.5) -> ``backend_options`` (2.6+).
-  * ``BroadcastOptions`` (``rootRank``, ``timeout``: ignored by gloo before 2.9), ``Work.wait(timeout)``,
-    ``PrefixStore``, ``torch.dtype.itemsize``, ``Tensor.view(dtype)``, ``torch.Generator(device=)``, and
-    ``F.scaled_dot_product_attention`` with a bool ``attn_mask``.
-  * ``TCPStore(host, port, world_size=None, is_master, timeout, wait_for_workers)``. A 2.3.1 client works with a
-    2.13 server, not the reverse: the newer side (the trainer) must host the store.
+Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one): ``ProcessGroupGloo`` /
+``ProcessGroupNCCL`` constructors with ``Options._timeout`` (used instead of ``_new_process_group_helper``, whose
+options keyword was renamed in 2.6), ``BroadcastOptions``, ``Work.wait(timeout)``, ``PrefixStore``, ``TCPStore``'s
+arguments, ``dtype.itemsize``, ``Tensor.view(dtype)``, ``Generator(device=)``, SDPA with a bool ``attn_mask``.
+A 2.3.1 ``TCPStore`` client works with a 2.13 server, not the reverse: the trainer hosts the store.
 """
 
 from __future__ import annotations
@@ -100,13 +94,9 @@ def new_weight_sync_group(backend: str, store: Any, rank: int, world_size: int, 
     """A process group on ``store`` that is not registered with ``torch.distributed``'s global state (no clash
     with the trainer's default group, no ``init_process_group``).
 
-    ``idle_timeout``: the longest per-collective timeout the owner passes to ``broadcast(timeout=)``. Where that is
-    not honoured (``op_timeout_honoured``) the group itself gets it, and a stuck push is detected by the sender's
-    deadline instead.
-
-    ``listen_host`` (gloo): the local address the group's connections listen on (``transport.listen_address``),
-    not gloo's default (whatever the hostname resolves to); a set ``GLOO_SOCKET_IFNAME`` wins. Needs
-    ``ProcessGroupGloo._Options`` and ``create_device`` (looked up; without them gloo's default device).
+    ``idle_timeout``: the longest per-collective timeout the owner passes to ``broadcast(timeout=)``; where that is
+    not honoured (``op_timeout_honoured``) the group itself gets it. ``listen_host`` (gloo): the local address the
+    group listens on instead of whatever the hostname resolves to (a set ``GLOO_SOCKET_IFNAME`` wins).
     """
     if idle_timeout is not None and not op_timeout_honoured(backend):
         timeout = max(timeout, idle_timeout)
@@ -158,10 +148,9 @@ class SideStream:
     """A side stream for weight-sync copies (the device module's ``Stream``/``Event``, the same from 2.3 to 2.13;
     ``torch.accelerator``'s stream API only exists from 2.6), or a no-op on CPU, where copies are synchronous.
 
-    Ordering contract: ``record_after_main()`` is called on the main stream right after ``optimizer.step()``;
-    the copy then runs inside ``copy_context()``, which waits for that event first and records the copy's end on
-    leaving; the next ``optimizer.step()`` calls ``wait_copy_done()`` so it never overwrites a parameter
-    that is still being copied. The push thread waits on ``synchronize_copy()`` before sending.
+    Ordering contract: ``record_after_main()`` right after ``optimizer.step()``; the copy runs inside
+    ``copy_context()`` (which waits for that event); the next ``optimizer.step()`` calls ``wait_copy_done()`` first,
+    so it never overwrites a parameter still being copied; the push thread ``synchronize_copy()`` before sending.
     """
 
     def __init__(self, device: torch.device):

@@ -1,20 +1,14 @@
-"""How embedded engine processes start: from a fork server where the platform has one (Linux, macOS), else spawn
-(``TORCHTITAN_FLUX_ENGINE_START=spawn`` forces spawn).
+"""How embedded engine processes start: forked from a fork server where the platform has one, else spawned
+(``TORCHTITAN_FLUX_ENGINE_START=spawn`` forces spawn). The server imports torch and the engine code once
+(``ENGINE_PRELOAD``), so an engine skips those imports; ``prestart_engine_server`` starts it at the top of the
+entry point, so they overlap the trainer's. This module imports no torch.
 
-The fork server is a helper process that imports torch and the engine code once (``ENGINE_PRELOAD``) and forks
-each engine from that state, so an engine, or a restarted one, skips the interpreter's imports (docs/benchmarks.md).
-``prestart_engine_server`` starts it at the top of the entry point, so its imports overlap the trainer's.
-
-Invariants: the server only imports modules and forks; it holds no threads, no CUDA context, no process group, so
-forking it is safe. It exits when the process that started it does (its liveness pipe closes), and engines die
-with their parent, the server (``die_with_parent``). Every forked child inherits the write end of that pipe, so an
-engine closes its copy first thing (``release_server_liveness``): else a stopped or stuck engine would keep the
-server, itself and the resource tracker alive forever. The server's socket is in a private (0700) folder.
-An engine inherits the environment of the top of the entry point, not the trainer's later one (torchtitan's start-up
-sets ``TORCH_NCCL_*``, ``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED`` for the trainer only; engines keep
-torchrun's ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``): set a variable for engines before ``prestart_engine_server``.
-
-This module imports no torch: the entry point calls it first.
+Invariants: the server only imports and forks (no threads, CUDA context or process group), so forking it is
+safe. It exits with its starter (its liveness pipe closes) and engines die with it (``die_with_parent``); each
+engine closes its inherited copy of that pipe first thing (``release_server_liveness``), else a stopped or stuck
+engine would keep the server, itself and the resource tracker alive. Its socket is in a private (0700) folder.
+Engines inherit the environment of the top of the entry point, not torchtitan's later changes (``TORCH_NCCL_*``,
+``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``): set a variable for engines before ``prestart_engine_server``.
 """
 
 from __future__ import annotations
@@ -63,10 +57,9 @@ def prestart_engine_server() -> bool:
 
 
 def release_server_liveness() -> None:
-    """In an engine forked by the server: close the inherited write end of the server's liveness pipe (see the
-    module docstring); a no-op in a spawned engine. Never call it in the server's starter. Reads CPython's private
-    ``forkserver._forkserver_alive_fd`` (3.9-3.13); a rename would make it a no-op, which
-    ``test_faults.py::test_engine_does_not_outlive_a_killed_parent`` catches."""
+    """In an engine forked by the server: close the inherited write end of the server's liveness pipe (a no-op in a
+    spawned engine; never call it in the server's starter). Reads CPython's private ``_forkserver_alive_fd``
+    (3.9-3.13): ``test_faults.py::test_engine_does_not_outlive_a_killed_parent`` catches a rename."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
@@ -91,8 +84,7 @@ def _prctl(option: int, arg) -> bool:
 
 def die_with_parent() -> bool:
     """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); False off Linux
-    (engines still end when their control pipe closes). Used by engine processes and by trainer workers under
-    torchrun (see ``FluxTrainer``)."""
+    (engines still end when their control pipe closes)."""
     return _prctl(1, signal.SIGKILL)
 
 

@@ -1,29 +1,22 @@
-"""``HttpEngine``: the abstract ``EngineHandler`` (``engine/base.py``) the HTTP rollout engines (vLLM, SGLang)
-share, for a server we did not start. Subclasses implement only the abstract per-server hooks (endpoints and
-payloads). Collaborators: ``HttpClient`` talks to the server, ``StartupChecks`` / ``HealthMonitor`` check it,
-``Gate`` / ``Workers`` are its threads, the model family's ``HFLayout`` gives the HF names and layout.
+"""``HttpEngine``: the abstract ``EngineHandler`` the HTTP rollout engines (vLLM, SGLang) share, for a server we
+did not start; subclasses implement only the per-server hooks (endpoints and payloads).
 
-* ``submit`` hands the request to a pool of worker threads, which post a ``GenerationResult`` (or a fatal
-  ``EngineError``) on the shared events queue; the health thread (``HealthMonitor``) posts one once the server is gone.
-* Version tracking: a reader/writer gate. Every generation holds it shared and is stamped with the version the
-  server held when it started; a push holds it exclusively, so every token of a request comes from one version.
-  After each generation the server's reported version is compared with the stamp: a server restarted or updated
-  by someone else is caught there, its result dropped, and the handler dies (the trainer reconnects, resyncs and
-  re-dispatches): no sample is ever labelled with a version that did not generate it.
-* A push (``begin_update(v)``) runs on one control thread: gate, ``pause``, ``open``, ONE HTTP request per bucket
-  of the ``BucketPlan`` (HF names; concurrent with the trainer's broadcast of that bucket), ``close``, ``resume``.
-  The control thread posts the ``WeightAck`` once the server confirmed the last call.
+* Generations run on a pool of worker threads that post a ``GenerationResult`` (or a fatal ``EngineError``) on the
+  events queue; the health thread posts one once the server is gone.
+* Version tracking: a reader/writer gate. A generation holds it shared and is stamped with the server's version; a
+  push holds it alone, so every token of a request comes from one version. After each generation the server's
+  reported version is compared with the stamp: a server restarted or updated behind our back is caught there, its
+  result dropped and the handler dies (reconnect, resync, re-dispatch): no sample is labelled with a wrong version.
+* A push runs on one control thread: gate, ``pause``, ``open``, ONE HTTP request per bucket (concurrent with the
+  trainer's broadcast of it), ``close``, ``resume``, then the ``WeightAck``. Names and layout are HF's, converted
+  once on the trainer side (``HFLayout``: ``join_weight_group`` maps the names, ``wire_tensor`` the tensors).
 
-Names and layouts are converted once, trainer side (``HFLayout``): ``join_weight_group`` maps each spec to its HF
-name (same shapes, same bucket offsets) and the syncer applies ``wire_tensor`` while it snapshots, so the staging
-buffer holds HF layout (Llama's q/k rows permuted; a tied model pushes no ``lm_head``).
+Failure policy: a push that fails after the update session opened leaves the weights partly updated: the handler
+dies (``reconnect()`` gives a fresh one once the server is usable). One that fails before (pause/open refused) is
+non-fatal: the old weights stay and the syncer resyncs.
 
-Failure policy: a push that fails after the server's update session opened leaves its weights partly updated: the
-handler dies (fatal ``EngineError``) and ``reconnect()`` gives the trainer a fresh handler once the server is
-usable. A push that fails before (pause/open refused) is non-fatal: the old weights stay and the syncer resyncs.
-
-Simplifications: one server = one weight-sync rank (parallel size 1 per server); full pushes only; the update
-waits for in-flight generations, so ``weight_sync.timeout_seconds`` must exceed one generation request.
+Simplifications: one server = one weight-sync rank; full pushes only; a push waits for in-flight generations, so
+``weight_sync.timeout_seconds`` must exceed one generation request.
 """
 
 from __future__ import annotations

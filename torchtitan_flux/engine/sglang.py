@@ -1,21 +1,14 @@
-"""``SglangEngine``: the rollout-engine handler for an SGLang (0.5.23) server.
+"""``SglangEngine``: the rollout-engine handler for an SGLang (0.5.23) server (endpoints: docs/engines.md; source:
+``sglang/srt/entrypoints/http_server.py`` and ``managers/io_struct.py``). Start one with
+``scripts/launch_sglang.sh MODEL_DIR PORT`` (GPU only: SGLang has no CPU build on PyPI).
 
-Start the server with ``scripts/launch_sglang.sh MODEL_DIR PORT`` (GPU only: SGLang has no CPU build on PyPI).
-What vLLM and SGLang share is ``engine/http.py``'s; this module holds only the SGLang endpoints and payloads
-(``sglang/srt/entrypoints/http_server.py`` and ``managers/io_struct.py`` of 0.5.23):
-
-* generation: ``POST /generate`` with one ``input_ids`` list per completion (each prompt repeated ``group_size``
-  times) and per-completion ``sampling_params`` (``sampling_seed = seed + sample``). Log-probs are
-  ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
-* weights: once per group, ``/init_weights_update_group`` (SGLang joins with ``init_custom_process_group``, so
-  ``group_store`` matches its store prefixes). Per push: ``/pause_generation`` -> ``/begin_weight_update`` ->
-  ``/update_weights_from_distributed`` per bucket (``flattened_bucket``: ONE uint8 tensor, no header; cache flush
-  and ``weight_version`` on the last) -> ``/end_weight_update`` -> ``/continue_generation``. No checksum of the
+* generation: one ``input_ids`` list per completion (each prompt repeated ``group_size`` times), seeds
+  ``seed + sample``. Log-probs are ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
+* weights: SGLang joins the group with its own ``init_custom_process_group`` (``group_store`` matches its store
+  prefixes); each bucket travels as ONE uint8 tensor (``flattened_bucket``, no header). No checksum of the
   received bytes: ``checksum`` is ``HttpEngine``'s (version, None).
-* checks at ``start()``: reachable, a generation model of the trainer's architecture, weight endpoints present,
-  hidden size, parallel sizes 1, same tokenizer.
-* the shared token: SGLang's own ``--api-key`` guards every endpoint but ``/health*`` and ``/metrics*``; SGLang
-  joins groups with its own code, so there is no rendezvous handshake: the API key keeps others from joining.
+* the shared token: SGLang's own ``--api-key`` guards every endpoint but ``/health*`` and ``/metrics*``; with no
+  rendezvous handshake (SGLang's own code joins), the API key is what keeps others from joining.
 """
 
 from __future__ import annotations
@@ -104,9 +97,8 @@ class SglangEngine(HttpEngine):
         super().join_weight_group(info)
 
     def group_store(self, store: Any, info: WeightGroupInfo) -> Any:
-        """The store prefixes SGLang's ``init_custom_process_group`` uses on its side: ``PrefixStore(group_name)``,
-        then torch's ``_new_process_group_helper`` adds ``"{group_name}/"`` and ``"{device}/"`` (the backend's
-        first device)."""
+        """The store prefixes of SGLang's side of the group: ``PrefixStore(group_name)``, then torch's
+        ``_new_process_group_helper`` adds ``"{group_name}/"`` and ``"{device}/"``."""
         from torch.distributed.distributed_c10d import Backend, BackendConfig
 
         device_map = BackendConfig(Backend(info.backend)).get_device_backend_map()

@@ -16,12 +16,10 @@ logger = logging.getLogger("torchtitan_flux")
 
 class Gate:
     """Reader/writer gate over a server's weights, and the ``version`` they are at (-1: loaded from disk).
-    Generations share it (``shared`` yields the version); a weight update holds it alone and publishes its version
-    on ``release``. Writers go first, so updates are not starved. After ``fail`` every wait and every later
-    ``shared`` / ``acquire`` raises ``RuntimeError`` with its reason: nothing runs on a dead server again.
-
-    Concurrency: every state change happens under one condition variable; ``held`` and ``version`` are read
-    without it where a stale value is harmless."""
+    Generations share it (``shared`` yields the version); an update holds it alone and publishes its version on
+    ``release``. Writers go first. After ``fail`` every ``shared`` / ``acquire`` raises ``RuntimeError``.
+    Concurrency: state changes happen under one condition variable; ``held`` and ``version`` are read without it
+    where a stale value is harmless."""
 
     def __init__(self):
         self._cv = threading.Condition()
@@ -82,9 +80,8 @@ class Gate:
 
 
 class Workers:
-    """A fixed set of daemon threads draining a task queue (daemon: a call stuck on a dead server never keeps the
-    trainer from exiting, unlike ``ThreadPoolExecutor``'s joined threads). A task that raises is logged and the
-    thread goes on: tasks report their outcome through the handler's events, never through an exception."""
+    """A fixed set of daemon threads draining a task queue (a call stuck on a dead server never keeps the trainer
+    from exiting). Tasks report through the handler's events; one that raises is logged and the thread goes on."""
 
     def __init__(self, n: int, name: str):
         self._q: queue.Queue = queue.Queue()

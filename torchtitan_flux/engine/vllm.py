@@ -1,17 +1,11 @@
-"""``VllmEngine``: the rollout-engine handler for a vLLM (>= 0.32) OpenAI-compatible server.
+"""``VllmEngine``: the rollout-engine handler for a vLLM (>= 0.32) OpenAI-compatible server (endpoints:
+docs/engines.md; the server side: ``engine/vllm_ext.py``). Start one with ``scripts/launch_vllm.sh MODEL_DIR PORT``,
+or let the trainer launch it (``engine/vllm_launch.py``).
 
-Start the server with ``scripts/launch_vllm.sh MODEL_DIR PORT`` (launching from the trainer: ``engine/vllm_launch.py``).
-What vLLM and SGLang share is ``engine/http.py``'s; this module holds only the vLLM endpoints and payloads:
-
-* generation: ``POST /v1/completions`` with token-id prompts, ``n = group_size`` and ``seed`` (vLLM gives sample
-  ``j`` the seed ``seed + j``; greedy requests, where vLLM refuses n > 1, repeat each prompt instead). Log-probs are
-  ``log_softmax(logits / T)`` (``--logprobs-mode processed_logprobs``); with ``top_k > 0`` vLLM reports them under
-  the top-k-truncated distribution, not the full tempered one the embedded engine reports.
-* weights: once, ``/init_weight_transfer_engine``; per push ``/pause?mode=wait`` -> ``/start_weight_update`` ->
-  ``/update_weights`` per bucket (the first also takes the header) -> ``/finish_weight_update`` ->
-  ``/reset_prefix_cache`` -> ``/resume`` (the server side: ``engine/vllm_ext.py``).
-* checks at ``start()``: reachable, RL endpoints on, our extension and transfer engine, one worker, same model
-  config and tokenizer as the trainer.
+Generation: vLLM gives sample ``j`` the seed ``seed + j``; greedy requests, where vLLM refuses n > 1, repeat each
+prompt instead. Log-probs are ``log_softmax(logits / T)`` (``--logprobs-mode processed_logprobs``); with
+``top_k > 0`` vLLM reports them under the top-k-truncated distribution, not the full tempered one the embedded
+engine reports.
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
 """vLLM worker extension: receive torchtitan_flux weight pushes through vLLM's official RL weight-update API.
 
-Runs INSIDE the vLLM server's worker processes, so it imports only torch, vllm and the torch-only parts of
-torchtitan_flux (``transport``, ``engine.auth``; never torchtitan). ``scripts/launch_vllm.sh`` loads it with
-``--worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension`` and ``--weight-transfer-config
-'{"backend":"gloo"}'``; importing this module registers ``FluxGlooWeightTransferEngine`` for that backend (CPU
-servers: vLLM's own backends all need CUDA). GPU servers use vLLM's own ``nccl`` backend (``engine/vllm_nccl.py``)
-and the extension then only serves ``flux_model_info``.
+Runs INSIDE the vLLM server's worker processes, so it imports only torch, vllm and torch-only parts of the package
+(never torchtitan). ``scripts/launch_vllm.sh`` loads it (``--worker-extension-cls``) and picks the ``gloo``
+transfer backend, which importing this module registers (CPU servers: vLLM's own backends all need CUDA). GPU
+servers use vLLM's own ``nccl`` backend (``engine/vllm_nccl.py``) and the extension only serves ``flux_model_info``.
 
-Wire protocol (driven over HTTP by ``engine.vllm.VllmEngine``; broadcasts from ``sync/transport.py``):
-
-* ``POST /init_weight_transfer_engine {"init_info": FluxInitInfo}``: join a 2-member group on
-  ``PrefixStore(store_prefix)`` of the trainer's TCPStore (trainer = rank 0, after ``transport.handshake`` when
-  the server holds ``$TORCHTITAN_FLUX_TOKEN``); blocks until the trainer creates its side, concurrently.
-* ``POST /start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU).
-* ``POST /update_weights {"update_info": FluxUpdateInfo}``: once per bucket, in order. The first call first
-  receives the push header (int64 ``[MAGIC, version, n, ids..]``) and checks it is a full push of ``version``;
-  each call then receives ONE flat bucket (HF names and layout) and hands its views to ``model.load_weights``.
-* ``POST /finish_weight_update {"weight_version": "N"}``: finalize the reload.
-
-``FluxWorkerExtension`` adds, through ``POST /collective_rpc``, ``flux_model_info`` (the served config and transfer
-engine, for the start-up checks) and ``flux_weights_checksum`` (version and sha256 of the newest push the trainer
-asked to hash: equal to the trainer's staging checksum when the engine holds exactly its weights).
+Wire protocol (driven by ``engine.vllm.VllmEngine``; broadcasts from ``sync/transport.py``):
+* ``/init_weight_transfer_engine {"init_info": FluxInitInfo}``: join a 2-member group on the trainer's store
+  (after ``transport.handshake`` when the server holds ``$TORCHTITAN_FLUX_TOKEN``); blocks until the trainer,
+  concurrently, creates its side.
+* ``/start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU).
+* ``/update_weights {"update_info": FluxUpdateInfo}``, once per bucket in order: the first call first receives the
+  push header (int64 ``[MAGIC, version, n, ids..]``) and checks it is a full push of ``version``; each receives ONE
+  flat bucket (HF names and layout) and hands its views to ``model.load_weights``.
+* ``/finish_weight_update {"weight_version": "N"}``: finalize the reload.
+``FluxWorkerExtension`` adds ``flux_model_info`` (for the start-up checks) and ``flux_weights_checksum`` (sha256 of
+the newest push the trainer asked to hash) to ``/collective_rpc``.
 
 Simplification: tensor parallelism 1; the engine refuses other world sizes at init.
 """
@@ -205,9 +200,8 @@ class FluxGlooWeightTransferEngine(_FluxWeightTransferEngine):
 
 
 def _refresh_tied_lm_head(model, model_config) -> None:
-    """Make a tied ``lm_head`` compute with the embedding just pushed: it receives no tensor of its own, so the
-    reload never re-processes it and (vLLM 0.32 CPU) its packed GEMM state stays the initial embedding's
-    (docs/engines.md, post-sync probe). Re-point it at the embedding and rebuild that state."""
+    """Make a tied ``lm_head`` compute with the embedding just pushed: the reload never re-processes it, so its
+    packed GEMM state stays the initial embedding's (vLLM 0.32 CPU; docs/engines.md)."""
     if not getattr(model_config.hf_config, "tie_word_embeddings", False):
         return
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding

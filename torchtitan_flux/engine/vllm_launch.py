@@ -66,10 +66,9 @@ def unservable_reason(model_dir: str | os.PathLike, gpu: bool | None = None) -> 
 def launch_command(model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike,
                    extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, gpu: bool | None = None,
                    auth_token: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) of a vLLM server ready for torchtitan_flux weight sync on 127.0.0.1:``port``, as
-    ``scripts/launch_vllm.sh`` builds it (transfer backend ``gloo`` on CPU, vLLM's ``nccl`` on a GPU; the same
-    ``VLLM_*`` knobs, read from ``env``). With ``auth_token`` the server gets it as ``$TORCHTITAN_FLUX_TOKEN`` (in
-    its environment, not its command line) and the ``BearerAuthMiddleware``."""
+    """(argv, environment) of a vLLM server for our weight sync on 127.0.0.1:``port``, as ``scripts/launch_vllm.sh``
+    builds it (``VLLM_*`` knobs read from ``env``). ``auth_token`` goes into its environment as
+    ``$TORCHTITAN_FLUX_TOKEN`` (never its command line), with the ``BearerAuthMiddleware``."""
     env = dict(os.environ if env is None else env)
     env.pop(TOKEN_ENV, None)
     if auth_token:
@@ -156,8 +155,7 @@ class LaunchedServer:
             return ""
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to the server's process group (it and its engine-core children), SIGKILL after ``grace_s``.
-        Idempotent."""
+        """SIGTERM to the server's process group, SIGKILL after ``grace_s``. Idempotent."""
         if self.proc.returncode is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -181,10 +179,9 @@ class LaunchedServer:
 def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
                    timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
                    auth_token: str | None = None, envs: list[dict[str, str]] | None = None) -> list[LaunchedServer]:
-    """Start ``n`` local vLLM servers of ``model_dir`` on free ports and wait until each answers ``/health``.
-    ``threads`` caps each server's OpenMP threads (CPU); ``envs[i]`` is added to server i's environment (its own
-    GPU). Logs: ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not healthy within
-    ``timeout_s``) every server started here is stopped and ``EngineStartError`` names the server's log."""
+    """Start ``n`` local vLLM servers of ``model_dir`` on free ports (logs: ``log_dir/vllm_server{i}.log``;
+    ``envs[i]`` added to server i's environment) and wait until each answers ``/health``. On failure every server
+    started here is stopped and ``EngineStartError`` names the server's log."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: list[LaunchedServer] = []

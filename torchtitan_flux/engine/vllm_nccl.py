@@ -1,15 +1,12 @@
-"""``VllmNcclEngine``: vLLM on GPU, with weights sent by vLLM's own trainer-side NCCL engine.
-
-The server runs vLLM's ``nccl`` weight-transfer backend; the trainer drives it with vLLM's
-``NCCLTrainerWeightTransferEngine``, so vLLM owns both ends of the wire (which engine when, and why the others are
-not used: docs/gpu.md). CPU servers keep our gloo engine (``vllm_ext.py``, ``VllmEngine``).
+"""``VllmNcclEngine``: vLLM on GPU, with weights sent by vLLM's own trainer-side NCCL engine
+(``NCCLTrainerWeightTransferEngine``), so vLLM owns both ends of the wire (which engine when: docs/gpu.md).
 
 Fit with our push thread (``sync/pusher.py``): ``own_group`` runs vLLM's ``trainer_init`` in the joiner thread (it
-posts ``/init_weight_transfer_engine`` itself, on a TCPStore of its own, a fresh port per join). A push is
-``self_push``: on this handler's control thread (the one thread that issues this communicator's collectives) it
-runs pause -> ``send_weights()`` -> reset prefix cache -> resume, and the pusher polls it against its deadline
-like any Work. The source is our staging buffer (HF layout, wire dtype, pinned host memory), copied to the GPU on
-vLLM's producer stream as it packs. vLLM's receiver keeps no hash: ``checksum`` is ``HttpEngine``'s (version, None).
+posts ``/init_weight_transfer_engine`` itself, on a TCPStore of its own). A push is ``self_push``: on this
+handler's control thread (the one thread that issues this communicator's collectives) pause -> ``send_weights()``
+-> reset prefix cache -> resume, polled by the pusher against its deadline like any Work. The source is our
+staging buffer, copied to the GPU on vLLM's producer stream as it packs. vLLM's receiver keeps no hash:
+``checksum`` is ``HttpEngine``'s (version, None).
 """
 
 from __future__ import annotations
