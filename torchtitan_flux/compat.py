@@ -120,8 +120,7 @@ def new_weight_sync_group(backend: str, store: Any, rank: int, world_size: int, 
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, timeout: timedelta | None = None) -> Any:
-    """Issue ``broadcast`` on a raw process-group object; returns its Work. ``timeout`` overrides the group's
-    for this one collective (``BroadcastOptions.timeout``; unset = the group's)."""
+    """``broadcast`` on a raw process group; returns its Work. ``timeout``: this collective's, else the group's."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     if timeout is not None:
@@ -138,8 +137,7 @@ def accelerator_available() -> bool:
 
 
 def device_module(device: torch.device) -> Any:
-    """The runtime module of ``device``'s type (``torch.cuda``, ``torch.xpu``, ...): ``torch.get_device_module``
-    (torch 2.4+), before that the attribute of ``torch`` named after the type."""
+    """The runtime module of ``device``'s type (``torch.cuda``, ...): ``torch.get_device_module`` from 2.4."""
     get = getattr(torch, "get_device_module", None)
     return get(device) if get is not None else getattr(torch, device.type, None)
 
@@ -196,7 +194,6 @@ class SideStream:
 
 
 def torch_load(path: Any, **kw: Any) -> Any:
-    """``torch.load`` with ``weights_only`` explicit (default True here): torch's own default flipped from
-    False (<= 2.5) to True (2.6+)."""
+    """``torch.load`` with ``weights_only`` explicit (default True), whose default flipped to True in torch 2.6."""
     kw.setdefault("weights_only", True)
     return torch.load(path, **kw)

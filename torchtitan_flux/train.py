@@ -1,18 +1,16 @@
 """Entry point: ``torchrun -m torchtitan_flux.train --job.config_file train_configs/<x>.toml [--section.field v]``.
 
-Applies the patches torchtitan needs, registers our model spec, makes torchtitan's ``ConfigManager`` merge our
-config sections (``--job.custom_config_module torchtitan_flux.config`` unless another is named), and runs
-``torchtitan.train.main(FluxTrainer)``.
-
-How a run ends (``_report``; the config is validated here, before torchtitan starts): bad input is one line,
-``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync probe
-one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their traceback
-(as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Then ``os._exit``: the interpreter's finalisation, where
-torch's C++ teardown of the weight-sync groups races daemon threads, could abort the process (docs/reliability.md).
+Applies the patches torchtitan needs, registers our model spec and config sections, validates the config before
+torchtitan starts, and runs ``torchtitan.train.main(FluxTrainer)``. How a run ends (``_report``): bad input is one
+line, ``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync
+probe one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their
+traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Then ``os._exit``: the interpreter's
+finalisation could abort the process (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -26,8 +24,8 @@ from torchtitan_flux.patches import apply_patches
 
 @functools.lru_cache(maxsize=None)
 def _torchtitan_bools() -> frozenset[str]:
-    """``section.field`` of every boolean field of torchtitan's ``JobConfig``, read from its source: importing
-    torchtitan here would bind ``sys.argv`` before it is normalised (see ``main``)."""
+    """``section.field`` of every boolean field of torchtitan's ``JobConfig``, read from its source (importing
+    torchtitan would bind ``sys.argv`` before it is normalised)."""
     import ast
     import importlib.util
 
@@ -43,8 +41,7 @@ def _torchtitan_bools() -> frozenset[str]:
 
 
 def _field_type(path: str):
-    """The annotated type of ``section.field`` of ours (None: no such field); in torchtitan's sections
-    "torchtitan_bool" (a tyro flag) or "torchtitan". Imports no torchtitan (it runs before ``ConfigManager``)."""
+    """The type of our ``section.field`` (None: no such field); "torchtitan_bool" / "torchtitan" in torchtitan's."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -101,8 +98,7 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 
 
 def _starts_embedded_engines(argv: list[str]) -> bool:
-    """Whether this process (global rank 0, ``rollout.engine = "embedded"``) will start embedded engines: a
-    best-effort peek that only decides whether to prestart the fork server (a wrong answer costs start-up time)."""
+    """Best-effort: will this process start embedded engines (then the fork server is prestarted)?"""
     if os.environ.get("RANK", "0") != "0":
         return False
     engine, config_file = None, None
@@ -125,8 +121,7 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
 
 
 def _check_config_file(argv: list[str]) -> str | None:
-    """The path of the TOML named by ``--job.config_file``; a ``ConfigError`` naming it when it is unreadable or
-    not valid TOML (torchtitan would log a traceback of its own)."""
+    """The path of the ``--job.config_file`` TOML; a ``ConfigError`` naming it when it is unreadable or invalid."""
     import tomllib
 
     from torchtitan_flux.config import ConfigError
@@ -153,8 +148,7 @@ _LOCKS: list = []  # the open lock files of the folders this run writes (rank 0)
 
 
 def _lock_run_folders(config) -> None:
-    """Rank 0 locks every folder the run writes for the life of the process (the kernel drops the lock however it
-    ends): the dump folder and, with checkpoints on, the checkpoint folder, which runs could otherwise share."""
+    """Rank 0 locks the dump folder and, with checkpoints on, the checkpoint folder for the life of the process."""
     if os.environ.get("RANK", "0") != "0":
         return
     _lock_folder("job.dump_folder", config.job.dump_folder, config.job.dump_folder)
@@ -222,11 +216,8 @@ def _report(e: BaseException) -> int:
     print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun prints this in its failure summary (instead of a pointer to its docs)
-        try:
-            with open(error_file, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(error_file, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
     return code
 
 

@@ -25,8 +25,7 @@ def read_token(env: str = TOKEN_ENV) -> str | None:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address, ``[v6]`` or ``localhost``) is a loopback address. Other names count as not
-    loopback: they are not resolved."""
+    """Whether ``host`` (an IP address, ``[v6]`` or ``localhost``) is loopback; other names are not resolved."""
     if host == "localhost":
         return True
     try:

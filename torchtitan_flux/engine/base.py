@@ -1,10 +1,9 @@
 """The engine-handler interface every rollout engine implements, and the messages handlers emit.
 
 A handler is the trainer-side proxy of one inference engine (an embedded child process, or a vLLM / SGLang
-server). It never blocks the caller on the engine: ``submit`` queues work and returns, and everything the engine
-reports (generations, weight acks, errors, death) arrives as an event on the ``events`` queue all handlers share.
-``WeightSyncer`` owns the pushes and asks the handler only for the engine-specific steps around them and for the
-weight-sync hooks, whose defaults are ``EngineHandler``'s (the syncer calls them, never probes for them).
+server). It never blocks on the engine: ``submit`` queues work, and everything the engine reports arrives as an
+event on the ``events`` queue all handlers share. ``WeightSyncer`` owns the pushes and calls the handler's
+weight-sync hooks (defaults: ``EngineHandler``'s) for the engine-specific steps.
 """
 
 from __future__ import annotations

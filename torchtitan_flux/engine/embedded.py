@@ -1,17 +1,13 @@
 """The embedded rollout engine: a child process holding its own copy of the policy (the default engine).
 
-Process model: rank 0 starts each engine from the fork server of ``engine.forkserver`` (else spawn). The engine
-dies with its parent (``PR_SET_PDEATHSIG``) and exits when its control pipe closes, so no engine outlives its
-trainer. It names itself ``flux-<name>`` (``PR_SET_NAME``).
+Process model: rank 0 starts each engine from ``engine.forkserver``. The engine dies with its parent
+(``PR_SET_PDEATHSIG``) and exits when its control pipe closes, so no engine outlives its trainer.
 
-Threads inside the engine:
+Threads inside the engine (both send on the pipe; ``_send`` serialises them with a lock):
   * the main thread serves the control pipe in order: it generates with the live weights and, between requests
-    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Requests that are not
-    ready yet queue in order while the other messages (join, fault, checksum, shutdown) are still served, so a
-    (re)join is never stuck behind a request;
-  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them
-    (after ``transport.handshake`` when there is a shared token).
-Both send on the pipe; ``_send`` serialises them with a lock.
+    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Requests not ready yet
+    queue in order while the other messages are still served, so a (re)join is never stuck behind a request;
+  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
 
 Trainer side, ``EmbeddedEngine``'s reader thread turns pipe messages into events. It reports the engine's death at
 most once, and not after ``close()``: engines restart by name, so a second report would restart the replacement.
@@ -117,15 +113,13 @@ class _EngineProcess:
         self._send(("result", req.req_id, *arrays, version, self.receiver.newest()[0], dt))
 
     def _ready(self, req: GenerationRequest, arrived: float) -> bool:
-        """A request runs once the engine holds ``min_version`` and its ``pin_version`` (or has waited
-        ``timeout_s``: then on what it has), and never before the first weights."""
+        """Whether the engine holds the request's versions (or it waited ``timeout_s``) and has any weights."""
         newest = self.receiver.newest()[0] if self.receiver is not None else -1
         need = max(req.min_version, req.pin_version)
         return newest >= 0 and (newest >= need or time.monotonic() - arrived > self._wait_bound_s)
 
     def serve(self) -> None:
-        """Serve the control pipe in order; generation requests queue (FIFO) until ready, while joins, checksums
-        and faults are still served. The receiver thread's ``_wake`` pipe ends a wait as soon as a push lands."""
+        """Serve the control pipe in order; requests wait (FIFO) until ready, and a landed push ends the wait."""
         waiting: collections.deque = collections.deque()  # (request, arrival time)
         while True:
             if waiting and self._ready(*waiting[0]):
@@ -203,9 +197,8 @@ class EmbeddedEngine(EngineHandler):
 
     def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu",
                  weight_buffers: int = 2, auth_token: str | None = None):
-        """``weight_buffers``: weight versions the engine holds (live + received, >= 2; see
-        ``transport.WeightReceiver.swap``). ``auth_token``: what its weight-sync joins prove (None: no handshake);
-        it reaches the child through its start pipe, not its command line."""
+        """``weight_buffers``: weight versions the engine holds (>= 2; ``transport.WeightReceiver.swap``).
+        ``auth_token``: what its weight-sync joins prove (None: no handshake), passed through the start pipe."""
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
         self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
         self._proc: mp.Process | None = None
@@ -250,7 +243,8 @@ class EmbeddedEngine(EngineHandler):
         if first:
             self.events.put(EngineError(self.name, message, fatal=True))
         else:
-            logger.debug(f"engine {self.name}: {message.strip().splitlines()[-1] if message else ''} (already reported)")
+            last = message.strip().splitlines()[-1] if message else ""
+            logger.debug(f"engine {self.name}: {last} (already reported)")
 
     def _read(self) -> None:
         conn = self._conn
@@ -295,8 +289,8 @@ class EmbeddedEngine(EngineHandler):
         return self._replies.get(timeout=timeout)
 
     def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
-        """(newest received version, its logprobs of ``tokens[1:]``): the post-sync probe. Served between
-        generation requests, like ``checksum`` (one reply queue: callers do not overlap the two)."""
+        """(newest received version, its logprobs of ``tokens[1:]``): the post-sync probe. Callers do not overlap it
+        with ``checksum`` (one reply queue)."""
         self._send(("score", list(tokens)))
         return self._replies.get(timeout=timeout)
 

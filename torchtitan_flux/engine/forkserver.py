@@ -13,6 +13,7 @@ Engines inherit the environment of the top of the entry point, not torchtitan's 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -26,8 +27,7 @@ ENGINE_PRELOAD = ("torchtitan_flux.patches", "torchtitan_flux.engine.embedded", 
 
 
 def start_method() -> str:
-    """``forkserver`` where the platform has it, else ``spawn``; the environment variable ``START_METHOD_ENV``
-    (``forkserver`` or ``spawn``) overrides it, e.g. to compare the two (``benchmarks/startup.py``)."""
+    """``forkserver`` where the platform has it, else ``spawn``; ``$TORCHTITAN_FLUX_ENGINE_START`` overrides it."""
     want = os.environ.get(START_METHOD_ENV, "").strip().lower()
     if want and want not in ("forkserver", "spawn"):
         raise ValueError(f"{START_METHOD_ENV}={want!r}: allowed values are 'forkserver' and 'spawn'")
@@ -46,8 +46,7 @@ def engine_context():
 
 
 def prestart_engine_server() -> bool:
-    """Start the engines' fork server now and return without waiting for its imports (the first engine start
-    waits for them). False where engines are spawned. Idempotent."""
+    """Start the fork server without waiting for its imports; False where engines are spawned. Idempotent."""
     if engine_context().get_start_method() != "forkserver":
         return False
     from multiprocessing import forkserver
@@ -67,10 +66,8 @@ def release_server_liveness() -> None:
     if fd is None:
         return
     server._forkserver_alive_fd = None
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 def _prctl(option: int, arg) -> bool:

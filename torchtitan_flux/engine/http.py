@@ -22,6 +22,7 @@ Simplifications: one server = one weight-sync rank; full pushes only; a push wai
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import logging
 import queue
@@ -264,10 +265,8 @@ class HttpEngine(EngineHandler, abc.ABC):
                 self._die(f"weight push {version} failed after the update session opened; the server's weights "
                           f"are partly updated and cannot be used: {e}")
                 return  # the gate stays closed: nothing may generate on mixed weights
-            try:
+            with contextlib.suppress(Exception):
                 self._resume()
-            except Exception:  # noqa: BLE001
-                pass
             self._gate.release()
             self.events.put(EngineError(self.name, f"weight push {version} not started: {e}", fatal=False))
             return
@@ -285,8 +284,7 @@ class HttpEngine(EngineHandler, abc.ABC):
         return self._gate.version, None
 
     def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
-        """(the server's weight version, its logprobs of ``tokens[1:]``): the post-sync probe. The version is read
-        before scoring; the caller makes sure no push runs meanwhile."""
+        """(the server's weight version, its logprobs of ``tokens[1:]``): the post-sync probe (no push meanwhile)."""
         reported = self.weight_version()
         version = int(reported) if reported not in (None, "") and str(reported).lstrip("-").isdigit() else -1
         return version, self._score(list(tokens))
@@ -295,8 +293,7 @@ class HttpEngine(EngineHandler, abc.ABC):
 
     @abc.abstractmethod
     def _check_server(self) -> None:
-        """Start-up checks (run by ``start`` through ``self.checks.run``): raise ``EngineStartError`` saying why
-        the server cannot serve; compose ``self.checks.reachable`` / ``config`` / ``tokenizer``."""
+        """Start-up checks (of ``self.checks``): raise ``EngineStartError`` saying why the server cannot serve."""
 
     @abc.abstractmethod
     def weight_version(self) -> str | None:

@@ -1,12 +1,7 @@
-"""``HttpClient``: the pooled, retrying JSON client the HTTP rollout engines (vLLM, SGLang) use for their servers.
-
-One ``httpx.Client`` per server: a bounded keep-alive pool, explicit timeouts, retries with exponential backoff, and
-the shared token (``engine/auth.py``) on every request. A request that never reached the server is always retried;
-one that may have reached it (5xx, dropped or timed-out response) only when marked ``idempotent``. Weight-update
-calls never are: each consumes a broadcast, and repeating it would desynchronise the weight-sync group.
-
-Concurrency: one client is shared by a handler's worker, control and health threads (``httpx.Client`` is
-thread-safe).
+"""``HttpClient``: the pooled, retrying JSON client of the HTTP rollout engines (one ``httpx.Client`` per server,
+shared by a handler's threads: it is thread-safe). A request that never reached the server is always retried; one
+that may have reached it (5xx, dropped or timed-out response) only when marked ``idempotent``. Weight-update calls
+never are: each consumes a broadcast, and repeating it would desynchronise the weight-sync group.
 """
 
 from __future__ import annotations

@@ -42,8 +42,7 @@ class StartupChecks:
         self.client.get(HEALTH_PATH, timeout_s=10.0)
 
     def tokenizer(self, server_tokens: Callable[[str], list[int]]) -> None:
-        """The server's tokenizer must give the trainer's token ids (prompts travel as ids, completions come back
-        as ids): compare them on a probe string."""
+        """The server's tokenizer gives the trainer's token ids (prompts and completions travel as ids)."""
         from tokenizers import Tokenizer
 
         probe = "Hello, world! 0123456789 +-*/= {}[]\n\tçé"

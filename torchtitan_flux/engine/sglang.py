@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
@@ -62,13 +63,9 @@ class SglangEngine(HttpEngine):
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
         G = req.group_size
         input_ids = [p for p in req.prompt_ids for _ in range(G)]
-        params = []
-        for i in range(len(input_ids)):
-            sp: dict[str, Any] = {"max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
-                                  "sampling_seed": req.seed + i % G}
-            if req.top_k > 0:
-                sp["top_k"] = req.top_k
-            params.append(sp)
+        top_k = {"top_k": req.top_k} if req.top_k > 0 else {}
+        params = [{"max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
+                   "sampling_seed": req.seed + i % G, **top_k} for i in range(len(input_ids))]
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "stream": False}
         out = self.client.post("/generate", body, idempotent=True)  # generation has no side effects
         if isinstance(out, dict):
@@ -115,10 +112,8 @@ class SglangEngine(HttpEngine):
     def _init_group(self, info: WeightGroupInfo) -> None:
         old, self._group = self._group, self._group_names[info.prefix]
         if old is not None:
-            try:
+            with contextlib.suppress(HttpError):  # a broken group may already be gone
                 self.client.post("/destroy_weights_update_group", {"group_name": old})
-            except HttpError:
-                pass  # a broken group may already be gone
         init = {"master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
                 "group_name": self._group, "backend": info.backend}
         self.client.post("/init_weights_update_group", init, timeout_s=self._weight_timeout_s)

@@ -102,8 +102,7 @@ class VllmEngine(HttpEngine):
         return completions
 
     def _score(self, tokens: list[int]) -> list[float]:
-        """Prompt logprobs (``prompt_logprobs: 0``: each prompt token's own logprob; temperature 1, so processed ==
-        raw logits)."""
+        """Prompt logprobs (each prompt token's own; temperature 1, so processed == raw)."""
         body = {"model": self.served_model, "prompt": [tokens], "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0}
         rows = self.client.post("/v1/completions", body, idempotent=True)["choices"][0]["prompt_logprobs"]

@@ -220,13 +220,10 @@ def _numel(shape) -> int:
     return math.prod(int(s) for s in shape)
 
 
-# GPU servers use vLLM's own "nccl" engine instead (engine/vllm_nccl.py): no NCCL receiver of ours runs in vLLM
-REGISTERED = {"gloo": FluxGlooWeightTransferEngine}
-for _name, _cls in REGISTERED.items():
-    try:
-        WeightTransferEngineFactory.register_engine(_name, _cls)
-    except ValueError:  # registered already (module imported twice, or another extension owns the name)
-        pass
+try:  # GPU servers use vLLM's own "nccl" engine instead (engine/vllm_nccl.py)
+    WeightTransferEngineFactory.register_engine("gloo", FluxGlooWeightTransferEngine)
+except ValueError:  # registered already (module imported twice, or another extension owns the name)
+    pass
 
 
 HF_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

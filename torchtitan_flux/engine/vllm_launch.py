@@ -1,15 +1,15 @@
 """Launching local vLLM servers for ``rollout.launch = true`` (the handler that talks to them is ``engine/vllm.py``).
 
-``launch_command`` builds a server's argv and environment as ``scripts/launch_vllm.sh`` does (keep the two in
-step); ``launch_servers`` starts them on free loopback ports, each in its own process group and dying with the
-trainer, and waits for ``/health``. A launched server that dies is not relaunched: its handler reconnects if it
-comes back, else the run goes on without it. The server runs in another Python environment
-(``rollout.launch_python``) and gets the directory this package is imported from on its ``PYTHONPATH``.
+``launch_command`` builds a server's command as ``scripts/launch_vllm.sh`` does (keep the two in step);
+``launch_servers`` starts them, each in its own process group and dying with the trainer. A launched server that
+dies is not relaunched (its handler reconnects if it comes back). The server runs in another Python environment
+(``rollout.launch_python``) with this package's parent directory on its ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -113,15 +113,13 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _preexec(parent: int) -> None:
-    """In the forked child, before exec: SIGKILL it when the trainer dies (the new session, from
-    ``start_new_session``, is already set); exit if the trainer died before the prctl took effect."""
+    """In the forked child, before exec: die with the trainer (exit now if it died before the prctl took effect)."""
     if die_with_parent() and os.getppid() != parent:
         os._exit(1)
 
 
 def last_error_line(log: str) -> str:
-    """The line of a server log that says why it failed: the last one naming an error or exception (Python's
-    final ``SomeError: message`` line of a traceback), else the last non-empty line."""
+    """The line of a server log that says why it failed: the last one naming an error, else the last one."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if re.search(r"(Error|Exception|error:)", ln):
@@ -157,18 +155,15 @@ class LaunchedServer:
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after ``grace_s``. Idempotent."""
         if self.proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 logger.warning(f"vLLM server {self.url} (pid {self.proc.pid}) ignored SIGTERM; killing it")
-        try:  # the group may outlive its leader (engine-core children): kill what is left either way
+        # the group may outlive its leader (engine-core children): kill what is left either way
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         if self.proc.returncode is None:
             self.proc.wait(timeout=30)
         if not self._log.closed:
