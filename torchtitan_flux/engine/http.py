@@ -89,10 +89,9 @@ def pack_completions(completions: list[tuple[list[int], list[float]]], req: Gene
 
 
 class HttpEngine(EngineHandler, abc.ABC):
-    """``EngineHandler`` for a server reached over HTTP (see the module docstring); subclasses implement the
-    abstract hooks at the end. Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one
-    ``_ctl`` thread, the health poll on its own; ``_gate`` orders generations against pushes and holds the
-    server's version, ``_lock`` guards the push plan and the dead flag."""
+    """Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one ``_ctl`` thread, the health
+    poll on its own; ``_gate`` orders generations against pushes and holds the server's version, ``_lock`` guards
+    the push plan and the dead flag."""
 
     kind = "HTTP"  # server kind, for messages ("vLLM", "SGLang")
     reconnects = True  # a server is not ours to restart

@@ -15,9 +15,7 @@ Wire protocol (driven by ``engine.vllm.VllmEngine``; broadcasts from ``sync/tran
   flat bucket (HF names and layout) and hands its views to ``model.load_weights``.
 * ``/finish_weight_update {"weight_version": "N"}``: finalize the reload.
 ``FluxWorkerExtension`` adds ``flux_model_info`` (for the start-up checks) and ``flux_weights_checksum`` (sha256 of
-the newest push the trainer asked to hash) to ``/collective_rpc``.
-
-Simplification: tensor parallelism 1; the engine refuses other world sizes at init.
+the newest push the trainer asked to hash) to ``/collective_rpc``. Simplification: tensor parallelism 1.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@
 Fit with our push thread (``sync/pusher.py``): ``own_group`` runs vLLM's ``trainer_init`` in the joiner thread (it
 posts ``/init_weight_transfer_engine`` itself, on a TCPStore of its own). A push is ``self_push``: on this
 handler's control thread (the one thread that issues this communicator's collectives) pause -> ``send_weights()``
--> reset prefix cache -> resume, polled by the pusher against its deadline like any Work. The source is our
-staging buffer, copied to the GPU on vLLM's producer stream as it packs. vLLM's receiver keeps no hash:
-``checksum`` is ``HttpEngine``'s (version, None).
+-> reset prefix cache -> resume, polled by the pusher like any Work. The source is our staging buffer, copied to
+the GPU on vLLM's producer stream. No byte checksum: ``checksum`` is ``HttpEngine``'s (version, None).
 """
 
 from __future__ import annotations
