@@ -1,45 +1,16 @@
 """Version guards: every torch API we use whose location, signature or default changed between torch 2.3 and 2.13.
 
-The engine-side weight receiver (``transport.py``, ``inference.py``, ``engine/embedded.py``) runs inside
-inference-engine environments that pin their own torch, so it and this module import nothing from torchtitan and
-work on torch >= 2.3. Each guard names the versions it distinguishes and picks by feature (is the API there?),
-so a backport or a removal takes the right path; only a behaviour change (``op_timeout_honoured``) is decided by
-the version number. Tests simulate the older API by monkeypatching
-(``tests/unit/test_compat.py``); ``scripts/check_old_torch.sh`` runs the receiver's tests under torch 2.3.1.
+The engine-side weight receiver (``transport.py``, ``inference.py``, ``engine/embedded.py``) runs in inference
+environments that pin their own torch, so it and this module import nothing from torchtitan and work on torch
+>= 2.3. Guards pick by feature (is the API there?); only behaviour changes compare version numbers.
+``tests/unit/test_compat.py`` simulates the older APIs; ``scripts/check_old_torch.sh`` runs the receiver's tests
+under torch 2.3.1. ``F.rms_norm`` (2.4+) is guarded in ``inference._rms_norm`` (``inference.py`` imports nothing).
 
-Guards (older -> newer):
-  * ``DTensor`` / ``is_dtensor``: ``torch.distributed._tensor`` (<= 2.4) -> ``torch.distributed.tensor`` (2.5+).
-  * ``fully_shard`` / ``FSDPModule``: ``torch.distributed._composable.fsdp`` (2.3: the class is named ``FSDP``;
-    2.4-2.5: ``FSDPModule``) -> ``torch.distributed.fsdp`` (2.6+).
-  * ``accelerator_available``: ``torch.cuda`` only (<= 2.5) -> ``torch.accelerator`` (2.6+).
-  * ``SideStream``: the per-device module (``torch.get_device_module``, 2.4+; before: ``getattr(torch, type)``).
-  * ``torch_load``: ``weights_only`` default False (<= 2.5) -> True (2.6+); we always pass it.
-  * ``F.rms_norm`` (2.4+), else the same math by hand (2.3): the one guard that lives elsewhere, in
-    ``inference._rms_norm``, because ``inference.py`` must import nothing of the package (it is also loaded by
-    file path alone, ``benchmarks/trl_runner.py``); ``tests/unit/test_compat.py`` tests it with the others.
-  * ``op_timeout_honoured`` / ``new_weight_sync_group(idle_timeout=)``: gloo ignores per-collective timeouts
-    before 2.9, so there the receiver's group gets the idle timeout itself.
-  * ``store_listens_on_given_socket``: a ``TCPStore`` server on a socket we bound (``master_listen_fd`` with the
-    libuv backend, which became the default in 2.4) works on 2.13 and 2.8; on 2.3.1 the server never answers
-    (``poolFD failed``, errno 95). Before 2.4 ``transport.connect_store`` leaves the server to torch (it listens on
-    every interface). Only a test harness hosts the store on such a torch: the trainer needs a recent one.
-  * ``new_weight_sync_group(listen_host=)``: a gloo device bound to one address needs
-    ``ProcessGroupGloo._Options`` with ``_devices`` and ``create_device(hostname=)`` (2.3.1 and 2.13 have both;
-    looked up, and without them the group falls back to gloo's default device).
-
-Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one):
-  * ``ProcessGroupGloo(store, rank, size, timeout)`` and ``ProcessGroupNCCL(store, rank, size, Options)`` with
-    ``Options._timeout``, ``eager_connect_single_device``. We build groups with these constructors rather than
-    ``distributed_c10d._new_process_group_helper``, whose options keyword was renamed ``pg_options`` (<= 2.5) ->
-    ``backend_options`` (2.6+): that is why no guard for it exists.
-  * ``BroadcastOptions`` (``rootRank``, ``timeout``), ``Work.wait(timeout)``, ``PrefixStore``. But gloo ignores
-    ``BroadcastOptions.timeout`` before torch 2.9: see ``op_timeout_honoured`` (a behaviour guard).
-  * ``TCPStore(host, port, world_size=None, is_master, timeout, wait_for_workers)``; only ``use_libuv``'s default
-    changed (False -> True in 2.4), which we leave to torch. Across versions, a 2.3.1 client works with a 2.13
-    server (the trainer hosts the store), but a 2.13 client cannot connect to a 2.3.1 server (its connect-time
-    ping is unknown there): the newer side must host the store.
-  * ``torch.dtype.itemsize`` (2.1+), ``Tensor.view(dtype)``, ``torch.Generator(device=)``, and
-    ``F.scaled_dot_product_attention`` with a bool ``attn_mask`` (2.0+).
+Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one): ``ProcessGroupGloo`` /
+``ProcessGroupNCCL`` constructors with ``Options._timeout`` (used instead of ``_new_process_group_helper``, whose
+options keyword was renamed in 2.6), ``BroadcastOptions``, ``Work.wait(timeout)``, ``PrefixStore``, ``TCPStore``'s
+arguments, ``dtype.itemsize``, ``Tensor.view(dtype)``, ``Generator(device=)``, SDPA with a bool ``attn_mask``.
+A 2.3.1 ``TCPStore`` client works with a 2.13 server, not the reverse: the trainer hosts the store.
 """
 
 from __future__ import annotations
@@ -60,9 +31,6 @@ def _parse_version(v: str) -> tuple[int, int]:
 
 
 TORCH_VERSION = _parse_version(torch.__version__)  # only behaviour guards use it; API guards test for the API
-
-
-# ------------------------------------------------------------------------------------- DTensor and FSDP2
 
 
 def _load_dtensor() -> type | None:
@@ -92,8 +60,7 @@ def _load_fsdp2() -> tuple[Any, type | None]:
 
 
 def __getattr__(name: str) -> Any:
-    """``compat.DTensor``, ``compat.fully_shard``, ``compat.FSDPModule`` (None where absent), imported on first
-    use: engines never pay for the distributed-tensor imports."""
+    """``compat.DTensor``, ``compat.fully_shard``, ``compat.FSDPModule`` (None where absent), imported on first use."""
     if name == "DTensor":
         return _load_dtensor()
     if name == "fully_shard":
@@ -109,49 +76,27 @@ def is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-# ---------------------------------------------------------------------------------------- process groups
-
-
 def op_timeout_honoured(backend: str) -> bool:
-    """Whether a per-collective timeout (``BroadcastOptions.timeout``) overrides the group's.
-
-    gloo: from torch 2.9 (pytorch#158128); before, it is silently ignored and the group's timeout applies
-    (measured: ignored on 2.3.1 and 2.8.0, honoured on 2.13). This is behaviour, not API, so the guard has to
-    compare version numbers. nccl: treated as ignored on every version (``ProcessGroupNCCL`` gives each work the
-    group's timeout in the sources read; not measured here, no GPU).
-    """
+    """Whether a per-collective timeout (``BroadcastOptions.timeout``) overrides the group's: gloo from torch 2.9
+    (pytorch#158128; silently ignored before); nccl treated as ignored on every version (the group's applies)."""
     return backend == "gloo" and TORCH_VERSION >= (2, 9)
 
 
 def store_listens_on_given_socket() -> bool:
-    """Whether a ``TCPStore`` server can be handed a listening socket we bound (see the module docstring)."""
+    """Whether a ``TCPStore`` server can be handed a socket we bound (``master_listen_fd``, libuv): on 2.3.1 it
+    never answers, so ``transport.connect_store`` leaves the server to torch there (every interface)."""
     return TORCH_VERSION >= (2, 4)
 
 
-def new_weight_sync_group(
-    backend: str,
-    store: Any,
-    rank: int,
-    world_size: int,
-    timeout: timedelta,
-    device: torch.device | None = None,
-    idle_timeout: timedelta | None = None,
-    listen_host: str | None = None,
-) -> Any:
-    """A process group on ``store`` that is not registered with ``torch.distributed``'s global state.
+def new_weight_sync_group(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta,
+                          device: torch.device | None = None, idle_timeout: timedelta | None = None,
+                          listen_host: str | None = None) -> Any:
+    """A process group on ``store`` that is not registered with ``torch.distributed``'s global state (no clash
+    with the trainer's default group, no ``init_process_group``).
 
-    It never clashes with the trainer's default group and needs no ``init_process_group``. The constructors are
-    the same from torch 2.3 to 2.13 (see the module docstring); ``eager_connect_single_device`` (present in 2.3.1
-    and 2.13) is looked up rather than assumed.
-
-    ``idle_timeout``: the longest per-collective timeout this group's owner passes to ``broadcast(timeout=)``
-    (the receiver's wait for the next push). Where that is not honoured (``op_timeout_honoured``), the group
-    itself gets the longer of the two timeouts, so the idle wait does not expire; every collective of the group
-    is then bounded by it only, and a stuck push is detected by the sender's deadline instead.
-
-    ``listen_host`` (gloo): the local address the group's connections listen on (``transport.listen_address``).
-    Gloo's default device listens on whatever the machine's hostname resolves to, often a public interface even
-    when every peer is on loopback; ``GLOO_SOCKET_IFNAME``, when set, is the user's choice and wins.
+    ``idle_timeout``: the longest per-collective timeout the owner passes to ``broadcast(timeout=)``; where that is
+    not honoured (``op_timeout_honoured``) the group itself gets it. ``listen_host`` (gloo): the local address the
+    group listens on instead of whatever the hostname resolves to (a set ``GLOO_SOCKET_IFNAME`` wins).
     """
     if idle_timeout is not None and not op_timeout_honoured(backend):
         timeout = max(timeout, idle_timeout)
@@ -166,7 +111,7 @@ def new_weight_sync_group(
         return gloo(store, rank, world_size, timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout  # the Options field is private in every version we support (2.3 .. 2.13)
+        opts._timeout = timeout  # private in every version we support
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         if device is not None and hasattr(pg, "eager_connect_single_device"):
             pg.eager_connect_single_device(device)
@@ -175,8 +120,7 @@ def new_weight_sync_group(
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, timeout: timedelta | None = None) -> Any:
-    """Issue ``broadcast`` on a raw process-group object; returns its Work. ``timeout`` overrides the group's
-    for this one collective (``BroadcastOptions.timeout``; unset = the group's)."""
+    """``broadcast`` on a raw process group; returns its Work. ``timeout``: this collective's, else the group's."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     if timeout is not None:
@@ -184,11 +128,8 @@ def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, timeout: timedelta |
     return pg.broadcast([tensor], opts)
 
 
-# -------------------------------------------------------------------------------- devices and streams
-
-
 def accelerator_available() -> bool:
-    """``torch.accelerator`` exists from torch 2.6; before that only CUDA counts."""
+    """``torch.accelerator`` (2.6+), before that CUDA only."""
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "is_available"):
         return bool(acc.is_available())
@@ -196,32 +137,24 @@ def accelerator_available() -> bool:
 
 
 def device_module(device: torch.device) -> Any:
-    """The runtime module of ``device``'s type (``torch.cuda``, ``torch.xpu``, ...): ``torch.get_device_module``
-    (torch 2.4+), before that the attribute of ``torch`` named after the type."""
+    """The runtime module of ``device``'s type (``torch.cuda``, ...): ``torch.get_device_module`` from 2.4."""
     get = getattr(torch, "get_device_module", None)
     return get(device) if get is not None else getattr(torch, device.type, None)
 
 
 class SideStream:
-    """A side stream for weight-sync copies, or a no-op on CPU.
+    """A side stream for weight-sync copies (the device module's ``Stream``/``Event``, the same from 2.3 to 2.13;
+    ``torch.accelerator``'s stream API only exists from 2.6), or a no-op on CPU, where copies are synchronous.
 
-    Uses the device module's ``Stream``/``Event``/``current_stream``/``stream``, which are the same from torch
-    2.3 to 2.13. The device-generic ``torch.Stream``/``torch.Event`` (``torch.Event`` from 2.5) are not used:
-    the matching ``torch.accelerator.current_stream``/``set_stream`` only exist from 2.6. On CPU (or a device
-    whose module has no streams) every method is a no-op, because copies are synchronous there.
-
-    Ordering contract: ``record_after_main()`` is called on the main stream right after ``optimizer.step()``;
-    the copy then runs inside ``copy_context()``, which waits for that event first and records the copy's end on
-    leaving; the next ``optimizer.step()`` calls ``wait_copy_done()`` so it never overwrites a parameter
-    that is still being copied. The push thread waits on ``synchronize_copy()`` before sending.
+    Ordering contract: ``record_after_main()`` right after ``optimizer.step()``; the copy runs inside
+    ``copy_context()`` (which waits for that event); the next ``optimizer.step()`` calls ``wait_copy_done()`` first,
+    so it never overwrites a parameter still being copied; the push thread ``synchronize_copy()`` before sending.
     """
 
     def __init__(self, device: torch.device):
         device = torch.device(device)
         mod = device_module(device) if device.type not in ("cpu", "meta") else None
-        self.enabled = mod is not None and all(
-            hasattr(mod, a) for a in ("Stream", "Event", "current_stream", "stream")
-        )
+        self.enabled = mod is not None and all(hasattr(mod, a) for a in ("Stream", "Event", "current_stream", "stream"))
         if not self.enabled:
             return
         self.mod, self.device = mod, device
@@ -260,11 +193,7 @@ class SideStream:
             self.done.synchronize()
 
 
-# --------------------------------------------------------------------------------------- serialization
-
-
 def torch_load(path: Any, **kw: Any) -> Any:
-    """``torch.load`` with ``weights_only`` explicit (default True here): torch's own default flipped from
-    False (<= 2.5) to True (2.6+)."""
+    """``torch.load`` with ``weights_only`` explicit (default True), whose default flipped to True in torch 2.6."""
     kw.setdefault("weights_only", True)
     return torch.load(path, **kw)

@@ -1,28 +1,16 @@
 """Entry point: ``torchrun -m torchtitan_flux.train --job.config_file train_configs/<x>.toml [--section.field v]``.
 
-Applies the patches torchtitan needs on this machine, registers our model spec, makes torchtitan's
-``ConfigManager`` merge our config sections (``--job.custom_config_module torchtitan_flux.config`` is added
-unless the command line or TOML names another module), and runs ``torchtitan.train.main(FluxTrainer)``.
-
-Bad input is reported as one line, ``error: <field> = <value> ...; allowed: ...``, with exit code 2 and no Python
-traceback: the config is parsed and validated here before torchtitan starts, and a ``ConfigError`` found later
-(the model folder, the dataset) is reported the same way, as is a reward function that fails (``RewardError``: it
-raised, called ``sys.exit()``, or returned a bad value; at the start-up probe or mid-run); so is an engine server
-that cannot be used or that exited while starting (``EngineStartError``: exit code 1, the server's own last error
-line), and an engine the post-sync probe finds not serving the pushed policy (``ProbeMismatch``: exit code 1).
-Expected stops (a signal, no engine left, a loss that is not finite) end with one ``stopped: ...`` line and exit
-code 1. Real bugs keep their traceback; so does everything under ``TORCHTITAN_FLUX_DEBUG=1``. Under torchrun
-the line is also written to torchelastic's error file, so that torchrun's failure summary shows it instead of a
-pointer to its docs.
-
-Once that returns or raises (the trainer is closed either way: engines stopped, metrics, checkpoints and the
-export written), the process ends with ``os._exit``: skipping the interpreter's finalisation, where torch's C++
-teardown of the weight-sync groups and store, racing daemon threads, aborted about 1 run in 20 on this machine
-after everything had been written ("terminate called without an active exception", exit -6).
+Applies the patches torchtitan needs, registers our model spec and config sections, validates the config before
+torchtitan starts, and runs ``torchtitan.train.main(FluxTrainer)``. How a run ends (``_report``): bad input is one
+line, ``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync
+probe one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their
+traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Then ``os._exit``: the interpreter's
+finalisation could abort the process (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -36,8 +24,8 @@ from torchtitan_flux.patches import apply_patches
 
 @functools.lru_cache(maxsize=None)
 def _torchtitan_bools() -> frozenset[str]:
-    """``section.field`` of every boolean field of torchtitan's ``JobConfig``, read from its source: importing
-    torchtitan here would bind ``sys.argv`` before it is normalised (see ``main``)."""
+    """``section.field`` of every boolean field of torchtitan's ``JobConfig``, read from its source (importing
+    torchtitan would bind ``sys.argv`` before it is normalised)."""
     import ast
     import importlib.util
 
@@ -53,9 +41,7 @@ def _torchtitan_bools() -> frozenset[str]:
 
 
 def _field_type(path: str):
-    """The annotated type of ``section.field`` in our sections (``flux_config.SECTIONS``); for a section of
-    torchtitan's, "torchtitan_bool" for a boolean field (a tyro flag) and "torchtitan" for any other; None when
-    there is no such field of ours. Imports no torchtitan: this runs before ``ConfigManager`` is imported."""
+    """The type of our ``section.field`` (None: no such field); "torchtitan_bool" / "torchtitan" in torchtitan's."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -73,12 +59,10 @@ def _field_type(path: str):
 
 
 def _normalise_argv(argv: list[str]) -> list[str]:
-    """One command-line syntax for every field, whoever declares it:
-    * ``--section.field true|false`` and ``--section.field=true|false`` for every boolean (torchtitan's are tyro
-      flags, ``--x.y`` / ``--x.no_y``; ours take a value);
-    * the comma form for every list, as torchtitan's list fields take it: ``--rollout.reward_weights 1.0,0.5``
-      (tyro wants numbers as separate arguments; ``1.0 0.5`` still works);
-    and name our config module unless one is given. A removed field (``config.REMOVED``) is a ``ConfigError``."""
+    """One command-line syntax for every field, whoever declares it: ``--section.field true|false`` (or ``=``) for
+    every boolean (torchtitan's are tyro flags, ``--x.y`` / ``--x.no_y``), the comma form for every list
+    (``--rollout.reward_weights 1.0,0.5``; ``1.0 0.5`` still works), and our config module unless one is named.
+    A removed field (``config.REMOVED``) is a ``ConfigError``."""
     import typing
 
     from torchtitan_flux import config as flux_config
@@ -114,10 +98,7 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 
 
 def _starts_embedded_engines(argv: list[str]) -> bool:
-    """Whether this process will start embedded engines: global rank 0 with ``rollout.engine = "embedded"`` (the
-    default). A best-effort peek at the command line and the TOML before torchtitan parses them: it only decides
-    whether to start the engines' fork server early (``engine.forkserver``); a wrong answer costs start-up time,
-    never correctness, and the real parse reports bad input."""
+    """Best-effort: will this process start embedded engines (then the fork server is prestarted)?"""
     if os.environ.get("RANK", "0") != "0":
         return False
     engine, config_file = None, None
@@ -140,8 +121,7 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
 
 
 def _check_config_file(argv: list[str]) -> str | None:
-    """The TOML named by ``--job.config_file`` is readable and parses, else a ``ConfigError`` naming the file (and
-    the line of a syntax error). torchtitan would log a traceback of its own and then raise. Returns its path."""
+    """The path of the ``--job.config_file`` TOML; a ``ConfigError`` naming it when it is unreadable or invalid."""
     import tomllib
 
     from torchtitan_flux.config import ConfigError
@@ -168,10 +148,7 @@ _LOCKS: list = []  # the open lock files of the folders this run writes (rank 0)
 
 
 def _lock_run_folders(config) -> None:
-    """Rank 0 takes an exclusive lock on every folder the run writes, for the life of the process: the dump folder
-    (metrics, summary, export) and, with checkpoints on, the checkpoint folder -- ``checkpoint.folder`` may be an
-    absolute path shared by runs with different dump folders, and two runs in one checkpoint folder resume from
-    and delete each other's checkpoints. The kernel drops a lock when the process ends, however it ends."""
+    """Rank 0 locks the dump folder and, with checkpoints on, the checkpoint folder for the life of the process."""
     if os.environ.get("RANK", "0") != "0":
         return
     _lock_folder("job.dump_folder", config.job.dump_folder, config.job.dump_folder)
@@ -227,8 +204,8 @@ def _report(e: BaseException) -> int:
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
-    elif isinstance(e, (EngineStartError, ProbeMismatch)):  # a server not there, not ours, or exited while
-        code, line = 1, f"error: {e}"  # starting; an engine that does not serve the pushed policy (the probe)
+    elif isinstance(e, (EngineStartError, ProbeMismatch)):
+        code, line = 1, f"error: {e}"
     elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError)):
         code, line = 1, f"stopped: {e}"
     else:
@@ -239,11 +216,8 @@ def _report(e: BaseException) -> int:
     print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun prints this in its failure summary (instead of a pointer to its docs)
-        try:
-            with open(error_file, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(error_file, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
     return code
 
 

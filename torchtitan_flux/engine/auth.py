@@ -1,15 +1,11 @@
-"""The shared token that guards rollout servers and weight-sync rendezvous once they leave loopback. Stdlib only: it
-is also imported inside vLLM servers (``BearerAuthMiddleware``, and ``vllm_ext`` for the token).
+"""The shared token that guards rollout servers and weight-sync rendezvous once they leave loopback. Stdlib only:
+vLLM servers import it too. The token is an environment variable's value (the trainer reads the one named by
+``weight_sync.auth_token_env``, servers ``TOKEN_ENV``), so it stays out of TOML files, logs and checkpoints.
 
-* The token is the value of an environment variable, never a config value, so it stays out of TOML files, logs,
-  metrics and checkpoints. The trainer reads the variable named by ``weight_sync.auth_token_env``; servers (this
-  middleware, ``vllm_ext``, ``scripts/launch_*.sh``) read ``TOKEN_ENV``, which ``rollout.launch`` and the launch
-  scripts set for the servers they start.
-* HTTP: ``HttpClient`` sends ``Authorization: Bearer <token>`` on every request; a vLLM server started with
-  ``--middleware torchtitan_flux.engine.auth.BearerAuthMiddleware`` refuses every other request (401) but the
-  health and metrics probes. vLLM's own ``--api-key`` guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``,
-  not the RL weight-update endpoints. SGLang's ``--api-key`` guards everything but ``/health*`` and ``/metrics*``.
-* Rendezvous: ``transport.handshake``.
+HTTP: ``HttpClient`` sends ``Authorization: Bearer <token>``; a vLLM server started with ``--middleware
+MIDDLEWARE`` refuses every other request but the health and metrics probes (vLLM's own ``--api-key`` does not
+guard the RL weight-update endpoints); SGLang's ``--api-key`` guards everything but ``/health*`` and
+``/metrics*``. Rendezvous: ``transport.handshake``.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ def read_token(env: str = TOKEN_ENV) -> str | None:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address, ``[v6]`` or ``localhost``) is a loopback address. Other names count as not
-    loopback: they are not resolved."""
+    """Whether ``host`` (an IP address, ``[v6]`` or ``localhost``) is loopback; other names are not resolved."""
     if host == "localhost":
         return True
     try:
@@ -40,10 +35,9 @@ def is_loopback(host: str) -> bool:
 
 
 class BearerAuthMiddleware:
-    """Pure ASGI middleware: a request must carry ``Authorization: Bearer <token>`` (token: ``$TORCHTITAN_FLUX_TOKEN``
-    of the server process, compared in constant time), else it is answered 401 (a websocket is closed with 1008)
-    before it reaches the app. Only ``GET``/``HEAD`` of ``OPEN_PATHS`` pass without it (liveness probes, and
-    ``LaunchedServer.healthy``). Without a token it refuses to be built: it never fails open."""
+    """Pure ASGI middleware: a request without ``Authorization: Bearer <$TORCHTITAN_FLUX_TOKEN>`` is answered 401
+    (a websocket closed with 1008), except ``GET``/``HEAD`` of ``OPEN_PATHS`` (liveness probes). Without a token
+    it refuses to be built: it never fails open."""
 
     OPEN_PATHS = ("/health", "/metrics")
 

@@ -1,14 +1,9 @@
 """The engine-handler interface every rollout engine implements, and the messages handlers emit.
 
 A handler is the trainer-side proxy of one inference engine (an embedded child process, or a vLLM / SGLang
-server). It never blocks the caller on the engine: ``submit`` queues work and returns, and everything the engine
-reports (finished generations, weight acks, errors, death) arrives as an event on the ``events`` queue shared by
-all handlers, consumed by ``RolloutScheduler`` and ``WeightSyncer``.
-
-Weight pushes are not done by handlers: ``WeightSyncer`` owns the bucketed broadcast and only asks the handler
-for the engine-specific steps around it (``join_weight_group``, ``begin_update``, ``finish_update``) and for the
-weight-sync hooks (``wire_tensor``, ``wire_tensors``, ``own_group``, ``checksum``, ...), whose defaults are
-``EngineHandler``'s: the syncer calls them, never probes for them.
+server). It never blocks on the engine: ``submit`` queues work, and everything the engine reports arrives as an
+event on the ``events`` queue all handlers share. ``WeightSyncer`` owns the pushes and calls the handler's
+weight-sync hooks (defaults: ``EngineHandler``'s) for the engine-specific steps.
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ class GenerationRequest:
     seed: int  # sampling seed of this request: same seed, same weights, same batch => same tokens
     dispatch_version: int  # trainer policy version when the request was dispatched
     min_version: int = -1  # the engine starts it only once it holds this version (or after its wait bound)
-    # embedded engines generate on exactly this version (the newest the trainer had staged at dispatch) when they
-    # hold it, which makes async runs reproducible: see ``WeightReceiver.swap``. -1: the newest they hold. A pin
-    # older than ``min_version`` (the trainer caught up after coalesced pushes) gives way to ``min_version``.
+    # embedded engines generate on exactly this version when they hold it (reproducible async runs; see
+    # ``WeightReceiver.swap``); -1: the newest they hold. A pin older than ``min_version`` gives way to it.
     pin_version: int = -1
 
 
@@ -85,8 +79,8 @@ Event = GenerationResult | WeightAck | EngineError
 
 
 class EngineHandler:
-    """The trainer-side proxy of one engine (see the module docstring). Subclasses implement the methods without
-    a body; the weight-sync hooks below them have the embedded engine's defaults."""
+    """The trainer-side proxy of one engine. Subclasses implement the methods without a body; the weight-sync
+    hooks below them have the embedded engine's defaults."""
 
     name: str
     events: queue.Queue  # shared by all handlers; see the module docstring
@@ -116,9 +110,8 @@ class EngineHandler:
         """Stop the engine if this handler started it; idempotent."""
 
     def kill(self, why: str) -> None:
-        """Declare the engine dead with ``why`` as its fatal ``EngineError`` (the scheduler restarts or reconnects
-        it and re-dispatches its requests), and stop its process if this handler started it. For an engine that
-        is alive but makes no progress (``RolloutScheduler``'s stall check)."""
+        """Declare a stalled engine dead with ``why`` as its fatal ``EngineError`` (it is restarted or reconnected,
+        its requests re-dispatched), and stop its process if this handler started it."""
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A parameter (clean torchtitan name) in the layout the engine loads; applied while snapshotting."""

@@ -1,23 +1,16 @@
 """The embedded rollout engine: a child process holding its own copy of the policy (the default engine).
 
-Process model: the trainer's weight-sync rank starts each engine with ``multiprocessing``, from the fork server
-of ``engine.forkserver`` (else spawn). The engine asks the kernel to SIGKILL it when its parent dies
-(``PR_SET_PDEATHSIG``; the parent is the fork server, which exits with the trainer) and also exits when its
-control pipe closes, so no engine outlives its trainer. It names itself ``flux-<name>`` (``PR_SET_NAME``: what
-``ps -o comm``, ``top`` and psutil show).
+Process model: rank 0 starts each engine from ``engine.forkserver``. The engine dies with its parent
+(``PR_SET_PDEATHSIG``) and exits when its control pipe closes, so no engine outlives its trainer.
 
-Threads inside the engine:
+Threads inside the engine (both send on the pipe; ``_send`` serialises them with a lock):
   * the main thread serves the control pipe in order: it generates with the live weights and, between requests
-    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Generation requests that
-    arrive before the first weights are queued (in order) while the other messages (join, fault, checksum,
-    shutdown) are still served, so a (re)join that arrives after a request is never stuck behind it;
-  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them. With
-    a shared token it first runs ``transport.handshake`` on each new group's prefix and joins only if it passes.
-Both send on the pipe; ``_send`` serialises them with a lock.
+    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Requests not ready yet
+    queue in order while the other messages are still served, so a (re)join is never stuck behind a request;
+  * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
 
-Trainer side, ``EmbeddedEngine`` is the ``EngineHandler``: one reader thread turns pipe messages into events.
-It reports the engine's death (a fatal ``EngineError``) at most once, and not at all after ``close()``: the
-scheduler restarts an engine by name, so a second report would restart its replacement.
+Trainer side, ``EmbeddedEngine``'s reader thread turns pipe messages into events. It reports the engine's death at
+most once, and not after ``close()``: engines restart by name, so a second report would restart the replacement.
 """
 
 from __future__ import annotations
@@ -36,20 +29,11 @@ from multiprocessing import connection as mp_connection
 
 import torch
 
-from torchtitan_flux.engine.base import (
-    EngineError,
-    EngineHandler,
-    GenerationRequest,
-    GenerationResult,
-    WeightAck,
-    WeightGroupInfo,
-)
+from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck,
+                                        WeightGroupInfo)
 from torchtitan_flux.engine.forkserver import name_process, die_with_parent, engine_context, release_server_liveness
 
 logger = logging.getLogger("torchtitan_flux")
-
-
-# ------------------------------------------------------------------------------------------ engine process
 
 
 class _EngineProcess:
@@ -59,11 +43,7 @@ class _EngineProcess:
                  auth_token: str | None):
         import json
 
-        from torchtitan_flux.models import hf
-
-        from torchtitan_flux.models import inference
-
-        from torchtitan_flux.models import weight_dict
+        from torchtitan_flux.models import hf, inference, weight_dict
 
         self.conn, self.name, self._token = conn, name, auth_token
         self.device = torch.device(device)
@@ -88,8 +68,7 @@ class _EngineProcess:
 
     def join(self, info: WeightGroupInfo) -> None:
         from torchtitan_flux import compat
-        from torchtitan_flux.sync import cuda_rules
-        from torchtitan_flux.sync import transport
+        from torchtitan_flux.sync import cuda_rules, transport
 
         def make_group():
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
@@ -125,34 +104,22 @@ class _EngineProcess:
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
         tokens, logprobs, lengths = self.inference.generate(
-            self.receiver.live.views,
-            self.shape,
-            prompts,
-            max_new_tokens=req.max_new_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            eos_id=self.eos_id,
-            pad_id=self.pad_id,
-            generator=gen,
-        )
+            self.receiver.live.views, self.shape, prompts, max_new_tokens=req.max_new_tokens,
+            temperature=req.temperature, top_k=req.top_k, eos_id=self.eos_id, pad_id=self.pad_id, generator=gen)
         tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu()
         dt = time.perf_counter() - t0
-        # numpy, not tensors: torch's pickler would pass each tensor as a shared-memory file descriptor through a
-        # resource-sharer connection, which costs more than copying these few kilobytes inline
+        # numpy, not tensors: torch's pickler would pass each tensor as a shared-memory file descriptor (slower)
         arrays = (tokens.numpy(), logprobs.numpy(), lengths.numpy())
         self._send(("result", req.req_id, *arrays, version, self.receiver.newest()[0], dt))
 
     def _ready(self, req: GenerationRequest, arrived: float) -> bool:
-        """A request runs once the engine holds ``min_version`` and its ``pin_version`` (or has waited
-        ``timeout_s`` for them: then it runs on what it has, stamped with that version), and never before the
-        first weights."""
+        """Whether the engine holds the request's versions (or it waited ``timeout_s``) and has any weights."""
         newest = self.receiver.newest()[0] if self.receiver is not None else -1
         need = max(req.min_version, req.pin_version)
         return newest >= 0 and (newest >= need or time.monotonic() - arrived > self._wait_bound_s)
 
     def serve(self) -> None:
-        """Serve the control pipe in order; generation requests queue (FIFO) until ready, while joins, checksums
-        and faults are still served. The receiver thread's ``_wake`` pipe ends a wait as soon as a push lands."""
+        """Serve the control pipe in order; requests wait (FIFO) until ready, and a landed push ends the wait."""
         waiting: collections.deque = collections.deque()  # (request, arrival time)
         while True:
             if waiting and self._ready(*waiting[0]):
@@ -225,20 +192,13 @@ def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, wei
         os._exit(0)  # do not wait on the receiver thread's blocking collective
 
 
-# ---------------------------------------------------------------------------------------- trainer handler
-
-
 class EmbeddedEngine(EngineHandler):
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
-    def __init__(
-        self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu", weight_buffers: int = 2,
-        auth_token: str | None = None,
-    ):
-        """``weight_buffers``: weight versions the engine holds (live + received, >= 2); the trainer gives
-        ``max_version_gap + 1`` so every version a queued pinned request asks for is kept (see
-        ``transport.WeightReceiver.swap``). ``auth_token``: the shared token its weight-sync joins prove (None: no
-        handshake); it reaches the child through its start pipe, not its command line."""
+    def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu",
+                 weight_buffers: int = 2, auth_token: str | None = None):
+        """``weight_buffers``: weight versions the engine holds (>= 2; ``transport.WeightReceiver.swap``).
+        ``auth_token``: what its weight-sync joins prove (None: no handshake), passed through the start pipe."""
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
         self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
         self._proc: mp.Process | None = None
@@ -252,11 +212,8 @@ class EmbeddedEngine(EngineHandler):
     def start(self) -> None:
         ctx = engine_context()
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_engine_main,
-            args=(child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token),
-            name=self.name, daemon=True,
-        )
+        args = (child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token)
+        self._proc = ctx.Process(target=_engine_main, args=args, name=self.name, daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent
@@ -286,7 +243,8 @@ class EmbeddedEngine(EngineHandler):
         if first:
             self.events.put(EngineError(self.name, message, fatal=True))
         else:
-            logger.debug(f"engine {self.name}: {message.strip().splitlines()[-1] if message else ''} (already reported)")
+            last = message.strip().splitlines()[-1] if message else ""
+            logger.debug(f"engine {self.name}: {last} (already reported)")
 
     def _read(self) -> None:
         conn = self._conn
@@ -331,8 +289,8 @@ class EmbeddedEngine(EngineHandler):
         return self._replies.get(timeout=timeout)
 
     def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
-        """(newest received version, its logprobs of ``tokens[1:]``): the post-sync probe. Served between
-        generation requests, like ``checksum`` (one reply queue: callers do not overlap the two)."""
+        """(newest received version, its logprobs of ``tokens[1:]``): the post-sync probe. Callers do not overlap it
+        with ``checksum`` (one reply queue)."""
         self._send(("score", list(tokens)))
         return self._replies.get(timeout=timeout)
 

@@ -1,60 +1,28 @@
-"""``HttpEngine``: the abstract base handler the HTTP rollout engines (vLLM, SGLang) share. Its collaborators:
-``HttpClient`` (``engine/http_client.py``) talks to the server, ``StartupChecks`` / ``HealthMonitor``
-(``engine/server_checks.py``) check it, ``Gate`` / ``Workers`` (``engine/threads.py``) are its threads, and the
-model family's ``HFLayout`` (``torchtitan_flux.models.hf_weights``) gives the HF names and layout. Subclasses implement the
-abstract per-server hooks: the endpoints and payloads, nothing else.
+"""``HttpEngine``: the abstract ``EngineHandler`` the HTTP rollout engines (vLLM, SGLang) share, for a server we
+did not start; subclasses implement only the per-server hooks (endpoints and payloads).
 
-``HttpEngine`` is the ``EngineHandler`` (``engine/base.py``) for a server we did not start:
+* Generations run on a pool of worker threads that post a ``GenerationResult`` (or a fatal ``EngineError``) on the
+  events queue; the health thread posts one once the server is gone.
+* Version tracking: a reader/writer gate. A generation holds it shared and is stamped with the server's version; a
+  push holds it alone, so every token of a request comes from one version. After each generation the server's
+  reported version is compared with the stamp: a server restarted or updated behind our back is caught there, its
+  result dropped and the handler dies (reconnect, resync, re-dispatch): no sample is labelled with a wrong version.
+* A push runs on one control thread: gate, ``pause``, ``open``, ONE HTTP request per bucket (concurrent with the
+  trainer's broadcast of it), ``close``, ``resume``, then the ``WeightAck``. Names and layout are HF's, converted
+  once on the trainer side (``HFLayout``: ``join_weight_group`` maps the names, ``wire_tensor`` the tensors).
 
-* ``submit`` hands the request to a bounded pool of daemon worker threads, which make the HTTP call and post a
-  ``GenerationResult`` (or, when the server is unusable, a fatal ``EngineError``) on the shared events queue.
-* Version tracking: a reader/writer gate. Every generation call holds it shared and is stamped with the version
-  the server held when it started; a weight update holds it exclusively (it first waits for in-flight generations
-  to finish, and new ones wait for the update), so every token of a request comes from one version, exactly as
-  with the embedded engine. After each generation call (still under the gate) the server's reported weight
-  version is compared with the stamp (one small GET): a server restarted or updated by someone else between our
-  pushes is caught there, its result dropped, and the handler dies, so the trainer reconnects and resyncs it and
-  re-dispatches the request: no sample is ever labelled with a version that did not generate it.
-* A weight push (``begin_update(v)``) runs on one control thread: wait for the gate, ``pause``, ``open`` the
-  server's update session, then ONE HTTP request per bucket of the ``BucketPlan`` (names/dtypes/shapes from the
-  plan, HF names), each concurrent with the trainer's broadcast of that bucket, then ``close`` (version, cache
-  reset) and ``resume``. The control thread posts the ``WeightAck`` itself when the server confirmed the last
-  call, so ``finish_update`` has nothing to do: the server, not the trainer, knows when it holds the weights.
-* A health thread (``HealthMonitor``) polls the server (not during a push) and posts a fatal ``EngineError``
-  once it is gone.
+Failure policy: a push that fails after the update session opened leaves the weights partly updated: the handler
+dies (``reconnect()`` gives a fresh one once the server is usable). One that fails before (pause/open refused) is
+non-fatal: the old weights stay and the syncer resyncs.
 
-Where names and layouts are converted (trainer side, once, with the model family's torchtitan state-dict adapter,
-``torchtitan_flux.models.hf_weights.HFLayout``): for Llama, torchtitan's wq/wk rows are in the RoPE layout of the original
-Llama code and HF's q_proj/k_proj rows are permuted (``to_hf`` applies the permutation); Qwen keeps HF's layout.
-A tied model has no ``output.weight`` parameter, so nothing is pushed for ``lm_head``: the engine's embedding is
-its output projection. SGLang's ``load_weights`` takes HF tensors as they are, so the bytes on the
-wire must already be in HF layout; vLLM takes the same, and doing it once for both keeps one wire format. So:
-
-* names: ``join_weight_group`` maps each ``TensorSpec`` name to its HF name (``to_hf`` on meta tensors) and
-  those names travel in the per-bucket HTTP requests; the bucket offsets do not change (1:1, same shapes);
-* data: the syncer applies ``wire_tensor(name, tensor)`` while it copies parameters into its staging buffer
-  (``_snapshot``), so the staging buffer holds HF layout and nothing extra is allocated per push;
-* ``wire_tensors(header, flats)``: what to broadcast per push, in order (vLLM: header + buckets; SGLang: the
-  buckets only, as uint8 views, which is how ``flattened_bucket`` receives them);
-* ``group_store(store, info)``: where rank 0's side of the weight-sync group meets the server's (SGLang builds
-  its side with ``init_custom_process_group``, whose store prefixes differ from ours).
-The hooks and their defaults are declared in ``engine/base.py`` (``EngineHandler``).
-
-Failure policy: a push that fails after the server's update session opened leaves the server's weights partly
-updated; the handler then declares itself dead (fatal ``EngineError``), since nothing could be trusted from it,
-and the scheduler re-dispatches its requests (``reconnect()`` gives the trainer a fresh handler once the server
-is usable again). A push that fails before that (pause/open refused) is a non-fatal error: the server keeps its
-old, consistent weights and the syncer resyncs it.
-
-Simplifications: one server = one weight-sync rank (tensor/pipeline/data parallel size 1 per server; run more
-servers for more throughput); full pushes only (the header's bucket list is checked by the vLLM extension);
-the update waits for in-flight generations of this handler to finish, so ``weight_sync.timeout_seconds`` must
-exceed one generation request.
+Simplifications: one server = one weight-sync rank; full pushes only; a push waits for in-flight generations, so
+``weight_sync.timeout_seconds`` must exceed one generation request.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import logging
 import queue
@@ -66,21 +34,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from torchtitan_flux.models import hf
-
-from torchtitan_flux.sync import transport
-from torchtitan_flux.engine.base import (
-    EngineError,
-    EngineHandler,
-    EngineStartError,
-    GenerationRequest,
-    GenerationResult,
-    WeightAck,
-    WeightGroupInfo,
-)
+from torchtitan_flux.engine.base import (EngineError, EngineHandler, EngineStartError, GenerationRequest,
+                                        GenerationResult, WeightAck, WeightGroupInfo)
 from torchtitan_flux.engine.http_client import HttpClient
 from torchtitan_flux.engine.server_checks import HealthMonitor, StartupChecks
 from torchtitan_flux.engine.threads import Gate, Workers
+from torchtitan_flux.models import hf
+from torchtitan_flux.sync import transport
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -129,10 +89,9 @@ def pack_completions(completions: list[tuple[list[int], list[float]]], req: Gene
 
 
 class HttpEngine(EngineHandler, abc.ABC):
-    """``EngineHandler`` for a server reached over HTTP (see the module docstring); subclasses implement the
-    abstract hooks at the end. Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one
-    ``_ctl`` thread, the health poll on its own; ``_gate`` orders generations against pushes and holds the
-    server's version, ``_lock`` guards the push plan and the dead flag."""
+    """Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one ``_ctl`` thread, the health
+    poll on its own; ``_gate`` orders generations against pushes and holds the server's version, ``_lock`` guards
+    the push plan and the dead flag."""
 
     kind = "HTTP"  # server kind, for messages ("vLLM", "SGLang")
     reconnects = True  # a server is not ours to restart
@@ -159,8 +118,6 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._ctl: Workers | None = None
         self.last_push_s = 0.0  # wall time of the last push, gate wait excluded (metrics, tests)
 
-    # --------------------------------------------------------------------------- EngineHandler protocol
-
     def start(self) -> None:
         o = self.options
         self.client = o.client(self.url, f"{self.kind} server {self.url}")
@@ -174,10 +131,9 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._gen = Workers(o.max_inflight, f"{self.name}-gen")
         self._ctl = Workers(1, f"{self.name}-ctl")
         if o.health_interval_s > 0:
-            self._health = HealthMonitor(
-                self.client, self.name, o.health_interval_s, o.health_failures, busy=lambda: self._gate.held,
-                done=lambda: self._dead or self._closing, on_dead=self._die,
-            )
+            self._health = HealthMonitor(self.client, self.name, o.health_interval_s, o.health_failures,
+                                         busy=lambda: self._gate.held, done=lambda: self._dead or self._closing,
+                                         on_dead=self._die)
             self._health.start()
 
     def alive(self) -> bool:
@@ -203,12 +159,11 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._ctl.submit(self._update_task, version)
 
     def finish_update(self, version: int) -> None:
-        pass  # the control thread acks when the server confirmed the last bucket (see the module docstring)
+        pass  # the control thread acks when the server confirmed the last bucket
 
     def reconnect(self) -> "HttpEngine":
-        """A new, started handler for the same server (what the trainer uses to "restart" a dead HTTP engine: the
-        server itself is not ours to restart). Raises ``EngineStartError`` if the server is still unusable. The
-        syncer must then rejoin it (``WeightSyncer.replace_engine``): its weights are whatever it holds."""
+        """A new, started handler for the same server (raises ``EngineStartError`` while it is unusable); the
+        syncer must then rejoin it (``WeightSyncer.replace_engine``)."""
         new = type(self)(self.name, self.url, self.events, **vars(self.options))
         new.start()
         return new
@@ -236,8 +191,6 @@ class HttpEngine(EngineHandler, abc.ABC):
         from torchtitan_flux.models.hf_weights import HFLayout  # imports torchtitan (trainer side only)
 
         return HFLayout.from_hf_dir(self.model_dir)
-
-    # ------------------------------------------------------------------------------------ tasks
 
     def kill(self, why: str) -> None:
         """The server is not ours to stop: the handler gives it up (``_die``) and ``Rollouts`` reconnects if it can."""
@@ -311,10 +264,8 @@ class HttpEngine(EngineHandler, abc.ABC):
                 self._die(f"weight push {version} failed after the update session opened; the server's weights "
                           f"are partly updated and cannot be used: {e}")
                 return  # the gate stays closed: nothing may generate on mixed weights
-            try:
+            with contextlib.suppress(Exception):
                 self._resume()
-            except Exception:  # noqa: BLE001
-                pass
             self._gate.release()
             self.events.put(EngineError(self.name, f"weight push {version} not started: {e}", fatal=False))
             return
@@ -332,18 +283,16 @@ class HttpEngine(EngineHandler, abc.ABC):
         return self._gate.version, None
 
     def score(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[float]]:
-        """(the server's weight version, its logprobs of ``tokens[1:]``): the post-sync probe. The version is read
-        before scoring; the caller makes sure no push runs meanwhile."""
+        """(the server's weight version, its logprobs of ``tokens[1:]``): the post-sync probe (no push meanwhile)."""
         reported = self.weight_version()
         version = int(reported) if reported not in (None, "") and str(reported).lstrip("-").isdigit() else -1
         return version, self._score(list(tokens))
 
-    # ---------------------------------------------------------------------------- per server
+    # ---------------------------------------------------------------- per server: the subclasses' hooks
 
     @abc.abstractmethod
     def _check_server(self) -> None:
-        """Start-up checks (run by ``start`` through ``self.checks.run``): raise ``EngineStartError`` saying why
-        the server cannot serve; compose ``self.checks.reachable`` / ``config`` / ``tokenizer``."""
+        """Start-up checks (of ``self.checks``): raise ``EngineStartError`` saying why the server cannot serve."""
 
     @abc.abstractmethod
     def weight_version(self) -> str | None:

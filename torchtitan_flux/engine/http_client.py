@@ -1,14 +1,7 @@
-"""``HttpClient``: the pooled, retrying JSON client the HTTP rollout engines (vLLM, SGLang) use for their servers.
-
-One ``httpx.Client`` per server: keep-alive connections from a bounded pool, explicit connect/read timeouts,
-retries with exponential backoff, and the shared token (``Authorization: Bearer``, see ``engine/auth.py``) on every
-request when one is set. A request that never reached the server (connect error/timeout, no free pooled
-connection) is always retried; one that may have reached it (5xx, dropped or timed out response) only when the
-caller marks it ``idempotent``. Weight-update calls are never marked so: each one consumes a broadcast, and
-repeating it would desynchronise the weight-sync group.
-
-Concurrency: one client is shared by a handler's worker, control and health threads; ``httpx.Client`` is
-thread-safe and its pool bounds the connections.
+"""``HttpClient``: the pooled, retrying JSON client of the HTTP rollout engines (one ``httpx.Client`` per server,
+shared by a handler's threads: it is thread-safe). A request that never reached the server is always retried; one
+that may have reached it (5xx, dropped or timed-out response) only when marked ``idempotent``. Weight-update calls
+never are: each consumes a broadcast, and repeating it would desynchronise the weight-sync group.
 """
 
 from __future__ import annotations
@@ -55,20 +48,10 @@ def _detail(resp: httpx.Response, limit: int = 600) -> str:
 class HttpClient:
     """A pooled, retrying JSON client for one server (see the module docstring)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        label: str = "server",
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 5.0,
-        max_connections: int = 16,
-        retries: int = 3,
-        backoff_s: float = 0.25,
-        backoff_max_s: float = 4.0,
-        transport: httpx.BaseTransport | None = None,
-        auth_token: str | None = None,
-    ):
+    def __init__(self, base_url: str, *, label: str = "server", timeout_s: float = 600.0,
+                 connect_timeout_s: float = 5.0, max_connections: int = 16, retries: int = 3, backoff_s: float = 0.25,
+                 backoff_max_s: float = 4.0, transport: httpx.BaseTransport | None = None,
+                 auth_token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.label = label
         if _HTTPX_LOG.level == logging.NOTSET:  # httpx logs every request at INFO; keep trainer logs readable
@@ -76,12 +59,9 @@ class HttpClient:
         self.retries, self.backoff_s, self.backoff_max_s = retries, backoff_s, backoff_max_s
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=connect_timeout_s)
         self._client = httpx.Client(
-            base_url=self.base_url,
-            timeout=self.timeout,
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=30.0
-            ),
-            transport=transport,
+            base_url=self.base_url, timeout=self.timeout, transport=transport,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=30.0),
             trust_env=False,  # never route loopback engine traffic through a proxy from the environment
             headers={"Authorization": f"Bearer {auth_token}"} if auth_token else None,
         )
@@ -92,17 +72,8 @@ class HttpClient:
         base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
         return base * (0.9 + 0.2 * random.random())
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json_body: Any = None,
-        params: dict | None = None,
-        timeout_s: float | None = None,
-        idempotent: bool = False,
-        retries: int | None = None,
-    ) -> Any:
+    def request(self, method: str, path: str, *, json_body: Any = None, params: dict | None = None,
+                timeout_s: float | None = None, idempotent: bool = False, retries: int | None = None) -> Any:
         """Send one request; return the decoded JSON (or text) body of a 2xx response, else raise ``HttpError``."""
         retries = self.retries if retries is None else retries
         timeout = self.timeout if timeout_s is None else httpx.Timeout(timeout_s, connect=self.timeout.connect,

@@ -1,9 +1,6 @@
-"""What an HTTP engine handler checks of its server: once at start (``StartupChecks``: reachable, the trainer's
-model config and tokenizer, HTTP failures turned into one ``EngineStartError`` that says what to do) and while it
-runs (``HealthMonitor``: a health poll on a thread of its own).
-
-Simplifications: the tokenizer is compared on one probe string, not on the whole vocabulary; health is one GET
-of ``/health`` (what vLLM and SGLang both serve), not a generation.
+"""What an HTTP engine handler checks of its server: once at start (``StartupChecks``) and while it runs
+(``HealthMonitor``). Simplifications: the tokenizer is compared on one probe string, not the whole vocabulary;
+health is one GET of ``/health`` (vLLM and SGLang both serve it), not a generation.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ HEALTH_PATH = "/health"
 
 class StartupChecks:
     """The checks a server's ``_check_server`` composes (``reachable``, ``config``, ``tokenizer``), and ``run``,
-    which turns an HTTP failure of any of them into an ``EngineStartError`` naming the server and the fix.
-    ``kind`` names the server in messages ("vLLM", "SGLang"); ``launch_hint`` says how to start one."""
+    which turns an HTTP failure of any of them into an ``EngineStartError`` naming the server and the fix."""
 
     def __init__(self, client: HttpClient, name: str, kind: str, model_dir: Path, hf_config: dict,
                  launch_hint: str):
@@ -34,54 +30,44 @@ class StartupChecks:
             check_server()
         except HttpError as e:
             if e.status is None:
-                raise EngineStartError(
-                    f"{self.name}: cannot reach the {self.kind} server at {url} ({e.detail}). Is it running? "
-                    f"{self.launch_hint}"
-                ) from e
+                raise EngineStartError(f"{self.name}: cannot reach the {self.kind} server at {url} ({e.detail}). "
+                                       f"Is it running? {self.launch_hint}") from e
             if e.status == 401:
-                raise EngineStartError(
-                    f"{self.name}: the {self.kind} server at {url} refused the trainer's token (HTTP 401): set "
-                    "the variable named by weight_sync.auth_token_env to the server's TORCHTITAN_FLUX_TOKEN"
-                ) from e
+                raise EngineStartError(f"{self.name}: the {self.kind} server at {url} refused the trainer's token "
+                                       "(HTTP 401): set the variable named by weight_sync.auth_token_env to the "
+                                       "server's TORCHTITAN_FLUX_TOKEN") from e
             raise EngineStartError(f"{self.name}: the {self.kind} server at {url} is not usable: {e}") from e
 
     def reachable(self) -> None:
         self.client.get(HEALTH_PATH, timeout_s=10.0)
 
     def tokenizer(self, server_tokens: Callable[[str], list[int]]) -> None:
-        """The server's tokenizer must give the trainer's token ids (prompts travel as ids, completions come back
-        as ids): compare them on a probe string."""
+        """The server's tokenizer gives the trainer's token ids (prompts and completions travel as ids)."""
         from tokenizers import Tokenizer
 
         probe = "Hello, world! 0123456789 +-*/= {}[]\n\tçé"
         local = Tokenizer.from_file(str(self.model_dir / "tokenizer.json")).encode(probe, add_special_tokens=False).ids
         remote = server_tokens(probe)
         if list(remote) != list(local):
-            raise EngineStartError(
-                f"{self.name}: vocabulary mismatch between the trainer ({self.model_dir}) and the {self.kind} server "
-                f"at {self.client.base_url}: {probe!r} tokenizes to {list(remote)[:12]}... on the server but "
-                f"{local[:12]}... for the trainer. Serve the trainer's model folder."
-            )
+            raise EngineStartError(f"{self.name}: vocabulary mismatch between the trainer ({self.model_dir}) and "
+                                   f"the {self.kind} server at {self.client.base_url}: {probe!r} tokenizes to "
+                                   f"{list(remote)[:12]}... on the server but {local[:12]}... for the trainer. "
+                                   "Serve the trainer's model folder.")
 
     def config(self, server_cfg: dict, keys: tuple[str, ...], where: str) -> None:
         """The server's model config agrees with the trainer's ``config.json`` on ``keys`` (those it reports)."""
-        bad = [
-            f"{k}: server {server_cfg.get(k)!r} != trainer {self.hf_config.get(k)!r}"
-            for k in keys
-            if server_cfg.get(k) is not None and server_cfg.get(k) != self.hf_config.get(k)
-        ]
+        bad = [f"{k}: server {server_cfg.get(k)!r} != trainer {self.hf_config.get(k)!r}" for k in keys
+               if server_cfg.get(k) is not None and server_cfg.get(k) != self.hf_config.get(k)]
         if bad:
-            raise EngineStartError(
-                f"{self.name}: model mismatch between the trainer ({self.model_dir}/config.json) and the {self.kind} "
-                f"server at {self.client.base_url} ({where}): {'; '.join(bad)}. Serve the trainer's model folder."
-            )
+            raise EngineStartError(f"{self.name}: model mismatch between the trainer ({self.model_dir}/config.json) "
+                                   f"and the {self.kind} server at {self.client.base_url} ({where}): "
+                                   f"{'; '.join(bad)}. Serve the trainer's model folder.")
 
 
 class HealthMonitor:
     """Polls the server's health endpoint every ``interval_s`` on a daemon thread and calls ``on_dead(why)`` once
-    ``failures`` polls in a row failed. While ``busy()`` (a weight update runs: some servers answer health checks
-    slowly then) a poll is skipped and the count starts over. The thread ends at ``stop()``, once ``done()``, or
-    after ``on_dead``."""
+    ``failures`` polls in a row failed. While ``busy()`` (a weight update, when servers answer slowly) polls are
+    skipped and the count starts over. The thread ends at ``stop()``, once ``done()``, or after ``on_dead``."""
 
     def __init__(self, client: HttpClient, name: str, interval_s: float, failures: int, *,
                  busy: Callable[[], bool], done: Callable[[], bool], on_dead: Callable[[str], None]):

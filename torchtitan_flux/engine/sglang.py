@@ -1,43 +1,25 @@
-"""``SglangEngine``: the rollout-engine handler for an SGLang (0.5.23) server.
+"""``SglangEngine``: the rollout-engine handler for an SGLang (0.5.23) server (endpoints: docs/engines.md; source:
+``sglang/srt/entrypoints/http_server.py`` and ``managers/io_struct.py``). Start one with
+``scripts/launch_sglang.sh MODEL_DIR PORT`` (GPU only: SGLang has no CPU build on PyPI).
 
-Start the server with ``scripts/launch_sglang.sh MODEL_DIR PORT`` (GPU only: SGLang has no CPU build on PyPI).
-Everything shared with vLLM is in ``engine/http.py``; this module holds only the SGLang endpoints and payloads
-(``sglang/srt/entrypoints/http_server.py`` and ``managers/io_struct.py`` of 0.5.23):
-
-* generation: ``POST /generate`` with ``input_ids`` (one list per completion: each prompt repeated
-  ``group_size`` times, so the output order is unambiguous), per-completion ``sampling_params``
-  (``max_new_tokens``, ``temperature``, ``top_k``, ``sampling_seed = seed + sample``) and ``return_logprob``.
-  Tokens and log-probs come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``); SGLang
-  returns ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
-* weights: once per group, ``/init_weights_update_group`` (SGLang joins with ``init_custom_process_group``,
-  group name = our store prefix + a random suffix, since SGLang refuses names it already holds and a server
-  outlives trainer runs; ``pusher.trainer_group`` builds rank 0 on the same store prefixes). Per push:
-  ``/pause_generation {"mode": "retract"}`` -> ``/begin_weight_update`` -> ``/update_weights_from_distributed``
-  once per bucket with ``load_format = "flattened_bucket"`` (the bucket travels as ONE uint8 tensor, so
-  ``wire_tensors`` sends uint8 views and no header), ``flush_cache`` and ``weight_version`` on the last bucket
-  only -> ``/end_weight_update`` -> ``/continue_generation``.
-* no checksum of the received bytes (``/weights_checker`` hashes SGLang's own loaded layout): ``checksum`` is
-  ``HttpEngine``'s (version, None).
-* checks at ``start()``: reachable, a generation model of the trainer's architecture, weight endpoints present
-  (``/get_weights_by_name``), hidden size, tensor/data parallel size 1, same tokenizer.
-* the shared token: SGLang's own ``--api-key`` (``scripts/launch_sglang.sh`` passes ``$TORCHTITAN_FLUX_TOKEN``)
-  guards every endpoint but ``/health*`` and ``/metrics*``. SGLang joins weight-sync groups with its own code, so
-  the rendezvous handshake (``transport.handshake``) is skipped for it: the API key is what keeps others from
-  starting a join or an update.
+* generation: one ``input_ids`` list per completion (each prompt repeated ``group_size`` times), seeds
+  ``seed + sample``. Log-probs are ``log_softmax(logits / T)`` unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
+* weights: SGLang joins the group with its own ``init_custom_process_group`` (``group_store`` matches its store
+  prefixes); each bucket travels as ONE uint8 tensor (``flattened_bucket``, no header). No checksum of the
+  received bytes: ``checksum`` is ``HttpEngine``'s (version, None).
+* the shared token: SGLang's own ``--api-key`` guards every endpoint but ``/health*`` and ``/metrics*``; with no
+  rendezvous handshake (SGLang's own code joins), the API key is what keeps others from joining.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
 import torch
 
-from torchtitan_flux.engine.base import (
-    EngineStartError,
-    GenerationRequest,
-    WeightGroupInfo,
-)
+from torchtitan_flux.engine.base import EngineStartError, GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine
 from torchtitan_flux.engine.http_client import HttpError
 
@@ -46,64 +28,44 @@ class SglangEngine(HttpEngine):
     kind = "SGLang"
     launch_hint = "Start one with scripts/launch_sglang.sh MODEL_DIR PORT (needs a CUDA GPU)."
     rendezvous_handshake = False  # SGLang joins with its own code (see the module docstring)
-    # SGLang builds its side of an NCCL group with its own code, which may connect lazily (at the first
-    # broadcast): an eager connect here could wait for a peer that waits for us. Checked only on a GPU (gpu.md).
-    eager_connect = False
+    eager_connect = False  # its own NCCL code may connect lazily: an eager connect could wait for it (gpu.md)
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.model_info: dict[str, Any] = {}
         self._group: str | None = None  # the group the server holds for us
         self._group_names: dict[str, str] = {}  # our store prefix -> SGLang group name
 
-    # ------------------------------------------------------------------------------------- checks
-
     def _check_server(self) -> None:
         self.checks.reachable()
-        self.model_info = info = self.client.get("/model_info")
+        info = self.client.get("/model_info")
         if not info.get("is_generation", True):
             raise EngineStartError(f"{self.name}: the SGLang server at {self.url} serves a non-generation model")
         self.checks.config(info, ("architectures", "model_type"), f"serving {info.get('model_path')}")
         server = self.client.get("/server_info")
         for key in ("tp_size", "dp_size", "pp_size"):
             if int(server.get(key) or 1) != 1:
-                raise EngineStartError(
-                    f"{self.name}: the SGLang server at {self.url} has {key} = {server.get(key)}; weight sync supports "
-                    "1 (run more servers instead)"
-                )
+                raise EngineStartError(f"{self.name}: the SGLang server at {self.url} has {key} = "
+                                       f"{server.get(key)}; weight sync supports 1 (run more servers instead)")
         try:
             row = self.client.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 100000},
                                    idempotent=True)
         except HttpError as e:
             if e.status == 404:
-                raise EngineStartError(
-                    f"{self.name}: the SGLang server at {self.url} has no weight-update endpoints "
-                    "(POST /get_weights_by_name -> 404); use SGLang >= 0.5.23"
-                ) from e
+                raise EngineStartError(f"{self.name}: the SGLang server at {self.url} has no weight-update endpoints "
+                                       "(POST /get_weights_by_name -> 404); use SGLang >= 0.5.23") from e
             raise
         if isinstance(row, dict):
             row = row.get("parameter", row)
         self.checks.config({"hidden_size": len(row)}, ("hidden_size",), "model.norm.weight")
-        self.checks.tokenizer(
-            lambda text: self.client.post("/tokenize", {"prompt": text, "add_special_tokens": False},
-                                          idempotent=True)["tokens"]
-        )
-
-    # ---------------------------------------------------------------------------------- generation
+        self.checks.tokenizer(lambda text: self.client.post(
+            "/tokenize", {"prompt": text, "add_special_tokens": False}, idempotent=True)["tokens"])
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
         G = req.group_size
         input_ids = [p for p in req.prompt_ids for _ in range(G)]
-        params = []
-        for i in range(len(input_ids)):
-            sp: dict[str, Any] = {
-                "max_new_tokens": req.max_new_tokens,
-                "temperature": req.temperature,
-                "sampling_seed": req.seed + i % G,
-            }
-            if req.top_k > 0:
-                sp["top_k"] = req.top_k
-            params.append(sp)
+        top_k = {"top_k": req.top_k} if req.top_k > 0 else {}
+        params = [{"max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
+                   "sampling_seed": req.seed + i % G, **top_k} for i in range(len(input_ids))]
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "stream": False}
         out = self.client.post("/generate", body, idempotent=True)  # generation has no side effects
         if isinstance(out, dict):
@@ -126,20 +88,14 @@ class SglangEngine(HttpEngine):
             out = out[0]
         return [float(t[0]) for t in out["meta_info"]["input_token_logprobs"][1:]]
 
-    # -------------------------------------------------------------------------------------- weights
-
     def join_weight_group(self, info: WeightGroupInfo) -> None:
-        # SGLang refuses a group name it already holds, and a server outlives trainer runs (whose store prefixes
-        # repeat: flux_ws/<engine>/<epoch>), so each join gets a fresh group name.
+        # a fresh group name per join: SGLang refuses one it holds, and it outlives runs (whose prefixes repeat)
         self._group_names[info.prefix] = f"{info.prefix}#{uuid.uuid4().hex[:12]}"
         super().join_weight_group(info)
 
     def group_store(self, store: Any, info: WeightGroupInfo) -> Any:
-        """The store prefixes SGLang's ``init_custom_process_group`` uses on its side: it wraps the rendezvous
-        store in ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` adds ``"{group_name}/"``
-        and ``"{device}/"`` for the first device of the backend (gloo: cpu, nccl: cuda; one backend object serves
-        every device when they all use the same backend). Nothing is registered with ``torch.distributed``'s
-        global state."""
+        """The store prefixes of SGLang's side of the group: ``PrefixStore(group_name)``, then torch's
+        ``_new_process_group_helper`` adds ``"{group_name}/"`` and ``"{device}/"``."""
         from torch.distributed.distributed_c10d import Backend, BackendConfig
 
         device_map = BackendConfig(Backend(info.backend)).get_device_backend_map()
@@ -156,18 +112,11 @@ class SglangEngine(HttpEngine):
     def _init_group(self, info: WeightGroupInfo) -> None:
         old, self._group = self._group, self._group_names[info.prefix]
         if old is not None:
-            try:
+            with contextlib.suppress(HttpError):  # a broken group may already be gone
                 self.client.post("/destroy_weights_update_group", {"group_name": old})
-            except HttpError:
-                pass  # a broken group may already be gone
-        self.client.post(
-            "/init_weights_update_group",
-            {
-                "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
-                "group_name": self._group, "backend": info.backend,
-            },
-            timeout_s=self._weight_timeout_s,
-        )
+        init = {"master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
+                "group_name": self._group, "backend": info.backend}
+        self.client.post("/init_weights_update_group", init, timeout_s=self._weight_timeout_s)
 
     def _pause(self) -> None:
         self.client.post("/pause_generation", {"mode": "retract"})
@@ -177,15 +126,10 @@ class SglangEngine(HttpEngine):
 
     def _send_bucket(self, i, n, names, dtypes, shapes, version) -> None:
         last = i == n - 1
-        self.client.post(
-            "/update_weights_from_distributed",
-            {
-                "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self._group,
-                "flush_cache": last, "abort_all_requests": False, "weight_version": str(version) if last else None,
-                "load_format": "flattened_bucket",
-            },
-            timeout_s=self._weight_timeout_s,
-        )
+        update = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self._group, "flush_cache": last,
+                  "abort_all_requests": False, "weight_version": str(version) if last else None,
+                  "load_format": "flattened_bucket"}
+        self.client.post("/update_weights_from_distributed", update, timeout_s=self._weight_timeout_s)
 
     def _close(self, version: int) -> None:
         self.client.post("/end_weight_update", {})

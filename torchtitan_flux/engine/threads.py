@@ -1,8 +1,6 @@
-"""Thread utilities of the HTTP engine handlers (``engine/http.py``): the gate over a server's weights (which
-version they are at, and who may use them) and the worker pool.
-
-Simplifications: both are plain ``threading`` primitives (no asyncio): a handler makes blocking HTTP calls, a
-few at a time, so one thread per in-flight call is the simplest correct design.
+"""Thread utilities of the HTTP engine handlers (``engine/http.py``): the gate over a server's weights and the
+worker pool. Simplification: plain ``threading`` (no asyncio): a handler makes a few blocking HTTP calls at a
+time, so one thread per in-flight call is the simplest correct design.
 """
 
 from __future__ import annotations
@@ -17,14 +15,11 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 class Gate:
-    """Reader/writer gate over a server's weights, and the ``version`` they are at (-1: what it loaded from disk).
-    Generations share it (``shared`` yields the version, which cannot change while they hold it); a weight
-    update holds it alone and publishes its version on ``release``. Writers go first (a pending update blocks new
-    generations), so updates are not starved. ``fail`` wakes every waiter, and every later ``shared`` /
-    ``acquire`` raises ``RuntimeError`` with its reason: nothing runs on a dead server again.
-
-    Concurrency: every state change happens under one condition variable; ``held`` and ``version`` are read
-    without it where a stale value is harmless (the health thread's skip, a result's ``newest_seen``)."""
+    """Reader/writer gate over a server's weights, and the ``version`` they are at (-1: loaded from disk).
+    Generations share it (``shared`` yields the version); an update holds it alone and publishes its version on
+    ``release``. Writers go first. After ``fail`` every ``shared`` / ``acquire`` raises ``RuntimeError``.
+    Concurrency: state changes happen under one condition variable; ``held`` and ``version`` are read without it
+    where a stale value is harmless."""
 
     def __init__(self):
         self._cv = threading.Condition()
@@ -85,9 +80,8 @@ class Gate:
 
 
 class Workers:
-    """A fixed set of daemon threads draining a task queue (daemon: a call stuck on a dead server never keeps the
-    trainer from exiting, unlike ``ThreadPoolExecutor``'s joined threads). A task that raises is logged and the
-    thread goes on: tasks report their outcome through the handler's events, never through an exception."""
+    """A fixed set of daemon threads draining a task queue (a call stuck on a dead server never keeps the trainer
+    from exiting). Tasks report through the handler's events; one that raises is logged and the thread goes on."""
 
     def __init__(self, n: int, name: str):
         self._q: queue.Queue = queue.Queue()

@@ -1,24 +1,11 @@
-"""``VllmEngine``: the rollout-engine handler for a vLLM (>= 0.32) OpenAI-compatible server.
+"""``VllmEngine``: the rollout-engine handler for a vLLM (>= 0.32) OpenAI-compatible server (endpoints:
+docs/engines.md; the server side: ``engine/vllm_ext.py``). Start one with ``scripts/launch_vllm.sh MODEL_DIR PORT``,
+or let the trainer launch it (``engine/vllm_launch.py``).
 
-Start the server with ``scripts/launch_vllm.sh MODEL_DIR PORT`` (dev-mode RL endpoints, our worker extension
-``torchtitan_flux.engine.vllm_ext`` and its transfer backend, processed log-probs). Everything shared with SGLang
-(worker threads, version gate, checks, health, the push loop, name/layout conversion) is in ``engine/http.py`` and
-its collaborators; this module holds only the vLLM endpoints and payloads:
-
-* generation: ``POST /v1/completions`` with token-id prompts (a batch: one list per prompt), ``n = group_size``,
-  ``max_tokens``, ``temperature``, ``top_k``, ``seed``, ``logprobs = 1``, ``return_tokens_as_token_ids`` and
-  ``return_token_ids``. Choices come back indexed ``prompt * n + sample``; vLLM gives child sample ``j`` the
-  seed ``seed + j``. Greedy requests (temperature 0, where vLLM refuses n > 1) repeat each prompt instead.
-  Each sampled token's log-prob is ``log_softmax(logits / T)`` (the server runs with ``--logprobs-mode
-  processed_logprobs``); with ``top_k > 0`` vLLM reports it under the top-k-truncated distribution, not the full
-  tempered one the embedded engine reports.
-* weights: once, ``/init_weight_transfer_engine`` (concurrent with the trainer creating rank 0); per push
-  ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` once per bucket (the first also takes
-  the push header) -> ``/finish_weight_update {"weight_version": "N"}`` -> ``/reset_prefix_cache`` -> ``/resume``.
-* checks at ``start()``: reachable, RL endpoints on (``/weight_info``), the extension loaded and a ``gloo`` /
-  vLLM ``nccl`` (GPU: ``engine/vllm_nccl.py``) transfer engine configured, one worker, same model config and same tokenizer as the trainer.
-
-Launching local servers (``rollout.launch = true``) is ``engine/vllm_launch.py``.
+Generation: vLLM gives sample ``j`` the seed ``seed + j``; greedy requests, where vLLM refuses n > 1, repeat each
+prompt instead. Log-probs are ``log_softmax(logits / T)`` (``--logprobs-mode processed_logprobs``); with
+``top_k > 0`` vLLM reports them under the top-k-truncated distribution, not the full tempered one the embedded
+engine reports.
 """
 
 from __future__ import annotations
@@ -27,28 +14,21 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_flux.engine.base import (
-    EngineStartError,
-    GenerationRequest,
-    WeightGroupInfo,
-)
+from torchtitan_flux.engine.base import EngineStartError, GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine, HttpOptions
 from torchtitan_flux.engine.http_client import HttpError
 from torchtitan_flux.engine.vllm_launch import EXTENSION
 
 logger = logging.getLogger("torchtitan_flux")
 
-CONFIG_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "tie_word_embeddings",
-)
+CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "tie_word_embeddings")
 
 
 @dataclass
 class VllmOptions(HttpOptions):
-    """``HttpOptions`` plus the sampled checksums: the server hashes the received buckets of every
-    ``verify_every``-th push (0: none) and of the final one, ``final_version`` (see ``checksum``); hashing costs a
-    device-to-host copy and sha256 of the whole model, so it is sampled."""
+    """``HttpOptions`` plus the sampled checksums: the server hashes every ``verify_every``-th push (0: none) and
+    the final one, ``final_version`` (hashing copies the whole model to the host, so it is sampled)."""
 
     verify_every: int = 1
     final_version: int = -1
@@ -64,10 +44,6 @@ class VllmEngine(HttpEngine):
     def __init__(self, *args, **options):
         super().__init__(*args, **options)
         self.served_model: str | None = None
-        self.max_model_len: int | None = None
-        self.server_info: dict[str, Any] = {}
-
-    # ------------------------------------------------------------------------------------- checks
 
     def _check_server(self) -> None:
         self.checks.reachable()
@@ -75,63 +51,42 @@ class VllmEngine(HttpEngine):
         if not models:
             raise EngineStartError(f"{self.name}: the vLLM server at {self.url} serves no model")
         self.served_model = models[0]["id"]
-        self.max_model_len = models[0].get("max_model_len")
         try:
             self.client.get("/weight_info")
         except HttpError as e:
             if e.status == 404:
-                raise EngineStartError(
-                    f"{self.name}: the vLLM server at {self.url} has no RL weight-update endpoints (GET /weight_info "
-                    "-> 404). Start it with VLLM_SERVER_DEV_MODE=1, --worker-extension-cls "
-                    f"{EXTENSION} and --weight-transfer-config (scripts/launch_vllm.sh does)."
-                ) from e
+                raise EngineStartError(f"{self.name}: the vLLM server at {self.url} has no RL weight-update "
+                                       "endpoints (GET /weight_info -> 404). Start it with VLLM_SERVER_DEV_MODE=1, "
+                                       f"--worker-extension-cls {EXTENSION} and --weight-transfer-config "
+                                       "(scripts/launch_vllm.sh does).") from e
             raise
         try:
-            (info, *_rest) = self.client.post("/collective_rpc", {"method": "flux_model_info"}, idempotent=True)[
-                "results"
-            ]
+            info = self.client.post("/collective_rpc", {"method": "flux_model_info"}, idempotent=True)["results"][0]
         except HttpError as e:
-            raise EngineStartError(
-                f"{self.name}: the vLLM server at {self.url} does not have our worker extension ({e.detail[:200]}). "
-                f"Start it with --worker-extension-cls {EXTENSION} (scripts/launch_vllm.sh does)."
-            ) from e
-        self.server_info = info
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} does not have our worker extension "
+                                   f"({e.detail[:200]}). Start it with --worker-extension-cls {EXTENSION} "
+                                   "(scripts/launch_vllm.sh does).") from e
         if info.get("transfer_backend") not in self.expected_backends:
-            raise EngineStartError(
-                f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
-                f"{info.get('transfer_engine')!r}, not one of ours. Start it with --weight-transfer-config "
-                "'{\"backend\":\"gloo\"}' (CPU) or '{\"backend\":\"nccl\"}' (GPU, vLLM's own engine)."
-            )
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
+                                   f"{info.get('transfer_engine')!r}, not one of ours. Start it with "
+                                   "--weight-transfer-config '{\"backend\":\"gloo\"}' (CPU) or "
+                                   "'{\"backend\":\"nccl\"}' (GPU, vLLM's own engine).")
         if info.get("world_size") != 1:
-            raise EngineStartError(
-                f"{self.name}: the vLLM server at {self.url} runs {info.get('world_size')} workers; weight sync "
-                "supports tensor/pipeline/data parallel size 1 per server (run more servers instead)"
-            )
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} runs {info.get('world_size')} "
+                                   "workers; weight sync supports tensor/pipeline/data parallel size 1 per server "
+                                   "(run more servers instead)")
         self.checks.config(info["hf_config"], CONFIG_KEYS, f"serving {info.get('model')}")
-        self.checks.tokenizer(
-            lambda text: self.client.post(
-                "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False},
-                idempotent=True,
-            )["tokens"]
-        )
-
-    # ---------------------------------------------------------------------------------- generation
+        self.checks.tokenizer(lambda text: self.client.post(
+            "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False}, idempotent=True,
+        )["tokens"])
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
         greedy = req.temperature == 0  # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)] if greedy else req.prompt_ids
         body: dict[str, Any] = {
-            "model": self.served_model,
-            "prompt": prompts,
-            "n": 1 if greedy else req.group_size,
-            "max_tokens": req.max_new_tokens,
-            "temperature": req.temperature,
-            "top_p": 1.0,
-            "seed": req.seed,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
+            "model": self.served_model, "prompt": prompts, "n": 1 if greedy else req.group_size,
+            "max_tokens": req.max_new_tokens, "temperature": req.temperature, "top_p": 1.0, "seed": req.seed,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True, "skip_special_tokens": False,
         }
         if req.top_k > 0:
             body["top_k"] = req.top_k
@@ -147,21 +102,16 @@ class VllmEngine(HttpEngine):
         return completions
 
     def _score(self, tokens: list[int]) -> list[float]:
-        """Prompt logprobs (``prompt_logprobs: 0``: each prompt token's own logprob; temperature 1, so processed ==
-        raw logits)."""
+        """Prompt logprobs (each prompt token's own; temperature 1, so processed == raw)."""
         body = {"model": self.served_model, "prompt": [tokens], "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0}
         rows = self.client.post("/v1/completions", body, idempotent=True)["choices"][0]["prompt_logprobs"]
         return [float(row[str(t)]["logprob"]) for row, t in zip(rows[1:], tokens[1:])]
 
-    # -------------------------------------------------------------------------------------- weights
-
     def hashes(self, version: int) -> bool:
         """Whether the server hashes the push of ``version`` (``weight_sync.verify_every``; always the final one)."""
         every, final = self.options.verify_every, self.options.final_version
-        if every <= 0:
-            return False
-        return version % every == 0 or 0 <= final <= version
+        return every > 0 and (version % every == 0 or 0 <= final <= version)
 
     def _init_group(self, info: WeightGroupInfo) -> None:
         init = {
@@ -192,11 +142,8 @@ class VllmEngine(HttpEngine):
     def _resume(self) -> None:
         self.client.post("/resume")
 
-    # --------------------------------------------------------------------------------------- extras
-
     def checksum(self, timeout: float = 30.0) -> tuple[int, str | None]:
-        """(version of the last complete push, sha256 over its buckets as received) -- equal to the trainer's
-        ``staging.checksum()`` when the staging buffer is in wire (HF) layout. (-1, None) before any push."""
+        """(version of the last hashed push, sha256 of its buckets as received); (-1, None) before any push."""
         try:
             res = self.client.post("/collective_rpc", {"method": "flux_weights_checksum"}, timeout_s=timeout,
                                    idempotent=True)["results"][0]

@@ -1,48 +1,27 @@
 """vLLM worker extension: receive torchtitan_flux weight pushes through vLLM's official RL weight-update API.
 
-Runs INSIDE the vLLM server's worker processes, so it imports only torch, vllm and the torch-only parts of
-torchtitan_flux (``transport``, ``engine.auth``; never torchtitan). Load it with::
+Runs INSIDE the vLLM server's worker processes, so it imports only torch, vllm and torch-only parts of the package
+(never torchtitan). ``scripts/launch_vllm.sh`` loads it (``--worker-extension-cls``) and picks the ``gloo``
+transfer backend, which importing this module registers (CPU servers: vLLM's own backends all need CUDA). GPU
+servers use vLLM's own ``nccl`` backend (``engine/vllm_nccl.py``) and the extension only serves ``flux_model_info``.
 
-    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension \\
-        --weight-transfer-config '{"backend":"gloo"}'          # CPU; '{"backend":"nccl"}' (vLLM's) on GPU
-
-(``scripts/launch_vllm.sh`` does this.) vLLM resolves ``--worker-extension-cls`` in each worker before it loads the
-model, and creates the weight-transfer engine right after loading; importing this module registers our engines
-with ``WeightTransferEngineFactory`` first, so the ``--weight-transfer-config`` backend resolves:
-
-* ``gloo``: ``FluxGlooWeightTransferEngine`` (CPU servers; vLLM's own backends all need CUDA).
-GPU servers use vLLM's own ``nccl`` backend, driven from the trainer by vLLM's ``NCCLTrainerWeightTransferEngine``
-(``torchtitan_flux/engine/vllm_nccl.py``); the extension then only serves ``flux_model_info``.
-
-Wire protocol (what ``torchtitan_flux.engine.vllm.VllmEngine`` drives over HTTP, and what the trainer's
-``WeightSyncer`` broadcasts; see ``torchtitan_flux/sync/transport.py``):
-
-* ``POST /init_weight_transfer_engine {"init_info": FluxInitInfo}``: connect to the trainer's TCPStore and build a
-  2-member group on ``PrefixStore(store_prefix)`` (trainer = rank 0, this worker = ``rank_offset``). It blocks
-  until the trainer creates its side, which it does concurrently. When the server holds the shared token
-  (``$TORCHTITAN_FLUX_TOKEN``) it first runs ``transport.handshake`` with the trainer and joins only if it passes.
-* ``POST /start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU
-  because vLLM repacks Linear weights after loading).
-* ``POST /update_weights {"update_info": FluxUpdateInfo}``: once per bucket, in bucket order. The first call of
-  a push has ``header_len > 0``: it first receives the push header (int64 ``[MAGIC, version, n, ids..]``)
-  and checks it is a full push of ``version``. Each call then receives ONE flat tensor (the bucket: the listed
-  tensors, in order, HF names and HF layout) and hands its views to ``model.load_weights``.
-* ``POST /finish_weight_update {"weight_version": "N"}``: finalize the reload.
-
-``FluxWorkerExtension`` adds two methods callable through ``POST /collective_rpc``: ``flux_model_info`` (the
-served model's config and the configured transfer engine, for the handler's start-up checks) and
-``flux_weights_checksum`` (version and sha256 over the bytes of the newest complete push the trainer asked to
-hash (``FluxUpdateInfo.checksum``: every ``weight_sync.verify_every``-th push and the final one), bucket by bucket:
-equal to the trainer's staging-buffer checksum when the engine holds exactly the trainer's weights).
-
-Simplification: tensor parallelism 1 (the trainer's weight-sync groups have two members); the engine refuses
-other world sizes at init.
+Wire protocol (driven by ``engine.vllm.VllmEngine``; broadcasts from ``sync/transport.py``):
+* ``/init_weight_transfer_engine {"init_info": FluxInitInfo}``: join a 2-member group on the trainer's store
+  (after ``transport.handshake`` when the server holds ``$TORCHTITAN_FLUX_TOKEN``); blocks until the trainer,
+  concurrently, creates its side.
+* ``/start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU).
+* ``/update_weights {"update_info": FluxUpdateInfo}``, once per bucket in order: the first call first receives the
+  push header (int64 ``[MAGIC, version, n, ids..]``) and checks it is a full push of ``version``; each receives ONE
+  flat bucket (HF names and layout) and hands its views to ``model.load_weights``.
+* ``/finish_weight_update {"weight_version": "N"}``: finalize the reload.
+``FluxWorkerExtension`` adds ``flux_model_info`` (for the start-up checks) and ``flux_weights_checksum`` (sha256 of
+the newest push the trainer asked to hash) to ``/collective_rpc``. Simplification: tensor parallelism 1.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -56,9 +35,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from torchtitan_flux import compat
-
-from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.auth import read_token
+from torchtitan_flux.sync import transport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXT_VERSION = 1
@@ -81,10 +59,8 @@ class FluxInitInfo(WeightTransferInitInfo):
         if not self.store_prefix:
             raise ValueError("init_info.store_prefix must be a non-empty string")
         if self.world_size != self.rank_offset + 1:
-            raise ValueError(
-                f"init_info world_size={self.world_size}, rank_offset={self.rank_offset}: torchtitan_flux weight "
-                "sync supports one trainer rank and one worker (tensor_parallel_size 1)"
-            )
+            raise ValueError(f"init_info world_size={self.world_size}, rank_offset={self.rank_offset}: torchtitan_flux "
+                             "weight sync supports one trainer rank and one worker (tensor_parallel_size 1)")
 
 
 @dataclass
@@ -101,10 +77,8 @@ class FluxUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         n = len(self.names)
         if n == 0 or len(self.dtype_names) != n or len(self.shapes) != n:
-            raise ValueError(
-                f"update_info needs equally long, non-empty names/dtype_names/shapes; got "
-                f"{n}/{len(self.dtype_names)}/{len(self.shapes)}"
-            )
+            raise ValueError(f"update_info needs equally long, non-empty names/dtype_names/shapes; got "
+                             f"{n}/{len(self.dtype_names)}/{len(self.shapes)}")
         if len(set(self.dtype_names)) != 1 or self.dtype_names[0] not in _DTYPES:
             raise ValueError(f"a bucket holds one dtype of {sorted(_DTYPES)}; got {sorted(set(self.dtype_names))}")
         if not 0 <= self.bucket < self.num_buckets:
@@ -131,14 +105,10 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         self._push_version = None
         self.last_checksum: tuple[int, str | None] = (-1, None)
 
-    # ------------------------------------------------------------------------------------------ group
-
     def init_transfer_engine(self, init_info: FluxInitInfo) -> None:
         if init_info.backend != self.BACKEND:
-            raise ValueError(
-                f"the trainer asks for a {init_info.backend!r} weight-sync group but this server was started with "
-                f"--weight-transfer-config backend for {self.BACKEND!r}"
-            )
+            raise ValueError(f"the trainer asks for a {init_info.backend!r} weight-sync group but this server was "
+                             f"started with --weight-transfer-config backend for {self.BACKEND!r}")
         pc = self.parallel_config
         if pc.world_size * pc.data_parallel_size != 1:
             raise ValueError("torchtitan_flux weight sync supports tensor/pipeline/data parallel size 1 per server")
@@ -157,8 +127,6 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
     def shutdown(self) -> None:
         self.group = None  # raw groups are not registered with torch.distributed; dropping them closes them
         self._store = None
-
-    # ---------------------------------------------------------------------------------------- session
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -185,9 +153,8 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         if self.group is None:
             raise RuntimeError("weight-sync group not initialized: call /init_weight_transfer_engine first")
         if info.bucket != self._next_bucket:
-            raise RuntimeError(
-                f"bucket {info.bucket} arrived, expected bucket {self._next_bucket} (buckets go in order)"
-            )
+            raise RuntimeError(f"bucket {info.bucket} arrived, expected bucket {self._next_bucket} "
+                               "(buckets go in order)")
         if info.header_len:
             header = torch.empty(info.header_len, dtype=torch.int64, device=self._wire_device)
             self._broadcast(header)
@@ -198,16 +165,13 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
             if version != info.version:
                 raise RuntimeError(f"push header carries version {version}, the HTTP request says {info.version}")
             if ids != list(range(info.num_buckets)):
-                raise RuntimeError(
-                    f"only full pushes of all {info.num_buckets} buckets are supported; header has buckets "
-                    f"{ids[:8]}{'...' if n > 8 else ''}"
-                )
+                raise RuntimeError(f"only full pushes of all {info.num_buckets} buckets are supported; header has "
+                                   f"buckets {ids[:8]}{'...' if n > 8 else ''}")
             self._push_version = version
             self._hash = hashlib.sha256() if (self._checksum_enabled and info.checksum) else None
         elif info.version != self._push_version:
-            raise RuntimeError(
-                f"bucket {info.bucket} of version {info.version} inside the push of {self._push_version}"
-            )
+            raise RuntimeError(f"bucket {info.bucket} of version {info.version} inside the push of "
+                               f"{self._push_version}")
         dtype = _DTYPES[info.dtype_names[0]]
         numels = [_numel(s) for s in info.shapes]
         flat = torch.empty(sum(numels), dtype=dtype, device=self._wire_device)  # fresh per bucket: the reload
@@ -234,14 +198,8 @@ class FluxGlooWeightTransferEngine(_FluxWeightTransferEngine):
 
 
 def _refresh_tied_lm_head(model, model_config) -> None:
-    """Make a tied ``lm_head`` compute with the embedding just pushed.
-
-    A tied head receives no tensor of its own (``load_weights`` skips ``lm_head.*`` when the config ties them), so
-    the layerwise reload never re-processes it: on CPU it keeps the oneDNN/packed GEMM handle that
-    ``process_weights_after_loading`` built from the ORIGINAL embedding at start-up, and the logits stay those of the
-    initial head however the embedding is trained (vLLM 0.32 CPU; found by the post-sync probe,
-    ``torchtitan_flux/sync/probe.py``). Re-point the head at the embedding's parameter and rebuild that state (a no-op
-    off CPU for unquantized heads)."""
+    """Make a tied ``lm_head`` compute with the embedding just pushed: the reload never re-processes it, so its
+    packed GEMM state stays the initial embedding's (vLLM 0.32 CPU; docs/engines.md)."""
     if not getattr(model_config.hf_config, "tie_word_embeddings", False):
         return
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -257,19 +215,17 @@ def _refresh_tied_lm_head(model, model_config) -> None:
 
 
 def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    return math.prod(int(s) for s in shape)
 
 
-# GPU servers use vLLM's own "nccl" engine instead (engine/vllm_nccl.py): no NCCL receiver of ours runs in vLLM
-REGISTERED = {"gloo": FluxGlooWeightTransferEngine}
-for _name, _cls in REGISTERED.items():
-    try:
-        WeightTransferEngineFactory.register_engine(_name, _cls)
-    except ValueError:  # registered already (module imported twice, or another extension owns the name)
-        pass
+try:  # GPU servers use vLLM's own "nccl" engine instead (engine/vllm_nccl.py)
+    WeightTransferEngineFactory.register_engine("gloo", FluxGlooWeightTransferEngine)
+except ValueError:  # registered already (module imported twice, or another extension owns the name)
+    pass
+
+
+HF_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "tie_word_embeddings", "architectures", "eos_token_id")
 
 
 class FluxWorkerExtension:
@@ -285,13 +241,7 @@ class FluxWorkerExtension:
             "model": str(cfg.model),
             "dtype": str(cfg.dtype).removeprefix("torch."),
             "max_model_len": int(cfg.max_model_len),
-            "hf_config": {
-                k: getattr(hf, k, None)
-                for k in (
-                    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "intermediate_size", "tie_word_embeddings", "architectures", "eos_token_id",
-                )
-            },
+            "hf_config": {k: getattr(hf, k, None) for k in HF_CONFIG_KEYS},
             "transfer_engine": type(engine).__name__ if engine is not None else None,
             # ours: "gloo" / "nccl"; vLLM's own NCCL engine (GPU): "vllm_nccl" (engine/vllm_nccl.py)
             "transfer_backend": getattr(engine, "BACKEND", None)

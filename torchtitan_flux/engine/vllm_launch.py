@@ -1,21 +1,15 @@
 """Launching local vLLM servers for ``rollout.launch = true`` (the handler that talks to them is ``engine/vllm.py``).
 
-``launch_command`` builds the server's argv and environment exactly as ``scripts/launch_vllm.sh`` does (keep the
-two in step); ``launch_servers`` starts servers on free loopback ports, each in a process group of its own and
-with ``PR_SET_PDEATHSIG`` (it dies with the trainer), waits for ``/health`` and returns ``LaunchedServer`` handles
-whose ``stop()`` sends SIGTERM to the group, then SIGKILL after a grace period. Servers still running at
-interpreter exit are stopped too (``atexit``). A launched server that dies is not relaunched: its handler
-reconnects if it comes back, else the run goes on without it. A server that exits while starting is reported
-with its exit code and its log's error line; a model that a CPU server cannot serve (attention head size) is
-refused before launching (``unservable_reason``, called at config validation).
-
-The server runs in another Python environment (``rollout.launch_python``, e.g. ``.venv-vllm``) and must import
-our worker extension (``EXTENSION``): it gets the directory this package is imported from on its ``PYTHONPATH``.
+``launch_command`` builds a server's command as ``scripts/launch_vllm.sh`` does (keep the two in step);
+``launch_servers`` starts them, each in its own process group and dying with the trainer. A launched server that
+dies is not relaunched (its handler reconnects if it comes back). The server runs in another Python environment
+(``rollout.launch_python``) with this package's parent directory on its ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -56,8 +50,8 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def unservable_reason(model_dir: str | os.PathLike, gpu: bool | None = None) -> str | None:
-    """Why a server launched here could not serve ``model_dir``, for the rules known before launching (CPU:
-    the attention head sizes above); None when none applies. ``gpu``: as ``launch_command`` decides it."""
+    """Why a server launched here could not serve ``model_dir`` (CPU: the head sizes above), else None; called
+    at config validation. ``gpu``: as ``launch_command`` decides it."""
     from torchtitan_flux.models import hf
 
     if _has_gpu() if gpu is None else gpu:
@@ -69,19 +63,12 @@ def unservable_reason(model_dir: str | os.PathLike, gpu: bool | None = None) -> 
             f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only")
 
 
-def launch_command(
-    model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike, extra_args: tuple[str, ...] = (),
-    env: dict[str, str] | None = None, gpu: bool | None = None, auth_token: str | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) of a vLLM server ready for torchtitan_flux weight sync, on 127.0.0.1:``port``.
-
-    The Python twin of ``scripts/launch_vllm.sh`` (keep them in step): dev-mode RL endpoints, our worker extension
-    and weight-transfer backend (``gloo`` on CPU, vLLM's own ``nccl`` on a GPU), processed log-probs, loopback only,
-    offline, no usage stats; the same environment knobs (``VLLM_DTYPE``, ``VLLM_MAX_MODEL_LEN``,
-    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_HOST_IP``), read from ``env`` (default: this
-    process's environment). With ``auth_token`` the server gets it as ``$TORCHTITAN_FLUX_TOKEN`` (in its
-    environment, not its command line) and ``--middleware`` ``engine.auth.BearerAuthMiddleware``: it refuses requests
-    without the token and weight-sync joins without the handshake; without one it has neither."""
+def launch_command(model_dir: str | os.PathLike, port: int, *, python: str | os.PathLike,
+                   extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, gpu: bool | None = None,
+                   auth_token: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a vLLM server for our weight sync on 127.0.0.1:``port``, as ``scripts/launch_vllm.sh``
+    builds it (``VLLM_*`` knobs read from ``env``). ``auth_token`` goes into its environment as
+    ``$TORCHTITAN_FLUX_TOKEN`` (never its command line), with the ``BearerAuthMiddleware``."""
     env = dict(os.environ if env is None else env)
     env.pop(TOKEN_ENV, None)
     if auth_token:
@@ -126,15 +113,13 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _preexec(parent: int) -> None:
-    """In the forked child, before exec: SIGKILL it when the trainer dies (the new session, from
-    ``start_new_session``, is already set); exit if the trainer died before the prctl took effect."""
+    """In the forked child, before exec: die with the trainer (exit now if it died before the prctl took effect)."""
     if die_with_parent() and os.getppid() != parent:
         os._exit(1)
 
 
 def last_error_line(log: str) -> str:
-    """The line of a server log that says why it failed: the last one naming an error or exception (Python's
-    final ``SomeError: message`` line of a traceback), else the last non-empty line."""
+    """The line of a server log that says why it failed: the last one naming an error, else the last one."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if re.search(r"(Error|Exception|error:)", ln):
@@ -168,21 +153,17 @@ class LaunchedServer:
             return ""
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to the server's process group (it and its engine-core children), SIGKILL after ``grace_s``.
-        Idempotent."""
+        """SIGTERM to the server's process group, SIGKILL after ``grace_s``. Idempotent."""
         if self.proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 logger.warning(f"vLLM server {self.url} (pid {self.proc.pid}) ignored SIGTERM; killing it")
-        try:  # the group may outlive its leader (engine-core children): kill what is left either way
+        # the group may outlive its leader (engine-core children): kill what is left either way
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         if self.proc.returncode is None:
             self.proc.wait(timeout=30)
         if not self._log.closed:
@@ -190,22 +171,19 @@ class LaunchedServer:
         atexit.unregister(self.stop)
 
 
-def launch_servers(
-    n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
-    timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
-    auth_token: str | None = None, envs: list[dict[str, str]] | None = None,
-) -> list[LaunchedServer]:
-    """Start ``n`` local vLLM servers of ``model_dir`` (``launch_command``, with ``auth_token``) on free ports and
-    wait until each answers ``/health``. ``threads`` caps each server's OpenMP threads (CPU); ``envs[i]`` is added
-    to server i's environment (``placement.visible_devices_env``: its own GPU). Logs go to ``log_dir/vllm_server{i}.log``. On failure (a server exits, or is not
-    healthy within ``timeout_s``) every server started here is stopped and ``EngineStartError`` names the
-    server's log."""
+def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
+                   timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
+                   auth_token: str | None = None, envs: list[dict[str, str]] | None = None) -> list[LaunchedServer]:
+    """Start ``n`` local vLLM servers of ``model_dir`` on free ports (logs: ``log_dir/vllm_server{i}.log``;
+    ``envs[i]`` added to server i's environment) and wait until each answers ``/health``. On failure every server
+    started here is stopped and ``EngineStartError`` names the server's log."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: list[LaunchedServer] = []
     try:
         for i, port in enumerate(_free_ports(n)):
-            argv, env = launch_command(os.path.abspath(model_dir), port, python=python, extra_args=extra_args, auth_token=auth_token)
+            argv, env = launch_command(os.path.abspath(model_dir), port, python=python, extra_args=extra_args,
+                                       auth_token=auth_token)
             if threads is not None:  # CPU: the server's share of the cores (the trainer takes the rest)
                 env["OMP_NUM_THREADS"] = str(threads)
             env.update(envs[i] if envs else {})
@@ -222,19 +200,16 @@ def launch_servers(
         while pending:
             for s in list(pending):
                 if s.proc.poll() is not None:
-                    raise EngineStartError(
-                        f"the vLLM server launched at {s.url} exited with code {s.proc.returncode} before it was "
-                        f"healthy: {last_error_line(s.tail(20000))} (full log: {s.log_path})"
-                    )
+                    raise EngineStartError(f"the vLLM server launched at {s.url} exited with code "
+                                           f"{s.proc.returncode} before it was healthy: "
+                                           f"{last_error_line(s.tail(20000))} (full log: {s.log_path})")
                 if s.healthy():
                     pending.remove(s)
             if pending and time.monotonic() - t0 > timeout_s:
                 s = pending[0]
-                raise EngineStartError(
-                    f"the vLLM server launched at {s.url} did not answer /health within {timeout_s:g} s "
-                    f"(rollout.launch_timeout_s); its last log line: {last_error_line(s.tail(20000))} "
-                    f"(full log: {s.log_path})"
-                )
+                raise EngineStartError(f"the vLLM server launched at {s.url} did not answer /health within "
+                                       f"{timeout_s:g} s (rollout.launch_timeout_s); its last log line: "
+                                       f"{last_error_line(s.tail(20000))} (full log: {s.log_path})")
             if pending:
                 time.sleep(1.0)
         logger.info(f"{n} vLLM server(s) healthy after {time.monotonic() - t0:.1f} s")

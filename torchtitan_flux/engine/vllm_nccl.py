@@ -1,29 +1,11 @@
-"""``VllmNcclEngine``: vLLM on GPU, with weights sent by vLLM's own trainer-side NCCL engine.
+"""``VllmNcclEngine``: vLLM on GPU, with weights sent by vLLM's own trainer-side NCCL engine
+(``NCCLTrainerWeightTransferEngine``), so vLLM owns both ends of the wire (which engine when: docs/gpu.md).
 
-Which of vLLM 0.32's weight-transfer engines we use (``vllm/distributed/weight_transfer/``), and why:
-  * GPU trainer, vLLM server on another GPU: ``NCCLTrainerWeightTransferEngine`` (``nccl_engine.py``) on the
-    trainer, vLLM's ``NCCLWeightTransferEngine`` in the server (``--weight-transfer-config '{"backend":"nccl"}'``,
-    which ``scripts/launch_vllm.sh`` / ``launch_command`` pick when a GPU is visible). It packs tensors into
-    double-buffered chunks broadcast on its own CUDA streams, and loads them with vLLM's layerwise reload: vLLM
-    owns both ends of the wire, so nothing of ours runs in the server's receive path.
-  * CPU (tests, CI): vLLM has no CPU backend, so our gloo engine in ``vllm_ext.py`` stays (``VllmEngine``).
-  * Not used: the sparse NCCL engine (sends only changed rows; our pushes are dense and the delta method is an
-    embedded-engine feature), the IPC engine (colocated trainer and vLLM on one GPU; we give each engine its own
-    GPU, ``placement.py``), and the m2n / sharded-RDT engines (many trainer ranks to many workers; we send from one
-    rank, see ``weight_sync``).
-
-Fit with our push thread (``weight_sync/pusher.py``): ``own_group`` runs vLLM's ``trainer_init`` in the joiner
-thread (it calls the server's ``/init_weight_transfer_engine`` itself, concurrently with opening rank 0 on a
-TCPStore of its own, on a fresh port per join). A push is ``self_push``: it runs on this handler's control thread
-(the one thread that issues this communicator's collectives) as pause -> ``send_weights()`` (start, update_weights,
-broadcasts, finish with our version) -> reset prefix cache -> resume, and the pusher polls its completion against
-its deadline like any Work. The source is our staging buffer (HF layout, wire dtype, pinned host memory): each
-tensor is copied to the GPU on vLLM's producer stream as it packs.
-
-Checks only a GPU run can make (docs/gpu.md): the rendezvous on a 2-GPU machine, the packed broadcast's throughput,
-and that vLLM's loader takes our HF-layout tensors unchanged (the logprob probe compares engine and trainer).
-There is no byte checksum on this path (vLLM's receiver keeps no hash): ``checksum`` is ``HttpEngine``'s
-(version, None).
+Fit with our push thread (``sync/pusher.py``): ``own_group`` runs vLLM's ``trainer_init`` in the joiner thread (it
+posts ``/init_weight_transfer_engine`` itself, on a TCPStore of its own). A push is ``self_push``: on this
+handler's control thread (the one thread that issues this communicator's collectives) pause -> ``send_weights()``
+-> reset prefix cache -> resume, polled by the pusher like any Work. The source is our staging buffer, copied to
+the GPU on vLLM's producer stream. No byte checksum: ``checksum`` is ``HttpEngine``'s (version, None).
 """
 
 from __future__ import annotations
@@ -34,10 +16,10 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtitan_flux.sync import cuda_rules
 from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine
 from torchtitan_flux.engine.vllm import VllmEngine
+from torchtitan_flux.sync import cuda_rules
 
 SERVER_BACKEND = "vllm_nccl"  # what ``flux_model_info`` reports for vLLM's own NCCL engine
 
