@@ -196,6 +196,7 @@ def _report(e: BaseException) -> int:
     from torchtitan_flux.config import ConfigError
     from torchtitan_flux.engine.base import EngineStartError
     from torchtitan_flux.sync.probe import ProbeMismatch
+    from torchtitan_flux.run.metrics import MetricsWriteError
     from torchtitan_flux.run.resume import CheckpointWriteError
     from torchtitan_flux.data.rewards import RewardError
     from torchtitan_flux.rollout.scheduler import NoEngineLeft
@@ -206,7 +207,7 @@ def _report(e: BaseException) -> int:
         code, line = 2, f"error: {e}"
     elif isinstance(e, (EngineStartError, ProbeMismatch)):
         code, line = 1, f"error: {e}"
-    elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError)):
+    elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError, MetricsWriteError)):
         code, line = 1, f"stopped: {e}"
     else:
         traceback.print_exc()

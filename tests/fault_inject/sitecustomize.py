@@ -18,6 +18,8 @@ engine processes) then imports this module at start-up. With none of the variabl
       bounded-restart test.
   FLUX_FAULT_CKPT_ENOSPC="STEP"   writing the checkpoint of step STEP fails with "No space left on device" after
       its first shard file was opened: a full disk at a save.
+  FLUX_FAULT_METRICS_ENOSPC="STEP"   appending step STEP's row to metrics.jsonl fails with "No space left on
+      device": a full disk under the metrics.
   FLUX_FAULT_PUSH_HOLD="VERSION:SECONDS"   the trainer's first regular push of a weight version >= VERSION stays
       in flight after its bytes went out until two more due steps found the pusher busy and were coalesced (at
       most SECONDS), as a push to an engine slow to acknowledge it (a slow link, a big model, a loaded machine)
@@ -114,6 +116,27 @@ if _enospc:
         return _write_data(self, plan, planner)
 
     _fs_full._FileSystemWriter.write_data = _full_disk
+
+_metrics_full = os.environ.get("FLUX_FAULT_METRICS_ENOSPC")
+if _metrics_full:
+    import errno
+
+    from torchtitan_flux.run import metrics as _metrics
+
+    _metrics_write = _metrics._write
+
+    class _FullDiskFile:
+        def __init__(self, name):
+            self.name = name
+
+        def write(self, line):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def _full_metrics_disk(f, line, step):
+        full = step == int(_metrics_full) and f.name.endswith("metrics.jsonl")
+        return _metrics_write(_FullDiskFile(f.name) if full else f, line, step)
+
+    _metrics._write = _full_metrics_disk
 
 # FLUX_FAULT_ENGINE_WEIGHTS="VERSION:MODE[:NAME]" (tests/integration/test_probe_e2e.py): from weight version
 # VERSION on, an embedded engine computes (generates and scores the post-sync probe) with other weights than the

@@ -292,6 +292,25 @@ def test_a_full_disk_at_a_save_stops_the_run_in_one_line_keeping_the_previous_ch
     assert complete_ckpts(dump) == [2] and not _our_traceback_frames(log)
 
 
+def test_a_full_disk_under_the_metrics_stops_the_run_and_checkpoints_the_step(tmp_path):
+    """Before 2026-11-25 (issue 27) an OSError writing metrics.jsonl ended the run with a traceback, and the steps
+    since the last periodic checkpoint were lost; now the run stops with one line naming the file and the step,
+    after checkpointing the step it just trained, which a resume continues from."""
+    from _procs import wait_gone
+
+    dump = tmp_path / "run"
+    run = Run(dump, tmp_path / "run.log", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
+              "--training.steps", "8", faults={"FLUX_FAULT_METRICS_ENOSPC": "5"})
+    assert run.proc.wait(120) == 1
+    assert not wait_gone(run.seen, 10.0), "processes outlived the run"
+    log = run.log.read_text()
+    lines = [x for x in log.splitlines() if x.startswith("stopped: ")]
+    assert lines == [f"stopped: cannot write {dump}/metrics.jsonl at step 5: No space left on device; free space "
+                     "(or fix the folder), then resume"], log[-3000:]
+    assert complete_ckpts(dump) == [5] and not _our_traceback_frames(log)
+    assert len(read_metrics(dump)) == 4
+
+
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")

@@ -144,18 +144,6 @@ def test_plot_controller_draws_the_cadence_panel_when_logged(tmp_path):
     assert heights["auto"] > heights["plain"]  # the fourth panel is there only when the cadence was logged
 
 
-def test_auto_and_integer_intervals_parse_and_validate(tiny_model_dir):
-    from test_config import parse
-
-    from torchtitan_flux.run.validation import validate_config
-
-    for value, expect in (("auto", "auto"), ("2", 2)):
-        cfg = parse("--weight_sync.interval", value)
-        validate_config(cfg)
-        assert cfg.weight_sync.interval == expect
-    validate_config(parse("--weight_sync.interval", "5", "--off_policy.max_version_gap", "4"))
-
-
 SLOW_LINK = {"FLUX_FAULT_PUSH_DELAY": "0.03"}  # every push 30 ms slower on the engine (tests/fault_inject)
 # the post-sync probe off: its pushes at probe steps are not the cadence's (README: they come on top)
 SLOW_LINK_ARGS = ("--off_policy.max_version_gap", "16", "--training.steps", "60", "--weight_sync.probe_every", "0")

@@ -191,6 +191,14 @@ def test_one_syntax_for_every_list_and_boolean():
     assert parse("--job.description", "True").job.description == "True"
 
 
+def test_auto_and_integer_intervals_parse_and_validate(tiny_model_dir):
+    for value, expect in (("auto", "auto"), ("2", 2)):
+        cfg = parse("--weight_sync.interval", value)
+        validate_config(cfg)
+        assert cfg.weight_sync.interval == expect
+    validate_config(parse("--weight_sync.interval", "5", "--off_policy.max_version_gap", "4"))
+
+
 def test_a_spec_naming_a_moved_module_names_its_new_place():
     """The modules moved into folders (issue 25): a config naming an old path gets the new one, in one line."""
     from torchtitan_flux.run.user_code import import_spec

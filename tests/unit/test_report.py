@@ -94,3 +94,23 @@ def test_verify_prints_checksums_equal_only_for_equal_sha256(verify):
 
     ok, _, lines = verify.report_lines({"sync": _run_summary([]), "async": None})
     assert not ok and "sync_checksums_equal=0" in lines and lines[-1] == "checksums_equal=0"
+
+
+def test_a_metrics_write_that_fails_is_one_error_naming_the_file(tmp_path):
+    """A full disk under metrics.jsonl (issue 27): ``MetricsWriteError`` naming the file and the step, which the
+    trainer stops on like a failed checkpoint write (one ``stopped:`` line, the step checkpointed)."""
+    import errno
+
+    from torchtitan_flux.run.metrics import MetricsWriteError, MetricsWriter
+
+    class FullDisk:
+        name = str(tmp_path / "metrics.jsonl")
+
+        def write(self, line):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    w = MetricsWriter(str(tmp_path), total_steps=3)
+    w.log(1, {"reward_mean": 0.5})
+    w._f = FullDisk()
+    with pytest.raises(MetricsWriteError, match=r"^cannot write .*metrics.jsonl at step 2: No space left on device; "):
+        w.log(2, {"reward_mean": 0.5})

@@ -17,6 +17,11 @@ import time
 logger = logging.getLogger("torchtitan_flux")
 
 
+class MetricsWriteError(RuntimeError):
+    """``metrics.jsonl`` or ``completions.jsonl`` cannot be written (a full disk, a folder gone): the run stops,
+    checkpointing the step it just trained, instead of training on without a record."""
+
+
 class MetricsWriter:
     def __init__(self, dump_folder: str, total_steps: int, loggers=None, log_every: int = 1):
         """``loggers``: torchtitan's logger (``metrics_processor.logger``: TensorBoard and/or W&B), or None."""
@@ -35,7 +40,7 @@ class MetricsWriter:
     def log(self, step: int, metrics: dict[str, float], progress: bool = True) -> None:
         """One record; ``progress=False`` for a record that is not a training step (the ``eval.at_start`` one)."""
         record = {"step": step, "time": round(time.time(), 3), **{k: _plain(v) for k, v in metrics.items()}}
-        self._f.write(json.dumps(record) + "\n")
+        _write(self._f, json.dumps(record) + "\n", step)
         if self._loggers is not None and (step % self._every == 0 or not progress or "eval/version" in record):
             self._loggers.log({k: v for k, v in record.items() if k not in ("step", "time") and _scalar(v)}, step)
         if progress:
@@ -53,8 +58,8 @@ class MetricsWriter:
         rows = []
         for i, (p, c, v, t) in enumerate(zip(prompts, batch.completions, versions, total)):
             rewards = {name: values[i] for name, values in per_func.items()}
-            self._completions.write(json.dumps({"step": step, "version": v, "prompt": p, "completion": c,
-                                                "reward": t, "rewards": rewards}) + "\n")
+            _write(self._completions, json.dumps({"step": step, "version": v, "prompt": p, "completion": c,
+                                                  "reward": t, "rewards": rewards}) + "\n", step)
             rows.append([step, v, p, c, t, *rewards.values()])
         if self._wandb is not None:
             columns = ["step", "version", "prompt", "completion", "reward", *per_func]
@@ -87,6 +92,14 @@ class MetricsWriter:
         self._f.close()
         if self._completions is not None:
             self._completions.close()
+
+
+def _write(f, line: str, step: int) -> None:
+    try:
+        f.write(line)
+    except OSError as e:
+        raise MetricsWriteError(f"cannot write {f.name} at step {step}: {e.strerror or e}; free space (or fix "
+                                "the folder), then resume") from None
 
 
 def _plain(v):

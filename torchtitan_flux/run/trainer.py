@@ -51,7 +51,7 @@ from torchtitan_flux.data.evaluation import Evaluator
 from torchtitan_flux.rl.feed import BatchFeed
 from torchtitan_flux.rollout.fleet import Rollouts, set_trainer_threads
 from torchtitan_flux.models.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
-from torchtitan_flux.run.metrics import MetricsWriter
+from torchtitan_flux.run.metrics import MetricsWriteError, MetricsWriter
 from torchtitan_flux.run.preflight import preflight
 from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.data.rewards import RewardError
@@ -170,8 +170,8 @@ class FluxTrainer(Trainer):
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e))
             raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
-        except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError) as e:
-            # a reward function's failure or deadline, a step callback's failure: between steps, like a lost engine
+        except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError, MetricsWriteError) as e:
+            # a reward function's failure or deadline, a step callback's or the metrics file's: like a lost engine
             signalled = isinstance(e, TrainingInterrupted) or self.stops.signal is not None
             self._save_on_stop(getattr(e, "at_step_boundary", True),
                                reason=f"received {self.stops.signal}" if signalled else str(e))
