@@ -80,12 +80,10 @@ class Rollout:
     """``[rollout]``: where completions come from and what they are scored on."""
 
     engine: Literal["embedded", "vllm", "sglang"] = "embedded"
-    """Rollout engine: "embedded" (a child process holding its own copy of the policy), "vllm" or "sglang"
-    (HTTP servers; see ``urls``)."""
+    """Rollout engine: "embedded" (a child process holding a copy of the policy), "vllm" or "sglang" (servers)."""
 
     num_engines: Annotated[int, Range(ge=1)] = 1
-    """Number of embedded engine processes, or of vLLM servers started with ``launch = true`` (otherwise servers
-    are counted by ``urls``)."""
+    """Embedded engine processes, or vLLM servers started with ``launch = true`` (else ``urls`` counts them)."""
 
     urls: list[str] = field(default_factory=list)
     """Base URLs of vLLM / SGLang servers, e.g. ["http://127.0.0.1:8000"]. Required for those engines."""
@@ -97,8 +95,7 @@ class Rollout:
     """Maximum completion length in tokens."""
 
     top_k: Annotated[int, Range(ge=0)] = 0
-    """Sample only from the top-k tokens; 0 disables. The behaviour log-probabilities stay those of the full
-    tempered distribution, so top-k sampling is slightly off-policy."""
+    """Sample only from the top-k tokens (slightly off-policy: logprobs stay the full distribution's); 0 disables."""
 
     task: str = "digits"
     """Task: "digits" (fraction of digit characters; a random-init model learns it in minutes), "arithmetic"
@@ -110,8 +107,7 @@ class Rollout:
     (splits named by file name: train.jsonl, test.jsonl), or a ``save_to_disk`` folder (docs/data.md)."""
 
     engine_threads: Annotated[int, Range(ge=1)] = 1
-    """CPU threads of each engine on this machine (an embedded engine's torch threads, or a launched vLLM
-    server's OpenMP threads); the trainer gets the remaining cores."""
+    """CPU threads of each engine (torch threads, or a launched server's OpenMP threads); the trainer gets the rest."""
 
     seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
     """Base seed of the engines' samplers (each request derives its own generator from it)."""
@@ -121,16 +117,15 @@ class Rollout:
     split is kept while every engine's share would change by less than this fraction of itself. 0 re-splits always."""
 
     dispatch_max_share: Annotated[float, Range(gt=0, le=1)] = 0.75
-    """Imbalance cap: while several engines are alive, none gets more than this fraction of a step's prompts (the
-    excess goes to the others by speed). Below 1 / (engines alive) the split is even."""
+    """Imbalance cap: while several engines are alive, none gets more than this fraction of a step's prompts
+    (below 1 / (engines alive) the split is even)."""
 
     launch: Bool = False
     """Engine "vllm" only: the trainer starts ``num_engines`` local vLLM servers (model ``model.hf_assets_path``,
     interpreter ``launch_python``), uses them as ``urls`` (which must be empty) and stops them when it closes."""
 
     launch_python: str = ".venv-vllm/bin/python"
-    """Python with vLLM installed, for ``launch`` (``scripts/setup_vllm.sh`` creates ``.venv-vllm``); a relative
-    path is taken from the current directory, then from the repository root."""
+    """Python with vLLM, for ``launch`` (``scripts/setup_vllm.sh`` makes it); relative: to the cwd, else the repo root."""
 
     launch_timeout_s: Annotated[float, Range(gt=0)] = 600.0
     """Seconds to wait for a launched vLLM server to answer ``/health`` before giving up."""
@@ -146,8 +141,7 @@ class Rollout:
     """Dataset column holding the prompt text (task "gsm8k" also accepts "question")."""
 
     messages_column: str = "messages"
-    """Dataset column holding a chat prompt (a list of {"role", "content"} messages), used when there is no
-    ``prompt_column``; rendered with the model folder's chat template."""
+    """Dataset column holding a chat prompt ({"role", "content"} messages), used when there is no ``prompt_column``."""
 
     answer_column: str = "answer"
     """Dataset column passed to the rewards as ``answer`` (every other column is passed under its own name)."""
@@ -156,12 +150,10 @@ class Rollout:
     """Render text prompts as a one-message user chat with the model's chat template (chat datasets always are)."""
 
     max_prompt_tokens: Annotated[int, Range(ge=0, note="0 = seq_len - max_new_tokens")] = 0
-    """Longest prompt in tokens; 0 means ``training.seq_len - max_new_tokens``. ``max_prompt_tokens +
-    max_new_tokens`` must fit in ``training.seq_len``."""
+    """Longest prompt in tokens; with ``max_new_tokens`` it must fit in ``training.seq_len``."""
 
     long_prompts: Literal["drop", "error"] = "drop"
-    """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (how many is logged at start) or "error"
-    (refuse the dataset)."""
+    """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (the count is logged) or "error"."""
 
     reward_funcs: list[str] = field(default_factory=list)
     """Reward functions with TRL's batched signature f(prompts, completions, completion_ids, **columns) ->
@@ -198,8 +190,8 @@ class WeightSync:
     are snapshotted into a staging buffer and pushed by a background thread; the trainer never waits on an engine."""
 
     timeout_seconds: Annotated[float, Range(ge=1)] = 60.0
-    """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
-    serving its old version, and gets a full resync when it answers again."""
+    """An engine that has not applied a push this many seconds after it was sent is marked lagging (it keeps its
+    old version) and gets a full resync when it answers again."""
 
     bucket_size_mb: Annotated[float, Range(gt=0)] = 64.0
     """Weights are flattened into buckets of about this size for transfer."""
@@ -210,8 +202,7 @@ class WeightSync:
     ``sync_overhead``). Generation runs at most ``max_version_gap - (interval - 1)`` steps ahead."""
 
     master_addr: str = "127.0.0.1"
-    """Address the trainer's weight-sync rendezvous (a TCPStore) listens on, and engines connect to. Loopback by
-    default; any other address needs the shared token (``auth_token_env``)."""
+    """Address of the weight-sync rendezvous (a TCPStore); other than loopback needs ``auth_token_env``'s token."""
 
     master_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """Port of the weight-sync rendezvous; 0 picks a free port."""
@@ -223,8 +214,7 @@ class WeightSync:
     host is not loopback. Servers read ``TORCHTITAN_FLUX_TOKEN``. See "Security" in the README."""
 
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype of the weights on the wire and in the staging buffer (parameters are cast while snapshotting).
-    "auto": the parameters' own dtype."""
+    """dtype of the weights on the wire and in the staging buffer; "auto": the parameters' own dtype."""
 
     probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Post-sync logprob probe every N steps (and after the last): each engine scores a fixed sequence; a
@@ -232,12 +222,10 @@ class WeightSync:
     and the worst token (``sync/probe.py``). A probe step waits for its push."""
 
     probe_tolerance: Annotated[float, Range(gt=0)] = 0.1
-    """Largest allowed |engine - trainer| logprob at any probe token. fp32 engines agree to ~1e-5; bf16 ones to a
-    few 1e-2."""
+    """Largest allowed |engine - trainer| logprob at any probe token (fp32: ~1e-5 apart; bf16: a few 1e-2)."""
 
     overhead_target: Annotated[float, Range(gt=0, lt=1)] = 0.10
-    """With ``interval = "auto"``: the largest share of a step's compute time that weight sync may cost the
-    trainer. The interval rises above it and falls, one step at a time, below half of it."""
+    """With ``interval = "auto"``: the largest share of a step's compute time weight sync may cost the trainer."""
 
     max_interval: Annotated[int, Range(ge=1)] = 16
     """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap + 1``."""
