@@ -125,7 +125,7 @@ class Rollout:
     interpreter ``launch_python``), uses them as ``urls`` (which must be empty) and stops them when it closes."""
 
     launch_python: str = ".venv-vllm/bin/python"
-    """Python with vLLM, for ``launch`` (``scripts/setup_vllm.sh`` makes it); relative: to the cwd, else the repo root."""
+    """Python with vLLM, for ``launch`` (``scripts/setup_vllm.sh``); relative: to the cwd, else the repo root."""
 
     launch_timeout_s: Annotated[float, Range(gt=0)] = 600.0
     """Seconds to wait for a launched vLLM server to answer ``/health`` before giving up."""
