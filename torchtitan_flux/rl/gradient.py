@@ -32,20 +32,10 @@ class BatchGradient:
     """Groups whose rewards are all equal (advantage 0)."""
 
 
-def backward_on_batch(
-    model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
-    batch: RolloutBatch,
-    g: Grpo,
-    *,
-    trained_steps: int,
-    rank: int,
-    world: int,
-    micro_batch: int,
-    device: torch.device,
-    train_context: Callable[[], AbstractContextManager],
-    amp: AbstractContextManager,
-) -> BatchGradient:
+def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None, batch: RolloutBatch, g: Grpo, *,
+                      trained_steps: int, rank: int, world: int, micro_batch: int, device: torch.device,
+                      train_context: Callable[[], AbstractContextManager],
+                      amp: AbstractContextManager) -> BatchGradient:
     """Accumulate the GRPO loss's gradient of ``batch`` on this rank's slice (``trained_steps``: optimizer steps
     done before this one, for the samples' version gaps)."""
     adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)

@@ -43,9 +43,7 @@ class PipelineDepth:
     def observe(self, gen_s: float, train_s: float) -> None:
         if not (math.isfinite(gen_s) and math.isfinite(train_s) and gen_s >= 0 and train_s > 0):
             return
-        a = DEPTH_EMA
-        self.gen_s = gen_s if self.gen_s is None else a * gen_s + (1 - a) * self.gen_s
-        self.train_s = train_s if self.train_s is None else a * train_s + (1 - a) * self.train_s
+        self.gen_s, self.train_s = _ema(self.gen_s, gen_s, DEPTH_EMA), _ema(self.train_s, train_s, DEPTH_EMA)
         self.depth = max(1, math.ceil(self.gen_s / self.train_s))
 
     def state_dict(self) -> dict[str, Any]:
@@ -221,15 +219,11 @@ class SyncCadence:
                  lower_fraction: float = 0.5):
         if not 1 <= start_interval <= max_interval:
             raise ValueError(f"need 1 <= start_interval ({start_interval}) <= max_interval ({max_interval})")
-        self.interval = start_interval
-        self.min_interval = start_interval
-        self.max_interval = max_interval
-        self.target = overhead_target
-        self.alpha = ema_alpha
-        self.lower_fraction = lower_fraction
+        self.interval = self.min_interval = start_interval
+        self.max_interval, self.target = max_interval, overhead_target
+        self.alpha, self.lower_fraction = ema_alpha, lower_fraction
         self.steps_since_push = 0
-        self._window_compute = 0.0
-        self._window_lost = 0.0
+        self._window_compute = self._window_lost = 0.0
         self._lost_ema: float | None = None  # seconds lost per push window
         self._compute_ema: float | None = None  # seconds of compute per step
 

@@ -66,26 +66,10 @@ class _Step:
 
 
 class RolloutScheduler:
-    def __init__(
-        self,
-        engines: list[EngineHandler],
-        events: queue.Queue,
-        task: Task,
-        tokenizer,
-        *,
-        group_size: int,
-        prompts_per_step: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int,
-        seed: int,
-        pad_id: int,
-        dead_zone: float = 0.1,
-        max_share: float = 0.75,
-        reward_workers: int = 1,
-        reward_timeout_s: float = 300.0,
-        stall_s: float = 600.0,
-    ):
+    def __init__(self, engines: list[EngineHandler], events: queue.Queue, task: Task, tokenizer, *, group_size: int,
+                 prompts_per_step: int, max_new_tokens: int, temperature: float, top_k: int, seed: int, pad_id: int,
+                 dead_zone: float = 0.1, max_share: float = 0.75, reward_workers: int = 1,
+                 reward_timeout_s: float = 300.0, stall_s: float = 600.0):
         self.engines = list(engines)
         self.events, self.task, self.tokenizer = events, task, tokenizer
         self.group_size, self.prompts_per_step = group_size, prompts_per_step

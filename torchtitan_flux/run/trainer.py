@@ -115,9 +115,8 @@ class FluxTrainer(Trainer):
                 )
 
     def add_step_callback(self, fn, name: str | None = None) -> Any:
-        """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
-        after every step; returns ``fn`` (decorator use). If it raises (or calls ``sys.exit()``) the run stops
-        with one line naming it (``name``, else the function's own)."""
+        """Register ``fn(step, metrics)`` or ``fn(result)``, called on rank 0 after every step; returns ``fn``. If it
+        raises (or calls ``sys.exit()``) the run stops with one line naming it (``name``, else the function's own)."""
         self.step_callbacks.append(step_callback(fn, name or f"step callback {getattr(fn, '__qualname__', fn)!r}"))
         return fn
 
@@ -241,12 +240,10 @@ class FluxTrainer(Trainer):
         stats = torch.stack([loss_total] + [sums[k] for k in sorted(sums)])
         if self.world > 1:
             dist.all_reduce(stats)
-        out = {"loss": stats[0].item()}
-        out.update({k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))})
-        out["grad_norm"] = grad_norm.item()
-        out["zero_variance_groups"] = grad.zero_variance_groups
-        out["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        return out
+        means = {k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))}
+        return {"loss": stats[0].item(), **means, "grad_norm": grad_norm.item(),
+                "zero_variance_groups": grad.zero_variance_groups,
+                "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0]}
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
         counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.scheduler.restarts,

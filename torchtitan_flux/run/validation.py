@@ -160,9 +160,8 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
         raise ConfigError(f"model.name = {name!r} {why}")
     for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
         _check_type(f"training.{name}", getattr(tr, name), int)
-    _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
-    _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
-    _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    for name in ("steps", "local_batch_size", "seq_len"):
+        _require(getattr(tr, name) >= 1, f"training.{name}", getattr(tr, name), "an integer >= 1")
     gap = job_config.off_policy.max_version_gap  # each embedded engine keeps max_version_gap + 1 weight copies
     _require(gap <= max(1, tr.steps), "off_policy.max_version_gap", gap,
              f"at most training.steps = {tr.steps} (each embedded engine keeps max_version_gap + 1 copies of the "
