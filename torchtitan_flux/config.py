@@ -156,9 +156,9 @@ class Rollout:
     """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (the count is logged) or "error"."""
 
     reward_funcs: list[str] = field(default_factory=list)
-    """Reward functions with TRL's batched signature f(prompts, completions, completion_ids, **columns) ->
-    list[float | None], each "package.module:function" or a built-in ("answer_match", "math_verify", "digits");
-    sync or async. Empty: the task's own reward (docs/data.md)."""
+    """Reward functions ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` (TRL's, sync
+    or async): "package.module:function" or a built-in ("answer_match", "math_verify", "digits"). Empty: the
+    task's own reward (docs/data.md)."""
 
     reward_weights: list[float] = field(default_factory=list)
     """Weight of each of ``reward_funcs`` in the total reward; empty means 1.0 each."""
@@ -167,18 +167,17 @@ class Rollout:
     """Threads scoring rewards off the trainer's main loop."""
 
     engine_stall_seconds: Annotated[float, Range(gt=0)] = 1800.0
-    """An embedded engine holding requests with no result for this long (stopped, hung) is declared dead and
-    restarted, its requests re-dispatched; time when nothing waited on the engines does not count. Must exceed
-    ``weight_sync.timeout_seconds`` plus the longest generation of one engine's share of a step."""
+    """An embedded engine holding requests with no result for this long (stopped, hung; waits outside rollouts do
+    not count) is restarted and its requests re-dispatched. Must exceed ``weight_sync.timeout_seconds`` plus the
+    longest generation of one engine's share of a step."""
 
     reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
     """The longest one reward function may take on one batch. Past it the run checkpoints its last completed step
     and stops with one line naming the function (exit code 2): a thread cannot be killed."""
 
     max_engine_restarts: Annotated[int, Range(ge=0)] = 3
-    """A dead embedded engine is restarted at most this many times within any 10 minutes, then given up: the run
-    goes on with the other engines or, with none left, stops at the step boundary (checkpointed when checkpoints
-    are on). 0: never restart."""
+    """Restarts of a dead embedded engine within any 10 minutes before it is given up (the run goes on with the
+    others or, with none left, stops at the step boundary, checkpointed). 0: never restart."""
 
 
 @dataclass
@@ -217,9 +216,8 @@ class WeightSync:
     """dtype of the weights on the wire and in the staging buffer; "auto": the parameters' own dtype."""
 
     probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
-    """Post-sync logprob probe every N steps (and after the last): each engine scores a fixed sequence; a
-    difference from the trainer's logprobs above ``probe_tolerance`` stops the run naming the engine, the version
-    and the worst token (``sync/probe.py``). A probe step waits for its push."""
+    """Post-sync logprob probe every N steps (and after the last): each engine scores a fixed sequence; a difference
+    above ``probe_tolerance`` stops the run naming the engine, version and token. A probe step waits for its push."""
 
     probe_tolerance: Annotated[float, Range(gt=0)] = 0.1
     """Largest allowed |engine - trainer| logprob at any probe token (fp32: ~1e-5 apart; bf16: a few 1e-2)."""
@@ -242,19 +240,16 @@ class OffPolicy:
     decided by ``rl/off_policy.py``)."""
 
     max_version_gap: Annotated[int, Range(ge=1)] = 1
-    """No sample older than this many policy versions is trained on, and generation may run at most this many
-    steps ahead of training. With ``adaptive_async.enabled`` and the default ``target_staleness`` (0.15) use 3 or
-    more: with 1 the staleness saturates at ~0.06, below the target (validation warns)."""
+    """No sample older than this many policy versions is trained on, nor does generation run further ahead. With
+    ``adaptive_async.enabled`` and the default ``target_staleness`` use 3 or more (validation warns)."""
 
     async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
-    """The fixed async ratio without the controller: 0 is synchronous and on-policy (each step's rollouts come
-    from the newest weights), 1 lets generation run ``max_version_gap`` steps ahead, fractions admit whole steps
-    ahead on that fraction of steps. Leave it 0 with ``adaptive_async.enabled`` (the controller sets the ratio)."""
+    """The fixed async ratio without the controller: 0 is synchronous and on-policy, 1 lets generation run
+    ``max_version_gap`` steps ahead (fractions: whole steps on that share of steps). Keep 0 with ``adaptive_async``."""
 
     feedforward: Bool = False
-    """Cap the lookahead at the pipeline depth that hides generation: ``ceil(generation time / training time)``
-    (EMAs), at least 1. Runs are then no longer reproducible bit for bit (like ``weight_sync.interval = "auto"``);
-    measured in docs/controller.md."""
+    """Cap the lookahead at the pipeline depth that hides generation, ``ceil(generation / training time)`` (EMAs).
+    Runs are then no longer bit-reproducible (like ``weight_sync.interval = "auto"``); see docs/controller.md."""
 
 
 @dataclass
@@ -311,9 +306,8 @@ class AdaptiveAsync:
     """Derivative gain, on the measurement (not the error), so target changes cause no kick."""
 
     integral_band: Annotated[float, Range(gt=0, le=1)] = 0.1
-    """Integral separation: the integral accumulates only while |target - smoothed staleness| <= this, so a
-    transient far from target does not wind it away. 1.0 always integrates (a plain PID). Keep it wider than the
-    P-only offset, or the integral never engages (docs/benchmarks.md)."""
+    """Integral separation: the integral accumulates only while |target - smoothed staleness| <= this (1.0: a plain
+    PID). Keep it wider than the P-only offset, or the integral never engages (docs/benchmarks.md)."""
 
     ema_alpha: Annotated[float, Range(gt=0, le=1)] = 0.2
     """EMA weight of the newest staleness sample."""
@@ -340,8 +334,7 @@ class AdaptiveAsync:
     """Version gap at which that term saturates."""
 
     controller: str = "pid"
-    """"pid", or "package.module:Class" naming a class that implements ``torchtitan_flux.rl.controller.ControlLaw``
-    (built as ``Class(adaptive_async)``)."""
+    """"pid", or "package.module:Class": a ``rl.controller.ControlLaw`` built as ``Class(adaptive_async)``."""
 
     phase_schedule: PhaseSchedule = field(default_factory=PhaseSchedule)
     """Per-phase targets: ``[adaptive_async.phase_schedule.warmup]`` etc."""
@@ -358,8 +351,8 @@ class Eval:
     """Also evaluate the initial policy (version 0) before the first step."""
 
     dataset_path: str = ""
-    """Held-out dataset (same formats as ``rollout.dataset_path``); empty: ``rollout.dataset_path``'s ``split``.
-    Generated tasks (digits, arithmetic) draw their own held-out prompts."""
+    """Held-out dataset (formats of ``rollout.dataset_path``); empty: ``rollout.dataset_path``'s ``split``.
+    Generated tasks draw their own held-out prompts."""
 
     split: str = "test"
     """Split of the held-out dataset (a folder or a saved ``DatasetDict``)."""
@@ -382,13 +375,11 @@ class Metrics:
     """``[metrics]`` fields added to torchtitan's own section."""
 
     log_completions_every: Annotated[int, Range(ge=0, note="0 disables")] = 0
-    """Every N steps, write a table of the step's completions (prompt, completion, rewards, version) to
-    ``<dump_folder>/completions.jsonl`` and to W&B (``enable_wandb``)."""
+    """Every N steps, write the step's completions to ``<dump_folder>/completions.jsonl`` and W&B."""
 
     step_callbacks: list[str] = field(default_factory=list)
-    """Functions called on rank 0 after every training step, as ``"package.module:function"`` (imported at start;
-    what ``trainer.add_step_callback`` registers in code). Either signature: ``fn(result)`` with ``result.step`` and
-    ``result.metrics``, or ``fn(step, metrics)``; ``metrics`` is the step's ``metrics.jsonl`` row as a dict."""
+    """Functions called on rank 0 after every step, as ``"package.module:function"`` (``trainer.add_step_callback``
+    in code): ``fn(result)`` (``result.step``, ``result.metrics``) or ``fn(step, metrics)``, a ``metrics.jsonl`` row."""
 
 
 @dataclass
