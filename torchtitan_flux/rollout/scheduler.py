@@ -1,8 +1,7 @@
 """Rollout scheduling on the trainer's rank 0: prompts -> engine requests -> scored, versioned training batches.
 
-``RolloutScheduler`` dispatches a step's prompts, split across the engines alive by measured speed
-(``SpeedSplit``), as soon as admission allows, and collects the results. Every sample carries the policy version
-that generated it (stamped by the engine) and the trainer version at dispatch.
+``RolloutScheduler`` dispatches a step's prompts, split across the engines alive by measured speed, and collects
+the results; every sample carries the policy version that generated it and the trainer version at dispatch.
 
 Concurrency: main thread only, except reward scoring: a step's completions go to the reward pool
 (``CompletionScorer``) when its last result arrives, and ``collect`` waits on that future only when it builds the
@@ -79,8 +78,7 @@ class RolloutScheduler:
         self._steps: dict[int, _Step] = {}
         self._by_req: dict[int, _Part] = {}
         self.split = SpeedSplit([e.name for e in self.engines], dead_zone, max_share)
-        self.redispatched = 0
-        self.engine_deaths = 0
+        self.redispatched = self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
         self.stall_s = stall_s  # rollout.engine_stall_seconds
         self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived

@@ -1,15 +1,9 @@
 """``FluxTrainer``: torchtitan's ``Trainer`` turned into a GRPO trainer fed by rollout engines.
 
 Model construction, FSDP2, optimizers, LR schedulers, gradient clipping, ``CheckpointManager`` and the entry point
-are torchtitan's, used as they are; we replace the data path (rollouts), the loss (``rl/loss.py``) and the step
-loop, and add engines, weight sync and metrics.
-
-One training step (policy version = optimizer steps done = ``self.step`` after the step):
-  1. ``BatchFeed``: rank 0 admits steps ahead (``OffPolicyControl``), waits for this step's rollouts (a batch too
-     stale is regenerated) and broadcasts the batch;
-  2. each rank trains on its slice (``rl/gradient.py``), the loss normalised by the global token count;
-  3. clipping, optimizer and LR step, then ``WeightSyncer.after_optimizer_step`` (blocking, or background push);
-  4. controller, probe, checkpoint, evaluation, metrics.
+are torchtitan's, used as they are; we replace the data path (rollouts, ``BatchFeed``), the loss (``rl/loss.py``)
+and the step loop (``train_step_grpo``; policy version = optimizer steps done = ``self.step``), and add engines,
+weight sync and metrics.
 
 Simplifications: one optimizer step per batch (so the "proximal" policy of decoupled PPO is the current one,
 detached); no pipeline parallelism. ``backward_on_batch`` runs its own micro-batch loop instead of torchtitan's
