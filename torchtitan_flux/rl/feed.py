@@ -44,9 +44,7 @@ class BatchFeed:
         else:  # every rank: the invariant of the module docstring
             self.syncer.catch_up(version, oldest=self.off_policy.oldest(version))
         flush_s = time.perf_counter() - t0
-        batch = None
-        if self.rank == 0:
-            batch = self._collect(step, version)
+        batch = self._collect(step, version) if self.rank == 0 else None
         wait_s = time.perf_counter() - t0
         due = self.off_policy.push_due(step)
         if self.world > 1:
