@@ -98,9 +98,8 @@ class Rollout:
     """Sample only from the top-k tokens (slightly off-policy: logprobs stay the full distribution's); 0 disables."""
 
     task: str = "digits"
-    """Task: "digits" (fraction of digit characters; a random-init model learns it in minutes), "arithmetic"
-    (exact-match sums), "dataset" (records of ``dataset_path`` scored by ``reward_funcs``), "gsm8k" (GSM8K's format,
-    scored by its final answer), or "package.module:name" (a task factory; docs/data.md)."""
+    """Task: "digits" (fraction of digit characters), "arithmetic" (exact-match sums), "dataset" (``dataset_path``
+    scored by ``reward_funcs``), "gsm8k" (scored by the final answer), or "package.module:name" (docs/data.md)."""
 
     dataset_path: str = ""
     """Dataset of tasks "dataset" / "gsm8k": a local .jsonl / .json / .parquet / .csv file, a folder of such files
@@ -156,9 +155,8 @@ class Rollout:
     """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (the count is logged) or "error"."""
 
     reward_funcs: list[str] = field(default_factory=list)
-    """Reward functions ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` (TRL's, sync
-    or async): "package.module:function" or a built-in ("answer_match", "math_verify", "digits"). Empty: the
-    task's own reward (docs/data.md)."""
+    """Reward functions ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` (TRL's; sync or
+    async): "package.module:function" or "answer_match", "math_verify", "digits". Empty: the task's own reward."""
 
     reward_weights: list[float] = field(default_factory=list)
     """Weight of each of ``reward_funcs`` in the total reward; empty means 1.0 each."""
@@ -167,9 +165,8 @@ class Rollout:
     """Threads scoring rewards off the trainer's main loop."""
 
     engine_stall_seconds: Annotated[float, Range(gt=0)] = 1800.0
-    """An embedded engine holding requests with no result for this long (stopped, hung; waits outside rollouts do
-    not count) is restarted and its requests re-dispatched. Must exceed ``weight_sync.timeout_seconds`` plus the
-    longest generation of one engine's share of a step."""
+    """An embedded engine holding requests with no result for this long (stopped, hung) is restarted, its requests
+    re-dispatched. Must exceed ``weight_sync.timeout_seconds`` plus the longest generation of one engine's share."""
 
     reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
     """The longest one reward function may take on one batch. Past it the run checkpoints its last completed step
@@ -196,9 +193,8 @@ class WeightSync:
     """Weights are flattened into buckets of about this size for transfer."""
 
     interval: int | Literal["auto"] = 1
-    """Push every N optimizer steps: an integer in [1, ``off_policy.max_version_gap + 1``], or "auto": tuned so
-    that the trainer's time lost to weight sync stays under ``overhead_target`` (logged as ``sync_interval``,
-    ``sync_overhead``). Generation runs at most ``max_version_gap - (interval - 1)`` steps ahead."""
+    """Push every N optimizer steps, N in [1, ``off_policy.max_version_gap + 1``], or "auto": tuned to keep the time
+    lost to weight sync under ``overhead_target``. Generation runs at most ``max_version_gap - (N - 1)`` steps ahead."""
 
     master_addr: str = "127.0.0.1"
     """Address of the weight-sync rendezvous (a TCPStore); other than loopback needs ``auth_token_env``'s token."""
@@ -207,10 +203,9 @@ class WeightSync:
     """Port of the weight-sync rendezvous; 0 picks a free port."""
 
     auth_token_env: str = TOKEN_ENV
-    """Environment variable holding the shared token (never in a config, log, metric or checkpoint). When set,
-    HTTP requests to rollout servers carry ``Authorization: Bearer <token>``, weight-sync groups start with a mutual
-    HMAC proof, and launched servers refuse requests without it. Required when ``master_addr`` or a ``rollout.urls``
-    host is not loopback. Servers read ``TORCHTITAN_FLUX_TOKEN``. See "Security" in the README."""
+    """Environment variable holding the shared token (never in a config, log or checkpoint): it authenticates HTTP
+    requests to rollout servers (Bearer), weight-sync groups (mutual HMAC) and launched servers. Required when
+    ``master_addr`` or a ``rollout.urls`` host is not loopback. Servers read ``TORCHTITAN_FLUX_TOKEN``; see README."""
 
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the weights on the wire and in the staging buffer; "auto": the parameters' own dtype."""
@@ -229,9 +224,8 @@ class WeightSync:
     """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap + 1``."""
 
     verify_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
-    """Engines that checksum what they receive (vLLM through our gloo extension, CPU) hash every N-th push and
-    the final one, which ``summary.json`` compares with the trainer's weights. Embedded engines hash only for the
-    summary; vLLM's NCCL path and SGLang keep no hash (``probe_every`` verifies them)."""
+    """Engines that checksum what they receive (vLLM's gloo path, CPU) hash every N-th push and the final one, which
+    ``summary.json`` compares with the trainer's; vLLM's NCCL path and SGLang keep none (the probe verifies them)."""
 
 
 @dataclass
@@ -387,9 +381,8 @@ class Checkpoint:
     """``[checkpoint]`` fields added to torchtitan's own section."""
 
     on_config_mismatch: Literal["error", "warn"] = "error"
-    """What a resume does when a setting that shapes the run (model config.json and tokenizer.json,
-    optimizer.name, rollout.prompts_per_step, grpo.group_size, rollout.task, the dataset's records, rollout.seed)
-    differs from the checkpoint's: "error" refuses to start, naming the field; "warn" logs it and resumes."""
+    """When a resume's run-shaping settings (model config and tokenizer, optimizer.name, prompts_per_step, group_size,
+    task, dataset records, rollout.seed) differ from the checkpoint's: "error" refuses naming one, "warn" logs them."""
 
 
 @dataclass
