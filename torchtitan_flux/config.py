@@ -382,7 +382,7 @@ class Checkpoint:
 
     on_config_mismatch: Literal["error", "warn"] = "error"
     """When a resume's run-shaping settings (model config and tokenizer, optimizer.name, prompts_per_step, group_size,
-    task, dataset records, rollout.seed) differ from the checkpoint's: "error" refuses naming one, "warn" logs them."""
+    task, dataset records, rollout.seed) differ from the checkpoint's: "error" refuses, "warn" logs and resumes."""
 
 
 @dataclass
