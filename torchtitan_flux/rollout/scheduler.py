@@ -278,13 +278,9 @@ class RolloutScheduler:
                 waiting = False
             if not waiting and self.events.empty():
                 break
-        steps = []
-        for st in self._steps.values():
-            if any(p.result is None for p in st.parts):
-                continue
-            parts = [(p.first, p.request, p.result) for p in st.parts]
-            steps.append({"step": st.step, "n_dispatched": st.n_dispatched, "parts": parts})
-        return {"steps": steps}
+        done = [st for st in self._steps.values() if all(p.result is not None for p in st.parts)]
+        return {"steps": [{"step": st.step, "n_dispatched": st.n_dispatched,
+                           "parts": [(p.first, p.request, p.result) for p in st.parts]} for st in done]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the finished rollouts of ``state_dict``; they are trained on as they are, never regenerated."""
