@@ -1,15 +1,8 @@
-"""Job-config sections torchtitan_flux adds to torchtitan's ``JobConfig``.
-
-torchtitan 0.2.2 merges a ``JobConfig`` dataclass named by ``[job] custom_config_module`` into its own
-(``ConfigManager._merge_configs``); ``torchtitan_flux.train`` names this module automatically, so every TOML
-and ``--section.field`` override below works without the user setting it.
-
-Every field has a docstring (``docs/configuration.md`` is generated from them). A numeric field's range is declared
-once, here, on its type (``Annotated[int, Range(ge=1)]``, ``ranges.py``): ``validation.py`` checks every such field
-and the reference prints it. ``validation.py`` also holds the checks that are not a plain range (cross-field rules,
-URLs, names); it raises ``ConfigError`` naming the field and what is allowed.
+"""Job-config sections torchtitan_flux adds to torchtitan's ``JobConfig`` (merged through ``[job]
+custom_config_module``, which ``torchtitan_flux.train`` sets). Every field has a docstring (docs/configuration.md is
+generated from them); a numeric field's range is declared on its type (``Range``, ``ranges.py``), and
+``run/validation.py`` checks it and every other rule, raising ``ConfigError``.
 """
-
 
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -58,8 +51,7 @@ class Grpo:
     """Upper clip bound epsilon_high: the policy ratio is clipped at 1 + clip_high (DAPO's clip-higher)."""
 
     kl_coef: Annotated[float, Range(ge=0)] = 0.0
-    """Coefficient of the KL penalty against a frozen copy of the initial policy. 0 disables it (and the
-    reference model is then not built)."""
+    """KL penalty coefficient against a frozen copy of the initial policy; 0 disables it (no reference model)."""
 
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator on sampled tokens: k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, k3 = ref/pi - log(ref/pi) - 1."""
@@ -69,22 +61,18 @@ class Grpo:
     "sequence": mean over completions of each completion's mean token loss (original GRPO)."""
 
     temperature: Annotated[float, Range(gt=0)] = 1.0
-    """Sampling temperature of the rollout engines; the trainer divides its logits by it too, so behaviour and
-    trainer log-probabilities refer to the same distribution."""
+    """Sampling temperature of the rollout engines; the trainer divides its logits by it too."""
 
     tis_cap: Annotated[float, Range(ge=0, note="0 disables")] = 2.0
     """Truncated importance sampling: each token's loss is weighted by min(pi_trainer / pi_behaviour, tis_cap)
-    (detached) and the clipped ratio is taken against the trainer's current policy (decoupled PPO). 0 disables
-    it: the clipped ratio is then taken against the behaviour (engine) log-probabilities directly."""
+    (detached), the clipped ratio taken against the trainer's policy (decoupled PPO). 0: against the behaviour's."""
 
     advantage_std_normalize: Bool = True
-    """Divide group-centred rewards by the group's standard deviation (+1e-4). Groups whose rewards are all equal
-    get advantage 0 either way: they contribute no policy gradient (only KL, if enabled) and are counted in
-    the ``zero_variance_groups`` metric."""
+    """Divide group-centred rewards by the group's standard deviation (+1e-4). Groups with equal rewards get
+    advantage 0 either way (no policy gradient; counted in ``zero_variance_groups``)."""
 
     staleness_discount: Annotated[float, Range(ge=0)] = 0.0
-    """Weight of a sample is multiplied by (1 + version_gap) ** -staleness_discount (a staleness-adaptive step
-    size). 0 disables it."""
+    """A sample's weight is (1 + version_gap) ** -staleness_discount (a staleness-adaptive step size); 0 disables."""
 
 
 @dataclass
@@ -92,12 +80,10 @@ class Rollout:
     """``[rollout]``: where completions come from and what they are scored on."""
 
     engine: Literal["embedded", "vllm", "sglang"] = "embedded"
-    """Rollout engine: "embedded" (a child process holding its own copy of the policy; the default, needs no
-    server), "vllm" or "sglang" (HTTP servers; see ``urls``)."""
+    """Rollout engine: "embedded" (a child process holding a copy of the policy), "vllm" or "sglang" (servers)."""
 
     num_engines: Annotated[int, Range(ge=1)] = 1
-    """Number of embedded engine processes, or of vLLM servers started with ``launch = true`` (otherwise servers
-    are counted by ``urls``)."""
+    """Embedded engine processes, or vLLM servers started with ``launch = true`` (else ``urls`` counts them)."""
 
     urls: list[str] = field(default_factory=list)
     """Base URLs of vLLM / SGLang servers, e.g. ["http://127.0.0.1:8000"]. Required for those engines."""
@@ -109,89 +95,68 @@ class Rollout:
     """Maximum completion length in tokens."""
 
     top_k: Annotated[int, Range(ge=0)] = 0
-    """Sample only from the top-k tokens; 0 disables. The reported behaviour log-probabilities stay those of the
-    full tempered distribution (what the trainer recomputes), so top-k sampling is slightly off-policy; keep 0
-    unless you want that."""
+    """Sample only from the top-k tokens (slightly off-policy: logprobs stay the full distribution's); 0 disables."""
 
     task: str = "digits"
-    """Task: "digits" (dense reward: fraction of completion characters that are digits; a random-init model
-    learns it in minutes), "arithmetic" (exact-match sums, final-answer extraction), "dataset" (records of
-    ``dataset_path``, scored by ``reward_funcs``), "gsm8k" (a dataset in
-    GSM8K's format scored by its final answer), or "package.module:name" (a task factory; docs/data.md)."""
+    """Task: "digits" (fraction of digit characters), "arithmetic" (exact-match sums), "dataset" (``dataset_path``
+    scored by ``reward_funcs``), "gsm8k" (scored by the final answer), or "package.module:name" (docs/data.md)."""
 
     dataset_path: str = ""
     """Dataset of tasks "dataset" / "gsm8k": a local .jsonl / .json / .parquet / .csv file, a folder of such files
     (splits named by file name: train.jsonl, test.jsonl), or a ``save_to_disk`` folder (docs/data.md)."""
 
     engine_threads: Annotated[int, Range(ge=1)] = 1
-    """CPU threads of each engine on this machine (an embedded engine's torch threads, or a launched vLLM
-    server's OpenMP threads); the trainer gets the remaining cores."""
+    """CPU threads of each engine (torch threads, or a launched server's OpenMP threads); the trainer gets the rest."""
 
     seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
-    """Base seed of the engines' samplers (each request derives its own generator from it, which must stay within
-    torch's 64-bit seeds)."""
+    """Base seed of the engines' samplers (each request derives its own generator from it)."""
 
     dispatch_dead_zone: Annotated[float, Range(ge=0, lt=1)] = 0.1
-    """Dead zone of the dispatch split. Prompts are split across engines in proportion to an EMA of each engine's
-    measured completions/s; the previous split is kept while every engine's share would change by less than this
-    fraction of itself (0.1: by less than 10%), so timing jitter does not reshuffle work. 0 re-splits on every
-    change."""
+    """Dead zone of the dispatch split (prompts go to engines in proportion to their measured completions/s): the
+    split is kept while every engine's share would change by less than this fraction of itself. 0 re-splits always."""
 
     dispatch_max_share: Annotated[float, Range(gt=0, le=1)] = 0.75
-    """Imbalance cap of the dispatch split: while more than one engine is alive, no engine gets more than this
-    fraction of a step's prompts (the excess goes to the others in proportion to their speed), however much
-    faster it measures; a lone engine gets everything. Below 1 / (engines alive) the split is even."""
+    """Imbalance cap: while several engines are alive, none gets more than this fraction of a step's prompts
+    (below 1 / (engines alive) the split is even)."""
 
     launch: Bool = False
-    """Engine "vllm" only: the trainer starts ``num_engines`` local vLLM servers itself (free ports, model
-    ``model.hf_assets_path``, the flags of ``scripts/launch_vllm.sh``, interpreter ``launch_python``), waits for
-    their ``/health``, uses them as ``urls`` and stops them when it closes. ``urls`` must then be empty."""
+    """Engine "vllm" only: the trainer starts ``num_engines`` local vLLM servers (model ``model.hf_assets_path``,
+    interpreter ``launch_python``), uses them as ``urls`` (which must be empty) and stops them when it closes."""
 
     launch_python: str = ".venv-vllm/bin/python"
-    """Python interpreter with vLLM installed, used when ``launch`` is true (``scripts/setup_vllm.sh`` creates
-    ``.venv-vllm``); a relative path is taken from the current directory, then from the repository root. Must
-    exist when ``launch`` is true."""
+    """Python with vLLM, for ``launch`` (``scripts/setup_vllm.sh``); relative: to the cwd, else the repo root."""
 
     launch_timeout_s: Annotated[float, Range(gt=0)] = 600.0
-    """Seconds to wait for a launched vLLM server to answer ``/health`` before giving up (the error names the
-    server's log file)."""
+    """Seconds to wait for a launched vLLM server to answer ``/health`` before giving up."""
 
     engine_devices: list[str] = field(default_factory=list)
-    """Device of each engine, one entry per engine ("cpu" or "cuda:N"): embedded engines run there, servers
-    started by ``launch`` see only that GPU (``CUDA_VISIBLE_DEVICES``). Empty: CPU when the trainer is on CPU,
-    else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``. Checked against the visible GPUs before any engine starts;
-    never a trainer GPU, never one GPU twice."""
+    """Device of each engine ("cpu" or "cuda:N"; a launched server sees only that GPU). Empty: CPU when the
+    trainer is on CPU, else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``. Never a trainer GPU, never one GPU twice."""
 
     dataset_split: str = "train"
-    """Split of ``dataset_path`` to train on, when it is a folder or a saved ``DatasetDict`` (a single file has
-    one split)."""
+    """Split of ``dataset_path`` to train on, when it is a folder or a saved ``DatasetDict``."""
 
     prompt_column: str = "prompt"
     """Dataset column holding the prompt text (task "gsm8k" also accepts "question")."""
 
     messages_column: str = "messages"
-    """Dataset column holding a chat prompt (a list of {"role", "content"} messages), used when there is no
-    ``prompt_column``; rendered with the model folder's chat template."""
+    """Dataset column holding a chat prompt ({"role", "content"} messages), used when there is no ``prompt_column``."""
 
     answer_column: str = "answer"
     """Dataset column passed to the rewards as ``answer`` (every other column is passed under its own name)."""
 
     apply_chat_template: Bool = False
-    """Render text prompts as a one-message user chat through the model folder's chat template (chat datasets
-    always are)."""
+    """Render text prompts as a one-message user chat with the model's chat template (chat datasets always are)."""
 
     max_prompt_tokens: Annotated[int, Range(ge=0, note="0 = seq_len - max_new_tokens")] = 0
-    """Longest prompt in tokens; 0 means ``training.seq_len - max_new_tokens``. ``max_prompt_tokens +
-    max_new_tokens`` must fit in ``training.seq_len``."""
+    """Longest prompt in tokens; with ``max_new_tokens`` it must fit in ``training.seq_len``."""
 
     long_prompts: Literal["drop", "error"] = "drop"
-    """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (how many is logged at start) or "error"
-    (refuse the dataset)."""
+    """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (the count is logged) or "error"."""
 
     reward_funcs: list[str] = field(default_factory=list)
-    """Reward functions with TRL's batched signature f(prompts, completions, completion_ids, **columns) ->
-    list[float | None], each "package.module:function" or a built-in ("answer_match", "math_verify", "digits");
-    sync or async. Empty: the task's own reward (docs/data.md)."""
+    """Reward functions ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` (TRL's; sync or
+    async): "package.module:function" or "answer_match", "math_verify", "digits". Empty: the task's own reward."""
 
     reward_weights: list[float] = field(default_factory=list)
     """Weight of each of ``reward_funcs`` in the total reward; empty means 1.0 each."""
@@ -200,22 +165,16 @@ class Rollout:
     """Threads scoring rewards off the trainer's main loop."""
 
     engine_stall_seconds: Annotated[float, Range(gt=0)] = 1800.0
-    """An embedded engine alive but holding generation requests with no result for this long (a stopped process,
-    a hung kernel) is declared dead and stopped; like any dead engine it is then restarted and its requests
-    re-dispatched. Time when nothing waited on the engines (training, a save) does not count. Must exceed
-    ``weight_sync.timeout_seconds`` (a request may wait that long for its weights) plus the longest generation of
-    one engine's share of a step (or of an evaluation): raise it for long completions on slow hardware."""
+    """An embedded engine holding requests with no result for this long (stopped, hung) is restarted, its requests
+    re-dispatched. Must exceed ``weight_sync.timeout_seconds`` plus the longest generation of one engine's share."""
 
     reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
-    """The longest one reward function may take on one batch (the start-up check's included). Past it the run
-    stops with one line naming the function (exit code 2), after checkpointing its last completed step like a
-    signal does: a thread cannot be killed, so a function that never returns must not hang the run."""
+    """The longest one reward function may take on one batch. Past it the run checkpoints its last completed step
+    and stops with one line naming the function (exit code 2): a thread cannot be killed."""
 
     max_engine_restarts: Annotated[int, Range(ge=0)] = 3
-    """A dead embedded engine is restarted at most this many times within any 10 minutes; one that dies more
-    often (it fails the same way every time: a bad device, a bad setting) is given up: the run goes on with the
-    other engines, or, with none left, stops at the step boundary like for a lost engine (checkpoint of the last
-    completed step when checkpoints are on), the engine's own error in the log. 0: never restart."""
+    """Restarts of a dead embedded engine within any 10 minutes before it is given up (the run goes on with the
+    others or, with none left, stops at the step boundary, checkpointed). 0: never restart."""
 
 
 @dataclass
@@ -223,98 +182,68 @@ class WeightSync:
     """``[weight_sync]``: how trained weights reach the engines."""
 
     async_weight_update: Bool = False
-    """How weights are pushed. false: after each optimizer step the trainer blocks until every engine holds the
-    new weights. true: the weights are snapshotted into a staging buffer and pushed by a background thread while
-    the trainer goes on; the trainer never waits on an engine. How far generation runs ahead of training is
-    ``[off_policy]``'s."""
+    """false: after each optimizer step the trainer blocks until every engine holds the new weights. true: they
+    are snapshotted into a staging buffer and pushed by a background thread; the trainer never waits on an engine."""
 
     timeout_seconds: Annotated[float, Range(ge=1)] = 60.0
-    """An engine that has not applied a push this many seconds after it was sent is marked lagging, keeps
-    serving its old version, and gets a full resync when it answers again."""
+    """An engine that has not applied a push this many seconds after it was sent is marked lagging (it keeps its
+    old version) and gets a full resync when it answers again."""
 
     bucket_size_mb: Annotated[float, Range(gt=0)] = 64.0
     """Weights are flattened into buckets of about this size for transfer."""
 
     interval: int | Literal["auto"] = 1
-    """Push every N optimizer steps: an integer >= 1 and <= ``off_policy.max_version_gap + 1`` (a larger one
-    could never produce rollouts fresh enough to train on), or "auto": start at 1 and tune the interval so that
-    the trainer's time lost to weight sync stays under ``overhead_target`` (``SyncCadence``, ``rl/off_policy.py``;
-    logged as ``sync_interval``, ``sync_overhead``). In async mode, generation runs at most
-    ``max_version_gap - (interval - 1)`` steps ahead, so that rollouts from weights up to ``interval - 1`` steps
-    old still fit in the gap."""
+    """Push every N optimizer steps, N in [1, ``off_policy.max_version_gap + 1``], or "auto": tuned to keep the time
+    lost to weight sync under ``overhead_target``. Generation runs at most ``max_version_gap - (N - 1)`` steps ahead."""
 
     master_addr: str = "127.0.0.1"
-    """Address the trainer's weight-sync rendezvous (a TCPStore) listens on, and engines connect to. Loopback by
-    default; any other address needs the shared token (``auth_token_env``)."""
+    """Address of the weight-sync rendezvous (a TCPStore); other than loopback needs ``auth_token_env``'s token."""
 
     master_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """Port of the weight-sync rendezvous; 0 picks a free port."""
 
     auth_token_env: str = TOKEN_ENV
-    """Name of the environment variable holding the shared token (the token itself never goes in a config file, log,
-    metric or checkpoint). When it is set, every HTTP request to a rollout server carries ``Authorization: Bearer
-    <token>``, every weight-sync group is preceded by a mutual HMAC proof of the token (engines without it are
-    refused), and servers started by ``rollout.launch`` refuse requests without it. It must be set when
-    ``master_addr`` or a ``rollout.urls`` host is not a loopback address. Servers take the token from
-    ``TORCHTITAN_FLUX_TOKEN`` whatever this field names. See "Security" in the README."""
+    """Environment variable holding the shared token (never in a config, log or checkpoint): it authenticates HTTP
+    requests to rollout servers (Bearer), weight-sync groups (mutual HMAC) and launched servers. Required when
+    ``master_addr`` or a ``rollout.urls`` host is not loopback. Servers read ``TORCHTITAN_FLUX_TOKEN``; see README."""
 
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype of the weights on the wire and in the staging buffer (parameters are cast while snapshotting).
-    "auto": the parameters' own dtype."""
+    """dtype of the weights on the wire and in the staging buffer; "auto": the parameters' own dtype."""
 
     probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
-    """Post-sync logprob probe: every N steps (and after the last), once the engines hold the step's weights, each
-    engine scores a fixed probe sequence and the trainer compares those logprobs with its own
-    (``torchtitan_flux/sync/probe.py``); a difference above ``probe_tolerance`` stops the run naming the engine, the
-    version and the worst token. Catches wrong names or layouts, dropped tensors, untied heads, wrong dtypes. A
-    probe step waits for its push (async runs included)."""
+    """Post-sync logprob probe every N steps (and after the last): each engine scores a fixed sequence; a difference
+    above ``probe_tolerance`` stops the run naming the engine, version and token. A probe step waits for its push."""
 
     probe_tolerance: Annotated[float, Range(gt=0)] = 0.1
-    """Largest allowed |engine - trainer| logprob at any probe token. fp32 engines agree to ~1e-5; bf16 ones to a
-    few 1e-2."""
+    """Largest allowed |engine - trainer| logprob at any probe token (fp32: ~1e-5 apart; bf16: a few 1e-2)."""
 
     overhead_target: Annotated[float, Range(gt=0, lt=1)] = 0.10
-    """With ``interval = "auto"``: the largest share of the training step's compute time that weight sync may cost
-    the trainer (blocking mode: the wait for the push; async mode: the snapshot plus the rollout wait the push can
-    explain, at most its duration). The interval rises when the measured overhead is above it and falls, one step
-    at a time, when it is below half of it."""
+    """With ``interval = "auto"``: the largest share of a step's compute time weight sync may cost the trainer."""
 
     max_interval: Annotated[int, Range(ge=1)] = 16
     """With ``interval = "auto"``: the interval never goes above this, nor above ``off_policy.max_version_gap + 1``."""
 
     verify_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
-    """Engines that checksum what they receive (vLLM through our gloo extension, CPU) hash every N-th push and
-    always the final one, which ``summary.json`` compares with the trainer's weights (a hash costs a copy and a
-    sha256 of the whole model: sampling keeps it off most pushes). Embedded engines hash only when asked (the
-    summary); vLLM's NCCL path (GPU) and SGLang keep no hash: the logprob probe (``probe_every``) verifies them."""
+    """Engines that checksum what they receive (vLLM's gloo path, CPU) hash every N-th push and the final one, which
+    ``summary.json`` compares with the trainer's; vLLM's NCCL path and SGLang keep none (the probe verifies them)."""
 
 
 @dataclass
 class OffPolicy:
-    """``[off_policy]``: how far generation may run ahead of training (decided by ``rl/off_policy.py``).
-
-    Generation may run ``async_ratio * max_version_gap`` steps ahead, and no sample older than
-    ``max_version_gap`` policy versions is trained on. The ratio is fixed here, or set every step by the
-    controller with ``adaptive_async.enabled``."""
+    """``[off_policy]``: how far generation may run ahead of training (``async_ratio * max_version_gap`` steps;
+    decided by ``rl/off_policy.py``)."""
 
     max_version_gap: Annotated[int, Range(ge=1)] = 1
-    """No sample older than this many policy versions is trained on, and generation may run at most this many
-    steps ahead of training. With ``adaptive_async.enabled`` and the default ``target_staleness`` (0.15) use 3 or
-    more: with 1 the staleness saturates at ~0.06, below the target (validation warns)."""
+    """No sample older than this many policy versions is trained on, nor does generation run further ahead. With
+    ``adaptive_async.enabled`` and the default ``target_staleness`` use 3 or more (validation warns)."""
 
     async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
-    """The fixed async ratio without the controller: 0 is synchronous and on-policy (each step's rollouts come
-    from the newest weights), 1 lets generation run ``max_version_gap`` steps ahead, fractions admit whole steps
-    ahead on that fraction of steps. Leave it 0 with ``adaptive_async.enabled`` (the controller sets the ratio)."""
+    """The fixed async ratio without the controller: 0 is synchronous and on-policy, 1 lets generation run
+    ``max_version_gap`` steps ahead (fractions: whole steps on that share of steps). Keep 0 with ``adaptive_async``."""
 
     feedforward: Bool = False
-    """Cap the lookahead at the pipeline depth that hides generation: ``ceil(generation time / training time)``
-    of a step (EMAs of each trained batch's engine-side generation time and the trainer's compute time), at
-    least 1. Lookahead beyond that depth adds staleness and buys no throughput; the controller's (or the fixed
-    ratio's) lookahead stays the ceiling. Admission then depends on measured times, so a run is no longer
-    reproducible bit for bit (like ``weight_sync.interval = "auto"``). On the staleness-sensitive workload of
-    ``benchmarks/controller.py`` it takes the controller from 0.73 to 0.97 of the best fixed gap's time to target
-    (docs/controller.md)."""
+    """Cap the lookahead at the pipeline depth that hides generation, ``ceil(generation / training time)`` (EMAs).
+    Runs are then no longer bit-reproducible (like ``weight_sync.interval = "auto"``); see docs/controller.md."""
 
 
 @dataclass
@@ -362,9 +291,7 @@ class AdaptiveAsync:
     """async_ratio at step 1; within [``min_async_ratio``, ``max_async_ratio``]."""
 
     kp: Annotated[float, Range(ge=0)] = 3.0
-    """Proportional gain, in async-ratio per unit of staleness error. (The tutorial's 0.1 / 0.01 / 0.05 are
-    in other units: with ours they take ~380 steps to settle on the simulated plant; 3.0 / 0.3 / 1.5 keep its
-    10:1:5 proportions and settle in < 30.)"""
+    """Proportional gain, in async-ratio per unit of staleness error (tuning: docs/controller.md)."""
 
     ki: Annotated[float, Range(ge=0)] = 0.3
     """Integral gain (per step)."""
@@ -373,12 +300,8 @@ class AdaptiveAsync:
     """Derivative gain, on the measurement (not the error), so target changes cause no kick."""
 
     integral_band: Annotated[float, Range(gt=0, le=1)] = 0.1
-    """Integral separation: the integral accumulates only while |target - smoothed staleness| <= this, so a
-    transient far from target (the staleness spike of a fast learning phase) does not wind it away from the
-    operating point it has learned; P and D act on it alone. 1.0 always integrates (a plain PID).
-    Keep it wider than the P-only offset (the error at which ``kp * error`` alone would hold the ratio), or the
-    integral never engages and the loop settles off target. Default calibrated on the debug config: in-band
-    fraction 0.77 -> 0.81 and throughput up (docs/benchmarks.md)."""
+    """Integral separation: the integral accumulates only while |target - smoothed staleness| <= this (1.0: a plain
+    PID). Keep it wider than the P-only offset, or the integral never engages (docs/benchmarks.md)."""
 
     ema_alpha: Annotated[float, Range(gt=0, le=1)] = 0.2
     """EMA weight of the newest staleness sample."""
@@ -405,8 +328,7 @@ class AdaptiveAsync:
     """Version gap at which that term saturates."""
 
     controller: str = "pid"
-    """"pid", or "package.module:Class" naming a class that implements ``torchtitan_flux.rl.controller.ControlLaw``
-    (built as ``Class(adaptive_async)``)."""
+    """"pid", or "package.module:Class": a ``rl.controller.ControlLaw`` built as ``Class(adaptive_async)``."""
 
     phase_schedule: PhaseSchedule = field(default_factory=PhaseSchedule)
     """Per-phase targets: ``[adaptive_async.phase_schedule.warmup]`` etc."""
@@ -423,8 +345,8 @@ class Eval:
     """Also evaluate the initial policy (version 0) before the first step."""
 
     dataset_path: str = ""
-    """Held-out dataset (same formats as ``rollout.dataset_path``); empty: ``rollout.dataset_path``'s ``split``.
-    Generated tasks (digits, arithmetic) draw their own held-out prompts."""
+    """Held-out dataset (formats of ``rollout.dataset_path``); empty: ``rollout.dataset_path``'s ``split``.
+    Generated tasks draw their own held-out prompts."""
 
     split: str = "test"
     """Split of the held-out dataset (a folder or a saved ``DatasetDict``)."""
@@ -447,13 +369,11 @@ class Metrics:
     """``[metrics]`` fields added to torchtitan's own section."""
 
     log_completions_every: Annotated[int, Range(ge=0, note="0 disables")] = 0
-    """Every N steps, write a table of the step's completions (prompt, completion, rewards, version) to
-    ``<dump_folder>/completions.jsonl`` and to W&B (``enable_wandb``)."""
+    """Every N steps, write the step's completions to ``<dump_folder>/completions.jsonl`` and W&B."""
 
     step_callbacks: list[str] = field(default_factory=list)
-    """Functions called on rank 0 after every training step, as ``"package.module:function"`` (imported at start;
-    what ``trainer.add_step_callback`` registers in code). Either signature: ``fn(result)`` with ``result.step`` and
-    ``result.metrics``, or ``fn(step, metrics)``; ``metrics`` is the step's ``metrics.jsonl`` row as a dict."""
+    """Functions called on rank 0 after every step, as ``"package.module:function"`` (``trainer.add_step_callback``
+    in code): ``fn(result)`` (``result.step``, ``result.metrics``) or ``fn(step, metrics)``, a ``metrics.jsonl`` row."""
 
 
 @dataclass
@@ -461,11 +381,8 @@ class Checkpoint:
     """``[checkpoint]`` fields added to torchtitan's own section."""
 
     on_config_mismatch: Literal["error", "warn"] = "error"
-    """What a resume does when a setting that shapes the run (the model folder's config.json and tokenizer.json,
-    optimizer.name, rollout.prompts_per_step, grpo.group_size, rollout.task, the dataset's records, rollout.seed)
-    differs from the one the checkpoint was written with (``fingerprint.json`` in its step folder): "error" refuses
-    to start, naming the field; "warn" logs it and resumes anyway (the rollouts an async checkpoint holds for
-    later steps are then generated afresh)."""
+    """When a resume's run-shaping settings (model config and tokenizer, optimizer.name, prompts_per_step, group_size,
+    task, dataset records, rollout.seed) differ from the checkpoint's: "error" refuses, "warn" logs and resumes."""
 
 
 @dataclass

@@ -1,7 +1,5 @@
-"""``Range``: the allowed values of a numeric config field, declared once, on the field's type in ``config.py``
-(``group_size: Annotated[int, Range(ge=2)] = 8``). ``validation.py`` checks every field that has one in a single
-loop, and ``scripts/gen_config_docs.py`` prints ``describe()`` in docs/configuration.md (``field_ranges`` finds
-them for both)."""
+"""``Range``: the allowed values of a numeric config field, declared on its type in ``config.py``
+(``Annotated[int, Range(ge=2)]``); ``run/validation.py`` checks them and docs/configuration.md prints them."""
 
 import typing
 from dataclasses import dataclass

@@ -7,10 +7,8 @@ trained (``adaptive_async.enabled``; ``OffPolicyControl`` holds it and stores it
     ratio  = clamp(law.update(ema, target), min_async_ratio, max_async_ratio)
     force_sync = ema > sync_threshold                       # then the ratio is min_async_ratio
 
-The law is a ``ControlLaw``: ``PIDController``, or the class ``adaptive_async.controller = "package.module:Class"``
-names, built as ``Class(cfg)`` with the ``[adaptive_async]`` section (validation checks it). Gains, tuning and the
-measured behaviour: docs/controller.md. Main thread only; the state is plain numbers, so a resumed run continues
-bit-identically.
+The law is a ``ControlLaw``: ``PIDController``, or the class ``adaptive_async.controller`` names, built as
+``Class(cfg)``. Tuning: docs/controller.md. Main thread only; the state is plain numbers (a resume is bit-identical).
 """
 
 from __future__ import annotations
@@ -62,10 +60,8 @@ def staleness_value(sample: StalenessSample, cfg: AdaptiveAsync) -> tuple[float,
 
 @runtime_checkable
 class ControlLaw(Protocol):
-    """A control law: ``update`` is called once per step with the smoothed staleness and the phase's target and
-    returns the async ratio (clamped to the bounds; a non-finite one keeps the previous ratio). ``metrics`` are
-    logged (``pid_p``, ``pid_i``, ``pid_d`` fill the loop's own). The state dict must hold everything ``update``
-    depends on."""
+    """``update(smoothed staleness, target)`` once per step -> the async ratio (clamped; a non-finite one keeps the
+    previous). ``metrics`` are logged; the state dict holds everything ``update`` depends on."""
 
     def update(self, staleness: float, target: float) -> float: ...
 
@@ -80,11 +76,8 @@ class PIDController:
     """Positional PID around ``bias = initial_async_ratio``, with ``y`` the smoothed staleness and ``e = target -
     y``: ``ratio = clamp(bias + kp * e + I - kd * (y - y_prev))``, ``I += ki * e``.
 
-    * Derivative on the measurement, not the error: a phase switch (a target step) gives no derivative kick.
-    * Anti-windup: the integral never grows while the output is saturated in the direction of ``e``; it grows
-      only as far as puts the output on the bound (``anti_windup=False``: the naive integrator, for comparison).
-    * Integral separation: frozen while ``|e| > integral_band`` (a learning spike seen through the EMA's lag
-      would otherwise drag the learned operating point away).
+    Derivative on the measurement (a target step gives no kick); anti-windup: the integral grows only as far as
+    puts the output on the bound (``anti_windup=False``: the naive one); frozen while ``|e| > integral_band``.
     """
 
     STATE = ("async_ratio", "bias", "i_term", "prev_measurement", "error", "p_term", "d_term", "saturated")
@@ -129,8 +122,7 @@ class PIDController:
 
 @dataclass
 class ControlDecision:
-    """One step's decision: the ratio of the admissions from now on, whether the next step must be synchronous,
-    and the step's controller metrics (floats, for ``metrics.jsonl``)."""
+    """One step's decision: the ratio from now on, whether the next step is synchronous, and its metrics."""
 
     async_ratio: float
     force_sync: bool

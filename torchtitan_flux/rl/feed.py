@@ -1,15 +1,9 @@
 """``BatchFeed``: each training step's batch — admitted and collected on rank 0, broadcast to every rank.
 
-Per step (``next``): in async push mode an on-policy step first flushes the newest weights to the engines; rank 0
-asks ``OffPolicyControl`` how many steps ahead to dispatch, dispatches them pinned to the newest staged version, and
-collects this step's rollouts until it accepts them (a stale batch is discarded and regenerated); then the batch,
-whether this step pushes, and rank 0's ``decision()`` go to every rank, which ``adopt``s it.
-
 Invariant (no step waits on a version nothing will deliver): the version rollouts are pinned to is never older
-than the oldest the step may train on (``OffPolicyControl.oldest``). Coalesced pushes can leave staging that
-old, and then every regeneration would be discarded while no optimizer step -- hence no push -- can come: so
-every rank first has the syncer stage the current weights (``WeightSyncer.catch_up``), and before each wait for
-rollouts rank 0 has the staged version sent to every engine that lacks it (``WeightSyncer.deliver_staged``).
+than the oldest the step may train on (``OffPolicyControl.oldest``): every rank first has the syncer stage the
+current weights if staging is that old (``WeightSyncer.catch_up``), and before each wait for rollouts rank 0 has
+the staged version sent to every engine that lacks it (``WeightSyncer.deliver_staged``).
 
 Concurrency: main thread of every trainer rank, between training steps; only rank 0 holds the scheduler. The
 broadcast runs on the CPU control group (gloo), so a slow rollout never trips an NCCL timeout.
@@ -50,9 +44,7 @@ class BatchFeed:
         else:  # every rank: the invariant of the module docstring
             self.syncer.catch_up(version, oldest=self.off_policy.oldest(version))
         flush_s = time.perf_counter() - t0
-        batch = None
-        if self.rank == 0:
-            batch = self._collect(step, version)
+        batch = self._collect(step, version) if self.rank == 0 else None
         wait_s = time.perf_counter() - t0
         due = self.off_policy.push_due(step)
         if self.world > 1:

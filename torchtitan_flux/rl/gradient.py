@@ -1,13 +1,8 @@
 """The GRPO gradient of one batch on this rank: advantages, micro-batched forward and backward, metric sums.
 
-Each rank takes its contiguous slice of the batch's rows (``rows = batch rows // world``) in micro-batches of
-``training.local_batch_size`` sequences. The loss of every micro-batch is normalised by the *global* token (or
-sequence) count, so the gradients FSDP sums across ranks are those of the whole batch. The forward runs inside
-torchtitan's ``train_context`` and AMP context, which the trainer passes in; the reference policy (KL penalty)
-runs in the same micro-batches without gradients.
-
-What stays in ``FluxTrainer.train_on``: gradient clipping, the non-finite check, the optimizer and LR steps and
-the cross-rank metric reduction (they touch torchtitan's optimizers, checkpointer and the weight syncer).
+Each rank takes its contiguous slice of the rows in micro-batches of ``training.local_batch_size`` sequences;
+every micro-batch's loss is normalised by the *global* token (or sequence) count, so the gradients FSDP sums
+across ranks are the whole batch's. Clipping, the optimizer step and the metric reduction stay in ``train_on``.
 """
 
 from __future__ import annotations
@@ -37,20 +32,10 @@ class BatchGradient:
     """Groups whose rewards are all equal (advantage 0)."""
 
 
-def backward_on_batch(
-    model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
-    batch: RolloutBatch,
-    g: Grpo,
-    *,
-    trained_steps: int,
-    rank: int,
-    world: int,
-    micro_batch: int,
-    device: torch.device,
-    train_context: Callable[[], AbstractContextManager],
-    amp: AbstractContextManager,
-) -> BatchGradient:
+def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None, batch: RolloutBatch, g: Grpo, *,
+                      trained_steps: int, rank: int, world: int, micro_batch: int, device: torch.device,
+                      train_context: Callable[[], AbstractContextManager],
+                      amp: AbstractContextManager) -> BatchGradient:
     """Accumulate the GRPO loss's gradient of ``batch`` on this rank's slice (``trained_steps``: optimizer steps
     done before this one, for the samples' version gaps)."""
     adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)

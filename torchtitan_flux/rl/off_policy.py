@@ -1,21 +1,17 @@
 """``OffPolicyControl``: the one owner of the off-policy decision: how far generation runs ahead of training,
 which samples are too stale to train on, which steps push weights, and the pipeline depth.
 
-* ``async_ratio``: ``off_policy.async_ratio``, or the controller's output with ``adaptive_async.enabled``
-  (``control`` feeds it the staleness of each trained batch; it may also force the next step synchronous);
-* ``lookahead = async_ratio * max_version_gap`` steps, at most ``max_version_gap - (interval - 1)`` since
-  engines may hold weights up to ``interval - 1`` steps old, and with ``off_policy.feedforward`` at most
-  the pipeline depth that hides generation (``PipelineDepth``); ``admit`` turns it into whole steps;
-* staleness, decided here only: a step trained at policy ``version`` takes samples of version ``oldest(version)``
-  or newer; the engines wait for it (``GenerationRequest.min_version``) and ``accept`` discards, and counts, a
-  batch with an older sample;
-* the push cadence: every ``weight_sync.interval`` steps, or the self-tuning ``SyncCadence`` with
-  ``interval = "auto"`` (``tune_cadence``).
+* ``async_ratio``: ``off_policy.async_ratio``, or the controller's output (``control``; it may force a sync step);
+* ``lookahead = async_ratio * max_version_gap`` steps, at most ``max_version_gap - (interval - 1)`` (engines may
+  hold weights ``interval - 1`` steps old) and, with ``feedforward``, the ``PipelineDepth``; ``admit`` makes whole
+  steps of it;
+* staleness: a step trained at ``version`` takes samples of ``oldest(version)`` or newer; the engines wait for it
+  (``GenerationRequest.min_version``) and ``accept`` discards, and counts, a batch with an older sample;
+* the push cadence: every ``weight_sync.interval`` steps, or ``SyncCadence`` with ``interval = "auto"``.
 
-Concurrency: main thread only. Every trainer rank holds one. Rank 0 decides what depends on its measurements
-(the cadence, the depth); the feed broadcasts ``decision()`` with each batch and the other ranks ``adopt`` it,
-which replays the admission. The controller's inputs are all-reduced, so its state is the same on every rank.
-A checkpoint holds rank 0's ``state_dict`` (``RunState`` broadcasts it).
+Concurrency: main thread only; every trainer rank holds one. Rank 0 decides what depends on its measurements
+(cadence, depth); the feed broadcasts ``decision()`` and the other ranks ``adopt`` it. The controller's inputs are
+all-reduced, so its state is the same on every rank.
 """
 
 from __future__ import annotations
@@ -36,14 +32,8 @@ DEPTH_EMA = 0.2  # EMA weight of the newest step's generation and training times
 
 
 class PipelineDepth:
-    """The feedforward term: how many steps must be in flight for generation to hide behind training.
-
-    With a step's generation taking ``g`` seconds (engine-side, for the whole batch) and its training ``t``,
-    an engine that serves the in-flight steps concurrently keeps the trainer busy with ``ceil(g / t)`` steps
-    ahead (Little's law: in flight = latency x rate); fewer leave the trainer waiting, more only add staleness.
-    ``g`` and ``t`` are EMAs (weight ``DEPTH_EMA``) of each trained batch's ``gen_time_s`` and the trainer's
-    compute time. Before the first measurement the depth is 1. Rank 0 measures; other ranks are told ``depth``.
-    """
+    """The feedforward term: ``ceil(g / t)`` steps in flight hide generation behind training (Little's law), with
+    ``g`` and ``t`` EMAs of a batch's generation time and the trainer's compute time; 1 before any measurement."""
 
     def __init__(self):
         self.gen_s: float | None = None
@@ -53,9 +43,7 @@ class PipelineDepth:
     def observe(self, gen_s: float, train_s: float) -> None:
         if not (math.isfinite(gen_s) and math.isfinite(train_s) and gen_s >= 0 and train_s > 0):
             return
-        a = DEPTH_EMA
-        self.gen_s = gen_s if self.gen_s is None else a * gen_s + (1 - a) * self.gen_s
-        self.train_s = train_s if self.train_s is None else a * train_s + (1 - a) * self.train_s
+        self.gen_s, self.train_s = _ema(self.gen_s, gen_s, DEPTH_EMA), _ema(self.train_s, train_s, DEPTH_EMA)
         self.depth = max(1, math.ceil(self.gen_s / self.train_s))
 
     def state_dict(self) -> dict[str, Any]:
@@ -121,10 +109,8 @@ class OffPolicyControl:
         return self.cadence.due() if self.cadence is not None else step % self.fixed_interval == 0
 
     def admit(self) -> int:
-        """How many steps ahead to admit now: ``floor(lookahead)``, plus one on the fraction ``lookahead -
-        floor(lookahead)`` of calls (error diffusion: the residual carries over, so the admitted lookahead
-        averages ``lookahead`` and its running error stays within half a step; whole steps, see
-        docs/architecture.md). Deterministic, and ``lookahead = 0`` never admits ahead (the residual stays < 0.5)."""
+        """How many steps ahead to admit now: ``floor(lookahead)``, plus one on its fractional share of calls (error
+        diffusion: deterministic, the running error within half a step; whole steps, see docs/architecture.md)."""
         lookahead = self.lookahead
         whole = int(lookahead)
         self.carry += lookahead - whole
@@ -162,8 +148,7 @@ class OffPolicyControl:
         return decision.metrics
 
     def after_push(self, fed, compute_s: float, sync_s: float, push_s_total: float, m: dict[str, float]) -> dict:
-        """Rank 0, after a step's ``after_optimizer_step``: what the feedforward depth and the auto cadence learn
-        from the step's times (``fed``: its ``feed.StepInput``). Returns their metrics (none when both are off)."""
+        """Rank 0, after a step's push: the depth and the auto cadence learn from its times; returns their metrics."""
         out: dict[str, Any] = {}
         if self.depth is not None:
             out.update(self.observe_times(fed.batch.gen_time_s, compute_s))
@@ -172,19 +157,15 @@ class OffPolicyControl:
         return out
 
     def observe_times(self, gen_s: float, train_s: float) -> dict[str, float]:
-        """Rank 0, ``off_policy.feedforward``: a trained batch's generation time and the step's compute time
-        -> the pipeline depth that caps the next admissions. Returns its metrics."""
+        """Rank 0, ``off_policy.feedforward``: a batch's generation and compute times -> the pipeline depth."""
         self.depth.observe(gen_s, train_s)
         return {"pipeline_depth": float(self.depth.depth)}
 
     def tune_cadence(self, pushed: bool, compute_s: float, sync_s: float, rollout_wait: float, flush_s: float,
                      push_s_total: float, m: dict[str, float]) -> dict[str, Any]:
-        """Rank 0, ``weight_sync.interval = "auto"``: account this step's time lost to weight sync and, when it
-        pushed, let the cadence pick the next interval (``SyncCadence``). Lost time: blocking mode, the main
-        thread's time in the push (``sync_s``); async mode, that (the snapshot) plus an on-policy flush, plus the
-        part of the rollout wait the push thread's work can explain (at most the push time spent since the last
-        step; ``push_s_total`` is the push thread's running total). Staleness wins: with the controller on,
-        staleness above its target by more than ``STALE_BAND`` halves the interval and blocks raises."""
+        """Rank 0, ``interval = "auto"``: the step's time lost to weight sync (the main thread's push or snapshot,
+        a flush, and in async mode the rollout wait the push thread's work explains) -> ``SyncCadence``.
+        Staleness above its target by more than ``STALE_BAND`` halves the interval."""
         lost = sync_s + flush_s
         if self.async_push:
             lost += min(max(rollout_wait - flush_s, 0.0), push_s_total - self._push_s_seen)
@@ -218,7 +199,7 @@ class OffPolicyControl:
 
 @dataclass
 class CadenceDecision:
-    """What ``SyncCadence.after_push`` decided, for metrics (``sync_interval``, ``sync_overhead``) and logs."""
+    """What ``SyncCadence.observe_step`` decided, for metrics and logs."""
 
     interval: int
     overhead: float  # smoothed lost time per push / (smoothed compute per step * the interval in force when measured)
@@ -227,14 +208,10 @@ class CadenceDecision:
 
 class SyncCadence:
     """``weight_sync.interval = "auto"``: every how many steps weights are pushed, so that the trainer's time lost
-    to weight sync stays under a target (flodl's ``ElChe``, ``shared/seeds/002_*``). Main thread only.
-
-    Per step: ``due()`` says whether it pushes; ``observe_step(compute_s, lost_s, pushed, stale)`` reports its
-    compute time and the time it lost to weight sync. A push closes a window; on EMAs (``ema_alpha``) of the lost
-    time per window and the compute per step, the overhead at interval ``k`` is ``lost / (k * compute)``:
+    to weight sync stays under a target (flodl's ``ElChe``). Main thread only. A push closes a window; on EMAs of
+    the lost time per window and the compute per step, the overhead at interval ``k`` is ``lost / (k * compute)``:
       * above ``target``: raise ``k`` straight to ``ceil(lost / (target * compute))``, capped at ``max_interval``;
-      * below ``lower_fraction * target`` and ``k > min_interval``: lower ``k`` by one (the dead zone in between
-        stops flapping: ``o * k / (k - 1) <= 2 * o < target``);
+      * below ``lower_fraction * target`` and ``k > min_interval``: lower ``k`` by one (the dead zone stops flapping);
       * ``stale`` (the controller's staleness out of band) wins: ``k`` is halved (ceil, >= 1) and may not rise.
     In async mode a push's cost shows in the next steps' rollout waits, so windows are shifted by one step."""
 
@@ -242,15 +219,11 @@ class SyncCadence:
                  lower_fraction: float = 0.5):
         if not 1 <= start_interval <= max_interval:
             raise ValueError(f"need 1 <= start_interval ({start_interval}) <= max_interval ({max_interval})")
-        self.interval = start_interval
-        self.min_interval = start_interval
-        self.max_interval = max_interval
-        self.target = overhead_target
-        self.alpha = ema_alpha
-        self.lower_fraction = lower_fraction
+        self.interval = self.min_interval = start_interval
+        self.max_interval, self.target = max_interval, overhead_target
+        self.alpha, self.lower_fraction = ema_alpha, lower_fraction
         self.steps_since_push = 0
-        self._window_compute = 0.0
-        self._window_lost = 0.0
+        self._window_compute = self._window_lost = 0.0
         self._lost_ema: float | None = None  # seconds lost per push window
         self._compute_ema: float | None = None  # seconds of compute per step
 

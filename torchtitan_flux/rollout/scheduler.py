@@ -1,27 +1,17 @@
 """Rollout scheduling on the trainer's rank 0: prompts -> engine requests -> scored, versioned training batches.
 
-``RolloutScheduler`` dispatches the prompts of training step ``k`` to the engines as soon as admission allows
-(``lookahead``: how many steps ahead of the one being trained generation may run) and collects the results.
-Every sample carries the engine's policy version that generated it (stamped by the engine for the whole
-request) and the trainer version at dispatch.
+``RolloutScheduler`` dispatches a step's prompts, split across the engines alive by measured speed, and collects
+the results; every sample carries the policy version that generated it and the trainer version at dispatch.
 
-Concurrency: everything here runs on the main thread, except reward scoring: when a step's last result arrives
-(in ``pump``) its completions are decoded and handed to the reward pool (``rollout_batch.CompletionScorer``), and
-``collect`` waits on that future only when it builds the step's batch (so scoring overlaps training in async
-mode). Engines report through one ``events`` queue; ``pump`` is the only consumer: results go to their step,
-acks and errors to ``_weight_event`` and a dead engine to ``_replace`` (here: dropped; ``fleet.Rollouts``, rank 0's
-rollout side, hands them to its weight syncer and restarts the engine). A dead engine's in-flight requests are
-re-dispatched to the engines still alive (or to its replacement), so no prompt is lost.
+Concurrency: main thread only, except reward scoring: a step's completions go to the reward pool
+(``CompletionScorer``) when its last result arrives, and ``collect`` waits on that future only when it builds the
+batch (so scoring overlaps training). Engines report through one ``events`` queue, which ``pump`` alone consumes:
+results go to their step, acks and errors to ``_weight_event``, a dead engine to ``_replace`` (both no-ops here;
+``fleet.Rollouts`` overrides them). A dead engine's in-flight requests are re-dispatched, so no prompt is lost.
 
-Dispatch: prompts are split across the engines alive by measured speed (``dispatch.SpeedSplit``: dead zone,
-imbalance cap).
-
-A stuck engine: while ``collect`` waits and no result has arrived for ``WAIT_NOTE_S`` seconds, it logs (again every
-``WAIT_NOTE_S``) which engines hold which of the awaited requests: alive or not, how many requests and completions,
-of which steps, the weight version they are pinned to, and how long ago the oldest was sent. An engine alive but
-holding requests with no result for ``rollout.engine_stall_seconds`` (a stopped process, a hung kernel) is
-declared dead and killed (``pump``): like any dead engine it is restarted (or reconnected) and its requests are
-re-dispatched. Before, a SIGSTOPped engine was waited on forever.
+A stuck engine: ``collect`` logs who holds what every ``WAIT_NOTE_S`` without a result (``waiting_note``); an engine
+alive but holding requests with no result for ``rollout.engine_stall_seconds`` is killed (``pump``) and, like any
+dead engine, restarted and its requests re-dispatched.
 """
 
 from __future__ import annotations
@@ -42,18 +32,16 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 DEATH_NOTICE_S = 10.0  # how long a dispatch with no engine alive waits for a queued death (and its restart)
-WAIT_NOTE_S = 30.0  # collect with no result for this long logs who holds what (see the module docstring)
+WAIT_NOTE_S = 30.0  # collect with no result for this long logs who holds what
 
 
 class NoEngineLeft(RuntimeError):
-    """Every rollout engine is gone: training cannot go on. Raised between steps (while waiting for rollouts), so
-    the trainer's state is that of a completed step and can be checkpointed."""
+    """Every rollout engine is gone. Raised between steps, so the trainer's state can be checkpointed."""
 
 
 class RolloutWaitInterrupted(Exception):
-    """``interrupt()`` was called while ``collect`` waited: the step being collected is not trained on, so the
-    trainer's state is that of its last completed step (the rollouts in flight stay dispatched and are saved or
-    regenerated like those generation ran ahead to)."""
+    """``interrupt()`` was called while ``collect`` waited: the step is not trained on (the trainer's state is
+    that of its last completed step; the rollouts in flight stay dispatched)."""
 
 
 @dataclass
@@ -77,26 +65,10 @@ class _Step:
 
 
 class RolloutScheduler:
-    def __init__(
-        self,
-        engines: list[EngineHandler],
-        events: queue.Queue,
-        task: Task,
-        tokenizer,
-        *,
-        group_size: int,
-        prompts_per_step: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int,
-        seed: int,
-        pad_id: int,
-        dead_zone: float = 0.1,
-        max_share: float = 0.75,
-        reward_workers: int = 1,
-        reward_timeout_s: float = 300.0,
-        stall_s: float = 600.0,
-    ):
+    def __init__(self, engines: list[EngineHandler], events: queue.Queue, task: Task, tokenizer, *, group_size: int,
+                 prompts_per_step: int, max_new_tokens: int, temperature: float, top_k: int, seed: int, pad_id: int,
+                 dead_zone: float = 0.1, max_share: float = 0.75, reward_workers: int = 1,
+                 reward_timeout_s: float = 300.0, stall_s: float = 600.0):
         self.engines = list(engines)
         self.events, self.task, self.tokenizer = events, task, tokenizer
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
@@ -106,8 +78,7 @@ class RolloutScheduler:
         self._steps: dict[int, _Step] = {}
         self._by_req: dict[int, _Part] = {}
         self.split = SpeedSplit([e.name for e in self.engines], dead_zone, max_share)
-        self.redispatched = 0
-        self.engine_deaths = 0
+        self.redispatched = self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
         self.stall_s = stall_s  # rollout.engine_stall_seconds
         self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
@@ -115,8 +86,6 @@ class RolloutScheduler:
         self._last_pump = self._stall_clock_from = time.monotonic()
         self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
-
-    # ---------------------------------------------------------------------------------------- dispatch
 
     def _new_step(self, step: int) -> _Step:
         prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
@@ -134,16 +103,19 @@ class RolloutScheduler:
         first = 0
         for engine, n in zip(alive, self.split.split(len(st.prompts), [e.name for e in alive])):
             if n:
-                part = self._submit(step, engine, st.prompt_ids[first : first + n], first, trainer_version, pin_version,
-                                    min_version)
-                st.parts.append(part)
+                req = GenerationRequest(
+                    req_id=next(self._req_ids), step=step, prompt_ids=st.prompt_ids[first : first + n],
+                    group_size=self.group_size, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    top_k=self.top_k, seed=(self.seed * 1_000_003 + step) * 131 + first,
+                    dispatch_version=trainer_version, min_version=min_version, pin_version=pin_version,
+                )
+                st.parts.append(self._send(req, engine, first))
             first += n
         st.n_dispatched = len(st.prompts)
 
     def _alive(self) -> list[EngineHandler]:
-        """The engines alive now. With none: an engine that died while nothing pumped events (idle, between two
-        steps of an async run) has its death still queued; pump for up to ``DEATH_NOTICE_S`` so that it is handled
-        (and its replacement started, ``_replace``) instead of giving up on a dead engine that can be replaced."""
+        """The engines alive now. With none, pump for up to ``DEATH_NOTICE_S``: a death still queued gets its
+        replacement (``_replace``) instead of ending the run."""
         deadline = time.monotonic() + DEATH_NOTICE_S
         while True:
             alive = [e for e in self.engines if e.alive()]
@@ -153,20 +125,9 @@ class RolloutScheduler:
                 raise NoEngineLeft("no rollout engine is alive")
             self.pump(0.05)
 
-    def _submit(self, step: int, engine: EngineHandler, ids, first: int, trainer_version: int, pin: int,
-                min_version: int) -> _Part:
-        req = GenerationRequest(
-            req_id=next(self._req_ids), step=step, prompt_ids=ids, group_size=self.group_size,
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-            seed=(self.seed * 1_000_003 + step) * 131 + first, dispatch_version=trainer_version,
-            min_version=min_version, pin_version=pin,
-        )
-        return self._send(req, engine, first)
-
     def submit_eval(self, prompt_ids: list[list[int]], n: int, temperature: float, version: int, seed: int) -> list[_Part]:
-        """Evaluation requests: ``n`` completions of each prompt, generated on exactly policy ``version`` (the
-        engines wait for it), split evenly over the engines alive (the training split is left as it is). Their
-        parts get their results through ``pump`` like any other request (re-dispatched if an engine dies)."""
+        """Evaluation requests: ``n`` completions of each prompt on exactly policy ``version``, split evenly over
+        the engines alive; their results come through ``pump`` like any other's."""
         alive = self._alive()
         parts, first = [], 0
         for i, engine in enumerate(alive):
@@ -187,11 +148,8 @@ class RolloutScheduler:
         engine.submit(req)
         return part
 
-    # --------------------------------------------------------------------------------------- events
-
     def pump(self, timeout: float) -> None:
-        """Handle at most one engine event, waiting up to ``timeout`` seconds for it (and, once a second, kill the
-        engines that are stuck: see the module docstring)."""
+        """Handle at most one engine event, waiting up to ``timeout`` seconds; once a second, kill stuck engines."""
         now = time.monotonic()
         if now - self._last_pump > 5.0:  # nobody pumped meanwhile (training, a save): results may sit unread in
             self._stall_clock_from = now  # the queue, so that time is no evidence of a stall
@@ -264,8 +222,6 @@ class RolloutScheduler:
             target.submit(part.request)
             self.redispatched += 1
 
-    # --------------------------------------------------------------------------------------- collect
-
     def collect(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> RolloutBatch:
         """Dispatch ``step`` (unless admission already has), wait for all its parts and build its batch (scored,
         laid out for training)."""
@@ -286,8 +242,7 @@ class RolloutScheduler:
         return self._build(st)
 
     def interrupt(self) -> None:
-        """Make ``collect`` raise ``RolloutWaitInterrupted`` instead of waiting on (within ~50 ms). For a prompt
-        stop on a signal; safe to call from a signal handler."""
+        """Make ``collect`` raise ``RolloutWaitInterrupted`` within ~50 ms; safe to call from a signal handler."""
         self.interrupted = True
 
     def _score(self, st: _Step) -> None:
@@ -311,14 +266,9 @@ class RolloutScheduler:
         for part in st.parts if st else []:
             self._by_req.pop(part.request.req_id, None)
 
-    # ------------------------------------------------------------------------------------------ state
-
     def state_dict(self, timeout: float) -> dict:
-        """The rollouts already dispatched, for a checkpoint: waits up to ``timeout`` seconds for the requests in
-        flight, then returns every dispatched step whose parts all finished (their results, so a resumed run
-        trains on exactly what the uninterrupted one would have). A step still unfinished after ``timeout`` is
-        left out and generated afresh on resume, from the resumed weights, and so is the work of an engine that
-        dies meanwhile when none is left to take it over (a stop for lack of engines still saves the rest)."""
+        """The finished rollouts of dispatched steps, for a checkpoint, after waiting up to ``timeout`` seconds for
+        those in flight. A step still unfinished is left out and generated afresh on resume."""
         deadline = time.monotonic() + timeout
         while self._by_req and time.monotonic() < deadline:
             waiting = any(e.alive() for e in self.engines)  # else: only take the results already queued
@@ -328,13 +278,9 @@ class RolloutScheduler:
                 waiting = False
             if not waiting and self.events.empty():
                 break
-        steps = []
-        for st in self._steps.values():
-            if any(p.result is None for p in st.parts):
-                continue
-            parts = [(p.first, p.request, p.result) for p in st.parts]
-            steps.append({"step": st.step, "n_dispatched": st.n_dispatched, "parts": parts})
-        return {"steps": steps}
+        done = [st for st in self._steps.values() if all(p.result is not None for p in st.parts)]
+        return {"steps": [{"step": st.step, "n_dispatched": st.n_dispatched,
+                           "parts": [(p.first, p.request, p.result) for p in st.parts]} for st in done]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the finished rollouts of ``state_dict``; they are trained on as they are, never regenerated."""

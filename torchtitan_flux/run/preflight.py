@@ -1,10 +1,6 @@
-"""``preflight``: everything checked and loaded before torchtitan builds the model or any engine starts.
-
-The config's values are checked once, by the entry point (``validate_config``); here the batch against the number
-of trainer ranks (torchrun's ``WORLD_SIZE``), the model family of ``model.hf_assets_path``, the task and its
-held-out set (datasets load and prompts are length-checked here), the reward functions (called once on a
-sample), and the resume (the checkpoint's config fingerprint against this run's). Every failure is one
-``ConfigError`` line naming the field, before any process is spawned.
+"""``preflight``: what is checked and loaded before torchtitan builds the model or any engine starts: the batch
+against the trainer ranks, the model family, the task and its held-out set, the reward functions (called once on a
+sample) and the resume's config fingerprint. Every failure is one ``ConfigError`` line naming the field.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""``RunState``: what a checkpoint holds beyond torchtitan's trainer state (step, tokens seen).
+"""``RunState``: what a checkpoint holds beyond torchtitan's trainer state: the RNG state, the off-policy state
+and rank 0's finished rollouts of later steps (broadcast from rank 0), and the dataset's position and identity.
 
-The RNG state, the off-policy state (``OffPolicyControl.state_dict``), rank 0's finished rollouts of later steps
-(both pickled and broadcast from rank 0, so that every rank saves the same value, whichever one the checkpoint
-writer keeps), and the dataset's position and identity.
-
-Concurrency: main thread, called by torchtitan's ``CheckpointManager`` on save and load (collective on every
-rank when there are several); on load nothing is in flight.
+Concurrency: main thread, called by torchtitan's ``CheckpointManager`` (collective on every rank).
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """``FluxTrainer``: torchtitan's ``Trainer`` turned into a GRPO trainer fed by rollout engines.
 
-What is torchtitan's and what is ours: model construction, FSDP2 parallelisation, optimizers, LR schedulers,
-gradient clipping, ``CheckpointManager`` and the entry point are torchtitan's, used as they are. We replace the
-data path (rollouts instead of a text dataloader), the loss (GRPO, ``loss.py``) and the step loop (``train``),
-and add engines, weight sync and metrics.
-
-One training step (policy version = number of optimizer steps done = ``self.step`` after the step):
-  1. admission: generation may run ``lookahead = async_ratio * off_policy.max_version_gap`` steps ahead of
-     training, on average: steps are admitted whole, ``floor(lookahead)`` ahead, and one step further on the
-     fraction ``lookahead - floor(lookahead)`` of steps (error diffusion, see ``rl/off_policy.py``). ``async_ratio``
-     is ``off_policy.async_ratio``, or the controller's output when ``adaptive_async.enabled``. At lookahead 0
-     the engines first get the newest weights (a synchronous, on-policy step). Rank 0 dispatches, then waits for
-     step ``k``'s rollouts; a batch with samples older than ``max_version_gap`` is discarded and regenerated
-     (counted);
-  2. the batch is broadcast to every rank; each rank trains on its contiguous slice, in micro-batches of
-     ``training.local_batch_size`` sequences; the loss is normalised by the global token (or sequence) count;
-  3. gradient clipping, ``optimizer.step()``, LR step; then ``WeightSyncer.after_optimizer_step``: blocking
-     push (sync mode) or snapshot + background push (async mode);
-  4. checkpoint (torchtitan's manager; our ``state_dict`` adds the RNG state), metrics.
+Model construction, FSDP2, optimizers, LR schedulers, gradient clipping, ``CheckpointManager`` and the entry point
+are torchtitan's, used as they are; we replace the data path (rollouts, ``BatchFeed``), the loss (``rl/loss.py``)
+and the step loop (``train_step_grpo``; policy version = optimizer steps done = ``self.step``), and add engines,
+weight sync and metrics.
 
 Simplifications: one optimizer step per batch (so the "proximal" policy of decoupled PPO is the current one,
-detached); no pipeline parallelism (``pipelining_fn`` is None). ``update.backward_on_batch`` runs its own
-micro-batch loop instead of torchtitan's ``forward_backward_step``, whose loss is ``loss_fn(pred, labels)`` with one label
-tensor: the GRPO loss needs the behaviour and reference logprobs, advantages, mask and sample weights per
-token. The loop keeps torchtitan's ``train_context``, AMP, gradient clipping, checkpointing and the
-``[profiling]`` contexts (torch profiler traces and memory snapshots, stepped once per step).
+detached); no pipeline parallelism. ``backward_on_batch`` runs its own micro-batch loop instead of torchtitan's
+``forward_backward_step`` (whose loss takes one label tensor), keeping its ``train_context``, AMP and the
+``[profiling]`` contexts.
 """
 
 from __future__ import annotations
@@ -32,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -42,9 +27,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train import Trainer
 
-from torchtitan_flux.run import report
-
-from torchtitan_flux.run import resume
+from torchtitan_flux.run import report, resume
 from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data.evaluation import Evaluator
@@ -57,13 +40,8 @@ from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.data.rewards import RewardError
 from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutBatch, RolloutWaitInterrupted
 from torchtitan_flux.run.run_state import RunState
-from torchtitan_flux.run.stops import (
-    LossNotFinite,
-    StopRequests,
-    TrainingInterrupted,
-    die_with_launcher,
-    settle_and_checkpoint,
-)
+from torchtitan_flux.run.stops import (LossNotFinite, StopRequests, TrainingInterrupted, die_with_launcher,
+                                      settle_and_checkpoint)
 from torchtitan_flux.rl.gradient import backward_on_batch
 from torchtitan_flux.run.user_code import UserCodeError, import_spec, step_callback
 from torchtitan_flux.sync.syncer import WeightSyncer
@@ -101,8 +79,8 @@ class FluxTrainer(Trainer):
                                            job_config.training.steps)
         ws = job_config.weight_sync
         self.probe = PostSyncProbe(
-            probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance, ws.probe_every,
-            ws.timeout_seconds,
+            probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance,
+            ws.probe_every, ws.timeout_seconds,
         ) if ws.probe_every > 0 else None
         self.memory = {"rss_before_sync_mb": report.rss_mb()}
         if self.rank == 0:  # starts the engines and builds the syncer it delivers their events to
@@ -130,16 +108,11 @@ class FluxTrainer(Trainer):
                     job_config.job.dump_folder, wait=not job_config.weight_sync.async_weight_update,
                 )
 
-    # ------------------------------------------------------------------------------------------- setup
-
     def add_step_callback(self, fn, name: str | None = None) -> Any:
-        """Register ``fn(step, metrics)`` or ``fn(result)`` (``result.step``, ``result.metrics``), called on rank 0
-        after every step; returns ``fn`` (decorator use). If it raises (or calls ``sys.exit()``) the run stops
-        with one line naming it (``name``, else the function's own)."""
+        """Register ``fn(step, metrics)`` or ``fn(result)``, called on rank 0 after every step; returns ``fn``. If it
+        raises (or calls ``sys.exit()``) the run stops with one line naming it (``name``, else the function's own)."""
         self.step_callbacks.append(step_callback(fn, name or f"step callback {getattr(fn, '__qualname__', fn)!r}"))
         return fn
-
-    # ------------------------------------------------------------------------------------------- loop
 
     def train(self):
         jc = self.job_config
@@ -163,9 +136,8 @@ class FluxTrainer(Trainer):
                         if profiler:
                             profiler.step()
                     if self.step == 1:
-                        dist_utils.set_pg_timeouts(
-                            timeout=_td(jc.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
-                        )
+                        dist_utils.set_pg_timeouts(timeout=timedelta(seconds=jc.comm.train_timeout_seconds),
+                                                   parallel_dims=self.parallel_dims)
                     self.stops.raise_if_requested()
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e))
@@ -212,8 +184,7 @@ class FluxTrainer(Trainer):
             self._step_ends.append(time.perf_counter())
 
     def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
-        """Graceful stop (a signal, or no rollout engine left): ``stops.settle_and_checkpoint``. After a signal
-        the push and the rollouts in flight get at most ``SIGNAL_STOP_WAIT_S`` each (``StopRequests.wait_s``)."""
+        """Graceful stop (a signal, or no rollout engine left): ``stops.settle_and_checkpoint``."""
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
         wait = self.stops.wait_s(self.job_config.weight_sync.timeout_seconds)
         can_save = at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0
@@ -233,7 +204,7 @@ class FluxTrainer(Trainer):
             report.write_summary(self.job_config.job.dump_folder, content)
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
-        """One GRPO optimizer step on ``batch`` (all ranks): gradients (``update.py``), clipping, step, metrics."""
+        """One GRPO optimizer step on ``batch`` (all ranks): gradients, clipping, step, metrics."""
         jc = self.job_config
         self.optimizers.zero_grad()
         grad = backward_on_batch(
@@ -263,12 +234,10 @@ class FluxTrainer(Trainer):
         stats = torch.stack([loss_total] + [sums[k] for k in sorted(sums)])
         if self.world > 1:
             dist.all_reduce(stats)
-        out = {"loss": stats[0].item()}
-        out.update({k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))})
-        out["grad_norm"] = grad_norm.item()
-        out["zero_variance_groups"] = grad.zero_variance_groups
-        out["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        return out
+        means = {k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))}
+        return {"loss": stats[0].item(), **means, "grad_norm": grad_norm.item(),
+                "zero_variance_groups": grad.zero_variance_groups,
+                "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0]}
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
         counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.scheduler.restarts,
@@ -280,8 +249,6 @@ class FluxTrainer(Trainer):
             self.metrics_writer.log_completions(self.step, batch, self.job_config.grpo.group_size)
         for fn in self.step_callbacks:
             fn(self.step, m)
-
-    # ----------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **self.run_state.state_dict(self.step)}
@@ -298,9 +265,3 @@ class FluxTrainer(Trainer):
         if getattr(self, "metrics_writer", None) is not None:
             self.metrics_writer.close()
         super().close()
-
-
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

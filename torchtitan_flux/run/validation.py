@@ -1,14 +1,7 @@
-"""``validate_config``: types, ranges and cross-field consistency of the config sections (``config.py``), and of
-the torchtitan fields we rely on; the first bad value raises ``ConfigError`` naming the field and what is allowed.
-A plain single-field range is not written here: it is declared on the field in ``config.py`` (``Range``) and checked
-by ``_check_ranges``; what is here is every other rule.
-
-It runs in the entry point before torchtitan starts (one ``error:`` line, exit 2) and again on every rank before
-any engine process is started. It never writes into the config.
-User code named in the config (rewards, tasks, controllers, step callbacks) is imported here through
-``user_code.import_spec``, so a bad name is a validation error.
-
-Simplification: torchtitan's own sections are validated by torchtitan; we check only the fields we rely on.
+"""``validate_config``: types, ranges (declared on the fields, ``Range``) and cross-field rules of our config
+sections and of the torchtitan fields we rely on; the first bad value raises ``ConfigError`` naming the field and
+what is allowed. Runs in the entry point (one ``error:`` line, exit 2) and on every rank before any engine starts;
+never writes into the config. User code the config names is imported here, so a bad name is a validation error.
 """
 
 import dataclasses
@@ -33,6 +26,8 @@ from torchtitan_flux.engine.auth import is_loopback, read_token
 from torchtitan_flux.ranges import field_ranges
 from torchtitan_flux.run.user_code import import_spec, step_callback
 
+logger = logging.getLogger("torchtitan_flux")
+
 
 def _allowed(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
@@ -43,17 +38,14 @@ def _allowed(tp: Any) -> str:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """The weight-sync rendezvous must be able to listen on host:port (checked by binding once, before any engine
-    starts; the trainer binds it again moments later)."""
+    """The weight-sync rendezvous must be able to listen on host:port (bound once here, before any engine starts)."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((host, port))
     except OSError as e:
-        raise ConfigError(
-            f"weight_sync.master_port = {port}: cannot listen on {host}:{port} ({e.strerror or e}); allowed: a free "
-            "port, or 0 to pick one"
-        ) from None
+        raise ConfigError(f"weight_sync.master_port = {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                          "allowed: a free port, or 0 to pick one") from None
 
 
 def _check_type(name: str, value: Any, tp: Any) -> None:
@@ -120,8 +112,7 @@ _HOST_NAME = re.compile(r"(?!-)[\w-]{1,63}(?<!-)(\.(?!-)[\w-]{1,63}(?<!-))*", re
 
 
 def _check_url(name: str, url: str) -> None:
-    """A server URL is ``http(s)://host[:port]`` with ``host`` an IP address or a DNS name (a dotted-number host
-    must be a valid IPv4 address: ``999.1.1.1`` would otherwise be looked up as a name and fail only later)."""
+    """A server URL is ``http(s)://host[:port]``, ``host`` an IP address or a DNS name (never ``999.1.1.1``)."""
     why = _url_problem(url)
     if why:
         raise ConfigError(f"{name} = {url!r} is not a server URL ({why}); allowed: http(s)://host:port with host an "
@@ -150,9 +141,8 @@ def _url_problem(url: str) -> str | None:
 
 
 def resolve_launch_python(path: str) -> str | None:
-    """``rollout.launch_python`` as an existing absolute path: as given (absolute, or relative to the current
-    directory), else relative to the directory this package is imported from (the repository root of a source
-    checkout, where ``scripts/setup_vllm.sh`` puts ``.venv-vllm``); None when neither exists."""
+    """``rollout.launch_python`` as an existing absolute path: as given, else relative to the directory this
+    package is imported from (a source checkout's root, where ``.venv-vllm`` is); None when neither exists."""
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for cand in (path, os.path.join(package_parent, path)):
         if os.path.isfile(cand) and os.access(cand, os.X_OK):
@@ -161,8 +151,7 @@ def resolve_launch_python(path: str) -> str | None:
 
 
 def _validate_torchtitan_fields(job_config: Any) -> None:
-    """The torchtitan fields a bad value of which would otherwise fail late (a bare assert, a NaN loss) or be
-    silently accepted (``steps 0``)."""
+    """The torchtitan fields whose bad values would fail late (a bare assert, a NaN loss) or pass silently."""
     tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
     name = job_config.model.name
     if name != MODEL_NAME:
@@ -171,9 +160,8 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
         raise ConfigError(f"model.name = {name!r} {why}")
     for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
         _check_type(f"training.{name}", getattr(tr, name), int)
-    _require(tr.steps >= 1, "training.steps", tr.steps, "an integer >= 1")
-    _require(tr.local_batch_size >= 1, "training.local_batch_size", tr.local_batch_size, "an integer >= 1")
-    _require(tr.seq_len >= 1, "training.seq_len", tr.seq_len, "an integer >= 1")
+    for name in ("steps", "local_batch_size", "seq_len"):
+        _require(getattr(tr, name) >= 1, f"training.{name}", getattr(tr, name), "an integer >= 1")
     gap = job_config.off_policy.max_version_gap  # each embedded engine keeps max_version_gap + 1 weight copies
     _require(gap <= max(1, tr.steps), "off_policy.max_version_gap", gap,
              f"at most training.steps = {tr.steps} (each embedded engine keeps max_version_gap + 1 copies of the "
@@ -184,19 +172,14 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:
         _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
-    # Adam / AdamW (torchtitan's only optimizers) move every weight by about lr per step whatever the gradient's
-    # scale: lr 1 already overwrites a model in one step (GRPO fine-tuning uses ~1e-7 .. 1e-5), so beyond 1 is a typo
+    # Adam moves every weight by about lr per step: beyond 1 is a typo (GRPO fine-tuning uses ~1e-7 .. 1e-5)
     _require(math.isfinite(opt.lr) and 0 < opt.lr <= 1, "optimizer.lr", opt.lr,
              "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
 
 
-logger = logging.getLogger("torchtitan_flux")
-
 def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | None:
-    """A warning when the version-gap term alone cannot bring staleness to ``target_staleness`` (the gap is at
-    most ``max_version_gap``): the KL and importance-weight terms then have to, and on a slowly moving policy they
-    stay near 0, so staleness saturates below the target and the ratio sits at its maximum (measured with the
-    defaults, max_version_gap 1: staleness ~0.06 against 0.15, 0.16 of steps in band)."""
+    """A warning when the version-gap term alone cannot bring staleness to ``target_staleness``: on a slowly
+    moving policy the other terms stay near 0, so staleness saturates below the target; None otherwise."""
     total = a.kl_weight + a.iw_var_weight + a.version_gap_weight
     reach = a.version_gap_weight / total * min(1.0, max_version_gap / a.version_gap_norm) if total > 0 else 0.0
     if reach >= a.target_staleness:
@@ -210,24 +193,21 @@ def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | No
 
 
 def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
-    """torchtitan's "Invalid field names in <class ...> data: {...}" (a TOML key or section that does not exist,
-    raised while parsing, with a traceback) as one line naming the file, the section, the keys and the allowed
-    fields; None for any other error."""
+    """torchtitan's "Invalid field names in <class ...> data: {...}" (an unknown TOML key or section) as one line
+    naming the file, the section, the keys and the allowed fields; None for any other error."""
     m = re.match(r"Invalid field names in <class '([\w.]+)'> data: (\{.*?\})", str(e))
     if m is None:
         return None
+    from torchtitan.config import JobConfig
+
     path, names = m.group(1), m.group(2)
     mod, _, cls = path.rpartition(".")
     if cls in ("JobConfig", "MergedJobConfig"):  # an unknown section (torchtitan's and ours merged)
-        from torchtitan.config import JobConfig
-
         allowed = sorted({f.name for f in dataclasses.fields(JobConfig)} | set(SECTIONS))
         return ConfigError(f"job.config_file = {config_file!r}: unknown section(s) {names}; allowed: "
                            + ", ".join(allowed))
     section = next((k for k, v in SECTIONS.items() if f"{v.__module__}.{v.__qualname__}" == path), None)
     if section is None:  # one of torchtitan's sections
-        from torchtitan.config import JobConfig
-
         section = next((f.name for f in dataclasses.fields(JobConfig)
                         if getattr(f.type, "__name__", str(f.type)) == cls), None)
     try:
@@ -273,22 +253,17 @@ def validate_config(job_config: Any) -> None:
         if r.engine != "vllm":
             raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")
         if r.urls:
-            raise ConfigError(
-                f"rollout.urls = {r.urls!r} must be empty when rollout.launch = true (the trainer starts the servers)"
-            )
+            raise ConfigError(f"rollout.urls = {r.urls!r} must be empty when rollout.launch = true (the trainer "
+                              "starts the servers)")
         if resolve_launch_python(r.launch_python) is None:
-            raise ConfigError(
-                f"rollout.launch_python = {r.launch_python!r} does not exist; rollout.launch = true needs a Python "
-                "with vLLM installed (run scripts/setup_vllm.sh to create .venv-vllm)"
-            )
+            raise ConfigError(f"rollout.launch_python = {r.launch_python!r} does not exist; rollout.launch = true "
+                              "needs a Python with vLLM installed (run scripts/setup_vllm.sh to create .venv-vllm)")
     elif r.engine == "embedded" and r.urls:  # else silently unused
         raise ConfigError(f"rollout.urls = {r.urls!r} is set, but rollout.engine = 'embedded' starts its own engines; "
                           "allowed: no urls, or rollout.engine = 'vllm' | 'sglang' to use those servers")
     elif r.engine in ("vllm", "sglang") and not r.urls:
-        raise ConfigError(
-            f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
-            + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else "")
-        )
+        raise ConfigError(f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
+                          + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else ""))
 
     for url in r.urls:
         _check_url("rollout.urls", url)
@@ -307,23 +282,17 @@ def validate_config(job_config: Any) -> None:
     remote += [("rollout.urls", u) for u in r.urls if not is_loopback(urllib.parse.urlsplit(u).hostname or "")]
     if remote and read_token(w.auth_token_env) is None:
         name, value = remote[0]
-        raise ConfigError(
-            f"{name} = {value!r} is not a loopback address, so it needs the shared token: set the environment "
-            f"variable {w.auth_token_env} (named by weight_sync.auth_token_env; servers read TORCHTITAN_FLUX_TOKEN). "
-            "Allowed without it: loopback addresses (127.0.0.0/8, ::1, localhost). See \"Security\" in the README."
-        )
+        raise ConfigError(f"{name} = {value!r} is not a loopback address, so it needs the shared token: set the "
+                          f"environment variable {w.auth_token_env} (named by weight_sync.auth_token_env; servers read "
+                          "TORCHTITAN_FLUX_TOKEN). Allowed without it: loopback addresses (127.0.0.0/8, ::1, "
+                          "localhost). See \"Security\" in the README.")
 
     if a.min_async_ratio > a.max_async_ratio:
-        raise ConfigError(
-            f"adaptive_async.min_async_ratio = {a.min_async_ratio} exceeds adaptive_async.max_async_ratio = "
-            f"{a.max_async_ratio}; need min_async_ratio <= max_async_ratio"
-        )
-    _require(
-        a.min_async_ratio <= a.initial_async_ratio <= a.max_async_ratio,
-        "adaptive_async.initial_async_ratio",
-        a.initial_async_ratio,
-        f"within [min_async_ratio, max_async_ratio] = [{a.min_async_ratio}, {a.max_async_ratio}]",
-    )
+        raise ConfigError(f"adaptive_async.min_async_ratio = {a.min_async_ratio} exceeds adaptive_async."
+                          f"max_async_ratio = {a.max_async_ratio}; need min_async_ratio <= max_async_ratio")
+    _require(a.min_async_ratio <= a.initial_async_ratio <= a.max_async_ratio, "adaptive_async.initial_async_ratio",
+             a.initial_async_ratio,
+             f"within [min_async_ratio, max_async_ratio] = [{a.min_async_ratio}, {a.max_async_ratio}]")
     if a.kl_weight + a.iw_var_weight + a.version_gap_weight <= 0:
         raise ConfigError("adaptive_async.kl_weight + iw_var_weight + version_gap_weight must be > 0")
     _validate_torchtitan_fields(job_config)
@@ -348,10 +317,8 @@ def _check_model_folder(job_config: Any) -> None:
     hf, r = job_config.model.hf_assets_path, job_config.rollout
     for fname in ("tokenizer.json", "config.json"):
         if not os.path.isfile(os.path.join(hf, fname)):
-            raise ConfigError(
-                f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
-                "(build the tiny one with `python scripts/build_tiny_model.py`)"
-            )
+            raise ConfigError(f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
+                              "(build the tiny one with `python scripts/build_tiny_model.py`)")
     try:
         cfg = hf_folder.read_config(hf)
         max_pos = cfg.get("max_position_embeddings")
@@ -366,12 +333,10 @@ def _check_model_folder(job_config: Any) -> None:
     prompt = max_prompt_tokens(job_config)
     if isinstance(max_pos, int) and prompt + r.max_new_tokens > max_pos:
         budget = r.max_prompt_tokens or f"auto: training.seq_len - max_new_tokens = {prompt}"
-        raise ConfigError(
-            f"rollout.max_prompt_tokens ({budget}) + rollout.max_new_tokens ({r.max_new_tokens}) = "
-            f"{prompt + r.max_new_tokens} tokens exceeds max_position_embeddings = {max_pos} of "
-            f"{os.path.join(hf, 'config.json')}; allowed: at most {max_pos} (lower training.seq_len, "
-            "rollout.max_prompt_tokens or rollout.max_new_tokens)"
-        )
+        raise ConfigError(f"rollout.max_prompt_tokens ({budget}) + rollout.max_new_tokens ({r.max_new_tokens}) = "
+                          f"{prompt + r.max_new_tokens} tokens exceeds max_position_embeddings = {max_pos} of "
+                          f"{os.path.join(hf, 'config.json')}; allowed: at most {max_pos} (lower training.seq_len, "
+                          "rollout.max_prompt_tokens or rollout.max_new_tokens)")
     if r.launch:
         from torchtitan_flux.engine.vllm_launch import unservable_reason
 
@@ -394,10 +359,9 @@ def _check_data(job_config: Any) -> None:
                           "file or folder")
     seq_len = job_config.training.seq_len
     if tasks.max_prompt_tokens(job_config) < 1 or tasks.max_prompt_tokens(job_config) + r.max_new_tokens > seq_len:
-        raise ConfigError(
-            f"rollout.max_prompt_tokens ({r.max_prompt_tokens or 'auto'}) + rollout.max_new_tokens ({r.max_new_tokens}) "
-            f"must fit in training.seq_len = {seq_len} with room for a prompt; lower them or raise training.seq_len"
-        )
+        raise ConfigError(f"rollout.max_prompt_tokens ({r.max_prompt_tokens or 'auto'}) + rollout.max_new_tokens "
+                          f"({r.max_new_tokens}) must fit in training.seq_len = {seq_len} with room for a prompt; lower "
+                          "them or raise training.seq_len")
     for spec in r.reward_funcs:
         if spec not in tasks.BUILTIN_REWARDS:
             import_spec("rollout.reward_funcs", spec)
