@@ -39,7 +39,7 @@ from torchtitan_flux.run.preflight import preflight
 from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.data.rewards import RewardError
 from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutBatch, RolloutWaitInterrupted
-from torchtitan_flux.run.run_state import RunState
+from torchtitan_flux.run.checkpoint_state import CheckpointState
 from torchtitan_flux.run.stops import (LossNotFinite, StopRequests, TrainingInterrupted, die_with_launcher,
                                       settle_and_checkpoint)
 from torchtitan_flux.rl.gradient import backward_on_batch
@@ -95,8 +95,9 @@ class FluxTrainer(Trainer):
         self.memory["rss_after_staging_mb"] = report.rss_mb()
         self.feed = BatchFeed(self.off_policy, self.scheduler, self.syncer, async_push=ws.async_weight_update,
                               last_step=job_config.training.steps, rank=self.rank, world=self.world)
-        self.run_state = RunState(self.off_policy, self.scheduler, self.task, job_config.rollout.prompts_per_step,
-                                  pre.config_changes, self.stops, ws.timeout_seconds, self.world)
+        self.checkpoint_state = CheckpointState(self.off_policy, self.scheduler, self.task,
+                                                job_config.rollout.prompts_per_step, pre.config_changes, self.stops,
+                                                ws.timeout_seconds, self.world)
         if self.rank == 0:
             self.metrics_writer = MetricsWriter(
                 job_config.job.dump_folder, job_config.training.steps,
@@ -251,11 +252,11 @@ class FluxTrainer(Trainer):
             fn(self.step, m)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), **self.run_state.state_dict(self.step)}
+        return {**super().state_dict(), **self.checkpoint_state.state_dict(self.step)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.run_state.load_state_dict(state_dict, self.step)
+        self.checkpoint_state.load_state_dict(state_dict, self.step)
 
     def close(self) -> None:
         if getattr(self, "scheduler", None) is not None:  # rank 0: its syncer, engines and servers

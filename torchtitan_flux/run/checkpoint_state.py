@@ -1,4 +1,4 @@
-"""``RunState``: what a checkpoint holds beyond torchtitan's trainer state: the RNG state, the off-policy state
+"""``CheckpointState``: what a checkpoint holds beyond torchtitan's trainer state: the RNG state, the off-policy state
 and rank 0's finished rollouts of later steps (broadcast from rank 0), and the dataset's position and identity.
 
 Concurrency: main thread, called by torchtitan's ``CheckpointManager`` (collective on every rank).
@@ -21,7 +21,7 @@ from torchtitan_flux.sync.syncer import control_group
 logger = logging.getLogger("torchtitan_flux")
 
 
-class RunState:
+class CheckpointState:
     def __init__(self, off_policy: OffPolicyControl, scheduler: RolloutScheduler | None, task, prompts_per_step: int,
                  config_changes: list[str], stops: StopRequests, timeout_s: float, world: int):
         self.off_policy, self.scheduler, self.task = off_policy, scheduler, task
