@@ -82,7 +82,7 @@ def start_step_of(output: str) -> int:
 class Run:
     """A torchrun trainer in its own session, with every descendant it ever had recorded (``scan``)."""
 
-    def __init__(self, dump: Path, log: Path, *overrides: str, faults: dict[str, str] | None = None):
+    def __init__(self, dump: Path, log: Path, *overrides: str, faults: dict[str, str] | None = None, nproc: int = 1):
         self.log = log
         env = dict(os.environ)
         if faults:
@@ -90,7 +90,7 @@ class Run:
             env["PYTHONPATH"] = os.pathsep.join([str(FAULT_INJECT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         with open(log, "w") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                torchrun_cmd(dump, *overrides), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                torchrun_cmd(dump, *overrides, nproc=nproc), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, env=env,
             )
         self.seen: dict[int, tuple[float, str]] = {}

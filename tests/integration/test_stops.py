@@ -201,6 +201,37 @@ def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpo
     assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
 
 
+@pytest.mark.parametrize("fails", ["step_callback", "reward"])
+def test_with_two_trainer_processes_a_failure_on_rank_0_stops_every_rank_at_once(tmp_path, monkeypatch, fails):
+    """A step callback and a reward function run on rank 0 only. Before 2026-11-25 (issue 27) their failure stopped
+    rank 0 alone: rank 1 went on into the next step's batch broadcast, which rank 0 never joined, and died with a
+    traceback from inside it when rank 0's exit closed the connection (or waited for a timeout while rank 0 was
+    still closing). Now the error travels with the batch broadcast (or a step-end agreement): every rank stops on
+    it with the same one line."""
+    from _procs import wait_gone
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    args = (("--metrics.step_callbacks", "_step_callbacks:exits_at_step_2") if fails == "step_callback" else
+            ("--rollout.reward_funcs", "test_stops:exit_on_a_completion"))
+    expected = ("error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough for today"
+                if fails == "step_callback" else "error: reward function 'exit_on_a_completion' raised SystemExit: 3")
+    run = Run(tmp_path / "run", tmp_path / "run.log", *args, "--training.steps", "6", nproc=2)
+    deadline = time.monotonic() + 90
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        run.scan()
+        time.sleep(0.05)
+    if run.proc.poll() is None:
+        os.killpg(run.proc.pid, 9)
+        pytest.fail(f"the run did not stop within 90 s: {run.log.read_text()[-3000:]}")
+    log = run.log.read_text()
+    assert run.proc.returncode != 0
+    lines = {x for x in log.splitlines() if x.startswith("error: ")}
+    assert lines == {expected}, log[-3000:]  # one line, the same on both ranks
+    assert "exitcode  : 2" in log and not _our_traceback_frames(log), log[-3000:]
+    assert not wait_gone(run.seen, 10.0), "processes outlived the run"
+
+
 @pytest.mark.slow
 def test_a_new_run_in_a_used_dump_folder_sets_the_old_outputs_aside(tmp_path):
     """Before 2026-11-25 (issue 27): a second run with checkpoints off appended steps 1..N again to metrics.jsonl

@@ -6,7 +6,9 @@ current weights if staging is that old (``WeightSyncer.catch_up``), and before e
 the staged version sent to every engine that lacks it (``WeightSyncer.deliver_staged``).
 
 Concurrency: main thread of every trainer rank, between training steps; only rank 0 holds the scheduler. The
-broadcast runs on the CPU control group (gloo), so a slow rollout never trips an NCCL timeout.
+broadcast runs on the CPU control group (gloo), so a slow rollout never trips an NCCL timeout. A collection that
+fails on rank 0 (a reward function's error or deadline, no engine left) is broadcast in place of the batch, so every
+rank stops on the same error instead of the others waiting for a batch that never comes.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from torchtitan_flux.data.rewards import RewardError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutScheduler
 from torchtitan_flux.rollout.batch import RolloutBatch
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
@@ -44,11 +47,20 @@ class BatchFeed:
         else:  # every rank: the invariant of the module docstring
             self.syncer.catch_up(version, oldest=self.off_policy.oldest(version))
         flush_s = time.perf_counter() - t0
-        batch = self._collect(step, version) if self.rank == 0 else None
+        batch = stop = None
+        if self.rank == 0:
+            try:
+                batch = self._collect(step, version)
+            except (RewardError, NoEngineLeft) as e:
+                if self.world == 1:
+                    raise
+                stop = e
         wait_s = time.perf_counter() - t0
         due = self.off_policy.push_due(step)
         if self.world > 1:
-            batch, due = self._broadcast(batch, due)
+            batch, due, stop = self._broadcast(batch, due, stop)
+            if stop is not None:
+                raise stop
         return StepInput(batch, wait_s, flush_s, due)
 
     def _collect(self, step: int, version: int) -> RolloutBatch:
@@ -69,10 +81,10 @@ class BatchFeed:
         self.syncer.check_timeouts()
         return batch
 
-    def _broadcast(self, batch: RolloutBatch | None, due: bool) -> tuple[RolloutBatch, bool]:
-        obj = [batch, due, self.off_policy.decision()]
+    def _broadcast(self, batch: RolloutBatch | None, due: bool, stop: Exception | None):
+        obj = [batch, due, self.off_policy.decision(), stop]
         dist.broadcast_object_list(obj, src=0, group=control_group())  # CPU gloo: no NCCL timeout
-        batch, due, decision = obj
-        if self.rank != 0:
+        batch, due, decision, stop = obj
+        if self.rank != 0 and stop is None:
             self.off_policy.adopt(decision)
-        return batch, due
+        return batch, due, stop

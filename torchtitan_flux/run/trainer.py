@@ -44,7 +44,7 @@ from torchtitan_flux.run.stops import (LossNotFinite, StopRequests, TrainingInte
                                       settle_and_checkpoint)
 from torchtitan_flux.rl.gradient import backward_on_batch
 from torchtitan_flux.run.user_code import UserCodeError, import_spec, step_callback
-from torchtitan_flux.sync.syncer import WeightSyncer
+from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -75,6 +75,7 @@ class FluxTrainer(Trainer):
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
         self._step_ends: list[float] = []
+        self._stop_after_step: Exception | None = None  # rank 0, world > 1: see _agree_on_stop
         self.off_policy = OffPolicyControl(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
                                            job_config.training.steps)
         ws = job_config.weight_sync
@@ -181,8 +182,25 @@ class FluxTrainer(Trainer):
         if self.evaluator is not None:
             metrics.update(self.evaluator.after_step(self.step, self.syncer.version, last))
         if self.rank == 0:
-            self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
+            try:
+                self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
+            except (UserCodeError, MetricsWriteError) as e:
+                if self.world == 1:
+                    raise
+                self._stop_after_step = e
             self._step_ends.append(time.perf_counter())
+        self._agree_on_stop()
+
+    def _agree_on_stop(self) -> None:
+        """With several ranks: rank 0's reason to stop after this step (a step callback's error, a metrics file
+        that cannot be written) reaches every rank, which all raise it, instead of the others going on into a
+        collective rank 0 never joins. One small broadcast per step on the CPU control group."""
+        if self.world == 1:
+            return
+        obj = [self._stop_after_step]
+        dist.broadcast_object_list(obj, src=0, group=control_group())
+        if obj[0] is not None:
+            raise obj[0]
 
     def _save_on_stop(self, at_step_boundary: bool, reason: str) -> None:
         """Graceful stop (a signal, or no rollout engine left): ``stops.settle_and_checkpoint``."""
