@@ -191,6 +191,19 @@ def test_one_syntax_for_every_list_and_boolean():
     assert parse("--job.description", "True").job.description == "True"
 
 
+def test_an_async_push_without_lookahead_is_named_in_a_warning(caplog):
+    """``async_ratio = -1`` used to follow ``async_weight_update``; with it removed (issue 25), the background push
+    alone stays on-policy: a user who meant overlap is told which field gives it."""
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        validate_config(parse("--weight_sync.async_weight_update", "true"))
+    assert any("set off_policy.async_ratio = 1" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        validate_config(parse("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1"))
+        validate_config(parse())
+    assert not any("async_ratio = 1" in r.message for r in caplog.records)
+
+
 def test_auto_and_integer_intervals_parse_and_validate(tiny_model_dir):
     for value, expect in (("auto", "auto"), ("2", 2)):
         cfg = parse("--weight_sync.interval", value)

@@ -298,6 +298,10 @@ def validate_config(job_config: Any) -> None:
     _validate_torchtitan_fields(job_config)
     if a.enabled and (hint := staleness_out_of_reach(a, job_config.off_policy.max_version_gap)):
         logger.warning(hint)
+    if w.async_weight_update and o.async_ratio == 0 and not a.enabled:
+        logger.warning("weight_sync.async_weight_update = true with off_policy.async_ratio = 0: weights are pushed in "
+                       "the background, but every step waits for the newest ones (on-policy); set "
+                       "off_policy.async_ratio = 1 to let generation run ahead")
     if a.controller != "pid":
         from torchtitan_flux.rl.controller import ControlLaw
 
