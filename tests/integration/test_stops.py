@@ -308,38 +308,37 @@ def test_unusable_output_folders_are_one_line_naming_the_path(tmp_path, case):
 def test_a_full_disk_at_a_save_stops_the_run_in_one_line_keeping_the_previous_checkpoint(tmp_path):
     """Before 2026-11-25 (issue 27): a traceback from inside DCP. Now one ``stopped:`` line naming the step folder
     and the cause, exit 1; the previous complete checkpoint stays the one a resume loads; nothing outlives it."""
-    from _procs import wait_gone
-
     dump = tmp_path / "run"
-    run = Run(dump, tmp_path / "run.log", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-              "--training.steps", "8", faults={"FLUX_FAULT_CKPT_ENOSPC": "4"})
-    assert run.proc.wait(120) == 1
-    assert not wait_gone(run.seen, 10.0), "processes outlived the run"
-    log = run.log.read_text()
-    lines = [x for x in log.splitlines() if x.startswith("stopped: ")]
-    assert lines == [f"stopped: checkpoint of step 4 could not be written to {dump}/checkpoint/step-4 (OSError: [Errno "
-                     "28] No space left on device); a resume loads the previous complete one: free space, or set "
-                     "checkpoint.folder elsewhere"], log[-3000:]
-    assert complete_ckpts(dump) == [2] and not _our_traceback_frames(log)
+    _stops_in_one_line(dump, f"stopped: checkpoint of step 4 could not be written to {dump}/checkpoint/step-4 "
+                             "(OSError: [Errno 28] No space left on device); a resume loads the previous complete "
+                             "one: free space, or set checkpoint.folder elsewhere",
+                       {"FLUX_FAULT_CKPT_ENOSPC": "4"}, "--checkpoint.interval", "2")
+    assert complete_ckpts(dump) == [2]
 
 
 def test_a_full_disk_under_the_metrics_stops_the_run_and_checkpoints_the_step(tmp_path):
     """Before 2026-11-25 (issue 27) an OSError writing metrics.jsonl ended the run with a traceback, and the steps
     since the last periodic checkpoint were lost; now the run stops with one line naming the file and the step,
-    after checkpointing the step it just trained, which a resume continues from."""
+    after checkpointing the step it just trained."""
+    dump = tmp_path / "run"
+    _stops_in_one_line(dump, f"stopped: cannot write {dump}/metrics.jsonl at step 5: No space left on device; free "
+                             "space (or fix the folder), then resume",
+                       {"FLUX_FAULT_METRICS_ENOSPC": "5"}, "--checkpoint.interval", "1000")
+    assert complete_ckpts(dump) == [5] and len(read_metrics(dump)) == 4
+
+
+def _stops_in_one_line(dump, expected: str, faults: dict[str, str], *args: str) -> None:
+    """An 8-step run with checkpoints and ``faults`` exits 1 with exactly the ``stopped:`` line ``expected``, no
+    traceback of ours, and nothing left running."""
     from _procs import wait_gone
 
-    dump = tmp_path / "run"
-    run = Run(dump, tmp_path / "run.log", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
-              "--training.steps", "8", faults={"FLUX_FAULT_METRICS_ENOSPC": "5"})
+    run = Run(dump, dump.parent / "run.log", "--checkpoint.enable", "true", *args, "--training.steps", "8",
+              faults=faults)
     assert run.proc.wait(120) == 1
     assert not wait_gone(run.seen, 10.0), "processes outlived the run"
     log = run.log.read_text()
-    lines = [x for x in log.splitlines() if x.startswith("stopped: ")]
-    assert lines == [f"stopped: cannot write {dump}/metrics.jsonl at step 5: No space left on device; free space "
-                     "(or fix the folder), then resume"], log[-3000:]
-    assert complete_ckpts(dump) == [5] and not _our_traceback_frames(log)
-    assert len(read_metrics(dump)) == 4
+    assert [x for x in log.splitlines() if x.startswith("stopped: ")] == [expected], log[-3000:]
+    assert not _our_traceback_frames(log)
 
 
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
