@@ -160,7 +160,8 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
             self._broadcast(header)
             vals = header.tolist()
             if vals[0] != transport.MAGIC:
-                raise RuntimeError(f"push header has bad magic {vals[0]:#x}: trainer and server disagree on the plan")
+                raise RuntimeError(f"push header has bad magic {vals[0]:#x}: trainer and server disagree on the plan "
+                                   "(they must run the same torchtitan_flux version)")
             version, n, ids = vals[1], vals[2], vals[3 : 3 + vals[2]]
             if version != info.version:
                 raise RuntimeError(f"push header carries version {version}, the HTTP request says {info.version}")

@@ -11,13 +11,15 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
 3. Host-side completion is decided by polling ``Work.is_completed()`` against OUR deadline (``wait_works``),
    one deadline per push, never by ``Work.wait(timeout)`` (counted from enqueue, and under
    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` a timed-out Work tears the whole process down). A push that misses
-   its deadline has its group aborted (``abort_group``) and the engine rejoins on a fresh one.
+   its deadline has its NCCL group aborted (``abort_group``; a gloo group is dropped) and the engine rejoins on a
+   fresh one.
 4. Groups get a long timeout (``GROUP_TIMEOUT``) so the NCCL watchdog never fires before our deadline does.
 5. The receiver acks only after the bytes landed: ``landed(works, stream)`` waits on the Works on the receiver's
    stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host).
 6. The receiver thread calls ``bind_thread(device)`` first, so its CUDA context is the engine's GPU.
 7. NCCL versions are compared at join (``check_nccl_version``): a mismatch is one error line, not a rejoin loop.
-8. The trainer joins eagerly in the joiner thread (``eager_connect``), never inside a broadcast holding the claim.
+8. The trainer joins eagerly in the joiner thread, never inside a broadcast holding the claim, wherever the engine
+   connects eagerly too (``EngineHandler.eager_connect``; SGLang does not, see docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from torchtitan_flux.sync import cuda_rules
 
 logger = logging.getLogger("torchtitan_flux")
 
-MAGIC = 0x46_4C_55_58  # "FLUX"
+MAGIC = 0x46_4C_58_32  # "FLX2": the wire format without the method slot (2026-11-25); an engine of an older
+# version sees another magic and says so, instead of misreading the bucket list
 # The wait for the next push's header is idle time, not a failure: it gets this timeout, not the group's
 # ``timeout_s`` (which still bounds a push's buckets where the backend honours it: ``compat.op_timeout_honoured``).
 IDLE_TIMEOUT = timedelta(days=7)
@@ -125,7 +126,8 @@ def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int]) -> torc
 def decode_header(h: torch.Tensor) -> tuple[int, list[int]]:
     vals = h.tolist()
     if vals[0] != MAGIC:
-        raise RuntimeError(f"weight push header has bad magic {vals[0]:#x}; sender and receiver disagree on the plan")
+        raise RuntimeError(f"weight push header has bad magic {vals[0]:#x}; sender and receiver disagree on the plan "
+                           "(trainer and engine must run the same torchtitan_flux version)")
     return vals[1], vals[3 : 3 + vals[2]]
 
 
