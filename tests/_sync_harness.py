@@ -64,17 +64,21 @@ class Harness:
         prompts_per_step: int = 2,
         group_size: int = 4,
         max_new_tokens: int = 8,
+        colocated: bool = False,
+        wire_dtype: str = "auto",
     ):
         self.model_dir = str(model_dir)
         weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
         self.model = module_from_weights(weights)
         cfg = WeightSync(
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
+            wire_dtype=wire_dtype,
         )
         job_config = SimpleNamespace(
             # never gives an engine up (the tests count restarts in ``restarts``); one thread per engine
             rollout=Rollout(num_engines=num_engines, engine_threads=1, max_engine_restarts=10**6,
-                            prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, top_k=0, seed=0),
+                            prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, top_k=0, seed=0,
+                            colocated=colocated),
             grpo=SimpleNamespace(group_size=group_size, temperature=1.0),
             weight_sync=cfg,
             off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2)

@@ -146,9 +146,10 @@ class SideStream:
     """A side stream for weight-sync copies (the device module's ``Stream``/``Event``, the same from 2.3 to 2.13;
     ``torch.accelerator``'s stream API only exists from 2.6), or a no-op on CPU, where copies are synchronous.
 
-    Ordering contract: ``record_after_main()`` right after ``optimizer.step()``; the copy runs inside
-    ``copy_context()`` (which waits for that event); the next ``optimizer.step()`` calls ``wait_copy_done()`` first,
-    so it never overwrites a parameter still being copied; the push thread ``synchronize_copy()`` before sending.
+    Ordering contract: ``record_after_main()`` right after ``optimizer.step()``; the snapshot runs inside
+    ``copy_context()`` (which waits for that event; tensors it allocates there belong to the side stream, so no
+    ``record_stream`` is needed); the next ``optimizer.step()`` calls ``wait_copy_done()`` first, so it never
+    overwrites a parameter still being read; the push thread ``synchronize_copy()`` before sending.
     """
 
     def __init__(self, device: torch.device):
@@ -175,14 +176,6 @@ class SideStream:
         with self.mod.stream(self.stream):
             yield
         self.done.record(self.stream)
-
-    def keep_alive(self, tensors: list[torch.Tensor]) -> None:
-        """Inside ``copy_context``: tensors allocated on the main stream and read by the copy are not reused by
-        the allocator before the copy finished (``record_stream``)."""
-        if self.enabled:
-            for t in tensors:
-                if t.device.type == self.device.type:
-                    t.record_stream(self.stream)
 
     def wait_copy_done(self) -> None:
         if self.enabled:

@@ -133,6 +133,11 @@ class Rollout:
     """Device of each engine ("cpu" or "cuda:N"; a launched server sees only that GPU). Empty: CPU when the
     trainer is on CPU, else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``. Never a trainer GPU, never one GPU twice."""
 
+    colocated: Bool = False
+    """Embedded engines share the trainer's device (rank 0's GPU, or the CPU) and copy the weights from rank 0's
+    staging by reference (CUDA IPC on GPU, shared memory on CPU) instead of a broadcast: the mode for one GPU, or
+    one host (docs/gpu.md). Needs ``engine = "embedded"`` and an empty ``engine_devices``."""
+
     dataset_split: str = "train"
     """Split of ``dataset_path`` to train on, when it is a folder or a saved ``DatasetDict``."""
 

@@ -68,6 +68,9 @@ CASES = [
     (("--eval.n", "0"), "eval.n"),
     (("--metrics.log_completions_every", "-1"), "metrics.log_completions_every"),
     (("--rollout.engine", "vllm"), "rollout.urls"),
+    (("--rollout.colocated", "true", "--rollout.engine", "vllm", "--rollout.urls", "http://127.0.0.1:8000"),
+     "rollout.colocated = true puts embedded engines on the trainer's device"),
+    (("--rollout.colocated", "true", "--rollout.engine_devices", "cpu"), "no rollout.engine_devices"),
     (("--rollout.dispatch_dead_zone", "1"), "rollout.dispatch_dead_zone = 1.0 is out of range; allowed: a number in [0, 1)"),
     (("--rollout.dispatch_dead_zone", "-0.1"), "rollout.dispatch_dead_zone"),
     # silent before 2026-11-25 (issue 27): one metric for both, the NaN never named, the urls unused

@@ -73,6 +73,9 @@ class WeightGroupInfo:
     timeout_s: float
     specs: list = field(default_factory=list)  # list[transport.TensorSpec]
     bucket_bytes: int = 0
+    # colocated engines (backend ``transport.COLOCATED``): rank 0's staging flats and its ``Seqlock`` tensor, passed
+    # by reference through the engine's control pipe (shared memory on CPU, CUDA IPC on GPU); None otherwise
+    shared: tuple | None = None
 
 
 Event = GenerationResult | WeightAck | EngineError
@@ -112,6 +115,11 @@ class EngineHandler:
     def kill(self, why: str) -> None:
         """Declare a stalled engine dead with ``why`` as its fatal ``EngineError`` (it is restarted or reconnected,
         its requests re-dispatched), and stop its process if this handler started it."""
+
+    def weight_backend(self, trainer_backend: str) -> str:
+        """The backend of this engine's weight-sync group: the trainer's ("nccl" on GPU, "gloo" on CPU), or the
+        engine's own choice (an embedded engine on CPU beside a GPU trainer: "gloo"; colocated: no group)."""
+        return trainer_backend
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A parameter (clean torchtitan name) in the layout the engine loads; applied while snapshotting."""

@@ -93,7 +93,12 @@ class _EngineProcess:
             plan = transport.plan_buckets(info.specs, info.bucket_bytes)
             self.receiver = transport.WeightReceiver(plan, self.device, on_received, on_error, self.weight_buffers)
         self._wait_bound_s = info.timeout_s
-        self.receiver.start(make_group)  # a re-join (resync) keeps serving the live version meanwhile
+        # a re-join (resync) keeps serving the live version meanwhile
+        if info.backend == transport.COLOCATED:
+            staging, seq = info.shared
+            self.receiver.start_shared(staging, transport.Seqlock(seq))
+        else:
+            self.receiver.start(make_group)
 
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
@@ -196,11 +201,14 @@ class EmbeddedEngine(EngineHandler):
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
     def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu",
-                 weight_buffers: int = 2, auth_token: str | None = None):
+                 weight_buffers: int = 2, auth_token: str | None = None, colocated: bool = False):
         """``weight_buffers``: weight versions the engine holds (>= 2; ``transport.WeightReceiver.swap``).
-        ``auth_token``: what its weight-sync joins prove (None: no handshake), passed through the start pipe."""
+        ``auth_token``: what its weight-sync joins prove (None: no handshake), passed through the start pipe.
+        ``colocated``: on the trainer's device, copying rank 0's staging by reference (``rollout.colocated``)."""
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
         self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
+        self.colocated = colocated
+        self._acked = -1  # newest version the engine acked (reader thread writes, push thread reads)
         self._proc: mp.Process | None = None
         self._conn = None
         self._reader: threading.Thread | None = None
@@ -262,6 +270,7 @@ class EmbeddedEngine(EngineHandler):
                 tokens, logprobs, lengths = (torch.from_numpy(a) for a in (tokens, logprobs, lengths))
                 self.events.put(GenerationResult(req_id, self.name, tokens, logprobs, lengths, version, newest, dt))
             elif kind == "ack":
+                self._acked = max(self._acked, msg[1])
                 self.events.put(WeightAck(self.name, msg[1], msg[2]))
             elif kind == "error":
                 if msg[2]:
@@ -276,6 +285,18 @@ class EmbeddedEngine(EngineHandler):
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
         self._send(("join", info))
+
+    def weight_backend(self, trainer_backend: str) -> str:
+        from torchtitan_flux.sync.transport import COLOCATED
+
+        if self.colocated:
+            return COLOCATED
+        return "gloo" if self.device == "cpu" else trainer_backend  # NCCL needs a GPU on both sides
+
+    def self_push(self, version: int, flats: list[torch.Tensor]) -> "_AckWait | None":
+        """Colocated: the engine copies staging by itself once the pusher published ``version``; the push is
+        complete when it acks (or dies). Else None: the pusher broadcasts."""
+        return _AckWait(self, version) if self.colocated else None
 
     def begin_update(self, version: int) -> None:
         pass  # the receiver thread stages the push; nothing to open
@@ -314,3 +335,19 @@ class EmbeddedEngine(EngineHandler):
             self._proc.join(timeout=5)
         self._conn.close()
         self._proc = None
+
+
+class _AckWait:
+    """A colocated push, polled like a Work (``cuda_rules.wait_works``): complete once the engine acked
+    ``version`` or died; ``wait`` raises in the second case. A copy the engine finishes after the push's deadline
+    is still a complete version (``transport.Seqlock``), so its late ack is true."""
+
+    def __init__(self, engine: EmbeddedEngine, version: int):
+        self.engine, self.version = engine, version
+
+    def is_completed(self) -> bool:
+        return self.engine._acked >= self.version or not self.engine.alive()
+
+    def wait(self) -> None:
+        if self.engine._acked < self.version:
+            raise RuntimeError(f"{self.engine.name} exited before it acked version {self.version}")

@@ -38,6 +38,7 @@ class Rollouts(RolloutScheduler):
 
     def __init__(self, job_config, task, tokenizer, model: torch.nn.Module, *, device: torch.device, stops):
         self.job_config, self.stops, self.trainer_on_gpu = job_config, stops, device.type == "cuda"
+        self.device = device
         self.servers: list = []  # launched vLLM servers (stopped by ``close``)
         self.restarts = 0
         self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of recent restarts
@@ -65,7 +66,7 @@ class Rollouts(RolloutScheduler):
         """Launch servers (``rollout.launch``), then start or connect every engine (``EngineStartError``)."""
         r = self.job_config.rollout
         self._urls = list(r.urls)
-        self._devices = engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
+        self._devices = [str(self.device)] * r.num_engines if r.colocated else engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
             list(r.engine_devices), r.num_engines, trainer_on_gpu=self.trainer_on_gpu,
             visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         ) if r.engine == "embedded" or r.launch else []
@@ -144,7 +145,7 @@ class Rollouts(RolloutScheduler):
             e = EmbeddedEngine(
                 f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self.events,
                 self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
-                auth_token=token,
+                auth_token=token, colocated=r.colocated,
             )
         e.start()
         return e

@@ -249,6 +249,10 @@ def validate_config(job_config: Any) -> None:
     if r.engine_stall_seconds <= job_config.weight_sync.timeout_seconds:  # a request may wait that long for weights
         raise ConfigError(f"rollout.engine_stall_seconds = {r.engine_stall_seconds:g} is out of range; allowed: more "
                           f"than weight_sync.timeout_seconds = {job_config.weight_sync.timeout_seconds:g}")
+    if r.colocated and (r.engine != "embedded" or r.engine_devices):
+        raise ConfigError(f"rollout.colocated = true puts embedded engines on the trainer's device; it needs "
+                          f"rollout.engine = 'embedded' (got {r.engine!r}) and no rollout.engine_devices (got "
+                          f"{list(r.engine_devices)!r})")
     if r.launch:
         if r.engine != "vllm":
             raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")

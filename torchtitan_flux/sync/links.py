@@ -24,6 +24,7 @@ class EngineLink:
     handler: EngineHandler
     epoch: int = 0
     pg: object | None = None
+    backend: str = ""  # of its current group: "nccl", "gloo" or ``transport.COLOCATED`` (set at each join)
     joining: bool = False
     sent: int = -1  # newest version sent
     sent_at: float = 0.0

@@ -81,10 +81,7 @@ class Pusher:
         self._job: int | None = None
         self._job_links: list[EngineLink] | None = None  # None: every usable engine
         self.stream = cuda_rules.group_stream(device) if backend == "nccl" else None
-        self.ring = None
-        if backend == "nccl":
-            top = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in snap.plan.buckets), default=1)
-            self.ring = DeviceRing(self.device, top, self.stream)
+        self.ring: DeviceRing | None = None  # allocated by the first push to an NCCL group (``_nccl_send``)
         threading.Thread(target=self._loop, name="flux-weight-push", daemon=True).start()
 
     def claim(self) -> bool:
@@ -147,9 +144,12 @@ class Pusher:
         link.epoch += 1
         epoch = link.epoch
         link.joining, link.pg = True, None
+        link.backend = link.handler.weight_backend(self.backend)
+        colocated = link.backend == transport.COLOCATED
         info = WeightGroupInfo(
-            self.cfg.master_addr, self.store.port, f"flux_ws/{link.handler.name}/{link.epoch}", self.backend,
+            self.cfg.master_addr, self.store.port, f"flux_ws/{link.handler.name}/{link.epoch}", link.backend,
             self.cfg.timeout_seconds, list(self.snap.specs), self.snap.bucket_bytes,
+            shared=(self.snap.staging.flats, self.snap.seqlock.t) if colocated else None,
         )
         link.handler.join_weight_group(info)
         t = threading.Thread(target=self._join, args=(link, epoch, info), name=f"flux-join-{link.handler.name}",
@@ -160,14 +160,17 @@ class Pusher:
     def _join(self, link: EngineLink, epoch: int, info: WeightGroupInfo) -> None:
         table = self.table
         try:
-            # a store client of its own: a wait on a shared one would stall every other engine's join
-            store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
-            if link.handler.rendezvous_handshake:
-                transport.handshake(store, info.prefix, self.token, transport.TRAINER, info.timeout_s)
-                if info.backend == "nccl":
-                    cuda_rules.check_nccl_version(store, info.prefix, "trainer", info.timeout_s)
-            cuda_rules.bind_thread(self.device)
-            pg = trainer_group(link.handler, store, info, self.device)
+            if info.backend == transport.COLOCATED:  # no group: the join message carried staging itself
+                pg = transport.COLOCATED
+            else:
+                # a store client of its own: a wait on a shared one would stall every other engine's join
+                store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
+                if link.handler.rendezvous_handshake:
+                    transport.handshake(store, info.prefix, self.token, transport.TRAINER, info.timeout_s)
+                    if info.backend == "nccl":
+                        cuda_rules.check_nccl_version(store, info.prefix, "trainer", info.timeout_s)
+                cuda_rules.bind_thread(self.device)
+                pg = trainer_group(link.handler, store, info, self.device)
             with table.lock:
                 if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
                     return
@@ -206,28 +209,42 @@ class Pusher:
             finally:
                 self.release()
 
+    def _nccl_send(self, pg, t: torch.Tensor):
+        """Broadcast ``t`` on an NCCL group, through the ``DeviceRing`` for host tensors (allocated on first use:
+        engines that never take an NCCL broadcast from us, e.g. vLLM's own engine, cost no ring)."""
+        if self.ring is None:
+            top = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in self.snap.plan.buckets), default=1)
+            self.ring = DeviceRing(self.device, top, self.stream)
+            self.snap.memory.hold(2 * top)  # held for the run
+        return self.ring.broadcast(pg, t)
+
     def push(self, version: int, only: list[EngineLink] | None = None) -> None:
         """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``."""
         t0 = time.perf_counter()
         table, stats = self.table, self.table.stats
         self.snap.side.synchronize_copy()
+        self.snap.publish(version)  # colocated engines copy from here on
+        deadline = time.monotonic() + self.cfg.timeout_seconds  # one deadline for the whole push (rule 3)
         with table.lock:
             if only is None:
                 self._rejoin_broken()
-            targets = [(lk, lk.epoch, lk.pg, lk.handler) for lk in (table.links if only is None else only)
-                       if lk.usable]
+            targets = [(lk, lk.epoch, lk.pg, lk.handler, lk.backend)
+                       for lk in (table.links if only is None else only) if lk.usable]
         plan, staging = self.snap.plan, self.snap.staging
-        hdev = cuda_rules.header_device(self.backend, self.device)
         header = transport.encode_header(plan, version, list(range(len(plan.buckets))))
-        send = self.ring.broadcast if self.ring is not None else compat.broadcast
+        if any(b == "nccl" for *_, b in targets):  # rule 2, and no pageable copy that would sync the stream (N1)
+            header_dev = header.pin_memory().to(self.device, non_blocking=True)
         pending = []
         with cuda_rules.on_stream(self.stream):
-            for link, epoch, pg, handler in targets:
+            for link, epoch, pg, handler, backend in targets:
                 try:
                     handler.begin_update(version)
                     flats = staging.flats
-                    own = handler.self_push(version, flats)  # vLLM on GPU: its own NCCL engine sends
-                    tensors = [header, *flats] if own is not None else handler.wire_tensors(header.to(hdev), flats)
+                    own = handler.self_push(version, flats)  # vLLM on GPU, colocated: the engine fetches
+                    nccl = backend == "nccl"
+                    tensors = ([header, *flats] if own is not None
+                               else handler.wire_tensors(header_dev if nccl else header, flats))
+                    send = self._nccl_send if nccl else compat.broadcast
                     works = [own] if own is not None else [send(pg, t) for t in tensors]
                     with table.lock:
                         if link.epoch == epoch:
@@ -238,11 +255,10 @@ class Pusher:
                         if link.epoch == epoch:
                             link.broken = True
                         table.fail(link, f"push {version} failed to start: {e}")
-            deadline = time.monotonic() + self.cfg.timeout_seconds  # one deadline for the whole push (rule 3)
             for link, epoch, pg, handler, works, tensors in pending:
                 try:
                     if not cuda_rules.wait_works(works, deadline):
-                        if self.backend == "nccl":
+                        if link.backend == "nccl":
                             cuda_rules.abort_group(pg)
                         raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
                                            f"{self.cfg.timeout_seconds}")

@@ -1,14 +1,18 @@
 """``Snapshot``: the trainer's weights, copied bucket by bucket into the staging buffer a push sends (every rank).
 
 Every rank calls ``take(version)`` at the same step boundaries (after ``agree``: one tiny broadcast on the CPU
-control group, no device-to-host sync). Per bucket:
+control group, no device-to-host sync). All of it runs on the snapshot's side stream, after an event recorded
+right after ``optimizer.step()`` (``compat.SideStream``), so no weight-sync kernel runs on the default stream and
+the next ``optimizer.step()`` waits for it (``WeightSyncer.before_optimizer_step``). Per bucket:
 
   1. gather: the bucket's FSDP2 shards (``Shard(0)`` on a 1-D mesh) are cast to the wire dtype and all-gathered
      with ONE collective (``_gather_bucket``); other DTensors use ``full_tensor()``; plain tensors as they are;
-  2. the side stream waits on an event recorded after the gathers, applies the engines' wire layout
-     (``wire_tensor``) and copies into staging, holding the gathered tensors (``record_stream``) meanwhile.
-Only rank 0 owns staging (pinned host memory on GPU; memory: docs/gpu.md). Parameter names are cleaned of
-wrapper prefixes: engines load by the model's own names.
+  2. the engines' wire layout (``wire_tensor``) is applied and the bucket copied into staging.
+A bucket's temporaries are freed once the next bucket's exist: on one stream the allocator reuses them in stream
+order, so the sync path holds about two buckets (``memory.SyncMemory`` counts them). Only rank 0 owns staging:
+pinned host memory on GPU, device memory shared by CUDA IPC when colocated on a GPU, shared memory when colocated
+on CPU (docs/gpu.md, "Memory"); its ``seqlock`` tells colocated engines when it is whole (``transport.Seqlock``).
+Parameter names are cleaned of wrapper prefixes: engines load by the model's own names.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from torchtitan_flux import compat
 from torchtitan_flux.models.hf import clean_name
 from torchtitan_flux.sync import transport
+from torchtitan_flux.sync.memory import SyncMemory, new_bytes
 
 
 def clean_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -63,7 +68,7 @@ class Snapshot:
     while it holds the pusher's claim; never written then) and ``side.synchronize_copy`` (push thread)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, is_sender: bool, bucket_bytes: int,
-                 wire_dtype: torch.dtype | None, wire_tensor=None):
+                 wire_dtype: torch.dtype | None, wire_tensor=None, colocated: bool = False):
         self.is_sender = is_sender
         self.params = clean_parameters(model)
         self.wire_dtype = wire_dtype
@@ -73,7 +78,18 @@ class Snapshot:
         self.side = compat.SideStream(device)
         self._wire = wire_tensor  # the engines' layout hook (HF q/k rows), None: identity
         on_gpu = torch.device(device).type == "cuda"
-        self.staging = self.plan.allocate("cpu", pin_memory=on_gpu) if is_sender else None
+        self.staging = self.seqlock = None
+        if is_sender:
+            if colocated and on_gpu:  # engines on this GPU map it by CUDA IPC
+                self.staging = self.plan.allocate(device)
+            else:
+                self.staging = self.plan.allocate("cpu", pin_memory=on_gpu)
+                if colocated:  # engines on this host map it as shared memory
+                    for flat in self.staging.flats:
+                        flat.share_memory_()
+            self.seqlock = transport.Seqlock()
+        largest = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in self.plan.buckets), default=0)
+        self.memory = SyncMemory(largest, ring=2 * largest if on_gpu and not colocated else 0)
         self.version = -1  # newest version snapshotted
         self.last_s = 0.0
         control_group()  # collective creation: every rank, here
@@ -89,21 +105,31 @@ class Snapshot:
 
     @torch.no_grad()
     def take(self, version: int) -> None:
-        """Every rank: copy (gathering shards) the parameters into staging, bucket by bucket."""
+        """Every rank: copy (gathering shards) the parameters into staging, bucket by bucket, on the side stream."""
         t0 = time.perf_counter()
-        for i, bucket in enumerate(self.plan.buckets):
-            specs = self.plan.specs[bucket.start : bucket.end]
-            srcs = _gather_bucket([self.params[s.name] for s in specs], self.wire_dtype)
-            self.side.record_after_main()  # after this bucket's gathers and casts
-            if not self.is_sender:
-                continue
-            with self.side.copy_context():
-                self.side.keep_alive(srcs)
-                if self._wire is not None:
-                    srcs = [self._wire(s.name, t) for s, t in zip(specs, srcs)]
-                torch._foreach_copy_(self.staging.bucket_views(i), srcs, non_blocking=True)
+        if self.seqlock is not None:
+            self.seqlock.begin_write()  # before the first write is even queued
+        self.side.record_after_main()
+        held = 0
+        with self.side.copy_context(), torch.profiler.record_function("flux_weight_sync.snapshot"):
+            for i, bucket in enumerate(self.plan.buckets):
+                params = [self.params[s.name] for s in self.plan.specs[bucket.start : bucket.end]]
+                srcs = _gather_bucket(params, self.wire_dtype)
+                if self.is_sender and self._wire is not None:
+                    srcs = [self._wire(s.name, t) for s, t in zip(self.plan.specs[bucket.start : bucket.end], srcs)]
+                now = self.memory.hold(new_bytes(srcs, params))
+                self.memory.release(held)  # the previous bucket's temporaries, reused in stream order
+                held = now
+                if self.is_sender:
+                    torch._foreach_copy_(self.staging.bucket_views(i), srcs, non_blocking=True)
+                del srcs
+        self.memory.release(held)
         self.version = version
         self.last_s = time.perf_counter() - t0
+
+    def publish(self, version: int) -> None:
+        """Push thread, holding the claim, after ``side.synchronize_copy()``: staging holds ``version`` whole."""
+        self.seqlock.publish(version)
 
 
 def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ class WeightSyncer:
             model, device=device, is_sender=is_sender, bucket_bytes=int(cfg.bucket_size_mb * 2**20),
             wire_dtype=None if cfg.wire_dtype == "auto" else getattr(torch, cfg.wire_dtype),
             wire_tensor=engines[0].wire_tensor if engines else None,
+            colocated=any(e.weight_backend(backend) == transport.COLOCATED for e in engines),
         )
         self.table = LinkTable(engines if is_sender else [], cfg.timeout_seconds)
         self.pusher: Pusher | Bystander = Bystander()  # ranks > 0: no rank branches below
@@ -201,7 +202,8 @@ class WeightSyncer:
         self._wait_acks(version)
 
     def metrics(self) -> dict[str, float]:
-        return self.table.metrics()
+        mem = self.snap.memory
+        return {**self.table.metrics(), "sync_peak_bytes": mem.peak, "sync_budget_bytes": mem.budget}
 
     def close(self) -> None:
         self.pusher.close()

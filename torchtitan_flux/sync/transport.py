@@ -37,6 +37,8 @@ MAGIC = 0x46_4C_58_32  # "FLX2": the wire format without the method slot (2026-1
 # The wait for the next push's header is idle time, not a failure: it gets this timeout, not the group's
 # ``timeout_s`` (which still bounds a push's buckets where the backend honours it: ``compat.op_timeout_honoured``).
 IDLE_TIMEOUT = timedelta(days=7)
+COLOCATED = "colocated"  # the "backend" of an engine on the trainer's device: no group, staging shared by reference
+SHARED_POLL_S = (0.0005, 0.005)  # colocated receiver: poll period after activity, doubling up to the second when idle
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -151,6 +153,36 @@ def listen_address(peer: str) -> str:
         return s.getsockname()[0]
 
 
+class Seqlock:
+    """The guard of a colocated hand-over: ``[seq, version]`` in shared CPU memory, one writer (rank 0).
+
+    The writer makes ``seq`` odd before it writes staging (``begin_write``: the snapshot, main thread) and even,
+    with the staged ``version``, once the copies landed (``publish``: the push thread, holding the claim). A
+    reader copies staging only at an even ``seq`` and keeps the copy only if ``seq`` is unchanged afterwards
+    (``stable``), so a copy torn by a later snapshot is dropped, never published or acked. Ordering: plain
+    stores and loads, version before seq on write, seq before version on read (x86-64 keeps both orders)."""
+
+    def __init__(self, shared: torch.Tensor | None = None):
+        self.t = shared if shared is not None else torch.zeros(2, dtype=torch.int64).share_memory_()
+
+    def begin_write(self) -> None:
+        if int(self.t[0]) % 2 == 0:
+            self.t[0] += 1
+
+    def publish(self, version: int) -> None:
+        self.t[1] = version
+        if int(self.t[0]) % 2:
+            self.t[0] += 1
+
+    def read(self) -> tuple[int, int]:
+        """(seq, version); an odd seq: staging is being written."""
+        seq = int(self.t[0])
+        return seq, int(self.t[1])
+
+    def stable(self, seq: int) -> bool:
+        return int(self.t[0]) == seq
+
+
 TRAINER, ENGINE = "trainer", "engine"
 _OK, _REFUSED = b"ok", b"refused"
 
@@ -242,10 +274,17 @@ class WeightReceiver:
     def start(self, make_group: Callable[[], object]) -> None:
         """Start the receive loop on a new group from ``make_group``; a previous loop is stopped and abandoned (it
         may be blocked in a dead collective) and the live version serves until the new group delivers."""
+        self._restart(self._run, make_group)
+
+    def start_shared(self, staging: list[torch.Tensor], seqlock: Seqlock) -> None:
+        """Colocated: receive by copying the trainer's ``staging`` flats (shared memory on CPU, CUDA IPC on GPU)
+        whenever ``seqlock`` shows a new stable version; replaces any previous loop like ``start``."""
+        self._restart(self._run_shared, staging, seqlock)
+
+    def _restart(self, target, *args) -> None:
         self._stop.set()
         self._stop = threading.Event()
-        threading.Thread(target=self._run, args=(make_group, self._stop), name="flux-weight-receiver",
-                         daemon=True).start()
+        threading.Thread(target=target, args=(*args, self._stop), name="flux-weight-receiver", daemon=True).start()
 
     def _take_buffer(self, stop: threading.Event) -> FlatWeights | None:
         """A buffer to receive into, or None if this loop was superseded (it must not touch any buffer then)."""
@@ -292,6 +331,40 @@ class WeightReceiver:
                         return
                     self._on_received(version)
         except BaseException as e:  # reported to the trainer through on_error; the trainer decides on resync
+            if not stop.is_set():
+                self._on_error(e)
+
+    def _run_shared(self, staging: list[torch.Tensor], seqlock: Seqlock, stop: threading.Event) -> None:
+        """The colocated loop: poll ``seqlock``; copy a new stable version on this thread's stream (rules 6, 1),
+        wait for the copy (rule 5), keep it only if ``seqlock`` did not move meanwhile (``Seqlock``)."""
+        try:
+            cuda_rules.bind_thread(self.device)
+            stream = cuda_rules.group_stream(self.device)
+            copied, period = -1, SHARED_POLL_S[0]
+            while not stop.is_set():
+                seq, version = seqlock.read()
+                if seq % 2 or seq == copied or version < 0:
+                    stop.wait(period)
+                    period = min(2 * period, SHARED_POLL_S[1])
+                    continue
+                period = SHARED_POLL_S[0]
+                if self.fault_stall_s:
+                    stop.wait(self.fault_stall_s)
+                buf = self._take_buffer(stop)
+                if buf is None:
+                    return
+                with cuda_rules.on_stream(stream):
+                    torch._foreach_copy_(buf.flats, staging, non_blocking=True)
+                cuda_rules.landed([], stream)
+                if not seqlock.stable(seq):  # torn by a newer snapshot: drop it and copy that one
+                    with self._lock:
+                        self._free.append(buf)
+                    continue
+                copied = seq
+                if not self._publish(version, buf, stop):
+                    return
+                self._on_received(version)
+        except BaseException as e:  # noqa: BLE001 - reported like the group loop's errors
             if not stop.is_set():
                 self._on_error(e)
 

@@ -1,0 +1,124 @@
+"""Colocated engines (``rollout.colocated``): the engine copies rank 0's staging by reference (shared memory here,
+CUDA IPC on GPU) under a seqlock, instead of a broadcast on a group. Also the sync path's memory ledger and the
+per-engine backend (a CPU engine beside a GPU trainer gets gloo, not NCCL)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _sync_harness import Harness, assert_in_sync, perturb
+
+from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.sync import transport
+
+
+def test_colocated_blocking_and_async_pushes_are_bitwise_equal(harness_factory):
+    h = harness_factory(async_mode=False, colocated=True, bucket_size_mb=0.01, num_engines=2)
+    assert all(lk.backend == transport.COLOCATED and lk.pg == transport.COLOCATED for lk in h.syncer.links)
+    assert all(f.is_shared() for f in h.syncer.staging.flats)
+    h.syncer.flush(0)
+    for v in (1, 2):
+        perturb(h.model, seed=v)
+        h.syncer.after_optimizer_step(v)
+        for i in range(2):
+            assert_in_sync(h, v, i)
+    assert h.syncer.stats.bytes_sent == 3 * 2 * h.syncer.plan.nbytes and not h.syncer.stats.failures
+
+    a = harness_factory(async_mode=True, colocated=True, bucket_size_mb=0.01)
+    a.syncer.flush(0)
+    for v in range(1, 6):
+        perturb(a.model, seed=v)
+        a.syncer.after_optimizer_step(v)  # returns at once; pushes in flight are coalesced
+    perturb(a.model, seed=9)
+    a.syncer.flush(6)
+    assert_in_sync(a, 6)
+
+
+def test_a_copy_torn_by_a_new_snapshot_is_never_published(tiny_model_dir):
+    """The seqlock: a receiver whose copy overlapped a write drops it and acks only the next whole version."""
+    from torchtitan_flux.models import weight_dict
+    from torchtitan_flux.sync.snapshot import tensor_specs
+    from _sync_harness import module_from_weights
+
+    model = module_from_weights(weight_dict.load_hf_weights_dict(tiny_model_dir)[0])
+    plan = transport.plan_buckets(tensor_specs(model), 2**14)
+    staging = plan.allocate("cpu")
+    for f in staging.flats:
+        f.fill_(1.0)
+    seq = transport.Seqlock()
+    seq.publish(1)
+    acked, errors = [], []
+    rx = transport.WeightReceiver(plan, "cpu", acked.append, errors.append)
+    rx.fault_stall_s = 0.3  # the receiver saw version 1 stable, then stalls before copying it
+    rx.start_shared(staging.flats, seq)
+    time.sleep(0.1)
+    seq.begin_write()  # a new snapshot starts while the receiver is in its stall: its copy will be torn
+    for f in staging.flats[: len(staging.flats) // 2]:
+        f.fill_(2.0)
+    time.sleep(0.5)  # the receiver copied the half-written staging meanwhile, saw seq move, dropped it
+    assert acked == [] and not errors
+    for f in staging.flats:
+        f.fill_(2.0)
+    rx.fault_stall_s = 0.0
+    seq.publish(2)
+    deadline = time.monotonic() + 5
+    while not acked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rx.stop()
+    assert acked == [2] and not errors
+    version, buf = rx.newest()
+    assert version == 2 and all(bool((f == 2.0).all()) for f in buf.flats)
+
+
+def test_a_stalled_colocated_engine_is_cut_at_the_deadline_and_the_others_go_on(harness_factory):
+    h = harness_factory(async_mode=False, colocated=True, num_engines=2, timeout_s=1.0)
+    h.syncer.flush(0)
+    h.engines[1].inject_fault("stall_receive", 5.0)
+    perturb(h.model, seed=1)
+    t0 = time.monotonic()
+    h.syncer.after_optimizer_step(1)  # blocking: the push ends at its deadline, the ack wait skips the lagging one
+    assert time.monotonic() - t0 < 3 * 1.0
+    ok, stalled = h.syncer.links
+    assert ok.acked == 1 and stalled.lagging and h.syncer.stats.timeouts >= 1
+    assert_in_sync(h, 1, 0)
+    perturb(h.model, seed=2)
+    h.syncer.after_optimizer_step(2)  # training goes on with the healthy engine
+    assert ok.acked == 2
+
+
+@pytest.mark.parametrize("flavor", ["tiny", "medium"])
+def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factory, flavor):
+    """Every buffer the sync path allocates besides staging goes through ``SyncMemory``: pushing to two engines,
+    its peak stays under two buckets (not the model) for models 80x apart in size."""
+    from model_assets import build_model_dir
+
+    from conftest import ROOT
+
+    model_dir = build_model_dir(ROOT / "assets" / f"{flavor}-llama", flavor=flavor, seed=0)
+    h = Harness(model_dir, async_mode=False, num_engines=2, bucket_size_mb=1.0, wire_dtype="bfloat16")
+    try:
+        h.syncer.flush(0)
+        perturb(h.model, seed=1)
+        h.syncer.after_optimizer_step(1)
+        assert h.engine_checksum(1) == (1, h.staging_checksum())
+        assert all(h.syncer.staging.views[n].equal(p.detach().to(torch.bfloat16)) for n, p in h.model.named_parameters())
+        m = h.syncer.metrics()
+        model_bytes = h.syncer.plan.nbytes
+        assert 0 < m["sync_peak_bytes"] <= m["sync_budget_bytes"] <= 2 * 2**20 + 4096 + 2 * 2**20
+        print(f"\n{flavor}: wire bytes {model_bytes}, sync peak {m['sync_peak_bytes']}, budget {m['sync_budget_bytes']}")
+        if flavor == "medium":
+            assert model_bytes > 8 * m["sync_budget_bytes"]
+    finally:
+        h.close()
+
+
+def test_a_cpu_engine_beside_a_gpu_trainer_gets_gloo_not_nccl():
+    import queue
+
+    cpu = EmbeddedEngine("e", "unused", 1, queue.Queue(), device="cpu")
+    gpu = EmbeddedEngine("e", "unused", 1, queue.Queue(), device="cuda:1")
+    here = EmbeddedEngine("e", "unused", 1, queue.Queue(), device="cuda:0", colocated=True)
+    assert cpu.weight_backend("nccl") == "gloo" and gpu.weight_backend("nccl") == "nccl"
+    assert here.weight_backend("nccl") == transport.COLOCATED and cpu.self_push(3, []) is None
