@@ -29,9 +29,9 @@ def test_pg_timeouts_are_set_before_the_first_push_and_not_again(monkeypatch):
 
     syncer = SimpleNamespace(connect=lambda: calls.append("connect"), flush=lambda v: calls.append(f"flush {v}"),
                              after_optimizer_step=lambda v: calls.append(f"push {v}"))
-    t = mock.MagicMock(step=0, rank=0, job_config=SimpleNamespace(comm=SimpleNamespace(train_timeout_seconds=100),
-                                                                  eval=None, profiling=None, job=mock.MagicMock(),
-                                                                  checkpoint=None), syncer=syncer, evaluator=None, scheduler=None,
+    jc = SimpleNamespace(comm=SimpleNamespace(train_timeout_seconds=100), eval=None, profiling=None,
+                         job=mock.MagicMock(), checkpoint=None)
+    t = mock.MagicMock(step=0, rank=0, job_config=jc, syncer=syncer, evaluator=None, scheduler=None,
                        should_continue_training=lambda: next(steps), train_step_grpo=train_step,
                        _finish=lambda: calls.append("finish"))
     FluxTrainer.train(t)
