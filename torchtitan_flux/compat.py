@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -112,11 +113,35 @@ def new_weight_sync_group(backend: str, store: Any, rank: int, world_size: int, 
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout  # private in every version we support
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        with _no_async_error_handling():
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         if device is not None and hasattr(pg, "eager_connect_single_device"):
             pg.eager_connect_single_device(device)
         return pg
     raise ValueError(f"weight-sync backend {backend!r} is not supported; allowed: 'gloo' | 'nccl'")
+
+
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_async_error_handling():
+    """``ProcessGroupNCCL``'s constructor reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (no ``Options`` field, 2.3 to
+    2.13): 3 on the trainer (torchtitan sets it), 1 under torchrun. Either makes the watchdog tear the process
+    down when a weight-sync peer dies mid-push; our polling decides instead (``cuda_rules`` rules 3, 4), so a
+    weight-sync group is built with it at 0, then the variable is restored. The lock serializes our own group
+    constructions (joiner threads); torch's other groups are built before any joiner starts."""
+    with _ENV_LOCK:
+        old = os.environ.get(ASYNC_ERROR_HANDLING)
+        os.environ[ASYNC_ERROR_HANDLING] = "0"
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ[ASYNC_ERROR_HANDLING]
+            else:
+                os.environ[ASYNC_ERROR_HANDLING] = old
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, timeout: timedelta | None = None) -> Any:

@@ -195,6 +195,7 @@ def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.config import ConfigError
     from torchtitan_flux.engine.base import EngineStartError
+    from torchtitan_flux.sync.cuda_rules import NcclVersionMismatch
     from torchtitan_flux.sync.probe import ProbeMismatch
     from torchtitan_flux.run.metrics import MetricsWriteError
     from torchtitan_flux.run.resume import CheckpointWriteError
@@ -205,7 +206,7 @@ def _report(e: BaseException) -> int:
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
-    elif isinstance(e, (EngineStartError, ProbeMismatch)):
+    elif isinstance(e, (EngineStartError, ProbeMismatch, NcclVersionMismatch)):
         code, line = 1, f"error: {e}"
     elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError, MetricsWriteError)):
         code, line = 1, f"stopped: {e}"

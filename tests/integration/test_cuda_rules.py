@@ -204,6 +204,23 @@ def test_fsdp_shards_are_gathered_with_one_collective_per_bucket(tmp_path):
     assert out.returncode == 0 and "gather ok" in out.stdout, out.stderr[-3000:]
 
 
+def test_other_ranks_wait_on_the_control_group_while_rank_0_waits_on_engines():
+    """N4 and N14, 2 gloo processes (``_hold_worker.py``): after ``flush`` (async) and after a blocking push, rank 1
+    leaves only once rank 0 ended its wait on engines (3 s), so its next collective (default group: 1 s timeout)
+    does not time out; the plans of both ranks agree with ``wire_dtype = "auto"`` and unequal ones are refused."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(Path(__file__).parent / "_hold_worker.py")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0 and "flush ok" in out.stdout and "blocking ok" in out.stdout, out.stderr[-3000:]
+
+
 # ----------------------------------------------------------------- the pusher's own calls (rules 1 and 7)
 
 

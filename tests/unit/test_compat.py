@@ -425,6 +425,7 @@ def _fake_nccl(with_eager_connect: bool):
 
         def __init__(self, store, rank, size, opts):
             self.args, self.connected = (store, rank, size, opts), []
+            self.async_error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
             made.append(self)
 
     if with_eager_connect:
@@ -441,6 +442,29 @@ def test_nccl_group_construction(monkeypatch, eager):
     assert made == [pg] and pg.args[:3] == (store, 1, 2)
     assert pg.args[3]._timeout == timedelta(seconds=42)
     assert pg.connected == ([dev] if eager else [])
+
+
+@pytest.mark.parametrize("before", ["3", "1", None])
+def test_nccl_group_is_built_without_async_error_handling(monkeypatch, before):
+    """N3: torchtitan sets TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (torchrun: 1), which the constructor reads; a
+    weight-sync group sees 0 (a dead peer must not kill the process) and the variable is restored after."""
+    cls, made = _fake_nccl(True)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", cls, raising=False)
+    if before is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", before)
+    compat.new_weight_sync_group("nccl", object(), 0, 2, timedelta(seconds=1))
+    assert made[0].async_error_handling == "0"
+    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == before
+
+    def fails(*a):
+        raise RuntimeError("no GPU")
+
+    monkeypatch.setattr(cls, "__init__", fails)
+    with pytest.raises(RuntimeError, match="no GPU"):
+        compat.new_weight_sync_group("nccl", object(), 0, 2, timedelta(seconds=1))
+    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == before  # restored on failure too
 
 
 def test_unknown_backend():

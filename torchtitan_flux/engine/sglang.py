@@ -28,7 +28,9 @@ class SglangEngine(HttpEngine):
     kind = "SGLang"
     launch_hint = "Start one with scripts/launch_sglang.sh MODEL_DIR PORT (needs a CUDA GPU)."
     rendezvous_handshake = False  # SGLang joins with its own code (see the module docstring)
-    eager_connect = False  # its own NCCL code may connect lazily: an eager connect could wait for it (gpu.md)
+    # SGLang 0.5.23 joins lazily: weight_updater.init_weights_update_group calls init_custom_process_group without
+    # device_id, so its NCCL communicator is created in its first broadcast; an eager rank 0 would wait for it
+    eager_connect = False
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

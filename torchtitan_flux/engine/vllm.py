@@ -66,11 +66,7 @@ class VllmEngine(HttpEngine):
             raise EngineStartError(f"{self.name}: the vLLM server at {self.url} does not have our worker extension "
                                    f"({e.detail[:200]}). Start it with --worker-extension-cls {EXTENSION} "
                                    "(scripts/launch_vllm.sh does).") from e
-        if info.get("transfer_backend") not in self.expected_backends:
-            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
-                                   f"{info.get('transfer_engine')!r}, not one of ours. Start it with "
-                                   "--weight-transfer-config '{\"backend\":\"gloo\"}' (CPU) or "
-                                   "'{\"backend\":\"nccl\"}' (GPU, vLLM's own engine).")
+        self._check_transfer(info)
         if info.get("world_size") != 1:
             raise EngineStartError(f"{self.name}: the vLLM server at {self.url} runs {info.get('world_size')} "
                                    "workers; weight sync supports tensor/pipeline/data parallel size 1 per server "
@@ -79,6 +75,14 @@ class VllmEngine(HttpEngine):
         self.checks.tokenizer(lambda text: self.client.post(
             "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False}, idempotent=True,
         )["tokens"])
+
+    def _check_transfer(self, info: dict) -> None:
+        """The server's weight-transfer engine (``flux_model_info``) is one this handler drives."""
+        if info.get("transfer_backend") not in self.expected_backends:
+            raise EngineStartError(f"{self.name}: the vLLM server at {self.url} has weight-transfer engine "
+                                   f"{info.get('transfer_engine')!r}, not one of ours. Start it with "
+                                   "--weight-transfer-config '{\"backend\":\"gloo\"}' (CPU) or "
+                                   "'{\"backend\":\"nccl\"}' (GPU, vLLM's own engine).")
 
     def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
         greedy = req.temperature == 0  # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead

@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from torchtitan_flux import compat
 from torchtitan_flux.engine.auth import read_token
-from torchtitan_flux.sync import transport
+from torchtitan_flux.sync import cuda_rules, transport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXT_VERSION = 1
@@ -248,6 +248,7 @@ class FluxWorkerExtension:
             "transfer_backend": getattr(engine, "BACKEND", None)
             or ("vllm_nccl" if type(engine).__name__ == "NCCLWeightTransferEngine" else None),
             "world_size": int(pc.world_size * pc.data_parallel_size),
+            "nccl_version": cuda_rules.nccl_version() or "none",  # compared by the trainer (cuda_rules rule 7)
         }
 
     def flux_weights_checksum(self) -> dict:

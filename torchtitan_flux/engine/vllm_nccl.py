@@ -6,22 +6,35 @@ posts ``/init_weight_transfer_engine`` itself, on a TCPStore of its own). A push
 handler's control thread (the one thread that issues this communicator's collectives) pause -> ``send_weights()``
 -> reset prefix cache -> resume, polled by the pusher like any Work. The source is our staging buffer, copied to
 the GPU on vLLM's producer stream. No byte checksum: ``checksum`` is ``HttpEngine``'s (version, None).
+
+Pushes and deadlines (the pusher polls every push against one deadline and calls ``abort`` on the group of an
+engine that missed it, ``cuda_rules`` rule 3):
+* one push at a time in this process (``_SENDING``): each allocates vLLM's packed buffers (2 x
+  ``weight_sync.bucket_size_mb``, passed to vLLM at ``trainer_init``) and per-tensor copies on the trainer GPU;
+* a push still queued at its deadline is cancelled (it read and sent nothing): the engine rejoins as usual;
+* a push already sending cannot be cancelled (vLLM's producer keeps reading staging, and only its communicator
+  can be aborted): the engine is declared dead (``kill``: reconnected, resynced in full) and its completion is
+  never acked (``_Push.finish``). Rule: no uncancellable push is ever acked.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
+import threading
 from typing import Any, Iterator
 
 import torch
 
 from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine
+from torchtitan_flux.engine.http_client import HttpError
 from torchtitan_flux.engine.vllm import VllmEngine
 from torchtitan_flux.sync import cuda_rules
 
 SERVER_BACKEND = "vllm_nccl"  # what ``flux_model_info`` reports for vLLM's own NCCL engine
+_SENDING = threading.Lock()  # one vLLM NCCL push at a time in this process (see the module docstring)
 
 
 class HttpWeightSyncClient:
@@ -46,6 +59,10 @@ class HttpWeightSyncClient:
         version = weight_version if weight_version is not None else str(self.version)
         self.engine.client.post("/finish_weight_update", {"weight_version": version})
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """The server releases its communicator (vLLM 0.32: ``PyNcclCommunicator.destroy``, an ``ncclCommAbort``)."""
+        self.engine.client.post("/shutdown_weight_transfer_engine")
+
 
 def staging_source(engine: "VllmNcclEngine", device: torch.device):
     """A vLLM ``WeightSource`` over ``engine``'s current staging buffer (set by ``self_push``)."""
@@ -68,11 +85,37 @@ def staging_source(engine: "VllmNcclEngine", device: torch.device):
     return StagingSource()
 
 
-class _FutureWork:
-    """A ``concurrent.futures.Future`` seen as a Work (``is_completed`` / ``wait``) by ``cuda_rules.wait_works``."""
+class _Push:
+    """The handle of one ``self_push``, polled like a Work (``is_completed`` / ``wait``). Its state, under its lock:
+    queued -> running -> done, queued -> cancelled, or running -> abandoned (``abandon``, at a missed deadline)."""
 
-    def __init__(self, future: concurrent.futures.Future):
-        self.future = future
+    def __init__(self, version: int):
+        self.version = version
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.state = "queued"
+        self._lock = threading.Lock()
+
+    def _move(self, frm: str, to: str) -> bool:
+        with self._lock:
+            if self.state != frm:
+                return False
+            self.state = to
+            return True
+
+    def start(self) -> bool:
+        """Control thread, holding ``_SENDING``: whether to send (False: cancelled meanwhile)."""
+        return self._move("queued", "running")
+
+    def finish(self) -> bool:
+        """Control thread, after the server confirmed the push: whether it may be acked (False: abandoned)."""
+        return self._move("running", "done")
+
+    def abandon(self) -> str:
+        """Push thread, at a missed deadline: cancel a queued push, abandon a running one; returns the old state."""
+        with self._lock:
+            old = self.state
+            self.state = {"queued": "cancelled", "running": "abandoned"}.get(old, old)
+            return old
 
     def is_completed(self) -> bool:
         return self.future.done()
@@ -80,6 +123,19 @@ class _FutureWork:
     def wait(self, timeout=None) -> bool:
         self.future.result(timeout=0 if self.future.done() else None)
         return True
+
+
+class _TransferGroup:
+    """What ``own_group`` gives the pusher: vLLM's trainer engine, and the ``abort`` of a missed deadline."""
+
+    def __init__(self, engine: "VllmNcclEngine", transfer: Any):
+        self.engine, self.transfer = engine, transfer
+
+    def abort(self) -> None:
+        """Push thread: give up the push in flight (see the module docstring), then destroy the communicator
+        (vLLM 0.32: ``ncclCommAbort``, so the producer's kernels end and its later broadcasts are no-ops)."""
+        self.engine._abandon()
+        self.transfer.shutdown()
 
 
 class VllmNcclEngine(VllmEngine):
@@ -95,6 +151,14 @@ class VllmNcclEngine(VllmEngine):
         self._client = HttpWeightSyncClient(self)
         self._flats: list[torch.Tensor] = []
         self._device: torch.device | None = None
+        self._push: _Push | None = None  # the newest push (set by the push thread, finished by the control thread)
+
+    def _check_transfer(self, info: dict) -> None:
+        """vLLM's NCCL engine on the server, and the same NCCL as ours (rule 7: a mismatch is one error at start,
+        never a rejoin loop; a reconnect that meets it gives the server up)."""
+        super()._check_transfer(info)
+        cuda_rules.require_same_nccl(f"to {self.name} ({self.url})", "trainer", cuda_rules.nccl_version() or "none",
+                                     "vLLM server", str(info.get("nccl_version")))
 
     def _init_group(self, info: WeightGroupInfo) -> None:
         pass  # vLLM's trainer_init posts /init_weight_transfer_engine itself (see own_group)
@@ -102,32 +166,54 @@ class VllmNcclEngine(VllmEngine):
     def own_group(self, store: Any, info: WeightGroupInfo, device: torch.device | None = None) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
+        self._release_communicators()
         with socket.socket() as s:  # vLLM's TCPStore needs a port of its own
             s.bind((info.host, 0))
             port = s.getsockname()[1]
-        init = NCCLTrainerInitInfo(rank=0, master_address=info.host, master_port=port, world_size=2)
+        # packed buffers of our bucket size (vLLM's default: 2 x 1 GiB); the worker gets them from trainer_init
+        init = NCCLTrainerInitInfo(rank=0, master_address=info.host, master_port=port, world_size=2,
+                                   packed_buffer_size_bytes=info.bucket_bytes)
         self._device = device or torch.device("cuda", torch.cuda.current_device())
         self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
             init, client=self._client, source=staging_source(self, self._device))
-        return self._transfer
+        return _TransferGroup(self, self._transfer)
+
+    def _release_communicators(self) -> None:
+        """Joiner thread, before a rejoin: destroy the previous communicator on both sides (``trainer_init`` makes a
+        new one each time; the server's ``init_transfer_engine`` overwrites its own without destroying it)."""
+        if self._transfer is None:
+            return
+        self._transfer.shutdown()
+        with contextlib.suppress(HttpError):  # refused during a weight update, or nothing to release
+            self._client.shutdown_weight_transfer_engine()
 
     def begin_update(self, version: int) -> None:
         pass  # the push is ``self_push``
 
-    def self_push(self, version: int, flats: list[torch.Tensor]) -> _FutureWork:
+    def self_push(self, version: int, flats: list[torch.Tensor]) -> _Push:
         self._flats, self._client.version = flats, version
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        push = self._push = _Push(version)
 
         def task():
             try:
-                cuda_rules.bind_thread(self._device)  # rule 6: this control thread issues the broadcasts
-                self._update_task(version)
-                future.set_result(None)
+                with _SENDING:
+                    if push.start():
+                        cuda_rules.bind_thread(self._device)  # rule 6: this control thread issues the broadcasts
+                        self._update_task(version)
+                push.future.set_result(None)
             except BaseException as e:  # noqa: BLE001 - surfaced by the pusher through wait()
-                future.set_exception(e)
+                push.future.set_exception(e)
 
         self._ctl.submit(task)
-        return _FutureWork(future)
+        return push
+
+    def _abandon(self) -> None:
+        """Push thread, at a missed deadline (``_TransferGroup.abort``): a running push makes the engine dead."""
+        push = self._push
+        if push is not None and push.abandon() == "running":
+            self.kill(f"weight push {push.version} missed its deadline (weight_sync.timeout_seconds) while vLLM's NCCL "
+                      "engine was sending; such a push cannot be cancelled, so the server is reconnected and resynced "
+                      "in full and this push is never acknowledged")
 
     # the push steps of ``HttpEngine._update_task``: vLLM's engine does start / update / finish itself
     def _open(self, version: int) -> None:
@@ -138,6 +224,8 @@ class VllmNcclEngine(VllmEngine):
             self._transfer.send_weights()
 
     def _close(self, version: int) -> None:
+        if not self._push.finish():  # abandoned at its deadline: the handler is dead, this push is not acked
+            raise RuntimeError(f"weight push {version} completed after its deadline; it was abandoned")
         self.client.post("/reset_prefix_cache")
 
     checksum = HttpEngine.checksum  # (version, None): not VllmEngine's, which asks our gloo receiver for its hash

@@ -122,6 +122,10 @@ class FluxTrainer(Trainer):
         logger.info(f"Training starts at step {self.step + 1}")
         if self.rank == 0:
             self.syncer.connect()
+        # torchtitan shortens the timeouts after step 1; its barrier + device synchronize would then wait for the
+        # push in flight (GPU), so here they run before the first push, with no weight-sync work on the device
+        dist_utils.set_pg_timeouts(timeout=timedelta(seconds=jc.comm.train_timeout_seconds),
+                                   parallel_dims=self.parallel_dims)
         self.syncer.flush(self.step)  # engines start from the trainer's (possibly resumed) weights
         if self.evaluator is not None and jc.eval.at_start:
             self.evaluator.start(self.step)
@@ -137,9 +141,6 @@ class FluxTrainer(Trainer):
                     for profiler in (torch_profiler, memory_profiler):
                         if profiler:
                             profiler.step()
-                    if self.step == 1:
-                        dist_utils.set_pg_timeouts(timeout=timedelta(seconds=jc.comm.train_timeout_seconds),
-                                                   parallel_dims=self.parallel_dims)
                     self.stops.raise_if_requested()
         except RolloutWaitInterrupted as e:  # the signal came while the next step waited for its rollouts
             self._save_on_stop(True, reason=str(e))

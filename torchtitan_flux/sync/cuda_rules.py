@@ -17,7 +17,8 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
 5. The receiver acks only after the bytes landed: ``landed(works, stream)`` waits on the Works on the receiver's
    stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host).
 6. The receiver thread calls ``bind_thread(device)`` first, so its CUDA context is the engine's GPU.
-7. NCCL versions are compared at join (``check_nccl_version``): a mismatch is one error line, not a rejoin loop.
+7. NCCL versions are compared at join (``check_nccl_version``), or at start where the server reports its own
+   (vLLM's NCCL engine: ``require_same_nccl``): a mismatch is one error line, not a rejoin loop.
 8. The trainer joins eagerly in the joiner thread, never inside a broadcast holding the claim, wherever the engine
    connects eagerly too (``EngineHandler.eager_connect``; SGLang does not, see docs/gpu.md).
 """
@@ -141,9 +142,14 @@ def check_nccl_version(store: Any, prefix: str, role: str, timeout_s: float, min
     peer = "engine" if role == "trainer" else "trainer"
     store.set(f"{prefix}/nccl/{role}", mine)
     store.wait([f"{prefix}/nccl/{peer}"], timedelta(seconds=timeout_s))
-    theirs = store.get(f"{prefix}/nccl/{peer}").decode()
+    require_same_nccl(f"on {prefix}", role, mine, peer, store.get(f"{prefix}/nccl/{peer}").decode())
+
+
+def require_same_nccl(where: str, role: str, mine: str, peer: str, theirs: str) -> None:
+    """Rule 7's comparison: ``NcclVersionMismatch`` naming both versions (also where a server reports its version
+    at start: ``VllmNcclEngine``)."""
     if theirs != mine:
         raise NcclVersionMismatch(
-            f"weight sync on {prefix}: the {role} has NCCL {mine} but the {peer} has NCCL {theirs}; NCCL cannot "
+            f"weight sync {where}: the {role} has NCCL {mine} but the {peer} has NCCL {theirs}; NCCL cannot "
             "connect across versions: install the same torch/NCCL in both environments (see docs/gpu.md)"
         )

@@ -8,7 +8,8 @@ snapshots (rank 0's decision is agreed on the CPU control group) and the push th
 flight the version is *coalesced*. Blocking mode: rank 0 pushes and waits for acks itself. ``catch_up`` and
 ``deliver_staged`` keep coalescing from leaving a step waiting for weights no push will bring (the async livelock,
 docs/architecture.md). Every wait for the claim is on the main thread, delivering engine events, and bounded;
-ranks > 0 wait for rank 0 on the control group, never inside a gather. The syncer never calls back into the
+ranks > 0 wait for rank 0 on the control group, never inside a gather or any other training collective: before
+a snapshot (``agree``) and after rank 0 waited on engines (``_hold_others``). The syncer never calls back into the
 trainer: ``rollout.fleet.Rollouts`` gives it its ``pump`` and calls ``on_event`` and ``replace_engine``.
 
 Simplification: one data-parallel replica sends (rank 0 of the whole job); every replica holds the same weights.
@@ -21,6 +22,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from torchtitan_flux.sync import transport
 from torchtitan_flux.engine.auth import read_token
@@ -50,6 +52,7 @@ class WeightSyncer:
             wire_tensor=engines[0].wire_tensor if engines else None,
             colocated=any(e.weight_backend(backend) == transport.COLOCATED for e in engines),
         )
+        self._same_plan_on_every_rank()
         self.table = LinkTable(engines if is_sender else [], cfg.timeout_seconds)
         self.pusher: Pusher | Bystander = Bystander()  # ranks > 0: no rank branches below
         if is_sender:
@@ -57,6 +60,22 @@ class WeightSyncer:
             store = transport.connect_store(cfg.master_addr, cfg.master_port, cfg.timeout_seconds, True)
             self.pusher = Pusher(self.table, self.snap, cfg, backend=backend, device=device, store=store,
                                  token=token)
+
+    def _same_plan_on_every_rank(self) -> None:
+        """Every rank gathers each bucket with its own plan, so the plans must be equal: they depend only on the
+        model and on config every rank reads alike (``wire_dtype = "auto"``: each parameter's own dtype, never an
+        engine's, which only rank 0 holds). Checked once here (control group) instead of hanging in a gather."""
+        pg = control_group()
+        if pg is None:
+            return
+        mine = [(s.name, s.shape, s.dtype) for s in self.snap.specs], [(b.start, b.end) for b in self.plan.buckets]
+        plans: list = [None] * dist.get_world_size()
+        dist.all_gather_object(plans, mine, group=pg)
+        bad = [r for r, p in enumerate(plans) if p != plans[0]]
+        if bad:
+            raise RuntimeError(f"weight sync: ranks {bad} built another bucket plan than rank 0 (parameters, wire "
+                               "dtypes or buckets differ); every rank must read the same weight_sync config "
+                               "(bucket_size_mb, wire_dtype) and build the same model")
 
     # views the trainer and tests read
     plan = property(lambda self: self.snap.plan)
@@ -112,6 +131,7 @@ class WeightSyncer:
             self._wait_acks(version)
         finally:
             self.pusher.release()
+        self._hold_others()
 
     def catch_up(self, version: int, oldest: int) -> bool:
         """Every rank, before a step's rollouts are dispatched: stage ``version`` now if the staged version is
@@ -200,6 +220,13 @@ class WeightSyncer:
             self.stage(version)
         self.wait_idle(self.cfg.timeout_seconds)
         self._wait_acks(version)
+        self._hold_others()
+
+    def _hold_others(self) -> None:
+        """Every rank, after rank 0's waits on engines (blocking push, ``flush``): ranks > 0 wait here, on the gloo
+        control group (no timeout), instead of inside the next training, probe or export collective, whose
+        timeout (``comm.train_timeout_seconds``) is shorter than those waits (up to 2 x ``timeout_seconds``)."""
+        self.snap.agree(True)
 
     def metrics(self) -> dict[str, float]:
         mem = self.snap.memory

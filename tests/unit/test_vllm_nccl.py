@@ -1,0 +1,146 @@
+"""``engine/vllm_nccl.py`` with vLLM's trainer engine replaced by a fake (vLLM is not importable here): our packed
+buffer size reaches vLLM (N8), one push at a time (N8), a push abandoned at its deadline kills the handler and is
+never acked while a queued one is only cancelled (N2), a rejoin destroys the previous communicator on both sides
+(N9), and a server on another NCCL is refused at start (N11)."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from torchtitan_flux.engine import vllm_nccl
+from torchtitan_flux.engine.base import EngineError, WeightAck, WeightGroupInfo
+from torchtitan_flux.engine.threads import Workers
+from torchtitan_flux.sync import cuda_rules, transport
+
+
+class FakeTransfer:
+    made: list = []
+
+    def __init__(self, init, client):
+        self.init, self.client, self.shut = init, client, False
+        self.sending = threading.Event()
+        self.go = threading.Event()
+        FakeTransfer.made.append(self)
+
+    @classmethod
+    def trainer_init(cls, init, *, client, source):
+        return cls(init, client)
+
+    def send_weights(self):
+        self.sending.set()
+        assert self.go.wait(10)
+
+    def shutdown(self):
+        self.shut = True
+
+
+@dataclass
+class FakeInit:
+    rank: int
+    master_address: str
+    master_port: int
+    world_size: int
+    packed_buffer_size_bytes: int = 2**30
+
+
+@pytest.fixture
+def engines(monkeypatch, tiny_model_dir):
+    mod = types.ModuleType("vllm.distributed.weight_transfer.nccl_engine")
+    mod.NCCLTrainerInitInfo, mod.NCCLTrainerWeightTransferEngine = FakeInit, FakeTransfer
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(vllm_nccl, "staging_source", lambda engine, device: None)
+    FakeTransfer.made = []
+    events: queue.Queue = queue.Queue()
+    specs = [transport.TensorSpec("model.norm.weight", (4,), "float32")]
+    info = WeightGroupInfo("127.0.0.1", 1, "flux_ws/e/1", "nccl", 5.0, specs, 3 * 2**20)
+    made = []
+
+    def make(name):
+        e = vllm_nccl.VllmNcclEngine(name, "http://127.0.0.1:1", events, model_dir=tiny_model_dir,
+                                     health_interval_s=0)
+        e.posts = []
+        e.client = types.SimpleNamespace(post=lambda path, *a, **k: e.posts.append(path), close=lambda: None)
+        e._ctl = Workers(1, f"{name}-ctl")
+        e._plan, e._info = transport.plan_buckets(specs, info.bucket_bytes), info
+        e._bucket_meta = [(["n"], ["float32"], [[4]])]
+        e.group = e.own_group(None, info, torch.device("cpu"))
+        made.append(e)
+        return e
+
+    yield make, events
+    for e in made:
+        e.close()
+
+
+def _events(events: queue.Queue, timeout: float = 0.5) -> list:
+    out = []
+    try:
+        while True:
+            out.append(events.get(timeout=timeout))
+    except queue.Empty:
+        return out
+
+
+def test_packed_buffers_are_our_bucket_size_and_pushes_go_one_at_a_time(engines):
+    make, events = engines
+    a, b = make("a"), make("b")
+    assert a.group.transfer.init.packed_buffer_size_bytes == 3 * 2**20
+    ta, tb = FakeTransfer.made
+    pa = a.self_push(1, [])
+    assert ta.sending.wait(5)
+    pb = b.self_push(1, [])
+    assert not tb.sending.wait(0.3)  # b waits for a
+    ta.go.set()
+    assert tb.sending.wait(5)
+    tb.go.set()
+    assert cuda_rules.wait_works([pa, pb], deadline=time.monotonic() + 5)
+    acks = [ev for ev in _events(events) if isinstance(ev, WeightAck)]
+    assert sorted(ev.engine for ev in acks) == ["a", "b"] and all(ev.version == 1 for ev in acks)
+
+
+def test_a_push_abandoned_at_its_deadline_kills_the_engine_and_is_never_acked(engines):
+    make, events = engines
+    a, b = make("a"), make("b")
+    ta, tb = FakeTransfer.made
+    pa = a.self_push(2, [])
+    assert ta.sending.wait(5)
+    pb = b.self_push(2, [])
+    assert not cuda_rules.wait_works([pa, pb], deadline=time.monotonic() + 0.2)  # missed
+    cuda_rules.abort_group(a.group)  # what the pusher does at the deadline
+    cuda_rules.abort_group(b.group)
+    assert ta.shut and tb.shut  # communicators destroyed (vLLM: ncclCommAbort)
+    assert pa.state == "abandoned" and pb.state == "cancelled"
+    ta.go.set()  # the abandoned push completes late
+    assert cuda_rules.wait_works([pa, pb], deadline=time.monotonic() + 5)
+    evs = _events(events)
+    assert not any(isinstance(ev, WeightAck) for ev in evs), evs  # never acked
+    dead = [ev for ev in evs if isinstance(ev, EngineError) and ev.fatal]
+    assert [ev.engine for ev in dead] == ["a"] and "missed its deadline" in dead[0].message
+    assert not a.alive() and b.alive()  # a: reconnected and resynced; b: only rejoins (nothing was sent)
+    assert not tb.sending.is_set()  # the cancelled push never started
+
+
+def test_a_rejoin_destroys_the_previous_communicator_on_both_sides(engines):
+    make, _ = engines
+    a = make("a")
+    first = a.group.transfer
+    a.own_group(None, a._info, torch.device("cpu"))
+    assert first.shut and "/shutdown_weight_transfer_engine" in a.posts
+
+
+def test_a_server_on_another_nccl_is_refused_at_start(engines, monkeypatch):
+    make, _ = engines
+    a = make("a")
+    monkeypatch.setattr(cuda_rules, "nccl_version", lambda: "2.21.5")
+    info = {"transfer_backend": vllm_nccl.SERVER_BACKEND, "nccl_version": "2.27.3"}
+    with pytest.raises(cuda_rules.NcclVersionMismatch, match="has NCCL 2.21.5 but the vLLM server has NCCL 2.27.3"):
+        a._check_transfer(info)
+    a._check_transfer({**info, "nccl_version": "2.21.5"})
