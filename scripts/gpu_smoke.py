@@ -12,7 +12,8 @@ Three parts, each under its own time limit, each printing what it measured even 
    apart, and on GPU ``allocator_peak_bytes_<flavor>`` (the CUDA allocator's peak growth over one snapshot and
    push: what the ledger must bound); ``stalled_engine_cut`` (one engine stalls past the deadline: the push ends
    at it, the other engine is in sync, the next push goes on);
-3. GPU only: ``default_stream_sync_kernels`` (from the PyTorch profiler: kernels and copies launched inside the
+3. GPU only: ``cpu_engine_*``: the training of part 1 (10 steps) with the engine on the CPU, over gloo from
+   pinned staging; ``default_stream_sync_kernels`` (from the PyTorch profiler: kernels and copies launched inside the
    snapshot that ran on the default stream; must be 0) and ``sync_kernels`` (how many ran in all: not 0).
 The last line is ``smoke_ok=1`` when every check held. Simplification: one device, rank 0 only (FSDP and NCCL
 between GPUs are ``scripts/verify_grpo_2gpu.sh``'s).
@@ -58,18 +59,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(out: Path, steps: int, timeout: float) -> None:
-    dump = out / "run"
+def train(out: Path, steps: int, timeout: float, *extra: str, prefix: str = "") -> None:
+    from model_assets import build_model_dir
+
+    build_model_dir(ROOT / "assets" / "tiny-llama", flavor="tiny", seed=0)  # the debug config's model
+    dump = out / f"{prefix}run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "torchtitan_flux.train",
            "--job.config_file", str(ROOT / "train_configs/debug_cpu.toml"), "--job.dump_folder", str(dump),
            "--training.steps", str(steps), "--rollout.colocated", "true", "--activation_checkpoint.mode", "selective",
-           "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1"]
+           "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1", *extra]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    (out / "train.log").write_text(proc.stdout + proc.stderr)
-    report("train_rc", proc.returncode)
-    report("train_s", round(time.monotonic() - t0, 1))
+    (out / f"{prefix}train.log").write_text(proc.stdout + proc.stderr)
+    report(f"{prefix}train_rc", proc.returncode)
+    report(f"{prefix}train_s", round(time.monotonic() - t0, 1))
     if proc.returncode != 0:
         print((proc.stdout + proc.stderr)[-4000:])
         check(False, "training run exited non-zero")
@@ -77,13 +81,14 @@ def train(out: Path, steps: int, timeout: float) -> None:
     summary = json.loads((dump / "summary.json").read_text())
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows]
-    report("checksums_equal", int(bool(summary["checksums_match"]) and summary["all_engines_verified"]))
-    report("reward_gain", round(sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5, 4))
+    report(f"{prefix}checksums_equal", int(bool(summary["checksums_match"]) and summary["all_engines_verified"]))
+    report(f"{prefix}reward_gain", round(sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5, 4))
     waited = sum(max(0.0, r["weight_sync_s"] - r["weight_snapshot_s"]) for r in rows)
     pushed = sum(r["weight_push_s"] for r in rows)
-    report("push_overlap_fraction", round(max(0.0, 1 - waited / pushed), 3) if pushed > 0 else 0.0)
-    check(RESULTS["checksums_equal"] == 1, "checksums_equal")
-    check(RESULTS["reward_gain"] > 0, "reward_gain > 0")
+    report(f"{prefix}push_overlap_fraction", round(max(0.0, 1 - waited / pushed), 3) if pushed > 0 else 0.0)
+    report(f"{prefix}steps_per_s", round(summary["steps_per_s"], 2))
+    check(RESULTS[f"{prefix}checksums_equal"] == 1, f"{prefix}checksums_equal")
+    check(RESULTS[f"{prefix}reward_gain"] > 0, f"{prefix}reward_gain > 0")
 
 
 def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout_s: float, async_mode: bool):
@@ -248,10 +253,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report("device", torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu")
     report("torch", torch.__version__)
-    parts = [("train", lambda: train(out, args.steps, 420)), ("memory", lambda: memory(out, device)),
+    parts = [("train", lambda: train(out, args.steps, 240)), ("memory", lambda: memory(out, device)),
              ("stall", lambda: stall(out, device))]
     if device.type == "cuda":
         parts.append(("profile", lambda: profile(out, device)))
+        # a GPU trainer with an embedded engine on the CPU: gloo from pinned staging (finding N12)
+        parts.append(("train_cpu_engine", lambda: train(out, 10, 180, "--rollout.colocated", "false",
+                                                        "--rollout.engine_devices", "cpu", prefix="cpu_engine_")))
     for name, part in parts:
         t0 = time.monotonic()
         try:
