@@ -18,6 +18,12 @@ every push costs the engine SECONDS more (``FLUX_FAULT_PUSH_DELAY`` of ``tests/f
 large model), in blocking mode unless the extra overrides say otherwise, with ``max_version_gap`` 16 so that
 the interval may rise: steps/s, sync overhead (blocked sync time / training time), mean version gap and final
 reward of each, and ``slow_sync_speedup`` = auto / interval 1 steps/s.
+
+``--colocated`` instead compares, in blocking mode, the broadcast push (the engine in its own process on a gloo
+group) with ``rollout.colocated`` (the engine copies staging from shared memory): the median push time of each
+(``weight_push_s``, the sending side until the engine holds the version), steps/s, and
+``colocated_push_speedup`` = broadcast push time / colocated push time. Use a larger model to see more than
+fixed costs (``--model.hf_assets_path assets/medium-llama``, ``scripts/model_assets.py``).
 """
 
 from __future__ import annotations
@@ -116,6 +122,31 @@ def slow_sync(args) -> None:
     print(f"interval1_final_reward={statistics.median(finals['interval1']):.3f}")
 
 
+def colocated(args) -> None:
+    """Blocking pushes over a gloo group vs the colocated hand-over, interleaved."""
+    modes = {"broadcast": ["--rollout.colocated", "false"], "colocated": ["--rollout.colocated", "true"]}
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    sps: dict[str, list[float]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="flux_bench_") as tmp:
+        for rep in range(args.reps):
+            for mode, flags in modes.items():
+                r, summary = run(args.config, os.path.join(tmp, f"{mode}{rep}"), args.steps, False,
+                                 [*flags, *args.extra])
+                rows[mode] += r[args.warmup :]
+                sps[mode].append(summary["steps_per_s"])
+                nbytes = summary["weight_bytes"]
+    push = {m: median(rows[m], "weight_push_s") for m in modes}
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {__import__('torch').__version__}; "
+          f"{time.strftime('%Y-%m-%d')}; {args.reps} reps x {args.steps} steps, first {args.warmup} dropped; "
+          f"{nbytes / 2**20:.1f} MiB per push, blocking")
+    print(f"{'mode':<10} {'steps/s':>8} {'push ms':>8} {'sync ms':>8} {'GB/s':>6}")
+    for m in modes:
+        print(f"{m:<10} {statistics.median(sps[m]):>8.2f} {1e3 * push[m]:>8.2f} "
+              f"{1e3 * median(rows[m], 'weight_sync_s'):>8.2f} {nbytes / push[m] / 1e9:>6.2f}")
+    print(f"colocated_push_speedup={push['broadcast'] / push['colocated']:.3f}")
+    print(f"colocated_steps_ratio={statistics.median(sps['colocated']) / statistics.median(sps['broadcast']):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEBUG_CONFIG)
@@ -124,6 +155,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--slow-sync", type=float, default=0.0, metavar="SECONDS",
                     help="compare weight_sync.interval 1 with auto, every push slowed by SECONDS on the engine")
+    ap.add_argument("--colocated", action="store_true",
+                    help="compare the broadcast push with rollout.colocated (blocking mode)")
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
@@ -131,6 +164,8 @@ def main() -> None:
         args.steps, args.warmup, args.reps = 8, 2, 1
     if args.slow_sync > 0:
         return slow_sync(args)
+    if args.colocated:
+        return colocated(args)
 
     per_mode: dict[str, list[dict]] = {"sync": [], "async": []}
     summaries: dict[str, list[dict]] = {"sync": [], "async": []}

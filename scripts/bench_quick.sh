@@ -16,11 +16,15 @@ for b in "${names[@]}"; do
 done
 for b in "${names[@]}"; do
   [ -f "benchmarks/$b.py" ] || { echo "bench_quick: no benchmarks/$b.py; known: ${all[*]}" >&2; exit 2; }
-  echo "=== benchmarks/$b.py --quick"
-  t0=$SECONDS
-  out=$(.venv/bin/python "benchmarks/$b.py" --quick 2>&1) || { echo "$out" | tail -40; echo "bench_quick: $b failed" >&2; exit 1; }
-  lines=$(echo "$out" | grep -E '^[a-z_0-9]+=' || true)
-  [ -n "$lines" ] || { echo "$out" | tail -40; echo "bench_quick: $b printed no key=value line" >&2; exit 1; }
-  echo "$lines"
-  echo "--- $b: $((SECONDS - t0)) s"
+  modes=("")
+  [ "$b" = weight_sync ] && modes=("" "--colocated")  # each mode with its own key=value lines
+  for mode in "${modes[@]}"; do
+    echo "=== benchmarks/$b.py --quick $mode"
+    t0=$SECONDS
+    out=$(.venv/bin/python "benchmarks/$b.py" --quick $mode 2>&1) || { echo "$out" | tail -40; echo "bench_quick: $b $mode failed" >&2; exit 1; }
+    lines=$(echo "$out" | grep -E '^[a-z_0-9]+=' || true)
+    [ -n "$lines" ] || { echo "$out" | tail -40; echo "bench_quick: $b $mode printed no key=value line" >&2; exit 1; }
+    echo "$lines"
+    echo "--- $b $mode: $((SECONDS - t0)) s"
+  done
 done

@@ -122,3 +122,54 @@ def test_a_cpu_engine_beside_a_gpu_trainer_gets_gloo_not_nccl():
     here = EmbeddedEngine("e", "unused", 1, queue.Queue(), device="cuda:0", colocated=True)
     assert cpu.weight_backend("nccl") == "gloo" and gpu.weight_backend("nccl") == "nccl"
     assert here.weight_backend("nccl") == transport.COLOCATED and cpu.self_push(3, []) is None
+
+
+def test_colocated_debug_run_gives_the_default_losses_bit_for_bit_in_blocking_mode(tmp_path):
+    from conftest import read_metrics, run_train
+
+    run_train(tmp_path / "default", "--training.steps", "8")
+    run_train(tmp_path / "colocated", "--training.steps", "8", "--rollout.colocated", "true")
+    a, b = read_metrics(tmp_path / "default"), read_metrics(tmp_path / "colocated")
+    assert len(a) == len(b) == 8
+    for key in ("loss", "reward_mean", "grad_norm"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+
+
+def test_colocated_async_run_learns_and_ends_with_equal_checksums(tmp_path):
+    import json
+
+    from conftest import read_metrics, run_train
+
+    run_train(tmp_path, "--training.steps", "30", "--rollout.colocated", "true",
+              "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1")
+    rows, summary = read_metrics(tmp_path), json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["all_engines_verified"]
+    rewards = [r["reward_mean"] for r in rows]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1
+    assert max(r["version_gap_max"] for r in rows) >= 1  # it really ran off-policy
+
+
+def test_the_device_ring_does_not_wait_on_an_aborted_groups_works(monkeypatch):
+    """After a missed deadline the group is aborted; its Works would raise on ``wait``: the ring forgets them, so
+    the next push (to another engine) does not fail on them."""
+    from torchtitan_flux import compat
+    from torchtitan_flux.sync.pusher import DeviceRing
+
+    class Work:
+        def __init__(self, ok: bool):
+            self.ok = ok
+
+        def wait(self):
+            if not self.ok:
+                raise RuntimeError("NCCL communicator was aborted")
+
+    dead, alive = object(), object()
+    monkeypatch.setattr(compat, "broadcast", lambda pg, t: Work(pg is not dead))
+    ring = DeviceRing(torch.device("cpu"), 64, stream=None)
+    ring.broadcast(dead, torch.zeros(4))
+    ring.broadcast(dead, torch.zeros(4))  # both slots last read by the aborted group
+    ring.forget(dead)
+    ring.broadcast(alive, torch.zeros(4))
+    ring.broadcast(alive, torch.zeros(4))
+    ring.broadcast(alive, torch.zeros(4))  # waits on alive's Work: fine
+    assert all(g is alive for slot in ring.readers for g, _ in slot)

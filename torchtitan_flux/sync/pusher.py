@@ -48,25 +48,30 @@ def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | 
 
 class DeviceRing:
     """Two device buffers host tensors pass through on ``stream`` to be broadcast on NCCL (push thread only). A
-    slot is rewritten only after its previous readers were ordered before the copy on the stream."""
+    slot is rewritten only after its previous reader was ordered before the copy on the stream, unless that
+    reader's group was aborted (``forget``: its kernels are gone and its Work would only raise)."""
 
     def __init__(self, device: torch.device, max_bytes: int, stream):
         self.stream = stream
         self.slots = [torch.empty(max_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.readers: list[list] = [[], []]
+        self.readers: list[list] = [[], []]  # per slot: (group, Work) of its last broadcast
         self.i = 0
 
     def broadcast(self, pg, t: torch.Tensor):
         if t.device.type != "cpu":
             return compat.broadcast(pg, t)
         self.i = (self.i + 1) % 2
-        for w in self.readers[self.i]:
+        for _, w in self.readers[self.i]:
             w.wait()  # rule 1: the stream (not the host) waits for the previous readers of this slot
         dev = self.slots[self.i][: t.numel() * t.element_size()].view(t.dtype)
         dev.copy_(t.reshape(-1), non_blocking=True)
         work = compat.broadcast(pg, dev)
-        self.readers[self.i] = [work]
+        self.readers[self.i] = [(pg, work)]
         return work
+
+    def forget(self, pg) -> None:
+        """``pg`` was aborted after a missed deadline: no later push waits on its Works."""
+        self.readers = [[(g, w) for g, w in slot if g is not pg] for slot in self.readers]
 
 
 class Pusher:
@@ -260,6 +265,8 @@ class Pusher:
                     if not cuda_rules.wait_works(works, deadline):
                         if link.backend == "nccl":
                             cuda_rules.abort_group(pg)
+                            if self.ring is not None:
+                                self.ring.forget(pg)
                         raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
                                            f"{self.cfg.timeout_seconds}")
                     cuda_rules.raise_failed(works)

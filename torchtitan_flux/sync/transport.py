@@ -9,6 +9,10 @@ Both sides derive the same ``BucketPlan`` from the same ordered ``TensorSpec`` l
 no per-tensor metadata travels per push. Every push sends every bucket, bucket 0 first: the receiver pre-posts
 its receive with the header's into a one-bucket landing buffer (one round trip per small push, not two).
 
+A colocated engine (backend ``COLOCATED``: on the trainer's device) has no group and no wire: the join message hands
+it rank 0's staging flats by reference, and it copies them whenever the ``Seqlock`` shows a new whole version
+(``WeightReceiver.start_shared``).
+
 Simplification: a tensor is never split across buckets; one larger than ``bucket_bytes`` gets a bucket of its own.
 """
 
