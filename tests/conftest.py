@@ -77,18 +77,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_cmd(dump: Path, *overrides: str, nproc: int = 1) -> list[str]:
+def torchrun_cmd(dump: Path, *overrides: str, nproc: int = 1, config: Path = DEBUG_TOML) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "torchtitan_flux.train", "--job.config_file", str(DEBUG_TOML),
+        "-m", "torchtitan_flux.train", "--job.config_file", str(config),
         "--job.dump_folder", str(dump), *overrides,
     ]
 
 
-def run_train(dump: Path, *overrides: str, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_train(dump: Path, *overrides: str, nproc: int = 1, timeout: float = 240,
+              config: Path = DEBUG_TOML) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        torchrun_cmd(dump, *overrides, nproc=nproc), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        torchrun_cmd(dump, *overrides, nproc=nproc, config=config), cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout,
     )
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
