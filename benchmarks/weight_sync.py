@@ -23,7 +23,7 @@ reward of each, and ``slow_sync_speedup`` = auto / interval 1 steps/s.
 group) with ``rollout.colocated`` (the engine copies staging from shared memory): the median push time of each
 (``weight_push_s``, the sending side until the engine holds the version), steps/s, and
 ``colocated_push_speedup`` = broadcast push time / colocated push time. Use a larger model to see more than
-fixed costs (``--model.hf_assets_path assets/medium-llama``, ``scripts/model_assets.py``).
+fixed costs (``-- --model.hf_assets_path assets/medium-llama``, built by ``scripts/model_assets.py``).
 """
 
 from __future__ import annotations
