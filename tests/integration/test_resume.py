@@ -268,3 +268,23 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_at_start(tiny_model_dir
         resume.check_room_for_a_checkpoint(cfg)
     cfg.checkpoint.enable = False
     resume.check_room_for_a_checkpoint(cfg)  # checkpoints off: nothing to check
+
+
+def test_a_seed_checkpoint_is_not_a_run_to_resume(tmp_path):
+    """A dump folder holding only a seed checkpoint (step 0: torchtitan's ``checkpoint.create_seed_checkpoint``,
+    initial weights, no trained step) and an earlier run's outputs. Before 2026-11-26 (issue 27) it counted as a
+    resume: the earlier outputs stayed and the new run appended steps 1..N to its metrics.jsonl. Now they are set
+    aside like any new run's; a checkpoint of a trained step still makes it a resume. An empty file (a seed
+    run's metrics.jsonl) is no run's output."""
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
+                          job=SimpleNamespace(dump_folder=str(tmp_path)))
+    _checkpoint(tmp_path / "checkpoint", 0, None)
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert resume.set_aside_previous_outputs(cfg) is None and (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    dest = resume.set_aside_previous_outputs(cfg)
+    assert dest is not None and (Path(dest) / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    _checkpoint(tmp_path / "checkpoint", 1, None)
+    assert resume.set_aside_previous_outputs(cfg) is None and (tmp_path / "metrics.jsonl").exists()
