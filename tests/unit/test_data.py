@@ -425,11 +425,21 @@ async def async_exits(completions, **kwargs):
     raise SystemExit("bye")
 
 
+def interrupts(completions, **kwargs):
+    raise KeyboardInterrupt("from the function")
+
+
+async def async_interrupts(completions, **kwargs):
+    raise KeyboardInterrupt
+
+
 @pytest.mark.parametrize("fn, match", [
     (non_scalar_at_one, r"reward function 'f' returned tensor\(\[1\., 2\.\]\) for sample 1; allowed: a finite number"),
     (numpy_nan_at_one, r"reward function 'f' returned nan for sample 1"),
     (exits, r"reward function 'f' raised SystemExit: 3$"),
     (async_exits, r"reward function 'f' raised SystemExit: bye$"),
+    (interrupts, r"reward function 'f' raised KeyboardInterrupt: from the function$"),  # before (issue 27's second
+    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt: $"),  # sweep): a traceback
 ])
 def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
     """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""
