@@ -447,6 +447,22 @@ def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
         R.RewardScorer([R.RewardFunc("f", fn)]).submit(["a", "b"], ["", ""], [[], []], {"answer": ["", ""]}).result()
 
 
+def test_a_reward_that_edits_its_arguments_misleads_no_other():
+    """Before (issue 27's second sweep): the functions shared the lists, so one that rewrote ``completions`` in
+    place silently changed what the next one scored."""
+    def rewrites(completions, **kwargs):
+        completions[:] = ["x"] * len(completions)
+        kwargs["answer"].clear()
+        return [0.0] * len(completions)
+
+    def length(completions, answer, **kwargs):
+        return [float(len(c) + len(answer)) for c in completions]
+
+    funcs = [R.RewardFunc("rewrites", rewrites), R.RewardFunc("length", length)]
+    scores = R.RewardScorer(funcs).submit(["a", "b"], ["abc", ""], [[], []], {"answer": ["", ""]}).result()
+    assert scores.per_func["length"] == [5.0, 2.0]
+
+
 def test_a_failing_reward_is_reported_as_one_error_line(capsys):
     from torchtitan_flux.patches import apply_patches
     from torchtitan_flux.train import _report

@@ -123,8 +123,8 @@ class RewardScorer:
         coros = {}
         for f in self.funcs:
             try:
-                with self._calling(f.name):
-                    out = f.fn(**kwargs)
+                with self._calling(f.name):  # lists of its own: a function that edits one misleads no other
+                    out = f.fn(**{k: list(v) for k, v in kwargs.items()})
             except BaseException as e:  # noqa: BLE001 - sys.exit() would end the run silently, KeyboardInterrupt
                 # (raised by the function: a signal goes to the main thread) with a traceback
                 raise RewardError(f"reward function {f.name!r} raised {type(e).__name__}: {e}") from e
