@@ -201,6 +201,8 @@ def test_an_empty_jsonl_file_is_one_line(tmp_path, text):
     (b'{"prompt": "q?", "answer": 1', r"line 2: not valid JSON \(Expecting ',' delimiter at column 29\); allowed: "
                                     r"one JSON object per line"),
     (b'["q?", "1"]', r"line 2: a JSON list; allowed: one JSON object per line"),
+    (b'{"prompt": "q \\ud800?", "answer": "1"}',  # before (issue 27's second sweep): the library's
+     r"line 2: the escape '\\ud800' is half of a UTF-16 surrogate pair, not text; allowed: valid Unicode"),  # no line
 ])
 def test_a_bad_jsonl_line_names_the_file_and_line(tmp_path, line, match):
     """Before: bytes that are not UTF-8 were loaded without a word, and a syntax error named no line."""
@@ -684,7 +686,7 @@ def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
         w.close()
 
 
-@pytest.mark.parametrize("case", ["mixed folder", "empty folder", "damaged parquet"])
+@pytest.mark.parametrize("case", ["mixed folder", "empty folder", "damaged parquet", "ragged csv"])
 def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     """Before 2026-11-25 (issue 27): the datasets library's traceback (empty folder, damaged parquet), or a mixed
     folder read as one of its file types with the others silently left out."""
@@ -699,6 +701,11 @@ def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
         match = r"mixes data files of types \['\.csv', '\.jsonl'\]; allowed: files of one type in a folder"
     elif case == "empty folder":
         match = r"cannot be read as a dataset \(EmptyDatasetError: .*\); allowed: a \.jsonl"
+    elif case == "ragged csv":  # before (issue 27's second sweep): only "An error occurred while generating ..."
+        d = d / "bad.csv"
+        d.write_text("prompt,answer\nq?,1\nr?,2,3\n")
+        match = (r"cannot be read as a dataset \(DatasetGenerationError: .* \(from ParserError: Error tokenizing data. "
+                 r"C error: Expected 2 fields in line 3, saw 3\)\)")
     else:
         d = d / "bad.parquet"
         d.write_text("not parquet")

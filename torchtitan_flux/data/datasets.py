@@ -72,7 +72,12 @@ def _load(read, path: str, field_name: str):
     try:
         return read()
     except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many kinds; the message is what matters
+        root = e
+        while (inner := root.__cause__ or root.__context__) is not None:  # DatasetGenerationError says only that
+            root = inner
         why = " ".join(str(e).split())[:300] or type(e).__name__
+        if root is not e:
+            why += f" (from {type(root).__name__}: {' '.join(str(root).split())[:300]})"
         raise ConfigError(f"{field_name} = {path!r} cannot be read as a dataset ({type(e).__name__}: {why}); allowed: "
                           "a .jsonl/.json/.parquet/.csv file, a folder of files of one type, or a save_to_disk "
                           "folder") from None
@@ -99,6 +104,11 @@ def check_jsonl(path: str, field_name: str) -> None:
                                   "per line") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{where}: a JSON {type(record).__name__}; allowed: one JSON object per line")
+            try:  # a lone \ud800-\udfff escape is valid JSON but no text: the library failed naming no line
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{where}: the escape {e.object[e.start]!r} is half of a UTF-16 surrogate pair, not "
+                                  "text; allowed: valid Unicode (surrogate escapes only in pairs)") from None
             records += 1
     if not records:  # the datasets library says 'Instruction "train" corresponds to no data!'
         raise ConfigError(f"{field_name} = {path!r} holds no records (it is empty or only blank lines); allowed: one "
