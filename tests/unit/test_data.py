@@ -203,6 +203,8 @@ def test_an_empty_jsonl_file_is_one_line(tmp_path, text):
     (b'["q?", "1"]', r"line 2: a JSON list; allowed: one JSON object per line"),
     (b'{"prompt": "q \\ud800?", "answer": "1"}',  # before (issue 27's second sweep): the library's
      r"line 2: the escape '\\ud800' is half of a UTF-16 surrogate pair, not text; allowed: valid Unicode"),  # no line
+    (b'{"prompt": "q?", "prompt": "r?", "answer": "1"}',  # before (issue 27's second sweep): "Trailing data at ..."
+     r"line 2: key 'prompt' appears twice in one object; allowed: each key once"),
 ])
 def test_a_bad_jsonl_line_names_the_file_and_line(tmp_path, line, match):
     """Before: bytes that are not UTF-8 were loaded without a word, and a syntax error named no line."""

@@ -98,10 +98,13 @@ def check_jsonl(path: str, field_name: str) -> None:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.rstrip("\r\n"))
+                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); allowed: one JSON object "
                                   "per line") from None
+            except KeyError as e:  # the library failed with "Trailing data at position N"
+                raise ConfigError(f"{where}: key {e.args[0]!r} appears twice in one object; allowed: each key "
+                                  "once") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{where}: a JSON {type(record).__name__}; allowed: one JSON object per line")
             try:  # a lone \ud800-\udfff escape is valid JSON but no text: the library failed naming no line
@@ -113,6 +116,16 @@ def check_jsonl(path: str, field_name: str) -> None:
     if not records:  # the datasets library says 'Instruction "train" corresponds to no data!'
         raise ConfigError(f"{field_name} = {path!r} holds no records (it is empty or only blank lines); allowed: one "
                           "JSON object per line")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: ``KeyError(key)`` for a key given twice (json keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise KeyError(k)
+        out[k] = v
+    return out
 
 
 class ChatTemplate:
