@@ -688,7 +688,7 @@ def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
         w.close()
 
 
-@pytest.mark.parametrize("case", ["mixed folder", "empty folder", "damaged parquet", "ragged csv"])
+@pytest.mark.parametrize("case", ["mixed folder", "empty folder", "damaged parquet", "ragged csv", "csv column twice"])
 def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     """Before 2026-11-25 (issue 27): the datasets library's traceback (empty folder, damaged parquet), or a mixed
     folder read as one of its file types with the others silently left out."""
@@ -700,17 +700,21 @@ def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     if case == "mixed folder":
         (d / "a.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
         (d / "b.csv").write_text("prompt,answer\nq?,1\n")
-        match = r"mixes data files of types \['\.csv', '\.jsonl'\]; allowed: files of one type in a folder"
+        match = r" mixes data files of types \['\.csv', '\.jsonl'\]; allowed: files of one type in a folder"
     elif case == "empty folder":
-        match = r"cannot be read as a dataset \(EmptyDatasetError: .*\); allowed: a \.jsonl"
+        match = r" cannot be read as a dataset \(EmptyDatasetError: .*\); allowed: a \.jsonl"
+    elif case == "csv column twice":  # before (issue 27's second sweep): trained on the first 'prompt', silently
+        (d / "a.csv").write_text("prompt,answer,prompt\nq?,1,r?\n")
+        d = d / "a.csv"
+        match = r": column\(s\) \['prompt'\] appear more than once in the header; allowed: each column name once"
     elif case == "ragged csv":  # before (issue 27's second sweep): only "An error occurred while generating ..."
         d = d / "bad.csv"
         d.write_text("prompt,answer\nq?,1\nr?,2,3\n")
-        match = (r"cannot be read as a dataset \(DatasetGenerationError: .* \(from ParserError: Error tokenizing data. "
+        match = (r" cannot be read as a dataset \(DatasetGenerationError: .* \(from ParserError: Error tokenizing data. "
                  r"C error: Expected 2 fields in line 3, saw 3\)\)")
     else:
         d = d / "bad.parquet"
         d.write_text("not parquet")
-        match = r"cannot be read as a dataset \(ArrowInvalid: Parquet magic bytes not found"
-    with pytest.raises(ConfigError, match=rf"^rollout.dataset_path = '{re.escape(str(d))}' {match}"):
+        match = r" cannot be read as a dataset \(ArrowInvalid: Parquet magic bytes not found"
+    with pytest.raises(ConfigError, match=rf"^rollout.dataset_path = '{re.escape(str(d))}'{match}"):
         load_table(str(d), "train")

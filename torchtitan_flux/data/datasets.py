@@ -45,8 +45,8 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
             raise ConfigError(f"{field_name} = {path!r} mixes data files of types {sorted(exts)}; allowed: files of "
                               "one type in a folder")
         for name in files:
-            if name.endswith(".jsonl"):
-                check_jsonl(os.path.join(path, name), field_name)
+            if (check := _CHECKS.get(os.path.splitext(name)[1].lower())) is not None:
+                check(os.path.join(path, name), field_name)
         table = _load(lambda: datasets.load_from_disk(path) if saved else datasets.load_dataset(path), path,
                       field_name)
     else:
@@ -54,8 +54,8 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
         if ext not in _BUILDERS:
             raise ConfigError(f"{field_name} = {path!r}: unknown file type {ext!r}; allowed: "
                              f"{' | '.join(sorted(_BUILDERS))}, or a folder")
-        if ext == ".jsonl":
-            check_jsonl(path, field_name)
+        if ext in _CHECKS:
+            _CHECKS[ext](path, field_name)
         table = _load(lambda: datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train"), path,
                       field_name)
     if isinstance(table, datasets.DatasetDict):
@@ -116,6 +116,21 @@ def check_jsonl(path: str, field_name: str) -> None:
     if not records:  # the datasets library says 'Instruction "train" corresponds to no data!'
         raise ConfigError(f"{field_name} = {path!r} holds no records (it is empty or only blank lines); allowed: one "
                           "JSON object per line")
+
+
+def check_csv_header(path: str, field_name: str) -> None:
+    """A CSV header names each column once (pandas renames a second ``prompt`` to ``prompt.1``, and the run would
+    silently train on the first); ``ConfigError`` naming the file and the columns otherwise."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    if twice := sorted({c for c in header if header.count(c) > 1}):
+        raise ConfigError(f"{field_name} = {path!r}: column(s) {twice} appear more than once in the header; "
+                          "allowed: each column name once")
+
+
+_CHECKS = {".jsonl": check_jsonl, ".csv": check_csv_header}  # what the datasets library reads without a word
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
