@@ -259,10 +259,12 @@ def main() -> None:
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_run_folders(config)
         if os.environ.get("RANK", "0") == "0":
-            from torchtitan_flux.run.resume import check_room_for_a_checkpoint, set_aside_previous_outputs
+            from torchtitan_flux.run.resume import (check_outputs, check_room_for_a_checkpoint,
+                                                    set_aside_previous_outputs)
 
             check_room_for_a_checkpoint(config)
             set_aside_previous_outputs(config)
+            check_outputs(config)
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:

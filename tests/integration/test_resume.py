@@ -288,3 +288,25 @@ def test_a_seed_checkpoint_is_not_a_run_to_resume(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     _checkpoint(tmp_path / "checkpoint", 1, None)
     assert resume.set_aside_previous_outputs(cfg) is None and (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name, make", [("hf_final", "file"), ("summary.json", "folder"), ("metrics.jsonl", "folder"),
+                                        ("tb", "file")])
+def test_an_output_path_of_the_wrong_kind_is_refused_at_start(tmp_path, name, make):
+    """Before 2026-11-26 (issue 27's second sweep): a resume into a dump folder where hf_final is a file (or
+    summary.json / metrics.jsonl a folder) trained every step, then ended with an IsADirectoryError /
+    FileExistsError traceback: no export, no summary. A new run moves the earlier outputs aside first."""
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
+                          job=SimpleNamespace(dump_folder=str(tmp_path)),
+                          metrics=SimpleNamespace(save_tb_folder="tb", enable_tensorboard=True))
+    _checkpoint(tmp_path / "checkpoint", 2, None)  # a resume: nothing is set aside
+    (tmp_path / name).mkdir() if make == "folder" else (tmp_path / name).write_text("x")
+    assert resume.set_aside_previous_outputs(cfg) is None
+    kind = "file" if make == "folder" else "folder"
+    with pytest.raises(ConfigError, match=rf"^job.dump_folder = '{re.escape(str(tmp_path))}' holds "
+                                          rf"{re.escape(str(tmp_path / name))}, a {make} where the run writes its "
+                                          rf"{re.escape(name)} {kind}; allowed: remove or rename it"):
+        resume.check_outputs(cfg)
+    cfg.metrics.enable_tensorboard = False
+    if name == "tb":
+        resume.check_outputs(cfg)

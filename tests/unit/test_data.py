@@ -710,8 +710,8 @@ def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     elif case == "ragged csv":  # before (issue 27's second sweep): only "An error occurred while generating ..."
         d = d / "bad.csv"
         d.write_text("prompt,answer\nq?,1\nr?,2,3\n")
-        match = (r" cannot be read as a dataset \(DatasetGenerationError: .* \(from ParserError: Error tokenizing data. "
-                 r"C error: Expected 2 fields in line 3, saw 3\)\)")
+        match = (r" cannot be read as a dataset \(DatasetGenerationError: .* \(from ParserError: Error tokenizing "
+                 r"data. C error: Expected 2 fields in line 3, saw 3\)\)")
     else:
         d = d / "bad.parquet"
         d.write_text("not parquet")

@@ -102,7 +102,8 @@ def check_room_for_a_checkpoint(job_config: Any) -> None:
                           "allowed: a folder on a disk with room, or checkpoint.enable = false")
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "completions.jsonl", "eval.jsonl", "hf_final")  # a run's own files
+RUN_OUTPUTS = {"metrics.jsonl": "file", "summary.json": "file", "completions.jsonl": "file", "eval.jsonl": "file",
+               "hf_final": "folder"}  # a run's own outputs in job.dump_folder, and what each is
 
 
 def set_aside_previous_outputs(job_config: Any) -> str | None:
@@ -128,6 +129,19 @@ def set_aside_previous_outputs(job_config: Any) -> str | None:
     logger.warning(f"job.dump_folder = {dump!r} held a previous run's outputs ({', '.join(found)}): moved to {dest} "
                    "(a new run never appends to or overwrites them)")
     return dest
+
+
+def check_outputs(job_config: Any) -> None:
+    """Rank 0, after ``set_aside_previous_outputs``: ``ConfigError`` naming the path unless every output the run
+    writes in ``job.dump_folder`` is absent or of its kind (a folder named ``metrics.jsonl`` or a file named
+    ``hf_final`` failed only when first written, the export after the whole training)."""
+    dump, m = job_config.job.dump_folder, job_config.metrics
+    for name, kind in {**RUN_OUTPUTS, **({m.save_tb_folder: "folder"} if m.enable_tensorboard else {})}.items():
+        path = os.path.join(dump, name)
+        if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
+            raise ConfigError(f"job.dump_folder = {dump!r} holds {path}, a {'folder' if kind == 'file' else 'file'} "
+                              f"where the run writes its {name} {kind}; allowed: remove or rename it, or another "
+                              "--job.dump_folder")
 
 
 def complete_steps(folder: str) -> list[int]:

@@ -191,9 +191,10 @@ def _check_parallelism(p: Any) -> None:
                  "expert_parallel_degree", "expert_tensor_parallel_degree"):
         _require(getattr(p, name) == 1, f"parallelism.{name}", getattr(p, name),
                  "1 (the trainer is data-parallel only: FSDP, or HSDP with data_parallel_replicate_degree)")
-    world, rep, shard = int(os.environ.get("WORLD_SIZE", 1)), p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    world, rep = int(os.environ.get("WORLD_SIZE", 1)), p.data_parallel_replicate_degree
     _require(rep >= 1 and world % rep == 0, "parallelism.data_parallel_replicate_degree", rep,
              f"a divisor of the number of trainer processes ({world})")
+    shard = p.data_parallel_shard_degree
     _require(shard in (-1, world // rep), "parallelism.data_parallel_shard_degree", shard,
              f"-1 (the rest) or {world // rep} (trainer processes {world} / data_parallel_replicate_degree {rep})")
 
