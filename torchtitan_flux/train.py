@@ -171,7 +171,8 @@ def _lock_folder(field: str, value: str, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, ".flux.lock"), "a+")
     except OSError as e:
-        why = "it is a file, not a folder" if isinstance(e, FileExistsError) else e.strerror
+        why = ("it is a file, not a folder" if isinstance(e, FileExistsError) else
+               e.strerror if e.filename in (None, folder) else f"{e.filename}: {e.strerror}")  # the lock file
         raise ConfigError(f"{named} cannot be used ({why}); {allowed}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         f.close()

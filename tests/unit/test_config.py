@@ -660,3 +660,14 @@ def test_pinned_async_checkpoints_without_cuda_are_refused():
                                           r"allowed: disabled \| async on a machine without CUDA"):
         validate_config(parse("--checkpoint.enable", "true", "--checkpoint.async_mode", "async_with_pinned_mem"))
     validate_config(parse("--checkpoint.enable", "true", "--checkpoint.async_mode", "async"))
+
+
+def test_a_lock_path_that_is_a_folder_is_named(tmp_path):
+    """Issue 27's second sweep: ``.flux.lock`` a folder gave "cannot be used (Is a directory)", naming no path
+    that was one."""
+    from torchtitan_flux.train import _lock_folder
+
+    (tmp_path / ".flux.lock").mkdir()
+    with pytest.raises(ConfigError, match=rf"^job.dump_folder = '{re.escape(str(tmp_path))}' cannot be used "
+                                          rf"\({re.escape(str(tmp_path / '.flux.lock'))}: Is a directory\); allowed"):
+        _lock_folder("job.dump_folder", str(tmp_path), str(tmp_path))
