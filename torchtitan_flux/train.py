@@ -225,7 +225,10 @@ def _report(e: BaseException) -> int:
 
 def _stop_while_starting(signum, frame) -> None:
     """Until the trainer installs its own handler (``run.stops``): a signal ends the start-up (imports, validation,
-    the fork server) with one line, not the traceback of wherever it landed."""
+    the fork server) with one line, not the traceback of wherever it landed. The same signal again (torchrun
+    forwards the one its process group got) is ignored while the process exits."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(f"stopped: received {signal.Signals(signum).name} while starting (nothing trained yet)")
 
 

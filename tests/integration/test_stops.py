@@ -64,6 +64,13 @@ def never_returns(completions, **_):
         time.sleep(1)
 
 
+def hangs_building_the_task(*_):
+    """A task factory that never returns (``rollout.task = 'test_stops:hangs_building_the_task'``)."""
+    open(os.environ["FLUX_TEST_TASK_MARKER"], "w").close()
+    while True:
+        time.sleep(1)
+
+
 def _run(dump, *overrides, timeout=180, env=None):
     p = subprocess.run(torchrun_cmd(dump, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, **(env or {})})
@@ -176,6 +183,21 @@ def test_sigterm_while_a_reward_hangs_stops_at_once_and_checkpoints_the_last_ste
     assert "interrupted while waiting for the rewards of step 3" in log and "checkpoint of step 2 written" in log, \
         log[-3000:]
     assert complete_ckpts(dump) == [2]
+
+
+def test_sigterm_while_the_trainer_is_set_up_stops_at_once(tmp_path, monkeypatch):
+    """A task factory that never returns; one SIGTERM stops the run at once with one line, nothing left running.
+    Before 2026-11-26 (issue 27's second sweep): the signal only asked to stop "after the current step", the set-up
+    went on hanging, and torchrun SIGKILLed the trainer 30 s later without a word."""
+    marker = tmp_path / "task_hangs"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FLUX_TEST_TASK_MARKER", str(marker))
+    run = Run(tmp_path / "run", tmp_path / "run.log", "--rollout.task", "test_stops:hangs_building_the_task")
+    run.wait_for(marker.exists, 120, "the task factory to hang")
+    log = run.sigterm_stops_within(15.0)
+    assert [x for x in log.splitlines() if x.startswith(("stopped: ", "error: "))] == [
+        "stopped: received SIGTERM while starting (nothing trained yet)"], log[-3000:]
 
 
 def test_a_reward_that_hangs_in_the_start_up_check_is_refused_before_engines_start(tmp_path, monkeypatch):

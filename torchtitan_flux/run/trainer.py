@@ -134,6 +134,7 @@ class FluxTrainer(Trainer):
             # a row of its own, before any training step: marked, so readers can tell it from the step rows
             self.metrics_writer.log(self.step, {"eval_only": True, **self.evaluator.collect(wait=True)}, progress=False)
         prof = dict(global_step=self.step, base_folder=jc.job.dump_folder)
+        self.stops.training = True
         try:
             with maybe_enable_profiling(jc.profiling, **prof) as torch_profiler, \
                     maybe_enable_memory_snapshot(jc.profiling, **prof) as memory_profiler:
