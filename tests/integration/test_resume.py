@@ -140,9 +140,10 @@ def test_a_load_step_without_a_checkpoint_is_refused_naming_the_ones_there(tiny_
     """Before 2026-11-25 (issue 27): torchtitan's ``FileNotFoundError`` traceback."""
     for step in (2, 4):
         _checkpoint(tmp_path, step, None)
-    with pytest.raises(ConfigError, match=rf"^checkpoint.load_step = 3 has no complete checkpoint in {tmp_path}; "
-                                          r"allowed: 2, 4, or -1 for the newest$"):
-        _check(_config(tiny_model_dir, load_step=3), None, tmp_path)
+    for step in (3, 0, -5):  # 0 (a seed checkpoint) and -5 too: before 2026-11-26 (issue 27's second sweep)
+        with pytest.raises(ConfigError, match=rf"^checkpoint.load_step = {step} has no complete checkpoint in "
+                                              rf"{tmp_path}; allowed: 2, 4, or -1 for the newest$"):
+            _check(_config(tiny_model_dir, load_step=step), None, tmp_path)
 
 
 def test_a_model_only_checkpoint_is_refused_naming_the_newest_full_one(tiny_model_dir, tmp_path):

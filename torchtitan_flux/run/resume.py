@@ -172,7 +172,7 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     returns the fields warned about, else []."""
     ck = job_config.checkpoint
     steps = complete_steps(folder)
-    if ck.enable and ck.load_step > 0 and ck.load_step not in steps:  # torchtitan: a FileNotFoundError traceback
+    if ck.enable and ck.load_step != -1 and ck.load_step not in steps:  # torchtitan: a FileNotFoundError traceback
         raise ConfigError(f"checkpoint.load_step = {ck.load_step} has no complete checkpoint in {folder}; allowed: "
                           f"{', '.join(map(str, sorted(steps))) or 'none there'}, or -1 for the newest")
     step = ck.load_step if ck.load_step != -1 else (steps[0] if steps else -1)
