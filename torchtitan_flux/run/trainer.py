@@ -40,7 +40,6 @@ from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.data.rewards import RewardError
 from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutBatch, RolloutWaitInterrupted
 from torchtitan_flux.run.checkpoint_state import CheckpointState
-from torchtitan_flux.run.resume import CheckpointSaver, CheckpointWriteError
 from torchtitan_flux.run.stops import (LossNotFinite, StopRequests, TrainingInterrupted, die_with_launcher,
                                       settle_and_checkpoint)
 from torchtitan_flux.rl.gradient import backward_on_batch
@@ -60,7 +59,7 @@ class FluxTrainer(Trainer):
         super().__init__(pre.job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.saver = CheckpointSaver(self.checkpointer, pre.checkpoint_folder, pre.fingerprint, self.rank == 0)
+        self.saver = resume.CheckpointSaver(self.checkpointer, pre.checkpoint_folder, pre.fingerprint, self.rank == 0)
         self.model = self.model_parts[0]
         try:  # a missing, truncated or mismatched weights file: one line naming it
             load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
@@ -187,7 +186,7 @@ class FluxTrainer(Trainer):
             try:
                 self.saver.poll()
                 self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
-            except (CheckpointWriteError, UserCodeError, MetricsWriteError) as e:
+            except (resume.CheckpointWriteError, UserCodeError, MetricsWriteError) as e:
                 if self.world == 1:
                     raise
                 self._stop_after_step = e
