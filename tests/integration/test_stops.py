@@ -185,6 +185,7 @@ def test_sigterm_while_a_reward_hangs_stops_at_once_and_checkpoints_the_last_ste
     assert complete_ckpts(dump) == [2]
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_trainer_is_set_up_stops_at_once(tmp_path, monkeypatch):
     """A task factory that never returns; one SIGTERM stops the run at once with one line, nothing left running.
     Before 2026-11-26 (issue 27's second sweep): the signal only asked to stop "after the current step", the set-up
