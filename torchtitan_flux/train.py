@@ -15,11 +15,10 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
-
-from torchtitan_flux.patches import apply_patches
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,7 +170,8 @@ def _lock_folder(field: str, value: str, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, ".flux.lock"), "a+")
     except OSError as e:
-        why = "it is a file, not a folder" if isinstance(e, FileExistsError) else e.strerror
+        why = ("it is a file, not a folder" if isinstance(e, FileExistsError) else
+               e.strerror if e.filename in (None, folder) else f"{e.filename}: {e.strerror}")  # the lock file
         raise ConfigError(f"{named} cannot be used ({why}); {allowed}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         f.close()
@@ -223,7 +223,19 @@ def _report(e: BaseException) -> int:
     return code
 
 
+def _stop_while_starting(signum, frame) -> None:
+    """Until the trainer installs its own handler (``run.stops``): a signal ends the start-up (imports, validation,
+    the fork server) with one line, not the traceback of wherever it landed. The same signal again (torchrun
+    forwards the one its process group got) is ignored while the process exits."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(f"stopped: received {signal.Signals(signum).name} while starting (nothing trained yet)")
+
+
 def main() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: the user asked to go on
+            signal.signal(sig, _stop_while_starting)
     files = [a for a in sys.argv[1:] if a.split("=")[0] in ("--job.config_file", "--job.config-file")]
     if len(files) > 1:  # torchtitan would silently take the first
         print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
@@ -239,8 +251,11 @@ def main() -> None:
 
         try:
             prestart_engine_server()  # its imports overlap ours and torchtitan's (seconds) on another core
-        except ValueError as e:  # a bad TORCHTITAN_FLUX_ENGINE_START
-            sys.exit(f"torchtitan_flux: {e}")
+        except ValueError as e:  # a bad TORCHTITAN_FLUX_ENGINE_START: bad input, like a bad field
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            os._exit(2)
+    from torchtitan_flux.patches import apply_patches
+
     apply_patches()
     from torchtitan.config import ConfigManager
     from torchtitan.train import main as titan_main
@@ -259,13 +274,17 @@ def main() -> None:
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_run_folders(config)
         if os.environ.get("RANK", "0") == "0":
-            from torchtitan_flux.run.resume import check_room_for_a_checkpoint, set_aside_previous_outputs
+            from torchtitan_flux.run.resume import (check_outputs, check_room_for_a_checkpoint,
+                                                    set_aside_previous_outputs)
 
             check_room_for_a_checkpoint(config)
             set_aside_previous_outputs(config)
+            check_outputs(config)
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:
+        if isinstance(e.code, str):  # _stop_while_starting's line
+            print(e.code, file=sys.stderr, flush=True)
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException as e:  # noqa: BLE001 - reported here, then the same non-zero exit as an uncaught error
         code = _report(e)

@@ -16,8 +16,9 @@ engine processes) then imports this module at start-up. With none of the variabl
   FLUX_FAULT_ENGINE_FAIL="MESSAGE"   every embedded engine dies with RuntimeError(MESSAGE) at its first
       generation request: an engine that fails the same way every time (a bad device, a bad setting), for the
       bounded-restart test.
-  FLUX_FAULT_CKPT_ENOSPC="STEP"   writing the checkpoint of step STEP fails with "No space left on device" after
-      its first shard file was opened: a full disk at a save.
+  FLUX_FAULT_CKPT_OSERROR="STEP:ERRNO"   writing the checkpoint of step STEP fails with OSError(errno.ERRNO), e.g.
+      ENOSPC (a full disk), EACCES, EROFS, EIO, when its shards are written (in the background with an async
+      ``checkpoint.async_mode``).
   FLUX_FAULT_METRICS_ENOSPC="STEP"   appending step STEP's row to metrics.jsonl fails with "No space left on
       device": a full disk under the metrics.
   FLUX_FAULT_PUSH_HOLD="VERSION:SECONDS"   the trainer's first regular push of a weight version >= VERSION stays
@@ -102,20 +103,22 @@ if _engine_fail:
 
     _embedded_fail._EngineProcess.generate = _failing_generate
 
-_enospc = os.environ.get("FLUX_FAULT_CKPT_ENOSPC")
-if _enospc:
+_ckpt_error = os.environ.get("FLUX_FAULT_CKPT_OSERROR")
+if _ckpt_error:
     import errno
 
-    from torch.distributed.checkpoint import filesystem as _fs_full
+    from torch.distributed.checkpoint import filesystem as _fs_err
 
-    _write_data = _fs_full._FileSystemWriter.write_data
+    _write_data = _fs_err._FileSystemWriter.write_data
+    _err_step, _err_name = _ckpt_error.split(":")
 
-    def _full_disk(self, plan, planner):
-        if str(self.path).rstrip("/").endswith(f"step-{_enospc}"):
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def _failing_write(self, plan, planner):
+        if str(self.path).rstrip("/").endswith(f"step-{_err_step}"):
+            code = getattr(errno, _err_name)
+            raise OSError(code, os.strerror(code), os.path.join(self.path, "__0_0.distcp"))
         return _write_data(self, plan, planner)
 
-    _fs_full._FileSystemWriter.write_data = _full_disk
+    _fs_err._FileSystemWriter.write_data = _failing_write
 
 _metrics_full = os.environ.get("FLUX_FAULT_METRICS_ENOSPC")
 if _metrics_full:

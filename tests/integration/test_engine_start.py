@@ -39,9 +39,29 @@ def test_bad_start_method_fails_before_any_work(tmp_path):
          "--job.dump_folder", str(tmp_path / "run")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
-    assert proc.returncode == 1
-    assert "TORCHTITAN_FLUX_ENGINE_START='thread': allowed values are 'forkserver' and 'spawn'" in proc.stderr
+    assert proc.returncode == 2  # bad input; before (issue 27's second sweep): exit 1, no "error:" prefix
+    assert proc.stderr.splitlines()[-1] == ("error: TORCHTITAN_FLUX_ENGINE_START='thread': allowed values are "
+                                            "'forkserver' and 'spawn'")
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_starting_is_one_line(tmp_path, sig):
+    """A Ctrl-C (or SIGTERM) while the entry point still imports torch: one ``stopped:`` line, exit 1, nothing
+    left running. Before (issue 27's second sweep): SIGINT printed a KeyboardInterrupt traceback from inside
+    whichever import it landed in; SIGTERM ended the process with no word."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_flux.train", "--job.config_file", str(DEBUG_TOML),
+         "--job.dump_folder", str(tmp_path / "run")], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    proc.send_signal(getattr(signal, sig))
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"stopped: received {sig}"), err[-3000:]
 
 
 def test_entry_point_peeks_at_the_engine_kind(tmp_path, monkeypatch):

@@ -140,9 +140,10 @@ def test_a_load_step_without_a_checkpoint_is_refused_naming_the_ones_there(tiny_
     """Before 2026-11-25 (issue 27): torchtitan's ``FileNotFoundError`` traceback."""
     for step in (2, 4):
         _checkpoint(tmp_path, step, None)
-    with pytest.raises(ConfigError, match=rf"^checkpoint.load_step = 3 has no complete checkpoint in {tmp_path}; "
-                                          r"allowed: 2, 4, or -1 for the newest$"):
-        _check(_config(tiny_model_dir, load_step=3), None, tmp_path)
+    for step in (3, 0, -5):  # 0 (a seed checkpoint) and -5 too: before 2026-11-26 (issue 27's second sweep)
+        with pytest.raises(ConfigError, match=rf"^checkpoint.load_step = {step} has no complete checkpoint in "
+                                              rf"{tmp_path}; allowed: 2, 4, or -1 for the newest$"):
+            _check(_config(tiny_model_dir, load_step=step), None, tmp_path)
 
 
 def test_a_model_only_checkpoint_is_refused_naming_the_newest_full_one(tiny_model_dir, tmp_path):
@@ -268,3 +269,45 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_at_start(tiny_model_dir
         resume.check_room_for_a_checkpoint(cfg)
     cfg.checkpoint.enable = False
     resume.check_room_for_a_checkpoint(cfg)  # checkpoints off: nothing to check
+
+
+def test_a_seed_checkpoint_is_not_a_run_to_resume(tmp_path):
+    """A dump folder holding only a seed checkpoint (step 0: torchtitan's ``checkpoint.create_seed_checkpoint``,
+    initial weights, no trained step) and an earlier run's outputs. Before 2026-11-26 (issue 27) it counted as a
+    resume: the earlier outputs stayed and the new run appended steps 1..N to its metrics.jsonl. Now they are set
+    aside like any new run's; a checkpoint of a trained step still makes it a resume. An empty file (a seed
+    run's metrics.jsonl) is no run's output."""
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
+                          job=SimpleNamespace(dump_folder=str(tmp_path)))
+    _checkpoint(tmp_path / "checkpoint", 0, None)
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert resume.set_aside_previous_outputs(cfg) is None and (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    dest = resume.set_aside_previous_outputs(cfg)
+    assert dest is not None and (Path(dest) / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    _checkpoint(tmp_path / "checkpoint", 1, None)
+    assert resume.set_aside_previous_outputs(cfg) is None and (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name, make", [("hf_final", "file"), ("summary.json", "folder"), ("metrics.jsonl", "folder"),
+                                        ("tb", "file")])
+def test_an_output_path_of_the_wrong_kind_is_refused_at_start(tmp_path, name, make):
+    """Before 2026-11-26 (issue 27's second sweep): a resume into a dump folder where hf_final is a file (or
+    summary.json / metrics.jsonl a folder) trained every step, then ended with an IsADirectoryError /
+    FileExistsError traceback: no export, no summary. A new run moves the earlier outputs aside first."""
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
+                          job=SimpleNamespace(dump_folder=str(tmp_path)),
+                          metrics=SimpleNamespace(save_tb_folder="tb", enable_tensorboard=True))
+    _checkpoint(tmp_path / "checkpoint", 2, None)  # a resume: nothing is set aside
+    (tmp_path / name).mkdir() if make == "folder" else (tmp_path / name).write_text("x")
+    assert resume.set_aside_previous_outputs(cfg) is None
+    kind = "file" if make == "folder" else "folder"
+    with pytest.raises(ConfigError, match=rf"^job.dump_folder = '{re.escape(str(tmp_path))}' holds "
+                                          rf"{re.escape(str(tmp_path / name))}, a {make} where the run writes its "
+                                          rf"{re.escape(name)} {kind}; allowed: remove or rename it"):
+        resume.check_outputs(cfg)
+    cfg.metrics.enable_tensorboard = False
+    if name == "tb":
+        resume.check_outputs(cfg)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -59,6 +60,13 @@ def never_returns_mid_run(completions, **_):
 
 def never_returns(completions, **_):
     """Hangs in the start-up check already."""
+    while True:
+        time.sleep(1)
+
+
+def hangs_building_the_task(*_):
+    """A task factory that never returns (``rollout.task = 'test_stops:hangs_building_the_task'``)."""
+    open(os.environ["FLUX_TEST_TASK_MARKER"], "w").close()
     while True:
         time.sleep(1)
 
@@ -175,6 +183,22 @@ def test_sigterm_while_a_reward_hangs_stops_at_once_and_checkpoints_the_last_ste
     assert "interrupted while waiting for the rewards of step 3" in log and "checkpoint of step 2 written" in log, \
         log[-3000:]
     assert complete_ckpts(dump) == [2]
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_trainer_is_set_up_stops_at_once(tmp_path, monkeypatch):
+    """A task factory that never returns; one SIGTERM stops the run at once with one line, nothing left running.
+    Before 2026-11-26 (issue 27's second sweep): the signal only asked to stop "after the current step", the set-up
+    went on hanging, and torchrun SIGKILLed the trainer 30 s later without a word."""
+    marker = tmp_path / "task_hangs"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FLUX_TEST_TASK_MARKER", str(marker))
+    run = Run(tmp_path / "run", tmp_path / "run.log", "--rollout.task", "test_stops:hangs_building_the_task")
+    run.wait_for(marker.exists, 120, "the task factory to hang")
+    log = run.sigterm_stops_within(15.0)
+    assert [x for x in log.splitlines() if x.startswith(("stopped: ", "error: "))] == [
+        "stopped: received SIGTERM while starting (nothing trained yet)"], log[-3000:]
 
 
 def test_a_reward_that_hangs_in_the_start_up_check_is_refused_before_engines_start(tmp_path, monkeypatch):
@@ -305,14 +329,23 @@ def test_unusable_output_folders_are_one_line_naming_the_path(tmp_path, case):
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
 
 
-def test_a_full_disk_at_a_save_stops_the_run_in_one_line_keeping_the_previous_checkpoint(tmp_path):
-    """Before 2026-11-25 (issue 27): a traceback from inside DCP. Now one ``stopped:`` line naming the step folder
-    and the cause, exit 1; the previous complete checkpoint stays the one a resume loads; nothing outlives it."""
+@pytest.mark.parametrize("mode, code, fix", [
+    ("disabled", "ENOSPC", "free space on its disk"),
+    ("async", "EROFS", "remount the file system of {step} read-write"),
+])
+def test_a_failed_checkpoint_write_stops_the_run_in_one_line_keeping_the_previous_checkpoint(tmp_path, mode, code,
+                                                                                               fix):
+    """Before 2026-11-25 (issue 27): a traceback from inside DCP. Now one ``stopped:`` line naming the step folder,
+    the cause and the fix for that cause, exit 1; the previous complete checkpoint stays the one a resume loads;
+    nothing outlives it. Async (``checkpoint.async_mode``), before 2026-11-26: the background write's failure
+    surfaced at the next save, named as that step's, and every error was told to free space."""
     dump = tmp_path / "run"
-    _stops_in_one_line(dump, f"stopped: checkpoint of step 4 could not be written to {dump}/checkpoint/step-4 "
-                             "(OSError: [Errno 28] No space left on device); a resume loads the previous complete "
-                             "one: free space, or set checkpoint.folder elsewhere",
-                       {"FLUX_FAULT_CKPT_ENOSPC": "4"}, "--checkpoint.interval", "2")
+    step, n = dump / "checkpoint" / "step-4", getattr(errno, code)
+    _stops_in_one_line(dump, f"stopped: checkpoint of step 4 could not be written to {step} (OSError: [Errno {n}] "
+                             f"{os.strerror(n)}: '{step}/__0_0.distcp'); a resume loads the previous complete one: "
+                             f"{fix.format(step=step)}, or set checkpoint.folder elsewhere",
+                       {"FLUX_FAULT_CKPT_OSERROR": f"4:{code}"}, "--checkpoint.interval", "2",
+                       "--checkpoint.async_mode", mode)
     assert complete_ckpts(dump) == [2]
 
 
@@ -322,7 +355,7 @@ def test_a_full_disk_under_the_metrics_stops_the_run_and_checkpoints_the_step(tm
     after checkpointing the step it just trained."""
     dump = tmp_path / "run"
     _stops_in_one_line(dump, f"stopped: cannot write {dump}/metrics.jsonl at step 5: No space left on device; free "
-                             "space (or fix the folder), then resume",
+                             "space on its disk, then resume",
                        {"FLUX_FAULT_METRICS_ENOSPC": "5"}, "--checkpoint.interval", "1000")
     assert complete_ckpts(dump) == [5] and len(read_metrics(dump)) == 4
 

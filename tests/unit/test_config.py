@@ -147,6 +147,19 @@ CASES = [
      "rollout.urls = 'http://127.0.0.1:99999' is not a server URL (Port out of range 0-65535)"),
     (("--rollout.engine", "sglang", "--rollout.urls", "127.0.0.1:30000"), "rollout.urls = '127.0.0.1:30000' is not a "
                                                                           "server URL (no scheme)"),
+    # issue 27's second sweep (2026-11-26): torchtitan fields that failed late with its traceback, or silently
+    (("--training.max_norm", "0"), "training.max_norm = 0.0 is out of range; allowed: a finite number > 0"),
+    (("--training.max_norm", "-1"), "training.max_norm = -1.0 is out of range"),  # before: the gradient reversed
+    (("--optimizer.name", "SGD"), "optimizer.name = 'SGD' is out of range; allowed: Adam | AdamW"),
+    (("--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "1"),
+     "checkpoint.keep_latest_k = 1 is out of range; allowed: 0 (keep all) or >= 2"),
+    (("--parallelism.data_parallel_shard_degree", "4"),
+     "parallelism.data_parallel_shard_degree = 4 is out of range; allowed: -1 (the rest) or 1"),
+    (("--parallelism.tensor_parallel_degree", "2"),
+     "parallelism.tensor_parallel_degree = 2 is out of range; allowed: 1 (the trainer is data-parallel only"),
+    (("--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree = 2 is out of range"),
+    (("--parallelism.data_parallel_replicate_degree", "0"),
+     "parallelism.data_parallel_replicate_degree = 0 is out of range; allowed: a divisor of the number of trainer"),
     (("--training.seq_len", "4096"),  # the tiny model's config.json: max_position_embeddings 2048
      "rollout.max_prompt_tokens (auto: training.seq_len - max_new_tokens = 4080) + rollout.max_new_tokens (16) = 4096 "
      "tokens exceeds max_position_embeddings = 2048 of "),
@@ -637,3 +650,24 @@ def test_profiling_settings_that_cannot_run_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"profiling.profile_freq = 3 .* >= profiling.profiler_warmup \+ "):
         validate_config(parse("--profiling.enable_profiling", "true", "--profiling.profile_freq", "3"))
     validate_config(parse("--profiling.enable_profiling", "true", "--profiling.profile_freq", "4"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_pinned_async_checkpoints_without_cuda_are_refused():
+    """Before 2026-11-26 (issue 27): torchtitan's stager raised an AssertionError traceback at the first save, the
+    steps before it lost."""
+    with pytest.raises(ConfigError, match=r"^checkpoint.async_mode = 'async_with_pinned_mem' is out of range; "
+                                          r"allowed: disabled \| async on a machine without CUDA"):
+        validate_config(parse("--checkpoint.enable", "true", "--checkpoint.async_mode", "async_with_pinned_mem"))
+    validate_config(parse("--checkpoint.enable", "true", "--checkpoint.async_mode", "async"))
+
+
+def test_a_lock_path_that_is_a_folder_is_named(tmp_path):
+    """Issue 27's second sweep: ``.flux.lock`` a folder gave "cannot be used (Is a directory)", naming no path
+    that was one."""
+    from torchtitan_flux.train import _lock_folder
+
+    (tmp_path / ".flux.lock").mkdir()
+    with pytest.raises(ConfigError, match=rf"^job.dump_folder = '{re.escape(str(tmp_path))}' cannot be used "
+                                          rf"\({re.escape(str(tmp_path / '.flux.lock'))}: Is a directory\); allowed"):
+        _lock_folder("job.dump_folder", str(tmp_path), str(tmp_path))

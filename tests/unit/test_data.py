@@ -201,6 +201,10 @@ def test_an_empty_jsonl_file_is_one_line(tmp_path, text):
     (b'{"prompt": "q?", "answer": 1', r"line 2: not valid JSON \(Expecting ',' delimiter at column 29\); allowed: "
                                     r"one JSON object per line"),
     (b'["q?", "1"]', r"line 2: a JSON list; allowed: one JSON object per line"),
+    (b'{"prompt": "q \\ud800?", "answer": "1"}',  # before (issue 27's second sweep): the library's
+     r"line 2: the escape '\\ud800' is half of a UTF-16 surrogate pair, not text; allowed: valid Unicode"),  # no line
+    (b'{"prompt": "q?", "prompt": "r?", "answer": "1"}',  # before (issue 27's second sweep): "Trailing data at ..."
+     r"line 2: key 'prompt' appears twice in one object; allowed: each key once"),
 ])
 def test_a_bad_jsonl_line_names_the_file_and_line(tmp_path, line, match):
     """Before: bytes that are not UTF-8 were loaded without a word, and a syntax error named no line."""
@@ -425,16 +429,42 @@ async def async_exits(completions, **kwargs):
     raise SystemExit("bye")
 
 
+def interrupts(completions, **kwargs):
+    raise KeyboardInterrupt("from the function")
+
+
+async def async_interrupts(completions, **kwargs):
+    raise KeyboardInterrupt
+
+
 @pytest.mark.parametrize("fn, match", [
     (non_scalar_at_one, r"reward function 'f' returned tensor\(\[1\., 2\.\]\) for sample 1; allowed: a finite number"),
     (numpy_nan_at_one, r"reward function 'f' returned nan for sample 1"),
     (exits, r"reward function 'f' raised SystemExit: 3$"),
     (async_exits, r"reward function 'f' raised SystemExit: bye$"),
+    (interrupts, r"reward function 'f' raised KeyboardInterrupt: from the function$"),  # before (issue 27's second
+    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt: $"),  # sweep): a traceback
 ])
 def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
     """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""
     with pytest.raises(R.RewardError, match=match):
         R.RewardScorer([R.RewardFunc("f", fn)]).submit(["a", "b"], ["", ""], [[], []], {"answer": ["", ""]}).result()
+
+
+def test_a_reward_that_edits_its_arguments_misleads_no_other():
+    """Before (issue 27's second sweep): the functions shared the lists, so one that rewrote ``completions`` in
+    place silently changed what the next one scored."""
+    def rewrites(completions, **kwargs):
+        completions[:] = ["x"] * len(completions)
+        kwargs["answer"].clear()
+        return [0.0] * len(completions)
+
+    def length(completions, answer, **kwargs):
+        return [float(len(c) + len(answer)) for c in completions]
+
+    funcs = [R.RewardFunc("rewrites", rewrites), R.RewardFunc("length", length)]
+    scores = R.RewardScorer(funcs).submit(["a", "b"], ["abc", ""], [[], []], {"answer": ["", ""]}).result()
+    assert scores.per_func["length"] == [5.0, 2.0]
 
 
 def test_a_failing_reward_is_reported_as_one_error_line(capsys):
@@ -658,7 +688,7 @@ def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
         w.close()
 
 
-@pytest.mark.parametrize("case", ["mixed folder", "empty folder", "damaged parquet"])
+@pytest.mark.parametrize("case", ["mixed folder", "empty folder", "damaged parquet", "ragged csv", "csv column twice"])
 def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     """Before 2026-11-25 (issue 27): the datasets library's traceback (empty folder, damaged parquet), or a mixed
     folder read as one of its file types with the others silently left out."""
@@ -670,12 +700,21 @@ def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     if case == "mixed folder":
         (d / "a.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
         (d / "b.csv").write_text("prompt,answer\nq?,1\n")
-        match = r"mixes data files of types \['\.csv', '\.jsonl'\]; allowed: files of one type in a folder"
+        match = r" mixes data files of types \['\.csv', '\.jsonl'\]; allowed: files of one type in a folder"
     elif case == "empty folder":
-        match = r"cannot be read as a dataset \(EmptyDatasetError: .*\); allowed: a \.jsonl"
+        match = r" cannot be read as a dataset \(EmptyDatasetError: .*\); allowed: a \.jsonl"
+    elif case == "csv column twice":  # before (issue 27's second sweep): trained on the first 'prompt', silently
+        (d / "a.csv").write_text("prompt,answer,prompt\nq?,1,r?\n")
+        d = d / "a.csv"
+        match = r": column\(s\) \['prompt'\] appear more than once in the header; allowed: each column name once"
+    elif case == "ragged csv":  # before (issue 27's second sweep): only "An error occurred while generating ..."
+        d = d / "bad.csv"
+        d.write_text("prompt,answer\nq?,1\nr?,2,3\n")
+        match = (r" cannot be read as a dataset \(DatasetGenerationError: .* \(from ParserError: Error tokenizing "
+                 r"data. C error: Expected 2 fields in line 3, saw 3\)\)")
     else:
         d = d / "bad.parquet"
         d.write_text("not parquet")
-        match = r"cannot be read as a dataset \(ArrowInvalid: Parquet magic bytes not found"
-    with pytest.raises(ConfigError, match=rf"^rollout.dataset_path = '{re.escape(str(d))}' {match}"):
+        match = r" cannot be read as a dataset \(ArrowInvalid: Parquet magic bytes not found"
+    with pytest.raises(ConfigError, match=rf"^rollout.dataset_path = '{re.escape(str(d))}'{match}"):
         load_table(str(d), "train")

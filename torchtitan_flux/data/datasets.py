@@ -45,8 +45,8 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
             raise ConfigError(f"{field_name} = {path!r} mixes data files of types {sorted(exts)}; allowed: files of "
                               "one type in a folder")
         for name in files:
-            if name.endswith(".jsonl"):
-                check_jsonl(os.path.join(path, name), field_name)
+            if (check := _CHECKS.get(os.path.splitext(name)[1].lower())) is not None:
+                check(os.path.join(path, name), field_name)
         table = _load(lambda: datasets.load_from_disk(path) if saved else datasets.load_dataset(path), path,
                       field_name)
     else:
@@ -54,8 +54,8 @@ def load_table(path: str, split: str, field_name: str = "rollout.dataset_path"):
         if ext not in _BUILDERS:
             raise ConfigError(f"{field_name} = {path!r}: unknown file type {ext!r}; allowed: "
                              f"{' | '.join(sorted(_BUILDERS))}, or a folder")
-        if ext == ".jsonl":
-            check_jsonl(path, field_name)
+        if ext in _CHECKS:
+            _CHECKS[ext](path, field_name)
         table = _load(lambda: datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train"), path,
                       field_name)
     if isinstance(table, datasets.DatasetDict):
@@ -72,7 +72,12 @@ def _load(read, path: str, field_name: str):
     try:
         return read()
     except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many kinds; the message is what matters
+        root = e
+        while (inner := root.__cause__ or root.__context__) is not None:  # DatasetGenerationError says only that
+            root = inner
         why = " ".join(str(e).split())[:300] or type(e).__name__
+        if root is not e:
+            why += f" (from {type(root).__name__}: {' '.join(str(root).split())[:300]})"
         raise ConfigError(f"{field_name} = {path!r} cannot be read as a dataset ({type(e).__name__}: {why}); allowed: "
                           "a .jsonl/.json/.parquet/.csv file, a folder of files of one type, or a save_to_disk "
                           "folder") from None
@@ -93,16 +98,49 @@ def check_jsonl(path: str, field_name: str) -> None:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.rstrip("\r\n"))
+                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); allowed: one JSON object "
                                   "per line") from None
+            except KeyError as e:  # the library failed with "Trailing data at position N"
+                raise ConfigError(f"{where}: key {e.args[0]!r} appears twice in one object; allowed: each key "
+                                  "once") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{where}: a JSON {type(record).__name__}; allowed: one JSON object per line")
+            try:  # a lone \ud800-\udfff escape is valid JSON but no text: the library failed naming no line
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{where}: the escape {e.object[e.start]!r} is half of a UTF-16 surrogate pair, not "
+                                  "text; allowed: valid Unicode (surrogate escapes only in pairs)") from None
             records += 1
     if not records:  # the datasets library says 'Instruction "train" corresponds to no data!'
         raise ConfigError(f"{field_name} = {path!r} holds no records (it is empty or only blank lines); allowed: one "
                           "JSON object per line")
+
+
+def check_csv_header(path: str, field_name: str) -> None:
+    """A CSV header names each column once (pandas renames a second ``prompt`` to ``prompt.1``, and the run would
+    silently train on the first); ``ConfigError`` naming the file and the columns otherwise."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    if twice := sorted({c for c in header if header.count(c) > 1}):
+        raise ConfigError(f"{field_name} = {path!r}: column(s) {twice} appear more than once in the header; "
+                          "allowed: each column name once")
+
+
+_CHECKS = {".jsonl": check_jsonl, ".csv": check_csv_header}  # what the datasets library reads without a word
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: ``KeyError(key)`` for a key given twice (json keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise KeyError(k)
+        out[k] = v
+    return out
 
 
 class ChatTemplate:

@@ -123,9 +123,10 @@ class RewardScorer:
         coros = {}
         for f in self.funcs:
             try:
-                with self._calling(f.name):
-                    out = f.fn(**kwargs)
-            except (Exception, SystemExit) as e:  # sys.exit() in a reward would otherwise end the run silently
+                with self._calling(f.name):  # lists of its own: a function that edits one misleads no other
+                    out = f.fn(**{k: list(v) for k, v in kwargs.items()})
+            except BaseException as e:  # noqa: BLE001 - sys.exit() would end the run silently, KeyboardInterrupt
+                # (raised by the function: a signal goes to the main thread) with a traceback
                 raise RewardError(f"reward function {f.name!r} raised {type(e).__name__}: {e}") from e
             if inspect.isawaitable(out):
                 coros[f.name] = out
@@ -154,10 +155,10 @@ async def _gather(coros: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _guarded(name: str, coro: Any) -> Any:
-    """``coro``'s value; its exception (``SystemExit`` included) as a ``RewardError``."""
+    """``coro``'s value; its exception (``SystemExit`` and ``KeyboardInterrupt`` included) as a ``RewardError``."""
     try:
         return await coro
-    except (Exception, SystemExit) as e:
+    except BaseException as e:  # noqa: BLE001
         raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
 
 

@@ -267,11 +267,13 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     r = job_config.rollout
     path = r.dataset_path if dataset_path is None else dataset_path
     split = r.dataset_split if dataset_split is None else dataset_split
+    from torchtitan_flux.run.stops import TrainingInterrupted  # here: run.stops imports the rollout, which this
+
     factory, rewards = task_factory(r.task), reward_funcs(r)
     try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work
         args = (job_config, tokenizer, path, split, field_name)
         task = factory(*args, reward_funcs=rewards) if r.task in TASKS else factory(*args)
-    except ConfigError:
+    except (ConfigError, TrainingInterrupted):  # a signal while it ran is no failure of it
         raise
     except (Exception, SystemExit) as e:
         raise ConfigError(f"rollout.task = {r.task!r} raised {type(e).__name__}: {e}") from e

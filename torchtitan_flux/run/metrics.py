@@ -14,6 +14,8 @@ import math
 import os
 import time
 
+from torchtitan_flux.run.resume import os_error_fix
+
 logger = logging.getLogger("torchtitan_flux")
 
 
@@ -98,8 +100,8 @@ def _write(f, line: str, step: int) -> None:
     try:
         f.write(line)
     except OSError as e:
-        raise MetricsWriteError(f"cannot write {f.name} at step {step}: {e.strerror or e}; free space (or fix "
-                                "the folder), then resume") from None
+        raise MetricsWriteError(f"cannot write {f.name} at step {step}: {e.strerror or e}; "
+                                f"{os_error_fix(e, f.name)}, then resume") from None
 
 
 def _plain(v):

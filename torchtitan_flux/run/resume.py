@@ -6,6 +6,7 @@ previous run's outputs aside when a run starts afresh in its dump folder.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -101,7 +102,8 @@ def check_room_for_a_checkpoint(job_config: Any) -> None:
                           "allowed: a folder on a disk with room, or checkpoint.enable = false")
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "completions.jsonl", "eval.jsonl", "hf_final")  # a run's own files
+RUN_OUTPUTS = {"metrics.jsonl": "file", "summary.json": "file", "completions.jsonl": "file", "eval.jsonl": "file",
+               "hf_final": "folder"}  # a run's own outputs in job.dump_folder, and what each is
 
 
 def set_aside_previous_outputs(job_config: Any) -> str | None:
@@ -109,9 +111,10 @@ def set_aside_previous_outputs(job_config: Any) -> str | None:
     holds a previous run's outputs, move them into ``previous_runs/<UTC time>/`` and say so. Returns the folder
     they went to, or None."""
     dump, ck = job_config.job.dump_folder, job_config.checkpoint
-    if ck.enable and complete_steps(os.path.join(dump, ck.folder)):
-        return None  # a resume: its rows continue the same metrics.jsonl
-    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(dump, n))]
+    if ck.enable and any(s > 0 for s in complete_steps(os.path.join(dump, ck.folder))):
+        return None  # a resume: its rows continue the same metrics.jsonl (a seed checkpoint, step 0, is no progress)
+    found = [n for n in RUN_OUTPUTS if os.path.exists(p := os.path.join(dump, n))
+             and not (os.path.isfile(p) and os.path.getsize(p) == 0)]  # an empty file holds no run's output
     if not found:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -126,6 +129,19 @@ def set_aside_previous_outputs(job_config: Any) -> str | None:
     logger.warning(f"job.dump_folder = {dump!r} held a previous run's outputs ({', '.join(found)}): moved to {dest} "
                    "(a new run never appends to or overwrites them)")
     return dest
+
+
+def check_outputs(job_config: Any) -> None:
+    """Rank 0, after ``set_aside_previous_outputs``: ``ConfigError`` naming the path unless every output the run
+    writes in ``job.dump_folder`` is absent or of its kind (a folder named ``metrics.jsonl`` or a file named
+    ``hf_final`` failed only when first written, the export after the whole training)."""
+    dump, m = job_config.job.dump_folder, job_config.metrics
+    for name, kind in {**RUN_OUTPUTS, **({m.save_tb_folder: "folder"} if m.enable_tensorboard else {})}.items():
+        path = os.path.join(dump, name)
+        if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
+            raise ConfigError(f"job.dump_folder = {dump!r} holds {path}, a {'folder' if kind == 'file' else 'file'} "
+                              f"where the run writes its {name} {kind}; allowed: remove or rename it, or another "
+                              "--job.dump_folder")
 
 
 def complete_steps(folder: str) -> list[int]:
@@ -156,7 +172,7 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     returns the fields warned about, else []."""
     ck = job_config.checkpoint
     steps = complete_steps(folder)
-    if ck.enable and ck.load_step > 0 and ck.load_step not in steps:  # torchtitan: a FileNotFoundError traceback
+    if ck.enable and ck.load_step != -1 and ck.load_step not in steps:  # torchtitan: a FileNotFoundError traceback
         raise ConfigError(f"checkpoint.load_step = {ck.load_step} has no complete checkpoint in {folder}; allowed: "
                           f"{', '.join(map(str, sorted(steps))) or 'none there'}, or -1 for the newest")
     step = ck.load_step if ck.load_step != -1 else (steps[0] if steps else -1)
@@ -237,29 +253,95 @@ def load(checkpointer, ck_cfg, folder: str, is_writer: bool) -> None:
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (a full disk, a folder gone): the run stops with one line naming it; the
-    previous complete checkpoint is what a resume loads (the torn one has no ``.metadata``)."""
+    """A checkpoint could not be written (a full disk, a read-only folder, a folder gone): the run stops with one
+    line naming it and the fix for its cause; the previous complete checkpoint is what a resume loads (the torn
+    one has no ``.metadata``)."""
 
 
-def save(checkpointer, step: int, last_step: bool, folder: str, fp: dict[str, Any], is_writer: bool) -> bool:
-    """torchtitan's save, with the config fingerprint written into the step folder first (writer rank), so every
-    complete checkpoint has one. Returns whether one was due (written, or staged with an async
-    ``checkpoint.async_mode``)."""
-    due = checkpointer._should_save(step, last_step)
-    try:
-        if due and is_writer:
-            write_fingerprint(os.path.join(folder, f"step-{step}"), fp)
-        checkpointer.save(step, last_step=last_step)
-    except (OSError, CheckpointException) as e:
-        raise CheckpointWriteError(
-            f"checkpoint of step {step} could not be written to {os.path.join(folder, f'step-{step}')} "
-            f"({_one_line(e)}); a resume loads the previous complete one: free space, or set checkpoint.folder "
-            "elsewhere") from None
-    return due
+class CheckpointSaver:
+    """torchtitan's saves, with the config fingerprint written into the step folder first (writer rank), so every
+    complete checkpoint has one; every failure, also of a write in the background (``checkpoint.async_mode``), is
+    one ``CheckpointWriteError`` naming the step it was for."""
+
+    def __init__(self, checkpointer, folder: str, fp: dict[str, Any], is_writer: bool):
+        self.checkpointer, self.folder, self.fp, self.is_writer = checkpointer, folder, fp, is_writer
+        self.pending: int | None = None  # the step whose async write is in flight
+
+    def save(self, step: int, last_step: bool) -> bool:
+        """Save ``step`` if due; returns whether it was (written, or staged by an async ``checkpoint.async_mode``:
+        torchtitan writes the last step synchronously)."""
+        due = self.checkpointer._should_save(step, last_step)
+        if due:
+            self.settle()  # torchtitan waits for it inside save(), where its failure would name this step
+        try:
+            if due and self.is_writer:
+                write_fingerprint(os.path.join(self.folder, f"step-{step}"), self.fp)
+            self.checkpointer.save(step, last_step=last_step)
+        except (OSError, CheckpointException) as e:
+            raise self._error(step, e) from None
+        if due and not last_step and self.checkpointer.save_future is not None:
+            self.pending = step
+        return due
+
+    def poll(self) -> None:
+        """After a step: ``settle`` the async write in flight if it has ended."""
+        if self.pending is not None and self.checkpointer.save_future.done():
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the async write in flight, if any: log its step once complete, or raise its failure."""
+        if self.pending is None:
+            return
+        step, self.pending = self.pending, None
+        try:
+            self.checkpointer.save_future.result()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - whatever the write raised: it failed
+            raise self._error(step, e) from None
+        logger.info(f"checkpoint of step {step} saved")
+
+    def _error(self, step: int, e: BaseException) -> CheckpointWriteError:
+        step_dir, cause = os.path.join(self.folder, f"step-{step}"), _cause(e)
+        fix = os_error_fix(cause, step_dir) if isinstance(cause, OSError) else f"fix {self.folder}"
+        return CheckpointWriteError(f"checkpoint of step {step} could not be written to {step_dir} ({_one_line(e)}); "
+                                    f"a resume loads the previous complete one: {fix}, or set checkpoint.folder "
+                                    "elsewhere")
+
+
+def os_error_fix(e: OSError, path: str) -> str:
+    """What to do about ``e``, raised writing ``path`` (or a file in it), by its errno: a full disk wants space, a
+    read-only folder a permission, a file where a folder should be its removal."""
+    path = e.filename or path
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if e.errno == errno.ENOSPC:
+        return "free space on its disk"
+    if e.errno == errno.EDQUOT:
+        return "free space or raise this user's disk quota"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"give this user write permission on {folder}"
+    if e.errno == errno.EROFS:
+        return f"remount the file system of {folder} read-write"
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocker = path  # the nearest part of path that exists: a file where a folder must be
+        while not os.path.lexists(blocker) and blocker != os.path.dirname(blocker):
+            blocker = os.path.dirname(blocker)
+        return f"remove or rename the file {blocker} (a folder must be there)"
+    if e.errno == errno.EISDIR:
+        return f"remove or rename the folder {path} (a file must be there)"
+    if e.errno == errno.ENOENT:
+        return f"restore {folder} (it was deleted or unmounted while the run wrote it)"
+    if e.errno == errno.EIO:
+        return f"check the disk of {folder} (an I/O error: a failing disk or network file system; see dmesg)"
+    return f"fix {folder}"
+
+
+def _cause(e: BaseException) -> BaseException:
+    """A DCP ``CheckpointException``'s first failing rank's own exception, else ``e``."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return min(e.failures.items())[1][0]
+    return e
 
 
 def _one_line(e: BaseException) -> str:
-    if isinstance(e, CheckpointException) and e.failures:  # the first failing rank's own exception
-        e = min(e.failures.items())[1][0]
+    e = _cause(e)
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200] if text else ''}".rstrip(": ")

@@ -1,12 +1,15 @@
 """How a training run stops early: the trainer's signal handling, and the exceptions the entry point prints as one
 ``stopped: ...`` line (``train.py``).
 
-First SIGTERM/SIGINT/SIGHUP: stop at the next step boundary (no trained step is half-applied), or, single
-process, at once while waiting for a step's rollouts (most of a long GRPO step, and torchrun SIGKILLs after its
-grace period). A second one, 2 s or more later: stop now, writing no checkpoint (the step may be incomplete).
+A signal before the training loop starts (the trainer's set-up: user code, engines) stops at once: there is
+nothing to finish or checkpoint. The first SIGTERM/SIGINT/SIGHUP after: stop at the next step boundary (no trained
+step is half-applied), or, single process, at once while waiting for a step's rollouts (most of a long GRPO step,
+and torchrun SIGKILLs after its grace period). A second one, 2 s or more later: stop now, writing no checkpoint (the
+step may be incomplete).
 
 Concurrency: the handler runs on the main thread between bytecodes; it only sets fields and calls
-``RolloutScheduler.interrupt`` (which sets a flag), or raises ``TrainingInterrupted`` on a second signal.
+``RolloutScheduler.interrupt`` (which sets a flag), or raises ``TrainingInterrupted`` (before the loop, or on a
+second signal).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class StopRequests:
 
     def __init__(self):
         self.signal: str | None = None
+        self.training = False  # set by the trainer as its loop starts; before, there is nothing to finish or save
         self._at = 0.0
         self._interruptible = None  # a RolloutScheduler whose wait for rollouts a first signal ends
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal was closed
@@ -75,6 +79,8 @@ class StopRequests:
                 return
             raise TrainingInterrupted(f"received {name} twice", at_step_boundary=False)
         self.signal, self._at = name, time.monotonic()
+        if not self.training:  # a start that hangs (a task factory, an engine) must not wait for a second signal
+            raise TrainingInterrupted(f"received {name} while starting (nothing trained yet)", at_step_boundary=False)
         if self._interruptible is not None:
             self._interruptible.interrupt()
         logger.warning(f"received {name}: stopping after the current step (send it again to stop at once)")

@@ -54,11 +54,12 @@ class FluxTrainer(Trainer):
         die_with_launcher()
         self.stops = StopRequests()
         pre = preflight(job_config)  # before torchtitan builds anything and before any spawn
-        self.task, self.fingerprint, self.checkpoint_folder = pre.task, pre.fingerprint, pre.checkpoint_folder
+        self.task, self.checkpoint_folder = pre.task, pre.checkpoint_folder
         set_trainer_threads(job_config)
         super().__init__(pre.job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.saver = resume.CheckpointSaver(self.checkpointer, pre.checkpoint_folder, pre.fingerprint, self.rank == 0)
         self.model = self.model_parts[0]
         try:  # a missing, truncated or mismatched weights file: one line naming it
             load_hf_weights(self.model, job_config.model.hf_assets_path, self.model_args)
@@ -132,6 +133,7 @@ class FluxTrainer(Trainer):
             # a row of its own, before any training step: marked, so readers can tell it from the step rows
             self.metrics_writer.log(self.step, {"eval_only": True, **self.evaluator.collect(wait=True)}, progress=False)
         prof = dict(global_step=self.step, base_folder=jc.job.dump_folder)
+        self.stops.training = True
         try:
             with maybe_enable_profiling(jc.profiling, **prof) as torch_profiler, \
                     maybe_enable_memory_snapshot(jc.profiling, **prof) as memory_profiler:
@@ -176,16 +178,15 @@ class FluxTrainer(Trainer):
             self.syncer.flush(self.step)  # the engines must hold this step's weights
             engines = [e for e in self.scheduler.engines if e.alive()] if self.rank == 0 else []
             metrics.update(self.probe.run(self.model, engines, self.step, self.device))
-        saved = resume.save(self.checkpointer, self.step, last, self.checkpoint_folder, self.fingerprint,
-                            self.rank == 0)
-        if saved and self.checkpointer.async_mode == AsyncMode.DISABLED:  # else only staged by now
-            logger.info(f"checkpoint of step {self.step} saved")
+        if self.saver.save(self.step, last) and self.checkpointer.async_mode == AsyncMode.DISABLED:
+            logger.info(f"checkpoint of step {self.step} saved")  # an async one: when written (saver.poll)
         if self.evaluator is not None:
             metrics.update(self.evaluator.after_step(self.step, self.syncer.version, last))
         if self.rank == 0:
             try:
+                self.saver.poll()
                 self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
-            except (UserCodeError, MetricsWriteError) as e:
+            except (resume.CheckpointWriteError, UserCodeError, MetricsWriteError) as e:
                 if self.world == 1:
                     raise
                 self._stop_after_step = e
@@ -208,7 +209,7 @@ class FluxTrainer(Trainer):
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
         wait = self.stops.wait_s(self.job_config.weight_sync.timeout_seconds)
         can_save = at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0
-        save = partial(resume.save, self.checkpointer, self.step, True, self.checkpoint_folder, self.fingerprint, True)
+        save = partial(self.saver.save, self.step, True)
         settle_and_checkpoint(self.syncer, wait, save if can_save else None, self.step)
 
     def _finish(self) -> None:

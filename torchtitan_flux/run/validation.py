@@ -172,9 +172,31 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:
         _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
+    if ck.enable:  # torchtitan: a ValueError traceback
+        _require(ck.keep_latest_k != 1, "checkpoint.keep_latest_k", ck.keep_latest_k,
+                 "0 (keep all) or >= 2 (the newest may still be being written)")
     # Adam moves every weight by about lr per step: beyond 1 is a typo (GRPO fine-tuning uses ~1e-7 .. 1e-5)
     _require(math.isfinite(opt.lr) and 0 < opt.lr <= 1, "optimizer.lr", opt.lr,
              "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
+    _require(opt.name in ("Adam", "AdamW"), "optimizer.name", opt.name, "Adam | AdamW (torchtitan's optimizers)")
+    # clip_grad_norm_ scales the gradient by max_norm / norm: 0 trains nothing, a negative value ascends the loss
+    _require(math.isfinite(tr.max_norm) and tr.max_norm > 0, "training.max_norm", tr.max_norm, "a finite number > 0")
+    _check_parallelism(job_config.parallelism)
+
+
+def _check_parallelism(p: Any) -> None:
+    """The trainer shards data-parallel only (FSDP, optionally HSDP): every rank trains on its own slice of the
+    batch, so a tensor, pipeline, context or expert parallel degree would train on the wrong data."""
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                 "expert_parallel_degree", "expert_tensor_parallel_degree"):
+        _require(getattr(p, name) == 1, f"parallelism.{name}", getattr(p, name),
+                 "1 (the trainer is data-parallel only: FSDP, or HSDP with data_parallel_replicate_degree)")
+    world, rep = int(os.environ.get("WORLD_SIZE", 1)), p.data_parallel_replicate_degree
+    _require(rep >= 1 and world % rep == 0, "parallelism.data_parallel_replicate_degree", rep,
+             f"a divisor of the number of trainer processes ({world})")
+    shard = p.data_parallel_shard_degree
+    _require(shard in (-1, world // rep), "parallelism.data_parallel_shard_degree", shard,
+             f"-1 (the rest) or {world // rep} (trainer processes {world} / data_parallel_replicate_degree {rep})")
 
 
 def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | None:
@@ -240,6 +262,10 @@ def validate_config(job_config: Any) -> None:
     _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
              prof.enable_memory_snapshot, "false on a machine without CUDA (the snapshot records the CUDA caching "
              "allocator's history; profiling.enable_profiling works on CPU)")
+    ck = job_config.checkpoint  # torchtitan's DefaultStager asserts a CUDA device, at the first save
+    _require(not ck.enable or ck.async_mode != "async_with_pinned_mem" or torch.cuda.is_available(),
+             "checkpoint.async_mode", ck.async_mode, "disabled | async on a machine without CUDA (pinned staging "
+             "memory needs CUDA)")
     if prof.enable_profiling:
         _require(prof.profile_freq >= prof.profiler_warmup + prof.profiler_active, "profiling.profile_freq",
                  prof.profile_freq, f">= profiling.profiler_warmup + profiling.profiler_active = "
