@@ -1,6 +1,6 @@
 """Run by tests/integration/test_vllm.py under .venv-vllm: our staging snapshot as the WeightSource of vLLM's
-trainer-side NCCL engine (metadata and iteration agree by vLLM's own check), vLLM's init info, and the Work-like
-handle."""
+trainer-side NCCL engine (metadata and iteration agree by vLLM's own check), vLLM's init info (with our packed
+buffer size), and the Work-like handle of a push."""
 import types, torch
 from torchtitan_flux.sync import transport
 from torchtitan_flux.engine import vllm_nccl
@@ -18,8 +18,11 @@ src = vllm_nccl.staging_source(fake, torch.device("cpu"))
 pairs = list(NCCLTrainerWeightTransferEngine._checked_iter(src, src.metadata()))
 assert [n for n, _ in pairs] == ["A.W", "A.B", "C.W"], pairs
 assert torch.equal(pairs[0][1], staging.views["a.w"]) and pairs[2][1].dtype == torch.float32
-info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=1, world_size=2)
-assert info.is_sender and info.packed
-import concurrent.futures as cf
-f = cf.Future(); w = vllm_nccl._FutureWork(f); assert not w.is_completed(); f.set_result(None); assert w.is_completed() and w.wait()
+info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=1, world_size=2,
+                           packed_buffer_size_bytes=plan.nbytes)  # what own_group passes: our bucket size (N8)
+assert info.is_sender and info.packed and info.packed_buffer_size_bytes == plan.nbytes
+p = vllm_nccl._Push(3)  # the Work-like handle of one self_push
+assert not p.is_completed() and p.start()
+p.future.set_result(None)
+assert p.is_completed() and p.wait() and p.finish() and p.state == "done"
 print("ok")
