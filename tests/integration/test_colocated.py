@@ -124,6 +124,7 @@ def test_a_cpu_engine_beside_a_gpu_trainer_gets_gloo_not_nccl():
     assert here.weight_backend("nccl") == transport.COLOCATED and cpu.self_push(3, []) is None
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_colocated_debug_run_gives_the_default_losses_bit_for_bit_in_blocking_mode(tmp_path):
     from conftest import read_metrics, run_train
 

@@ -34,6 +34,7 @@ def _resume(dump, log: str, graceful: bool, *overrides):
     return out
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_checkpoint_write_interrupted_resumes_from_the_last_complete_one(tiny_model_dir, tmp_path):
     """SIGKILL of the whole job while step 6's checkpoint is being written (shards on disk, no ``.metadata``):
     that checkpoint is never loaded; the resume starts at step 4 from step 3's, and steps 4..8 are bit-identical
@@ -72,6 +73,7 @@ def _sigterm_inside(tmp_path, args, fault: str, what: str) -> tuple:
     return dump, run.log.read_text()
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_sigterm_during_a_checkpoint_save_completes_it_and_stops(tiny_model_dir, tmp_path):
     """SIGTERM while step 4's checkpoint is mid-write: the save completes (the signal only sets a flag), the run
     stops at that step boundary with a non-zero exit, nothing outlives it, and the resume starts at step 5."""
@@ -86,6 +88,7 @@ def test_sigterm_during_a_checkpoint_save_completes_it_and_stops(tiny_model_dir,
     assert [r["step"] for r in read_metrics(dump)] == list(range(1, 7))
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_sigterm_during_a_weight_push_settles_it_then_checkpoints(tiny_model_dir, tmp_path):
     """Async mode; the engine holds the push of version 5 for 3 s before acking it, and SIGTERM arrives
     meanwhile: the trainer finishes its step, waits for the push in flight to settle (acked: no half-sent
@@ -103,6 +106,7 @@ def test_sigterm_during_a_weight_push_settles_it_then_checkpoints(tiny_model_dir
     assert f"Training starts at step {last + 1}" in out
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_sigterm_while_a_step_waits_for_its_rollouts_checkpoints_the_last_step_at_once(tiny_model_dir, tmp_path):
     """The engine stalls 300 s before generating step 6's rollouts (far beyond torchrun's 30 s grace period), and
     SIGTERM arrives while the trainer waits for them: the trainer stops at once (step 6 has not started), waits
@@ -128,6 +132,7 @@ def test_sigterm_while_a_step_waits_for_its_rollouts_checkpoints_the_last_step_a
     assert [r["step"] for r in read_metrics(dump)] == list(range(1, 8))
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_rollouts_of_a_lagging_engine_beyond_max_version_gap_are_discarded_and_counted(tiny_model_dir, tmp_path):
     """The engine holds the push of version 5 for 5 s while the trainer's push timeout is 1 s: it is marked
     lagging and keeps generating with version 4. Rollouts more than ``max_version_gap`` (1) versions old are
@@ -150,6 +155,7 @@ def test_rollouts_of_a_lagging_engine_beyond_max_version_gap_are_discarded_and_c
     print(f"\nlagging engine: discarded {rows[-1]['discarded_rollouts']} rollouts")
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
     """Step 4's checkpoint save stalls for 120 s. A first SIGTERM to the trainer only asks it to stop after the
     step; a second one 3 s later stops it at once: exit non-zero within seconds (not after the stall), the torn

@@ -225,7 +225,7 @@ def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpo
     assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
 
 
-@pytest.mark.parametrize("fails", ["step_callback", "reward"])
+@pytest.mark.parametrize("fails", [pytest.param("step_callback", marks=pytest.mark.slow), "reward"])  # slow: time
 def test_with_two_trainer_processes_a_failure_on_rank_0_stops_every_rank_at_once(tmp_path, monkeypatch, fails):
     """A step callback and a reward function run on rank 0 only. Before 2026-11-25 (issue 27) their failure stopped
     rank 0 alone: rank 1 went on into the next step's batch broadcast, which rank 0 never joined, and died with a
@@ -374,6 +374,7 @@ def _stops_in_one_line(dump, expected: str, faults: dict[str, str], *args: str) 
     assert not _our_traceback_frames(log)
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 def test_a_second_run_in_the_same_dump_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     first = Run(dump, tmp_path / "first.log", "--training.steps", "400")
@@ -413,6 +414,7 @@ def test_a_second_run_in_the_same_checkpoint_folder_is_refused(tmp_path):
         first.proc.wait(60)
 
 
+@pytest.mark.slow  # moved out of the default suite (its time): CI's slow stage runs it
 @pytest.mark.faults
 def test_the_only_engine_killed_while_idle_is_restarted_and_the_run_finishes(tmp_path):
     """A long training step (a large local batch of many micro-batches) leaves the engine idle; SIGKILLed then,

@@ -130,7 +130,7 @@ CONTROLLER_EQUAL = ["staleness", "async_ratio", "pid_error", "pid_i", "version_g
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("mode", ["sync", "async_controller"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async_controller", marks=pytest.mark.slow)])  # slow: time
 def test_killed_run_resumes_bit_exact(tiny_model_dir, tmp_path, mode):
     """Crash after step 5 (checkpoint at 4) and resume: steps 5..8 equal the uninterrupted run's exactly. In
     async mode with the controller the checkpoint also holds the finished rollouts of the steps generation had
