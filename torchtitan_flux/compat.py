@@ -198,9 +198,11 @@ class SideStream:
             yield
             return
         self.stream.wait_event(self.ready)
-        with self.mod.stream(self.stream):
-            yield
-        self.done.record(self.stream)
+        try:
+            with self.mod.stream(self.stream):
+                yield
+        finally:  # also after a failure: the next optimizer step must wait for whatever was queued
+            self.done.record(self.stream)
 
     def wait_copy_done(self) -> None:
         if self.enabled:

@@ -7,7 +7,10 @@ both live on the snapshot's one stream, so the allocator reuses them in stream o
 ``DeviceRing`` slots and the device header (``Pusher``). ``budget`` is two of the largest bucket plus the ring:
 it grows with the largest tensor (a bucket never splits a tensor: ``transport.plan_buckets``), not with the
 number of layers. ``peak`` is what was held at once; on GPU, ``scripts/gpu_smoke.py`` compares it with the CUDA
-allocator's own peak. Main thread and push thread: every call under ``_lock``.
+allocator's own peak. Not counted yet (review of 2026-11-26): the FSDP gather's own temporaries inside
+``snapshot._gather_bucket`` (the cast shards, the padded send buffer and the gathered output, alive together: about
+one more bucket per rank) and ``full_tensor()`` before a cast; the budget covers them only on one GPU without FSDP,
+where the smoke measured it. Main thread and push thread: every call under ``_lock``.
 """
 
 from __future__ import annotations

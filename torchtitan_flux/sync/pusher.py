@@ -62,7 +62,10 @@ class DeviceRing:
             return compat.broadcast(pg, t)
         self.i = (self.i + 1) % 2
         for _, w in self.readers[self.i]:
-            w.wait()  # rule 1: the stream (not the host) waits for the previous readers of this slot
+            try:
+                w.wait()  # rule 1: the stream (not the host) waits for the previous readers of this slot
+            except Exception:  # noqa: BLE001 - a failed Work's kernel no longer reads the slot; its link is failed
+                pass
         dev = self.slots[self.i][: t.numel() * t.element_size()].view(t.dtype)
         dev.copy_(t.reshape(-1), non_blocking=True)
         work = compat.broadcast(pg, dev)
@@ -237,10 +240,10 @@ class Pusher:
                        for lk in (table.links if only is None else only) if lk.usable]
         plan, staging = self.snap.plan, self.snap.staging
         header = transport.encode_header(plan, version, list(range(len(plan.buckets))))
-        if any(b == "nccl" for *_, b in targets):  # rule 2, and no pageable copy that would sync the stream (N1)
-            header_dev = header.pin_memory().to(self.device, non_blocking=True)
         pending = []
         with cuda_rules.on_stream(self.stream):
+            if any(b == "nccl" for *_, b in targets):  # rule 2; pinned: no copy that syncs the host (N1); on the
+                header_dev = header.pin_memory().to(self.device, non_blocking=True)  # push stream (rule 1)
             for link, epoch, pg, handler, backend in targets:
                 try:
                     handler.begin_update(version)

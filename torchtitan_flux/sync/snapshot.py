@@ -107,6 +107,7 @@ class Snapshot:
     def take(self, version: int) -> None:
         """Every rank: copy (gathering shards) the parameters into staging, bucket by bucket, on the side stream."""
         t0 = time.perf_counter()
+        self.version = -1  # staging is not whole until this returns: nothing is pushed from it (``LinkTable.late``)
         if self.seqlock is not None:
             self.seqlock.begin_write()  # before the first write is even queued
         self.side.record_after_main()
