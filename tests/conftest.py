@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,22 @@ def tiny_model_dir() -> Path:
     from model_assets import build_model_dir
 
     return Path(build_model_dir(ROOT / "assets" / "tiny-llama", flavor="tiny", seed=0))
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, limit_s: float) -> None:
+    """Poll ``{url}/health`` until 200; AssertionError with the log's tail if ``proc`` exits or ``limit_s`` passes."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None or time.monotonic() - t0 > limit_s:
+            raise AssertionError(f"server at {url} did not come up:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
 
 
 def free_port() -> int:

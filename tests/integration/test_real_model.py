@@ -12,11 +12,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, need_vllm, read_metrics, run_train
+from conftest import ROOT, free_port, need_vllm, read_metrics, run_train, wait_healthy
 
 REAL = ROOT / "assets" / "smollm2-135m-instruct"
 CONFIG = ROOT / "train_configs" / "smollm2_capitals_cpu.toml"
@@ -52,18 +51,7 @@ def test_vllm_serves_the_real_model_takes_pushes_and_passes_the_probe(tmp_path, 
         proc = subprocess.Popen(["bash", str(ROOT / "scripts/launch_vllm.sh"), str(model), str(port)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        import httpx
-
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None or time.monotonic() - t0 > 400:
-                raise AssertionError(f"vLLM did not come up:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log_path, 400)
         rows, summary = _train(tmp_path / "vllm", "--rollout.engine", "vllm", "--rollout.urls",
                                f"http://127.0.0.1:{port}")
     finally:

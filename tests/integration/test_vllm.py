@@ -27,7 +27,7 @@ import pytest
 from _engine_push import push_like_syncer, wait_event
 from fakes.http_servers import VllmStub
 import torch
-from conftest import ROOT, free_port, need_vllm
+from conftest import ROOT, free_port, need_vllm, wait_healthy
 
 from torchtitan_flux.models import inference
 
@@ -138,18 +138,8 @@ def vllm_server(small_model_dir, tmp_path_factory):
     proc = subprocess.Popen(["bash", str(ROOT / "scripts/launch_vllm.sh"), str(small_model_dir), str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    import httpx
-
     try:
-        while True:
-            if proc.poll() is not None or time.monotonic() - t0 > 300:
-                raise RuntimeError(f"vLLM server did not come up:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_healthy(url, proc, log_path, 300)
         stats = {"start_s": round(time.monotonic() - t0, 1), "rss_mb": round(_tree_rss_mb(proc.pid))}
         print(f"\nvLLM server up: {stats}")
         yield url, proc, stats
