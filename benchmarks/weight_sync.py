@@ -24,6 +24,17 @@ group) with ``rollout.colocated`` (the engine copies staging from shared memory)
 (``weight_push_s``, the sending side until the engine holds the version), steps/s, and
 ``colocated_push_speedup`` = broadcast push time / colocated push time. Use a larger model to see more than
 fixed costs (``-- --model.hf_assets_path assets/medium-llama``, built by ``scripts/model_assets.py``).
+
+``--sparse`` instead compares ``weight_sync.method`` "dense" and "sparse" with a bfloat16 wire, blocking, per learning
+rate (``--lrs``, default 1e-6,1e-5), on the real model (``train_configs/smollm2_capitals_cpu.toml``, from
+``scripts/get_real_model.sh``; ``--quick``: the debug config) with a small batch (2 prompts x 4): changed fraction per
+push, bytes per push, push time, the trainer's diff time, patched buckets; ``sparse_bytes_ratio`` = median sparse /
+median dense bytes per push at the first lr, ``sparse_push_speedup`` = dense / sparse median push time there,
+``sparse_bit_exact`` = 1 when every sparse run gave the dense run's losses bit for bit and both ended with equal
+checksums, ``sparse_async_blocked_fraction``: trainer time blocked in weight sync / step time of an async sparse run
+at the first lr. Then the crossover on this machine: one 32 MiB bf16 bucket pushed between two processes on gloo
+(loopback) as a patch of a given changed share vs whole, everything included (diff, both transfers, the receiver's
+base copy and scatter): ``sparse_crossover_share`` = the smallest share where the patch is no faster.
 """
 
 from __future__ import annotations
@@ -147,9 +158,136 @@ def colocated(args) -> None:
     print(f"colocated_steps_ratio={statistics.median(sps['colocated']) / statistics.median(sps['broadcast']):.3f}")
 
 
+REAL_CONFIG = os.path.join(ROOT, "train_configs", "smollm2_capitals_cpu.toml")
+
+
+def sparse(args) -> None:
+    """Dense vs sparse bf16 pushes per learning rate (see the module docstring)."""
+    config = args.config or (DEBUG_CONFIG if args.quick else REAL_CONFIG)
+    lrs = [float(x) for x in args.lrs.split(",")][: 1 if args.quick else None]
+    small = ["--rollout.prompts_per_step", "2", "--grpo.group_size", "4", "--training.local_batch_size", "8",
+             "--eval.at_start", "false", "--eval.every_steps", "0",
+             # the embedded engine computes in the wire dtype: bf16 logprobs of this 30-layer model differ from the
+             # trainer's fp32 ones by up to ~0.3 (measured), beyond the default tolerance; checksums show exactness
+             "--weight_sync.probe_tolerance", "1.0"] if config == REAL_CONFIG else []
+    common = ["--training.steps", str(args.steps), "--weight_sync.wire_dtype", "bfloat16", *small, *args.extra]
+    res: dict[tuple[float, str], tuple[list[dict], dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="flux_bench_") as tmp:
+        for lr in lrs:
+            for method in ("dense", "sparse"):
+                res[lr, method] = run(config, os.path.join(tmp, f"{method}{lr}"), args.steps, False,
+                                      [*common, "--optimizer.lr", str(lr), "--weight_sync.method", method])
+        a_rows, a_sum = run(config, os.path.join(tmp, "async"), args.steps, True,
+                            [*common, "--optimizer.lr", str(lrs[0]), "--weight_sync.method", "sparse"])
+    exact = all(
+        [r["loss"] for r in res[lr, "dense"][0]] == [r["loss"] for r in res[lr, "sparse"][0]]
+        and res[lr, "dense"][1]["checksums_match"] and res[lr, "sparse"][1]["checksums_match"] for lr in lrs
+    ) and a_sum["checksums_match"]
+    nbytes = res[lrs[0], "dense"][1]["weight_bytes"]
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {__import__('torch').__version__}; "
+          f"{time.strftime('%Y-%m-%d')}; {os.path.relpath(config, ROOT)}, {args.steps} steps blocking, bf16 wire: "
+          f"{nbytes / 2**20:.1f} MiB dense per push")
+    print(f"{'lr':>7} {'method':<7} {'changed':>8} {'MB/push':>8} {'ratio':>6} {'patched':>8} {'push ms':>8} "
+          f"{'diff ms':>8} {'step s':>7}")
+    ratio = speedup = 0.0
+    for lr in lrs:
+        d = res[lr, "dense"][0]
+        for method in ("dense", "sparse"):
+            rows = res[lr, method][0]
+            r = median(rows, "weight_push_bytes") / median(d, "weight_push_bytes")
+            sp = median(d, "weight_push_s") / median(rows, "weight_push_s")
+            if lr == lrs[0] and method == "sparse":
+                ratio, speedup = r, sp
+            print(f"{lr:>7.0e} {method:<7} {median(rows, 'weight_changed_fraction'):>8.4f} "
+                  f"{median(rows, 'weight_push_bytes') / 1e6:>8.2f} {r:>6.3f} "
+                  f"{median(rows, 'weight_patched_buckets'):>8.0f} {1e3 * median(rows, 'weight_push_s'):>8.1f} "
+                  f"{1e3 * median(rows, 'weight_diff_s'):>8.1f} {median(rows, 'step_time_s'):>7.2f}")
+    blocked = median(a_rows, "weight_sync_s") / median(a_rows, "step_time_s")
+    print(f"async sparse at lr {lrs[0]:.0e}: trainer blocked {1e3 * median(a_rows, 'weight_sync_s'):.1f} ms per "
+          f"{median(a_rows, 'step_time_s'):.2f} s step; checksums equal: {a_sum['checksums_match']}")
+    shares, times = sparse_crossover(quick=args.quick)
+    print(f"{'share':>6} {'patch ms':>9} {'whole ms':>9}   (one 32 MiB bf16 bucket, gloo loopback, end to end)")
+    for sh, (tp, tw) in zip(shares, times):
+        print(f"{sh:>6.3f} {1e3 * tp:>9.2f} {1e3 * tw:>9.2f}")
+    cross = next((sh for sh, (tp, tw) in zip(shares, times) if tp >= tw), float("inf"))
+    print(f"sparse_bytes_ratio={ratio:.4f}")
+    print(f"sparse_push_speedup={speedup:.3f}")
+    print(f"sparse_bit_exact={int(exact)}")
+    print(f"sparse_async_blocked_fraction={blocked:.4f}")
+    print(f"sparse_crossover_share={cross:.3f}")
+
+
+def _crossover(rank: int, port: int, shares: list[float], iters: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_flux.sync import transport
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=rank == 0, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("cross", store), rank, 2, timedelta(seconds=60))
+    n = 16 * 2**20  # 32 MiB of bf16
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(n, generator=g).to(torch.bfloat16)
+    held, out = base.clone(), torch.empty_like(base)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+
+    def bcast(t):
+        pg.broadcast([t], opts).wait()
+
+    results = []
+    for share in shares:
+        new = base.clone()
+        pick = torch.randperm(n, generator=g)[: int(share * n)]
+        new[pick] = (new[pick].float() + 1).to(torch.bfloat16)
+        tp, tw = [], []
+        for _ in range(iters):
+            pg.barrier().wait()
+            t0 = time.perf_counter()
+            if rank == 0:  # the trainer: diff, then send the patch
+                idx = transport.changed(new, base)
+                bcast(torch.tensor([idx.numel()]))
+                bcast(idx)
+                bcast(new[idx.long()])
+            else:  # the engine: the count, the base copy, the patch, the scatter
+                k = torch.zeros(1, dtype=torch.int64)
+                bcast(k)
+                out.copy_(held)
+                idx = torch.empty(int(k), dtype=torch.int32)
+                vals = torch.empty(int(k), dtype=torch.bfloat16)
+                bcast(idx)
+                bcast(vals)
+                transport.apply_patch(out, idx, vals)
+            pg.barrier().wait()
+            tp.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            bcast(new if rank == 0 else out)
+            pg.barrier().wait()
+            tw.append(time.perf_counter() - t0)
+        results.append((statistics.median(tp), statistics.median(tw)))
+    if rank == 1:
+        q.put(results)
+
+
+def sparse_crossover(quick: bool) -> tuple[list[float], list[tuple[float, float]]]:
+    shares = [0.05, 0.3] if quick else [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_crossover, args=(r, port, shares, 3 if quick else 9, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = q.get(timeout=600)
+    for p in procs:
+        p.join()
+    return shares, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=DEBUG_CONFIG)
+    ap.add_argument("--config", default=None, help="default: train_configs/debug_cpu.toml (--sparse: the real model's)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2)
@@ -157,11 +295,19 @@ def main() -> None:
                     help="compare weight_sync.interval 1 with auto, every push slowed by SECONDS on the engine")
     ap.add_argument("--colocated", action="store_true",
                     help="compare the broadcast push with rollout.colocated (blocking mode)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="compare weight_sync.method dense and sparse (bf16 wire) on the real model, per --lrs")
+    ap.add_argument("--lrs", default="1e-6,1e-5", help="with --sparse: learning rates, comma-separated")
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.warmup, args.reps = 8, 2, 1
+    if args.sparse:
+        if not args.quick and args.steps == 40:
+            args.steps = 6
+        return sparse(args)
+    args.config = args.config or DEBUG_CONFIG
     if args.slow_sync > 0:
         return slow_sync(args)
     if args.colocated:

@@ -17,7 +17,7 @@ done
 for b in "${names[@]}"; do
   [ -f "benchmarks/$b.py" ] || { echo "bench_quick: no benchmarks/$b.py; known: ${all[*]}" >&2; exit 2; }
   modes=("")
-  [ "$b" = weight_sync ] && modes=("" "--colocated")  # each mode with its own key=value lines
+  [ "$b" = weight_sync ] && modes=("" "--colocated" "--sparse")  # each mode with its own key=value lines
   for mode in "${modes[@]}"; do
     echo "=== benchmarks/$b.py --quick $mode"
     t0=$SECONDS

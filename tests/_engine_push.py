@@ -19,7 +19,7 @@ def push_like_syncer(handler, pg, plan, weights: dict, version: int) -> transpor
     for i, b in enumerate(plan.buckets):
         for s, view in zip(plan.specs[b.start : b.end], staging.bucket_views(i)):
             view.copy_(handler.wire_tensor(s.name, weights[s.name]))
-    header = transport.encode_header(plan, version, list(range(len(plan.buckets))))
+    header = transport.encode_header(plan, version)
     handler.begin_update(version)
     works = [compat.broadcast(pg, t) for t in handler.wire_tensors(header, staging.flats)]
     for w in works:

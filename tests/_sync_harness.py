@@ -66,13 +66,14 @@ class Harness:
         max_new_tokens: int = 8,
         colocated: bool = False,
         wire_dtype: str = "auto",
+        method: str = "dense",
     ):
         self.model_dir = str(model_dir)
         weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
         self.model = module_from_weights(weights)
         cfg = WeightSync(
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
-            wire_dtype=wire_dtype,
+            wire_dtype=wire_dtype, method=method,
         )
         job_config = SimpleNamespace(
             # never gives an engine up (the tests count restarts in ``restarts``); one thread per engine

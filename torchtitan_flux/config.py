@@ -24,7 +24,6 @@ class ConfigError(ValueError):
 REMOVED = {
     "rollout.engine_device": "use rollout.engine_devices (one device per engine)",
     "rollout.reward_fn": "use rollout.reward_funcs (TRL's batched signature, docs/data.md)",
-    "weight_sync.method": "every push sends all weights (delete the key)",
     "adaptive_async.max_version_gap": "use off_policy.max_version_gap (same meaning)",
 }
 
@@ -220,7 +219,8 @@ class WeightSync:
     above ``probe_tolerance`` stops the run naming the engine, version and token. A probe step waits for its push."""
 
     probe_tolerance: Annotated[float, Range(gt=0)] = 0.1
-    """Largest allowed |engine - trainer| logprob at any probe token (fp32: ~1e-5 apart; bf16: a few 1e-2)."""
+    """Largest allowed |engine - trainer| logprob at any probe token (fp32: ~1e-5 apart; bf16 wire: a few 1e-2 on the
+    debug model, up to 0.3 on the 30-layer SmolLM2-135M with embedded engines, which compute in the wire dtype)."""
 
     overhead_target: Annotated[float, Range(gt=0, lt=1)] = 0.10
     """With ``interval = "auto"``: the largest share of a step's compute time weight sync may cost the trainer."""
@@ -231,6 +231,18 @@ class WeightSync:
     verify_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Engines that checksum what they receive (vLLM's gloo path, CPU) hash every N-th push and the final one, which
     ``summary.json`` compares with the trainer's; vLLM's NCCL path and SGLang keep none (the probe verifies them)."""
+
+    method: Literal["dense", "sparse"] = "dense"
+    """"dense": every push sends whole buckets. "sparse": an engine known to hold the last pushed version gets, per
+    bucket, only the elements whose wire-dtype bits changed (flat indices + values; bit-exact), or the whole bucket
+    where that is not smaller (``sparse_max_bytes_ratio``); a new, restarted or lagging engine gets a dense push.
+    Pays with a bfloat16/float16 ``wire_dtype`` at RL learning rates (with float32 nearly every element changes and
+    it falls back to dense, saying so); costs one more host copy of the weights. Embedded engines and vLLM on CPU
+    (our gloo engine); SGLang and vLLM's NCCL engine get dense pushes. docs/benchmarks.md, "Sparse pushes"."""
+
+    sparse_max_bytes_ratio: Annotated[float, Range(gt=0, le=1)] = 0.5
+    """With ``method = "sparse"``: a bucket travels as a patch when the patch (4-byte index + value per changed
+    element) is at most this share of its dense bytes, else whole (the measured crossover: docs/benchmarks.md)."""
 
 
 @dataclass

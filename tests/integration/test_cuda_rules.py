@@ -148,7 +148,7 @@ def test_receiver_header_is_received_on_the_groups_device(monkeypatch):
     got = threading.Event()
     rx = transport.WeightReceiver(plan, "cpu", lambda v: got.set(), lambda e: None)
     rx.start(lambda: pg1)
-    header = transport.encode_header(plan, 5, [0])
+    header = transport.encode_header(plan, 5)
     works = [compat.broadcast(pg0, header), compat.broadcast(pg0, torch.ones(2))]
     assert cuda_rules.wait_works(works, time.monotonic() + 10) and got.wait(10)
     assert seen == ["gloo"] and rx.newest()[0] == 5

@@ -54,6 +54,10 @@ def test_vllm_serves_the_real_model_takes_pushes_and_passes_the_probe(tmp_path, 
         wait_healthy(f"http://127.0.0.1:{port}", proc, log_path, 400)
         rows, summary = _train(tmp_path / "vllm", "--rollout.engine", "vllm", "--rollout.urls",
                                f"http://127.0.0.1:{port}")
+        # sparse pushes to the same server (a new group: dense first, then patches of what changed in bf16)
+        s_rows, s_summary = _train(tmp_path / "vllm-sparse", "--rollout.engine", "vllm", "--rollout.urls",
+                                   f"http://127.0.0.1:{port}", "--weight_sync.method", "sparse",
+                                   "--weight_sync.wire_dtype", "bfloat16", "--optimizer.lr", "1e-6")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -63,6 +67,12 @@ def test_vllm_serves_the_real_model_takes_pushes_and_passes_the_probe(tmp_path, 
     assert summary["final_engine_version"] == 3 and summary["checksums_match"]
     # the probe ran after every push (a difference beyond probe_tolerance would have stopped the run)
     assert all(r["probe_engines_checked"] == 1 and r["probe_max_abs_diff"] < 0.1 for r in rows)
+    assert s_summary["final_engine_version"] == 3 and s_summary["checksums_match"]
+    assert all(r["probe_engines_checked"] == 1 and r["probe_max_abs_diff"] < 0.1 for r in s_rows)
+    patched = [r["weight_patched_buckets"] for r in s_rows]
+    assert max(patched) > 0, patched  # vLLM really took patches (bf16 at lr 1e-6: few elements change)
+    print(f"\nreal model on vLLM, sparse bf16 pushes at lr 1e-6: bytes per push "
+          f"{[r['weight_push_bytes'] for r in s_rows]}, changed {[r['weight_changed_fraction'] for r in s_rows]}")
     e_rows, e_summary = _train(tmp_path / "embedded")
     assert e_summary["checksums_match"]
     tps = {name: sum(r["completion_len_mean"] * 32 for r in rs) / sum(r["gen_time_s"] for r in rs)

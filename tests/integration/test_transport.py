@@ -114,21 +114,46 @@ def test_plan_empty():
 def test_header_round_trip():
     plan = plan_buckets([TensorSpec(f"w{i}", (4,), "float32") for i in range(5)], 16)
     assert len(plan.buckets) == 5
-    h = encode_header(plan, 12345, [0, 3, 4])
+    h = encode_header(plan, 12345)
     assert h.dtype == torch.int64 and h.shape == (plan.header_len,)
-    assert h.tolist() == [transport.MAGIC, 12345, 3, 0, 3, 4, -1, -1]
-    assert decode_header(h) == (12345, [0, 3, 4])
-    full = encode_header(plan, 0, list(range(5)))
-    assert decode_header(full) == (0, [0, 1, 2, 3, 4])
-    assert decode_header(encode_header(plan, 2**40, [])) == (2**40, [])
+    assert h.tolist() == [transport.MAGIC, 12345, -1, -1, -1, -1, -1, -1]
+    assert decode_header(h) == (12345, -1, [transport.DENSE] * 5)
+    sparse = encode_header(plan, 7, [3, -1, 0, 2**40, 1], base=5)
+    assert decode_header(sparse) == (7, 5, [3, -1, 0, 2**40, 1])
+    assert decode_header(encode_header(plan, 2**40)).version == 2**40
+    with pytest.raises(ValueError):  # a patch needs the version it patches, and a count per bucket
+        encode_header(plan, 7, [3, -1, 0, 1, 1])
+    with pytest.raises(ValueError):
+        encode_header(plan, 7, [3], base=5)
 
 
 def test_header_bad_magic():
     plan = plan_buckets([TensorSpec("w", (4,), "float32")], 16)
-    h = encode_header(plan, 1, [0])
+    h = encode_header(plan, 1)
     h[0] = 0x1234
     with pytest.raises(RuntimeError, match="bad magic 0x1234"):
         decode_header(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_patch_is_bit_exact(dtype):
+    """``changed`` compares bit patterns, so -0.0 vs 0.0 and NaN payloads count, and ``apply_patch`` rebuilds the new
+    tensor bit for bit from the old one; a patch of nothing changes nothing."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(1000, generator=g).to(dtype)
+    new = old.clone()
+    new[::7] += 1e-3 * torch.randn(new[::7].shape, generator=g).to(dtype)
+    new[3], old[3] = -0.0, 0.0
+    new[5] = float("nan")
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    idx = transport.changed(new, old)
+    assert idx.dtype == torch.int32
+    assert idx.tolist() == (new.view(bits) != old.view(bits)).nonzero().flatten().tolist() and 3 in idx.tolist()
+    out = old.clone()
+    transport.apply_patch(out, idx, new[idx.long()])
+    assert torch.equal(out.view(bits), new.view(bits))
+    assert transport.changed(new, new).numel() == 0
+    assert transport.index_dtype(2**31 - 1) == torch.int32 and transport.index_dtype(2**31) == torch.int64
 
 
 # ----------------------------------------------------------------------------------- flat weights, checksum
@@ -334,7 +359,7 @@ class _Link:
     def push(self, version: int) -> str:
         ids = list(range(len(self.plan.buckets)))
         expected = self.fill(version, ids)
-        compat.broadcast(self.pg, encode_header(self.plan, version, ids)).wait()
+        compat.broadcast(self.pg, encode_header(self.plan, version)).wait()
         for i in ids:
             compat.broadcast(self.pg, self.staging.flats[i]).wait()
         return expected
@@ -412,7 +437,7 @@ def test_pushes_swap_coalesce(link_factory, peer):
     assert len(set(sums.values())) == len(sums)
 
     # a header the receiver cannot decode is reported through on_error
-    bad = encode_header(link.plan, 7, [0])
+    bad = encode_header(link.plan, 7)
     bad[0] = 0
     compat.broadcast(link.pg, bad).wait()
     assert "bad magic" in link.recv("error")["error"]

@@ -98,6 +98,9 @@ CASES = [
     (("--weight_sync.timeout_seconds", "-1"), "weight_sync.timeout_seconds"),
     (("--weight_sync.bucket_size_mb", "0"), "weight_sync.bucket_size_mb"),
     (("--weight_sync.interval", "0"), "weight_sync.interval"),
+    (("--weight_sync.method", "sparse", "--rollout.colocated", "true"),
+     "weight_sync.method = 'sparse' patches what travels on a wire"),
+    (("--weight_sync.sparse_max_bytes_ratio", "0"), "weight_sync.sparse_max_bytes_ratio"),
     (("--weight_sync.interval", "3"),  # the old hang: rollouts could never be fresh enough (max_version_gap 1)
      "weight_sync.interval = 3 is out of range; allowed: at most off_policy.max_version_gap + 1 = 2"),
     (("--weight_sync.overhead_target", "1"), "weight_sync.overhead_target = 1.0 is out of range; allowed: a number in (0, 1)"),
@@ -369,7 +372,6 @@ def test_unknown_key_in_toml(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("old,value,new", [
     ("rollout.engine_device", "cuda:1", "use rollout.engine_devices (one device per engine)"),
     ("rollout.reward_fn", "test_config:good_reward", "use rollout.reward_funcs"),
-    ("weight_sync.method", "delta", "every push sends all weights"),
 ])
 def test_removed_fields_are_one_line_errors_naming_the_new_one(tiny_model_dir, tmp_path, old, value, new):
     """Unreleased, so no aliases: an old field, on the command line or in a TOML, is one line naming its successor."""

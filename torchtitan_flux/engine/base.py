@@ -76,6 +76,8 @@ class WeightGroupInfo:
     # colocated engines (backend ``transport.COLOCATED``): rank 0's staging flats and its ``Seqlock`` tensor, passed
     # by reference through the engine's control pipe (shared memory on CPU, CUDA IPC on GPU); None otherwise
     shared: tuple | None = None
+    # the trainer may send this engine sparse pushes (``weight_sync.method = "sparse"``, ``sync/sparse.py``)
+    patches: bool = False
 
 
 Event = GenerationResult | WeightAck | EngineError
@@ -90,6 +92,7 @@ class EngineHandler:
     rendezvous_handshake = True  # False where the server builds its side of the group with its own code
     reconnects = False  # True: a dead handler is replaced by ``reconnect()`` (a server not ours), else restarted
     eager_connect = True  # NCCL: connect rank 0 at join (cuda_rules rule 8); only where the peer connects eagerly too
+    accepts_patches = True  # sparse pushes (``sync/sparse.py``); False: this engine always gets whole buckets
 
     def start(self) -> None:
         """Start or connect to the engine; raise with a clear message if it is unusable."""

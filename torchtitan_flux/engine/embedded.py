@@ -98,7 +98,7 @@ class _EngineProcess:
             staging, seq = info.shared
             self.receiver.start_shared(staging, transport.Seqlock(seq))
         else:
-            self.receiver.start(make_group)
+            self.receiver.start(make_group, patches=info.patches)
 
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:

@@ -31,6 +31,7 @@ class SglangEngine(HttpEngine):
     # SGLang 0.5.23 joins lazily: weight_updater.init_weights_update_group calls init_custom_process_group without
     # device_id, so its NCCL communicator is created in its first broadcast; an eager rank 0 would wait for it
     eager_connect = False
+    accepts_patches = False  # SGLang loads whole tensors (update_weights_from_distributed): sparse pushes go dense
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

@@ -121,7 +121,7 @@ class VllmEngine(HttpEngine):
         init = {
             "master_address": info.host, "master_port": info.port, "rank_offset": 1, "world_size": 2,
             "store_prefix": info.prefix, "backend": info.backend, "timeout_s": info.timeout_s,
-            "checksum": self.options.verify_every > 0,
+            "checksum": self.options.verify_every > 0, "patches": info.patches,
         }
         self.client.post("/init_weight_transfer_engine", {"init_info": init}, timeout_s=self._weight_timeout_s)
 

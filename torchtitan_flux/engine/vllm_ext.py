@@ -11,8 +11,11 @@ Wire protocol (driven by ``engine.vllm.VllmEngine``; broadcasts from ``sync/tran
   concurrently, creates its side.
 * ``/start_weight_update``: open vLLM's layerwise-reload session (plain ``load_weights`` fails on CPU).
 * ``/update_weights {"update_info": FluxUpdateInfo}``, once per bucket in order: the first call first receives the
-  push header (int64 ``[MAGIC, version, n, ids..]``) and checks it is a full push of ``version``; each receives ONE
-  flat bucket (HF names and layout) and hands its views to ``model.load_weights``.
+  push header (``transport``: int64 ``[MAGIC, version, base, count per bucket]``) and checks it is ``version``;
+  each then receives ONE bucket (HF names and layout): whole, or (sparse pushes, ``init_info.patches``) a patch
+  applied to this server's copy of the bucket as last pushed, which must be version ``base``; and hands the
+  bucket's views to ``model.load_weights``. So a sparse push moves only the changed elements over the wire and
+  loads through the same reload as a dense one (bit-exact; costs one host copy of the weights in the server).
 * ``/finish_weight_update {"weight_version": "N"}``: finalize the reload.
 ``FluxWorkerExtension`` adds ``flux_model_info`` (for the start-up checks) and ``flux_weights_checksum`` (sha256 of
 the newest push the trainer asked to hash) to ``/collective_rpc``. Simplification: tensor parallelism 1.
@@ -52,6 +55,7 @@ class FluxInitInfo(WeightTransferInitInfo):
     backend: str = "gloo"
     timeout_s: float = 600.0
     checksum: bool = True  # hash every received bucket (flux_weights_checksum); off for very large models
+    patches: bool = False  # the trainer may send sparse pushes: keep a copy of each bucket as last pushed
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -104,6 +108,10 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         self._next_bucket = 0
         self._push_version = None
         self.last_checksum: tuple[int, str | None] = (-1, None)
+        self._patches = False
+        self._counts: list[int] = []  # per bucket, from the push header (transport.DENSE: whole)
+        self._held: list[torch.Tensor | None] = []  # sparse groups: each bucket as last pushed
+        self._held_version = -1  # the version ``_held`` holds whole; -1 while a push is being received
 
     def init_transfer_engine(self, init_info: FluxInitInfo) -> None:
         if init_info.backend != self.BACKEND:
@@ -123,6 +131,7 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         )
         self.group, self._store = group, store
         self._checksum_enabled = init_info.checksum
+        self._patches, self._held, self._held_version = init_info.patches, [], -1  # a new group: dense first
 
     def shutdown(self) -> None:
         self.group = None  # raw groups are not registered with torch.distributed; dropping them closes them
@@ -143,6 +152,8 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         _refresh_tied_lm_head(self.model, self.model_config)
         if self._push_version is not None and self._hash is not None:  # the newest hashed push's (version, sha256)
             self.last_checksum = (self._push_version, self._hash.hexdigest())
+        if self._patches and self._push_version is not None and self._next_bucket == len(self._held):
+            self._held_version = self._push_version
 
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -158,25 +169,37 @@ class _FluxWeightTransferEngine(WeightTransferEngine[FluxInitInfo, FluxUpdateInf
         if info.header_len:
             header = torch.empty(info.header_len, dtype=torch.int64, device=self._wire_device)
             self._broadcast(header)
-            vals = header.tolist()
-            if vals[0] != transport.MAGIC:
-                raise RuntimeError(f"push header has bad magic {vals[0]:#x}: trainer and server disagree on the plan "
-                                   "(they must run the same torchtitan_flux version)")
-            version, n, ids = vals[1], vals[2], vals[3 : 3 + vals[2]]
-            if version != info.version:
-                raise RuntimeError(f"push header carries version {version}, the HTTP request says {info.version}")
-            if ids != list(range(info.num_buckets)):
-                raise RuntimeError(f"only full pushes of all {info.num_buckets} buckets are supported; header has "
-                                   f"buckets {ids[:8]}{'...' if n > 8 else ''}")
-            self._push_version = version
+            h = transport.decode_header(header)
+            if h.version != info.version:
+                raise RuntimeError(f"push header carries version {h.version}, the HTTP request says {info.version}")
+            if len(h.counts) != info.num_buckets:
+                raise RuntimeError(f"push header lists {len(h.counts)} buckets, the HTTP request says {info.num_buckets}")
+            if h.base >= 0 and (not self._patches or h.base != self._held_version):
+                raise RuntimeError(f"push {h.version} patches version {h.base}, but this server holds "
+                                   f"{self._held_version if self._patches else 'no copy'}; it needs a dense push")
+            if self._patches:
+                self._held, self._held_version = self._held or [None] * info.num_buckets, -1
+            self._counts, self._push_version = h.counts, h.version
             self._hash = hashlib.sha256() if (self._checksum_enabled and info.checksum) else None
         elif info.version != self._push_version:
             raise RuntimeError(f"bucket {info.bucket} of version {info.version} inside the push of "
                                f"{self._push_version}")
         dtype = _DTYPES[info.dtype_names[0]]
         numels = [_numel(s) for s in info.shapes]
-        flat = torch.empty(sum(numels), dtype=dtype, device=self._wire_device)  # fresh per bucket: the reload
-        self._broadcast(flat)  # may keep views of it until its layer is complete
+        count = self._counts[info.bucket]
+        if count == transport.DENSE:
+            flat = torch.empty(sum(numels), dtype=dtype, device=self._wire_device)  # fresh per bucket: the reload
+            self._broadcast(flat)  # may keep views of it until its layer is complete
+        else:  # a patch of the bucket as last pushed (never written in place: the reload may hold views of it)
+            flat = self._held[info.bucket].clone()
+            if count:
+                idx = torch.empty(count, dtype=transport.index_dtype(flat.numel()), device=self._wire_device)
+                vals = torch.empty(count, dtype=dtype, device=self._wire_device)
+                self._broadcast(idx)
+                self._broadcast(vals)
+                transport.apply_patch(flat, idx, vals)
+        if self._patches:
+            self._held[info.bucket] = flat
         if self._hash is not None:
             self._hash.update(flat.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         weights, off = [], 0

@@ -143,6 +143,7 @@ class VllmNcclEngine(VllmEngine):
 
     expected_backends = (SERVER_BACKEND,)
     rendezvous_handshake = False  # vLLM's rendezvous is its own (a TCPStore on a port of its own)
+    accepts_patches = False  # vLLM's dense NCCL engine; its sparse one (sparse_nccl_engine.py) is not wired yet
 
     def __init__(self, *args, **kw):
         kw.pop("verify_every", None)  # vLLM's receiver keeps no hash (``reconnect`` passes the kwargs back)

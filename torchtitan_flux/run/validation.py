@@ -279,6 +279,9 @@ def validate_config(job_config: Any) -> None:
         raise ConfigError(f"rollout.colocated = true puts embedded engines on the trainer's device; it needs "
                           f"rollout.engine = 'embedded' (got {r.engine!r}) and no rollout.engine_devices (got "
                           f"{list(r.engine_devices)!r})")
+    if r.colocated and w.method == "sparse":
+        raise ConfigError("weight_sync.method = 'sparse' patches what travels on a wire, but rollout.colocated = true "
+                          "engines copy staging in place (no wire); allowed with colocated: 'dense'")
     if r.launch:
         if r.engine != "vllm":
             raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")

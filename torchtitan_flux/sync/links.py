@@ -29,6 +29,7 @@ class EngineLink:
     sent: int = -1  # newest version sent
     sent_at: float = 0.0
     acked: int = -1  # newest version the engine acked
+    holds: int = -1  # the version a push to it completed last on this group; -1: unknown (it gets dense pushes)
     lagging: bool = False
     broken: bool = False  # its group must be rebuilt before the next push
     dead: bool = False
@@ -47,6 +48,10 @@ class SyncStats:
     errors: int = 0
     resyncs: int = 0
     bytes_sent: int = 0
+    last_push_bytes: int = 0  # sent by the last push, to every engine together
+    last_patched_buckets: int = 0  # buckets the last push sent as patches (``weight_sync.method = "sparse"``)
+    last_changed: float = 0.0  # share of the elements that changed between the last two pushed versions (sparse)
+    last_diff_s: float = 0.0  # push-thread time of the last diff (sparse)
     last_push_s: float = 0.0  # wall time of the last push on the push thread (or main thread, blocking)
     push_s_total: float = 0.0  # wall time of every push so far (read by the trainer's sync cadence)
     last_snapshot_s: float = 0.0
@@ -86,7 +91,7 @@ class LinkTable:
             link.acked = max(link.acked, ev.version)
             if link.lagging and link.acked >= link.sent:
                 link.lagging = False
-                link.sent = -1  # answered again: next push is a full resync
+                link.sent = link.holds = -1  # answered again: next push is a full resync
                 self.stats.resyncs += 1
                 logger.info(f"weight sync: {link.handler.name} answered again; resyncing")
                 return True
@@ -123,5 +128,7 @@ class LinkTable:
             "weight_push_s": s.last_push_s, "weight_snapshot_s": s.last_snapshot_s,
             "weight_pushes": s.pushes, "weight_coalesced": s.coalesced, "weight_catch_ups": s.catch_ups,
             "weight_sync_timeouts": s.timeouts, "weight_sync_errors": s.errors, "weight_resyncs": s.resyncs,
-            "engines_lagging": lagging, "engine_min_version": min_acked,
+            "engines_lagging": lagging, "engine_min_version": min_acked, "weight_push_bytes": s.last_push_bytes,
+            "weight_patched_buckets": s.last_patched_buckets, "weight_changed_fraction": s.last_changed,
+            "weight_diff_s": s.last_diff_s,
         }

@@ -12,6 +12,8 @@ Concurrency invariants:
     check, group: rule 8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried
     at the next push or ``deliver_staged``, not at once.
 On a GPU trainer staging is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a time.
+With ``weight_sync.method = "sparse"`` the push thread also owns ``base`` (``sparse.SparseBase``): an engine whose
+``EngineLink.holds`` is the base version gets patches, every other one whole buckets, in the same push.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from datetime import timedelta
 import torch
 
 from torchtitan_flux import compat
-from torchtitan_flux.sync import cuda_rules, transport
+from torchtitan_flux.sync import cuda_rules, sparse, transport
 from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.sync.links import EngineLink, LinkTable
 from torchtitan_flux.sync.snapshot import Snapshot
@@ -90,6 +92,8 @@ class Pusher:
         self._job_links: list[EngineLink] | None = None  # None: every usable engine
         self.stream = cuda_rules.group_stream(device) if backend == "nccl" else None
         self.ring: DeviceRing | None = None  # allocated by the first push to an NCCL group (``_nccl_send``)
+        self.base = sparse.SparseBase(snap.plan, cfg.sparse_max_bytes_ratio) if cfg.method == "sparse" else None
+        self._told_dense = False  # the first all-dense sparse push is logged, once
         threading.Thread(target=self._loop, name="flux-weight-push", daemon=True).start()
 
     def claim(self) -> bool:
@@ -158,6 +162,7 @@ class Pusher:
             self.cfg.master_addr, self.store.port, f"flux_ws/{link.handler.name}/{link.epoch}", link.backend,
             self.cfg.timeout_seconds, list(self.snap.specs), self.snap.bucket_bytes,
             shared=(self.snap.staging.flats, self.snap.seqlock.t) if colocated else None,
+            patches=self.base is not None and link.handler.accepts_patches and not colocated,
         )
         link.handler.join_weight_group(info)
         t = threading.Thread(target=self._join, args=(link, epoch, info), name=f"flux-join-{link.handler.name}",
@@ -183,7 +188,7 @@ class Pusher:
                 if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
                     return
                 link.pg, link.broken, link.lagging, link.joining = pg, False, False, False
-                link.sent = link.acked = -1  # a new group starts with a full push
+                link.sent = link.acked = link.holds = -1  # a new group starts with a full push
                 self.kick()
         except Exception as e:  # noqa: BLE001 - counted, logged, retried
             with table.lock:
@@ -227,7 +232,8 @@ class Pusher:
         return self.ring.broadcast(pg, t)
 
     def push(self, version: int, only: list[EngineLink] | None = None) -> None:
-        """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``."""
+        """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``.
+        With a ``base`` (sparse), an engine known to hold the base version gets patches, every other one dense."""
         t0 = time.perf_counter()
         table, stats = self.table, self.table.stats
         self.snap.side.synchronize_copy()
@@ -236,28 +242,38 @@ class Pusher:
         with table.lock:
             if only is None:
                 self._rejoin_broken()
-            targets = [(lk, lk.epoch, lk.pg, lk.handler, lk.backend)
+            targets = [(lk, lk.epoch, lk.pg, lk.handler, lk.backend, lk.holds)
                        for lk in (table.links if only is None else only) if lk.usable]
         plan, staging = self.snap.plan, self.snap.staging
-        header = transport.encode_header(plan, version, list(range(len(plan.buckets))))
-        pending = []
+        dense = transport.encode_header(plan, version)
+        patches = self._patches(version, targets)
+        if patches is not None:
+            counts, payload = sparse.payload(staging.flats, patches)
+            patch_header = transport.encode_header(plan, version, counts, self.base.version)
+        pending, sent_bytes, patched_buckets = [], 0, 0
         with cuda_rules.on_stream(self.stream):
-            if any(b == "nccl" for *_, b in targets):  # rule 2; pinned: no copy that syncs the host (N1); on the
-                header_dev = header.pin_memory().to(self.device, non_blocking=True)  # push stream (rule 1)
-            for link, epoch, pg, handler, backend in targets:
+            on_device = {}  # host header -> its device copy, for NCCL groups (rule 2); pinned: no copy that syncs
+            for link, epoch, pg, handler, backend, holds in targets:  # the host (N1), on the push stream (rule 1)
                 try:
                     handler.begin_update(version)
                     flats = staging.flats
                     own = handler.self_push(version, flats)  # vLLM on GPU, colocated: the engine fetches
+                    patched = own is None and patches is not None and holds == self.base.version and \
+                        handler.accepts_patches
+                    header = patch_header if patched else dense
                     nccl = backend == "nccl"
-                    tensors = ([header, *flats] if own is not None
-                               else handler.wire_tensors(header_dev if nccl else header, flats))
+                    if nccl and id(header) not in on_device:
+                        on_device[id(header)] = header.pin_memory().to(self.device, non_blocking=True)
+                    wire_header = on_device[id(header)] if nccl else header
+                    tensors = ([header, *flats] if own is not None else [wire_header, *payload] if patched
+                               else handler.wire_tensors(wire_header, flats))
                     send = self._nccl_send if nccl else compat.broadcast
                     works = [own] if own is not None else [send(pg, t) for t in tensors]
                     with table.lock:
                         if link.epoch == epoch:
                             link.sent, link.sent_at = version, time.time()
                     pending.append((link, epoch, pg, handler, works, tensors))
+                    patched_buckets = max(patched_buckets, sum(c != transport.DENSE for c in counts) if patched else 0)
                 except Exception as e:  # noqa: BLE001
                     with table.lock:
                         if link.epoch == epoch:
@@ -274,16 +290,43 @@ class Pusher:
                                            f"{self.cfg.timeout_seconds}")
                     cuda_rules.raise_failed(works)
                     handler.finish_update(version)
-                    stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors[1:])
+                    sent_bytes += sum(t.numel() * t.element_size() for t in tensors[1:])
+                    with table.lock:
+                        if link.epoch == epoch:
+                            link.holds = version
                 except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
                     with table.lock:
                         if link.epoch == epoch:  # else it was replaced/rejoined meanwhile: its new group is fine
                             link.broken = link.lagging = True
+                            link.holds = -1
                         stats.timeouts += 1
                         table.fail(link, f"push {version} did not complete: {e}")
+        if self.base is not None:
+            self.base.advance(staging, version)
         stats.pushes += 1
+        stats.bytes_sent += sent_bytes
+        stats.last_push_bytes, stats.last_patched_buckets = sent_bytes, patched_buckets
         stats.last_push_s = time.perf_counter() - t0
         stats.push_s_total += stats.last_push_s
+
+    def _patches(self, version: int, targets: list) -> list | None:
+        """The base's patches to ``version`` if some target holds the base version and takes patches, else None."""
+        base = self.base
+        if base is None or base.version < 0 or base.version == version or not any(
+                holds == base.version and handler.accepts_patches for _, _, _, handler, _, holds in targets):
+            return None
+        patches = base.patches(self.snap.staging, version)
+        stats = self.table.stats
+        stats.last_changed, stats.last_diff_s = base.last_changed, base.last_diff_s
+        if all(p is None for p in patches):
+            if not self._told_dense:
+                self._told_dense = True
+                logger.info(f"weight sync: push {version} travels dense although weight_sync.method = 'sparse': "
+                            f"{base.last_changed:.1%} of the elements changed, more than a patch within "
+                            f"sparse_max_bytes_ratio = {base.max_bytes_ratio} can carry (with wire_dtype float32 "
+                            "nearly every element changes at every step; bfloat16 is where sparse pays)")
+            return None
+        return patches
 
 
 class Bystander:

@@ -2,12 +2,16 @@
 
 A push of policy version ``v`` on a weight-sync group (rank 0: the trainer; ranks 1..: engine workers) is:
 
-    header  int64[HEADER_LEN] = [MAGIC, v, n_sent, idx_0, ..., idx_{n_sent-1}, -1 ...]
-    bucket  one flat tensor per listed bucket index, in that order
+    header  int64[3 + n_buckets] = [MAGIC, v, base, count_0, ..., count_{n-1}]
+    bucket  for each bucket in order: count -1 (``DENSE``): its flat tensor; count k > 0: a patch, the k flat
+            indices that changed (``index_dtype``) then their k values; count 0: nothing
 
 Both sides derive the same ``BucketPlan`` from the same ordered ``TensorSpec`` list (sent once at connect), so
-no per-tensor metadata travels per push. Every push sends every bucket, bucket 0 first: the receiver pre-posts
-its receive with the header's into a one-bucket landing buffer (one round trip per small push, not two).
+no per-tensor metadata travels per push. A dense push (``base`` -1, every count -1) carries whole buckets; the
+receiver of a dense-only group pre-posts bucket 0 with the header into a one-bucket landing buffer (one round trip
+per small push, not two). A sparse push (``weight_sync.method = "sparse"``, ``sync/sparse.py``) patches version
+``base``, which the receiver must hold (else it raises and is resynced dense): element ``j`` of a patched bucket
+is the bit pattern of ``values`` where ``j`` is listed, and ``base``'s elsewhere, so the result is bit-exact.
 
 A colocated engine (backend ``COLOCATED``: on the trainer's device) has no group and no wire: the join message hands
 it rank 0's staging flats by reference, and it copies them whenever the ``Seqlock`` shows a new whole version
@@ -27,7 +31,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -36,8 +40,9 @@ from torchtitan_flux.sync import cuda_rules
 
 logger = logging.getLogger("torchtitan_flux")
 
-MAGIC = 0x46_4C_58_32  # "FLX2": the wire format without the method slot (2026-11-25); an engine of an older
-# version sees another magic and says so, instead of misreading the bucket list
+MAGIC = 0x46_4C_58_33  # "FLX3": per-bucket counts and a base version (sparse pushes, 2026-11-26); an engine of
+# an older version sees another magic and says so, instead of misreading the header
+DENSE = -1  # a bucket's count in the header: it travels whole
 # The wait for the next push's header is idle time, not a failure: it gets this timeout, not the group's
 # ``timeout_s`` (which still bounds a push's buckets where the backend honours it: ``compat.op_timeout_honoured``).
 IDLE_TIMEOUT = timedelta(days=7)
@@ -123,18 +128,51 @@ class FlatWeights:
         return h.hexdigest()
 
 
-def encode_header(plan: BucketPlan, version: int, bucket_ids: list[int]) -> torch.Tensor:
-    """The header of a push sending ``bucket_ids`` in that order, bucket 0 first (one ``torch.tensor``: cheap)."""
-    pad = plan.header_len - 3 - len(bucket_ids)
-    return torch.tensor([MAGIC, version, len(bucket_ids), *bucket_ids, *([-1] * pad)], dtype=torch.int64)
+class Header(NamedTuple):
+    version: int
+    base: int  # -1: every bucket travels whole; else the version the patches apply to
+    counts: list[int]  # per bucket: ``DENSE``, or the number of changed elements its patch lists
 
 
-def decode_header(h: torch.Tensor) -> tuple[int, list[int]]:
+def encode_header(plan: BucketPlan, version: int, counts: list[int] | None = None, base: int = -1) -> torch.Tensor:
+    """The header of a push of ``version``: ``counts`` None is a dense push (one ``torch.tensor``: cheap)."""
+    counts = [DENSE] * len(plan.buckets) if counts is None else counts
+    if len(counts) != len(plan.buckets) or (base < 0) != all(c == DENSE for c in counts):
+        raise ValueError(f"push header: {len(counts)} counts for {len(plan.buckets)} buckets, base {base}")
+    return torch.tensor([MAGIC, version, base, *counts], dtype=torch.int64)
+
+
+def decode_header(h: torch.Tensor) -> Header:
     vals = h.tolist()
     if vals[0] != MAGIC:
         raise RuntimeError(f"weight push header has bad magic {vals[0]:#x}; sender and receiver disagree on the plan "
                            "(trainer and engine must run the same torchtitan_flux version)")
-    return vals[1], vals[3 : 3 + vals[2]]
+    return Header(vals[1], vals[2], vals[3:])
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The dtype of a patch's flat indices into a bucket of ``numel`` elements (int32 where it fits, as vLLM's)."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat indices where the bit patterns of two flat tensors differ (so -0.0 vs 0.0 and NaNs count exactly).
+    Host tensors go through numpy: its ``flatnonzero`` is ~2.5x faster than torch's ``nonzero`` on one core."""
+    bits, dtype = _BITS[new.element_size()], index_dtype(new.numel())
+    if new.device.type == "cpu":
+        import numpy as np
+
+        hits = np.flatnonzero(new.view(bits).numpy() != old.view(bits).numpy())
+        return torch.from_numpy(hits.astype(np.int32 if dtype == torch.int32 else np.int64))
+    return (new.view(bits) != old.view(bits)).nonzero().flatten().to(dtype)
+
+
+def apply_patch(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[indices] = values``, in place (bit-exact: a copy of the values' bit patterns)."""
+    flat.index_copy_(0, indices.long() if indices.dtype != torch.int64 else indices, values)
 
 
 def connect_store(host: str, port: int, timeout: float, is_master: bool) -> torch.distributed.TCPStore:
@@ -275,10 +313,12 @@ class WeightReceiver:
         self._stop = threading.Event()
         self.fault_stall_s = 0.0  # fault injection: sleep before each receive (tests only)
 
-    def start(self, make_group: Callable[[], object]) -> None:
+    def start(self, make_group: Callable[[], object], patches: bool = False) -> None:
         """Start the receive loop on a new group from ``make_group``; a previous loop is stopped and abandoned (it
-        may be blocked in a dead collective) and the live version serves until the new group delivers."""
-        self._restart(self._run, make_group)
+        may be blocked in a dead collective) and the live version serves until the new group delivers.
+        ``patches``: the trainer may send sparse pushes on it (``weight_sync.method = "sparse"``), so bucket 0's
+        size is known only from the header and is not pre-posted."""
+        self._restart(self._run, make_group, patches)
 
     def start_shared(self, staging: list[torch.Tensor], seqlock: Seqlock) -> None:
         """Colocated: receive by copying the trainer's ``staging`` flats (shared memory on CPU, CUDA IPC on GPU)
@@ -303,7 +343,7 @@ class WeightReceiver:
         logger.warning("weight receiver: allocating a replacement buffer (previous receive was abandoned)")
         return self.plan.allocate(self.device)
 
-    def _run(self, make_group: Callable[[], object], stop: threading.Event) -> None:
+    def _run(self, make_group: Callable[[], object], patches: bool, stop: threading.Event) -> None:
         """The receive loop, following ``cuda_rules`` rules 6, 1, 2 and 5 (ack only after the bytes landed)."""
         try:
             cuda_rules.bind_thread(self.device)
@@ -313,30 +353,57 @@ class WeightReceiver:
             on_gpu = torch.device(self.device).type == "cuda"
             hdev = cuda_rules.header_device("nccl" if on_gpu else "gloo", self.device)
             with cuda_rules.on_stream(stream):
-                landing = torch.empty(b0.numel, dtype=_DTYPES[b0.dtype], device=self.device)  # one bucket
+                # dense-only groups: bucket 0 lands here, posted with the header
+                landing = None if patches else torch.empty(b0.numel, dtype=_DTYPES[b0.dtype], device=self.device)
                 while not stop.is_set():
                     header = torch.empty(self.plan.header_len, dtype=torch.int64, device=hdev)
                     header_work = compat.broadcast(pg, header, timeout=IDLE_TIMEOUT)
-                    landing_work = compat.broadcast(pg, landing, timeout=IDLE_TIMEOUT)  # pre-posted bucket 0
+                    landing_work = None if landing is None else compat.broadcast(pg, landing, timeout=IDLE_TIMEOUT)
                     cuda_rules.landed([header_work], stream)
-                    version, ids = decode_header(header)
-                    if not ids or ids[0] != 0:
-                        raise RuntimeError(f"push {version}: bucket 0 must travel first, got buckets {ids}")
+                    h = decode_header(header)
+                    if landing is not None and h.base >= 0:
+                        raise RuntimeError(f"push {h.version} is sparse, but this group was joined for dense pushes")
                     if self.fault_stall_s:
                         stop.wait(self.fault_stall_s)
                     buf = self._take_buffer(stop)
                     if buf is None:  # superseded (e.g. during a stall): the new loop owns pending and free
                         return
-                    works = [compat.broadcast(pg, buf.flats[i]) for i in ids[1:]]  # posted before bucket 0 is copied
-                    landing_work.wait()
-                    buf.flats[0].copy_(landing)
+                    if h.base >= 0:
+                        self._copy_base(h, buf)
+                    works, patched = [], []
+                    for i, (flat, count) in enumerate(zip(buf.flats, h.counts)):
+                        if count == DENSE and not (i == 0 and landing is not None):
+                            works.append(compat.broadcast(pg, flat))  # posted before bucket 0 is copied
+                        elif count > 0:
+                            idx = torch.empty(count, dtype=index_dtype(flat.numel()), device=self.device)
+                            vals = torch.empty(count, dtype=flat.dtype, device=self.device)
+                            works += [compat.broadcast(pg, idx), compat.broadcast(pg, vals)]
+                            patched.append((flat, idx, vals))
+                    if landing_work is not None:
+                        landing_work.wait()
+                        buf.flats[0].copy_(landing)
                     cuda_rules.landed(works, stream)
-                    if not self._publish(version, buf, stop):  # superseded while receiving: never published
+                    if patched:
+                        for flat, idx, vals in patched:
+                            apply_patch(flat, idx, vals)
+                        cuda_rules.landed([], stream)  # rule 5: the scatters too, before anyone reads ``buf``
+                    if not self._publish(h.version, buf, stop):  # superseded while receiving: never published
                         return
-                    self._on_received(version)
+                    self._on_received(h.version)
         except BaseException as e:  # reported to the trainer through on_error; the trainer decides on resync
             if not stop.is_set():
                 self._on_error(e)
+
+    def _copy_base(self, h: Header, buf: FlatWeights) -> None:
+        """Receiver thread, before a sparse push's patches land: ``buf`` := version ``h.base``, the newest this
+        engine holds (only this thread writes buffers, so it is stable while copied); any other: raise (resync)."""
+        with self._lock:
+            version, base = self._newest if self._newest is not None else (-1, None)
+        if version != h.base:
+            raise RuntimeError(f"push {h.version} patches version {h.base}, but this engine holds version {version}; "
+                               "it needs a dense push (resync)")
+        if base is not buf:
+            torch._foreach_copy_(buf.flats, base.flats, non_blocking=True)
 
     def _run_shared(self, staging: list[torch.Tensor], seqlock: Seqlock, stop: threading.Event) -> None:
         """The colocated loop: poll ``seqlock``; copy a new stable version on this thread's stream (rules 6, 1),
