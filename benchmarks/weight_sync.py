@@ -35,6 +35,8 @@ checksums, ``sparse_async_blocked_fraction``: trainer time blocked in weight syn
 at the first lr. Then the crossover on this machine: one 32 MiB bf16 bucket pushed between two processes on gloo
 (loopback) as a patch of a given changed share vs whole, everything included (diff, both transfers, the receiver's
 base copy and scatter): ``sparse_crossover_share`` = the smallest share where the patch is no faster.
+``sparse_breakeven_gbit_s``: the link bandwidth below which sparse pushes are faster at the first lr, from the run's
+bytes saved per push / the extra push time they cost here (loopback moves bytes almost for free: the diff dominates).
 """
 
 from __future__ import annotations
@@ -198,6 +200,9 @@ def sparse(args) -> None:
             sp = median(d, "weight_push_s") / median(rows, "weight_push_s")
             if lr == lrs[0] and method == "sparse":
                 ratio, speedup = r, sp
+                saved = median(d, "weight_push_bytes") - median(rows, "weight_push_bytes")
+                extra = median(rows, "weight_push_s") - median(d, "weight_push_s")
+                breakeven = saved * 8 / extra / 1e9 if extra > 0 else float("inf")
             print(f"{lr:>7.0e} {method:<7} {median(rows, 'weight_changed_fraction'):>8.4f} "
                   f"{median(rows, 'weight_push_bytes') / 1e6:>8.2f} {r:>6.3f} "
                   f"{median(rows, 'weight_patched_buckets'):>8.0f} {1e3 * median(rows, 'weight_push_s'):>8.1f} "
@@ -215,6 +220,7 @@ def sparse(args) -> None:
     print(f"sparse_bit_exact={int(exact)}")
     print(f"sparse_async_blocked_fraction={blocked:.4f}")
     print(f"sparse_crossover_share={cross:.3f}")
+    print(f"sparse_breakeven_gbit_s={breakeven:.2f}")
 
 
 def _crossover(rank: int, port: int, shares: list[float], iters: int, q) -> None:

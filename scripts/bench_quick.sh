@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Every benchmark's cheapest mode (--quick), so that a change which breaks one fails CI instead of rotting
-# unnoticed. Each must exit 0 and print at least one key=value headline line; the figures are not measurements.
+# unnoticed. Each must exit 0 and print at least one key=value headline line; the figures are not measurements,
+# so two run at a time (BENCH_JOBS, default 2: one per core of this machine kind), each into its own log, and the
+# results are printed in order.
 # Needs .venv (scripts/setup.sh), .venv-vllm (scripts/setup_vllm.sh) and .venv-trl (scripts/setup_trl.sh):
 # a missing one is an error, not a skip.
-#   bash scripts/bench_quick.sh            # all of them (~6 min on 2 cores)
+#   bash scripts/bench_quick.sh            # all of them (~4 min on 2 cores)
 #   bash scripts/bench_quick.sh weight_sync controller   # some of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,19 +14,42 @@ names=("${@:-${all[@]}}")
 need() { [ -x "$1/bin/python" ] || { echo "bench_quick: $1 is missing: run $2" >&2; exit 1; }; }
 need .venv scripts/setup.sh
 for b in "${names[@]}"; do
+  [ -f "benchmarks/$b.py" ] || { echo "bench_quick: no benchmarks/$b.py; known: ${all[*]}" >&2; exit 2; }
   case $b in vllm_async) need .venv-vllm scripts/setup_vllm.sh ;; vs_trl) need .venv-trl scripts/setup_trl.sh ;; esac
 done
+jobs_max=${BENCH_JOBS:-2}
+logs=$(mktemp -d)
+runs=()  # "bench mode" pairs, in order; each with its own key=value lines
 for b in "${names[@]}"; do
-  [ -f "benchmarks/$b.py" ] || { echo "bench_quick: no benchmarks/$b.py; known: ${all[*]}" >&2; exit 2; }
   modes=("")
-  [ "$b" = weight_sync ] && modes=("" "--colocated" "--sparse")  # each mode with its own key=value lines
-  for mode in "${modes[@]}"; do
-    echo "=== benchmarks/$b.py --quick $mode"
-    t0=$SECONDS
-    out=$(.venv/bin/python "benchmarks/$b.py" --quick $mode 2>&1) || { echo "$out" | tail -40; echo "bench_quick: $b $mode failed" >&2; exit 1; }
-    lines=$(echo "$out" | grep -E '^[a-z_0-9]+=' || true)
-    [ -n "$lines" ] || { echo "$out" | tail -40; echo "bench_quick: $b $mode printed no key=value line" >&2; exit 1; }
-    echo "$lines"
-    echo "--- $b $mode: $((SECONDS - t0)) s"
-  done
+  [ "$b" = weight_sync ] && modes=("" "--colocated" "--sparse")
+  for mode in "${modes[@]}"; do runs+=("$b $mode"); done
 done
+one() {  # one RUN_INDEX: run it into its log, its exit code and seconds beside
+  local b mode t0=$SECONDS
+  read -r b mode <<< "${runs[$1]}"
+  set +e
+  .venv/bin/python "benchmarks/$b.py" --quick $mode > "$logs/$1.out" 2>&1
+  echo $? > "$logs/$1.rc"
+  echo $((SECONDS - t0)) > "$logs/$1.s"
+}
+for i in "${!runs[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  one "$i" &
+done
+wait
+failed=0
+for i in "${!runs[@]}"; do
+  read -r b mode <<< "${runs[$i]}"
+  echo "=== benchmarks/$b.py --quick $mode"
+  lines=$(grep -E '^[a-z_0-9]+=' "$logs/$i.out" || true)
+  if [ "$(cat "$logs/$i.rc")" != 0 ]; then
+    tail -40 "$logs/$i.out"; echo "bench_quick: $b $mode failed" >&2; failed=1
+  elif [ -z "$lines" ]; then
+    tail -40 "$logs/$i.out"; echo "bench_quick: $b $mode printed no key=value line" >&2; failed=1
+  else
+    echo "$lines"
+  fi
+  echo "--- $b $mode: $(cat "$logs/$i.s") s"
+done
+exit $failed

@@ -18,6 +18,7 @@ and ``HuggingFaceStorageReader`` globs ``*.safetensors`` without needing an inde
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -264,6 +265,15 @@ def build_model_dir(out_dir: str | os.PathLike, flavor: str = "tiny", seed: int 
     out = Path(out_dir)
     if _is_built(out, flavor, seed):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:  # concurrent builders (test workers, CI stages):
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builds, the others then find it built
+        if not _is_built(out, flavor, seed):
+            _build(out, flavor, seed)
+    return out
+
+
+def _build(out: Path, flavor: str, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / BUILD_RECORD).unlink(missing_ok=True)
 
@@ -291,7 +301,6 @@ def build_model_dir(out_dir: str | os.PathLike, flavor: str = "tiny", seed: int 
     os.replace(tmp, out / WEIGHTS_FILE)
     (out / "model.safetensors.index.json").unlink(missing_ok=True)  # see module docstring
     _write_json(out / BUILD_RECORD, {"flavor": flavor, "seed": int(seed), "format": BUILD_FORMAT})
-    return out
 
 
 def count_parameters(model_dir: str | os.PathLike) -> int:

@@ -19,16 +19,33 @@ DEBUG_TOML = ROOT / "train_configs" / "debug_cpu.toml"
 
 
 # Reliability figures (docs/reliability.md), counted by the fault tests as they check: weight checksums compared
-# between an engine and the trainer, processes checked for orphans and orphans found. Printed after the run.
-FIGURES: collections.Counter = collections.Counter()
+# between an engine and the trainer, processes checked for orphans and orphans found. Each test's counts travel on
+# its teardown report (so pytest-xdist workers' counts reach the controller) and are summed there; printed after
+# the run.
+FIGURES: collections.Counter = collections.Counter()  # this process's counts (a worker's, under -n)
+_TOTALS: collections.Counter = collections.Counter()  # every process's, summed from the reports
+
+
+@pytest.fixture(autouse=True)
+def _figures_of_this_test(request):
+    before = FIGURES.copy()
+    yield
+    request.node.user_properties.append(("flux_figures", dict(FIGURES - before)))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == "flux_figures":
+                _TOTALS.update(value)
 
 
 def pytest_terminal_summary(terminalreporter):
     faults = [r for r in terminalreporter.stats.get("passed", []) if r.when == "call" and "faults" in r.keywords]
     if faults:
-        FIGURES["fault_tests_passed"] = len(faults)
-    if FIGURES:
-        terminalreporter.write_line("reliability figures: " + ", ".join(f"{k}={v}" for k, v in sorted(FIGURES.items())))
+        _TOTALS["fault_tests_passed"] = len(faults)
+    if _TOTALS:
+        terminalreporter.write_line("reliability figures: " + ", ".join(f"{k}={v}" for k, v in sorted(_TOTALS.items())))
 
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

@@ -225,11 +225,11 @@ def _report(e: BaseException) -> int:
 
 def _stop_while_starting(signum, frame) -> None:
     """Until the trainer installs its own handler (``run.stops``): a signal ends the start-up (imports, validation,
-    the fork server) with one line, not the traceback of wherever it landed. The same signal again (torchrun
-    forwards the one its process group got) is ignored while the process exits."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    raise SystemExit(f"stopped: received {signal.Signals(signum).name} while starting (nothing trained yet)")
+    the fork server) with one line and exit code 1, at once. Not by raising: an exception landing inside a C
+    extension's import (numpy's) is turned into an unrelated ``ImportError`` traceback. Nothing trained yet, so
+    nothing is lost; the fork server dies with this process, and the run-folder locks with it."""
+    os.write(2, f"stopped: received {signal.Signals(signum).name} while starting (nothing trained yet)\n".encode())
+    os._exit(1)
 
 
 def main() -> None:
@@ -283,7 +283,7 @@ def main() -> None:
         titan_main(FluxTrainer)
         code = 0
     except SystemExit as e:
-        if isinstance(e.code, str):  # _stop_while_starting's line
+        if isinstance(e.code, str):  # sys.exit("why") during the start-up
             print(e.code, file=sys.stderr, flush=True)
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException as e:  # noqa: BLE001 - reported here, then the same non-zero exit as an uncaught error

@@ -72,6 +72,28 @@ def test_a_copy_torn_by_a_new_snapshot_is_never_published(tiny_model_dir):
     assert version == 2 and all(bool((f == 2.0).all()) for f in buf.flats)
 
 
+def test_an_engine_that_joins_before_the_first_snapshot_waits_for_it():
+    """A fresh seqlock says "nothing published": a colocated receiver started before the trainer's first snapshot
+    copies nothing and acks nothing until version 0 is published (before the fix it acked the zero-filled staging
+    as version 0, so a run's first rollouts came from all-zero weights, 1 run in 2)."""
+    plan = transport.plan_buckets([transport.TensorSpec("w", (8,), "float32")], 1024)
+    staging = plan.allocate("cpu")
+    seq = transport.Seqlock()
+    acked, errors = [], []
+    rx = transport.WeightReceiver(plan, "cpu", acked.append, errors.append)
+    rx.start_shared(staging.flats, seq)
+    time.sleep(0.3)
+    assert acked == [] and rx.newest()[0] == -1
+    seq.begin_write()
+    staging.flats[0].fill_(3.0)
+    seq.publish(0)
+    deadline = time.monotonic() + 5
+    while not acked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rx.stop()
+    assert acked == [0] and not errors and bool((rx.newest()[1].flats[0] == 3.0).all())
+
+
 def test_a_stalled_colocated_engine_is_cut_at_the_deadline_and_the_others_go_on(harness_factory):
     h = harness_factory(async_mode=False, colocated=True, num_engines=2, timeout_s=1.0)
     h.syncer.flush(0)

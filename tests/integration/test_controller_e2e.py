@@ -18,7 +18,7 @@ import statistics
 import pytest
 from conftest import read_metrics, run_train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # steps/s ratios: run alone
 
 SEEDS = range(5)
 WARMUP = 10

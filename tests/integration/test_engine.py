@@ -17,6 +17,7 @@ apply_patches()
 from torchtitan.models.llama3 import Transformer  # noqa: E402
 
 from torchtitan_flux.rl import loss as grpo  # noqa: E402
+from torchtitan_flux.config import WeightSync  # noqa: E402
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult  # noqa: E402
 from torchtitan_flux.engine.embedded import EmbeddedEngine  # noqa: E402
 from torchtitan_flux.models.hf_weights import load_hf_weights  # noqa: E402
@@ -36,9 +37,7 @@ def rig(tiny_model_dir):
     events: queue.Queue = queue.Queue()
     engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events)
     engine.start()
-    cfg = SimpleNamespace(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, interval=1,
-                          master_addr="127.0.0.1", master_port=0, auth_token_env="TORCHTITAN_FLUX_TOKEN",
-                          wire_dtype="auto")
+    cfg = WeightSync(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, master_port=0)
     results: dict[int, GenerationResult] = {}
 
     def pump(timeout: float) -> None:

@@ -45,11 +45,13 @@ def test_bad_start_method_fails_before_any_work(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_a_signal_while_starting_is_one_line(tmp_path, sig):
+@pytest.mark.parametrize("sig,after_s", [("SIGINT", 1.0), ("SIGTERM", 1.0), ("SIGINT", 0.3)])
+def test_a_signal_while_starting_is_one_line(tmp_path, sig, after_s):
     """A Ctrl-C (or SIGTERM) while the entry point still imports torch: one ``stopped:`` line, exit 1, nothing
     left running. Before (issue 27's second sweep): SIGINT printed a KeyboardInterrupt traceback from inside
-    whichever import it landed in; SIGTERM ended the process with no word."""
+    whichever import it landed in; SIGTERM ended the process with no word. Until 2026-11-26 the line came from an
+    exception raised where the signal landed: inside numpy's C import (a loaded machine) it became an unrelated
+    ``ImportError`` traceback (seen under pytest-xdist); now the handler writes the line and exits at once."""
     import signal
     import time
 
@@ -57,7 +59,7 @@ def test_a_signal_while_starting_is_one_line(tmp_path, sig):
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_flux.train", "--job.config_file", str(DEBUG_TOML),
          "--job.dump_folder", str(tmp_path / "run")], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    time.sleep(after_s)
     proc.send_signal(getattr(signal, sig))
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]

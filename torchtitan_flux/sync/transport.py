@@ -205,7 +205,10 @@ class Seqlock:
     stores and loads, version before seq on write, seq before version on read (x86-64 keeps both orders)."""
 
     def __init__(self, shared: torch.Tensor | None = None):
-        self.t = shared if shared is not None else torch.zeros(2, dtype=torch.int64).share_memory_()
+        # version -1 until the first publish: an engine that joins before the first snapshot must not take the
+        # zero-filled staging for version 0 (it did, 1 run in 2 on 2026-11-26: a colocated run's first rollouts
+        # came from all-zero weights and its acks let the first push "complete")
+        self.t = shared if shared is not None else torch.tensor([0, -1], dtype=torch.int64).share_memory_()
 
     def begin_write(self) -> None:
         if int(self.t[0]) % 2 == 0:
