@@ -156,6 +156,21 @@ def test_the_receiver_refuses_a_patch_of_a_version_it_does_not_hold():
     while not errors and time.monotonic() < deadline:
         time.sleep(0.01)
     assert errors and "needs a dense push" in str(errors[0]) and rx.newest()[0] == 2
+    # the engine rejoins (a new group): even a patch of the version it holds is refused until a dense push
+    pg0, pg1 = _pair("sparse-rejoin")
+    rx.start(lambda: pg1, patches=True)
+    compat.broadcast(pg0, transport.encode_header(plan, 7, [1], base=2))
+    while len(errors) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(errors) == 2 and "no version it may patch" in str(errors[1])
+    # and the refusals took no buffer: after another rejoin a dense push lands in one of the two it had
+    pg0, pg1 = _pair("sparse-dense")
+    rx.start(lambda: pg1, patches=True)
+    _send(pg0, [transport.encode_header(plan, 8), v2])
+    while got[-1] != 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got[-1] == 8 and rx.swap() == 8
+    assert len(rx._free) + len(rx._pending) + 1 == 2  # + the live one: no replacement buffer was allocated
     rx.stop()
 
 

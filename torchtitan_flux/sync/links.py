@@ -48,10 +48,11 @@ class SyncStats:
     errors: int = 0
     resyncs: int = 0
     bytes_sent: int = 0
-    last_push_bytes: int = 0  # sent by the last push, to every engine together
-    last_patched_buckets: int = 0  # buckets the last push sent as patches (``weight_sync.method = "sparse"``)
-    last_changed: float = 0.0  # share of the elements that changed between the last two pushed versions (sparse)
-    last_diff_s: float = 0.0  # push-thread time of the last diff (sparse)
+    # of the last push of a step (not of a resync of late engines), as completed:
+    last_push_bytes: int = 0  # sent to every engine together
+    last_patched_buckets: int = 0  # buckets sent as patches (``weight_sync.method = "sparse"``), to any one engine
+    last_changed: float = 0.0  # share of the elements that changed since the version patched (0: no diff made)
+    last_diff_s: float = 0.0  # time of its diff (0: none)
     last_push_s: float = 0.0  # wall time of the last push on the push thread (or main thread, blocking)
     push_s_total: float = 0.0  # wall time of every push so far (read by the trainer's sync cadence)
     last_snapshot_s: float = 0.0

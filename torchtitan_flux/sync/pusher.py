@@ -246,6 +246,8 @@ class Pusher:
                        for lk in (table.links if only is None else only) if lk.usable]
         plan, staging = self.snap.plan, self.snap.staging
         dense = transport.encode_header(plan, version)
+        if only is None:
+            stats.last_changed = stats.last_diff_s = 0.0  # until this push's diff, if it makes one
         patches = self._patches(version, targets)
         if patches is not None:
             counts, payload = sparse.payload(staging.flats, patches)
@@ -272,14 +274,13 @@ class Pusher:
                     with table.lock:
                         if link.epoch == epoch:
                             link.sent, link.sent_at = version, time.time()
-                    pending.append((link, epoch, pg, handler, works, tensors))
-                    patched_buckets = max(patched_buckets, sum(c != transport.DENSE for c in counts) if patched else 0)
+                    pending.append((link, epoch, pg, handler, works, tensors, patched))
                 except Exception as e:  # noqa: BLE001
                     with table.lock:
                         if link.epoch == epoch:
                             link.broken = True
                         table.fail(link, f"push {version} failed to start: {e}")
-            for link, epoch, pg, handler, works, tensors in pending:
+            for link, epoch, pg, handler, works, tensors, patched in pending:
                 try:
                     if not cuda_rules.wait_works(works, deadline):
                         if link.backend == "nccl":
@@ -291,6 +292,8 @@ class Pusher:
                     cuda_rules.raise_failed(works)
                     handler.finish_update(version)
                     sent_bytes += sum(t.numel() * t.element_size() for t in tensors[1:])
+                    if patched:
+                        patched_buckets = max(patched_buckets, sum(c != transport.DENSE for c in counts))
                     with table.lock:
                         if link.epoch == epoch:
                             link.holds = version
@@ -305,7 +308,8 @@ class Pusher:
             self.base.advance(staging, version)
         stats.pushes += 1
         stats.bytes_sent += sent_bytes
-        stats.last_push_bytes, stats.last_patched_buckets = sent_bytes, patched_buckets
+        if only is None:  # a step's push; not a resync of late engines (``kick``), which would mask it
+            stats.last_push_bytes, stats.last_patched_buckets = sent_bytes, patched_buckets
         stats.last_push_s = time.perf_counter() - t0
         stats.push_s_total += stats.last_push_s
 

@@ -8,10 +8,13 @@ flat indices whose bit pattern changed since the version the engine holds, and t
 pays below about a third changed), else whole. The result on the engine is bit-exact: a patch is a diff of
 states, not of steps, so a push coalescing several versions carries the union of their changes.
 
-Ownership (push thread, holding the pusher's claim, like staging): ``patches`` diffs staging against the base
-once per version; ``advance`` makes the base equal to staging after every push. An engine gets a patch only
-when it is known to hold exactly the base version (``EngineLink.holds``, set when a push to it completed and reset
-by every join, failure or resync), and the engine checks that again (``WeightReceiver._copy_base``).
+Ownership (whoever holds the pusher's claim, like staging: the push thread, or the main thread in blocking mode):
+``patches`` diffs staging against the base once per version; ``advance`` makes the base equal to staging after every
+push. An engine gets a patch only when it is known to hold exactly the base version (``EngineLink.holds``, set when
+a push to it completed and reset by every join, failure or resync), and the engine checks that again: its receiver
+patches only an untouched buffer holding that version, and none after a rejoin (``WeightReceiver._patch_base``).
+On a GPU trainer the patch tensors are pinned, like staging, so their copies to the device never wait on the host
+(``cuda_rules`` N1: a copy from pageable memory may block the push thread before its deadline exists).
 
 Simplifications: ONE base (the last pushed version): an engine that missed it (lagging, rejoined, restarted) gets
 a dense push, never a patch against an older version; the diff runs on the host copy (the staging buffer is host
@@ -31,7 +34,7 @@ Patch = tuple[torch.Tensor, torch.Tensor]  # (flat indices, values) of one bucke
 
 
 class SparseBase:
-    """See the module docstring. Push thread only (under the pusher's claim)."""
+    """See the module docstring. Only the holder of the pusher's claim calls it."""
 
     def __init__(self, plan: transport.BucketPlan, max_bytes_ratio: float):
         self.plan = plan
@@ -49,12 +52,18 @@ class SparseBase:
         t0 = time.perf_counter()
         out: list[Patch | None] = []
         n_changed = 0
+        pin = staging.flats[0].is_pinned() if staging.flats else False  # a GPU trainer's host staging
         for new, old in zip(staging.flats, self.copy.flats):
             idx = transport.changed(new, old)
-            n_changed += idx.numel()
-            size = idx.element_size() + new.element_size()
-            fits = idx.numel() * size <= self.max_bytes_ratio * new.numel() * new.element_size()
-            out.append((idx, new[idx.long()]) if fits else None)
+            k = idx.numel()
+            n_changed += k
+            if k * (idx.element_size() + new.element_size()) > self.max_bytes_ratio * new.numel() * new.element_size():
+                out.append(None)
+                continue
+            idx = idx.pin_memory() if pin else idx
+            vals = torch.empty(k, dtype=new.dtype, pin_memory=pin)
+            torch.index_select(new, 0, idx.long(), out=vals)
+            out.append((idx, vals))
         self._patches = (version, out)
         self.last_diff_s = time.perf_counter() - t0
         self.last_changed = n_changed / max(1, sum(f.numel() for f in staging.flats))

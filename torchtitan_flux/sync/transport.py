@@ -312,6 +312,9 @@ class WeightReceiver:
         self._pending: list[tuple[int, FlatWeights]] = []  # complete, not yet live; oldest first
         self._free: list[FlatWeights] = [plan.allocate(device) for _ in range(max(2, buffers))]
         self._newest: tuple[int, FlatWeights] | None = None  # newest complete version (``newest``)
+        # what a sparse push may patch: the newest complete version while its buffer is untouched; None after a
+        # restart (a new group starts dense) and once its buffer is taken to receive into (it may end up torn)
+        self._base: tuple[int, FlatWeights] | None = None
         self.device = device
         self._stop = threading.Event()
         self.fault_stall_s = 0.0  # fault injection: sleep before each receive (tests only)
@@ -329,6 +332,8 @@ class WeightReceiver:
         self._restart(self._run_shared, staging, seqlock)
 
     def _restart(self, target, *args) -> None:
+        with self._lock:
+            self._base = None
         self._stop.set()
         self._stop = threading.Event()
         threading.Thread(target=target, args=(*args, self._stop), name="flux-weight-receiver", daemon=True).start()
@@ -341,7 +346,10 @@ class WeightReceiver:
             if self._free:
                 return self._free.pop()
             if self._pending:
-                return self._pending.pop(0)[1]
+                buf = self._pending.pop(0)[1]
+                if self._base is not None and self._base[1] is buf:
+                    self._base = None
+                return buf
         # only after a restart whose predecessor still holds a buffer in a dead collective
         logger.warning("weight receiver: allocating a replacement buffer (previous receive was abandoned)")
         return self.plan.allocate(self.device)
@@ -368,11 +376,12 @@ class WeightReceiver:
                         raise RuntimeError(f"push {h.version} is sparse, but this group was joined for dense pushes")
                     if self.fault_stall_s:
                         stop.wait(self.fault_stall_s)
+                    base = self._patch_base(h) if h.base >= 0 else None  # checked before any buffer is taken
                     buf = self._take_buffer(stop)
                     if buf is None:  # superseded (e.g. during a stall): the new loop owns pending and free
                         return
-                    if h.base >= 0:
-                        self._copy_base(h, buf)
+                    if base is not None and base is not buf:  # else the patch lands in the base itself
+                        torch._foreach_copy_(buf.flats, base.flats, non_blocking=True)
                     works, patched = [], []
                     for i, (flat, count) in enumerate(zip(buf.flats, h.counts)):
                         if count == DENSE and not (i == 0 and landing is not None):
@@ -397,16 +406,17 @@ class WeightReceiver:
             if not stop.is_set():
                 self._on_error(e)
 
-    def _copy_base(self, h: Header, buf: FlatWeights) -> None:
-        """Receiver thread, before a sparse push's patches land: ``buf`` := version ``h.base``, the newest this
-        engine holds (only this thread writes buffers, so it is stable while copied); any other: raise (resync)."""
+    def _patch_base(self, h: Header) -> FlatWeights:
+        """Receiver thread, before a sparse push takes a buffer: the buffer holding version ``h.base`` whole (only
+        this thread writes buffers, so it stays so while copied); raise if this engine does not hold it (the
+        trainer then resyncs it dense)."""
         with self._lock:
-            version, base = self._newest if self._newest is not None else (-1, None)
+            version, buf = self._base if self._base is not None else (-1, None)
         if version != h.base:
-            raise RuntimeError(f"push {h.version} patches version {h.base}, but this engine holds version {version}; "
+            raise RuntimeError(f"push {h.version} patches version {h.base}, but this engine holds "
+                               f"{'version ' + str(version) if version >= 0 else 'no version it may patch'}; "
                                "it needs a dense push (resync)")
-        if base is not buf:
-            torch._foreach_copy_(buf.flats, base.flats, non_blocking=True)
+        return buf
 
     def _run_shared(self, staging: list[torch.Tensor], seqlock: Seqlock, stop: threading.Event) -> None:
         """The colocated loop: poll ``seqlock``; copy a new stable version on this thread's stream (rules 6, 1),
@@ -448,7 +458,7 @@ class WeightReceiver:
             if stop.is_set():
                 return False
             self._pending.append((version, buf))
-            self._newest = (version, buf)
+            self._newest = self._base = (version, buf)
             return True
 
     def swap(self, upto: int = -1) -> int:
