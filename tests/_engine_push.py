@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from datetime import timedelta
+
+import torch.distributed as dist
 
 from torchtitan_flux import compat
 
@@ -37,3 +40,20 @@ def wait_event(events: queue.Queue, kind, timeout: float = 60.0):
             return ev
         if isinstance(ev, EngineError):
             raise AssertionError(f"engine error: {ev}")
+
+
+def gloo_pair(prefix: str):
+    """Two ranks of one gloo weight-sync group, built on two threads of this process (rank 0, rank 1)."""
+    store = dist.HashStore()
+    out = [None, None]
+
+    def build(rank):
+        out[rank] = compat.new_weight_sync_group("gloo", dist.PrefixStore(prefix, store), rank, 2,
+                                                 timedelta(seconds=30))
+
+    ts = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out

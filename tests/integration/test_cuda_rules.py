@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,8 @@ import torch
 import torch.distributed as dist
 from conftest import read_metrics, run_train
 from torch import nn
+
+from _engine_push import gloo_pair
 
 from torchtitan_flux import compat
 
@@ -25,27 +26,10 @@ from torchtitan_flux.models.hf import clean_name
 from torchtitan_flux.sync.snapshot import Snapshot, tensor_specs
 
 
-def _pair(prefix: str):
-    """Two ranks of one gloo group, built on two threads of this process (rank 0, rank 1)."""
-    store = dist.HashStore()
-    out = [None, None]
-
-    def build(rank):
-        out[rank] = compat.new_weight_sync_group("gloo", dist.PrefixStore(prefix, store), rank, 2,
-                                                 timedelta(seconds=30))
-
-    ts = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
-
-
 def test_completion_is_decided_by_polling_against_our_deadline():
     """Rule 3: a stalled peer makes ``wait_works`` return False at our deadline (not the group's 30 s timeout),
     and the same Work completes once the peer posts its side."""
-    pg0, pg1 = _pair("stall")
+    pg0, pg1 = gloo_pair("stall")
     t = torch.arange(4, dtype=torch.float32)
     work = compat.broadcast(pg0, t)
     t0 = time.monotonic()
@@ -144,7 +128,7 @@ def test_receiver_header_is_received_on_the_groups_device(monkeypatch):
     real = cuda_rules.header_device
     monkeypatch.setattr(cuda_rules, "header_device", lambda b, d: seen.append(b) or real(b, d))
     plan = transport.plan_buckets([transport.TensorSpec("w", (2,), "float32")], 1024)
-    pg0, pg1 = _pair("recv")
+    pg0, pg1 = gloo_pair("recv")
     got = threading.Event()
     rx = transport.WeightReceiver(plan, "cpu", lambda v: got.set(), lambda e: None)
     rx.start(lambda: pg1)

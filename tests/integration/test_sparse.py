@@ -7,14 +7,13 @@ which holds the model's parameters cast to the wire dtype, bitwise.
 
 from __future__ import annotations
 
-import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from _sync_harness import perturb
+
+from _engine_push import gloo_pair
 
 from torchtitan_flux import compat
 from torchtitan_flux.sync import transport
@@ -105,22 +104,6 @@ def test_coalesced_async_pushes_carry_the_union_of_changes(harness_factory):
 # --------------------------------------------------------------------------------------- the receiver alone
 
 
-def _pair(prefix: str):
-    store = dist.HashStore()
-    out = [None, None]
-
-    def build(rank):
-        out[rank] = compat.new_weight_sync_group("gloo", dist.PrefixStore(prefix, store), rank, 2,
-                                                 timedelta(seconds=30))
-
-    ts = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
-
-
 def _send(pg, tensors) -> None:
     works = [compat.broadcast(pg, t) for t in tensors]
     for w in works:
@@ -132,7 +115,7 @@ def test_the_receiver_refuses_a_patch_of_a_version_it_does_not_hold():
     against; any other is an error (the trainer then resyncs the engine dense), never a silent mix."""
     specs = [transport.TensorSpec("a", (6,), "bfloat16"), transport.TensorSpec("b", (4,), "bfloat16")]
     plan = transport.plan_buckets(specs, 1 << 20)
-    pg0, pg1 = _pair("sparse")
+    pg0, pg1 = gloo_pair("sparse")
     got, errors = [], []
     rx = transport.WeightReceiver(plan, "cpu", got.append, errors.append)
     rx.start(lambda: pg1, patches=True)
@@ -157,14 +140,14 @@ def test_the_receiver_refuses_a_patch_of_a_version_it_does_not_hold():
         time.sleep(0.01)
     assert errors and "needs a dense push" in str(errors[0]) and rx.newest()[0] == 2
     # the engine rejoins (a new group): even a patch of the version it holds is refused until a dense push
-    pg0, pg1 = _pair("sparse-rejoin")
+    pg0, pg1 = gloo_pair("sparse-rejoin")
     rx.start(lambda: pg1, patches=True)
     compat.broadcast(pg0, transport.encode_header(plan, 7, [1], base=2))
     while len(errors) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(errors) == 2 and "no version it may patch" in str(errors[1])
     # and the refusals took no buffer: after another rejoin a dense push lands in one of the two it had
-    pg0, pg1 = _pair("sparse-dense")
+    pg0, pg1 = gloo_pair("sparse-dense")
     rx.start(lambda: pg1, patches=True)
     _send(pg0, [transport.encode_header(plan, 8), v2])
     while got[-1] != 8 and time.monotonic() < deadline:
