@@ -336,7 +336,9 @@ def main() -> None:
     blocked = median(a, "weight_sync_s") / median(a, "step_time_s")
     nbytes = summaries["sync"][0]["weight_bytes"]
     push_s = median(s, "weight_push_s")
-    raw_s = raw_broadcast_seconds(nbytes, idle_s=T)  # the sync run's train time: the gap before each push
+    # the sync run's train time is the gap before each push; capped at 1 s (caches are as cold after 1 s as after
+    # the real model's 16 s, and 30 gaps of 16 s would take 8 minutes)
+    raw_s = raw_broadcast_seconds(nbytes, idle_s=min(T, 1.0))
     bw, raw_bw = nbytes / push_s, nbytes / raw_s
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {__import__('torch').__version__}; "

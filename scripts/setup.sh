@@ -15,7 +15,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   else
     "$VPY" -m pip install -q "torch==2.13.0"   # CPU build; an unpinned torch would pull a CUDA build
   fi
-  "$VPY" -m pip install -q -e ".[dev]"
+  # one editable install at a time on this machine: setuptools writes torchtitan_flux.egg-info into the tree, and CI
+  # runs scripts/setup_vllm.sh (which installs this package too) beside this script
+  flock "${TMPDIR:-/tmp}/flux-editable-install.lock" "$VPY" -m pip install -q -e ".[dev]"
   echo "$want" > "$stamp"
 fi
 "$VPY" scripts/build_tiny_model.py --out assets/tiny-llama --flavor tiny

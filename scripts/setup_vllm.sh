@@ -21,7 +21,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The worker extension (torchtitan_flux/engine/vllm_ext.py) imports only torch, vllm and this package's torch-only
   # modules (transport, engine.auth), so the package goes in without its dependencies (torchtitan etc. stay in the
   # trainer's .venv).
-  "$VPY" -m pip install -q --no-deps -e .
+  # (one editable install at a time: see scripts/setup.sh)
+  flock "${TMPDIR:-/tmp}/flux-editable-install.lock" "$VPY" -m pip install -q --no-deps -e .
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$VPY" -c "import vllm, torch; from vllm.distributed.weight_transfer import WeightTransferEngineFactory; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   echo "$want" > "$stamp"

@@ -89,6 +89,14 @@ def tiny_model_dir() -> Path:
     return Path(build_model_dir(ROOT / "assets" / "tiny-llama", flavor="tiny", seed=0))
 
 
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory) -> Path:
+    """The "small" flavor (head_dim 32: vLLM's CPU attention refuses the tiny flavor's 16), built per worker."""
+    from model_assets import build_model_dir
+
+    return Path(build_model_dir(tmp_path_factory.mktemp("flux_small"), flavor="small", seed=0))
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, limit_s: float) -> None:
     """Poll ``{url}/health`` until 200; AssertionError with the log's tail if ``proc`` exits or ``limit_s`` passes."""
     import httpx

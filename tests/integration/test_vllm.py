@@ -7,7 +7,7 @@ clear reason when ``.venv-vllm`` is absent (``scripts/setup_vllm.sh`` creates it
 through the handler exactly as ``WeightSyncer`` does with the handler hooks, and check that the server's
 log-probs equal the trainer's (``torchtitan_flux.models.inference.score`` on the same weights) within 1e-5. The shared
 server runs with a token (``TORCHTITAN_FLUX_TOKEN``, so the auth middleware and the rendezvous handshake are on
-for every test that uses it); the launched one (``rollout.launch``) runs without, the default.
+for every test that uses it). Servers the trainer launches itself (``rollout.launch``) are in ``test_vllm_launch.py``.
 """
 
 from __future__ import annotations
@@ -118,13 +118,6 @@ def _tree_rss_mb(pid: int) -> float:
         except psutil.NoSuchProcess:
             pass
     return total / 2**20
-
-
-@pytest.fixture(scope="module")
-def small_model_dir(tmp_path_factory) -> Path:
-    from model_assets import build_model_dir
-
-    return Path(build_model_dir(tmp_path_factory.mktemp("flux_small"), flavor="small", seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -344,81 +337,6 @@ def test_coalesced_pushes_never_livelock_with_vllm(vllm_server, small_model_dir,
     rows, summary = run_held(tmp_path / "run", "--model.hf_assets_path", str(small_model_dir),
                              "--rollout.engine", "vllm", "--rollout.urls", vllm_server[0], timeout=500)
     assert summary["checksums_match"]
-
-
-def _vllm_pids() -> set[int]:
-    """Live processes running vLLM's API server or engine core (ours or not: compare before and after)."""
-    import psutil
-
-    pids = set()
-    for p in psutil.process_iter(["pid", "cmdline", "name"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if "vllm.entrypoints" in cmd or "VLLM::EngineCore" in (p.info["name"] or "") + cmd:
-                pids.add(p.info["pid"])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return pids
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_grpo_run_with_launched_vllm(small_model_dir, tmp_path, monkeypatch):
-    """``rollout.launch = true``: the trainer starts its own server, trains 4 steps, and stops it on exit."""
-    from conftest import run_train
-
-    need_vllm()
-    monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "512")  # inherited by the trainer, read by launch_command
-    before = _vllm_pids()
-    run_train(
-        tmp_path, "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
-        "--rollout.engine", "vllm", "--rollout.launch", "true", "--weight_sync.async_weight_update", "true",
-        "--off_policy.async_ratio", "1", timeout=600,
-    )
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["final_engine_version"] == 4
-    assert summary["checksums_match"]
-    assert (tmp_path / "vllm_server0.log").exists()
-    deadline = time.monotonic() + 10
-    while (left := _vllm_pids() - before) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"vLLM processes survived the run: {left}"
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.faults
-def test_launched_vllm_server_killed_mid_run_stops_cleanly_and_resumes(small_model_dir, tmp_path, monkeypatch):
-    """The trainer's own vLLM server is SIGKILLed mid-run (server and engine core). With no engine left the run
-    stops at the step boundary with an error, writes a checkpoint of its last step (nothing trained is lost),
-    exits non-zero and leaves no process behind; the same command resumes from that step with a new server, and
-    its weights equal the trainer's."""
-    from _procs import Run, complete_ckpts, wait_gone
-    from conftest import read_metrics, run_train
-
-    need_vllm()
-    monkeypatch.setenv("VLLM_MAX_MODEL_LEN", "512")
-    args = ("--model.hf_assets_path", str(small_model_dir), "--rollout.engine", "vllm", "--rollout.launch", "true",
-            "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1", "--checkpoint.enable", "true",
-            "--checkpoint.interval", "1000")
-    before = _vllm_pids()
-    run = Run(tmp_path, tmp_path / "run.log", *args, "--training.steps", "500")
-    metrics = tmp_path / "metrics.jsonl"
-    run.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 600, "3 steps on vLLM")
-    for pid in _vllm_pids() - before:
-        os.kill(pid, signal.SIGKILL)
-    assert run.proc.wait(180) != 0
-    assert not wait_gone(run.seen, 15.0), "processes outlived the run"
-    assert not _vllm_pids() - before
-    log = run.log.read_text()
-    last = read_metrics(tmp_path)[-1]["step"]
-    assert "every rollout engine died" in log and f"checkpoint of step {last} written" in log, log[-4000:]
-    assert complete_ckpts(tmp_path) == [last]
-
-    proc = run_train(tmp_path, *args, "--training.steps", str(last + 2), timeout=600)
-    assert f"Training starts at step {last + 1}" in proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["checksums_match"] and summary["final_engine_version"] == last + 2
 
 
 @pytest.mark.vllm

@@ -43,7 +43,17 @@ def test_ci_runs_the_vllm_stage_with_the_requirement_and_checks_the_import_first
     check = [i for i, x in enumerate(lines) if x.startswith('.venv-vllm/bin/python -c "import vllm"')]
     assert check and check[0] < lines.index(stage[0]) and "exit 1" in lines[check[0]]
     assert lines[0] == "set -euo pipefail" or "set -euo pipefail" in lines  # a failing step ends the run
-    # every vLLM test goes through need_vllm (a bare pytest.skip on a missing .venv-vllm would bypass CI's rule)
-    for name in ("test_vllm.py", "test_vllm_families.py"):
-        src = (ROOT / "tests" / "integration" / name).read_text()
-        assert "pytest.skip(" not in src and "need_vllm()" in src, name
+    # every file with vLLM tests is in the stage, and goes through need_vllm (a bare pytest.skip on a missing
+    # .venv-vllm would bypass CI's rule; the real-model test's own skip becomes a failure under
+    # FLUX_REQUIRE_REAL_MODEL=1, which the stage sets)
+    ci = (ROOT / ".ci" / "run").read_text()
+    start = ci.rindex("\n", 0, ci.index("stage vllm_tests")) + 1
+    stage_text = ci[start:].split("\nstage ", 1)[0]  # the stage's command, over its continuation lines
+    files = sorted(p for p in (ROOT / "tests" / "integration").glob("test_*.py") if "mark.vllm" in p.read_text())
+    assert len(files) >= 4, files
+    for path in files:
+        src = path.read_text()
+        assert f"tests/integration/{path.name}" in stage_text, f"{path.name} is not in CI's vLLM stage"
+        assert "need_vllm()" in src, path.name
+        assert "pytest.skip(" not in src or ("FLUX_REQUIRE_REAL_MODEL" in src and "FLUX_REQUIRE_REAL_MODEL=1" in
+                                             stage_text), path.name
