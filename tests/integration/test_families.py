@@ -306,3 +306,63 @@ def test_two_trainer_ranks_train_a_tied_model(family_dirs, family, tmp_path):
     assert [r["reward_mean"] for r in two[:4]] == pytest.approx([r["reward_mean"] for r in one[:4]], abs=1e-6)
     assert [r["probe_max_abs_diff"] < 1e-4 for r in two if "probe_max_abs_diff" in r] == [True, True]
     assert json.loads((tmp_path / "two" / "hf_final" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("family,tied", [("llama", True), ("qwen3", False), ("qwen2", True)])
+def test_logits_from_gives_the_tail_of_the_full_logits(family_dirs, family, tied):
+    """``model(tokens, logits_from=k)``: positions ``k:`` only, equal to the full logits' tail; the slice's hook is
+    gone after the call."""
+    model, _ = _trainer_model(family_dirs[(family, tied)])
+    tokens = _tokens()
+    with torch.no_grad():
+        full = model(tokens)
+        tail = model(tokens, logits_from=29)
+    assert tail.shape == (2, 11, full.shape[-1])
+    assert (tail - full[:, 29:]).abs().max().item() < 1e-5
+    assert not model.output._forward_pre_hooks
+
+
+def test_a_batch_gradient_with_logits_from_the_first_completion_position_is_the_full_one(family_dirs):
+    """``backward_on_batch`` asks the model for logits from the micro-batch's first completion-predicting position
+    on: the loss and every parameter's gradient equal those of the whole sequence's logits (computed here)."""
+    from contextlib import nullcontext
+
+    from torchtitan_flux.config import Grpo
+    from torchtitan_flux.rl import loss as grpo
+    from torchtitan_flux.rl.gradient import backward_on_batch, first_loss_position
+    from torchtitan_flux.rollout.batch import RolloutBatch
+
+    model, _ = _trainer_model(family_dirs[("llama", True)])
+    model.train()
+    g = Grpo(group_size=2)
+    gen = torch.Generator().manual_seed(3)
+    B, L = 4, 40
+    tokens = torch.randint(3, 259, (B, L), generator=gen)
+    mask = torch.zeros(B, L - 1)
+    for i, (p, c) in enumerate([(20, 12), (25, 8), (18, 21), (30, 5)]):  # prompt and completion lengths
+        mask[i, p - 1 : p - 1 + c] = 1.0
+    behaviour = -torch.rand(B, L - 1, generator=gen) * mask
+    batch = RolloutBatch(step=1, tokens=tokens, loss_mask=mask, behaviour_logprobs=behaviour,
+                         rewards=torch.tensor([1.0, 0.0, 0.3, 0.9]), versions=torch.zeros(B, dtype=torch.int64),
+                         dispatch_version=0, newest_seen=0, gen_time_s=0.0)
+    assert first_loss_position(mask[:2]) == 19 and first_loss_position(mask) == 17
+
+    out = backward_on_batch(model, None, batch, g, trained_steps=0, rank=0, world=1, micro_batch=2,
+                            device=torch.device("cpu"), train_context=nullcontext, amp=nullcontext())
+    windowed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    adv, _ = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)
+    total = 0.0
+    for sl in (slice(0, 2), slice(2, 4)):
+        logprobs = grpo.token_logprobs(model(tokens[sl])[:, :-1].float(), tokens[sl, 1:], g.temperature)
+        loss, _ = grpo.grpo_loss(logprobs, behaviour[sl], adv[sl], mask[sl], proximal_logprobs=logprobs.detach(),
+                                 clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef,
+                                 normalization=g.loss_normalization, tis_cap=g.tis_cap, num_tokens=mask.sum(),
+                                 num_sequences=B)
+        loss.backward()
+        total += loss.item()
+    assert abs(out.loss.item() - total) < 1e-6, (out.loss.item(), total)
+    for n, p in model.named_parameters():
+        assert torch.allclose(windowed[n], p.grad, atol=1e-6, rtol=1e-4), n
+    assert max(p.grad.abs().max().item() for p in model.parameters()) > 1e-4  # not vacuous

@@ -137,8 +137,26 @@ def _llama_head_dim(model_args) -> int:
     return getattr(model_args, "head_dim", 0) or model_args.dim // model_args.n_heads
 
 
-class FluxLlamaModel(Transformer):
-    """torchtitan's llama3 ``Transformer``, with ``tie_word_embeddings`` and an explicit ``head_dim``."""
+class _LogitsFrom:
+    """``forward(tokens, ..., logits_from=k)``: the logits of positions ``k:`` only, ``[B, L - k, V]``. GRPO needs
+    logits only where a completion token is predicted; the prompt's positions before that would cost the output
+    projection and the log-softmax over the whole vocabulary for nothing (TRL's ``logits_to_keep``; on the real model
+    on CPU, ~20% of a training step). Every position still runs through the blocks (causal attention needs them).
+    The slice is a pre-hook on this model's own ``output`` for the one call (FSDP's hooks on it run first)."""
+
+    def forward(self, tokens: torch.Tensor, *args, logits_from: int = 0, **kwargs) -> torch.Tensor:
+        if not logits_from:
+            return super().forward(tokens, *args, **kwargs)
+        handle = self.output.register_forward_pre_hook(lambda _m, a: (a[0][:, logits_from:], *a[1:]))
+        try:
+            return super().forward(tokens, *args, **kwargs)
+        finally:
+            handle.remove()
+
+
+class FluxLlamaModel(_LogitsFrom, Transformer):
+    """torchtitan's llama3 ``Transformer``, with ``tie_word_embeddings``, an explicit ``head_dim`` and
+    ``logits_from``."""
 
     def __init__(self, model_args: FluxLlamaArgs):
         super().__init__(model_args)
@@ -195,8 +213,9 @@ class FluxQwenArgs(_FromHF, Qwen3ModelArgs):
     """Biases on the q/k/v projections (Qwen2 / Qwen2.5)."""
 
 
-class FluxQwenModel(Qwen3Model):
-    """torchtitan's ``Qwen3Model``; with ``qkv_bias`` (Qwen2) the q/k/v projections get biases (zero-initialised)."""
+class FluxQwenModel(_LogitsFrom, Qwen3Model):
+    """torchtitan's ``Qwen3Model``, with ``logits_from``; with ``qkv_bias`` (Qwen2) the q/k/v projections get biases
+    (zero-initialised)."""
 
     def __init__(self, model_args: FluxQwenArgs):
         super().__init__(model_args)

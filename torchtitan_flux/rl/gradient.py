@@ -2,7 +2,8 @@
 
 Each rank takes its contiguous slice of the rows in micro-batches of ``training.local_batch_size`` sequences;
 every micro-batch's loss is normalised by the *global* token (or sequence) count, so the gradients FSDP sums
-across ranks are the whole batch's. Clipping, the optimizer step and the metric reduction stay in ``train_on``.
+across ranks are the whole batch's. Logits are computed from a micro-batch's first completion-predicting position
+on (``logits_from``): the prompt positions before it carry no loss. Clipping, the optimizer step and the metric reduction stay in ``train_on``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ class BatchGradient:
     """Groups whose rewards are all equal (advantage 0)."""
 
 
+def first_loss_position(loss_mask: torch.Tensor) -> int:
+    """The first position (column of ``loss_mask``, ``[N, L-1]``) that predicts a completion token in any row; 0
+    when none does."""
+    cols = loss_mask.any(dim=0).nonzero()
+    return int(cols[0]) if len(cols) else 0
+
+
 def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None, batch: RolloutBatch, g: Grpo, *,
                       trained_steps: int, rank: int, world: int, micro_batch: int, device: torch.device,
                       train_context: Callable[[], AbstractContextManager],
@@ -48,18 +56,22 @@ def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None,
     loss_total = torch.zeros((), device=device)
     for s in range(lo, lo + rows, micro_batch):
         sl = slice(s, min(s + micro_batch, lo + rows))
+        # positions before ``t0`` predict no completion token in this micro-batch: no logits for them
+        t0 = first_loss_position(batch.loss_mask[sl])
         tokens = batch.tokens[sl].to(device)
-        mask = batch.loss_mask[sl].to(device)
+        mask = batch.loss_mask[sl, t0:].to(device)
+        targets = tokens[:, t0 + 1 :]
         with train_context(), amp:
-            logits = model(tokens)
-            logprobs = grpo.token_logprobs(logits[:, :-1].float(), tokens[:, 1:], g.temperature)
+            logits = model(tokens, logits_from=t0)
+            logprobs = grpo.token_logprobs(logits[:, :-1].float(), targets, g.temperature)
             del logits
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref = grpo.token_logprobs(ref_model(tokens)[:, :-1].float(), tokens[:, 1:], g.temperature)
+                    ref = grpo.token_logprobs(ref_model(tokens, logits_from=t0)[:, :-1].float(), targets,
+                                              g.temperature)
             loss, m = grpo.grpo_loss(
-                logprobs, batch.behaviour_logprobs[sl].to(device), adv[sl].to(device), mask,
+                logprobs, batch.behaviour_logprobs[sl, t0:].to(device), adv[sl].to(device), mask,
                 proximal_logprobs=logprobs.detach() if g.tis_cap > 0 else None,
                 ref_logprobs=ref, sample_weights=None if weights is None else weights[sl].to(device),
                 clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
