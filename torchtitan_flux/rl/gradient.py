@@ -3,7 +3,8 @@
 Each rank takes its contiguous slice of the rows in micro-batches of ``training.local_batch_size`` sequences;
 every micro-batch's loss is normalised by the *global* token (or sequence) count, so the gradients FSDP sums
 across ranks are the whole batch's. Logits are computed from a micro-batch's first completion-predicting position
-on (``logits_from``): the prompt positions before it carry no loss. Clipping, the optimizer step and the metric reduction stay in ``train_on``.
+on (``logits_from``): the prompt positions before it carry no loss. Clipping, the optimizer step and the metric
+reduction stay in ``train_on``.
 """
 
 from __future__ import annotations
