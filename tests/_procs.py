@@ -80,7 +80,8 @@ def start_step_of(output: str) -> int:
 
 
 class Run:
-    """A torchrun trainer in its own session, with every descendant it ever had recorded (``scan``)."""
+    """A torchrun trainer in its own session, with every descendant it ever had recorded (``scan``: pid -> (create
+    time, its name and command line as last seen))."""
 
     def __init__(self, dump: Path, log: Path, *overrides: str, faults: dict[str, str] | None = None, nproc: int = 1):
         self.log = log
@@ -106,7 +107,8 @@ class Run:
                 name = c.name()
                 if name.startswith("flux-"):  # an engine names itself once it runs (see engine.embedded)
                     self.engine_pids.add(c.pid)
-                self.seen.setdefault(c.pid, (c.create_time(), f"[{name}] " + " ".join(c.cmdline())))
+                # the latest name: processes rename themselves after they start (engines, vLLM's engine core)
+                self.seen[c.pid] = (c.create_time(), f"[{name}] " + " ".join(c.cmdline()))
             except psutil.Error:
                 pass
 

@@ -10,30 +10,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 from conftest import need_vllm
 
 
 def _vllm_of(run) -> set[int]:
-    """The vLLM API server and engine core processes among ``run``'s live descendants, by their names now (the
-    engine core renames itself after it starts, so ``Run.seen``'s first sighting does not say it)."""
-    import psutil
-
-    try:
-        kids = psutil.Process(run.proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return set()
-    found = set()
-    for c in kids:
-        try:
-            cmd = c.name() + " " + " ".join(c.cmdline())
-        except psutil.Error:
-            continue
-        if "vllm.entrypoints" in cmd or "VLLM::EngineCore" in cmd:
-            found.add(c.pid)
-    return found
+    """The vLLM API server and engine core processes among every descendant ``run`` has had (``Run.scan``), by the
+    names they last showed."""
+    return {pid for pid, (_, cmd) in run.seen.items() if "vllm.entrypoints" in cmd or "VLLM::EngineCore" in cmd}
 
 
 @pytest.mark.slow
@@ -47,20 +32,17 @@ def test_grpo_run_with_launched_vllm(small_model_dir, tmp_path, monkeypatch):
     run = Run(tmp_path, tmp_path / "run.log", "--training.steps", "4", "--model.hf_assets_path", str(small_model_dir),
               "--rollout.engine", "vllm", "--rollout.launch", "true", "--weight_sync.async_weight_update", "true",
               "--off_policy.async_ratio", "1")
-    vllm: set[int] = set()
-    deadline = time.monotonic() + 600
-    while run.proc.poll() is None and time.monotonic() < deadline:
-        run.scan()
-        vllm |= _vllm_of(run)
-        time.sleep(0.2)
-    if run.proc.poll() is None:  # past the deadline: leave nothing running
-        os.killpg(run.proc.pid, signal.SIGKILL)
+    try:
+        run.wait_for(lambda: run.proc.poll() is not None, 600, "the run's end")
+    finally:
+        if run.proc.poll() is None:  # past the deadline: leave nothing running
+            os.killpg(run.proc.pid, signal.SIGKILL)
     assert run.proc.wait() == 0, run.log.read_text()[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_engine_version"] == 4
     assert summary["checksums_match"]
     assert (tmp_path / "vllm_server0.log").exists()
-    assert len(vllm) >= 2, vllm  # the API server and its engine core were seen running
+    assert len(_vllm_of(run)) >= 2, run.seen  # the API server and its engine core were seen running
     assert not wait_gone(run.seen, 10.0), "processes survived the run"
 
 
@@ -72,7 +54,7 @@ def test_launched_vllm_server_killed_mid_run_stops_cleanly_and_resumes(small_mod
     stops at the step boundary with an error, writes a checkpoint of its last step (nothing trained is lost),
     exits non-zero and leaves no process behind; the same command resumes from that step with a new server, and
     its weights equal the trainer's."""
-    from _procs import Run, complete_ckpts, wait_gone
+    from _procs import Run, complete_ckpts, gone, wait_gone
     from conftest import read_metrics, run_train
 
     need_vllm()
@@ -83,8 +65,8 @@ def test_launched_vllm_server_killed_mid_run_stops_cleanly_and_resumes(small_mod
     run = Run(tmp_path, tmp_path / "run.log", *args, "--training.steps", "500")
     metrics = tmp_path / "metrics.jsonl"
     run.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 600, "3 steps on vLLM")
-    ours = _vllm_of(run)
-    assert len(ours) >= 2, ours  # the API server and its engine core
+    ours = {pid for pid in _vllm_of(run) if not gone(pid, run.seen[pid][0])}
+    assert len(ours) >= 2, run.seen  # the API server and its engine core
     for pid in ours:
         os.kill(pid, signal.SIGKILL)
     assert run.proc.wait(180) != 0
