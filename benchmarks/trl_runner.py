@@ -11,7 +11,9 @@ the repository root: the package is not installed there).
   .venv-trl/bin/python benchmarks/trl_runner.py --spec spec.json
       one GRPO run; spec keys: model_dir, prompts (list of step prompt lists, step 1 first), group_size,
       max_new_tokens, lr, beta1, beta2, eps, weight_decay, max_norm, seed, threads, out (JSONL path),
-      attn_implementation ("sdpa" | "eager"), cache_implementation (null | "static" | ...).
+      attn_implementation ("sdpa" | "eager"), cache_implementation (null | "static" | ...), and for the real
+      workload task = "capitals" with each prompt a dict {text, answer, ids} (ids: our engine's prompt ids,
+      checked against TRL's tokenization of the text).
 
 Output JSONL (one object per optimizer step): step, reward_mean, reward_std, time_s (wall clock since the first
 step's start, as measured by a TrainerCallback at on_step_begin of step 1), step_time_s, samples_per_s,
@@ -20,7 +22,9 @@ first step's start (imports, model load, trainer construction), "start_epoch": t
 
 Reward: the digits task, same semantics as torchtitan_flux.data.tasks.DigitsTask.reward: the completion's tokens
 (up to and including EOS) decoded with special tokens skipped; fraction of its characters that are digits;
-an empty completion scores 0.
+an empty completion scores 0. The real workload (task "capitals", the model's own tokenizer and chat template, the
+prompts already rendered by our ChatTemplate): ``examples/capital_rewards.py``'s ``capital_reward``, the function
+our run uses, on the completions decoded with special tokens skipped.
 """
 
 from __future__ import annotations
@@ -131,13 +135,28 @@ def run(spec: dict) -> None:
 
     model_dir = spec["model_dir"]
     G = int(spec["group_size"])
-    steps_prompts: list[list[str]] = spec["prompts"]
+    steps_prompts: list[list] = spec["prompts"]
     n_steps = len(steps_prompts)
     P = len(steps_prompts[0])
-    tok = load_tokenizer(model_dir)
+    real = spec.get("task") == "capitals"
     # Prompts in step order; shuffle_dataset=False makes TRL's RepeatSampler walk them in this order, P per step.
-    flat = [prompt_text_for_hf(tok, p) for ps in steps_prompts for p in ps]
-    dataset = Dataset.from_dict({"prompt": flat})
+    if real:
+        from transformers import AutoTokenizer
+
+        if _REPO not in sys.path:
+            sys.path.insert(0, _REPO)
+        from examples.capital_rewards import capital_reward
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        flat = [p["text"] for ps in steps_prompts for p in ps]
+        for p in (p for ps in steps_prompts for p in ps):  # TRL tokenizes a text prompt with tok(text=...)
+            ids = tok(text=[p["text"]])["input_ids"][0]
+            assert list(ids) == p["ids"], f"TRL's prompt ids {ids} differ from our engine's {p['ids']}"
+        dataset = Dataset.from_dict({"prompt": flat, "answer": [p["answer"] for ps in steps_prompts for p in ps]})
+    else:
+        tok = load_tokenizer(model_dir)
+        flat = [prompt_text_for_hf(tok, p) for ps in steps_prompts for p in ps]
+        dataset = Dataset.from_dict({"prompt": flat})
 
     model = LlamaForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=spec.get("attn_implementation", "sdpa"))
@@ -150,7 +169,7 @@ def run(spec: dict) -> None:
     def digits_reward(prompts, completions, completion_ids, **kwargs):
         # decode ourselves (skip special tokens) so the semantics do not depend on TRL's text post-processing
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
-        r = [digits_reward_text(t) for t in texts]
+        r = capital_reward(texts, kwargs["answer"]) if real else [digits_reward_text(t) for t in texts]
         state["rewards"].append(r)
         state["lens"].append([len(c) for c in completion_ids])
         return r

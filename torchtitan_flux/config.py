@@ -107,6 +107,13 @@ class Rollout:
     engine_threads: Annotated[int, Range(ge=1)] = 1
     """CPU threads of each engine (torch threads, or a launched server's OpenMP threads); the trainer gets the rest."""
 
+    borrow_idle_engine_cores: Bool = True
+    """CPU, one trainer rank, embedded engines: the trainer also computes on the threads of every engine that holds
+    no request (re-checked before each micro-batch and the optimizer step; ``fleet.TrainerThreads``). With async
+    rollouts the engine is idle once the next batch is generated, so its core trains the rest of the step. The
+    thread count then depends on timing, and with it the last bits of reductions: runs are not bit-reproducible.
+    False: the fixed split (``engine_threads`` per engine, the rest for the trainer), reproducible."""
+
     seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
     """Base seed of the engines' samplers (each request derives its own generator from it)."""
 

@@ -127,3 +127,16 @@ def test_request_waits_for_its_min_version(rig):
     while 10 not in rig.results and time.monotonic() < deadline:
         rig.pump(0.05)
     assert rig.results.pop(10).version == 4
+
+
+def test_engine_is_idle_only_between_a_submit_and_its_result(rig):
+    """``EmbeddedEngine.idle`` (what ``fleet.TrainerThreads`` borrows cores by): False from ``submit`` until the
+    request's result has been read, True after."""
+    assert rig.engine.idle()
+    rig.engine.submit(GenerationRequest(900, 1, [[1, 5, 6]], 2, 8, 1.0, 0, seed=1, dispatch_version=0))
+    assert not rig.engine.idle()  # at once: submit records it before the engine can start
+    deadline = time.monotonic() + 60
+    while 900 not in rig.results and time.monotonic() < deadline:
+        rig.pump(0.05)
+    assert rig.results.pop(900).req_id == 900
+    assert rig.engine.idle()

@@ -35,14 +35,20 @@ def test_sync_run_learns_and_engine_matches_trainer(tiny_model_dir, tmp_path):
 
 
 def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
+    """Also: with rollout.borrow_idle_engine_cores the trainer computes on the engine's core while the engine holds
+    no request (fleet.TrainerThreads), and the engine still ends with the trainer's exact weights."""
     run_train(tmp_path, "--training.steps", "12", "--weight_sync.async_weight_update", "true",
-              "--off_policy.async_ratio", "1")
+              "--off_policy.async_ratio", "1", "--rollout.borrow_idle_engine_cores", "true")
     rows = read_metrics(tmp_path)
     assert rows[0]["version_gap_max"] == 0  # step 1 is generated from the initial weights
     assert all(r["version_gap_max"] <= 1 for r in rows)  # max_version_gap = 1 bounds it
     assert sum(r["version_gap_mean"] for r in rows[1:]) > 0  # and it does run ahead
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
+    own = max(1, (os.cpu_count() or 1) - 1)  # debug config: one engine of one thread
+    threads = [r["trainer_threads"] for r in rows]
+    assert all(own <= t <= own + 1 for t in threads), threads
+    assert max(threads) > own, threads  # it did borrow (the tiny model's generation ends long before training)
 
 
 def test_kl_penalty_against_the_frozen_reference_policy(tiny_model_dir, tmp_path):

@@ -60,3 +60,22 @@ def test_vs_trl_curve_reads_the_rows_wall_clock(tmp_path):
     assert [(p["step"], p["reward_mean"]) for p in curve] == [(1, 0.2), (2, 0.5)]
     assert [round(p["time_s"], 6) for p in curve] == [0.4, 0.9]
     assert [round(p["step_time_s"], 6) for p in curve] == [0.4, 0.5]  # the wall period, not the row's step_time_s
+
+
+def test_vs_trl_real_limit_and_phase_times(tmp_path):
+    """``benchmarks/vs_trl.py``'s real workload: ``_our_phase_times`` takes the medians of train and generation
+    seconds without step 1; ``speedup_limit`` is TRL's s/step over the fixed split's (train + generation) / 2, and
+    names what it needs when a run is missing."""
+    from vs_trl import _our_phase_times, speedup_limit
+
+    rows = [{"step": 1, "train_time_s": 99.0, "gen_time_s": 99.0},
+            {"step": 2, "train_time_s": 12.0, "gen_time_s": 3.0},
+            {"step": 3, "train_time_s": 14.0, "gen_time_s": 2.0},
+            {"step": 4, "train_time_s": 13.0, "gen_time_s": 2.5}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert _our_phase_times(tmp_path) == (13.0, 2.5)
+    agg = {"async_fixed": {"train_s": 13.0, "gen_s": 2.5, "median_step_s": 13.1},
+           "trl": {"median_step_s": 15.5, "train_s": None, "gen_s": None}}
+    lim, why = speedup_limit(agg)
+    assert lim == 15.5 / 7.75 and "7.75" in why
+    assert speedup_limit({"trl": agg["trl"]}) == (None, "needs async_fixed and trl runs")

@@ -216,6 +216,8 @@ class EmbeddedEngine(EngineHandler):
         self._closing = False
         self._dead_lock = threading.Lock()
         self._dead_reported = False
+        self._requests_lock = threading.Lock()
+        self._requests: set[int] = set()  # submitted, result not yet read (main thread adds, reader thread removes)
 
     def start(self) -> None:
         ctx = engine_context()
@@ -267,6 +269,8 @@ class EmbeddedEngine(EngineHandler):
             kind = msg[0]
             if kind == "result":
                 _, req_id, tokens, logprobs, lengths, version, newest, dt = msg
+                with self._requests_lock:
+                    self._requests.discard(req_id)
                 tokens, logprobs, lengths = (torch.from_numpy(a) for a in (tokens, logprobs, lengths))
                 self.events.put(GenerationResult(req_id, self.name, tokens, logprobs, lengths, version, newest, dt))
             elif kind == "ack":
@@ -281,7 +285,15 @@ class EmbeddedEngine(EngineHandler):
                 self._replies.put((msg[1], msg[2]))
 
     def submit(self, request: GenerationRequest) -> None:
+        with self._requests_lock:
+            self._requests.add(request.req_id)
         self._send(("generate", request))
+
+    def idle(self) -> bool:
+        """Alive and holding no request (every submitted request's result has been read): its cores compute
+        nothing until the next ``submit``, which only the trainer's main thread calls (``fleet.TrainerThreads``)."""
+        with self._requests_lock:
+            return not self._requests and self.alive()
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
         self._send(("join", info))

@@ -156,12 +156,66 @@ def _pad_id(tokenizer, hf_dir: str) -> int:
     return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
 
 
-def set_trainer_threads(job_config) -> None:
-    """On CPU, leave the engines on this machine their cores (embedded engines, or servers we launch):
-    trainer threads = (cores - engine threads) / local ranks. Remote servers leave the trainer every core."""
-    if torch.cuda.is_available() or not (job_config.rollout.engine == "embedded" or job_config.rollout.launch):
-        return
-    r = job_config.rollout
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    engine_cores = r.engine_threads * r.num_engines
-    torch.set_num_threads(max(1, ((os.cpu_count() or 1) - engine_cores) // local))
+class TrainerThreads:
+    """This trainer rank's CPU threads, and the cores it borrows from idle embedded engines.
+
+    At construction (before torchtitan builds the model) the rank takes its share of the machine: on CPU with
+    embedded engines or servers we launch, (cores - engine threads) / local ranks; remote servers leave it every
+    core; on GPU nothing is set. With ``rollout.borrow_idle_engine_cores`` (CPU, one local rank, embedded engines),
+    ``before_compute`` adds the threads of each engine that holds no request (``EmbeddedEngine.idle``) and gives
+    them back once it holds one. ``watch`` calls it before every transformer block's forward and backward (so a
+    step's training takes the engine's core within one block of the engine finishing its generation); the trainer
+    calls it before the optimizer step.
+
+    Invariant (no core does two jobs): an engine gets work only through ``submit``, which only the trainer's main
+    thread calls, between computations; ``before_compute`` runs on that thread (CPU autograd runs the backward on
+    the thread that called it) before each block, so a core is borrowed only while its engine has nothing to
+    generate, and is returned before the next computation after the engine gets a request. (A borrowed core can
+    still see the engine's receiver thread unpack a push: a copy, not a forward pass.)
+    """
+
+    def __init__(self, job_config):
+        r = job_config.rollout
+        self.cpu_split = not torch.cuda.is_available() and (r.engine == "embedded" or r.launch)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.own = max(1, ((os.cpu_count() or 1) - r.engine_threads * r.num_engines) // local)
+        self.borrowing = self.cpu_split and r.borrow_idle_engine_cores and r.engine == "embedded" and local == 1
+        if self.cpu_split:
+            torch.set_num_threads(self.own)
+        self._threads_sum = self._computes = 0
+
+    def before_compute(self, rollouts: Rollouts | None) -> None:
+        """Set the threads of the computation about to run: own + those of the engines idle now (main thread)."""
+        if not self.borrowing or rollouts is None:
+            return
+        n = self.own + sum(e.threads for e in rollouts.engines if isinstance(e, EmbeddedEngine) and e.idle())
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        self._threads_sum += n
+        self._computes += 1
+
+    def watch(self, model: torch.nn.Module, rollouts: Rollouts | None) -> None:
+        """Hooks on ``model``'s transformer blocks (``model.layers``): ``before_compute`` before each block's forward
+        and, through a gradient hook on its output, before its backward. Nothing when not borrowing."""
+        if not self.borrowing or rollouts is None:
+            return
+
+        def check(*_):
+            self.before_compute(rollouts)
+
+        def on_output(_module, _args, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(check)  # returns None: the gradient is unchanged
+
+        for block in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+            block.register_forward_pre_hook(check)
+            block.register_forward_hook(on_output)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``trainer_threads``: mean threads over the checks since the last call (one per block's forward and
+        backward, one per optimizer step; borrowing only)."""
+        if not self._computes:
+            return {}
+        m = {"trainer_threads": self._threads_sum / self._computes}
+        self._threads_sum = self._computes = 0
+        return m

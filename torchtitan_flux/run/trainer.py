@@ -32,7 +32,7 @@ from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.config import ConfigError
 from torchtitan_flux.data.evaluation import Evaluator
 from torchtitan_flux.rl.feed import BatchFeed
-from torchtitan_flux.rollout.fleet import Rollouts, set_trainer_threads
+from torchtitan_flux.rollout.fleet import Rollouts, TrainerThreads
 from torchtitan_flux.models.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
 from torchtitan_flux.run.metrics import MetricsWriteError, MetricsWriter
 from torchtitan_flux.run.preflight import preflight
@@ -55,7 +55,7 @@ class FluxTrainer(Trainer):
         self.stops = StopRequests()
         pre = preflight(job_config)  # before torchtitan builds anything and before any spawn
         self.task, self.checkpoint_folder = pre.task, pre.checkpoint_folder
-        set_trainer_threads(job_config)
+        self.threads = TrainerThreads(job_config)
         super().__init__(pre.job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -89,6 +89,7 @@ class FluxTrainer(Trainer):
             self.scheduler = Rollouts(job_config, self.task, self.tokenizer, self.model, device=self.device,
                                       stops=self.stops)
             self.syncer = self.scheduler.syncer
+            self.threads.watch(self.model, self.scheduler)
             if self.world == 1:
                 self.stops.interrupt_rollout_waits_of(self.scheduler)
         else:  # a bystander: takes part in every snapshot, sends nothing
@@ -248,6 +249,7 @@ class FluxTrainer(Trainer):
             )
         self.checkpointer.maybe_wait_for_staging()
         self.syncer.before_optimizer_step()
+        self.threads.before_compute(self.scheduler)
         self.optimizers.step()
         self.lr_schedulers.step()
         self.ntokens_seen += int(num_tokens)
@@ -256,7 +258,7 @@ class FluxTrainer(Trainer):
         if self.world > 1:
             dist.all_reduce(stats)
         means = {k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))}
-        return {"loss": stats[0].item(), **means, "grad_norm": grad_norm.item(),
+        return {"loss": stats[0].item(), **means, "grad_norm": grad_norm.item(), **self.threads.step_metrics(),
                 "zero_variance_groups": grad.zero_variance_groups,
                 "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0]}
 

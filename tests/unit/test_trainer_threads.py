@@ -1,0 +1,98 @@
+"""``fleet.TrainerThreads``: the trainer's CPU threads, and the engine cores it borrows while they are idle."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.rollout.fleet import TrainerThreads
+
+
+class FakeEngine(EmbeddedEngine):
+    """Never started; idle as scripted (one value per call, the last repeated)."""
+
+    def __init__(self, threads: int, idle: list[bool]):
+        super().__init__("engine0", "unused", threads, events=None)
+        self.script = list(idle)
+
+    def idle(self) -> bool:
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+
+def job(borrow: bool = True, engine: str = "embedded", threads: int = 1, engines: int = 1):
+    return SimpleNamespace(rollout=SimpleNamespace(
+        engine=engine, launch=False, engine_threads=threads, num_engines=engines, borrow_idle_engine_cores=borrow))
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_own_share_then_idle_engines_lend_theirs():
+    t = TrainerThreads(job(threads=1, engines=2))
+    own = max(1, (os.cpu_count() or 1) - 2)
+    assert t.own == own and torch.get_num_threads() == own
+    fleet = SimpleNamespace(engines=[FakeEngine(1, [True]), FakeEngine(1, [False])])
+    t.before_compute(fleet)
+    assert torch.get_num_threads() == own + 1  # only the idle engine's core
+    fleet.engines[1].script = [True]
+    t.before_compute(fleet)
+    assert torch.get_num_threads() == own + 2
+    fleet.engines[0].script = fleet.engines[1].script = [False]  # both got requests: every borrowed core returned
+    t.before_compute(fleet)
+    assert torch.get_num_threads() == own
+    assert t.step_metrics() == {"trainer_threads": pytest.approx((3 * own + 3) / 3)}
+    assert t.step_metrics() == {}  # reset by reading
+
+
+@pytest.mark.parametrize("cfg", [job(borrow=False), job(engine="vllm")])
+def test_no_borrowing_when_off_or_not_embedded(cfg):
+    t = TrainerThreads(cfg)
+    before = torch.get_num_threads()
+    t.before_compute(SimpleNamespace(engines=[FakeEngine(1, [True])]))
+    assert torch.get_num_threads() == before and t.step_metrics() == {}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, seen: list):
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(4, 4), seen
+
+    def forward(self, x):
+        self.seen.append(("fwd", torch.get_num_threads()))
+        return torch.tanh(self.lin(x))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, seen: list):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(i): Block(seen) for i in range(3)})
+
+    def forward(self, x):
+        for b in self.layers.values():
+            x = b(x)
+        return x
+
+
+def test_watch_rechecks_before_every_block_forward_and_backward():
+    """The engine turns idle during the forward: the later blocks, and the whole backward, get its core; the
+    check runs once per block each way (the backward through a gradient hook on the block's output)."""
+    seen: list = []
+    model = Model(seen)
+    t = TrainerThreads(job())
+    own = t.own
+    engine = FakeEngine(1, [False, False, True])  # busy for the first two checks
+    t.watch(model, SimpleNamespace(engines=[engine]))
+    x = torch.randn(2, 4, requires_grad=True)
+    out = model(x).sum()
+    assert [n for _, n in seen] == [own, own, own + 1]
+    out.backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert t.step_metrics()["trainer_threads"] == pytest.approx((2 * own + 4 * (own + 1)) / 6)  # 3 fwd + 3 bwd
