@@ -48,7 +48,8 @@ def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
     own = max(1, (os.cpu_count() or 1) - 1)  # debug config: one engine of one thread
     threads = [r["trainer_threads"] for r in rows]
     assert all(own <= t <= own + 1 for t in threads), threads
-    assert max(threads) > own, threads  # it did borrow (the tiny model's generation ends long before training)
+    # it did borrow while the engine ran ahead (not only in the last step, which has nothing left to generate)
+    assert max(threads[:-1]) > own, threads
 
 
 def test_kl_penalty_against_the_frozen_reference_policy(tiny_model_dir, tmp_path):

@@ -23,9 +23,11 @@ class FakeEngine(EmbeddedEngine):
         return self.script.pop(0) if len(self.script) > 1 else self.script[0]
 
 
-def job(borrow: bool = True, engine: str = "embedded", threads: int = 1, engines: int = 1):
-    return SimpleNamespace(rollout=SimpleNamespace(
-        engine=engine, launch=False, engine_threads=threads, num_engines=engines, borrow_idle_engine_cores=borrow))
+def job(borrow: bool = True, engine: str = "embedded", threads: int = 1, engines: int = 1, compiled: bool = False):
+    return SimpleNamespace(
+        rollout=SimpleNamespace(engine=engine, launch=False, engine_threads=threads, num_engines=engines,
+                                borrow_idle_engine_cores=borrow),
+        compile=SimpleNamespace(enable=compiled, components=["model", "loss"]))
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +54,10 @@ def test_own_share_then_idle_engines_lend_theirs():
     assert t.step_metrics() == {}  # reset by reading
 
 
-@pytest.mark.parametrize("cfg", [job(borrow=False), job(engine="vllm")])
-def test_no_borrowing_when_off_or_not_embedded(cfg):
+@pytest.mark.parametrize("cfg", [job(borrow=False), job(engine="vllm"), job(compiled=True)])
+def test_no_borrowing_when_off_not_embedded_or_compiled(cfg):
+    """Off; a server's threads are not tracked; a compiled model's kernels keep the thread count they were
+    generated with (Inductor), so changing it later would not reach them."""
     t = TrainerThreads(cfg)
     before = torch.get_num_threads()
     t.before_compute(SimpleNamespace(engines=[FakeEngine(1, [True])]))

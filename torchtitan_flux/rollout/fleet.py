@@ -161,17 +161,19 @@ class TrainerThreads:
 
     At construction (before torchtitan builds the model) the rank takes its share of the machine: on CPU with
     embedded engines or servers we launch, (cores - engine threads) / local ranks; remote servers leave it every
-    core; on GPU nothing is set. With ``rollout.borrow_idle_engine_cores`` (CPU, one local rank, embedded engines),
-    ``before_compute`` adds the threads of each engine that holds no request (``EmbeddedEngine.idle``) and gives
-    them back once it holds one. ``watch`` calls it before every transformer block's forward and backward (so a
-    step's training takes the engine's core within one block of the engine finishing its generation); the trainer
-    calls it before the optimizer step.
+    core; on GPU nothing is set. With ``rollout.borrow_idle_engine_cores`` (CPU, one local rank, embedded engines,
+    no compiled model), ``before_compute`` adds the threads of each engine that holds no request
+    (``EmbeddedEngine.idle``) and gives them back once it holds one. ``watch`` calls it before every transformer
+    block's forward and backward (so a step's training takes the engine's core within one block of the engine
+    finishing its generation); the trainer calls it once the step's batch is in and before the optimizer step.
 
-    Invariant (no core does two jobs): an engine gets work only through ``submit``, which only the trainer's main
-    thread calls, between computations; ``before_compute`` runs on that thread (CPU autograd runs the backward on
-    the thread that called it) before each block, so a core is borrowed only while its engine has nothing to
-    generate, and is returned before the next computation after the engine gets a request. (A borrowed core can
-    still see the engine's receiver thread unpack a push: a copy, not a forward pass.)
+    Invariant (no core does two jobs in a forward or backward pass): an engine gets work only through ``submit``,
+    which only the trainer's main thread calls, between computations; ``before_compute`` runs on that thread (CPU
+    autograd runs the backward on the thread that called it) before each block, so a block computes on a borrowed
+    core only while its engine has nothing to generate. Between a submit and the next check the main thread runs
+    bookkeeping and copies only (the batch's layout, a staging copy), still on the borrowed count; so does the
+    engine's receiver thread when it unpacks a push. Compiled models (``compile.enable`` with "model") do not
+    borrow: Inductor writes the thread count into the kernels it generates, so later changes would not reach them.
     """
 
     def __init__(self, job_config):
@@ -179,7 +181,9 @@ class TrainerThreads:
         self.cpu_split = not torch.cuda.is_available() and (r.engine == "embedded" or r.launch)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.own = max(1, ((os.cpu_count() or 1) - r.engine_threads * r.num_engines) // local)
-        self.borrowing = self.cpu_split and r.borrow_idle_engine_cores and r.engine == "embedded" and local == 1
+        compiled = job_config.compile.enable and "model" in job_config.compile.components
+        self.borrowing = (self.cpu_split and r.borrow_idle_engine_cores and r.engine == "embedded" and local == 1
+                          and not compiled)
         if self.cpu_split:
             torch.set_num_threads(self.own)
         self._threads_sum = self._computes = 0

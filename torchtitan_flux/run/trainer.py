@@ -166,6 +166,7 @@ class FluxTrainer(Trainer):
         jc, last = self.job_config, self.step + 1 == self.job_config.training.steps
         t0 = time.perf_counter()
         fed = self.feed.next(self.step + 1, self.step)
+        self.threads.before_compute(self.scheduler)  # the next steps' requests just went out: their cores come back
         self.step += 1
         t1 = time.perf_counter()
         metrics = self.train_on(fed.batch)
