@@ -93,13 +93,14 @@ def test_one_prestarted_server_forks_every_engine(tiny_model_dir):
         from torchtitan_flux.engine.embedded import EmbeddedEngine
         if __name__ == "__main__":
             assert prestart_engine_server() and prestart_engine_server()
-            servers = [(c.pid, c.create_time()) for c in psutil.Process().children()
-                       if "forkserver" in " ".join(c.cmdline())]
             engines = [EmbeddedEngine(f"engine{i}", sys.argv[1], 1, queue.Queue()) for i in range(2)]
             for e in engines:
                 e.start()
             for e in engines:
                 e.checksum(timeout=60)
+            # listed once it has served: right after the start its /proc cmdline can read empty (mid-exec)
+            servers = [(c.pid, c.create_time()) for c in psutil.Process().children()
+                       if "forkserver" in " ".join(c.cmdline())]
             print(json.dumps([servers, [psutil.Process(e.pid).parent().pid for e in engines],
                               [psutil.Process(e.pid).name() for e in engines]]))
             for e in engines:
