@@ -178,13 +178,13 @@ class TrainerThreads:
 
     def __init__(self, job_config):
         r = job_config.rollout
-        self.cpu_split = not torch.cuda.is_available() and (r.engine == "embedded" or r.launch)
+        cpu_split = not torch.cuda.is_available() and (r.engine == "embedded" or r.launch)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.own = max(1, ((os.cpu_count() or 1) - r.engine_threads * r.num_engines) // local)
         compiled = job_config.compile.enable and "model" in job_config.compile.components
-        self.borrowing = (self.cpu_split and r.borrow_idle_engine_cores and r.engine == "embedded" and local == 1
+        self.borrowing = (cpu_split and r.borrow_idle_engine_cores and r.engine == "embedded" and local == 1
                           and not compiled)
-        if self.cpu_split:
+        if cpu_split:
             torch.set_num_threads(self.own)
         self._threads_sum = self._computes = 0
 
