@@ -81,7 +81,7 @@ def start_step_of(output: str) -> int:
 
 class Run:
     """A torchrun trainer in its own session, with every descendant it ever had recorded (``scan``: pid -> (create
-    time, its name and command line as last seen))."""
+    time, every distinct "[name] command line" it showed, joined by " | "))."""
 
     def __init__(self, dump: Path, log: Path, *overrides: str, faults: dict[str, str] | None = None, nproc: int = 1):
         self.log = log
@@ -107,8 +107,15 @@ class Run:
                 name = c.name()
                 if name.startswith("flux-"):  # an engine names itself once it runs (see engine.embedded)
                     self.engine_pids.add(c.pid)
-                # the latest name: processes rename themselves after they start (engines, vLLM's engine core)
-                self.seen[c.pid] = (c.create_time(), f"[{name}] " + " ".join(c.cmdline()))
+                # every name it showed: processes rename themselves after they start (engines, vLLM's engine core),
+                # and an exiting (or still exec-ing) process shows an empty command line, so the latest alone can
+                # hide what it was (CI saw vLLM's server last as "[python] ")
+                shown = f"[{name}] " + " ".join(c.cmdline())
+                created, before = self.seen.get(c.pid, (None, ""))
+                if created != c.create_time():  # new, or a reused pid
+                    self.seen[c.pid] = (c.create_time(), shown)
+                elif shown not in before.split(" | "):
+                    self.seen[c.pid] = (created, f"{before} | {shown}")
             except psutil.Error:
                 pass
 
