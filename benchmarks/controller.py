@@ -13,7 +13,8 @@ post-warmup steps whose EMA staleness is within +-0.05 of the target. Key=value 
 ``throughput_vs_full_async`` (adaptive / fixed with the same max gap), ``adaptive_final_reward``,
 ``sync_final_reward_min``, ``sync_final_reward_max``, ``adaptive_vs_best_fixed_time_to_target`` (the best fixed
 gap's median time to target / adaptive's: > 1 means adaptive is sooner), ``adaptive_vs_sync_time_to_target``,
-``adaptive_final_reward_in_sync_spread`` (1 when every adaptive seed's final reward lies in sync's range).
+``adaptive_final_reward_in_sync_spread`` (1 when every adaptive seed's final reward lies in sync's range or above
+it: a final reward above every sync seed's is no loss).
 
 ``--workload sensitive`` is the staleness-sensitive setting found on 2026-11-24 (docs/controller.md): the digits
 task at learning rate 1e-2, where a stale policy needs twice the steps to the target (gap 8: ~27 steps, sync:
@@ -21,11 +22,23 @@ task at learning rate 1e-2, where a stale policy needs twice the steps to the ta
 at the measured pipeline depth). Compare with ``--variant "no-ff=--off_policy.feedforward false"`` (the
 controller alone) and ``--variant "ff-discount=--grpo.staleness_discount 1"`` (the step of each sample scaled by
 1 / (1 + its version gap), the seeds' staleness-adaptive learning rate).
+
+``--workload growing`` and ``--workload shifting`` are non-stationary (issue 30, fixed before any measurement):
+the length curriculum of ``examples/length_curriculum.py`` at the sensitive learning rate, phases of 16, 48 and
+128 new tokens (``shifting``: 128, 48, 16), each ending when the mean reward of its last 5 steps reaches 0.8 (cap
+200 steps); the run ends with the last phase (``Task.finished``), so time to target is the wall clock from the
+start of step 1 to the end of the last phase. The fixed gaps include 0 (sync); the per-phase oracle takes, for
+each phase, the fixed mode with the smallest median phase time, summed over the phases (same seeds). Extra lines:
+a per-phase table, ``adaptive_vs_phase_oracle_time_to_target`` (oracle / adaptive), and ``--plot`` draws seed 0's
+reward against wall clock (sync, the best fixed, the oracle's and adaptive) and adaptive's lookahead against the
+oracle's gap.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import platform
 import shutil
@@ -33,14 +46,31 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, run_training  # noqa: E402
 
 
-WORKLOADS = {  # name -> (overrides for every run, defaults of --gaps and --adaptive-gap, adaptive's own overrides)
-    "debug": ([], [1, 2, 4], 4, []),
-    "sensitive": (["--optimizer.lr", "1e-2"], [1, 2, 4, 8], 8, ["--off_policy.feedforward", "true"]),
+@dataclass(frozen=True)
+class Workload:
+    overrides: list[str]  # for every run
+    gaps: list[int]  # default of --gaps
+    adaptive_gap: int  # default of --adaptive-gap
+    adaptive: list[str]  # adaptive's own overrides
+    steps: int = 60  # default of --steps
+    curriculum: bool = False  # examples/length_curriculum.py: the run ends with its last phase
+
+
+_CURRICULUM = ["--optimizer.lr", "1e-2", "--rollout.max_new_tokens", "128", "--training.seq_len", "144"]
+WORKLOADS = {
+    "debug": Workload([], [1, 2, 4], 4, []),
+    "sensitive": Workload(["--optimizer.lr", "1e-2"], [1, 2, 4, 8], 8, ["--off_policy.feedforward", "true"]),
+    # the curriculum ends the run (Task.finished); 600 steps = every phase at its cap
+    "growing": Workload([*_CURRICULUM, "--rollout.task", "examples.length_curriculum:growing"], [1, 2, 4, 8], 8,
+                        ["--off_policy.feedforward", "true"], steps=600, curriculum=True),
+    "shifting": Workload([*_CURRICULUM, "--rollout.task", "examples.length_curriculum:shifting"], [1, 2, 4, 8], 8,
+                         ["--off_policy.feedforward", "true"], steps=600, curriculum=True),
 }
 
 
@@ -59,9 +89,73 @@ def time_to_target(rows: list[dict], target: float, window: int = 5) -> tuple[fl
     return float("inf"), 0
 
 
+def phase_ends(rows: list[dict], run_dir: str) -> list[tuple[float, int]]:
+    """A curriculum run's (seconds from the start of step 1, step) at the end of each phase (``curriculum.jsonl``);
+    a phase that never ended is (inf, 0)."""
+    start, at = rows[0]["time"] - rows[0]["step_time_s"], {r["step"]: r["time"] for r in rows}
+    path = os.path.join(run_dir, "curriculum.jsonl")
+    ends = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+    out = [(at[e["end_step"]] - start, e["end_step"]) for e in ends if e["end_step"] in at]
+    return out + [(float("inf"), 0)] * (3 - len(out))
+
+
+def phase_oracle(ends: dict[str, list[list[tuple[float, int]]]]) -> tuple[float, list[str]]:
+    """The per-phase oracle: for each phase, the fixed mode (sync included) with the smallest median phase time
+    (over seeds); returns the sum of those medians and the chosen modes. ``ends``: mode -> per seed ``phase_ends``."""
+    total, chosen = 0.0, []
+    for k in range(3):
+        med = {m: statistics.median(e[k][0] - (e[k - 1][0] if k else 0.0) for e in runs) for m, runs in ends.items()}
+        best = min(med, key=med.get)
+        total += med[best]
+        chosen.append(best)
+    return total, chosen
+
+
+def lookahead(row: dict, max_gap: int) -> float:
+    """The lookahead the adaptive run admitted after a step: ``async_ratio * max_version_gap``, capped at the
+    feedforward's ``pipeline_depth`` (logged when it is on)."""
+    return min(row["async_ratio"] * max_gap, row.get("pipeline_depth", math.inf))
+
+
+def plot_curriculum(path: str, title: str, runs: dict[str, tuple[list[dict], list[tuple[float, int]]]],
+                    oracle: list[int], max_gap: int) -> None:
+    """Seed 0 of ``runs`` (mode -> (rows, phase_ends)): reward against wall clock with each run's phase ends, and
+    the adaptive run's lookahead and trained version gap against the per-phase oracle's gap (``oracle``: one gap
+    per phase, drawn over the adaptive run's own phases)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for mode, (rows, ends) in runs.items():
+        start = rows[0]["time"] - rows[0]["step_time_s"]
+        t = [r["time"] - start for r in rows]
+        line, = top.plot(t, [r["reward_mean"] for r in rows], label=mode, lw=1.6 if mode == "adaptive" else 1.0)
+        for end, _ in ends:
+            top.axvline(end, color=line.get_color(), ls=":", lw=0.8)
+    top.set_ylabel("reward (step mean)")
+    top.set_title(title)
+    top.legend(fontsize=8, loc="lower right")
+    rows, ends = runs["adaptive"]
+    start = rows[0]["time"] - rows[0]["step_time_s"]
+    t = [r["time"] - start for r in rows]
+    bottom.step(t, [lookahead(r, max_gap) for r in rows], where="post", label="adaptive: admitted lookahead")
+    bottom.plot(t, [r["version_gap_mean"] for r in rows], ".", ms=3, label="adaptive: trained batch's mean gap")
+    edges = [0.0] + [e for e, _ in ends]
+    for k, g in enumerate(oracle):
+        bottom.hlines(g, edges[k], edges[k + 1], colors="k", linestyles="--", lw=1.2,
+                      label="per-phase oracle's gap" if k == 0 else None)
+    bottom.set_xlabel("wall clock from the start of step 1 (s)")
+    bottom.set_ylabel("steps / versions")
+    bottom.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=None, help="default: the workload's")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="debug")
     ap.add_argument("--gaps", type=int, nargs="+", default=None, help="default: the workload's")
@@ -76,12 +170,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
+    w = WORKLOADS[args.workload]
+    args.steps, args.gaps, args.adaptive_gap = args.steps or w.steps, args.gaps or w.gaps, args.adaptive_gap or w.adaptive_gap
     if args.quick:
-        args.steps, args.seeds, args.warmup = 12, 1, 4
-    workload, default_gaps, default_gap, adaptive_overrides = WORKLOADS[args.workload]
-    args.gaps = args.gaps or default_gaps
-    args.adaptive_gap = args.adaptive_gap or default_gap
-    args.extra = [*workload, *args.extra]
+        args.seeds, args.warmup = 1, 4
+        args.steps = args.steps if w.curriculum else 12  # a curriculum run ends with its phases
+    adaptive_overrides, args.extra = w.adaptive, [*w.overrides, *args.extra]
 
     modes: dict[str, list[str]] = {"sync": ["--weight_sync.async_weight_update", "false"]}
     for g in args.gaps:
@@ -109,11 +203,15 @@ def main() -> None:
           f"{args.seeds} seeds x {args.steps} steps; workload {args.workload}; reward target {args.reward_target}")
     print(f"{'mode':<11} {'steps/s':>8} {'final reward (per seed)':>30} {'gap':>5} {'in band':>8} "
           f"{'to target s (per seed)':>34} {'steps':>6}")
-    sps, fin, band, ttt = {}, {}, {}, {}
+    sps, fin, band, ttt, ends = {}, {}, {}, {}, {}
     for mode, runs in results.items():
         sps[mode] = statistics.median(s["steps_per_s"] for _, s in runs)
         fin[mode] = [final_reward(rows) for rows, _ in runs]
-        hits = [time_to_target(rows, args.reward_target) for rows, _ in runs]
+        if w.curriculum:  # the target: the end of the last phase
+            ends[mode] = [phase_ends(rows, os.path.join(args.out, mode, f"seed{i}")) for i, (rows, _) in enumerate(runs)]
+            hits = [e[-1] for e in ends[mode]]
+        else:
+            hits = [time_to_target(rows, args.reward_target) for rows, _ in runs]
         ttt[mode] = statistics.median(t for t, _ in hits)
         gap = statistics.mean(r["version_gap_mean"] for rows, _ in runs for r in rows)
         inb = ""
@@ -126,11 +224,25 @@ def main() -> None:
         steps = statistics.median(n for _, n in hits)
         print(f"{mode:<11} {sps[mode]:>8.2f} {per_seed:>30} {gap:>5.2f} {inb:>8} {times:>34} {steps:>6.0f}")
     full = f"fixed-g{args.adaptive_gap}"
-    if args.plot:
+    if args.plot and not w.curriculum:
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_controller.py"),
                         os.path.join(args.out, "adaptive", "seed0"), "-o", args.plot], check=True)
-    fixed = {m: t for m, t in ttt.items() if m.startswith("fixed-g")}
+    # a curriculum's fixed gaps include 0 (sync)
+    fixed = {m: t for m, t in ttt.items() if m.startswith("fixed-g") or (w.curriculum and m == "sync")}
     best = min(fixed, key=fixed.get)
+    if w.curriculum:
+        for mode in results:
+            per_phase = [statistics.median(e[k][0] - (e[k - 1][0] if k else 0.0) for e in ends[mode]) for k in range(3)]
+            steps = [statistics.median(e[k][1] - (e[k - 1][1] if k else 0) for e in ends[mode]) for k in range(3)]
+            print(f"{mode:<11} phase times (s) " + " ".join(f"{t:7.2f}" for t in per_phase)
+                  + "   steps " + " ".join(f"{n:4.0f}" for n in steps))
+        oracle, chosen = phase_oracle({m: ends[m] for m in fixed})
+        print(f"phase oracle: {' '.join(chosen)} -> {oracle:.2f} s")
+        if args.plot:
+            gaps = [0 if m == "sync" else int(m.removeprefix("fixed-g")) for m in chosen]
+            shown = dict.fromkeys(["sync", best, *chosen, "adaptive"])
+            plot_curriculum(args.plot, f"--workload {args.workload}, seed 0",
+                            {m: (results[m][0][0], ends[m][0]) for m in shown}, gaps, args.adaptive_gap)
     for mode in adaptive_modes[1:]:
         vs_full = f", throughput vs full async {sps[mode] / sps[full]:.3f}" if full in sps else ""
         print(f"{mode}: in band {band[mode]:.3f}{vs_full}, vs best fixed time to target "
@@ -144,7 +256,9 @@ def main() -> None:
     print(f"best_fixed={best}")
     print(f"adaptive_vs_best_fixed_time_to_target={fixed[best] / ttt['adaptive']:.3f}")
     print(f"adaptive_vs_sync_time_to_target={ttt['sync'] / ttt['adaptive']:.3f}")
-    in_spread = all(min(fin["sync"]) <= x <= max(fin["sync"]) for x in fin["adaptive"])
+    if w.curriculum:
+        print(f"adaptive_vs_phase_oracle_time_to_target={oracle / ttt['adaptive']:.3f}")
+    in_spread = all(x >= min(fin["sync"]) for x in fin["adaptive"])  # within sync's spread, or above it
     print(f"adaptive_final_reward_in_sync_spread={int(in_spread)}")
 
 

@@ -5,7 +5,7 @@
 # results are printed in order.
 # Needs .venv (scripts/setup.sh), .venv-vllm (scripts/setup_vllm.sh) and .venv-trl (scripts/setup_trl.sh):
 # a missing one is an error, not a skip.
-#   bash scripts/bench_quick.sh            # all of them (~6 min on 2 cores)
+#   bash scripts/bench_quick.sh            # all of them (~7.5 min on 2 cores)
 #   bash scripts/bench_quick.sh weight_sync controller   # some of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,7 @@ for b in "${names[@]}"; do
   modes=("")
   [ "$b" = weight_sync ] && modes=("" "--colocated" "--sparse")
   [ "$b" = vs_trl ] && modes=("" "--workloads real")  # real: needs assets/smollm2-135m-instruct (get_real_model.sh)
+  [ "$b" = controller ] && modes=("" "--workload growing")  # the curriculum: Task.finished ends each run
   for mode in "${modes[@]}"; do runs+=("$b $mode"); done
 done
 one() {  # one RUN_INDEX: run it into its log, its exit code and seconds beside

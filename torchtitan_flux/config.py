@@ -267,8 +267,14 @@ class OffPolicy:
     ``max_version_gap`` steps ahead (fractions: whole steps on that share of steps). Keep 0 with ``adaptive_async``."""
 
     feedforward: Bool = False
-    """Cap the lookahead at the pipeline depth that hides generation, ``ceil(generation / training time)`` (EMAs).
-    Runs are then no longer bit-reproducible (like ``weight_sync.interval = "auto"``); see docs/controller.md."""
+    """Cap the lookahead at the pipeline depth that hides generation, ``ceil(generation / training time)`` (EMAs),
+    at most ``max_pipeline_depth``. Runs are then no longer bit-reproducible (like ``weight_sync.interval =
+    "auto"``); see docs/controller.md."""
+
+    max_pipeline_depth: Annotated[int, Range(ge=0, note="0 = auto")] = 0
+    """The feedforward's depth at most this; 0: 1 with the embedded engine (it serves one request at a time, so a
+    second step in flight adds staleness, not throughput: one queued step already keeps it busy), no cap with vLLM
+    and SGLang (continuous batching: steps in flight share the engine, as Little's law assumes)."""
 
 
 @dataclass

@@ -123,3 +123,20 @@ def test_feedforward_caps_the_lookahead_at_the_pipeline_depth_that_hides_generat
     assert again.depth.state_dict() == ff.depth.state_dict()
     off = admission(1.0, async_weight_update=True)  # off: the cap is the gap alone
     assert off.depth is None and off.lookahead == GAP and off.state_dict()["pipeline_depth"] is None
+
+
+def test_feedforward_depth_is_one_for_serial_engines_unless_max_pipeline_depth_says_otherwise():
+    """An engine serving one request at a time (the embedded engine: ``serial_engines``) is kept busy by one queued
+    step, so the auto ``off_policy.max_pipeline_depth`` caps the feedforward's depth at 1 however slow generation
+    is; an explicit cap replaces it; servers (continuous batching) get Little's law uncapped."""
+    def ff(serial: bool, cap: int = 0) -> OffPolicyControl:
+        c = OffPolicyControl(OffPolicy(max_version_gap=GAP, async_ratio=1.0, feedforward=True, max_pipeline_depth=cap),
+                             AdaptiveAsync(), WeightSync(async_weight_update=True), 100, serial_engines=serial)
+        for _ in range(40):  # generation 2.5x slower than training
+            c.observe_times(gen_s=0.125, train_s=0.05)
+        return c
+
+    assert ff(serial=True).depth.depth == 1 and ff(serial=True).lookahead == 1.0
+    assert ff(serial=True, cap=2).depth.depth == 2
+    assert ff(serial=False).depth.depth == 3 and ff(serial=False).lookahead == 3.0
+    assert ff(serial=False, cap=2).depth.depth == 2

@@ -190,3 +190,42 @@ def test_a_stuck_engine_is_reported_every_wait_note_while_collect_waits(monkeypa
     assert re.fullmatch(r"step 3: waiting 0 s for rollouts, none arrived for 0 s; e0 \(alive\): nothing in flight; "
                         r"e1 \(alive\): 1 requests, 8 completions of steps 3 on weight version 2, the oldest sent 0 s "
                         r"ago", notes[0]), notes[0]
+
+
+def test_a_prompt_budget_sets_its_requests_max_new_tokens_and_one_over_the_config_is_refused():
+    """``Prompt.max_new_tokens``: a request generates the largest budget among its prompts (0: rollout.max_new_tokens);
+    a budget above rollout.max_new_tokens (which training.seq_len was checked against) is a one-line error naming
+    the task (``UserCodeError``: the trainer checkpoints its last step and stops)."""
+    import pytest
+
+    from torchtitan_flux.data.tasks import Prompt, Task
+    from torchtitan_flux.run.user_code import UserCodeError
+
+    class Budgets(Task):
+        name = "budgets"
+
+        def __init__(self, budgets):
+            super().__init__(FakeTask.reward_funcs)
+            self.budgets = budgets
+
+        def prompts(self, seed, step, n):
+            return [Prompt(f"p{i}", max_new_tokens=self.budgets[i % len(self.budgets)]) for i in range(n)]
+
+    def requests(budgets, engines=1):
+        events: queue.Queue = queue.Queue()
+        fakes = [FakeEngine(f"e{i}", 10.0, events, answer=False) for i in range(engines)]
+        sent = []
+        for e in fakes:
+            e.submit = sent.append
+        sched = RolloutScheduler(fakes, events, Budgets(budgets), FakeTokenizer(), group_size=G, prompts_per_step=4,
+                                 max_new_tokens=32, temperature=1.0, top_k=0, seed=0, pad_id=0)
+        sched.dispatch(1, 0)
+        return sorted(r.max_new_tokens for r in sent)
+
+    assert requests([0]) == [32]  # no budget: the config's
+    assert requests([8]) == [8]
+    assert requests([4, 8, 0, 4]) == [32]  # one request: its largest
+    assert requests([4, 4, 16, 16], engines=2) == [4, 16]  # prompts 0-1 on one engine, 2-3 on the other
+    with pytest.raises(UserCodeError, match=r"task 'budgets': a prompt of step 1 has max_new_tokens 33; allowed: 0 "
+                                          r"\(rollout.max_new_tokens\) to rollout.max_new_tokens = 32"):
+        requests([33])

@@ -43,6 +43,7 @@ class Prompt:
     columns: dict[str, Any] = field(default_factory=dict)  # passed to the rewards (``answer`` always included)
     messages: list | None = None  # chat records: the messages, which the rewards get as ``prompts``
     add_bos: bool = True  # False for chat-templated text: the template writes its own BOS
+    max_new_tokens: int = 0  # this prompt's generation budget, at most rollout.max_new_tokens (0: that)
 
 
 class Task:
@@ -57,6 +58,11 @@ class Task:
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
         raise NotImplementedError
+
+    def finished(self, step: int) -> bool:
+        """Whether training step ``step`` is the task's last (a curriculum whose last phase has ended): the run then
+        ends after it, as at ``training.steps``. Asked on rank 0's main thread once the step's batch is scored."""
+        return False
 
     def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
         """Held-out prompts: ``n`` of them (every record of a dataset when ``n`` is 0)."""

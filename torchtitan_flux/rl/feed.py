@@ -7,8 +7,9 @@ the staged version sent to every engine that lacks it (``WeightSyncer.deliver_st
 
 Concurrency: main thread of every trainer rank, between training steps; only rank 0 holds the scheduler. The
 broadcast runs on the CPU control group (gloo), so a slow rollout never trips an NCCL timeout. A collection that
-fails on rank 0 (a reward function's error or deadline, no engine left) is broadcast in place of the batch, so every
-rank stops on the same error instead of the others waiting for a batch that never comes.
+fails on rank 0 (a reward function's error or deadline, a task's bad prompt, no engine left) is broadcast in place
+of the batch, so every rank stops on the same error instead of the others waiting for a batch that never comes.
+So is whether the step is the run's last (``StepInput.last``: a task may finish early, ``Task.finished``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torchtitan_flux.data.rewards import RewardError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutScheduler
 from torchtitan_flux.rollout.batch import RolloutBatch
+from torchtitan_flux.run.user_code import UserCodeError
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
 
@@ -31,6 +33,7 @@ class StepInput:
     wait_s: float  # seconds from asking for the batch to having it (flush included)
     flush_s: float  # of which the on-policy flush (or the catch-up staging) of the newest weights
     push_due: bool  # this step's weights are pushed after its optimizer step
+    last: bool  # the run ends after this step: training.steps, or the task finished (``Task.finished``)
 
 
 class BatchFeed:
@@ -51,17 +54,18 @@ class BatchFeed:
         if self.rank == 0:
             try:
                 batch = self._collect(step, version)
-            except (RewardError, NoEngineLeft) as e:
+            except (RewardError, NoEngineLeft, UserCodeError) as e:
                 if self.world == 1:
                     raise
                 stop = e
         wait_s = time.perf_counter() - t0
         due = self.off_policy.push_due(step)
+        last = step >= self.last_step or (self.rank == 0 and self.scheduler.task.finished(step))
         if self.world > 1:
-            batch, due, stop = self._broadcast(batch, due, stop)
+            batch, due, last, stop = self._broadcast(batch, due, last, stop)
             if stop is not None:
                 raise stop
-        return StepInput(batch, wait_s, flush_s, due)
+        return StepInput(batch, wait_s, flush_s, due, last)
 
     def _collect(self, step: int, version: int) -> RolloutBatch:
         policy = self.off_policy
@@ -81,10 +85,10 @@ class BatchFeed:
         self.syncer.check_timeouts()
         return batch
 
-    def _broadcast(self, batch: RolloutBatch | None, due: bool, stop: Exception | None):
-        obj = [batch, due, self.off_policy.decision(), stop]
+    def _broadcast(self, batch: RolloutBatch | None, due: bool, last: bool, stop: Exception | None):
+        obj = [batch, due, last, self.off_policy.decision(), stop]
         dist.broadcast_object_list(obj, src=0, group=control_group())  # CPU gloo: no NCCL timeout
-        batch, due, decision, stop = obj
+        batch, due, last, decision, stop = obj
         if self.rank != 0 and stop is None:
             self.off_policy.adopt(decision)
-        return batch, due, stop
+        return batch, due, last, stop

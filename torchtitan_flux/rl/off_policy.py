@@ -33,9 +33,13 @@ DEPTH_EMA = 0.2  # EMA weight of the newest step's generation and training times
 
 class PipelineDepth:
     """The feedforward term: ``ceil(g / t)`` steps in flight hide generation behind training (Little's law), with
-    ``g`` and ``t`` EMAs of a batch's generation time and the trainer's compute time; 1 before any measurement."""
+    ``g`` and ``t`` EMAs of a batch's generation time and the trainer's compute time, at most ``max_depth``; 1
+    before any measurement. Little's law holds for engines that batch the steps in flight (vLLM, SGLang); an engine
+    serving one request at a time is kept busy by one queued step, and more only ages the samples (``max_depth``
+    1, measured in docs/controller.md)."""
 
-    def __init__(self):
+    def __init__(self, max_depth: int | None = None):
+        self.max_depth = max_depth
         self.gen_s: float | None = None
         self.train_s: float | None = None
         self.depth = 1
@@ -45,6 +49,8 @@ class PipelineDepth:
             return
         self.gen_s, self.train_s = _ema(self.gen_s, gen_s, DEPTH_EMA), _ema(self.train_s, train_s, DEPTH_EMA)
         self.depth = max(1, math.ceil(self.gen_s / self.train_s))
+        if self.max_depth is not None:
+            self.depth = min(self.depth, self.max_depth)
 
     def state_dict(self) -> dict[str, Any]:
         return {"gen_s": self.gen_s, "train_s": self.train_s, "depth": self.depth}
@@ -56,7 +62,9 @@ class PipelineDepth:
 class OffPolicyControl:
     """The off-policy decision of the module docstring. Main thread only; every trainer rank holds one."""
 
-    def __init__(self, off_policy, adaptive_async, weight_sync, total_steps: int):
+    def __init__(self, off_policy, adaptive_async, weight_sync, total_steps: int, serial_engines: bool = False):
+        """``serial_engines``: the engines serve one request at a time (the embedded engine), which sets the auto
+        ``off_policy.max_pipeline_depth`` to 1."""
         op, aa, ws = off_policy, adaptive_async, weight_sync
         self.max_version_gap, self.async_push = op.max_version_gap, ws.async_weight_update
         self.fixed_interval = ws.interval
@@ -68,7 +76,8 @@ class OffPolicyControl:
         max_interval = min(ws.max_interval, op.max_version_gap + 1)
         self.cadence = SyncCadence(1, ws.overhead_target, max_interval) if ws.interval == "auto" else None
         self._push_s_seen = 0.0  # the push thread's total push time at the last cadence update
-        self.depth = PipelineDepth() if op.feedforward else None
+        max_depth = op.max_pipeline_depth or (1 if serial_engines else None)
+        self.depth = PipelineDepth(max_depth) if op.feedforward else None
 
     @property
     def sync_interval(self) -> int:

@@ -27,6 +27,7 @@ from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
 from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
 from torchtitan_flux.data.tasks import Prompt, Task
+from torchtitan_flux.run.user_code import UserCodeError
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -89,6 +90,11 @@ class RolloutScheduler:
 
     def _new_step(self, step: int) -> _Step:
         prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
+        over = [p.max_new_tokens for p in prompts if not 0 <= p.max_new_tokens <= self.max_new_tokens]
+        if over:
+            raise UserCodeError(f"task {self.task.name!r}: a prompt of step {step} has max_new_tokens {over[0]}; "
+                              f"allowed: 0 (rollout.max_new_tokens) to rollout.max_new_tokens = {self.max_new_tokens} "
+                              f"(raise rollout.max_new_tokens, and training.seq_len with it)")
         ids = [self.tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in prompts]
         st = self._steps[step] = _Step(step, prompts, ids, [])
         return st
@@ -105,13 +111,18 @@ class RolloutScheduler:
             if n:
                 req = GenerationRequest(
                     req_id=next(self._req_ids), step=step, prompt_ids=st.prompt_ids[first : first + n],
-                    group_size=self.group_size, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    group_size=self.group_size, max_new_tokens=self._budget(st.prompts[first : first + n]),
+                    temperature=self.temperature,
                     top_k=self.top_k, seed=(self.seed * 1_000_003 + step) * 131 + first,
                     dispatch_version=trainer_version, min_version=min_version, pin_version=pin_version,
                 )
                 st.parts.append(self._send(req, engine, first))
             first += n
         st.n_dispatched = len(st.prompts)
+
+    def _budget(self, prompts: list[Prompt]) -> int:
+        """A request's ``max_new_tokens``: the largest of its prompts' budgets (``Prompt.max_new_tokens``)."""
+        return max(p.max_new_tokens or self.max_new_tokens for p in prompts)
 
     def _alive(self) -> list[EngineHandler]:
         """The engines alive now. With none, pump for up to ``DEATH_NOTICE_S``: a death still queued gets its

@@ -77,8 +77,10 @@ class FluxTrainer(Trainer):
         self.metrics_writer: MetricsWriter | None = None
         self._step_ends: list[float] = []
         self._stop_after_step: Exception | None = None  # rank 0, world > 1: see _agree_on_stop
+        self.final_step = job_config.training.steps  # earlier once the task has finished (StepInput.last)
         self.off_policy = OffPolicyControl(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
-                                           job_config.training.steps)
+                                           job_config.training.steps,
+                                           serial_engines=job_config.rollout.engine == "embedded")
         ws = job_config.weight_sync
         self.probe = PostSyncProbe(
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance,
@@ -163,9 +165,10 @@ class FluxTrainer(Trainer):
 
     def train_step_grpo(self) -> None:
         """One step, all ranks: batch, GRPO update, controller, push, probe, checkpoint, evaluation, metrics."""
-        jc, last = self.job_config, self.step + 1 == self.job_config.training.steps
+        jc = self.job_config
         t0 = time.perf_counter()
         fed = self.feed.next(self.step + 1, self.step)
+        last = fed.last
         self.threads.before_compute(self.scheduler)  # the next steps' requests just went out: their cores come back
         self.step += 1
         t1 = time.perf_counter()
@@ -176,7 +179,7 @@ class FluxTrainer(Trainer):
         t3 = time.perf_counter()
         if self.rank == 0:
             metrics.update(self.off_policy.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
-        if self.probe is not None and self.probe.due(self.step, jc.training.steps):
+        if self.probe is not None and (self.probe.due(self.step, jc.training.steps) or last):
             self.syncer.flush(self.step)  # the engines must hold this step's weights
             engines = [e for e in self.scheduler.engines if e.alive()] if self.rank == 0 else []
             metrics.update(self.probe.run(self.model, engines, self.step, self.device))
@@ -194,6 +197,12 @@ class FluxTrainer(Trainer):
                 self._stop_after_step = e
             self._step_ends.append(time.perf_counter())
         self._agree_on_stop()
+        if last and self.step < jc.training.steps:
+            logger.info(f"the task finished at step {self.step} (Task.finished): training ends here")
+            self.final_step = self.step
+
+    def should_continue_training(self) -> bool:
+        return self.step < self.final_step
 
     def _agree_on_stop(self) -> None:
         """With several ranks: rank 0's reason to stop after this step (a step callback's error, a metrics file

@@ -25,7 +25,8 @@ MOVED = {f"torchtitan_flux.{old}": f"torchtitan_flux.{new}" for old, new in (
 
 
 class UserCodeError(RuntimeError):
-    """A step callback raised or called ``sys.exit()``; the message names it and what it raised."""
+    """User code failed mid-run: a step callback raised or called ``sys.exit()``, or a task made a prompt it may
+    not (a budget above ``rollout.max_new_tokens``); the message names it and what it did."""
 
 
 @dataclass(frozen=True)
