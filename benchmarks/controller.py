@@ -66,11 +66,12 @@ _CURRICULUM = ["--optimizer.lr", "1e-2", "--rollout.max_new_tokens", "128", "--t
 WORKLOADS = {
     "debug": Workload([], [1, 2, 4], 4, []),
     "sensitive": Workload(["--optimizer.lr", "1e-2"], [1, 2, 4, 8], 8, ["--off_policy.feedforward", "true"]),
-    # the curriculum ends the run (Task.finished); 600 steps = every phase at its cap
+    # the curriculum ends the run (Task.finished); 620 steps: every phase at its cap (200), plus the steps in
+    # flight at each change (at most the largest gap, 8), which count for no phase
     "growing": Workload([*_CURRICULUM, "--rollout.task", "examples.length_curriculum:growing"], [1, 2, 4, 8], 8,
-                        ["--off_policy.feedforward", "true"], steps=600, curriculum=True),
+                        ["--off_policy.feedforward", "true"], steps=620, curriculum=True),
     "shifting": Workload([*_CURRICULUM, "--rollout.task", "examples.length_curriculum:shifting"], [1, 2, 4, 8], 8,
-                         ["--off_policy.feedforward", "true"], steps=600, curriculum=True),
+                         ["--off_policy.feedforward", "true"], steps=620, curriculum=True),
 }
 
 
@@ -99,12 +100,22 @@ def phase_ends(rows: list[dict], run_dir: str) -> list[tuple[float, int]]:
     return out + [(float("inf"), 0)] * (3 - len(out))
 
 
+def phase_spans(ends: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """(seconds, steps) of each phase from one run's ``phase_ends``; a phase that (or whose predecessor) never
+    ended is (inf, inf)."""
+    out, (t0, s0) = [], (0.0, 0)
+    for t, s in ends:
+        out.append((t - t0, float(s - s0)) if math.isfinite(t) else (math.inf, math.inf))
+        t0, s0 = t, s
+    return out
+
+
 def phase_oracle(ends: dict[str, list[list[tuple[float, int]]]]) -> tuple[float, list[str]]:
     """The per-phase oracle: for each phase, the fixed mode (sync included) with the smallest median phase time
     (over seeds); returns the sum of those medians and the chosen modes. ``ends``: mode -> per seed ``phase_ends``."""
     total, chosen = 0.0, []
     for k in range(3):
-        med = {m: statistics.median(e[k][0] - (e[k - 1][0] if k else 0.0) for e in runs) for m, runs in ends.items()}
+        med = {m: statistics.median(phase_spans(e)[k][0] for e in runs) for m, runs in ends.items()}
         best = min(med, key=med.get)
         total += med[best]
         chosen.append(best)
@@ -232,8 +243,9 @@ def main() -> None:
     best = min(fixed, key=fixed.get)
     if w.curriculum:
         for mode in results:
-            per_phase = [statistics.median(e[k][0] - (e[k - 1][0] if k else 0.0) for e in ends[mode]) for k in range(3)]
-            steps = [statistics.median(e[k][1] - (e[k - 1][1] if k else 0) for e in ends[mode]) for k in range(3)]
+            spans = [phase_spans(e) for e in ends[mode]]
+            per_phase = [statistics.median(s[k][0] for s in spans) for k in range(3)]
+            steps = [statistics.median(s[k][1] for s in spans) for k in range(3)]
             print(f"{mode:<11} phase times (s) " + " ".join(f"{t:7.2f}" for t in per_phase)
                   + "   steps " + " ".join(f"{n:4.0f}" for n in steps))
         oracle, chosen = phase_oracle({m: ends[m] for m in fixed})

@@ -14,12 +14,14 @@ the task is finished (``Task.finished``) at the step whose reward ended it, and 
 
 Concurrency: ``prompts`` and ``finished`` run on the trainer's main thread, the reward on the reward pool's
 thread; the phase state is under one lock. Simplifications: the state is not checkpointed (a resumed run starts
-again at phase 0); a step's reward is the mean over its samples; the preflight's single scored empty completion
-of step 1 is overwritten when step 1 is scored.
+again at phase 0, and a run resumed from its early end trains the curriculum again); held-out evaluation
+(``[eval]``) gets phase 0's prompts, made once at start; a step's reward is the mean over its samples; the
+preflight's single scored empty completion of step 1 is overwritten when step 1 is scored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -86,7 +88,7 @@ def _build(job_config, lengths: tuple[int, ...]) -> LengthCurriculum:
                          f"longest phase ({max(lengths)} tokens); allowed: >= {max(lengths)}")
     os.makedirs(job_config.job.dump_folder, exist_ok=True)
     log = os.path.join(job_config.job.dump_folder, "curriculum.jsonl")
-    if os.path.exists(log):
+    with contextlib.suppress(FileNotFoundError):  # every rank builds the task; only rank 0's scores write
         os.remove(log)  # a new run's phases (a resume starts the curriculum again)
     return LengthCurriculum(lengths, log)
 

@@ -33,5 +33,6 @@ class FakeEngine:
             return
         n = len(req.prompt_ids) * req.group_size
         rate = self.rate * (1 + self.rng.uniform(-self.jitter, self.jitter))
-        self.events.put(GenerationResult(req.req_id, self.name, torch.zeros(n, 1, dtype=torch.int64),
-                                         torch.zeros(n, 1), torch.ones(n, dtype=torch.int64), 0, 0, n / rate))
+        T = req.max_new_tokens  # padded to the request's budget, as the engines pad
+        self.events.put(GenerationResult(req.req_id, self.name, torch.full((n, T), 5, dtype=torch.int64),
+                                         torch.zeros(n, T), torch.ones(n, dtype=torch.int64), 0, 0, n / rate))

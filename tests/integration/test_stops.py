@@ -64,6 +64,19 @@ def never_returns(completions, **_):
         time.sleep(1)
 
 
+def finished_raises_at_step_2(job_config, tokenizer, *_):
+    """The digits task whose ``finished`` (user code, rank 0) raises once step 2 is scored."""
+    from torchtitan_flux.data.tasks import DigitsTask
+
+    class Task(DigitsTask):
+        def finished(self, step):
+            if step == 2:
+                raise RuntimeError("no idea")
+            return False
+
+    return Task()
+
+
 def hangs_building_the_task(*_):
     """A task factory that never returns (``rollout.task = 'test_stops:hangs_building_the_task'``)."""
     open(os.environ["FLUX_TEST_TASK_MARKER"], "w").close()
@@ -225,9 +238,10 @@ def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpo
     assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
 
 
-@pytest.mark.parametrize("fails", [pytest.param("step_callback", marks=pytest.mark.slow), "reward"])  # slow: time
+@pytest.mark.parametrize("fails", [pytest.param("step_callback", marks=pytest.mark.slow), "reward",
+                                   pytest.param("task_finished", marks=pytest.mark.slow)])  # slow: time
 def test_with_two_trainer_processes_a_failure_on_rank_0_stops_every_rank_at_once(tmp_path, monkeypatch, fails):
-    """A step callback and a reward function run on rank 0 only. Before 2026-11-25 (issue 27) their failure stopped
+    """A step callback, a reward function and a task's ``finished`` run on rank 0 only. Before 2026-11-25 (issue 27) their failure stopped
     rank 0 alone: rank 1 went on into the next step's batch broadcast, which rank 0 never joined, and died with a
     traceback from inside it when rank 0's exit closed the connection (or waited for a timeout while rank 0 was
     still closing). Now the error travels with the batch broadcast (or a step-end agreement): every rank stops on
@@ -236,10 +250,13 @@ def test_with_two_trainer_processes_a_failure_on_rank_0_stops_every_rank_at_once
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
                                                       os.environ.get("PYTHONPATH", "")]))
-    args = (("--metrics.step_callbacks", "_step_callbacks:exits_at_step_2") if fails == "step_callback" else
-            ("--rollout.reward_funcs", "test_stops:exit_on_a_completion"))
-    expected = ("error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough for today"
-                if fails == "step_callback" else "error: reward function 'exit_on_a_completion' raised SystemExit: 3")
+    args = {"step_callback": ("--metrics.step_callbacks", "_step_callbacks:exits_at_step_2"),
+            "reward": ("--rollout.reward_funcs", "test_stops:exit_on_a_completion"),
+            "task_finished": ("--rollout.task", "test_stops:finished_raises_at_step_2")}[fails]
+    expected = {"step_callback": "error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough "
+                                 "for today",
+                "reward": "error: reward function 'exit_on_a_completion' raised SystemExit: 3",
+                "task_finished": "error: task 'digits': finished(2) raised RuntimeError: no idea"}[fails]
     run = Run(tmp_path / "run", tmp_path / "run.log", *args, "--training.steps", "6", nproc=2)
     deadline = time.monotonic() + 90
     while run.proc.poll() is None and time.monotonic() < deadline:

@@ -49,16 +49,23 @@ def test_controller_benchmark_phase_ends_and_the_per_phase_oracle(tmp_path):
     """``--workload growing / shifting``: each phase's end is the wall clock of the step ``curriculum.jsonl`` names
     (from the start of step 1; a phase that never ended is inf), and the per-phase oracle sums, phase by phase, the
     smallest median phase time over the fixed modes (here a different mode wins each phase)."""
-    from controller import phase_ends, phase_oracle
+    from controller import phase_ends, phase_oracle, phase_spans
 
     rows = [{"step": i, "time": 10.0 + i, "step_time_s": 1.0} for i in range(1, 9)]
     (tmp_path / "curriculum.jsonl").write_text('{"phase": 0, "end_step": 3}\n{"phase": 1, "end_step": 6}\n')
-    assert phase_ends(rows, str(tmp_path)) == [(3.0, 3), (6.0, 6), (float("inf"), 0)]
+    ends = phase_ends(rows, str(tmp_path))
+    assert ends == [(3.0, 3), (6.0, 6), (float("inf"), 0)]
+    inf = float("inf")
+    assert phase_spans(ends) == [(3.0, 3.0), (3.0, 3.0), (inf, inf)]
+    assert phase_spans([(2.0, 2), (inf, 0), (inf, 0)]) == [(2.0, 2.0), (inf, inf), (inf, inf)]  # no nan, no < 0
     a = [[(1.0, 4), (5.0, 9), (6.0, 12)], [(1.2, 4), (4.0, 9), (5.0, 12)], [(3.0, 4), (5.0, 9), (6.0, 12)]]
     b = [[(2.0, 4), (3.0, 9), (6.0, 12)], [(2.0, 4), (3.0, 9), (4.0, 12)], [(2.0, 4), (3.0, 9), (5.0, 12)]]
     # medians per phase: a 1.2, 2.8, 1.0; b 2.0, 1.0, 2.0
     total, chosen = phase_oracle({"a": a, "b": b})
     assert chosen == ["a", "b", "a"] and abs(total - (1.2 + 1.0 + 1.0)) < 1e-9
+    never = [[(1.0, 4), (inf, 0), (inf, 0)]] * 3  # a mode that never left its second phase is never the oracle's
+    total, chosen = phase_oracle({"a": a, "b": b, "never": never})
+    assert chosen == ["never", "b", "a"] and abs(total - (1.0 + 1.0 + 1.0)) < 1e-9
 
 
 def test_vs_trl_curve_reads_the_rows_wall_clock(tmp_path):

@@ -195,7 +195,8 @@ def test_a_stuck_engine_is_reported_every_wait_note_while_collect_waits(monkeypa
 def test_a_prompt_budget_sets_its_requests_max_new_tokens_and_one_over_the_config_is_refused():
     """``Prompt.max_new_tokens``: a request generates the largest budget among its prompts (0: rollout.max_new_tokens);
     a budget above rollout.max_new_tokens (which training.seq_len was checked against) is a one-line error naming
-    the task (``UserCodeError``: the trainer checkpoints its last step and stops)."""
+    the task (``UserCodeError``: the run stops on every rank; a single trainer process checkpoints its last step
+    first)."""
     import pytest
 
     from torchtitan_flux.data.tasks import Prompt, Task
@@ -211,21 +212,25 @@ def test_a_prompt_budget_sets_its_requests_max_new_tokens_and_one_over_the_confi
         def prompts(self, seed, step, n):
             return [Prompt(f"p{i}", max_new_tokens=self.budgets[i % len(self.budgets)]) for i in range(n)]
 
-    def requests(budgets, engines=1):
+    def scheduler(budgets, engines=1):
         events: queue.Queue = queue.Queue()
-        fakes = [FakeEngine(f"e{i}", 10.0, events, answer=False) for i in range(engines)]
-        sent = []
-        for e in fakes:
-            e.submit = sent.append
-        sched = RolloutScheduler(fakes, events, Budgets(budgets), FakeTokenizer(), group_size=G, prompts_per_step=4,
-                                 max_new_tokens=32, temperature=1.0, top_k=0, seed=0, pad_id=0)
+        fakes = [FakeEngine(f"e{i}", 10.0, events) for i in range(engines)]
+        return RolloutScheduler(fakes, events, Budgets(budgets), FakeTokenizer(), group_size=G, prompts_per_step=4,
+                                max_new_tokens=32, temperature=1.0, top_k=0, seed=0, pad_id=0)
+
+    def requests(budgets, engines=1):
+        sched = scheduler(budgets, engines)
         sched.dispatch(1, 0)
-        return sorted(r.max_new_tokens for r in sent)
+        return sorted(p.request.max_new_tokens for p in sched._steps[1].parts)
 
     assert requests([0]) == [32]  # no budget: the config's
     assert requests([8]) == [8]
     assert requests([4, 8, 0, 4]) == [32]  # one request: its largest
     assert requests([4, 4, 16, 16], engines=2) == [4, 16]  # prompts 0-1 on one engine, 2-3 on the other
+    # their results (4 and 16 wide) make one batch: the narrower is padded, its completion tokens kept
+    batch = scheduler([4, 4, 16, 16], engines=2).collect(1, 0)
+    assert batch.tokens.shape[0] == 4 * G and int(batch.loss_mask.sum()) == 4 * G  # one token each (lengths 1)
+    assert (batch.tokens == 5).sum(dim=1).tolist() == [1] * (4 * G)
     with pytest.raises(UserCodeError, match=r"task 'budgets': a prompt of step 1 has max_new_tokens 33; allowed: 0 "
                                           r"\(rollout.max_new_tokens\) to rollout.max_new_tokens = 32"):
         requests([33])

@@ -43,7 +43,7 @@ class Evaluator:
 
     def start(self, version: int) -> None:
         """Send the held-out prompts for policy ``version`` (call once the engines can get that version)."""
-        parts = self.scheduler.submit_eval(self.prompt_ids, self.cfg.n, self.cfg.temperature, version,
+        parts = self.scheduler.submit_eval(self.prompts, self.prompt_ids, self.cfg.n, self.cfg.temperature, version,
                                            seed=self.seed * 1_000_003 + version)
         self._runs.append(_Run(version, parts, time.perf_counter()))
 

@@ -61,7 +61,10 @@ class Task:
 
     def finished(self, step: int) -> bool:
         """Whether training step ``step`` is the task's last (a curriculum whose last phase has ended): the run then
-        ends after it, as at ``training.steps``. Asked on rank 0's main thread once the step's batch is scored."""
+        ends after it, as at ``training.steps`` (final push, checkpoint, summary; the LR schedule and the
+        controller's cooldown still count to ``training.steps``). Asked on rank 0's main thread once the step's
+        batch is scored; what it raises stops the run, naming the task. A task's own state is not checkpointed:
+        a resumed run asks a task built afresh."""
         return False
 
     def eval_prompts(self, seed: int, n: int) -> list[Prompt]:

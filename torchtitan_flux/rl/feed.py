@@ -51,21 +51,31 @@ class BatchFeed:
             self.syncer.catch_up(version, oldest=self.off_policy.oldest(version))
         flush_s = time.perf_counter() - t0
         batch = stop = None
+        last = step >= self.last_step
         if self.rank == 0:
             try:
                 batch = self._collect(step, version)
+                last = last or self._task_finished(step)
             except (RewardError, NoEngineLeft, UserCodeError) as e:
                 if self.world == 1:
                     raise
                 stop = e
         wait_s = time.perf_counter() - t0
         due = self.off_policy.push_due(step)
-        last = step >= self.last_step or (self.rank == 0 and self.scheduler.task.finished(step))
         if self.world > 1:
             batch, due, last, stop = self._broadcast(batch, due, last, stop)
             if stop is not None:
                 raise stop
         return StepInput(batch, wait_s, flush_s, due, last)
+
+    def _task_finished(self, step: int) -> bool:
+        """The task's ``finished(step)`` (user code: its failure names it, and every rank stops on it)."""
+        task = self.scheduler.task
+        try:
+            return bool(task.finished(step))
+        except Exception as e:  # noqa: BLE001 - any failure of user code stops the run with its name
+            raise UserCodeError(f"task {getattr(task, 'name', '?')!r}: finished({step}) raised "
+                                f"{type(e).__name__}: {e}") from e
 
     def _collect(self, step: int, version: int) -> RolloutBatch:
         policy = self.off_policy

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
 from torchtitan_flux.data.rewards import RewardScorer, reward_inputs
@@ -68,8 +69,9 @@ def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
     logprobs aligned with the positions that predict completion tokens, rewards (``scores``, a
     ``rewards.Scores``) and per-sample policy versions. ``parts`` are (request, result) in prompt order."""
     G = group_size
-    tokens = torch.cat([r.tokens for _, r in parts])
-    logprobs = torch.cat([r.logprobs for _, r in parts])
+    width = max(r.tokens.shape[1] for _, r in parts)  # requests of one step may have different budgets
+    tokens = torch.cat([F.pad(r.tokens, (0, width - r.tokens.shape[1]), value=pad_id) for _, r in parts])
+    logprobs = torch.cat([F.pad(r.logprobs, (0, width - r.logprobs.shape[1])) for _, r in parts])
     lengths = torch.cat([r.lengths for _, r in parts])
     versions = torch.cat([torch.full((r.tokens.shape[0],), r.version) for _, r in parts])
     prompt_ids = [ids for ids in prompt_ids for _ in range(G)]

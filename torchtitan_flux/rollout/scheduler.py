@@ -90,11 +90,7 @@ class RolloutScheduler:
 
     def _new_step(self, step: int) -> _Step:
         prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
-        over = [p.max_new_tokens for p in prompts if not 0 <= p.max_new_tokens <= self.max_new_tokens]
-        if over:
-            raise UserCodeError(f"task {self.task.name!r}: a prompt of step {step} has max_new_tokens {over[0]}; "
-                              f"allowed: 0 (rollout.max_new_tokens) to rollout.max_new_tokens = {self.max_new_tokens} "
-                              f"(raise rollout.max_new_tokens, and training.seq_len with it)")
+        self._check_budgets(prompts, f"a prompt of step {step}")
         ids = [self.tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in prompts]
         st = self._steps[step] = _Step(step, prompts, ids, [])
         return st
@@ -124,6 +120,13 @@ class RolloutScheduler:
         """A request's ``max_new_tokens``: the largest of its prompts' budgets (``Prompt.max_new_tokens``)."""
         return max(p.max_new_tokens or self.max_new_tokens for p in prompts)
 
+    def _check_budgets(self, prompts: list[Prompt], which: str) -> None:
+        over = [p.max_new_tokens for p in prompts if not 0 <= p.max_new_tokens <= self.max_new_tokens]
+        if over:
+            raise UserCodeError(f"task {getattr(self.task, 'name', '?')!r}: {which} has max_new_tokens {over[0]}; "
+                                f"allowed: 0 (rollout.max_new_tokens) to rollout.max_new_tokens = "
+                                f"{self.max_new_tokens} (raise rollout.max_new_tokens, and training.seq_len with it)")
+
     def _alive(self) -> list[EngineHandler]:
         """The engines alive now. With none, pump for up to ``DEATH_NOTICE_S``: a death still queued gets its
         replacement (``_replace``) instead of ending the run."""
@@ -136,9 +139,12 @@ class RolloutScheduler:
                 raise NoEngineLeft("no rollout engine is alive")
             self.pump(0.05)
 
-    def submit_eval(self, prompt_ids: list[list[int]], n: int, temperature: float, version: int, seed: int) -> list[_Part]:
-        """Evaluation requests: ``n`` completions of each prompt on exactly policy ``version``, split evenly over
-        the engines alive; their results come through ``pump`` like any other's."""
+    def submit_eval(self, prompts: list[Prompt], prompt_ids: list[list[int]], n: int, temperature: float,
+                    version: int, seed: int) -> list[_Part]:
+        """Evaluation requests: ``n`` completions of each prompt (``prompt_ids``: their tokens) on exactly policy
+        ``version``, split evenly over the engines alive, each request with its prompts' largest budget; their
+        results come through ``pump`` like any other's."""
+        self._check_budgets(prompts, "a held-out prompt")
         alive = self._alive()
         parts, first = [], 0
         for i, engine in enumerate(alive):
@@ -146,7 +152,8 @@ class RolloutScheduler:
             if count:
                 req = GenerationRequest(
                     req_id=next(self._req_ids), step=0, prompt_ids=prompt_ids[first : first + count], group_size=n,
-                    max_new_tokens=self.max_new_tokens, temperature=temperature, top_k=self.top_k,
+                    max_new_tokens=self._budget(prompts[first : first + count]), temperature=temperature,
+                    top_k=self.top_k,
                     seed=seed * 131 + first, dispatch_version=version, min_version=version, pin_version=version,
                 )
                 parts.append(self._send(req, engine, first))
