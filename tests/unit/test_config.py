@@ -127,6 +127,10 @@ CASES = [
     (("--off_policy.async_ratio", "1.5"), "off_policy.async_ratio = 1.5 is out of range; allowed: a number in [0, 1]"),
     (("--off_policy.async_ratio", "0.5", "--adaptive_async.enabled", "true"),
      "off_policy.async_ratio = 0.5 is out of range; allowed: 0 (the default) with adaptive_async.enabled = true"),
+    (("--off_policy.max_pipeline_depth", "2"), "off_policy.max_pipeline_depth = 2 is out of range; allowed: 0 (the "
+                                               "default) unless off_policy.feedforward = true"),
+    (("--off_policy.max_pipeline_depth", "-1"),
+     "off_policy.max_pipeline_depth = -1 is out of range; allowed: an integer >= 0"),
     (("--off_policy.async_ratio", "-1"), "off_policy.async_ratio = -1 (follow weight_sync.async_weight_update) was "
                                          "removed: set off_policy.async_ratio = 1"),
     (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),

@@ -257,6 +257,8 @@ def validate_config(job_config: Any) -> None:
     r, w, a = job_config.rollout, job_config.weight_sync, job_config.adaptive_async
     _require(not a.enabled or o.async_ratio == 0, "off_policy.async_ratio", o.async_ratio,
              "0 (the default) with adaptive_async.enabled = true: the controller sets the ratio")
+    _require(o.feedforward or o.max_pipeline_depth == 0, "off_policy.max_pipeline_depth", o.max_pipeline_depth,
+             "0 (the default) unless off_policy.feedforward = true: it caps the feedforward's depth")
 
     prof = job_config.profiling
     _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
