@@ -227,7 +227,7 @@ def _crossover(rank: int, port: int, shares: list[float], iters: int, q) -> None
     import torch
     import torch.distributed as dist
 
-    from torchtitan_flux.sync import transport
+    from torchtitan_flux.wire import transport
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, is_master=rank == 0, wait_for_workers=False,

@@ -98,7 +98,7 @@ def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout
     from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
     from torchtitan_flux.data.tasks import DigitsTask
     from torchtitan_flux.models import weight_dict
-    from torchtitan_flux.rollout.fleet import Rollouts
+    from torchtitan_flux.rollout.rollouts import Rollouts
 
     weights, _ = weight_dict.load_hf_weights_dict(model_dir)
     model = torch.nn.Module()

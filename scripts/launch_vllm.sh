@@ -8,7 +8,7 @@
 # Security: the RL endpoints let anyone who can reach the server replace the model (vLLM's --api-key does not
 # guard them). FLUX_HOST (default 127.0.0.1) is the address the server listens on; anything but a loopback
 # address is refused unless TORCHTITAN_FLUX_TOKEN holds the shared token. With the token set (any host), the
-# server runs --middleware torchtitan_flux.engine.auth.BearerAuthMiddleware, which answers 401 to every request
+# server runs --middleware torchtitan_flux.auth.BearerAuthMiddleware, which answers 401 to every request
 # without "Authorization: Bearer $TORCHTITAN_FLUX_TOKEN" except GET /health and /metrics, and the worker extension
 # joins weight-sync groups only after the token handshake with the trainer (set the trainer's variable named by
 # weight_sync.auth_token_env to the same token).
@@ -64,7 +64,7 @@ else
 fi
 [ -n "${VLLM_MAX_MODEL_LEN:-}" ] && args+=(--max-model-len "$VLLM_MAX_MODEL_LEN")
 if [ -n "${TORCHTITAN_FLUX_TOKEN:-}" ]; then
-  args+=(--middleware torchtitan_flux.engine.auth.BearerAuthMiddleware)
+  args+=(--middleware torchtitan_flux.auth.BearerAuthMiddleware)
 fi
 exec "$VPY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --host "$HOST" --port "$PORT" --seed 0 \
   --worker-extension-cls torchtitan_flux.engine.vllm_ext.FluxWorkerExtension \

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from torchtitan_flux import compat
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 from torchtitan_flux.engine.base import EngineError
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
-from torchtitan_flux.rollout.fleet import Rollouts
+from torchtitan_flux.rollout.rollouts import Rollouts
 from torchtitan_flux.data.tasks import DigitsTask
 
 
@@ -87,20 +87,20 @@ class Harness:
             job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
             training=SimpleNamespace(steps=0),  # final version of vLLM checksums: no vLLM here
         )
-        self.scheduler = Rollouts(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),
+        self.rollouts = Rollouts(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),
                                   stops=SimpleNamespace(signal=None))  # no signal handlers in the test process
-        self.syncer = self.scheduler.syncer
+        self.syncer = self.rollouts.syncer
         for e in self.engines:  # serves its pipe once up (the first start waits for the fork server's imports)
             e.checksum(timeout=60)
         self.syncer.connect()
 
     @property
     def engines(self) -> list:
-        return self.scheduler.engines
+        return self.rollouts.engines
 
     @property
     def restarts(self) -> int:
-        return self.scheduler.restarts
+        return self.rollouts.restarts
 
     @property
     def link(self):
@@ -112,14 +112,14 @@ class Harness:
         while not cond():
             if time.monotonic() - t0 > timeout:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-            self.scheduler.pump(0.02)
+            self.rollouts.pump(0.02)
         return time.monotonic() - t0
 
     def drain(self, seconds: float) -> None:
         """Pump whatever arrives during ``seconds``."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            self.scheduler.pump(0.02)
+            self.rollouts.pump(0.02)
 
     def engine_checksum(self, i: int = 0) -> tuple[int, str]:
         return self.engines[i].checksum(timeout=30)
@@ -128,7 +128,7 @@ class Harness:
         return self.syncer.staging.checksum()
 
     def close(self) -> None:
-        self.scheduler.close()
+        self.rollouts.close()
 
 
 def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:

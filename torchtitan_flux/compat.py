@@ -153,14 +153,6 @@ def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, timeout: timedelta |
     return pg.broadcast([tensor], opts)
 
 
-def accelerator_available() -> bool:
-    """``torch.accelerator`` (2.6+), before that CUDA only."""
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return bool(acc.is_available())
-    return torch.cuda.is_available()
-
-
 def device_module(device: torch.device) -> Any:
     """The runtime module of ``device``'s type (``torch.cuda``, ...): ``torch.get_device_module`` from 2.4."""
     get = getattr(torch, "get_device_module", None)
@@ -211,9 +203,3 @@ class SideStream:
     def synchronize_copy(self) -> None:
         if self.enabled:
             self.done.synchronize()
-
-
-def torch_load(path: Any, **kw: Any) -> Any:
-    """``torch.load`` with ``weights_only`` explicit (default True), whose default flipped to True in torch 2.6."""
-    kw.setdefault("weights_only", True)
-    return torch.load(path, **kw)

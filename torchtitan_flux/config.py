@@ -9,31 +9,14 @@ from typing import Annotated, Literal
 
 import tyro
 
-from torchtitan_flux.engine.auth import TOKEN_ENV
+from torchtitan_flux.auth import TOKEN_ENV
 from torchtitan_flux.ranges import Range
 
 # CLI booleans take a value (``--weight_sync.async_weight_update true``), like every other field.
 Bool = Annotated[bool, tyro.conf.FlagConversionOff]
 
 
-class ConfigError(ValueError):
-    """A bad config value. The message names the field (``section.field``) and the allowed values."""
-
-
-# Fields removed before the first release -> what replaces them (README "Changelog"); naming one is a ConfigError.
-REMOVED = {
-    "rollout.engine_device": "use rollout.engine_devices (one device per engine)",
-    "rollout.reward_fn": "use rollout.reward_funcs (TRL's batched signature, docs/data.md)",
-    "adaptive_async.max_version_gap": "use off_policy.max_version_gap (same meaning)",
-}
-
-
-def removed_error(path: str) -> ConfigError | None:
-    """The one-line error for a removed field ``section.field`` (``REMOVED``); None for any other."""
-    return ConfigError(f"{path} was removed: {REMOVED[path]}") if path in REMOVED else None
-
-
-MODEL_NAME = "flux"  # ``model.name`` of every config: the family is read from model.hf_assets_path/config.json
+MODEL_NAME = "hf_auto"  # ``model.name`` of every config: the family is read from model.hf_assets_path/config.json
 
 
 @dataclass
@@ -262,9 +245,10 @@ class OffPolicy:
     """No sample older than this many policy versions is trained on, nor does generation run further ahead. With
     ``adaptive_async.enabled`` and the default ``target_staleness`` use 3 or more (validation warns)."""
 
-    async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
+    async_ratio: Annotated[float | None, Range(ge=0, le=1, note="unset: follows weight_sync.async_weight_update")] = None
     """The fixed async ratio without the controller: 0 is synchronous and on-policy, 1 lets generation run
-    ``max_version_gap`` steps ahead (fractions: whole steps on that share of steps). Keep 0 with ``adaptive_async``."""
+    ``max_version_gap`` steps ahead (fractions: whole steps on that share of steps). Unset (the default): 1 with
+    ``weight_sync.async_weight_update = true``, else 0. Leave it unset (or 0) with ``adaptive_async``."""
 
     feedforward: Bool = False
     """Cap the lookahead at the pipeline depth that hides generation, ``ceil(generation / training time)`` (EMAs),
@@ -396,7 +380,7 @@ class Eval:
 
 
 @dataclass
-class Metrics:
+class MetricsAdditions:
     """``[metrics]`` fields added to torchtitan's own section."""
 
     log_completions_every: Annotated[int, Range(ge=0, note="0 disables")] = 0
@@ -408,7 +392,7 @@ class Metrics:
 
 
 @dataclass
-class Checkpoint:
+class CheckpointAdditions:
     """``[checkpoint]`` fields added to torchtitan's own section."""
 
     on_config_mismatch: Literal["error", "warn"] = "error"
@@ -426,11 +410,11 @@ class JobConfig:
     off_policy: OffPolicy = field(default_factory=OffPolicy)
     adaptive_async: AdaptiveAsync = field(default_factory=AdaptiveAsync)
     eval: Eval = field(default_factory=Eval)
-    metrics: Metrics = field(default_factory=Metrics)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: MetricsAdditions = field(default_factory=MetricsAdditions)
+    checkpoint: CheckpointAdditions = field(default_factory=CheckpointAdditions)
 
 
 SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "off_policy": OffPolicy,
             "adaptive_async": AdaptiveAsync, "eval": Eval}
 # fields merged into torchtitan's own sections (their booleans are its)
-ADDED_TO_TORCHTITAN = {"metrics": Metrics, "checkpoint": Checkpoint}
+ADDED_TO_TORCHTITAN = {"metrics": MetricsAdditions, "checkpoint": CheckpointAdditions}

@@ -49,6 +49,6 @@ def field_ranges(cls: type) -> dict[str, tuple[Range, str]]:
     out = {}
     for name, tp in typing.get_type_hints(cls, include_extras=True).items():
         for meta in getattr(tp, "__metadata__", ()):
-            if isinstance(meta, Range):
-                out[name] = (meta, meta.describe(integer=typing.get_args(tp)[0] is int))
+            if isinstance(meta, Range):  # ``int | None``: None is the unset value, outside every range
+                out[name] = (meta, meta.describe(integer=int in (typing.get_args(tp)[0], *typing.get_args(typing.get_args(tp)[0]))))
     return out

@@ -1,7 +1,7 @@
 """Entry point: ``torchrun -m torchtitan_flux.train --job.config_file train_configs/<x>.toml [--section.field v]``.
 
 Applies the patches torchtitan needs, registers our model spec and config sections, validates the config before
-torchtitan starts, and runs ``torchtitan.train.main(FluxTrainer)``. How a run ends (``_report``): bad input is one
+torchtitan starts, and runs ``torchtitan.train.main(GRPOTrainer)``. How a run ends (``_report``): bad input is one
 line, ``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync
 probe one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their
 traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Then ``os._exit``: the interpreter's
@@ -60,11 +60,8 @@ def _field_type(path: str):
 def _normalise_argv(argv: list[str]) -> list[str]:
     """One command-line syntax for every field, whoever declares it: ``--section.field true|false`` (or ``=``) for
     every boolean (torchtitan's are tyro flags, ``--x.y`` / ``--x.no_y``), the comma form for every list
-    (``--rollout.reward_weights 1.0,0.5``; ``1.0 0.5`` still works), and our config module unless one is named.
-    A removed field (``config.REMOVED``) is a ``ConfigError``."""
+    (``--rollout.reward_weights 1.0,0.5``; ``1.0 0.5`` still works), and our config module unless one is named."""
     import typing
-
-    from torchtitan_flux import config as flux_config
 
     out: list[str] = []
     i = 0
@@ -75,8 +72,6 @@ def _normalise_argv(argv: list[str]) -> list[str]:
             key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
         step = 1 if eq else 2
         kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
-        if kind is None and (removed := flux_config.removed_error(key[2:].replace("-", "_"))):
-            raise removed
         if val.lower() in ("true", "false") and kind in ("torchtitan_bool", bool):
             if kind == "torchtitan_bool":
                 section, _, name = key[2:].rpartition(".")
@@ -123,7 +118,7 @@ def _check_config_file(argv: list[str]) -> str | None:
     """The path of the ``--job.config_file`` TOML; a ``ConfigError`` naming it when it is unreadable or invalid."""
     import tomllib
 
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     path = None
     for i, a in enumerate(argv):
@@ -159,7 +154,7 @@ def _lock_run_folders(config) -> None:
 def _lock_folder(field: str, value: str, folder: str) -> None:
     import fcntl
 
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     allowed = "allowed: a folder this user can write (created if missing)"
     if not folder:
@@ -193,16 +188,16 @@ def _lock_folder(field: str, value: str, folder: str) -> None:
 
 def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
-    from torchtitan_flux.config import ConfigError
-    from torchtitan_flux.engine.base import EngineStartError
-    from torchtitan_flux.sync.cuda_rules import NcclVersionMismatch
-    from torchtitan_flux.sync.probe import ProbeMismatch
-    from torchtitan_flux.run.metrics import MetricsWriteError
-    from torchtitan_flux.run.resume import CheckpointWriteError
-    from torchtitan_flux.data.rewards import RewardError
-    from torchtitan_flux.rollout.scheduler import NoEngineLeft
-    from torchtitan_flux.run.stops import LossNotFinite, TrainingInterrupted
-    from torchtitan_flux.run.user_code import UserCodeError
+    from torchtitan_flux.errors import ConfigError
+    from torchtitan_flux.errors import EngineStartError
+    from torchtitan_flux.errors import NcclVersionMismatch
+    from torchtitan_flux.errors import ProbeMismatch
+    from torchtitan_flux.errors import MetricsWriteError
+    from torchtitan_flux.errors import CheckpointWriteError
+    from torchtitan_flux.errors import RewardError
+    from torchtitan_flux.errors import NoEngineLeft
+    from torchtitan_flux.errors import LossNotFinite, TrainingInterrupted
+    from torchtitan_flux.errors import UserCodeError
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
@@ -241,11 +236,7 @@ def main() -> None:
         print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
         os._exit(2)
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
-    try:
-        sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
-    except ValueError as e:  # a removed field (ConfigError)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
+    sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
     if _starts_embedded_engines(sys.argv[1:]):
         from torchtitan_flux.engine.forkserver import prestart_engine_server
 
@@ -261,10 +252,10 @@ def main() -> None:
     from torchtitan.train import main as titan_main
 
     from torchtitan_flux.run.validation import unknown_fields_error, validate_config
-    from torchtitan_flux.models.families import register_flux_model
-    from torchtitan_flux.run.trainer import FluxTrainer
+    from torchtitan_flux.models.families import register_families
+    from torchtitan_flux.run.trainer import GRPOTrainer
 
-    register_flux_model()
+    register_families()
     try:
         config_file = _check_config_file(sys.argv[1:])
         try:
@@ -280,7 +271,7 @@ def main() -> None:
             check_room_for_a_checkpoint(config)
             set_aside_previous_outputs(config)
             check_outputs(config)
-        titan_main(FluxTrainer)
+        titan_main(GRPOTrainer)
         code = 0
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("why") during the start-up

@@ -60,7 +60,7 @@ if _ckpt is not None:
 _push = _parse("FLUX_FAULT_PUSH_STALL")
 _delay = float(os.environ.get("FLUX_FAULT_PUSH_DELAY", "0") or 0)
 if _push is not None or _delay > 0:
-    from torchtitan_flux.sync import transport as _transport
+    from torchtitan_flux.wire import transport as _transport
 
     _publish = _transport.WeightReceiver._publish
 

@@ -2,7 +2,7 @@
 trainer-side NCCL engine (metadata and iteration agree by vLLM's own check), vLLM's init info (with our packed
 buffer size), and the Work-like handle of a push."""
 import types, torch
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 from torchtitan_flux.engine import vllm_nccl
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLTrainerInitInfo
 specs = [transport.TensorSpec("a.w", (2, 3), "bfloat16"), transport.TensorSpec("a.b", (3,), "bfloat16"),

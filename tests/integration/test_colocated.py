@@ -11,7 +11,7 @@ import torch
 from _sync_harness import Harness, assert_in_sync, perturb
 
 from torchtitan_flux.engine.embedded import EmbeddedEngine
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 
 def test_colocated_blocking_and_async_pushes_are_bitwise_equal(harness_factory):

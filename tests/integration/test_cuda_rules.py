@@ -19,9 +19,9 @@ from _engine_push import gloo_pair
 
 from torchtitan_flux import compat
 
-from torchtitan_flux.sync import cuda_rules
+from torchtitan_flux.wire import cuda_rules
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 from torchtitan_flux.models.hf import clean_name
 from torchtitan_flux.sync.snapshot import Snapshot, tensor_specs
 
@@ -251,7 +251,7 @@ def test_the_pushers_join_checks_the_nccl_version_before_building_a_group(harnes
     token handshake) before the group is built; a mismatch leaves the engine broken with the error counted, no
     group built and no immediate retry (it would fail again at once)."""
     from torchtitan_flux.sync import pusher as pusher_module
-    from torchtitan_flux.sync import transport
+    from torchtitan_flux.wire import transport
     from torchtitan_flux.engine.base import WeightGroupInfo
 
     h = harness_factory(async_mode=False, bucket_size_mb=0.01)

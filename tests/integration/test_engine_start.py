@@ -121,7 +121,7 @@ def test_a_launched_server_that_exits_is_reported_with_its_code_and_last_error_l
     """``rollout.launch``: a server that exits while starting is named with its exit code and the line of its log
     that says why (here: a Python without vLLM), in one line, and the entry point prints it as one ``error:``
     line (no traceback). Before: a 2000-character log tail, or "cannot reach the vLLM server ... Is it running?"."""
-    from torchtitan_flux.engine.base import EngineStartError
+    from torchtitan_flux.errors import EngineStartError
     from torchtitan_flux.engine.vllm_launch import last_error_line, launch_servers
     from torchtitan_flux.patches import apply_patches
     from torchtitan_flux.train import _report
@@ -141,7 +141,7 @@ def test_a_launched_server_that_exits_is_reported_with_its_code_and_last_error_l
 
 
 def test_engine_start_error_is_one_error_line(capsys):
-    from torchtitan_flux.engine.base import EngineStartError
+    from torchtitan_flux.errors import EngineStartError
     from torchtitan_flux.patches import apply_patches
     from torchtitan_flux.train import _report
 

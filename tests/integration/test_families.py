@@ -26,7 +26,8 @@ from torchtitan_flux.models import inference
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.models import hf_weights  # noqa: E402
 from torchtitan_flux.models import families as flux_model  # noqa: E402
-from torchtitan_flux.sync.probe import ProbeMismatch, compare  # noqa: E402
+from torchtitan_flux.errors import ProbeMismatch
+from torchtitan_flux.sync.probe import compare  # noqa: E402
 
 TOL = 1e-4  # fp32; logits are O(10)
 
@@ -44,7 +45,7 @@ def _tokens() -> torch.Tensor:
 def _trainer_model(model_dir: Path):
     args = flux_model.args_from_hf_dir(model_dir, max_seq_len=64)
     with torch.device("cpu"):
-        model = flux_model.build_model(args)
+        model = (flux_model.FluxQwenModel if isinstance(args, flux_model.Qwen3ModelArgs) else flux_model.FluxLlamaModel)(args)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     hf_weights.load_hf_weights(model, model_dir, args)

@@ -37,7 +37,7 @@ def test_engine_stalled_past_timeout_lags_keeps_serving_then_resyncs(harness_fac
     caplog.set_level(logging.INFO, logger=LOG)
     timeout = 2.0
     h = harness_factory(async_mode=True, timeout_s=timeout, bucket_size_mb=0.01)
-    syncer, sched, eng = h.syncer, h.scheduler, h.engines[0]
+    syncer, sched, eng = h.syncer, h.rollouts, h.engines[0]
     syncer.flush(0)
     assert_in_sync(h, 0)
 
@@ -103,7 +103,7 @@ def test_a_stalled_engine_times_out_alone_while_the_other_stays_in_sync(harness_
     caplog.set_level(logging.INFO, logger=LOG)
     timeout = 2.0
     h = harness_factory(async_mode=True, timeout_s=timeout, bucket_size_mb=0.01, num_engines=2)
-    syncer, sched = h.syncer, h.scheduler
+    syncer, sched = h.syncer, h.rollouts
     syncer.flush(0)
     assert_in_sync(h, 0, 0)
     assert_in_sync(h, 0, 1)
@@ -143,7 +143,7 @@ def test_a_stalled_engine_times_out_alone_while_the_other_stays_in_sync(harness_
 def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redispatched(harness_factory, async_mode):
     timeout = 3.0
     h = harness_factory(async_mode=async_mode, timeout_s=timeout, bucket_size_mb=0.01)
-    syncer, sched, eng = h.syncer, h.scheduler, h.engines[0]
+    syncer, sched, eng = h.syncer, h.rollouts, h.engines[0]
     syncer.flush(0)
     old_pid = eng.pid
     old_ct = psutil.Process(old_pid).create_time()

@@ -31,7 +31,7 @@ from _sync_harness import assert_in_sync, perturb
 from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.config import AdaptiveAsync, OffPolicy
 from torchtitan_flux.rl.feed import BatchFeed
-from torchtitan_flux.rollout.scheduler import RolloutWaitInterrupted
+from torchtitan_flux.errors import RolloutWaitInterrupted
 from torchtitan_flux.sync import pusher
 
 WATCHDOG_S = 40.0  # a livelocked feed is interrupted after this long (the healthy runs take a few seconds)
@@ -63,7 +63,7 @@ def watchdog(scheduler, seconds: float = WATCHDOG_S):
 
 def _feed(h, steps: int, gap: int = 1) -> BatchFeed:
     off_policy = OffPolicyControl(OffPolicy(max_version_gap=gap, async_ratio=1.0), AdaptiveAsync(), h.syncer.cfg, steps)
-    return BatchFeed(off_policy, h.scheduler, h.syncer, async_push=True, last_step=steps, rank=0, world=1)
+    return BatchFeed(off_policy, h.rollouts, h.syncer, async_push=True, last_step=steps, rank=0, world=1)
 
 
 def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_factory):
@@ -76,7 +76,7 @@ def test_two_coalesced_pushes_are_caught_up_not_regenerated_forever(harness_fact
     feed = _feed(h, steps)
     syncer.flush(0)
     gaps = []
-    with held_push(2, 10.0) as held, watchdog(h.scheduler):
+    with held_push(2, 10.0) as held, watchdog(h.rollouts):
         for step in range(1, steps + 1):
             fed = feed.next(step, step - 1)
             gaps.append(step - 1 - int(fed.batch.versions.min()))
@@ -107,7 +107,7 @@ def test_an_engine_whose_push_broke_gets_the_staged_version_without_a_new_step(h
     assert h.link.broken and h.link.acked == 0
     eng.inject_fault("stall_receive", 0.0)
     perturb(h.model, seed=2)  # version 2: not pushed
-    with watchdog(h.scheduler):
+    with watchdog(h.rollouts):
         fed = feed.next(3, 2)
     assert set(fed.batch.versions.tolist()) == {1}
     assert syncer.stats.catch_ups == 0 and h.link.acked == 1 and not (h.link.broken or h.link.lagging)

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, read_metrics, run_train, torchrun_cmd
 
 from torchtitan_flux.run import resume
-from torchtitan_flux.config import ConfigError
+from torchtitan_flux.errors import ConfigError
 
 
 def _config(model_dir, **over) -> SimpleNamespace:

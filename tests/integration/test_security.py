@@ -25,12 +25,13 @@ from conftest import ROOT
 
 from torchtitan_flux import compat
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import WeightSync
-from torchtitan_flux.engine import auth
-from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV, BearerAuthMiddleware
+from torchtitan_flux import auth
+from torchtitan_flux.auth import MIDDLEWARE, BearerAuthMiddleware
+from torchtitan_flux.auth import TOKEN_ENV
 from torchtitan_flux.engine.base import EngineError
 from torchtitan_flux.engine.embedded import EmbeddedEngine
 from torchtitan_flux.sync.syncer import WeightSyncer

@@ -23,7 +23,7 @@ from fakes.sglang_server import ROOT, ContractServer
 
 from torchtitan_flux.models import inference
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.engine.base import (
@@ -33,7 +33,7 @@ from torchtitan_flux.engine.base import (
     WeightAck,
     WeightGroupInfo,
 )
-from torchtitan_flux.engine.base import EngineStartError
+from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.sglang import SglangEngine
 from torchtitan_flux.sync.pusher import trainer_group
 

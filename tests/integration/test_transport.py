@@ -1,4 +1,4 @@
-"""The engine-side receiver (``torchtitan_flux.sync.transport``) with torch alone: bucket planning, the push header, flat
+"""The engine-side receiver (``torchtitan_flux.wire.transport``) with torch alone: bucket planning, the push header, flat
 buffers and checksums, and real pushes over a 2-process gloo group into a ``WeightReceiver`` (swap semantics,
 coalescing, the two-buffer invariant, the idle timeout).
 
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from torchtitan_flux import compat
 
-from torchtitan_flux.sync import transport
-from torchtitan_flux.sync.transport import TensorSpec, decode_header, encode_header, plan_buckets
+from torchtitan_flux.wire import transport
+from torchtitan_flux.wire.transport import TensorSpec, decode_header, encode_header, plan_buckets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,9 +44,9 @@ def _env() -> dict:
 def test_engine_side_imports_no_torchtitan():
     code = (
         "import sys\n"
-        "import torchtitan_flux.sync.transport, torchtitan_flux.models.inference, torchtitan_flux.compat\n"
+        "import torchtitan_flux.wire.transport, torchtitan_flux.models.inference, torchtitan_flux.compat\n"
         "import torchtitan_flux.engine.base, torchtitan_flux.engine.embedded\n"
-        "assert torchtitan_flux.sync.transport.__file__.startswith(sys.argv[1]), torchtitan_flux.sync.transport.__file__\n"
+        "assert torchtitan_flux.wire.transport.__file__.startswith(sys.argv[1]), torchtitan_flux.wire.transport.__file__\n"
         "bad = sorted(m for m in sys.modules if m == 'torchtitan' or m.startswith('torchtitan.'))\n"
         "assert 'torchtitan' not in sys.modules and not bad, bad\n"
         "print('ok')\n"
@@ -224,7 +224,7 @@ from datetime import timedelta
 
 import torch
 from torchtitan_flux import compat
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 import torchtitan_flux.models.inference, torchtitan_flux.engine.embedded  # the engine's import chain
 
 cfg = json.loads(sys.argv[1])

@@ -31,10 +31,11 @@ from conftest import ROOT, free_port, need_vllm, wait_healthy
 
 from torchtitan_flux.models import inference
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 from torchtitan_flux.models import weight_dict
-from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
+from torchtitan_flux.auth import MIDDLEWARE
+from torchtitan_flux.auth import TOKEN_ENV
 from torchtitan_flux.engine.base import (
     EngineError,
     GenerationRequest,
@@ -42,7 +43,7 @@ from torchtitan_flux.engine.base import (
     WeightAck,
     WeightGroupInfo,
 )
-from torchtitan_flux.engine.base import EngineStartError
+from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.vllm import VllmEngine
 from torchtitan_flux.engine.vllm_launch import launch_command
 from torchtitan_flux.sync.pusher import trainer_group

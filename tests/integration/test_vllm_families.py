@@ -21,11 +21,12 @@ from hf_families import build_hf_model  # noqa: E402
 
 from torchtitan_flux.models import inference  # noqa: E402
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.engine.base import WeightAck, WeightGroupInfo  # noqa: E402
-from torchtitan_flux.sync.probe import PROBE_TEXT, ProbeMismatch, compare  # noqa: E402
+from torchtitan_flux.sync.probe import PROBE_TEXT, compare
+from torchtitan_flux.errors import ProbeMismatch  # noqa: E402
 from torchtitan_flux.sync.pusher import trainer_group  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -58,7 +59,7 @@ def tied_llama_server(tmp_path_factory):
     """A launched vLLM server on a tied Llama, and the handler of it."""
     import os
 
-    from torchtitan_flux.run.validation import resolve_launch_python
+    from torchtitan_flux.engine.vllm_launch import resolve_launch_python
     from torchtitan_flux.engine.vllm import VllmEngine
     from torchtitan_flux.engine.vllm_launch import launch_servers
 

@@ -15,7 +15,7 @@ import torch
 from _sync_harness import Harness, assert_in_sync, params_snapshot, perturb
 
 from torchtitan_flux.models import inference
-from torchtitan_flux.sync.transport import _DTYPES
+from torchtitan_flux.wire.transport import _DTYPES
 
 LOG = "torchtitan_flux"
 
@@ -171,7 +171,7 @@ def _reference_tokens(weights: dict[str, torch.Tensor], shape, req) -> torch.Ten
 def test_push_landing_mid_request_is_swapped_in_only_between_requests(harness_factory):
     # one request of 256 completions x 96 tokens: ~0.7 s of generation on one thread
     h = harness_factory(async_mode=False, prompts_per_step=16, group_size=16, max_new_tokens=96, timeout_s=5.0)
-    syncer, sched, eng = h.syncer, h.scheduler, h.engines[0]
+    syncer, sched, eng = h.syncer, h.rollouts, h.engines[0]
     syncer.flush(0)
     w0 = params_snapshot(h.model)
     # the push completes on the engine 0.3 s after its header arrives: well after the engine took the request

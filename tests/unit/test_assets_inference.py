@@ -31,7 +31,7 @@ from torchtitan_flux.models.hf_weights import export_hf_weights, load_hf_weights
 from torchtitan_flux.models.families import (  # noqa: E402
     FAMILY_SPECS,
     FluxLlamaArgs,
-    register_flux_model,
+    register_families,
     solve_ffn_args,
     torchtitan_ffn_hidden_dim,
 )
@@ -172,8 +172,8 @@ def test_flux_args_reproduce_build_args_and_load_weights(model_dir, reference):
 
 
 def test_register_flux_model_idempotent():
-    spec = register_flux_model()
-    assert register_flux_model() is spec
+    spec = register_families()
+    assert register_families() is spec
     from torchtitan.protocols.train_spec import get_train_spec
 
     assert get_train_spec(FAMILY_SPECS["llama"]) is spec

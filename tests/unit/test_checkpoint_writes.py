@@ -10,7 +10,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from torchtitan_flux.run.resume import CheckpointSaver, CheckpointWriteError, os_error_fix
+from torchtitan_flux.run.resume import CheckpointSaver, os_error_fix
+from torchtitan_flux.errors import CheckpointWriteError
 
 
 @pytest.mark.parametrize("code, fix", [

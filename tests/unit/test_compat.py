@@ -7,7 +7,6 @@ Torch-only (no torchtitan): ``scripts/check_old_torch.sh`` also runs this file u
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 import types
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 from torchtitan_flux import compat
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 # ------------------------------------------------------------------------------------------ version string
 
@@ -176,28 +175,6 @@ def test_fsdp2_absent(monkeypatch):
     assert compat.fully_shard is None and compat.FSDPModule is None
 
 
-# ------------------------------------------------------------------------------------------- accelerator
-
-
-def test_accelerator_real():
-    acc = getattr(torch, "accelerator", None)
-    expected = acc.is_available() if acc is not None and hasattr(acc, "is_available") else torch.cuda.is_available()
-    assert compat.accelerator_available() is bool(expected)
-
-
-def test_accelerator_2_6_api_is_used(monkeypatch):
-    monkeypatch.setattr(torch, "accelerator", types.SimpleNamespace(is_available=lambda: True), raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert compat.accelerator_available() is True
-
-
-@pytest.mark.parametrize("cuda", [True, False])
-def test_accelerator_before_2_6_falls_back_to_cuda(monkeypatch, cuda):
-    monkeypatch.delattr(torch, "accelerator", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert compat.accelerator_available() is cuda
-
-
 # --------------------------------------------------------------------------------------- device streams
 
 
@@ -312,34 +289,6 @@ def test_side_stream_cpu_real():
 
 
 # ---------------------------------------------------------------------------------------------- torch.load
-
-
-class _NotAWeight:
-    pass
-
-
-def test_torch_load_real_roundtrip(tmp_path):
-    sd = {"w": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.bfloat16), "step": 7}
-    torch.save(sd, tmp_path / "sd.pt")
-    out = compat.torch_load(tmp_path / "sd.pt", map_location="cpu")
-    assert out["step"] == 7 and torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
-
-
-def test_torch_load_refuses_pickled_objects_on_every_version(tmp_path):
-    """torch <= 2.5 would unpickle this by default; compat passes ``weights_only=True`` explicitly."""
-    torch.save({"obj": _NotAWeight()}, tmp_path / "obj.pt")
-    with pytest.raises(pickle.UnpicklingError):
-        compat.torch_load(tmp_path / "obj.pt")
-    assert isinstance(compat.torch_load(tmp_path / "obj.pt", weights_only=False)["obj"], _NotAWeight)
-
-
-def test_torch_load_old_default_is_overridden(monkeypatch):
-    def old_load(f, map_location=None, pickle_module=None, *, weights_only=False, **kw):  # torch <= 2.5
-        return weights_only
-
-    monkeypatch.setattr(torch, "load", old_load)
-    assert compat.torch_load("x.pt") is True
-    assert compat.torch_load("x.pt", weights_only=False) is False
 
 
 # ------------------------------------------------------------------------------------------------ rms_norm

@@ -25,7 +25,8 @@ apply_patches()
 
 from torchtitan.config import ConfigManager  # noqa: E402
 
-from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, ConfigError  # noqa: E402
+from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS
+from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.ranges import field_ranges  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
 from torchtitan_flux.train import _normalise_argv, _report  # noqa: E402
@@ -61,8 +62,8 @@ CASES = [
     (("--rollout.task", "poetry"), "rollout.task = 'poetry' is out of range; allowed: digits | arithmetic | dataset | "
                                    "gsm8k or 'package.module:name'"),
     (("--rollout.task", "jsonl"), "rollout.task = 'jsonl' was renamed: use 'dataset'"),
-    (("--model.name", "flux_llama3"), "model.name = 'flux_llama3' was renamed: use 'flux'"),
-    (("--model.name", "llama3"), "model.name = 'llama3' is not allowed; allowed: 'flux'"),
+    (("--model.name", "flux"), "model.name = 'flux' is not allowed; allowed: 'hf_auto'"),  # torchtitan's FLUX
+    (("--model.name", "llama3"), "model.name = 'llama3' is not allowed; allowed: 'hf_auto'"),
     (("--rollout.reward_funcs", "nope:fn"), "rollout.reward_funcs = 'nope:fn' cannot be imported"),
     (("--rollout.reward_funcs", "answer_match", "--rollout.reward_weights", "1", "2"), "rollout.reward_weights"),
     (("--eval.n", "0"), "eval.n"),
@@ -126,13 +127,14 @@ CASES = [
      "off_policy.max_version_gap = -1 is out of range; allowed: an integer >= 1"),
     (("--off_policy.async_ratio", "1.5"), "off_policy.async_ratio = 1.5 is out of range; allowed: a number in [0, 1]"),
     (("--off_policy.async_ratio", "0.5", "--adaptive_async.enabled", "true"),
-     "off_policy.async_ratio = 0.5 is out of range; allowed: 0 (the default) with adaptive_async.enabled = true"),
+     "off_policy.async_ratio = 0.5 is out of range; allowed: unset (the default) or 0 with adaptive_async.enabled = "
+     "true"),
+    (("--off_policy.async_ratio", "-1"), "off_policy.async_ratio = -1.0 is out of range; allowed: a number in [0, 1] "
+                                         "(unset: follows weight_sync.async_weight_update)"),
     (("--off_policy.max_pipeline_depth", "2"), "off_policy.max_pipeline_depth = 2 is out of range; allowed: 0 (the "
                                                "default) unless off_policy.feedforward = true"),
     (("--off_policy.max_pipeline_depth", "-1"),
      "off_policy.max_pipeline_depth = -1 is out of range; allowed: an integer >= 0"),
-    (("--off_policy.async_ratio", "-1"), "off_policy.async_ratio = -1 (follow weight_sync.async_weight_update) was "
-                                         "removed: set off_policy.async_ratio = 1"),
     (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),
     (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
     (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
@@ -214,14 +216,15 @@ def test_one_syntax_for_every_list_and_boolean():
     assert parse("--job.description", "True").job.description == "True"
 
 
-def test_an_async_push_without_lookahead_is_named_in_a_warning(caplog):
-    """``async_ratio = -1`` used to follow ``async_weight_update``; with it removed (issue 25), the background push
-    alone stays on-policy: a user who meant overlap is told which field gives it."""
+def test_an_explicit_ratio_0_with_the_async_push_is_named_in_a_warning(caplog):
+    """The toggle alone makes a run asynchronous (the ratio follows it); an explicit ``async_ratio = 0`` beside it
+    keeps the background push on-policy, and the user who meant overlap is told which field gives it."""
     with caplog.at_level("WARNING", logger="torchtitan_flux"):
-        validate_config(parse("--weight_sync.async_weight_update", "true"))
-    assert any("set off_policy.async_ratio = 1" in r.message for r in caplog.records)
+        validate_config(parse("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "0"))
+    assert any("set off_policy.async_ratio = 1 (or leave it unset)" in r.message for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        validate_config(parse("--weight_sync.async_weight_update", "true"))
         validate_config(parse("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1"))
         validate_config(parse())
     assert not any("async_ratio = 1" in r.message for r in caplog.records)
@@ -235,20 +238,9 @@ def test_auto_and_integer_intervals_parse_and_validate(tiny_model_dir):
     validate_config(parse("--weight_sync.interval", "5", "--off_policy.max_version_gap", "4"))
 
 
-def test_a_spec_naming_a_moved_module_names_its_new_place():
-    """The modules moved into folders (issue 25): a config naming an old path gets the new one, in one line."""
-    from torchtitan_flux.run.user_code import import_spec
-
-    with pytest.raises(ConfigError, match=r"^rollout.task = 'torchtitan_flux.tasks:DigitsTask': module "
-                                          r"torchtitan_flux.tasks was moved; allowed: "
-                                          r"torchtitan_flux.data.tasks:DigitsTask$"):
-        import_spec("rollout.task", "torchtitan_flux.tasks:DigitsTask")
-    assert import_spec("rollout.task", "torchtitan_flux.data.tasks:DigitsTask").__name__ == "DigitsTask"
-
-
 def test_a_module_that_exits_at_import_is_one_line_with_its_reason():
     """Before 2026-11-25 (issue 27): ``sys.exit("reason")`` at a reward module's import ended the run, reason lost."""
-    from torchtitan_flux.run.user_code import import_spec
+    from torchtitan_flux.user_code import import_spec
 
     with pytest.raises(ConfigError, match=r"^rollout.reward_funcs = 'fakes.exits_at_import:f' cannot be imported: "
                                           r"SystemExit: this module needs a GPU$"):
@@ -373,25 +365,6 @@ def test_unknown_key_in_toml(tiny_model_dir, tmp_path):
         parse(toml=str(p))
 
 
-@pytest.mark.parametrize("old,value,new", [
-    ("rollout.engine_device", "cuda:1", "use rollout.engine_devices (one device per engine)"),
-    ("rollout.reward_fn", "test_config:good_reward", "use rollout.reward_funcs"),
-])
-def test_removed_fields_are_one_line_errors_naming_the_new_one(tiny_model_dir, tmp_path, old, value, new):
-    """Unreleased, so no aliases: an old field, on the command line or in a TOML, is one line naming its successor."""
-    with pytest.raises(ConfigError, match=rf"^{old} was removed: {re.escape(new)}"):
-        parse(f"--{old}", value)
-    section, _, key = old.partition(".")
-    toml = tmp_path / "old.toml"
-    toml.write_text(DEBUG_TOML.read_text().replace(f"[{section}]\n", f"[{section}]\n{key} = {value!r}\n", 1))
-    toml = str(toml)
-    with pytest.raises(ValueError) as e:  # torchtitan's unknown-key error, which the entry point turns into this
-        parse(toml=toml)
-    from torchtitan_flux.run.validation import unknown_fields_error
-
-    assert str(unknown_fields_error(e.value, toml)).startswith(f"{old} was removed: {new}")
-
-
 def test_unknown_section_in_toml(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="grpoo"):
         parse(toml=_write(tmp_path, "[grpoo]\ngroup_size = 4\n"))
@@ -449,7 +422,7 @@ def test_unknown_toml_section_or_key_is_one_line_through_the_entry_point(tiny_mo
 
 def test_reward_function_checks(tiny_model_dir, tmp_path):
     """A bad reward function stops the run before any engine starts (probed on one empty completion)."""
-    from torchtitan_flux.data.rewards import RewardError
+    from torchtitan_flux.errors import RewardError
     from torchtitan_flux.data.tasks import build_task, check_rewards, prompt_tokenizer
 
     data = tmp_path / "d.jsonl"
@@ -480,7 +453,7 @@ def test_bad_jsonl_record(tiny_model_dir, tmp_path):
 def test_step_callbacks_from_config_are_imported_and_take_either_form(tiny_model_dir, tmp_path, monkeypatch):
     """``metrics.step_callbacks``: a torchrun user's way to the tutorial's ``@trainer.add_step_callback`` (before: only
     reachable from Python). The trainer calls them (``test_train_e2e.py::test_two_trainer_processes``)."""
-    from torchtitan_flux.run.user_code import step_callback
+    from torchtitan_flux.user_code import step_callback
 
     for spec, match in [("_step_callbacks:missing", "metrics.step_callbacks = '_step_callbacks:missing' cannot be "
                                                     "imported"),
@@ -545,7 +518,7 @@ def test_a_model_variant_we_refuse_is_refused_at_validation(model_copy, field, v
 
 def test_a_truncated_safetensors_file_is_named(model_copy):
     """Before: safetensors' ``SafetensorError: Error while deserializing header`` with a traceback, no file named.
-    The trainer turns this ValueError into ``error: model.hf_assets_path = ...: <this>`` (FluxTrainer.__init__)."""
+    The trainer turns this ValueError into ``error: model.hf_assets_path = ...: <this>`` (GRPOTrainer.__init__)."""
     from torchtitan_flux.models.hf import read_state_dict
 
     weights = model_copy / "model.safetensors"
@@ -598,7 +571,7 @@ def test_default_version_gap_is_real_and_the_controller_says_when_it_needs_more(
 
     fixed = parse("--weight_sync.async_weight_update", "true")
     validate_config(fixed)
-    assert fixed.off_policy.max_version_gap == 1 and fixed.off_policy.async_ratio == 0.0
+    assert fixed.off_policy.max_version_gap == 1 and fixed.off_policy.async_ratio is None  # unset: follows
     adaptive = parse("--adaptive_async.enabled", "true")
     before = dataclasses.asdict(adaptive.off_policy)
     with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
@@ -610,41 +583,37 @@ def test_default_version_gap_is_real_and_the_controller_says_when_it_needs_more(
     assert explicit.off_policy.max_version_gap == 3 and staleness_out_of_reach(explicit.adaptive_async, 3) is None
 
 
-def test_async_settings_have_one_owner_and_the_old_names_are_one_line_errors(tmp_path):
-    """``weight_sync.async_weight_update`` selects the push mode; ``[off_policy]`` holds the gap and the fixed
-    ratio (``OffPolicyControl`` reads them). The old spellings are one-line errors naming what replaced them:
-    ``adaptive_async.max_version_gap`` (command line and TOML) and ``off_policy.async_ratio = -1``."""
+def test_the_toggle_alone_makes_a_run_asynchronous_and_an_explicit_ratio_wins(tmp_path):
+    """``weight_sync.async_weight_update`` selects the push mode and, while ``off_policy.async_ratio`` is unset,
+    the ratio too (1 when true, 0 when false); an explicit ratio wins; the controller sets its own."""
     from torchtitan_flux.rl.off_policy import OffPolicyControl
-    from torchtitan_flux.run.validation import unknown_fields_error
 
     def control(*overrides):
         cfg = parse(*overrides)
         validate_config(cfg)
         return OffPolicyControl(cfg.off_policy, cfg.adaptive_async, cfg.weight_sync, 10)
 
-    renamed = "adaptive_async.max_version_gap was removed: use off_policy.max_version_gap (same meaning)"
-    with pytest.raises(ConfigError) as e:
-        parse("--weight_sync.async_weight_update", "true", "--adaptive_async.max_version_gap", "4")
-    assert str(e.value) == renamed
-    toml = DEBUG_TOML.read_text() + "\n[adaptive_async]\nmax_version_gap = 4\n"
-    if toml.count("[adaptive_async]") > 1:
-        toml = DEBUG_TOML.read_text().replace("[adaptive_async]", "[adaptive_async]\nmax_version_gap = 4", 1)
-    (tmp_path / "old.toml").write_text(toml)
-    with pytest.raises(ValueError) as e:
-        parse(toml=str(tmp_path / "old.toml"))
-    assert str(unknown_fields_error(e.value, str(tmp_path / "old.toml"))) == renamed
-    with pytest.raises(ConfigError, match=r"^off_policy.async_ratio = -1 \(follow weight_sync.async_weight_update\) "
-                                          r"was removed: set off_policy.async_ratio = 1"):
-        control("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "-1")
-    new = control("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
-                  "--off_policy.max_version_gap", "4")
-    assert (new.async_ratio, new.max_version_gap, new.lookahead) == (1.0, 4, 4.0)
+    toggle = control("--weight_sync.async_weight_update", "true", "--off_policy.max_version_gap", "4")
+    assert (toggle.async_push, toggle.async_ratio, toggle.lookahead, toggle.on_policy) == (True, 1.0, 4.0, False)
+    explicit = control("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
+                       "--off_policy.max_version_gap", "4")
+    assert (explicit.async_ratio, explicit.lookahead) == (toggle.async_ratio, toggle.lookahead)
+    explicit_0 = control("--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "0")
+    assert explicit_0.async_push and explicit_0.on_policy
     blocking_ahead = control("--off_policy.async_ratio", "0.5", "--off_policy.max_version_gap", "2")
     assert not blocking_ahead.async_push and blocking_ahead.lookahead == 1.0  # push mode and ratio are independent
     sync = control()
     assert sync.async_ratio == 0.0 and sync.on_policy
-    async_push_alone = control("--weight_sync.async_weight_update", "true")  # the ratio no longer follows the flag
-    assert async_push_alone.async_push and async_push_alone.on_policy
+    for ratio in ((), ("--off_policy.async_ratio", "0")):  # the controller sets the ratio: the toggle sets nothing
+        adaptive = control("--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
+                           "--off_policy.max_version_gap", "3", *ratio)
+        assert adaptive.async_ratio == adaptive.controller.law_ratio == 0.5  # initial_async_ratio
+    toml = DEBUG_TOML.read_text().replace("async_weight_update = false", "async_weight_update = true")
+    (tmp_path / "toggle.toml").write_text(toml)
+    cfg = parse(toml=str(tmp_path / "toggle.toml"))
+    validate_config(cfg)
+    assert cfg.off_policy.async_ratio is None
+    assert OffPolicyControl(cfg.off_policy, cfg.adaptive_async, cfg.weight_sync, 10).async_ratio == 1.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -107,7 +107,7 @@ def test_gsm8k_task_reads_question_and_scores_the_final_answer(tmp_path):
 def test_gsm8k_records_without_a_comparable_answer_are_named(tmp_path, caplog):
     """Before 2026-11-25 (issue 27): no answer column, or answers with no '####'/number, trained with reward 0 forever
     and no word. Now none: refused in one line; some: one warning with their count."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     p = tmp_path / "g.jsonl"
     p.write_text("".join(json.dumps({"question": f"{i}+1?"}) + "\n" for i in range(3)))
@@ -187,7 +187,7 @@ def test_template_features_transformers_provides(tmp_path):
 @pytest.mark.parametrize("text", ["", "\n\n  \n"], ids=["empty", "blank-lines"])
 def test_an_empty_jsonl_file_is_one_line(tmp_path, text):
     """Before 2026-11-25 (issue 27): the datasets library's 'Instruction "train" corresponds to no data!'."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     p = tmp_path / "d.jsonl"
     p.write_text(text)
@@ -208,7 +208,7 @@ def test_an_empty_jsonl_file_is_one_line(tmp_path, text):
 ])
 def test_a_bad_jsonl_line_names_the_file_and_line(tmp_path, line, match):
     """Before: bytes that are not UTF-8 were loaded without a word, and a syntax error named no line."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     good = json.dumps(ROWS[0]).encode() + b"\n"
     p = tmp_path / "d.jsonl"
@@ -224,7 +224,7 @@ def test_a_bad_jsonl_line_names_the_file_and_line(tmp_path, line, match):
 
 def test_null_and_empty_prompts_are_refused_with_file_and_record(tmp_path):
     """Before: a null prompt was trained on as the text "None", an empty one as nothing."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     p = tmp_path / "d.jsonl"
     rows = [ROWS[0], {"prompt": None, "answer": "1"}, ROWS[2], {"prompt": "", "answer": "3"}]
@@ -254,7 +254,7 @@ def test_prompts_that_are_blank_or_not_text_and_reserved_columns_are_refused(tmp
     """Before 2026-11-25 (issue 27) each was silent: blank prompts trained on, ints / lists / dicts trained on as
     ``str(value)``, a ``completions`` or ``prompts`` column replaced what the reward functions receive (reward
     1.000 every step, nothing learned)."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     p = tmp_path / "d.jsonl"
     rows = [ROWS[0], bad, ROWS[2]]
@@ -265,7 +265,7 @@ def test_prompts_that_are_blank_or_not_text_and_reserved_columns_are_refused(tmp
 
 def test_chat_messages_without_text_content_are_refused(tmp_path):
     """Before 2026-11-25 (issue 27): a message without ``content`` was rendered empty."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     model_dir_with_template(tmp_path)
     chat = tmp_path / "chat.jsonl"
@@ -293,7 +293,7 @@ def test_over_long_prompts_are_dropped_and_counted_or_refused(tmp_path, caplog):
 def test_long_prompt_messages_name_the_budget_and_the_seq_len_that_fits(tmp_path, caplog):
     """With the default rollout.max_prompt_tokens = 0 the limit is training.seq_len - max_new_tokens: the messages
     say so and name the seq_len that would keep every prompt (before: 'raise max_prompt_tokens', a field left 0)."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
 
     p = tmp_path / "d.jsonl"
     p.write_text("".join(json.dumps({"prompt": "x" * n, "answer": ""}) + "\n" for n in (5, 60, 70)))
@@ -315,7 +315,7 @@ def test_long_prompt_messages_name_the_budget_and_the_seq_len_that_fits(tmp_path
 def test_prompt_budget_is_validated_against_seq_len(tiny_model_dir):
     from test_config import parse
 
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
     from torchtitan_flux.run.validation import validate_config
 
     with pytest.raises(ConfigError, match=r"rollout.max_prompt_tokens \(60\) \+ rollout.max_new_tokens \(16\) must fit "
@@ -692,7 +692,7 @@ def test_the_progress_line_survives_non_finite_and_missing_values(tmp_path):
 def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
     """Before 2026-11-25 (issue 27): the datasets library's traceback (empty folder, damaged parquet), or a mixed
     folder read as one of its file types with the others silently left out."""
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
     from torchtitan_flux.data.datasets import load_table
 
     d = tmp_path / "data"

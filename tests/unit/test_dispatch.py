@@ -200,7 +200,7 @@ def test_a_prompt_budget_sets_its_requests_max_new_tokens_and_one_over_the_confi
     import pytest
 
     from torchtitan_flux.data.tasks import Prompt, Task
-    from torchtitan_flux.run.user_code import UserCodeError
+    from torchtitan_flux.errors import UserCodeError
 
     class Budgets(Task):
         name = "budgets"

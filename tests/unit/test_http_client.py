@@ -132,7 +132,7 @@ def test_backoff_is_capped_and_jittered():
 
 
 def test_every_request_carries_the_token_when_one_is_set():
-    """The shared token (engine/auth.py) goes in one header on every request, retries included; none without it."""
+    """The shared token (auth.py) goes in one header on every request, retries included; none without it."""
     import httpx
 
     seen: list[tuple[str, str | None]] = []

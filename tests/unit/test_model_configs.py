@@ -17,7 +17,7 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
 
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
-from torchtitan_flux.models.families import register_flux_model, select_model  # noqa: E402
+from torchtitan_flux.models.families import register_families, select_model  # noqa: E402
 from torchtitan_flux.train import _normalise_argv  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -41,7 +41,7 @@ def test_example_config_builds_the_real_model_on_meta(toml, fixture, spec, param
             "--rollout.launch_python", sys.executable]
     job = ConfigManager().parse_args(_normalise_argv(args))
     validate_config(job)
-    register_flux_model()
+    register_families()
     job = select_model(job)
     assert job.model.name == spec
     train_spec = get_train_spec(job.model.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtitan_flux.config import ConfigError
+from torchtitan_flux.errors import ConfigError
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
 
 

@@ -101,7 +101,8 @@ def test_a_metrics_write_that_fails_is_one_error_naming_the_file(tmp_path):
     trainer stops on like a failed checkpoint write (one ``stopped:`` line, the step checkpointed)."""
     import errno
 
-    from torchtitan_flux.run.metrics import MetricsWriteError, MetricsWriter
+    from torchtitan_flux.errors import MetricsWriteError
+    from torchtitan_flux.run.metrics import MetricsWriter
 
     class FullDisk:
         name = str(tmp_path / "metrics.jsonl")

@@ -49,7 +49,7 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
 
     import pytest
 
-    from torchtitan_flux.config import ConfigError
+    from torchtitan_flux.errors import ConfigError
     from torchtitan_flux.data.tasks import DigitsTask, build_task
 
     def job(task):

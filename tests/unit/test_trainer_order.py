@@ -12,7 +12,7 @@ from torchtitan_flux.patches import apply_patches
 apply_patches()  # before torchtitan is imported (CPU: no triton)
 
 from torchtitan_flux.run import trainer as trainer_module  # noqa: E402
-from torchtitan_flux.run.trainer import FluxTrainer  # noqa: E402
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
 
 
 def test_pg_timeouts_are_set_before_the_first_push_and_not_again(monkeypatch):
@@ -34,5 +34,5 @@ def test_pg_timeouts_are_set_before_the_first_push_and_not_again(monkeypatch):
     t = mock.MagicMock(step=0, rank=0, job_config=jc, syncer=syncer, evaluator=None, scheduler=None,
                        should_continue_training=lambda: next(steps), train_step_grpo=train_step,
                        _finish=lambda: calls.append("finish"))
-    FluxTrainer.train(t)
+    GRPOTrainer.train(t)
     assert calls == ["connect", "set_pg_timeouts", "flush 0", "push 1", "push 2", "finish"], calls

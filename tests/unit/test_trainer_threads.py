@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtitan_flux.engine.embedded import EmbeddedEngine
-from torchtitan_flux.rollout.fleet import TrainerThreads
+from torchtitan_flux.run.threads import TrainerThreads
 
 
 class FakeEngine(EmbeddedEngine):

@@ -18,7 +18,7 @@ import torch
 from torchtitan_flux.engine import vllm_nccl
 from torchtitan_flux.engine.base import EngineError, WeightAck, WeightGroupInfo
 from torchtitan_flux.engine.threads import Workers
-from torchtitan_flux.sync import cuda_rules, transport
+from torchtitan_flux.wire import cuda_rules, transport
 
 
 class FakeTransfer:

@@ -20,7 +20,7 @@ import random
 from datetime import datetime
 from typing import Any
 
-from torchtitan_flux.config import ConfigError
+from torchtitan_flux.errors import ConfigError
 
 logger = logging.getLogger("torchtitan_flux")
 

@@ -26,10 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
-
-
-class RewardError(ValueError):
-    """A reward function failed or returned a bad value; the message names it (and the sample when known)."""
+from torchtitan_flux.errors import RewardError
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torchtitan_flux.data import rewards as R
-from torchtitan_flux.config import ConfigError
+from torchtitan_flux.errors import ConfigError, TrainingInterrupted
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
-from torchtitan_flux.run.user_code import import_spec
+from torchtitan_flux.user_code import import_spec
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -276,7 +276,6 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     r = job_config.rollout
     path = r.dataset_path if dataset_path is None else dataset_path
     split = r.dataset_split if dataset_split is None else dataset_split
-    from torchtitan_flux.run.stops import TrainingInterrupted  # here: run.stops imports the rollout, which this
 
     factory, rewards = task_factory(r.task), reward_funcs(r)
     try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work

@@ -15,10 +15,6 @@ from typing import Any
 import torch
 
 
-class EngineStartError(RuntimeError):
-    """The server cannot serve as a rollout engine; the message names the server and what is wrong."""
-
-
 @dataclass
 class GenerationRequest:
     req_id: int

@@ -68,7 +68,7 @@ class _EngineProcess:
 
     def join(self, info: WeightGroupInfo) -> None:
         from torchtitan_flux import compat
-        from torchtitan_flux.sync import cuda_rules, transport
+        from torchtitan_flux.wire import cuda_rules, transport
 
         def make_group():
             store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
@@ -299,7 +299,7 @@ class EmbeddedEngine(EngineHandler):
         self._send(("join", info))
 
     def weight_backend(self, trainer_backend: str) -> str:
-        from torchtitan_flux.sync.transport import COLOCATED
+        from torchtitan_flux.wire.transport import COLOCATED
 
         if self.colocated:
             return COLOCATED

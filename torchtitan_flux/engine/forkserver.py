@@ -23,7 +23,7 @@ START_METHOD_ENV = "TORCHTITAN_FLUX_ENGINE_START"
 
 # Everything an engine runs. Not the entry module itself (re-run as ``__mp_main__``: runpy warns when preloaded).
 ENGINE_PRELOAD = ("torchtitan_flux.patches", "torchtitan_flux.engine.embedded", "torchtitan_flux.models.inference",
-                  "torchtitan_flux.sync.transport", "torchtitan_flux.compat")
+                  "torchtitan_flux.wire.transport", "torchtitan_flux.compat")
 
 
 def start_method() -> str:

@@ -34,13 +34,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from torchtitan_flux.engine.base import (EngineError, EngineHandler, EngineStartError, GenerationRequest,
-                                        GenerationResult, WeightAck, WeightGroupInfo)
+from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck, WeightGroupInfo)
+from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.http_client import HttpClient
 from torchtitan_flux.engine.server_checks import HealthMonitor, StartupChecks
 from torchtitan_flux.engine.threads import Gate, Workers
 from torchtitan_flux.models import hf
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 logger = logging.getLogger("torchtitan_flux")
 

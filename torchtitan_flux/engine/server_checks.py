@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from torchtitan_flux.engine.base import EngineStartError
+from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.http_client import HttpClient, HttpError
 
 HEALTH_PATH = "/health"

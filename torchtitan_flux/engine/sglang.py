@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from torchtitan_flux.engine.base import EngineStartError, GenerationRequest, WeightGroupInfo
+from torchtitan_flux.errors import EngineStartError
+from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine
 from torchtitan_flux.engine.http_client import HttpError
 

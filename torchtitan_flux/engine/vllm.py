@@ -14,7 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_flux.engine.base import EngineStartError, GenerationRequest, WeightGroupInfo
+from torchtitan_flux.errors import EngineStartError
+from torchtitan_flux.engine.base import GenerationRequest, WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine, HttpOptions
 from torchtitan_flux.engine.http_client import HttpError
 from torchtitan_flux.engine.vllm_launch import EXTENSION

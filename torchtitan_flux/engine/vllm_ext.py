@@ -38,8 +38,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from torchtitan_flux import compat
-from torchtitan_flux.engine.auth import read_token
-from torchtitan_flux.sync import cuda_rules, transport
+from torchtitan_flux.auth import read_token
+from torchtitan_flux.wire import cuda_rules, transport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXT_VERSION = 1

@@ -24,8 +24,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from torchtitan_flux.engine.auth import MIDDLEWARE, TOKEN_ENV
-from torchtitan_flux.engine.base import EngineStartError
+from torchtitan_flux.auth import MIDDLEWARE
+from torchtitan_flux.auth import TOKEN_ENV
+from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.forkserver import die_with_parent
 
 logger = logging.getLogger("torchtitan_flux")
@@ -218,3 +219,12 @@ def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.Pat
         for s in servers:
             s.stop(grace_s=5.0)
         raise
+
+
+def resolve_launch_python(path: str) -> str | None:
+    """``rollout.launch_python`` as an existing absolute path: as given, else relative to the directory this
+    package is imported from (a source checkout's root, where ``.venv-vllm`` is); None when neither exists."""
+    for cand in (path, os.path.join(PACKAGE_PARENT, path)):
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return os.path.abspath(cand)
+    return None

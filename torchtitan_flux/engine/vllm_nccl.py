@@ -31,7 +31,7 @@ from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.engine.http import HttpEngine
 from torchtitan_flux.engine.http_client import HttpError
 from torchtitan_flux.engine.vllm import VllmEngine
-from torchtitan_flux.sync import cuda_rules
+from torchtitan_flux.wire import cuda_rules
 
 SERVER_BACKEND = "vllm_nccl"  # what ``flux_model_info`` reports for vLLM's own NCCL engine
 _SENDING = threading.Lock()  # one vLLM NCCL push at a time in this process (see the module docstring)

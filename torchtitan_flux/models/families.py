@@ -259,11 +259,6 @@ def args_from_hf_dir(hf_dir: str | os.PathLike, max_seq_len: int | None = None):
     return cls.from_hf_dir(hf_dir, max_seq_len)
 
 
-def build_model(model_args):
-    """The family's torchtitan model for ``model_args`` (on the current default device)."""
-    return FluxQwenModel(model_args) if isinstance(model_args, Qwen3ModelArgs) else FluxLlamaModel(model_args)
-
-
 def fsdp_tied(parallelize_fn):
     """``parallelize_fn`` made safe for a tied output projection under FSDP2, which refuses torchtitan's two groups
     ``tok_embeddings`` and ``[norm, output]`` holding one parameter: the three are hidden from ``parallelize_fn``
@@ -303,7 +298,7 @@ def fsdp_tied(parallelize_fn):
     return parallelize
 
 
-def register_flux_model():
+def register_families():
     """Register the TrainSpecs of every family (``FAMILY_SPECS``, flavor ``hf``); idempotent. Returns the llama one."""
     from torchtitan.models import llama3, qwen3
     from torchtitan.protocols.train_spec import get_train_spec, register_train_spec

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from torchtitan_flux.config import AdaptiveAsync
-from torchtitan_flux.run.user_code import import_spec
+from torchtitan_flux.user_code import import_spec
 
 logger = logging.getLogger("torchtitan_flux.rl.controller")
 

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from torchtitan_flux.data.rewards import RewardError
+from torchtitan_flux.errors import RewardError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
-from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutScheduler
+from torchtitan_flux.errors import NoEngineLeft
+from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.rollout.batch import RolloutBatch
-from torchtitan_flux.run.user_code import UserCodeError
+from torchtitan_flux.errors import UserCodeError
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
 

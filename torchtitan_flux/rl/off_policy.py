@@ -59,6 +59,14 @@ class PipelineDepth:
         self.gen_s, self.train_s, self.depth = state["gen_s"], state["train_s"], int(state["depth"])
 
 
+def fixed_async_ratio(off_policy, weight_sync) -> float:
+    """The async ratio without the controller: ``off_policy.async_ratio`` when set, else what the one toggle says
+    (``weight_sync.async_weight_update``: 1 when true, 0 when false)."""
+    if off_policy.async_ratio is not None:
+        return float(off_policy.async_ratio)
+    return 1.0 if weight_sync.async_weight_update else 0.0
+
+
 class OffPolicyControl:
     """The off-policy decision of the module docstring. Main thread only; every trainer rank holds one."""
 
@@ -69,7 +77,7 @@ class OffPolicyControl:
         self.max_version_gap, self.async_push = op.max_version_gap, ws.async_weight_update
         self.fixed_interval = ws.interval
         self.controller = AdaptiveAsyncController(aa, total_steps) if aa.enabled else None
-        self.async_ratio = float(aa.initial_async_ratio if aa.enabled else op.async_ratio)  # the one copy
+        self.async_ratio = aa.initial_async_ratio if aa.enabled else fixed_async_ratio(op, ws)  # the one copy
         self.force_sync = False
         self.carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
         self.discarded_rollouts = 0  # samples thrown away as too stale

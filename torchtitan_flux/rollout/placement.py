@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from torchtitan_flux.config import ConfigError
+from torchtitan_flux.errors import ConfigError
 
 _DEVICE = re.compile(r"cpu|cuda:(\d+)")
 

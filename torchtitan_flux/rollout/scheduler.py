@@ -27,7 +27,8 @@ from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
 from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
 from torchtitan_flux.data.tasks import Prompt, Task
-from torchtitan_flux.run.user_code import UserCodeError
+from torchtitan_flux.errors import UserCodeError
+from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -36,17 +37,8 @@ DEATH_NOTICE_S = 10.0  # how long a dispatch with no engine alive waits for a qu
 WAIT_NOTE_S = 30.0  # collect with no result for this long logs who holds what
 
 
-class NoEngineLeft(RuntimeError):
-    """Every rollout engine is gone. Raised between steps, so the trainer's state can be checkpointed."""
-
-
-class RolloutWaitInterrupted(Exception):
-    """``interrupt()`` was called while ``collect`` waited: the step is not trained on (the trainer's state is
-    that of its last completed step; the rollouts in flight stay dispatched)."""
-
-
 @dataclass
-class _Part:
+class RequestPart:
     request: GenerationRequest
     engine: EngineHandler | None  # None: restored finished from a checkpoint
     first: int  # index of its first prompt in the step's prompt list
@@ -59,7 +51,7 @@ class _Step:
     step: int
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
-    parts: list[_Part]
+    parts: list[RequestPart]
     n_dispatched: int = 0  # prompts [0, n_dispatched) have been sent to engines
     completions: list[str] | None = None  # decoded once every part has its result
     scores: Future | None = None  # rewards.Scores, computed by the scorer's pool
@@ -77,7 +69,7 @@ class RolloutScheduler:
         self.seed, self.pad_id = seed, pad_id
         self._req_ids = itertools.count()
         self._steps: dict[int, _Step] = {}
-        self._by_req: dict[int, _Part] = {}
+        self._by_req: dict[int, RequestPart] = {}
         self.split = SpeedSplit([e.name for e in self.engines], dead_zone, max_share)
         self.redispatched = self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
@@ -140,7 +132,7 @@ class RolloutScheduler:
             self.pump(0.05)
 
     def submit_eval(self, prompts: list[Prompt], prompt_ids: list[list[int]], n: int, temperature: float,
-                    version: int, seed: int) -> list[_Part]:
+                    version: int, seed: int) -> list[RequestPart]:
         """Evaluation requests: ``n`` completions of each prompt (``prompt_ids``: their tokens) on exactly policy
         ``version``, split evenly over the engines alive, each request with its prompts' largest budget; their
         results come through ``pump`` like any other's."""
@@ -160,8 +152,8 @@ class RolloutScheduler:
             first += count
         return parts
 
-    def _send(self, req: GenerationRequest, engine: EngineHandler, first: int) -> _Part:
-        part = _Part(req, engine, first)
+    def _send(self, req: GenerationRequest, engine: EngineHandler, first: int) -> RequestPart:
+        part = RequestPart(req, engine, first)
         self._by_req[req.req_id] = part
         engine.submit(req)
         return part
@@ -305,7 +297,7 @@ class RolloutScheduler:
         for saved in state.get("steps", []):
             st = self._new_step(saved["step"])
             st.n_dispatched = saved["n_dispatched"]
-            st.parts = [_Part(req, None, first, result) for first, req, result in saved["parts"]]
+            st.parts = [RequestPart(req, None, first, result) for first, req, result in saved["parts"]]
 
     def drain(self, timeout: float = 5.0) -> None:
         """Forget outstanding requests (shutdown); results that still arrive are dropped."""
@@ -320,7 +312,7 @@ class RolloutScheduler:
         self.scoring.close()
 
 
-def waiting_note(step: int, waited: float, engines: list[EngineHandler], in_flight: list[_Part],
+def waiting_note(step: int, waited: float, engines: list[EngineHandler], in_flight: list[RequestPart],
                  last_result: float) -> str:
     """One line: how long step ``step`` has waited, and what each engine holds of the requests in flight."""
     now = time.monotonic()

@@ -15,13 +15,9 @@ import os
 import time
 
 from torchtitan_flux.run.resume import os_error_fix
+from torchtitan_flux.errors import MetricsWriteError
 
 logger = logging.getLogger("torchtitan_flux")
-
-
-class MetricsWriteError(RuntimeError):
-    """``metrics.jsonl`` or ``completions.jsonl`` cannot be written (a full disk, a folder gone): the run stops,
-    checkpointing the step it just trained, instead of training on without a record."""
 
 
 class MetricsWriter:

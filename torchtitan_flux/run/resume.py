@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_flux.config import ConfigError
+from torchtitan_flux.errors import ConfigError
+from torchtitan_flux.errors import CheckpointWriteError
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -250,12 +251,6 @@ def load(checkpointer, ck_cfg, folder: str, is_writer: bool) -> None:
         checkpointer.load(step=ck_cfg.load_step)
         return
     load_newest_readable(folder, lambda s: checkpointer.load(step=s), is_writer)
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (a full disk, a read-only folder, a folder gone): the run stops with one
-    line naming it and the fix for its cause; the previous complete checkpoint is what a resume loads (the torn
-    one has no ``.metadata``)."""
 
 
 class CheckpointSaver:

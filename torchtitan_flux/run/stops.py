@@ -21,26 +21,13 @@ import time
 from typing import Any, Callable
 
 from torchtitan_flux.engine.forkserver import die_with_parent
-from torchtitan_flux.rollout.scheduler import NoEngineLeft
+from torchtitan_flux.errors import NoEngineLeft
+from torchtitan_flux.errors import TrainingInterrupted
 
 logger = logging.getLogger("torchtitan_flux")
 
 SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most a stop (or a save) waits for a push, and for rollouts in flight
 DUPLICATE_WINDOW_S = 2.0  # one signal delivered twice (to torchrun's process group and forwarded by torchrun)
-
-
-class TrainingInterrupted(Exception):
-    """SIGTERM or SIGINT during training. An ``Exception`` (not ``SystemExit``) so that torchtitan's ``main``
-    calls ``trainer.close()``, which stops the engines, before the process exits non-zero."""
-
-    def __init__(self, message: str, at_step_boundary: bool):
-        super().__init__(message)
-        self.at_step_boundary = at_step_boundary
-
-
-class LossNotFinite(RuntimeError):
-    """The loss (or the gradient norm) of a step is NaN or infinite: the run stops before the optimizer applies it,
-    so the last completed step's weights (and its checkpoint) are intact."""
 
 
 class StopRequests:

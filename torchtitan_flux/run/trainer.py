@@ -1,4 +1,4 @@
-"""``FluxTrainer``: torchtitan's ``Trainer`` turned into a GRPO trainer fed by rollout engines.
+"""``GRPOTrainer``: torchtitan's ``Trainer`` turned into a GRPO trainer fed by rollout engines.
 
 Model construction, FSDP2, optimizers, LR schedulers, gradient clipping, ``CheckpointManager`` and the entry point
 are torchtitan's, used as they are; we replace the data path (rollouts, ``BatchFeed``), the loss (``rl/loss.py``)
@@ -29,27 +29,31 @@ from torchtitan.train import Trainer
 
 from torchtitan_flux.run import report, resume
 from torchtitan_flux.rl.off_policy import OffPolicyControl
-from torchtitan_flux.config import ConfigError
-from torchtitan_flux.data.evaluation import Evaluator
+from torchtitan_flux.errors import ConfigError
+from torchtitan_flux.rollout.evaluation import Evaluator
 from torchtitan_flux.rl.feed import BatchFeed
-from torchtitan_flux.rollout.fleet import Rollouts, TrainerThreads
+from torchtitan_flux.rollout.rollouts import Rollouts
+from torchtitan_flux.run.threads import TrainerThreads
 from torchtitan_flux.models.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
-from torchtitan_flux.run.metrics import MetricsWriteError, MetricsWriter
+from torchtitan_flux.errors import MetricsWriteError
+from torchtitan_flux.run.metrics import MetricsWriter
 from torchtitan_flux.run.preflight import preflight
 from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
-from torchtitan_flux.data.rewards import RewardError
-from torchtitan_flux.rollout.scheduler import NoEngineLeft, RolloutBatch, RolloutWaitInterrupted
+from torchtitan_flux.errors import RewardError
+from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
+from torchtitan_flux.rollout.scheduler import RolloutBatch
 from torchtitan_flux.run.checkpoint_state import CheckpointState
-from torchtitan_flux.run.stops import (LossNotFinite, StopRequests, TrainingInterrupted, die_with_launcher,
-                                      settle_and_checkpoint)
+from torchtitan_flux.errors import LossNotFinite, TrainingInterrupted
+from torchtitan_flux.run.stops import StopRequests, die_with_launcher, settle_and_checkpoint
 from torchtitan_flux.rl.gradient import backward_on_batch
-from torchtitan_flux.run.user_code import UserCodeError, import_spec, step_callback
+from torchtitan_flux.errors import UserCodeError
+from torchtitan_flux.user_code import import_spec, step_callback
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
 logger = logging.getLogger("torchtitan_flux")
 
 
-class FluxTrainer(Trainer):
+class GRPOTrainer(Trainer):
     def __init__(self, job_config):
         die_with_launcher()
         self.stops = StopRequests()
@@ -72,7 +76,7 @@ class FluxTrainer(Trainer):
         self.step_callbacks: list = []
         for spec in job_config.metrics.step_callbacks:  # checked by validate_config
             self.add_step_callback(import_spec("metrics.step_callbacks", spec), name=f"step callback {spec!r}")
-        self.scheduler: Rollouts | None = None  # rank 0's rollout side; None on ranks > 0
+        self.rollouts: Rollouts | None = None  # rank 0's rollout side; None on ranks > 0
         self.evaluator: Evaluator | None = None
         self.metrics_writer: MetricsWriter | None = None
         self._step_ends: list[float] = []
@@ -88,19 +92,19 @@ class FluxTrainer(Trainer):
         ) if ws.probe_every > 0 else None
         self.memory = {"rss_before_sync_mb": report.rss_mb()}
         if self.rank == 0:  # starts the engines and builds the syncer it delivers their events to
-            self.scheduler = Rollouts(job_config, self.task, self.tokenizer, self.model, device=self.device,
+            self.rollouts = Rollouts(job_config, self.task, self.tokenizer, self.model, device=self.device,
                                       stops=self.stops)
-            self.syncer = self.scheduler.syncer
-            self.threads.watch(self.model, self.scheduler)
+            self.syncer = self.rollouts.syncer
+            self.threads.watch(self.model, self.rollouts)
             if self.world == 1:
-                self.stops.interrupt_rollout_waits_of(self.scheduler)
+                self.stops.interrupt_rollout_waits_of(self.rollouts)
         else:  # a bystander: takes part in every snapshot, sends nothing
             self.syncer = WeightSyncer(job_config.weight_sync, self.model, [], device=self.device, is_sender=False,
                                        backend="nccl" if self.device.type == "cuda" else "gloo")
         self.memory["rss_after_staging_mb"] = report.rss_mb()
-        self.feed = BatchFeed(self.off_policy, self.scheduler, self.syncer, async_push=ws.async_weight_update,
+        self.feed = BatchFeed(self.off_policy, self.rollouts, self.syncer, async_push=ws.async_weight_update,
                               last_step=job_config.training.steps, rank=self.rank, world=self.world)
-        self.checkpoint_state = CheckpointState(self.off_policy, self.scheduler, self.task,
+        self.checkpoint_state = CheckpointState(self.off_policy, self.rollouts, self.task,
                                                 job_config.rollout.prompts_per_step, pre.config_changes, self.stops,
                                                 ws.timeout_seconds, self.world)
         if self.rank == 0:
@@ -110,7 +114,7 @@ class FluxTrainer(Trainer):
             )
             if pre.eval_task is not None:
                 self.evaluator = Evaluator(
-                    job_config.eval, pre.eval_task, self.scheduler, self.tokenizer, job_config.rollout.seed,
+                    job_config.eval, pre.eval_task, self.rollouts, self.tokenizer, job_config.rollout.seed,
                     job_config.job.dump_folder, wait=not job_config.weight_sync.async_weight_update,
                 )
 
@@ -159,8 +163,8 @@ class FluxTrainer(Trainer):
                 raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
             raise
         finally:
-            if self.rank == 0 and self.scheduler is not None:
-                self.scheduler.drain(timeout=1.0)
+            if self.rank == 0 and self.rollouts is not None:
+                self.rollouts.drain(timeout=1.0)
         self._finish()
 
     def train_step_grpo(self) -> None:
@@ -169,7 +173,7 @@ class FluxTrainer(Trainer):
         t0 = time.perf_counter()
         fed = self.feed.next(self.step + 1, self.step)
         last = fed.last
-        self.threads.before_compute(self.scheduler)  # the next steps' requests just went out: their cores come back
+        self.threads.before_compute(self.rollouts)  # the next steps' requests just went out: their cores come back
         self.step += 1
         t1 = time.perf_counter()
         metrics = self.train_on(fed.batch)
@@ -181,7 +185,7 @@ class FluxTrainer(Trainer):
             metrics.update(self.off_policy.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
         if self.probe is not None and (self.probe.due(self.step, jc.training.steps) or last):
             self.syncer.flush(self.step)  # the engines must hold this step's weights
-            engines = [e for e in self.scheduler.engines if e.alive()] if self.rank == 0 else []
+            engines = [e for e in self.rollouts.engines if e.alive()] if self.rank == 0 else []
             metrics.update(self.probe.run(self.model, engines, self.step, self.device))
         if self.saver.save(self.step, last) and self.checkpointer.async_mode == AsyncMode.DISABLED:
             logger.info(f"checkpoint of step {self.step} saved")  # an async one: when written (saver.poll)
@@ -232,7 +236,7 @@ class FluxTrainer(Trainer):
         if self.rank == 0:
             logger.info(f"final policy exported to {out}")
             probed = self.probe.confirmed_version if self.probe is not None else -1
-            content = report.summary(self.step, self.syncer, self.scheduler.engines, probed, self._step_ends, memory)
+            content = report.summary(self.step, self.syncer, self.rollouts.engines, probed, self._step_ends, memory)
             report.write_summary(self.job_config.job.dump_folder, content)
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
@@ -259,7 +263,7 @@ class FluxTrainer(Trainer):
             )
         self.checkpointer.maybe_wait_for_staging()
         self.syncer.before_optimizer_step()
-        self.threads.before_compute(self.scheduler)
+        self.threads.before_compute(self.rollouts)
         self.optimizers.step()
         self.lr_schedulers.step()
         self.ntokens_seen += int(num_tokens)
@@ -273,8 +277,8 @@ class FluxTrainer(Trainer):
                 "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0]}
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
-        counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.scheduler.restarts,
-                        redispatched_requests=self.scheduler.redispatched, **self.syncer.metrics())
+        counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.rollouts.restarts,
+                        redispatched_requests=self.rollouts.redispatched, **self.syncer.metrics())
         m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)
         every = self.job_config.metrics.log_completions_every
@@ -291,8 +295,8 @@ class FluxTrainer(Trainer):
         self.checkpoint_state.load_state_dict(state_dict, self.step)
 
     def close(self) -> None:
-        if getattr(self, "scheduler", None) is not None:  # rank 0: its syncer, engines and servers
-            self.scheduler.close()
+        if getattr(self, "rollouts", None) is not None:  # rank 0: its syncer, engines and servers
+            self.rollouts.close()
         elif getattr(self, "syncer", None) is not None:
             self.syncer.close()
         if getattr(self, "metrics_writer", None) is not None:

@@ -20,11 +20,12 @@ from typing import Any, Literal
 
 import torch
 
-from torchtitan_flux.config import (ADDED_TO_TORCHTITAN, MODEL_NAME, SECTIONS, AdaptiveAsync, Checkpoint, ConfigError,
-                                    removed_error)
-from torchtitan_flux.engine.auth import is_loopback, read_token
+from torchtitan_flux.config import ADDED_TO_TORCHTITAN, MODEL_NAME, SECTIONS, AdaptiveAsync, CheckpointAdditions
+from torchtitan_flux.engine.vllm_launch import resolve_launch_python
+from torchtitan_flux.errors import ConfigError
+from torchtitan_flux.auth import is_loopback, read_token
 from torchtitan_flux.ranges import field_ranges
-from torchtitan_flux.run.user_code import import_spec, step_callback
+from torchtitan_flux.user_code import import_spec, step_callback
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -58,6 +59,10 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
             except ConfigError:
                 pass
         raise ConfigError(f"{name} = {value!r} is not allowed; allowed: {_allowed(tp)}")
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{name} = {value!r} is not allowed; allowed: unset")
+        return
     if origin is Literal:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{name} = {value!r} is not allowed; allowed values: {_allowed(tp)}")
@@ -102,7 +107,8 @@ def _require(cond: bool, name: str, value: Any, allowed: str) -> None:
 def _check_ranges(prefix: str, cls: type, obj: Any) -> None:
     """Every field of ``cls`` (a config.py section) that declares a ``Range``, nested tables included."""
     for name, (rng, allowed) in field_ranges(cls).items():
-        _require(rng.contains(getattr(obj, name)), f"{prefix}.{name}", getattr(obj, name), allowed)
+        value = getattr(obj, name)
+        _require(value is None or rng.contains(value), f"{prefix}.{name}", value, allowed)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.type):
             _check_ranges(f"{prefix}.{f.name}", f.type, getattr(obj, f.name))
@@ -140,24 +146,13 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
-def resolve_launch_python(path: str) -> str | None:
-    """``rollout.launch_python`` as an existing absolute path: as given, else relative to the directory this
-    package is imported from (a source checkout's root, where ``.venv-vllm`` is); None when neither exists."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for cand in (path, os.path.join(package_parent, path)):
-        if os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return os.path.abspath(cand)
-    return None
-
-
 def _validate_torchtitan_fields(job_config: Any) -> None:
     """The torchtitan fields whose bad values would fail late (a bare assert, a NaN loss) or pass silently."""
     tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
     name = job_config.model.name
     if name != MODEL_NAME:
-        why = ("was renamed: use 'flux'" if name == "flux_llama3" else
-               "is not allowed; allowed: 'flux' (the family is read from model.hf_assets_path/config.json)")
-        raise ConfigError(f"model.name = {name!r} {why}")
+        raise ConfigError(f"model.name = {name!r} is not allowed; allowed: {MODEL_NAME!r} (the family is read from "
+                          "model.hf_assets_path/config.json)")
     for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
         _check_type(f"training.{name}", getattr(tr, name), int)
     for name in ("steps", "local_batch_size", "seq_len"):
@@ -168,7 +163,7 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
              "weights)")
     seed = job_config.debug.seed
     _require(seed is None or 0 <= seed < 2**63, "debug.seed", seed, "an integer in [0, 2**63), or unset")
-    mismatch = typing.get_type_hints(Checkpoint)["on_config_mismatch"]
+    mismatch = typing.get_type_hints(CheckpointAdditions)["on_config_mismatch"]
     _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:
         _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
@@ -236,9 +231,6 @@ def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
         fields = sorted(f.name for f in dataclasses.fields(getattr(importlib.import_module(mod), cls)))
     except (ImportError, AttributeError, TypeError):
         fields = []
-    for key in re.findall(r"'(\w+)'", names):
-        if section and (removed := removed_error(f"{section}.{key}")):
-            return removed
     where = f"[{section}]" if section else f"the section of type {cls}"
     allowed = ", ".join(fields) if fields else "see docs/configuration.md"
     return ConfigError(f"job.config_file = {config_file!r}: unknown key(s) {names} in {where}; allowed: {allowed}")
@@ -247,16 +239,13 @@ def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
 def validate_config(job_config: Any) -> None:
     """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
     o = job_config.off_policy
-    if o.async_ratio == -1:  # before the range check, which would not say what replaced it
-        raise ConfigError("off_policy.async_ratio = -1 (follow weight_sync.async_weight_update) was removed: set "
-                          "off_policy.async_ratio = 1 (what it meant with async_weight_update = true) or 0")
     for sec in SECTIONS:
         _check_dataclass(sec, getattr(job_config, sec))
     for sec, cls in {**SECTIONS, **ADDED_TO_TORCHTITAN}.items():
         _check_ranges(sec, cls, getattr(job_config, sec))
     r, w, a = job_config.rollout, job_config.weight_sync, job_config.adaptive_async
-    _require(not a.enabled or o.async_ratio == 0, "off_policy.async_ratio", o.async_ratio,
-             "0 (the default) with adaptive_async.enabled = true: the controller sets the ratio")
+    _require(not a.enabled or not o.async_ratio, "off_policy.async_ratio", o.async_ratio,
+             "unset (the default) or 0 with adaptive_async.enabled = true: the controller sets the ratio")
     _require(o.feedforward or o.max_pipeline_depth == 0, "off_policy.max_pipeline_depth", o.max_pipeline_depth,
              "0 (the default) unless off_policy.feedforward = true: it caps the feedforward's depth")
 
@@ -336,7 +325,7 @@ def validate_config(job_config: Any) -> None:
     if w.async_weight_update and o.async_ratio == 0 and not a.enabled:
         logger.warning("weight_sync.async_weight_update = true with off_policy.async_ratio = 0: weights are pushed in "
                        "the background, but every step waits for the newest ones (on-policy); set "
-                       "off_policy.async_ratio = 1 to let generation run ahead")
+                       "off_policy.async_ratio = 1 (or leave it unset) to let generation run ahead")
     if a.controller != "pid":
         from torchtitan_flux.rl.controller import ControlLaw
 

@@ -18,13 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_flux import compat
+from torchtitan_flux.errors import ProbeMismatch
 
 # digits, letters, punctuation and spaces
 PROBE_TEXT = "Q: 12 + 35 = ? A: 47. The quick brown fox jumps over the lazy dog; 0123456789 xyz!"
-
-
-class ProbeMismatch(RuntimeError):
-    """An engine's logprobs differ from the trainer's beyond tolerance: it does not serve the pushed policy."""
 
 
 @dataclass

@@ -26,7 +26,8 @@ from datetime import timedelta
 import torch
 
 from torchtitan_flux import compat
-from torchtitan_flux.sync import cuda_rules, sparse, transport
+from torchtitan_flux.wire import cuda_rules, transport
+from torchtitan_flux.sync import sparse
 from torchtitan_flux.engine.base import WeightGroupInfo
 from torchtitan_flux.sync.links import EngineLink, LinkTable
 from torchtitan_flux.sync.snapshot import Snapshot

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from torchtitan_flux import compat
 from torchtitan_flux.models.hf import clean_name
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 from torchtitan_flux.sync.memory import SyncMemory, new_bytes
 
 
@@ -57,7 +57,7 @@ def control_group():
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if "pg" not in _CONTROL:
-        from torchtitan_flux.sync.cuda_rules import GROUP_TIMEOUT
+        from torchtitan_flux.wire.cuda_rules import GROUP_TIMEOUT
 
         _CONTROL["pg"] = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
     return _CONTROL["pg"]

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from torchtitan_flux.sync import transport
+from torchtitan_flux.wire import transport
 
 Patch = tuple[torch.Tensor, torch.Tensor]  # (flat indices, values) of one bucket
 

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from torchtitan_flux.sync import transport
-from torchtitan_flux.engine.auth import read_token
+from torchtitan_flux.wire import transport
+from torchtitan_flux.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
 from torchtitan_flux.sync.links import LinkTable
 from torchtitan_flux.sync.pusher import Bystander, Pusher

@@ -33,15 +33,12 @@ from typing import Any, Iterable
 import torch
 
 from torchtitan_flux import compat
+from torchtitan_flux.errors import NcclVersionMismatch
 
 GROUP_TIMEOUT = timedelta(days=7)  # rule 4: far beyond any push deadline; our polling decides
 # rule 3: ``wait_works`` yields for the first SPIN_S, then sleeps POLL_S[0], doubling up to POLL_S[1]
 SPIN_S = 0.003
 POLL_S = (0.0001, 0.002)
-
-
-class NcclVersionMismatch(RuntimeError):
-    """Rule 7: the two sides of a weight-sync group run different NCCL versions (no retry: it cannot succeed)."""
 
 
 def header_device(backend: str, device: torch.device | str) -> torch.device:

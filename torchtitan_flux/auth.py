@@ -15,8 +15,8 @@ import ipaddress
 import json
 import os
 
-TOKEN_ENV = "TORCHTITAN_FLUX_TOKEN"
-MIDDLEWARE = "torchtitan_flux.engine.auth.BearerAuthMiddleware"
+TOKEN_ENV = "TORCHTITAN_FLUX_TOKEN"  # the environment variable a server reads the token from
+MIDDLEWARE = "torchtitan_flux.auth.BearerAuthMiddleware"
 
 
 def read_token(env: str = TOKEN_ENV) -> str | None:

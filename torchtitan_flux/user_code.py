@@ -11,22 +11,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_flux.config import ConfigError
-
-
-# Modules moved into folders before the first release (README "Changelog"): a spec naming one is refused naming
-# the new place (a task factory, reward function or controller class of ours a config may name)
-MOVED = {f"torchtitan_flux.{old}": f"torchtitan_flux.{new}" for old, new in (
-    ("tasks", "data.tasks"), ("rewards", "data.rewards"), ("data", "data.datasets"), ("evaluation", "data.evaluation"),
-    ("controller", "rl.controller"), ("controller.laws", "rl.controller"), ("admission", "rl.off_policy"), ("loss", "rl.loss"), ("update", "rl.gradient"),
-    ("model", "models.families"), ("inference", "models.inference"), ("trainer", "run.trainer"),
-    ("user_code", "run.user_code"), ("rollout", "rollout.scheduler"), ("weight_sync", "sync.syncer"),
-)}
-
-
-class UserCodeError(RuntimeError):
-    """User code failed mid-run: a step callback raised or called ``sys.exit()``, or a task made a prompt it may
-    not (a budget above ``rollout.max_new_tokens``); the message names it and what it did."""
+from torchtitan_flux.errors import ConfigError
+from torchtitan_flux.errors import UserCodeError
 
 
 @dataclass(frozen=True)
@@ -76,9 +62,6 @@ def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        moved = MOVED.get(mod)
-        if moved is not None:
-            raise ConfigError(f"{name} = {spec!r}: module {mod} was moved; allowed: {moved}:{attr}") from e
         raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
     except (Exception, SystemExit) as e:  # the module itself failed (sys.exit("reason") at import included)
         raise ConfigError(f"{name} = {spec!r} cannot be imported: {type(e).__name__}: {e}") from e

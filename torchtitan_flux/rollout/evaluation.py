@@ -16,14 +16,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from torchtitan_flux.rollout.scheduler import RolloutScheduler, _Part
+from torchtitan_flux.rollout.scheduler import RolloutScheduler, RequestPart
 from torchtitan_flux.data.tasks import Prompt, Task
 
 
 @dataclass
 class _Run:
     version: int
-    parts: list[_Part]
+    parts: list[RequestPart]
     started: float
     scores: Future | None = None
 

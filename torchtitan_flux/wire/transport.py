@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from torchtitan_flux import compat
-from torchtitan_flux.sync import cuda_rules
+from torchtitan_flux.wire import cuda_rules
 
 logger = logging.getLogger("torchtitan_flux")
 
