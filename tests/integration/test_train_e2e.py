@@ -101,6 +101,18 @@ def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
     assert all(r["async_ratio"] == 0 for r in b)
 
 
+def test_the_toggle_alone_runs_async_bit_for_bit_like_an_explicit_ratio_1(tiny_model_dir, tmp_path):
+    """The seed's one switch: ``async_weight_update = true`` with ``off_policy.async_ratio`` unset runs ahead exactly
+    as ``async_ratio = 1`` does (same losses and rewards, bit for bit), and is not on-policy."""
+    toggle = ("--training.steps", "8", "--weight_sync.async_weight_update", "true")
+    run_train(tmp_path / "toggle", *toggle)
+    run_train(tmp_path / "explicit", *toggle, "--off_policy.async_ratio", "1")
+    a, b = read_metrics(tmp_path / "toggle"), read_metrics(tmp_path / "explicit")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
+    assert all(r["async_ratio"] == 1 for r in a) and sum(r["version_gap_mean"] for r in a) > 0
+
+
 def test_two_trainer_processes(tiny_model_dir, tmp_path, monkeypatch):
     """Also: ``metrics.step_callbacks`` in both forms are called after every step, on rank 0 only."""
     calls = tmp_path / "callbacks.jsonl"
