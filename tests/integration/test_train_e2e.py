@@ -192,12 +192,16 @@ def test_debug_config_as_shipped_learns(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.faults
-def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("saves", [("1000", "false"), ("1000", "true"), ("1", "true")])
+def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_dir, tmp_path, saves):
     """Graceful shutdown: SIGTERM to torchrun (which forwards it) -> the step in progress completes, a
     checkpoint of exactly the last logged step is written, engines stop, exit code is non-zero; the resume
-    starts at the next step."""
-    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--training.steps", "5000",
-            "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1"]
+    starts at the next step. Before 2026-11-27 a stop wrote torchtitan's end-of-training save: with
+    ``checkpoint.last_save_model_only = true`` the model alone, over the step's full checkpoint with
+    ``checkpoint.interval = 1``, and the resume was refused ("holds the model only")."""
+    interval, model_only = saves
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", interval, "--training.steps", "5000",
+            "--checkpoint.last_save_model_only", model_only, "--weight_sync.async_weight_update", "true"]
     metrics = tmp_path / "metrics.jsonl"
     run = Run(tmp_path, tmp_path / "run.log", *ckpt)
     run.wait_for(lambda: run.engines and metrics.exists() and len(metrics.read_text().splitlines()) >= 10, 120,

@@ -19,8 +19,7 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_flux.errors import ConfigError
-from torchtitan_flux.errors import CheckpointWriteError
+from torchtitan_flux.errors import CheckpointWriteError, ConfigError
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -277,6 +276,31 @@ class CheckpointSaver:
         if due and not last_step and self.checkpointer.save_future is not None:
             self.pending = step
         return due
+
+    def save_on_stop(self, step: int) -> bool:
+        """A stop's checkpoint of ``step`` (a signal, no engine left): always a full one, which a resume continues
+        from (torchtitan's ``last_save_model_only`` is for the end of training: ``save(step, last_step=True)``
+        would write the model alone over the step's full checkpoint and the resume would be refused), written
+        synchronously, and not at all when the step already has a complete full checkpoint (it would only repeat
+        it, and a write cut short by a second signal must not tear it). Returns whether it wrote one.
+
+        Uses two of torchtitan 0.2.2's ``CheckpointManager`` internals, the same calls its own ``save`` makes for
+        a periodic checkpoint (``_flattened_model_states_sd``, ``_create_checkpoint_id``)."""
+        from torchtitan.components.checkpoint import AsyncMode
+
+        self.settle()
+        step_dir = os.path.join(self.folder, f"step-{step}")
+        if step in complete_steps(self.folder) and not model_only(step_dir):
+            return False
+        ck = self.checkpointer
+        try:
+            if self.is_writer:
+                write_fingerprint(step_dir, self.fp)
+            ck.dcp_save(ck._flattened_model_states_sd(), checkpoint_id=ck._create_checkpoint_id(step),
+                        async_mode=AsyncMode.DISABLED, enable_garbage_collection=True)
+        except (OSError, CheckpointException) as e:
+            raise self._error(step, e) from None
+        return True
 
     def poll(self) -> None:
         """After a step: ``settle`` the async write in flight if it has ended."""

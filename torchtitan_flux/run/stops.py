@@ -89,8 +89,9 @@ def settle_and_checkpoint(syncer, wait_s: float, save: Callable[[], Any] | None,
         logger.warning("weight push did not settle within weight_sync.timeout_seconds: abandoned (a resume "
                        "pushes the checkpoint's weights to every engine first)")
     if save is not None:
-        save()
-        logger.warning(f"checkpoint of step {step} written")
+        written = save()
+        logger.warning(f"checkpoint of step {step} written" if written is not False else
+                       f"checkpoint of step {step} kept (it was complete already)")
 
 
 def die_with_launcher() -> None:

@@ -224,7 +224,7 @@ class GRPOTrainer(Trainer):
         logger.warning(f"interrupted after step {self.step} ({reason}); stopping")
         wait = self.stops.wait_s(self.job_config.weight_sync.timeout_seconds)
         can_save = at_step_boundary and self.world == 1 and self.job_config.checkpoint.enable and self.step > 0
-        save = partial(self.saver.save, self.step, True)
+        save = partial(self.saver.save_on_stop, self.step)
         settle_and_checkpoint(self.syncer, wait, save if can_save else None, self.step)
 
     def _finish(self) -> None:
