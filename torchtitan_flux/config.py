@@ -167,6 +167,10 @@ class Rollout:
     """The longest one reward function may take on one batch. Past it the run checkpoints its last completed step
     and stops with one line naming the function (exit code 2): a thread cannot be killed."""
 
+    task_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
+    """The longest a task's own code may take on one call (``prompts``, ``eval_prompts``, ``finished``). Past it the
+    run checkpoints its last completed step and stops with one line naming the task and the call."""
+
     max_engine_restarts: Annotated[int, Range(ge=0)] = 3
     """Restarts of a dead embedded engine within any 10 minutes before it is given up (the run goes on with the
     others or, with none left, stops at the step boundary, checkpointed). 0: never restart."""

@@ -1,18 +1,22 @@
 """The one importer of user code named in the config (``"package.module:attribute"``: reward functions, tasks,
-custom controllers, step callbacks), and the step-callback adapter. Failures are ``ConfigError`` lines naming the
-field, raised at validation, before any work; a step callback that raises or calls ``sys.exit()`` mid-run is a
-``UserCodeError`` naming it (the run stops with that one line, after checkpointing the step).
+custom controllers, step callbacks), the step-callback adapter, and ``call_with_deadline``, which runs user code
+mid-run. Import failures are ``ConfigError`` lines naming the field, raised at validation, before any work; user
+code that raises, calls ``sys.exit()`` or hangs mid-run is a ``UserCodeError`` naming it (the run stops with that
+one line, after checkpointing the step).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from torchtitan_flux.errors import ConfigError
-from torchtitan_flux.errors import UserCodeError
+from torchtitan_flux.errors import ConfigError, RolloutWaitInterrupted, UserCodeError
+
+WAIT_SLICE_S = 0.1  # call_with_deadline waits in slices this long, so that a signal's handler runs between them
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,51 @@ def step_callback(fn: Any, name: str = "the step callback") -> Any:
     def guarded(step: int, metrics: dict[str, Any]) -> None:
         try:
             call(step, metrics)
-        except (Exception, SystemExit) as e:
-            raise UserCodeError(f"{name} raised {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit, KeyboardInterrupt) as e:
+            raise UserCodeError(f"{name} raised {describe_exception(e)}") from e
 
     return guarded
+
+
+def call_with_deadline(what: str, fn: Callable, *args: Any, timeout_s: float, field: str,
+                       interrupted: Callable[[], bool] = lambda: False) -> Any:
+    """``fn(*args)`` run as user code on a thread of its own while the caller waits: whatever it raises
+    (``SystemExit`` and ``KeyboardInterrupt`` included) is a ``UserCodeError`` naming ``what``, and so is running
+    past ``timeout_s`` (the config ``field``; a thread cannot be killed, so the run stops and the thread is left
+    behind, a daemon). The wait is in slices of ``WAIT_SLICE_S``, so a signal's handler runs; ``interrupted()``
+    turning true (a first signal) ends it with ``RolloutWaitInterrupted``."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - reported below, naming the user code
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="flux-user-code", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(WAIT_SLICE_S):
+        if interrupted():
+            raise RolloutWaitInterrupted(f"interrupted while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise UserCodeError(f"{what} did not return within {field} = {timeout_s:g} s; the run stops (its "
+                                "thread cannot be stopped)")
+    if "error" in outcome:
+        raise UserCodeError(f"{what} raised {describe_exception(outcome['error'])}") from outcome["error"]
+    return outcome["value"]
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: message`` of ``e`` on one line, also when its ``str()`` raises (user code's exceptions may)."""
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure it describes
+        text = "(its message cannot be read)"
+    first = text.strip().splitlines()[0][:300] if text.strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _two_argument_form(fn: Any, name: str) -> Any:

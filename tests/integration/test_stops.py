@@ -77,6 +77,28 @@ def finished_raises_at_step_2(job_config, tokenizer, *_):
     return Task()
 
 
+def finished_exits_0_at_step_1(job_config, tokenizer, *_):
+    """The digits task whose ``finished`` calls ``sys.exit(0)`` once step 1 is scored."""
+    from torchtitan_flux.data.tasks import DigitsTask
+
+    class Task(DigitsTask):
+        def finished(self, step):
+            sys.exit(0)
+
+    return Task()
+
+
+def prompts_returns_text_at_step_2(job_config, tokenizer, *_):
+    """The digits task whose ``prompts`` returns a string instead of a list from step 2 on."""
+    from torchtitan_flux.data.tasks import DigitsTask
+
+    class Task(DigitsTask):
+        def prompts(self, seed, step, n):
+            return "oops" if step >= 2 else super().prompts(seed, step, n)
+
+    return Task()
+
+
 def hangs_building_the_task(*_):
     """A task factory that never returns (``rollout.task = 'test_stops:hangs_building_the_task'``)."""
     open(os.environ["FLUX_TEST_TASK_MARKER"], "w").close()
@@ -224,6 +246,24 @@ def test_a_reward_that_hangs_in_the_start_up_check_is_refused_before_engines_sta
                      "rollout.reward_timeout_seconds = 2 (2 s); the run stops (the function's thread cannot be "
                      "interrupted)"], p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr and "Training starts" not in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("factory,line,kept", [
+    ("finished_exits_0_at_step_1", "error: task 'digits': finished(1) raised SystemExit: 0", []),  # asked before
+    ("prompts_returns_text_at_step_2", "error: task 'digits': prompts(seed=0, step=2, n=4) returned str 'oops'; "
+                                       "allowed: a list of 4 Prompt objects", [1]),
+])
+def test_a_task_failing_mid_run_stops_the_run_in_one_line_naming_it(tmp_path, monkeypatch, factory, line, kept):
+    """Before 2026-11-27 ``sys.exit(0)`` in ``finished`` ended the run with exit code 0 after step 1, no message,
+    no summary; ``prompts`` returning a string was a traceback."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    p = _run(tmp_path / "run", "--rollout.task", f"test_stops:{factory}", "--training.steps", "5",
+             "--checkpoint.enable", "true", "--checkpoint.interval", "100")
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == [line], p.stderr[-3000:]
+    assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
+    assert complete_ckpts(tmp_path / "run") == kept  # the steps trained before it (finished(k) is asked before k is)
 
 
 def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpoint(tmp_path, monkeypatch):

@@ -432,7 +432,7 @@ def test_reward_function_checks(tiny_model_dir, tmp_path):
         validate_config(cfg)
         task = build_task(cfg, prompt_tokenizer(cfg))
         with pytest.raises(RewardError, match=match):
-            check_rewards(task, 0, 60.0)
+            check_rewards(task, 0, 60.0, 16, 60.0)
     cfg = parse("--rollout.task", "dataset", "--rollout.dataset_path", str(data), "--rollout.reward_funcs",
                 "test_config:missing")
     with pytest.raises(ConfigError, match="rollout.reward_funcs"):

@@ -231,6 +231,7 @@ def test_a_prompt_budget_sets_its_requests_max_new_tokens_and_one_over_the_confi
     batch = scheduler([4, 4, 16, 16], engines=2).collect(1, 0)
     assert batch.tokens.shape[0] == 4 * G and int(batch.loss_mask.sum()) == 4 * G  # one token each (lengths 1)
     assert (batch.tokens == 5).sum(dim=1).tolist() == [1] * (4 * G)
-    with pytest.raises(UserCodeError, match=r"task 'budgets': a prompt of step 1 has max_new_tokens 33; allowed: 0 "
-                                          r"\(rollout.max_new_tokens\) to rollout.max_new_tokens = 32"):
+    with pytest.raises(UserCodeError, match=r"task 'budgets': prompts\(seed=0, step=1, n=4\): prompt 0 has "
+                                          r"max_new_tokens 33; allowed: an integer from 0 \(rollout.max_new_tokens\) "
+                                          r"to rollout.max_new_tokens = 32"):
         requests([33])

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torchtitan_flux.data import rewards as R
-from torchtitan_flux.errors import ConfigError, TrainingInterrupted
+from torchtitan_flux.errors import ConfigError, TrainingInterrupted, UserCodeError
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
-from torchtitan_flux.user_code import import_spec
+from torchtitan_flux.user_code import call_with_deadline, import_spec
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -70,6 +70,62 @@ class Task:
     def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
         """Held-out prompts: ``n`` of them (every record of a dataset when ``n`` is 0)."""
         return self.prompts(seed + 7_919, 0, n or 64)
+
+
+TASK_TIMEOUT_FIELD = "rollout.task_timeout_seconds"
+
+
+def task_prompts(task: Task, seed: int, step: int, n: int, max_new_tokens: int, timeout_s: float,
+                 interrupted: Callable[[], bool] = lambda: False) -> list[Prompt]:
+    """``task.prompts(seed, step, n)`` run as user code (``call_with_deadline``) and checked (``check_prompts``)."""
+    what = f"task {task_name(task)!r}: prompts(seed={seed}, step={step}, n={n})"
+    out = call_with_deadline(what, task.prompts, seed, step, n, timeout_s=timeout_s, field=TASK_TIMEOUT_FIELD,
+                             interrupted=interrupted)
+    return check_prompts(what, out, n, max_new_tokens)
+
+
+def task_eval_prompts(task: Task, seed: int, n: int, max_new_tokens: int, timeout_s: float) -> list[Prompt]:
+    """``task.eval_prompts(seed, n)`` as user code: ``n`` prompts, or at least one when ``n`` is 0 (every record)."""
+    what = f"task {task_name(task)!r}: eval_prompts(seed={seed}, n={n})"
+    out = call_with_deadline(what, task.eval_prompts, seed, n, timeout_s=timeout_s, field=TASK_TIMEOUT_FIELD)
+    return check_prompts(what, out, n or None, max_new_tokens)
+
+
+def task_finished(task: Task, step: int, timeout_s: float, interrupted: Callable[[], bool] = lambda: False) -> bool:
+    """``task.finished(step)`` as user code; anything but a bool is refused (a truthy object is no answer)."""
+    what = f"task {task_name(task)!r}: finished({step})"
+    out = call_with_deadline(what, task.finished, step, timeout_s=timeout_s, field=TASK_TIMEOUT_FIELD,
+                             interrupted=interrupted)
+    if not isinstance(out, bool):
+        raise UserCodeError(f"{what} returned {type(out).__name__} {out!r:.80}; allowed: True or False")
+    return out
+
+
+def check_prompts(what: str, prompts: Any, n: int | None, max_new_tokens: int) -> list[Prompt]:
+    """``prompts`` as a task must return them: a list of exactly ``n`` (``None``: one or more) ``Prompt`` objects,
+    each with a non-empty ``text`` and an integer ``max_new_tokens`` from 0 (``rollout.max_new_tokens``) to
+    ``max_new_tokens``; else a ``UserCodeError`` naming ``what`` and the rule."""
+    if not isinstance(prompts, list):
+        raise UserCodeError(f"{what} returned {type(prompts).__name__} {prompts!r:.80}; allowed: a list of "
+                            f"{n if n else 'one or more'} Prompt objects")
+    if len(prompts) != n if n else not prompts:
+        raise UserCodeError(f"{what} returned {len(prompts)} prompts; allowed: {n if n else 'one or more'}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Prompt):
+            raise UserCodeError(f"{what}: item {i} is {type(p).__name__} {p!r:.80}; allowed: a Prompt "
+                                "(torchtitan_flux.data.tasks.Prompt)")
+        if not isinstance(p.text, str) or not p.text:
+            raise UserCodeError(f"{what}: prompt {i} has text {p.text!r:.80}; allowed: a non-empty string")
+        budget = p.max_new_tokens
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= max_new_tokens:
+            raise UserCodeError(f"{what}: prompt {i} has max_new_tokens {budget!r}; allowed: an integer from 0 "
+                                f"(rollout.max_new_tokens) to rollout.max_new_tokens = {max_new_tokens} (raise "
+                                "rollout.max_new_tokens, and training.seq_len with it)")
+    return prompts
+
+
+def task_name(task: Any) -> str:
+    return str(getattr(task, "name", type(task).__name__))
 
 
 def _rng(seed: int, step: int) -> random.Random:
@@ -157,9 +213,11 @@ class DatasetTask(Task):
 
     def data_state(self, step: int, prompts_per_step: int) -> dict:
         """What a checkpoint records of the prompt stream after ``step``: its position (epoch, offset) and which
-        records it runs over (count and a hash of the prompt texts, after length filtering)."""
+        records it runs over (count and a hash of each record's text, answer, columns and budget, after length
+        filtering: a resume on records whose answers changed is refused like one whose prompts changed)."""
         pos = step * prompts_per_step
-        digest = hashlib.sha1("\x00".join(p.text for p in self.records).encode()).hexdigest()
+        digest = hashlib.sha1("\x00".join(json.dumps([p.text, p.answer, p.columns, p.max_new_tokens], sort_keys=True,
+                                                 default=str) for p in self.records).encode()).hexdigest()
         return {"position": pos, "epoch": self.sampler.epoch(pos), "records": len(self.records), "sha1": digest}
 
     def check_resume(self, saved: dict, step: int, prompts_per_step: int) -> str | None:
@@ -311,10 +369,11 @@ def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
                       "eval.dataset_path" if ev.dataset_path else "rollout.dataset_path (eval.split)")
 
 
-def check_rewards(task: Task, seed: int, timeout_s: float) -> None:
+def check_rewards(task: Task, seed: int, timeout_s: float, max_new_tokens: int, task_timeout_s: float) -> None:
     """Score an empty completion of one prompt with every reward function, so that a function that fails, returns
-    a bad value or runs past ``timeout_s`` stops the run before any engine starts (``RewardError``)."""
-    prompt = task.prompts(seed, 1, 1)
+    a bad value or runs past ``timeout_s`` stops the run before any engine starts (``RewardError``); the task's
+    ``prompts`` is called (and checked) the same way first."""
+    prompt = task_prompts(task, seed, 1, 1, max_new_tokens, task_timeout_s)
     scorer = R.RewardScorer(task.reward_funcs, timeout_s=timeout_s)
     try:
         prompts, completions, columns = R.reward_inputs(task, prompt, [""], 1)

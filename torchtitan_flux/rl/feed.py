@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from torchtitan_flux.data.tasks import task_finished
 from torchtitan_flux.errors import RewardError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.errors import NoEngineLeft
@@ -71,12 +72,8 @@ class BatchFeed:
 
     def _task_finished(self, step: int) -> bool:
         """The task's ``finished(step)`` (user code: its failure names it, and every rank stops on it)."""
-        task = self.scheduler.task
-        try:
-            return bool(task.finished(step))
-        except Exception as e:  # noqa: BLE001 - any failure of user code stops the run with its name
-            raise UserCodeError(f"task {getattr(task, 'name', '?')!r}: finished({step}) raised "
-                                f"{type(e).__name__}: {e}") from e
+        sched = self.scheduler
+        return task_finished(sched.task, step, sched.task_timeout_s, interrupted=lambda: sched.interrupted)
 
     def _collect(self, step: int, version: int) -> RolloutBatch:
         policy = self.off_policy

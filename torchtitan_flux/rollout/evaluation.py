@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from torchtitan_flux.rollout.scheduler import RolloutScheduler, RequestPart
-from torchtitan_flux.data.tasks import Prompt, Task
+from torchtitan_flux.data.tasks import Prompt, Task, task_eval_prompts
 
 
 @dataclass
@@ -33,7 +33,8 @@ class Evaluator:
                  wait: bool):
         self.cfg, self.task, self.scheduler, self.tokenizer = eval_cfg, task, scheduler, tokenizer
         self.seed, self.wait = seed, wait
-        self.prompts: list[Prompt] = task.eval_prompts(seed, eval_cfg.num_prompts)
+        self.prompts: list[Prompt] = task_eval_prompts(task, seed, eval_cfg.num_prompts, scheduler.max_new_tokens,
+                                                       scheduler.task_timeout_s)
         self.prompt_ids = [tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in self.prompts]
         self.path = os.path.join(dump_folder, "eval.jsonl")
         self._runs: list[_Run] = []

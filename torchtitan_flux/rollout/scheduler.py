@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
 from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
-from torchtitan_flux.data.tasks import Prompt, Task
-from torchtitan_flux.errors import UserCodeError
+from torchtitan_flux.data.tasks import Prompt, Task, task_prompts
 from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
 
 logger = logging.getLogger("torchtitan_flux")
@@ -61,7 +60,7 @@ class RolloutScheduler:
     def __init__(self, engines: list[EngineHandler], events: queue.Queue, task: Task, tokenizer, *, group_size: int,
                  prompts_per_step: int, max_new_tokens: int, temperature: float, top_k: int, seed: int, pad_id: int,
                  dead_zone: float = 0.1, max_share: float = 0.75, reward_workers: int = 1,
-                 reward_timeout_s: float = 300.0, stall_s: float = 600.0):
+                 reward_timeout_s: float = 300.0, task_timeout_s: float = 300.0, stall_s: float = 600.0):
         self.engines = list(engines)
         self.events, self.task, self.tokenizer = events, task, tokenizer
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
@@ -74,6 +73,7 @@ class RolloutScheduler:
         self.redispatched = self.engine_deaths = 0
         self.last_result = time.monotonic()  # when the newest generation result arrived
         self.stall_s = stall_s  # rollout.engine_stall_seconds
+        self.task_timeout_s = task_timeout_s  # rollout.task_timeout_seconds: each call of the task's own code
         self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
         self._stall_checked = 0.0
         self._last_pump = self._stall_clock_from = time.monotonic()
@@ -81,8 +81,8 @@ class RolloutScheduler:
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
     def _new_step(self, step: int) -> _Step:
-        prompts = self.task.prompts(self.seed, step, self.prompts_per_step)
-        self._check_budgets(prompts, f"a prompt of step {step}")
+        prompts = task_prompts(self.task, self.seed, step, self.prompts_per_step, self.max_new_tokens,
+                               self.task_timeout_s, interrupted=lambda: self.interrupted)
         ids = [self.tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in prompts]
         st = self._steps[step] = _Step(step, prompts, ids, [])
         return st
@@ -112,13 +112,6 @@ class RolloutScheduler:
         """A request's ``max_new_tokens``: the largest of its prompts' budgets (``Prompt.max_new_tokens``)."""
         return max(p.max_new_tokens or self.max_new_tokens for p in prompts)
 
-    def _check_budgets(self, prompts: list[Prompt], which: str) -> None:
-        over = [p.max_new_tokens for p in prompts if not 0 <= p.max_new_tokens <= self.max_new_tokens]
-        if over:
-            raise UserCodeError(f"task {getattr(self.task, 'name', '?')!r}: {which} has max_new_tokens {over[0]}; "
-                                f"allowed: 0 (rollout.max_new_tokens) to rollout.max_new_tokens = "
-                                f"{self.max_new_tokens} (raise rollout.max_new_tokens, and training.seq_len with it)")
-
     def _alive(self) -> list[EngineHandler]:
         """The engines alive now. With none, pump for up to ``DEATH_NOTICE_S``: a death still queued gets its
         replacement (``_replace``) instead of ending the run."""
@@ -136,7 +129,6 @@ class RolloutScheduler:
         """Evaluation requests: ``n`` completions of each prompt (``prompt_ids``: their tokens) on exactly policy
         ``version``, split evenly over the engines alive, each request with its prompts' largest budget; their
         results come through ``pump`` like any other's."""
-        self._check_budgets(prompts, "a held-out prompt")
         alive = self._alive()
         parts, first = [], 0
         for i, engine in enumerate(alive):

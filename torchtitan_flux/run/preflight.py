@@ -37,7 +37,8 @@ def preflight(job_config) -> Preflight:
     tokenizer = prompt_tokenizer(job_config)
     task = build_task(job_config, tokenizer)
     eval_task = build_eval_task(job_config, tokenizer, task)
-    check_rewards(task, job_config.rollout.seed, job_config.rollout.reward_timeout_seconds)
+    r = job_config.rollout
+    check_rewards(task, r.seed, r.reward_timeout_seconds, r.max_new_tokens, r.task_timeout_seconds)
     fp = resume.fingerprint(job_config, task)
     folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
     return Preflight(titan_config, task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))
