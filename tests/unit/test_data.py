@@ -635,6 +635,11 @@ def test_checkpointed_data_state_detects_a_changed_dataset(tmp_path):
     msg = build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3)
     assert msg and "records, sha1 changed" in msg
     assert "position changed" in task.check_resume(saved, 4, 2)  # prompts_per_step changed on resume
+    # every answer changed, the prompts not: a different run too (before 2026-11-27 only prompt texts were hashed)
+    rows = [json.loads(x) for x in path.read_text().splitlines()[:10]]
+    path.write_text("".join(json.dumps({**r, "answer": r["answer"] + "7"}) + "\n" for r in rows))
+    msg = build_task(job(tmp_path, path), ByteTokenizer()).check_resume(saved, 4, 3)
+    assert msg and "sha1 changed" in msg and "records changed" not in msg
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
