@@ -130,6 +130,10 @@ def _check_config_file(argv: list[str]) -> str | None:
         return None
     try:
         with open(path, "rb") as f:
+            if f.read(3) == b"\xef\xbb\xbf":  # tomllib's error would be "Invalid statement (at line 1, column 1)"
+                raise ConfigError(f"job.config_file = {path!r} starts with a UTF-8 byte-order mark; allowed: UTF-8 "
+                                  "without one (save it again without the BOM)")
+            f.seek(0)
             tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"job.config_file = {path!r}: {e.strerror}; allowed: a readable TOML file") from None
@@ -142,13 +146,47 @@ _LOCKS: list = []  # the open lock files of the folders this run writes (rank 0)
 
 
 def _lock_run_folders(config) -> None:
-    """Rank 0 locks the dump folder and, with checkpoints on, the checkpoint folder for the life of the process."""
+    """Rank 0 locks the dump folder and, with checkpoints on, the checkpoint folder for the life of the process; a
+    dump folder inside a running run's (its ``hf_final``, say) is refused, and so is a checkpoint folder that is
+    the dump folder itself."""
+    from torchtitan_flux.errors import ConfigError
+
     if os.environ.get("RANK", "0") != "0":
         return
-    _lock_folder("job.dump_folder", config.job.dump_folder, config.job.dump_folder)
+    dump = config.job.dump_folder
+    _refuse_inside_a_running_run(dump)
+    _lock_folder("job.dump_folder", dump, dump)
     if config.checkpoint.enable:
-        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)  # torchtitan's resolution
+        folder = os.path.join(dump, config.checkpoint.folder)  # torchtitan's resolution
+        if os.path.realpath(folder) == os.path.realpath(dump):
+            raise ConfigError(f"checkpoint.folder = {config.checkpoint.folder!r} is the dump folder itself; "
+                              "allowed: a folder of its own, e.g. 'checkpoint' (inside job.dump_folder)")
         _lock_folder("checkpoint.folder", config.checkpoint.folder, folder)
+
+
+def _refuse_inside_a_running_run(dump: str) -> None:
+    """``ConfigError`` when a folder above ``dump`` is the dump folder of a run still running (its lock is held):
+    that run would write, set aside or export over this one's outputs."""
+    import fcntl
+
+    from torchtitan_flux.errors import ConfigError
+
+    parent = os.path.dirname(os.path.realpath(dump))
+    while True:
+        lock = os.path.join(parent, ".flux.lock")
+        try:
+            with open(lock) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise ConfigError(f"job.dump_folder = {dump!r} is inside {parent!r}, the dump folder of a "
+                                      f"running run (pid {f.read().strip() or 'unknown'}); allowed: a folder "
+                                      "outside every running run's") from None
+        except OSError:  # no lock file there (or one we cannot read): no run of ours
+            pass
+        if parent == os.path.dirname(parent):
+            return
+        parent = os.path.dirname(parent)
 
 
 def _lock_folder(field: str, value: str, folder: str) -> None:
@@ -260,6 +298,10 @@ def main() -> None:
         config_file = _check_config_file(sys.argv[1:])
         try:
             config = ConfigManager().parse_args()
+            dump = os.path.abspath(os.path.expanduser(config.job.dump_folder))
+            if dump != config.job.dump_folder:  # resolved once: user code that calls os.chdir cannot move outputs
+                sys.argv += ["--job.dump_folder", dump]
+                config = ConfigManager().parse_args()
         except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
             raise unknown_fields_error(e, config_file) or e from None
         validate_config(config)  # bad input: one line, before torchtitan's start-up

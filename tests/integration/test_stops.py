@@ -99,6 +99,12 @@ def prompts_returns_text_at_step_2(job_config, tokenizer, *_):
     return Task()
 
 
+def chdir_on_a_completion(completions, **_):
+    """Scores like ``digits`` and moves the process's working directory (to ``FLUX_TEST_CHDIR``) on each call."""
+    os.chdir(os.environ["FLUX_TEST_CHDIR"])
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
 def hangs_building_the_task(*_):
     """A task factory that never returns (``rollout.task = 'test_stops:hangs_building_the_task'``)."""
     open(os.environ["FLUX_TEST_TASK_MARKER"], "w").close()
@@ -264,6 +270,23 @@ def test_a_task_failing_mid_run_stops_the_run_in_one_line_naming_it(tmp_path, mo
     assert lines == [line], p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
     assert complete_ckpts(tmp_path / "run") == kept  # the steps trained before it (finished(k) is asked before k is)
+
+
+def test_the_dump_folder_is_resolved_once_home_expanded_and_a_chdir_moves_no_output(tmp_path, monkeypatch):
+    """Before 2026-11-27 ``--job.dump_folder ~/x`` wrote into ``./~/x``, and a reward that called ``os.chdir`` sent
+    checkpoints, ``hf_final`` and ``summary.json`` into another, unlocked folder (exit 0)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    p = _run("~/run", "--rollout.reward_funcs", "test_stops:chdir_on_a_completion", "--training.steps", "2",
+             "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+             env={"HOME": str(tmp_path), "FLUX_TEST_CHDIR": str(elsewhere)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    dump = tmp_path / "run"
+    assert (dump / "summary.json").is_file() and (dump / "hf_final" / "config.json").is_file()
+    assert complete_ckpts(dump) == [1, 2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
+    assert not any(elsewhere.iterdir()) and not (ROOT / "~").exists()
 
 
 def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpoint(tmp_path, monkeypatch):

@@ -637,6 +637,55 @@ def test_pinned_async_checkpoints_without_cuda_are_refused():
     validate_config(parse("--checkpoint.enable", "true", "--checkpoint.async_mode", "async"))
 
 
+def test_a_toml_with_a_byte_order_mark_is_one_line(tmp_path):
+    """Before 2026-11-27: "Invalid statement (at line 1, column 1)", naming nothing a user could see."""
+    from torchtitan_flux.train import _check_config_file
+
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf" + DEBUG_TOML.read_bytes())
+    with pytest.raises(ConfigError, match=rf"^job.config_file = '{re.escape(str(bom))}' starts with a UTF-8 "
+                                          r"byte-order mark; allowed: UTF-8 without one"):
+        _check_config_file(["--job.config_file", str(bom)])
+    assert _check_config_file(["--job.config_file", str(DEBUG_TOML)]) == str(DEBUG_TOML)
+
+
+@pytest.mark.parametrize("folder", ["", ".", "./"])
+def test_a_checkpoint_folder_that_is_the_dump_folder_is_refused(tmp_path, folder):
+    """Before 2026-11-27 it said the folder "is in use by another run (pid N)", N being the run itself."""
+    import types
+
+    from torchtitan_flux import train
+
+    config = types.SimpleNamespace(job=types.SimpleNamespace(dump_folder=str(tmp_path / "run")),
+                                   checkpoint=types.SimpleNamespace(enable=True, folder=folder))
+    with pytest.raises(ConfigError, match=rf"^checkpoint.folder = '{re.escape(folder)}' is the dump folder itself; "
+                                          r"allowed: a folder of its own, e.g. 'checkpoint'"):
+        train._lock_run_folders(config)
+    for f in train._LOCKS:  # this process holds the dump folder's lock now: let it go
+        f.close()
+    train._LOCKS.clear()
+
+
+def test_a_dump_folder_inside_a_running_runs_is_refused(tmp_path):
+    """Before 2026-11-27 a second run writing into the first one's ``hf_final/`` was accepted."""
+    import fcntl
+
+    from torchtitan_flux import train
+
+    first = tmp_path / "first"
+    first.mkdir()
+    lock = open(first / ".flux.lock", "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock.write("4242")
+    lock.flush()
+    inside = str(first / "hf_final" / "run2")
+    with pytest.raises(ConfigError, match=rf"^job.dump_folder = '{re.escape(inside)}' is inside "
+                                          rf"'{re.escape(str(first))}', the dump folder of a running run \(pid 4242\)"):
+        train._refuse_inside_a_running_run(inside)
+    lock.close()  # that run ended: its folder may hold another's now
+    train._refuse_inside_a_running_run(inside)
+
+
 def test_a_lock_path_that_is_a_folder_is_named(tmp_path):
     """Issue 27's second sweep: ``.flux.lock`` a folder gave "cannot be used (Is a directory)", naming no path
     that was one."""
