@@ -389,6 +389,66 @@ def test_bad_rewards_stop_with_the_function_and_sample(fn, match):
         R.RewardScorer([R.RewardFunc("n", nan_at_one)]).score(["a", "b"], ["", ""], [[], []], {})
 
 
+class _Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("no")
+
+
+def _values(*vs):
+    return lambda completions, **_: list(vs)
+
+
+@pytest.mark.parametrize("funcs, match", [
+    ([("f", _values(1e308, 0.0), 1.0)], r"^reward function 'f' returned 1e\+308 for sample 0; allowed: a finite number "
+                                        r"within \+-3.4e\+38 \(float32"),
+    ([("f", _values(-1e308, 0.0), 1.0)], r"returned -1e\+308 for sample 0"),
+    ([("f", _values(10**400, 0.0), 1.0)], r"returned 10000000000000000000\.\.\.\(401 characters\) for sample 0"),
+    ([("f", _values(3e38, 0.0), 1.0), ("g", _values(3e38, 0.0), 1.0)],
+     r"^the weighted reward of sample 0 is 6e\+38 \('f' 3e\+38 x weight 1, 'g' 3e\+38 x weight 1\): beyond "
+     r"float32"),
+    ([("f", _values(1.0, 0.0), 1e308)], r"^the weighted reward of sample 0 is 1e\+308 \('f' 1.0 x weight 1e\+308\)"),
+    ([("f", lambda completions, **_: (_ for _ in ()).throw(_Unprintable()), 1.0)],
+     r"^reward function 'f' raised _Unprintable: \(its message cannot be read\)$"),
+])
+def test_reward_values_beyond_float32_and_broken_exceptions_are_one_line(funcs, match):
+    """Before 2026-11-27: +-1e308 and 10**400 were OverflowError tracebacks, a weight of 1e308 a non-finite loss
+    naming nothing, and an exception whose ``str()`` raised broke the error's own formatting."""
+    scorer = R.RewardScorer([R.RewardFunc(name, fn, w) for name, fn, w in funcs])
+    with pytest.raises(R.RewardError, match=match):
+        scorer.score(["a", "b"], ["", ""], [[], []], {})
+    scorer.close()
+
+
+def test_a_reward_that_closes_stdout_is_named(monkeypatch):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+
+    def closes(completions, **_):
+        sys.stdout.close()
+        return [0.0] * len(completions)
+
+    with pytest.raises(R.RewardError, match=r"^reward function 'c' closed sys.stdout; allowed: leave"):
+        R.RewardScorer([R.RewardFunc("c", closes)]).score(["a"], [""], [[]], {})
+
+
+def test_rewards_of_1e38_log_a_finite_mean():
+    """Before 2026-11-27 the row's ``reward_mean`` of 32 rewards of 1e38 was a float32 sum past its range: null."""
+    import torch
+
+    from torchtitan_flux.run.report import StepTimes, step_row
+
+    batch = SimpleNamespace(rewards=torch.full((32,), 1e38), versions=torch.zeros(32, dtype=torch.long),
+                            tokens=torch.zeros(32, 4, dtype=torch.long),
+                            num_completion_tokens=32, gen_time_s=0.0, reward_metrics={}, completion_lengths=None)
+    try:
+        row = step_row(1, batch, StepTimes(0.0, 1.0, 2.0, 3.0, 0.5), {}, {})
+    except AttributeError as e:  # a field this stand-in lacks: name it
+        pytest.fail(f"step_row reads a batch field the test does not build: {e}")
+    assert math.isfinite(row["reward_mean"]) and row["reward_mean"] == pytest.approx(1e38, rel=1e-6)
+
+
 def numpy_and_torch_scalars(completions, **kwargs):
     import numpy as np
     import torch

@@ -20,13 +20,16 @@ import contextlib
 import inspect
 import math
 import re
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
+
 from torchtitan_flux.errors import RewardError
+from torchtitan_flux.user_code import describe_exception
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,10 @@ class RewardScorer:
                     out = f.fn(**{k: list(v) for k, v in kwargs.items()})
             except BaseException as e:  # noqa: BLE001 - sys.exit() would end the run silently, KeyboardInterrupt
                 # (raised by the function: a signal goes to the main thread) with a traceback
-                raise RewardError(f"reward function {f.name!r} raised {type(e).__name__}: {e}") from e
+                raise RewardError(f"reward function {f.name!r} raised {describe_exception(e)}") from e
+            if sys.stdout.closed or sys.stderr.closed:  # every later log line would fail far from here
+                raise RewardError(f"reward function {f.name!r} closed sys.{'stdout' if sys.stdout.closed else 'stderr'}"
+                                  "; allowed: leave the process's standard streams open")
             if inspect.isawaitable(out):
                 coros[f.name] = out
             else:
@@ -137,6 +143,12 @@ class RewardScorer:
         total = [
             sum(f.weight * v for f in self.funcs if (v := per_func[f.name][i]) is not None) for i in range(n)
         ]
+        for i, t in enumerate(total):
+            if not abs(t) <= FLOAT32_MAX:
+                parts = ", ".join(f"{f.name!r} {per_func[f.name][i]!r} x weight {f.weight:g}" for f in self.funcs)
+                raise RewardError(f"the weighted reward of sample {i} is {t!r} ({parts}): beyond float32, which "
+                                  "the batch trains in; allowed: rollout.reward_weights and reward values whose "
+                                  f"weighted sum is within +-{FLOAT32_MAX:.3g}")
         return Scores([float(t) for t in total], per_func)
 
     def close(self) -> None:
@@ -156,7 +168,7 @@ async def _guarded(name: str, coro: Any) -> Any:
     try:
         return await coro
     except BaseException as e:  # noqa: BLE001
-        raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        raise RewardError(f"reward function {name!r} raised {describe_exception(e)}") from e
 
 
 def _check(name: str, values: Any, n: int) -> list[float | None]:
@@ -174,11 +186,27 @@ def _check(name: str, values: Any, n: int) -> list[float | None]:
             continue
         if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars
             v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RewardError(f"reward function {name!r} returned {v!r} for sample {i}; allowed: a finite number "
-                              "(float, int, numpy scalar, 0-d tensor) or None")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _within_float32(v):
+            raise RewardError(f"reward function {name!r} returned {_short(v)} for sample {i}; allowed: a finite "
+                              f"number within +-{FLOAT32_MAX:.3g} (float32, which the batch trains in: float, int, "
+                              "numpy scalar, 0-d tensor) or None")
         out.append(float(v))
     return out
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # rewards become a float32 tensor (RolloutBatch.rewards)
+
+
+def _within_float32(v: int | float) -> bool:
+    try:
+        return abs(float(v)) <= FLOAT32_MAX  # False for nan and inf; float(10**400) raises
+    except OverflowError:
+        return False
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 # --------------------------------------------------------------------------------------------- answers

@@ -39,8 +39,8 @@ def step_row(step: int, batch: RolloutBatch, t: StepTimes, counters: dict[str, i
     step_time = t.synced - t.start
     return {
         **m,
-        "reward_mean": batch.rewards.mean().item(),
-        "reward_std": batch.rewards.std(unbiased=False).item(),
+        "reward_mean": batch.rewards.double().mean().item(),  # float64: 32 rewards of 1e38 sum past float32
+        "reward_std": batch.rewards.double().std(unbiased=False).item(),
         "policy_version": step,
         "step_time_s": step_time,
         "rollout_time_s": t.rollout_wait,
