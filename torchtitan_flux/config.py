@@ -23,7 +23,7 @@ MODEL_NAME = "hf_auto"  # ``model.name`` of every config: the family is read fro
 class Grpo:
     """``[grpo]``: the GRPO objective."""
 
-    group_size: Annotated[int, Range(ge=2)] = 8
+    group_size: Annotated[int, Range(ge=2, le=4096)] = 8
     """Completions sampled per prompt (G). Advantages are normalised within each group."""
 
     clip_low: Annotated[float, Range(gt=0, lt=1)] = 0.2
@@ -64,13 +64,13 @@ class Rollout:
     engine: Literal["embedded", "vllm", "sglang"] = "embedded"
     """Rollout engine: "embedded" (a child process holding a copy of the policy), "vllm" or "sglang" (servers)."""
 
-    num_engines: Annotated[int, Range(ge=1)] = 1
+    num_engines: Annotated[int, Range(ge=1, le=1024)] = 1
     """Embedded engine processes, or vLLM servers started with ``launch = true`` (else ``urls`` counts them)."""
 
     urls: list[str] = field(default_factory=list)
     """Base URLs of vLLM / SGLang servers, e.g. ["http://127.0.0.1:8000"]. Required for those engines."""
 
-    prompts_per_step: Annotated[int, Range(ge=1)] = 4
+    prompts_per_step: Annotated[int, Range(ge=1, le=65536)] = 4
     """Prompts per training step; the batch holds prompts_per_step * grpo.group_size completions."""
 
     max_new_tokens: Annotated[int, Range(ge=1)] = 16
@@ -87,7 +87,7 @@ class Rollout:
     """Dataset of tasks "dataset" / "gsm8k": a local .jsonl / .json / .parquet / .csv file, a folder of such files
     (splits named by file name: train.jsonl, test.jsonl), or a ``save_to_disk`` folder (docs/data.md)."""
 
-    engine_threads: Annotated[int, Range(ge=1)] = 1
+    engine_threads: Annotated[int, Range(ge=1, le=4096)] = 1
     """CPU threads of each engine (torch threads, or a launched server's OpenMP threads); the trainer gets the rest."""
 
     borrow_idle_engine_cores: Bool = True
@@ -188,7 +188,7 @@ class WeightSync:
     """An engine that has not applied a push this many seconds after it was sent is marked lagging (it keeps its
     old version) and gets a full resync when it answers again."""
 
-    bucket_size_mb: Annotated[float, Range(gt=0)] = 64.0
+    bucket_size_mb: Annotated[float, Range(gt=0, le=65536)] = 64.0
     """Weights are flattened into buckets of about this size for transfer."""
 
     interval: int | Literal["auto"] = 1
@@ -373,7 +373,7 @@ class Eval:
     num_prompts: Annotated[int, Range(ge=0, note="0 = all")] = 0
     """Prompts evaluated: the first N records of the held-out set; 0 means all of a dataset (64 of a generated task)."""
 
-    n: Annotated[int, Range(ge=1)] = 1
+    n: Annotated[int, Range(ge=1, le=4096)] = 1
     """Completions per prompt. With n > 1, pass@n is logged too."""
 
     temperature: Annotated[float, Range(ge=0, note="0 = greedy")] = 0.0

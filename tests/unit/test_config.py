@@ -57,6 +57,28 @@ CASES = [
     (("--grpo.temperature", "0"), "grpo.temperature"),
     (("--grpo.tis_cap", "-2"), "grpo.tis_cap"),
     (("--rollout.prompts_per_step", "0"), "rollout.prompts_per_step"),
+    # issue 40's third sweep: values that passed validation and failed late (torch's or Python's errors, a
+    # MemoryError after 78 s, "engines did not join" after 39 s, a NaN loss, or silently nothing)
+    (("--optimizer.weight_decay", "nan"), "optimizer.weight_decay = nan is out of range; allowed: a finite number in "
+                                          "[0, 1]"),
+    (("--optimizer.weight_decay", "-0.1"), "optimizer.weight_decay = -0.1 is out of range"),
+    (("--optimizer.eps", "nan"), "optimizer.eps = nan is out of range; allowed: a finite number in (0, 1)"),
+    (("--optimizer.eps", "-1e-8"), "optimizer.eps = -1e-08 is out of range"),
+    (("--lr_scheduler.decay_ratio", "nan"), "lr_scheduler.decay_ratio = nan is out of range; allowed: unset, or a "
+                                            "number in [0, 1]"),
+    (("--lr_scheduler.min_lr_factor", "2"), "lr_scheduler.min_lr_factor = 2.0 is out of range"),
+    (("--weight_sync.bucket_size_mb", "1e308"), "weight_sync.bucket_size_mb = 1e+308 is out of range; allowed: a "
+                                                "number in (0, 65536]"),
+    (("--rollout.num_engines", "99999999999999999999"), "rollout.num_engines = 99999999999999999999 is out of "
+                                                        "range; allowed: an integer in [1, 1024]"),
+    (("--rollout.prompts_per_step", "99999999999999999999"), "rollout.prompts_per_step = 99999999999999999999"),
+    (("--rollout.engine_threads", "99999999999999999999"), "rollout.engine_threads = 99999999999999999999"),
+    (("--grpo.group_size", "99999999999999999999"), "grpo.group_size = 99999999999999999999 is out of range; "
+                                                    "allowed: an integer in [2, 4096]"),
+    (("--eval.n", "99999999999999999999"), "eval.n = 99999999999999999999 is out of range"),
+    (("--weight_sync.sparse_max_bytes_ratio", "0.2"), "weight_sync.sparse_max_bytes_ratio = 0.2 is out of range; "
+                                                      "allowed: 0.5 (the default) unless weight_sync.method = "
+                                                      "\"sparse\""),
     (("--rollout.max_new_tokens", "0"), "rollout.max_new_tokens"),
     (("--rollout.num_engines", "0"), "rollout.num_engines"),
     (("--rollout.task", "poetry"), "rollout.task = 'poetry' is out of range; allowed: digits | arithmetic | dataset | "

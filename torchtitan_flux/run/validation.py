@@ -174,6 +174,14 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
     _require(math.isfinite(opt.lr) and 0 < opt.lr <= 1, "optimizer.lr", opt.lr,
              "a finite number in (0, 1] (Adam moves each weight by about lr per step)")
     _require(opt.name in ("Adam", "AdamW"), "optimizer.name", opt.name, "Adam | AdamW (torchtitan's optimizers)")
+    _require(math.isfinite(opt.weight_decay) and 0 <= opt.weight_decay <= 1, "optimizer.weight_decay", opt.weight_decay,
+             "a finite number in [0, 1] (AdamW shrinks each weight by lr * weight_decay per step)")
+    _require(math.isfinite(opt.eps) and 0 < opt.eps < 1, "optimizer.eps", opt.eps, "a finite number in (0, 1)")
+    sched = job_config.lr_scheduler
+    _require(sched.decay_ratio is None or (math.isfinite(sched.decay_ratio) and 0 <= sched.decay_ratio <= 1),
+             "lr_scheduler.decay_ratio", sched.decay_ratio, "unset, or a number in [0, 1]")
+    _require(math.isfinite(sched.min_lr_factor) and 0 <= sched.min_lr_factor <= 1, "lr_scheduler.min_lr_factor",
+             sched.min_lr_factor, "a number in [0, 1]")
     # clip_grad_norm_ scales the gradient by max_norm / norm: 0 trains nothing, a negative value ascends the loss
     _require(math.isfinite(tr.max_norm) and tr.max_norm > 0, "training.max_norm", tr.max_norm, "a finite number > 0")
     _check_parallelism(job_config.parallelism)
@@ -248,6 +256,11 @@ def validate_config(job_config: Any) -> None:
              "unset (the default) or 0 with adaptive_async.enabled = true: the controller sets the ratio")
     _require(o.feedforward or o.max_pipeline_depth == 0, "off_policy.max_pipeline_depth", o.max_pipeline_depth,
              "0 (the default) unless off_policy.feedforward = true: it caps the feedforward's depth")
+    ws_default = dataclasses.fields(type(w))  # a field that only one method reads must not be set for the other
+    ratio_default = next(f.default for f in ws_default if f.name == "sparse_max_bytes_ratio")
+    _require(w.method == "sparse" or w.sparse_max_bytes_ratio == ratio_default, "weight_sync.sparse_max_bytes_ratio",
+             w.sparse_max_bytes_ratio, f"{ratio_default:g} (the default) unless weight_sync.method = \"sparse\": "
+             "dense pushes send every bucket whole")
 
     prof = job_config.profiling
     _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
