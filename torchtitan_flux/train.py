@@ -266,7 +266,7 @@ def _stop_while_starting(signum, frame) -> None:
 
 
 def main() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # run.stops.STOP_SIGNALS, not imported
         if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: the user asked to go on
             signal.signal(sig, _stop_while_starting)
     files = [a for a in sys.argv[1:] if a.split("=")[0] in ("--job.config_file", "--job.config-file")]

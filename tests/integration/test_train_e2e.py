@@ -192,21 +192,26 @@ def test_debug_config_as_shipped_learns(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("saves", [("1000", "false"), ("1000", "true"), ("1", "true")])
-def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_dir, tmp_path, saves):
+@pytest.mark.parametrize("saves,sig", [(("1000", "false"), "SIGTERM"), (("1000", "true"), "SIGTERM"),
+                                       (("1", "true"), "SIGTERM"), (("1000", "false"), "SIGUSR1")])
+def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_dir, tmp_path, saves, sig,
+                                                                     monkeypatch):
     """Graceful shutdown: SIGTERM to torchrun (which forwards it) -> the step in progress completes, a
     checkpoint of exactly the last logged step is written, engines stop, exit code is non-zero; the resume
     starts at the next step. Before 2026-11-27 a stop wrote torchtitan's end-of-training save: with
     ``checkpoint.last_save_model_only = true`` the model alone, over the step's full checkpoint with
-    ``checkpoint.interval = 1``, and the resume was refused ("holds the model only")."""
+    ``checkpoint.interval = 1``, and the resume was refused ("holds the model only"). SIGUSR1 (SLURM's pre-emption
+    warning, forwarded by torchrun with ``--signals-to-handle ...,SIGUSR1``) is a stop like SIGTERM: before
+    2026-11-27 it killed the trainer with no checkpoint."""
     interval, model_only = saves
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")  # torchrun's option
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", interval, "--training.steps", "5000",
             "--checkpoint.last_save_model_only", model_only, "--weight_sync.async_weight_update", "true"]
     metrics = tmp_path / "metrics.jsonl"
     run = Run(tmp_path, tmp_path / "run.log", *ckpt)
     run.wait_for(lambda: run.engines and metrics.exists() and len(metrics.read_text().splitlines()) >= 10, 120,
                  "10 steps")
-    os.kill(run.proc.pid, signal.SIGTERM)
+    os.kill(run.proc.pid, getattr(signal, sig))
     assert run.proc.wait(60) != 0
     out = run.log.read_text()
     assert "checkpoint of step" in out, out[-3000:]

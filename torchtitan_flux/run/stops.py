@@ -2,7 +2,7 @@
 ``stopped: ...`` line (``train.py``).
 
 A signal before the training loop starts (the trainer's set-up: user code, engines) stops at once: there is
-nothing to finish or checkpoint. The first SIGTERM/SIGINT/SIGHUP after: stop at the next step boundary (no trained
+nothing to finish or checkpoint. The first SIGTERM/SIGINT/SIGHUP/SIGUSR1 after: stop at the next step boundary (no trained
 step is half-applied), or, single process, at once while waiting for a step's rollouts (most of a long GRPO step,
 and torchrun SIGKILLs after its grace period). A second one, 2 s or more later: stop now, writing no checkpoint (the
 step may be incomplete).
@@ -27,11 +27,13 @@ from torchtitan_flux.errors import TrainingInterrupted
 logger = logging.getLogger("torchtitan_flux")
 
 SIGNAL_STOP_WAIT_S = 10.0  # on a signal: the most a stop (or a save) waits for a push, and for rollouts in flight
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # SIGUSR1: a pre-emption warning
 DUPLICATE_WINDOW_S = 2.0  # one signal delivered twice (to torchrun's process group and forwarded by torchrun)
 
 
 class StopRequests:
-    """The trainer process's SIGTERM/SIGINT/SIGHUP handler (see the module docstring). ``signal`` is the name of the
+    """The trainer process's SIGTERM/SIGINT/SIGHUP/SIGUSR1 handler (see the module docstring; SIGUSR1 is SLURM's
+    pre-emption warning: torchrun forwards it with ``--signals-to-handle ...,SIGUSR1``). ``signal`` is the name of the
     first signal received, or None."""
 
     def __init__(self):
@@ -39,7 +41,7 @@ class StopRequests:
         self.training = False  # set by the trainer as its loop starts; before, there is nothing to finish or save
         self._at = 0.0
         self._interruptible = None  # a RolloutScheduler whose wait for rollouts a first signal ends
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal was closed
+        for sig in STOP_SIGNALS:  # SIGHUP: the terminal was closed
             if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:  # nohup: the user asked to go on
                 continue
             signal.signal(sig, self._on_signal)

@@ -1,2 +1,2 @@
-"""Weight sync: snapshot, push, transport and the CUDA/NCCL rules; the post-sync probe. (Engines import
-``transport`` from here in environments without torchtitan: keep this file empty.)"""
+"""Weight sync, the trainer side: snapshot, memory ledger, link table, pusher, sparse diffs, the syncer front and
+the post-sync probe (the wire format and CUDA/NCCL rules are in ``wire/``)."""
