@@ -1,2 +1,2 @@
-"""Weight sync: snapshot, push, transport and the CUDA/NCCL rules; the post-sync probe. (Engines import
-``transport`` from here in environments without torchtitan: keep this file empty.)"""
+"""Trainer-side weight sync: snapshot, push, link table, sparse patches; the post-sync probe. The wire format and
+the CUDA/NCCL rules both ends share are in ``wire/``."""
