@@ -24,7 +24,7 @@ seed) rendered by our ChatTemplate, and trl_runner checks that TRL's tokenizatio
 
 Threads: TRL is one process with 2 torch threads. Ours runs as launched in the README (one trainer rank + one
 embedded engine process) with ``rollout.engine_threads`` = 1 thread for the engine and the remaining core for the
-trainer (``fleet.TrainerThreads``). The toys' config keeps that split fixed; the real workload's config borrows:
+trainer (``run.threads.TrainerThreads``). The toys' config keeps that split fixed; the real workload's config borrows:
 the trainer also computes on the engine's core while the engine holds no request (``async``); ``async_fixed`` is
 the same run with the fixed split. Both systems use the machine's 2 cores.
 

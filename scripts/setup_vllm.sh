@@ -19,7 +19,7 @@ want="$PKG $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VPY" -m pip install -q "$PKG"
   # The worker extension (torchtitan_flux/engine/vllm_ext.py) imports only torch, vllm and this package's torch-only
-  # modules (transport, engine.auth), so the package goes in without its dependencies (torchtitan etc. stay in the
+  # modules (wire.transport, auth), so the package goes in without its dependencies (torchtitan etc. stay in the
   # trainer's .venv).
   # (one editable install at a time: see scripts/setup.sh)
   flock "${TMPDIR:-/tmp}/flux-editable-install.lock" "$VPY" -m pip install -q --no-deps -e .

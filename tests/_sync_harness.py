@@ -1,5 +1,5 @@
-"""Component-level harness for the weight-sync tests: rank 0's real rollout side (``rollout.fleet.Rollouts``: engines,
-scheduler, event pump and the weight syncer it builds), without torchrun or torchtitan.
+"""Component-level harness for the weight-sync tests: rank 0's real rollout side (``rollout.rollouts.Rollouts``:
+engines, scheduler, event pump and the weight syncer it builds), without torchrun or torchtitan.
 
 * the "policy" is a plain ``nn.Module`` whose parameters are the tiny llama's weights under torchtitan names
   (``tok_embeddings.weight``, ``layers.0.attention.wq.weight``, ...), so the real ``EmbeddedEngine`` child process

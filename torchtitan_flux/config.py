@@ -93,8 +93,8 @@ class Rollout:
     borrow_idle_engine_cores: Bool = True
     """CPU, one trainer rank, embedded engines, no compiled model: the trainer also computes on the threads of every
     engine that holds no request (re-checked before every transformer block's forward and backward;
-    ``fleet.TrainerThreads``). With async rollouts the engine is idle once the next batch is generated, so its core
-    trains the rest of the step. The thread count then depends on timing, and with it the last bits of reductions:
+    ``run.threads.TrainerThreads``). With async rollouts the engine is idle once the next batch is generated, so its
+    core trains the rest of the step. The thread count then depends on timing, and with it the last bits of reductions:
     runs are not bit-reproducible.
     False: the fixed split (``engine_threads`` per engine, the rest for the trainer), reproducible."""
 

@@ -1,4 +1,4 @@
-"""The adaptive controller's headline figures on the debug config (README, docs/benchmarks.md), measured here on
+"""The adaptive controller's headline figures on the debug config (docs/running.md, benchmarks.md), measured here on
 real runs the way ``benchmarks/controller.py --seeds 5`` measures them (60 steps, seeds 0-4, fixed max gap 4 vs
 the controller with max gap 4, target 0.15, warmup 10):
 

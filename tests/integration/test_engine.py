@@ -130,7 +130,7 @@ def test_request_waits_for_its_min_version(rig):
 
 
 def test_engine_is_idle_only_between_a_submit_and_its_result(rig):
-    """``EmbeddedEngine.idle`` (what ``fleet.TrainerThreads`` borrows cores by): False from ``submit`` until the
+    """``EmbeddedEngine.idle`` (what ``TrainerThreads`` borrows cores by): False from ``submit`` until the
     request's result has been read, True after."""
     rig.syncer.after_optimizer_step(5)  # weights to generate with, whatever ran before (blocking: waits for the ack)
     assert rig.engine.idle()

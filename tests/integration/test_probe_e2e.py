@@ -6,7 +6,7 @@ the probe can catch. With a probe every 2 steps, the probe of step 2 passes (dif
 same weights) and the probe of step 4 stops the run with one ``error: probe: ...`` line naming the engine, the
 version and the worst token, exit code 1, before step 4 is logged. A dropped tensor is caught at the default
 tolerance; a bf16 mix-up moves the debug model's probe by only 0.006-0.011, so it is caught at a tolerance below
-that (1e-3, what an fp32 engine allows), not at the default 0.1 (README, "Post-sync probe").
+that (1e-3, what an fp32 engine allows), not at the default 0.1 (docs/running.md, "Post-sync probe").
 """
 
 from __future__ import annotations

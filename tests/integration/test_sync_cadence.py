@@ -145,7 +145,7 @@ def test_plot_controller_draws_the_cadence_panel_when_logged(tmp_path):
 
 
 SLOW_LINK = {"FLUX_FAULT_PUSH_DELAY": "0.03"}  # every push 30 ms slower on the engine (tests/fault_inject)
-# the post-sync probe off: its pushes at probe steps are not the cadence's (README: they come on top)
+# the post-sync probe off: its pushes at probe steps are not the cadence's (docs/running.md: they come on top)
 SLOW_LINK_ARGS = ("--off_policy.max_version_gap", "16", "--training.steps", "60", "--weight_sync.probe_every", "0")
 
 
@@ -195,8 +195,8 @@ def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_pa
 @pytest.mark.slow
 @pytest.mark.timing  # a steps/s ratio: alone (beside another worker it measured 0.93 on 2026-11-26)
 def test_slow_sync_auto_beats_interval_1_at_the_same_reward(tmp_path):
-    """The README's comparison, measured here on one interleaved pair: with every push 30 ms slower, auto runs
-    at least 1.1x the steps/s of interval 1 (README: 1.3x, the benchmark's 1.305; 1.17-1.49 in single pairs on
+    """The docs' comparison, measured here on one interleaved pair: with every push 30 ms slower, auto runs
+    at least 1.1x the steps/s of interval 1 (docs/benchmarks.md: 1.3x, benchmark 1.305; 1.17-1.49 in single pairs on
     this machine) and ends at the same reward; interval 1's measured overhead is what auto removes.
     One pair is noisy (1.2 failed once alone in CI: 1.167, 2026-11-26; on 2026-11-27 CI measured 0.982 while the
     auto run's training steps took 1.5x as long as its partner's, with auto's weight-sync time 6x smaller as

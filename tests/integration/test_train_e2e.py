@@ -36,7 +36,7 @@ def test_sync_run_learns_and_engine_matches_trainer(tiny_model_dir, tmp_path):
 
 def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
     """Also: with rollout.borrow_idle_engine_cores the trainer computes on the engine's core while the engine holds
-    no request (fleet.TrainerThreads), and the engine still ends with the trainer's exact weights."""
+    no request (run.threads.TrainerThreads), and the engine still ends with the trainer's exact weights."""
     run_train(tmp_path, "--training.steps", "12", "--weight_sync.async_weight_update", "true",
               "--off_policy.async_ratio", "1", "--rollout.borrow_idle_engine_cores", "true")
     rows = read_metrics(tmp_path)
@@ -72,7 +72,7 @@ def test_profiling_section_writes_torch_profiler_traces(tiny_model_dir, tmp_path
 
 @pytest.mark.slow
 def test_fixed_interval_2_pushes_every_other_step(tiny_model_dir, tmp_path):
-    """``weight_sync.interval = 2`` (README): weights are pushed after every second step only, so rollouts come
+    """``weight_sync.interval = 2`` (docs/running.md): weights are pushed after every second step only, so rollouts come
     from weights up to one step older than each step's own, never beyond ``max_version_gap``; the final step's
     push is always made, so the engine ends on the trainer's weights."""
     run_train(tmp_path, "--training.steps", "8", "--weight_sync.interval", "2", "--weight_sync.async_weight_update",

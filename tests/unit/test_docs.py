@@ -30,14 +30,14 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_every_test_the_docs_name_exists():
-    """README.md and docs/*.md back their claims with ``tests/<unit|integration>/test_x.py::test_y`` references:
-    each must name a test that exists (a renamed or removed test would leave a claim unbacked)."""
+    """README.md, CHANGELOG.md and docs/*.md back their claims with ``tests/<unit|integration>/test_x.py::test_y``
+    references: each must name a test that exists (a renamed or removed test would leave a claim unbacked)."""
     import re
 
     tests = {f.name: set(re.findall(r"^\s*(?:async )?def (test_\w+)", f.read_text(), re.M))
              for f in (ROOT / "tests").rglob("test_*.py")}
     missing = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for m in re.finditer(r"(test_\w+\.py)(?:::(test_\w+))?", doc.read_text()):
             f, t = m.group(1), m.group(2)
             if f not in tests or (t and t not in tests[f]):

@@ -1,4 +1,4 @@
-"""``fleet.TrainerThreads``: the trainer's CPU threads, and the engine cores it borrows while they are idle."""
+"""``run.threads.TrainerThreads``: the trainer's CPU threads, and the engine cores it borrows while they are idle."""
 
 from __future__ import annotations
 

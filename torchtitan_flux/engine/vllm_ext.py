@@ -5,7 +5,7 @@ Runs INSIDE the vLLM server's worker processes, so it imports only torch, vllm a
 transfer backend, which importing this module registers (CPU servers: vLLM's own backends all need CUDA). GPU
 servers use vLLM's own ``nccl`` backend (``engine/vllm_nccl.py``) and the extension only serves ``flux_model_info``.
 
-Wire protocol (driven by ``engine.vllm.VllmEngine``; broadcasts from ``sync/transport.py``):
+Wire protocol (driven by ``engine.vllm.VllmEngine``; broadcasts from ``wire/transport.py``):
 * ``/init_weight_transfer_engine {"init_info": FluxInitInfo}``: join a 2-member group on the trainer's store
   (after ``transport.handshake`` when the server holds ``$TORCHTITAN_FLUX_TOKEN``); blocks until the trainer,
   concurrently, creates its side.

@@ -1,1 +1,2 @@
-"""Rank 0's rollout side: ``fleet.Rollouts`` (engines, scheduler, event pump), prompt split and batch layout."""
+"""Rank 0's rollout side: ``rollouts.Rollouts`` (engines, scheduler, event pump), prompt split, batch layout,
+placement, held-out evaluation."""

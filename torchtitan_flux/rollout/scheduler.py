@@ -7,7 +7,7 @@ Concurrency: main thread only, except reward scoring: a step's completions go to
 (``CompletionScorer``) when its last result arrives, and ``collect`` waits on that future only when it builds the
 batch (so scoring overlaps training). Engines report through one ``events`` queue, which ``pump`` alone consumes:
 results go to their step, acks and errors to ``_weight_event``, a dead engine to ``_replace`` (both no-ops here;
-``fleet.Rollouts`` overrides them). A dead engine's in-flight requests are re-dispatched, so no prompt is lost.
+``rollouts.Rollouts`` overrides them). A dead engine's in-flight requests are re-dispatched, so no prompt is lost.
 
 A stuck engine: ``collect`` logs who holds what every ``WAIT_NOTE_S`` without a result (``waiting_note``); an engine
 alive but holding requests with no result for ``rollout.engine_stall_seconds`` is killed (``pump``) and, like any
@@ -184,10 +184,11 @@ class RolloutScheduler:
                 logger.warning(f"engine {ev.engine}: {ev.message}")
 
     def _weight_event(self, ev: WeightAck | EngineError) -> None:
-        """An ack or engine error: nothing to do for the scheduler alone (``fleet.Rollouts`` hands it to its syncer)."""
+        """An ack or engine error: nothing to do for the scheduler alone (``rollouts.Rollouts`` hands it to its
+        syncer)."""
 
     def _replace(self, dead: EngineHandler) -> EngineHandler | None:
-        """A dead engine's replacement, or None: the scheduler alone drops it (``fleet.Rollouts`` restarts it)."""
+        """A dead engine's replacement, or None: the scheduler alone drops it (``rollouts.Rollouts`` restarts it)."""
         return None
 
     def _kill_stuck(self, now: float) -> None:
