@@ -92,7 +92,11 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 
 
 def _starts_embedded_engines(argv: list[str]) -> bool:
-    """Best-effort: will this process start embedded engines (then the fork server is prestarted)?"""
+    """Best-effort: will this process start embedded engines, processes it forks (then the fork server is
+    prestarted)? Imports no torch: the fork server imports it on another core while this process imports the rest."""
+    from torchtitan_flux.config import Rollout
+    from torchtitan_flux.engine.kinds import ENGINE_KINDS
+
     if os.environ.get("RANK", "0") != "0":
         return False
     engine, config_file = None, None
@@ -111,7 +115,9 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
                 engine = tomllib.load(f).get("rollout", {}).get("engine")
         except (OSError, ValueError, AttributeError):
             return False
-    return (engine or "embedded") == "embedded"
+    engine = engine or Rollout.engine
+    kind = ENGINE_KINDS.get(engine) if isinstance(engine, str) else None  # else validation refuses it
+    return kind is not None and not kind.server
 
 
 def _check_config_file(argv: list[str]) -> str | None:

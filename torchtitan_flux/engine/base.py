@@ -8,6 +8,7 @@ weight-sync hooks (defaults: ``EngineHandler``'s) for the engine-specific steps.
 
 from __future__ import annotations
 
+import abc
 import queue
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,9 +80,9 @@ class WeightGroupInfo:
 Event = GenerationResult | WeightAck | EngineError
 
 
-class EngineHandler:
-    """The trainer-side proxy of one engine. Subclasses implement the methods without a body; the weight-sync
-    hooks below them have the embedded engine's defaults."""
+class EngineHandler(abc.ABC):
+    """The trainer-side proxy of one engine. Subclasses implement the abstract methods; the weight-sync hooks below
+    them have the embedded engine's defaults. ``engine/kinds.py`` names each ``rollout.engine``'s handler."""
 
     name: str
     events: queue.Queue  # shared by all handlers; see the module docstring
@@ -90,27 +91,35 @@ class EngineHandler:
     eager_connect = True  # NCCL: connect rank 0 at join (cuda_rules rule 8); only where the peer connects eagerly too
     accepts_patches = True  # sparse pushes (``sync/sparse.py``); False: this engine always gets whole buckets
 
+    @abc.abstractmethod
     def start(self) -> None:
         """Start or connect to the engine; raise with a clear message if it is unusable."""
 
+    @abc.abstractmethod
     def alive(self) -> bool:
         """Whether the engine process/server is still there."""
 
+    @abc.abstractmethod
     def submit(self, request: GenerationRequest) -> None:
         """Queue a generation request; never blocks on the engine."""
 
+    @abc.abstractmethod
     def join_weight_group(self, info: WeightGroupInfo) -> None:
         """Ask the engine to join a new weight-sync group (rendezvous happens concurrently with the trainer)."""
 
+    @abc.abstractmethod
     def begin_update(self, version: int) -> None:
         """Engine-specific step before a push's broadcasts (HTTP engines: start a weight-update session)."""
 
+    @abc.abstractmethod
     def finish_update(self, version: int) -> None:
         """Engine-specific step after a push's broadcasts (HTTP engines: finish, reset caches)."""
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Stop the engine if this handler started it; idempotent."""
 
+    @abc.abstractmethod
     def kill(self, why: str) -> None:
         """Declare a stalled engine dead with ``why`` as its fatal ``EngineError`` (it is restarted or reconnected,
         its requests re-dispatched), and stop its process if this handler started it."""

@@ -22,7 +22,7 @@ import time
 import torch
 
 from torchtitan_flux.auth import read_token
-from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.engine.kinds import engine_kind
 from torchtitan_flux.models import hf
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
 from torchtitan_flux.rollout.scheduler import RolloutScheduler
@@ -66,11 +66,12 @@ class Rollouts(RolloutScheduler):
     def _start(self) -> None:
         """Launch servers (``rollout.launch``), then start or connect every engine (``EngineStartError``)."""
         r = self.job_config.rollout
+        kind = engine_kind(r.engine)
         self._urls = list(r.urls)
         self._devices = [str(self.device)] * r.num_engines if r.colocated else engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
             list(r.engine_devices), r.num_engines, trainer_on_gpu=self.trainer_on_gpu,
             visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        ) if r.engine == "embedded" or r.launch else []
+        ) if kind.local(r.launch) else []
         if r.launch:
             from torchtitan_flux.engine.vllm_launch import resolve_launch_python
             from torchtitan_flux.engine.vllm_launch import launch_servers
@@ -83,7 +84,7 @@ class Rollouts(RolloutScheduler):
                 envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in self._devices],
             )
             self._urls = [s.url for s in self.servers]
-        n = len(self._urls) if r.engine in ("vllm", "sglang") else r.num_engines
+        n = len(self._urls) if kind.server else r.num_engines
         self.engines.extend(self._new_engine(i) for i in range(n))
 
     def _weight_event(self, ev) -> None:
@@ -129,21 +130,17 @@ class Rollouts(RolloutScheduler):
 
     def _new_engine(self, index: int):
         r, ws = self.job_config.rollout, self.job_config.weight_sync
+        kind = engine_kind(r.engine)
+        cls = kind.handler_class(self.trainer_on_gpu)
         token = read_token(ws.auth_token_env)  # never stored: not in checkpoints
-        if r.engine in ("vllm", "sglang"):  # a server we did not start: connect and check it (start() raises)
-            if r.engine == "vllm" and self.trainer_on_gpu:  # vLLM's own NCCL engines (engine/vllm_nccl.py)
-                from torchtitan_flux.engine.vllm_nccl import VllmNcclEngine as cls
-            elif r.engine == "vllm":
-                from torchtitan_flux.engine.vllm import VllmEngine as cls
-            else:
-                from torchtitan_flux.engine.sglang import SglangEngine as cls
+        if kind.server:  # connect and check it (start() raises)
             kw = {}
-            if r.engine == "vllm":  # sampled checksums of what the server received (weight_sync.verify_every)
+            if kind.sampled_checksums:  # of what the server received (weight_sync.verify_every)
                 kw = dict(verify_every=ws.verify_every, final_version=self.job_config.training.steps)
-            e = cls(f"{r.engine}{index}", self._urls[index], self.events, model_dir=self.job_config.model.hf_assets_path,
-                    auth_token=token, **kw)
+            e = cls(f"{kind.name}{index}", self._urls[index], self.events,
+                    model_dir=self.job_config.model.hf_assets_path, auth_token=token, **kw)
         else:
-            e = EmbeddedEngine(
+            e = cls(
                 f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self.events,
                 self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
                 auth_token=token, colocated=r.colocated,

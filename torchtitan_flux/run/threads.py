@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from torchtitan_flux.engine.embedded import EmbeddedEngine
+from torchtitan_flux.engine.kinds import engine_kind
 
 
 class HasEngines(Protocol):
@@ -20,12 +20,13 @@ class TrainerThreads:
     """This trainer rank's CPU threads, and the cores it borrows from idle embedded engines.
 
     At construction (before torchtitan builds the model) the rank takes its share of the machine: on CPU with
-    embedded engines or servers we launch, (cores - engine threads) / local ranks; remote servers leave it every
-    core; on GPU nothing is set. With ``rollout.borrow_idle_engine_cores`` (CPU, one local rank, embedded engines,
-    no compiled model), ``before_compute`` adds the threads of each engine that holds no request
-    (``EmbeddedEngine.idle``) and gives them back once it holds one. ``watch`` calls it before every transformer
-    block's forward and backward (so a step's training takes the engine's core within one block of the engine
-    finishing its generation); the trainer calls it once the step's batch is in and before the optimizer step.
+    engines on this machine (``EngineKind.local``: embedded engines or servers we launch), (cores - engine threads) /
+    local ranks; remote servers leave it every core; on GPU nothing is set. With ``rollout.borrow_idle_engine_cores``
+    (CPU, one local rank, a kind with ``EngineKind.borrowable_cores``, no compiled model), ``before_compute`` adds
+    the threads of each engine that holds no request (its handler's ``idle()``) and gives them back once it holds
+    one. ``watch`` calls it before every transformer block's forward and backward (so a step's training takes the
+    engine's core within one block of the engine finishing its generation); the trainer calls it once the step's
+    batch is in and before the optimizer step.
 
     Invariant (no core does two jobs in a forward or backward pass): an engine gets work only through ``submit``,
     which only the trainer's main thread calls, between computations; ``before_compute`` runs on that thread (CPU
@@ -38,11 +39,12 @@ class TrainerThreads:
 
     def __init__(self, job_config):
         r = job_config.rollout
-        cpu_split = not torch.cuda.is_available() and (r.engine == "embedded" or r.launch)
+        kind = engine_kind(r.engine)
+        cpu_split = not torch.cuda.is_available() and kind.local(r.launch)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.own = max(1, ((os.cpu_count() or 1) - r.engine_threads * r.num_engines) // local)
         compiled = job_config.compile.enable and "model" in job_config.compile.components
-        self.borrowing = (cpu_split and r.borrow_idle_engine_cores and r.engine == "embedded" and local == 1
+        self.borrowing = (cpu_split and r.borrow_idle_engine_cores and kind.borrowable_cores and local == 1
                           and not compiled)
         if cpu_split:
             torch.set_num_threads(self.own)
@@ -52,7 +54,7 @@ class TrainerThreads:
         """Set the threads of the computation about to run: own + those of the engines idle now (main thread)."""
         if not self.borrowing or rollouts is None:
             return
-        n = self.own + sum(e.threads for e in rollouts.engines if isinstance(e, EmbeddedEngine) and e.idle())
+        n = self.own + sum(e.threads for e in rollouts.engines if e.idle())  # EngineKind.borrowable_cores
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
         self._threads_sum += n

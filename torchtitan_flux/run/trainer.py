@@ -30,6 +30,7 @@ from torchtitan.train import Trainer
 from torchtitan_flux.run import report, resume
 from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.errors import ConfigError
+from torchtitan_flux.engine.kinds import engine_kind
 from torchtitan_flux.rollout.evaluation import Evaluator
 from torchtitan_flux.rl.feed import BatchFeed
 from torchtitan_flux.rollout.rollouts import Rollouts
@@ -84,7 +85,7 @@ class GRPOTrainer(Trainer):
         self.final_step = job_config.training.steps  # earlier once the task has finished (StepInput.last)
         self.off_policy = OffPolicyControl(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
                                            job_config.training.steps,
-                                           serial_engines=job_config.rollout.engine == "embedded")
+                                           serial_engines=engine_kind(job_config.rollout.engine).serial)
         ws = job_config.weight_sync
         self.probe = PostSyncProbe(
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance,

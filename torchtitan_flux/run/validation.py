@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from torchtitan_flux.config import ADDED_TO_TORCHTITAN, MODEL_NAME, SECTIONS, AdaptiveAsync, CheckpointAdditions
+from torchtitan_flux.engine.kinds import engine_kind, kind_names
 from torchtitan_flux.engine.vllm_launch import resolve_launch_python
 from torchtitan_flux.errors import ConfigError
 from torchtitan_flux.auth import is_loopback, read_token
@@ -279,28 +280,31 @@ def validate_config(job_config: Any) -> None:
     if r.engine_stall_seconds <= job_config.weight_sync.timeout_seconds:  # a request may wait that long for weights
         raise ConfigError(f"rollout.engine_stall_seconds = {r.engine_stall_seconds:g} is out of range; allowed: more "
                           f"than weight_sync.timeout_seconds = {job_config.weight_sync.timeout_seconds:g}")
-    if r.colocated and (r.engine != "embedded" or r.engine_devices):
+    kind = engine_kind(r.engine)
+    if r.colocated and (not kind.colocatable or r.engine_devices):
         raise ConfigError(f"rollout.colocated = true puts embedded engines on the trainer's device; it needs "
-                          f"rollout.engine = 'embedded' (got {r.engine!r}) and no rollout.engine_devices (got "
-                          f"{list(r.engine_devices)!r})")
+                          f"rollout.engine = {kind_names(lambda k: k.colocatable)} (got {r.engine!r}) and no "
+                          f"rollout.engine_devices (got {list(r.engine_devices)!r})")
     if r.colocated and w.method == "sparse":
         raise ConfigError("weight_sync.method = 'sparse' patches what travels on a wire, but rollout.colocated = true "
                           "engines copy staging in place (no wire); allowed with colocated: 'dense'")
     if r.launch:
-        if r.engine != "vllm":
-            raise ConfigError(f"rollout.launch = true needs rollout.engine = 'vllm', got {r.engine!r}")
+        if not kind.launchable:
+            raise ConfigError(f"rollout.launch = true needs rollout.engine = {kind_names(lambda k: k.launchable)}, "
+                              f"got {r.engine!r}")
         if r.urls:
             raise ConfigError(f"rollout.urls = {r.urls!r} must be empty when rollout.launch = true (the trainer "
                               "starts the servers)")
         if resolve_launch_python(r.launch_python) is None:
             raise ConfigError(f"rollout.launch_python = {r.launch_python!r} does not exist; rollout.launch = true "
                               "needs a Python with vLLM installed (run scripts/setup_vllm.sh to create .venv-vllm)")
-    elif r.engine == "embedded" and r.urls:  # else silently unused
-        raise ConfigError(f"rollout.urls = {r.urls!r} is set, but rollout.engine = 'embedded' starts its own engines; "
-                          "allowed: no urls, or rollout.engine = 'vllm' | 'sglang' to use those servers")
-    elif r.engine in ("vllm", "sglang") and not r.urls:
+    elif not kind.server and r.urls:  # else silently unused
+        raise ConfigError(f"rollout.urls = {r.urls!r} is set, but rollout.engine = {r.engine!r} starts its own "
+                          f"engines; allowed: no urls, or rollout.engine = {kind_names(lambda k: k.server)} to use "
+                          "those servers")
+    elif kind.server and not r.urls:
         raise ConfigError(f"rollout.urls is empty; engine = {r.engine!r} needs at least one server URL"
-                          + (" (or rollout.launch = true to start local servers)" if r.engine == "vllm" else ""))
+                          + (" (or rollout.launch = true to start local servers)" if kind.launchable else ""))
 
     for url in r.urls:
         _check_url("rollout.urls", url)
