@@ -440,6 +440,20 @@ def test_a_full_disk_under_the_metrics_stops_the_run_and_checkpoints_the_step(tm
     assert complete_ckpts(dump) == [5] and len(read_metrics(dump)) == 4
 
 
+def test_a_disk_full_for_metrics_and_checkpoint_alike_is_one_line_with_both_causes(tmp_path):
+    """Before 2026-11-27 the metrics write failed, then the stop's checkpoint, then ``close()``: a chained traceback
+    and no ``stopped:`` line. The previous complete checkpoint (step 4) is what a resume loads."""
+    dump = tmp_path / "run"
+    _stops_in_one_line(dump, f"stopped: cannot write {dump}/metrics.jsonl at step 5: No space left on device; free "
+                             f"space on its disk, then resume; then checkpoint of step 5 could not be written to "
+                             f"{dump}/checkpoint/step-5 (OSError: [Errno 28] No space left on device: "
+                             f"'{dump}/checkpoint/step-5/__0_0.distcp'); a resume loads "
+                             "the previous complete one: free space on its disk, or set checkpoint.folder elsewhere",
+                       {"FLUX_FAULT_METRICS_ENOSPC": "5", "FLUX_FAULT_CKPT_OSERROR": "5:ENOSPC"},
+                       "--checkpoint.interval", "4")
+    assert complete_ckpts(dump) == [4]
+
+
 def _stops_in_one_line(dump, expected: str, faults: dict[str, str], *args: str) -> None:
     """An 8-step run with checkpoints and ``faults`` exits 1 with exactly the ``stopped:`` line ``expected``, no
     traceback of ours, and nothing left running."""

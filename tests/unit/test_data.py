@@ -783,3 +783,24 @@ def test_dataset_files_the_library_cannot_read_are_one_line(tmp_path, case):
         match = r" cannot be read as a dataset \(ArrowInvalid: Parquet magic bytes not found"
     with pytest.raises(ConfigError, match=rf"^rollout.dataset_path = '{re.escape(str(d))}'{match}"):
         load_table(str(d), "train")
+
+
+def test_closing_metrics_on_a_full_disk_is_a_warning_not_an_error(tmp_path, caplog):
+    """Before 2026-11-27 the flush in ``close()`` raised after the run had already stopped on the full disk, and its
+    traceback replaced the one line saying why."""
+    import errno
+
+    from torchtitan_flux.run.metrics import MetricsWriter
+
+    class FullDisk:
+        name = str(tmp_path / "metrics.jsonl")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    w = MetricsWriter(str(tmp_path), total_steps=3)
+    w._f.close()
+    w._f = FullDisk()
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        w.close()
+    assert any("could not flush" in r.getMessage() and "No space left" in r.getMessage() for r in caplog.records)

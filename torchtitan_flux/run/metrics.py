@@ -86,10 +86,15 @@ class MetricsWriter:
         return "  ".join(p for p in parts if p)
 
     def close(self) -> None:
-        """Flush and close the files (the trainer's ``close`` then closes torchtitan's loggers)."""
-        self._f.close()
-        if self._completions is not None:
-            self._completions.close()
+        """Flush and close the files (the trainer's ``close`` then closes torchtitan's loggers). A file that cannot be
+        flushed (a full disk: the run is already stopping on it) is a warning: closing must not hide why it stops."""
+        for f in (self._f, self._completions):
+            if f is None:
+                continue
+            try:
+                f.close()
+            except OSError as e:
+                logger.warning(f"could not flush {f.name} while closing: {e.strerror or e}; its last rows may be lost")
 
 
 def _write(f, line: str, step: int) -> None:

@@ -36,7 +36,7 @@ from torchtitan_flux.rl.feed import BatchFeed
 from torchtitan_flux.rollout.rollouts import Rollouts
 from torchtitan_flux.run.threads import TrainerThreads
 from torchtitan_flux.models.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
-from torchtitan_flux.errors import MetricsWriteError
+from torchtitan_flux.errors import CheckpointWriteError, MetricsWriteError
 from torchtitan_flux.run.metrics import MetricsWriter
 from torchtitan_flux.run.preflight import preflight
 from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
@@ -158,8 +158,11 @@ class GRPOTrainer(Trainer):
         except (TrainingInterrupted, NoEngineLeft, LossNotFinite, RewardError, UserCodeError, MetricsWriteError) as e:
             # a reward function's failure or deadline, a step callback's or the metrics file's: like a lost engine
             signalled = isinstance(e, TrainingInterrupted) or self.stops.signal is not None
-            self._save_on_stop(getattr(e, "at_step_boundary", True),
-                               reason=f"received {self.stops.signal}" if signalled else str(e))
+            try:
+                self._save_on_stop(getattr(e, "at_step_boundary", True),
+                                   reason=f"received {self.stops.signal}" if signalled else str(e))
+            except CheckpointWriteError as save_error:  # the same full disk, say: one line with both causes
+                raise CheckpointWriteError(f"{e}; then {save_error}") from None
             if isinstance(e, NoEngineLeft) and signalled:  # the signal killed the engines too: say the cause
                 raise TrainingInterrupted(f"received {self.stops.signal}", at_step_boundary=True) from None
             raise
@@ -196,7 +199,7 @@ class GRPOTrainer(Trainer):
             try:
                 self.saver.poll()
                 self._log(fed.batch, metrics, report.StepTimes(t0, t1, t2, t3, fed.wait_s))
-            except (resume.CheckpointWriteError, UserCodeError, MetricsWriteError) as e:
+            except (CheckpointWriteError, UserCodeError, MetricsWriteError) as e:
                 if self.world == 1:
                     raise
                 self._stop_after_step = e
