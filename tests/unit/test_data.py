@@ -804,3 +804,20 @@ def test_closing_metrics_on_a_full_disk_is_a_warning_not_an_error(tmp_path, capl
     with caplog.at_level("WARNING", logger="torchtitan_flux"):
         w.close()
     assert any("could not flush" in r.getMessage() and "No space left" in r.getMessage() for r in caplog.records)
+
+
+def test_every_evaluation_is_printed_when_it_finishes(tmp_path, caplog):
+    """Before 2026-11-27 only the ``eval.at_start`` evaluation was printed; later ones reached ``eval.jsonl`` and the
+    step rows only (in an async run step 10's evaluation lands in step 12's row: the line names its version)."""
+    from torchtitan_flux.run.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), total_steps=20)
+    try:
+        with caplog.at_level("INFO", logger="torchtitan_flux"):
+            w.log(0, {"eval_only": True, "eval/version": 0, "eval/reward_mean": 0.1, "eval/pass@1": 0.25}, progress=False)
+            w.log(12, {"reward_mean": 0.5, "loss": 0.0, "eval/version": 10, "eval/reward_mean": 0.4, "eval/pass@1": 0.5})
+            w.log(13, {"reward_mean": 0.5, "loss": 0.0})
+    finally:
+        w.close()
+    evals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("eval of version")]
+    assert evals == ["eval of version 0: reward 0.100  pass@1 0.250", "eval of version 10: reward 0.400  pass@1 0.500"]

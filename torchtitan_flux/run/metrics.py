@@ -43,7 +43,7 @@ class MetricsWriter:
             self._loggers.log({k: v for k, v in record.items() if k not in ("step", "time") and _scalar(v)}, step)
         if progress:
             logger.info(self.progress_line(step, record))
-        elif "eval/reward_mean" in record:
+        if "eval/reward_mean" in record:  # every evaluation, when it finishes (async: in a later step's row)
             logger.info(f"eval of version {record['eval/version']}: reward {record['eval/reward_mean']:.3f}  "
                         f"pass@1 {record['eval/pass@1']:.3f}")
 
