@@ -160,7 +160,10 @@ CASES = [
     (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),
     (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
     (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
-    (("--model.hf_assets_path", "/nonexistent/model"), "model.hf_assets_path"),
+    (("--model.hf_assets_path", "/nonexistent/model"), "model.hf_assets_path = '/nonexistent/model' has no "
+                                                       "tokenizer.json; point it at a HF model folder (the tiny one: "
+                                                       "scripts/setup.sh builds it; SmolLM2-135M-Instruct, which the "
+                                                       "smollm2 configs use: scripts/get_real_model.sh)"),
     # infinities, NaN, zero/negative counts (torchtitan's own fields too): one line, before any work
     (("--grpo.clip_high", "inf"), "grpo.clip_high = inf is out of range; allowed: a finite number"),
     (("--adaptive_async.kp", "nan"), "adaptive_async.kp = nan is out of range; allowed: a finite number"),

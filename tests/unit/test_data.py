@@ -821,3 +821,18 @@ def test_every_evaluation_is_printed_when_it_finishes(tmp_path, caplog):
         w.close()
     evals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("eval of version")]
     assert evals == ["eval of version 0: reward 0.100  pass@1 0.250", "eval of version 10: reward 0.400  pass@1 0.500"]
+
+
+def test_a_probe_mismatch_names_the_tolerance_a_lower_precision_engine_needs():
+    """Before 2026-11-27 a bfloat16 wire on the real model stopped at step 2 (0.139 > 0.1) with no word of the
+    tolerance, which such engines need raised."""
+    import torch
+
+    from torchtitan_flux.errors import ProbeMismatch
+    from torchtitan_flux.sync.probe import compare
+
+    expected = torch.tensor([-1.0, -2.0])
+    assert compare("e0", 2, [5, 6, 7], expected, [-1.0, -2.05], tolerance=0.1).max_abs_diff == pytest.approx(0.05)
+    with pytest.raises(ProbeMismatch, match=r"max \|logprob difference\| 0.139 > weight_sync.probe_tolerance 0.1.*"
+                                            r"raise weight_sync.probe_tolerance for it"):
+        compare("e0", 2, [5, 6, 7], expected, [-1.0, -2.139], tolerance=0.1)

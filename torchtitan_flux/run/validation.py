@@ -362,8 +362,9 @@ def _check_model_folder(job_config: Any) -> None:
     hf, r = job_config.model.hf_assets_path, job_config.rollout
     for fname in ("tokenizer.json", "config.json"):
         if not os.path.isfile(os.path.join(hf, fname)):
-            raise ConfigError(f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder "
-                              "(build the tiny one with `python scripts/build_tiny_model.py`)")
+            raise ConfigError(f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder (the "
+                              "tiny one: scripts/setup.sh builds it; SmolLM2-135M-Instruct, which the smollm2 "
+                              "configs use: scripts/get_real_model.sh)")
     try:
         cfg = hf_folder.read_config(hf)
         max_pos = cfg.get("max_position_embeddings")
