@@ -20,6 +20,7 @@ import sys
 import time
 
 import pytest
+import torch
 from _procs import Run, complete_ckpts
 
 from conftest import ROOT, TESTS, read_metrics, torchrun_cmd
@@ -173,6 +174,39 @@ def test_non_finite_loss_stops_cleanly_and_keeps_the_last_good_step(tmp_path, mo
     assert [r["step"] for r in rows] == list(range(1, bad))  # the bad step was never logged as trained
     assert (dump / "checkpoint" / f"step-{kept}" / ".metadata").exists()  # the kept step is checkpointed
     assert f"checkpoint of step {kept} written" in p.stdout + p.stderr
+    # and it holds step `kept`'s weights and optimizer state, not the bad step's: every tensor equals a clean run's
+    # to step `kept` (runs are deterministic), and Adam counted `kept` steps (a mutation that applied the bad step
+    # passed the checks above: all 156 tensors differed)
+    clean = tmp_path / "clean"
+    p = _run(clean, "--rollout.reward_funcs", "test_stops:huge_reward_after_two_steps",
+             "--grpo.advantage_std_normalize", "false", "--checkpoint.enable", "true", "--training.steps", str(kept))
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = _checkpoint_tensors(dump, kept, tmp_path / "got.pt")
+    want = _checkpoint_tensors(clean, kept, tmp_path / "want.pt")
+    assert got.keys() == want.keys() and len(got) > 10
+    # the one exception is torch's RNG state (``CheckpointState``'s "rng"): the bad step ran, and drew from it,
+    # before its loss was found non-finite
+    assert [k for k in got if not torch.equal(got[k], want[k])] == ["train_state.rng"]
+    steps = {float(v) for k, v in got.items() if k.startswith("optimizer.state.") and k.endswith(".step")}
+    assert steps == {float(kept)}, steps
+
+
+def _checkpoint_tensors(dump, step: int, out) -> dict:
+    """Every tensor of ``dump``'s DCP checkpoint of ``step``, by flattened name (model, optimizer, ...)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(dump / "checkpoint" / f"step-{step}"), str(out))
+    flat = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, torch.Tensor):
+            flat[prefix] = obj
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
 
 
 def test_sys_exit_in_a_reward_mid_run_ends_the_run_with_one_error_line(tmp_path, monkeypatch):
