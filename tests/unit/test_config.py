@@ -720,3 +720,26 @@ def test_a_lock_path_that_is_a_folder_is_named(tmp_path):
     with pytest.raises(ConfigError, match=rf"^job.dump_folder = '{re.escape(str(tmp_path))}' cannot be used "
                                           rf"\({re.escape(str(tmp_path / '.flux.lock'))}: Is a directory\); allowed"):
         _lock_folder("job.dump_folder", str(tmp_path), str(tmp_path))
+
+
+def test_start_up_compares_the_resumed_checkpoints_fingerprint(tiny_model_dir, tmp_path):
+    """The fingerprint comparison is reached from the start-up path (``preflight``), not only when called directly:
+    a mutation audit found every default-suite resume test passing with start-up never comparing (they call the
+    check themselves); only a slow end-to-end test caught it."""
+    import json
+
+    from torchtitan_flux.run import resume
+    from torchtitan_flux.run.preflight import preflight
+
+    dump = tmp_path / "run"
+    cfg = parse("--job.dump_folder", str(dump), "--checkpoint.enable", "true")
+    validate_config(cfg)
+    first = preflight(cfg)  # no checkpoint yet: nothing to compare
+    step_dir = dump / "checkpoint" / "step-3"
+    step_dir.mkdir(parents=True)
+    (step_dir / ".metadata").write_bytes(b"")  # complete, as far as the listing goes
+    (step_dir / resume.FINGERPRINT).write_text(json.dumps({**first.fingerprint, "grpo.group_size": 4}))
+    with pytest.raises(ConfigError, match=r"^grpo.group_size"):
+        preflight(cfg)
+    (step_dir / resume.FINGERPRINT).write_text(json.dumps(first.fingerprint))
+    assert preflight(cfg).config_changes == []
