@@ -121,7 +121,6 @@ def test_plot_controller_draws_the_cadence_panel_when_logged(tmp_path):
     import subprocess
     import sys
 
-    pytest.importorskip("matplotlib")
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "plot_controller.py")
     c, heights = SyncCadence(1, overhead_target=0.10, max_interval=20), {}
     for name, cadence in (("plain", False), ("auto", True)):
@@ -182,7 +181,9 @@ def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_pa
     first_window_end = decisions[0][0]
     after = [r for r in rows if r["step"] > first_window_end]
     overhead = measured_overhead(after)
-    assert overhead <= 0.10, (overhead, decisions)
+    # documented 0.05-0.06 (docs/benchmarks.md); a cadence that underestimates its overhead 2x measured 0.091 here
+    # (a mutation audit), which the target itself (0.10) let pass
+    assert overhead <= 0.08, (overhead, decisions)
     assert all(d[3] != "cap" for d in decisions if d[0] > 20), decisions  # max_interval (16) was not what held it
     assert max(r["version_gap_max"] for r in rows) <= 16
     reward = [r["reward_mean"] for r in rows]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import json
 import os
 import signal
@@ -121,7 +122,7 @@ def test_two_trainer_processes(tiny_model_dir, tmp_path, monkeypatch):
     run_train(tmp_path, "--training.steps", "4", "--metrics.step_callbacks",
               "_step_callbacks:tutorial_form,_step_callbacks:step_and_metrics", nproc=2)
     rows = read_metrics(tmp_path)
-    assert len(rows) == 4 and all(r["loss"] == r["loss"] for r in rows)
+    assert len(rows) == 4 and all(r["loss"] is not None and math.isfinite(r["loss"]) for r in rows)  # null: non-finite
     assert json.loads((tmp_path / "summary.json").read_text())["checksums_match"]
     got = [json.loads(x) for x in calls.read_text().splitlines()]
     assert [(c["form"], c["step"]) for c in got] == [(f, k) for k in range(1, 5) for f in ("result", "pair")]

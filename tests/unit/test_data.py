@@ -575,8 +575,8 @@ def test_arithmetic_uses_the_final_answer(tmp_path):
     assert task.reward_funcs[0].fn(prompts=prompts, completions=comps, **cols) == [1.0, 0.0, 0.0]
 
 
-def test_math_verify_reward_when_installed():
-    pytest.importorskip("math_verify", reason="math-verify is an optional reward (pip install math-verify)")
+def test_math_verify_reward():
+    """math-verify is in the dev extras: a broken install fails here instead of skipping."""
     assert R.math_verify_reward(["so $\\frac{1}{2}$", "it is 0.5", "3"], ["#### 0.5"] * 3) == [1.0, 1.0, 0.0]
 
 

@@ -5,9 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("matplotlib")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_runs.py"
 
