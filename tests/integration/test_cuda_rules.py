@@ -24,6 +24,7 @@ from torchtitan_flux.wire import cuda_rules
 
 from torchtitan_flux.wire import transport
 from torchtitan_flux.models.hf import clean_name
+from torchtitan_flux.sync.links import LinkState
 from torchtitan_flux.sync.snapshot import Snapshot, tensor_specs
 
 
@@ -267,13 +268,12 @@ def test_the_pushers_join_checks_the_nccl_version_before_building_a_group(harnes
     monkeypatch.setattr(transport, "handshake", lambda *a, **k: calls.append(("handshake",)))  # no engine side
     monkeypatch.setattr(cuda_rules, "check_nccl_version", mismatch)
     monkeypatch.setattr(pusher_module, "trainer_group", lambda *a, **k: calls.append(("group",)))
+    monkeypatch.setattr(link.handler, "join_weight_group", lambda info: calls.append(("join message",)))
     info = WeightGroupInfo(pusher.cfg.master_addr, pusher.store.port, "flux_ws/test/nccl", "nccl", 5.0,
                            list(pusher.snap.specs), pusher.snap.bucket_bytes)
-    with table.lock:
-        link.epoch += 1
-        epoch, errors = link.epoch, table.stats.errors
-    pusher._join(link, epoch, info)
-    assert calls == [("handshake",), ("nccl_version", "flux_ws/test/nccl", "trainer")], calls
-    assert link.broken and not link.joining and link.epoch == epoch  # broken, and not retried at once
+    join, errors = table.begin_join(link), table.stats.errors
+    pusher._join(join, info)
+    assert calls == [("join message",), ("handshake",), ("nccl_version", "flux_ws/test/nccl", "trainer")], calls
+    assert link.state is LinkState.BROKEN and link.epoch == join.epoch  # broken, and not retried at once
     assert table.stats.errors == errors + 1
     assert any("NCCL 2.21.5 on the trainer" in f for f in table.stats.failures), table.stats.failures

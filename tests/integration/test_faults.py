@@ -24,7 +24,9 @@ from _procs import Run, complete_ckpts, gone, wait_gone
 from _sync_harness import assert_in_sync, perturb
 from conftest import read_metrics, run_train
 
+from torchtitan_flux.engine.base import EngineError
 from torchtitan_flux.engine.forkserver import START_METHOD_ENV
+from torchtitan_flux.sync.links import LinkState
 
 LOG = "torchtitan_flux"
 pytestmark = pytest.mark.faults
@@ -63,7 +65,7 @@ def test_engine_stalled_past_timeout_lags_keeps_serving_then_resyncs(harness_fac
     t_idle = h.pump_until(lambda: not syncer.busy(), timeout + 3.0, "push thread to give up")
     push_s = syncer.stats.last_push_s
     assert timeout * 0.9 <= push_s <= timeout + 1.0, push_s  # the push thread gave up at the deadline
-    assert h.link.lagging and h.link.acked == 0
+    assert h.link.state is LinkState.BROKEN and h.link.acked == 0  # its group must be rebuilt
     m = syncer.metrics()
     assert m["engines_lagging"] == 1 and m["weight_sync_timeouts"] == 1 and m["weight_sync_errors"] >= 1
     assert m["engine_min_version"] == 0
@@ -85,7 +87,7 @@ def test_engine_stalled_past_timeout_lags_keeps_serving_then_resyncs(harness_fac
     assert dt3 < 0.2
     t_resync = h.pump_until(lambda: h.link.acked == 3, 10.0, "resync to v3")
     assert syncer.stats.resyncs > resyncs and h.link.epoch == 2
-    assert not (h.link.lagging or h.link.broken)
+    assert h.link.state is LinkState.READY
     assert_in_sync(h, 3)
     b3 = sched.collect(3, trainer_version=3)
     assert set(b3.versions.tolist()) == {3}
@@ -116,8 +118,8 @@ def test_a_stalled_engine_times_out_alone_while_the_other_stays_in_sync(harness_
     syncer.after_optimizer_step(1)
     h.pump_until(lambda: links[fast.name].acked == 1, timeout / 2, "the fast engine's ack of v1")  # before the deadline
     h.pump_until(lambda: not syncer.busy(), timeout + 3.0, "push 1 to give up on the slow engine")
-    assert links[slow.name].lagging and links[slow.name].acked == 0
-    assert not (links[fast.name].lagging or links[fast.name].broken) and links[fast.name].acked == 1
+    assert links[slow.name].state is LinkState.BROKEN and links[slow.name].acked == 0
+    assert links[fast.name].state is LinkState.READY and links[fast.name].acked == 1
     assert_in_sync(h, 1, 1)
     assert h.engine_checksum(0)[0] == 0  # the slow one still holds v0
     m = syncer.metrics()
@@ -134,6 +136,49 @@ def test_a_stalled_engine_times_out_alone_while_the_other_stays_in_sync(harness_
     assert_in_sync(h, 2, 1)
     batch = sched.collect(2, trainer_version=2)  # both engines serve: the fast one's rollouts are of v2
     assert 2 in set(batch.versions.tolist()), batch.versions
+
+
+def test_a_stopped_engine_with_a_full_pipe_blocks_only_its_joiner(harness_factory):
+    """Review 4, finding 5: an engine stopped with SIGSTOP reads no pipe; the join message of each retry (~44.5 KB
+    for a 70B spec list) piles up until the pipe is full, and the next send blocks. Rejoins sent it while holding
+    the link table's lock, so ``deliver_staged``, ``pump`` and ``claim`` on the main thread blocked on that lock
+    and the stuck-engine kill never ran. Now only the joiner thread blocks, holding no lock."""
+    h = harness_factory(async_mode=True, timeout_s=2.0)
+    syncer, eng = h.syncer, h.engines[0]
+    syncer.flush(0)
+    os.kill(eng.pid, signal.SIGSTOP)
+    try:
+        # the pipe fills: a message much larger than its buffer stands in for the join messages piled up
+        filler = threading.Thread(target=eng._send, args=(("pad", bytes(16 << 20)),), daemon=True)
+        filler.start()
+        filler.join(0.5)
+        assert filler.is_alive(), "the stopped engine's pipe took 16 MiB: the test blocks nothing"
+        eng.events.put(EngineError(eng.name, "weight receiver: RuntimeError: test", fatal=False))
+        h.pump_until(lambda: h.link.state is LinkState.BROKEN, 5.0, "the link broken")
+
+        done = threading.Event()
+        t0 = time.monotonic()
+        threading.Thread(target=lambda: (syncer.deliver_staged(), done.set()), daemon=True).start()
+        assert done.wait(5.0), "deliver_staged blocked on the stopped engine's pipe"
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        assert h.link.state is LinkState.JOINING  # its joiner waits to send the join message
+        assert any(t.name == f"flux-join-{eng.name}" for t in threading.enumerate())
+        assert syncer.table.lock.acquire(timeout=1.0), "the link table's lock is held while a send blocks"
+        syncer.table.lock.release()
+        t0 = time.monotonic()
+        h.rollouts.pump(0.05)  # the main thread's pump, claim and timeout check go on
+        assert syncer.pusher.claim()
+        syncer.pusher.release()
+        syncer.check_timeouts()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        os.kill(eng.pid, signal.SIGKILL)  # a stopped process dies at once; its pipe closes and the sends end
+    # the replacement joins; the old joiner sends into a closed pipe, fails its rendezvous at the deadline, is
+    # superseded and not retried (and no thread is left inside a store wait when the interpreter exits)
+    h.pump_until(lambda: h.restarts == 1 and h.link.state is LinkState.READY and not any(
+        t.name.startswith("flux-join-") for t in threading.enumerate()), 10.0, "the replacement joined, joiners ended")
+    print(f"\nstopped engine, full pipe: deliver_staged returned in {took * 1e3:.1f} ms")
 
 
 # ----------------------------------------------------------------------------------- engine killed
@@ -179,7 +224,7 @@ def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redisp
     t_collect = time.perf_counter() - t0
     assert sched.redispatched == 1
     assert set(batch.versions.tolist()) == {1} and batch.dispatch_version == 0
-    assert h.link.epoch == 2 and not (h.link.dead or h.link.lagging or h.link.broken)
+    assert h.link.epoch == 2 and h.link.state is LinkState.READY
     assert_in_sync(h, 1)
 
     # the next push reaches the replacement

@@ -33,6 +33,7 @@ from torchtitan_flux.config import AdaptiveAsync, OffPolicy
 from torchtitan_flux.rl.feed import BatchFeed
 from torchtitan_flux.errors import RolloutWaitInterrupted
 from torchtitan_flux.sync import pusher
+from torchtitan_flux.sync.links import LinkState
 
 WATCHDOG_S = 40.0  # a livelocked feed is interrupted after this long (the healthy runs take a few seconds)
 
@@ -104,13 +105,13 @@ def test_an_engine_whose_push_broke_gets_the_staged_version_without_a_new_step(h
     perturb(h.model, seed=1)
     syncer.after_optimizer_step(1)
     h.pump_until(lambda: not syncer.busy(), 10.0, "the push of version 1 to give up")
-    assert h.link.broken and h.link.acked == 0
+    assert h.link.state is LinkState.BROKEN and h.link.acked == 0
     eng.inject_fault("stall_receive", 0.0)
     perturb(h.model, seed=2)  # version 2: not pushed
     with watchdog(h.rollouts):
         fed = feed.next(3, 2)
     assert set(fed.batch.versions.tolist()) == {1}
-    assert syncer.stats.catch_ups == 0 and h.link.acked == 1 and not (h.link.broken or h.link.lagging)
+    assert syncer.stats.catch_ups == 0 and h.link.acked == 1 and h.link.state is LinkState.READY
     assert h.engine_checksum() == (1, h.staging_checksum())  # the staged version 1, bit for bit
 
 

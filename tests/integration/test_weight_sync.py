@@ -15,6 +15,7 @@ import torch
 from _sync_harness import Harness, assert_in_sync, params_snapshot, perturb
 
 from torchtitan_flux.models import inference
+from torchtitan_flux.sync.links import LinkState
 from torchtitan_flux.wire.transport import _DTYPES
 
 LOG = "torchtitan_flux"
@@ -115,7 +116,7 @@ def test_async_push_returns_at_once_and_coalesces_while_busy(harness_factory):
     assert (h.link.sent, h.link.acked) == (3, 3)
     assert_in_sync(h, 3)
     assert syncer.stats.pushes == 3  # v0, v1, v3: v2 was never sent
-    assert syncer.stats.timeouts == 0 and not h.link.lagging
+    assert syncer.stats.timeouts == 0 and h.link.state is LinkState.READY
     print(f"\nasync: after_optimizer_step {dt1 * 1e3:.2f} ms with the engine stalled {stall}s; coalesced calls "
           f"{max(dts) * 1e3:.2f} ms; v1 landed after {landed_s:.2f}s")
 
@@ -134,12 +135,12 @@ def test_lagging_by_missed_ack_then_resynced_when_the_ack_arrives(harness_factor
     time.sleep(1.2)
     with caplog.at_level(logging.WARNING, logger=LOG):
         syncer.check_timeouts()
-    assert h.link.lagging and syncer.stats.timeouts == 1
+    assert h.link.state is LinkState.LAGGING and syncer.stats.timeouts == 1
     assert syncer.metrics()["engines_lagging"] == 1
     assert any("not acked within" in r.getMessage() for r in caplog.records)
 
     resyncs, pushes = syncer.stats.resyncs, syncer.stats.pushes
-    h.pump_until(lambda: not h.link.lagging, 5.0, "late ack")  # it answers again -> full resync of v1
+    h.pump_until(lambda: h.link.state is LinkState.READY, 5.0, "late ack")  # it answers again -> full resync of v1
     assert syncer.stats.resyncs == resyncs + 1
     # the push thread resends the staged version right away (no optimizer step needed)
     h.pump_until(lambda: syncer.stats.pushes == pushes + 1 and not syncer.busy(), 5.0, "resync push")

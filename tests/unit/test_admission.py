@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_flux.rl.off_policy import OffPolicyControl
+from torchtitan_flux.rl.controller import StalenessSample
+from torchtitan_flux.rl.off_policy import STALE_BAND, OffPolicyControl
 from torchtitan_flux.config import AdaptiveAsync, OffPolicy, WeightSync
 
 GAP = 8
@@ -140,3 +141,21 @@ def test_feedforward_depth_is_one_for_serial_engines_unless_max_pipeline_depth_s
     assert ff(serial=True, cap=2).depth.depth == 2
     assert ff(serial=False).depth.depth == 3 and ff(serial=False).lookahead == 3.0
     assert ff(serial=False, cap=2).depth.depth == 2
+
+
+def test_the_controller_reads_a_staleness_sample_and_out_of_band_halves_the_auto_cadence():
+    """``control`` takes the batch's ``StalenessSample`` (the metrics dict is for the logs only); staleness above
+    its target by more than ``STALE_BAND`` halves the auto push interval at the next push."""
+    def control(sample: StalenessSample) -> OffPolicyControl:
+        op = OffPolicyControl(OffPolicy(max_version_gap=GAP), AdaptiveAsync(enabled=True),
+                              WeightSync(interval="auto"), total_steps=100)
+        op.cadence.interval = 4
+        m = op.control(1, sample)
+        assert op.stale == (m["staleness"] > m["target_staleness"] + STALE_BAND)
+        return op
+
+    fresh = control(StalenessSample())
+    assert not fresh.stale and fresh.tune_cadence(True, 1.0, 0.0, 0.0, 0.0, 0.0)["sync_interval_reason"] != "stale"
+    stale = control(StalenessSample(behaviour_kl=0.1, iw_var=2.0, version_gap_mean=5.0))  # staleness 1
+    assert stale.stale and stale.tune_cadence(True, 1.0, 0.0, 0.0, 0.0, 0.0)["sync_interval_reason"] == "stale"
+    assert stale.sync_interval == 2

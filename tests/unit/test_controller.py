@@ -65,8 +65,9 @@ class RolloutPlant:
 
     def observe(self) -> StalenessSample:
         gm = 0.0 if self.fresh else self._cap(max(0.0, self.gap + self.rng.gauss(0.0, self.noise)))
-        return StalenessSample(kl=self.kl_per_gap * gm, iw_var=self.iw_per_gap * gm, version_gap_mean=gm,
-                               version_gap_max=float(math.ceil(2 * gm)), ess_fraction=1.0 / (1.0 + self.iw_per_gap * gm))
+        return StalenessSample(behaviour_kl=self.kl_per_gap * gm, iw_var=self.iw_per_gap * gm,
+                               ess_fraction=1.0 / (1.0 + self.iw_per_gap * gm), version_gap_mean=gm,
+                               version_gap_max=float(math.ceil(2 * gm)))
 
     def floor_at(self, t):  # overridden by the disturbance plant
         return self.gap_floor
@@ -124,19 +125,19 @@ def cfg_of(**kw):
 
 def test_staleness_value_tutorial_formula_and_normalisation():
     cfg = AdaptiveAsync()
-    s = StalenessSample(kl=0.05, iw_var=1.0, version_gap_mean=2.5, version_gap_max=4, ess_fraction=0.8)
+    s = StalenessSample(behaviour_kl=0.05, iw_var=1.0, version_gap_mean=2.5, version_gap_max=4, ess_fraction=0.8)
     v, comps = staleness_value(s, cfg)
     assert v == pytest.approx(0.4 * 0.5 + 0.3 * 0.5 + 0.3 * 0.5)
     assert comps == pytest.approx({"staleness_kl": 0.5, "staleness_iw_var": 0.5, "staleness_version_gap": 0.5})
     # each term saturates at 1; a slightly negative (k1) KL counts as 0
-    v, comps = staleness_value(StalenessSample(kl=5.0, iw_var=-0.1, version_gap_mean=1.0), cfg)
+    v, comps = staleness_value(StalenessSample(behaviour_kl=5.0, iw_var=-0.1, version_gap_mean=1.0), cfg)
     assert comps["staleness_kl"] == 1.0 and comps["staleness_iw_var"] == 0.0
     assert v == pytest.approx(0.4 + 0.3 * 0.2)
     # dividing by the weight sum: doubling all weights changes nothing; one weight alone gives its term
-    v2, _ = staleness_value(StalenessSample(kl=5.0, iw_var=-0.1, version_gap_mean=1.0),
+    v2, _ = staleness_value(StalenessSample(behaviour_kl=5.0, iw_var=-0.1, version_gap_mean=1.0),
                             dataclasses.replace(cfg, kl_weight=0.8, iw_var_weight=0.6, version_gap_weight=0.6))
     assert v2 == pytest.approx(v)
-    v3, _ = staleness_value(StalenessSample(kl=0.03, iw_var=2.0, version_gap_mean=5.0),
+    v3, _ = staleness_value(StalenessSample(behaviour_kl=0.03, iw_var=2.0, version_gap_mean=5.0),
                             dataclasses.replace(cfg, kl_weight=2.0, iw_var_weight=0.0, version_gap_weight=0.0))
     assert v3 == pytest.approx(0.3)
     # the plant's constant
@@ -146,8 +147,8 @@ def test_staleness_value_tutorial_formula_and_normalisation():
 
 def test_nonfinite_sample_leaves_ema_unchanged():
     ctl = AdaptiveAsyncController(cfg_of(**REC), 10)
-    m1 = ctl.step(1, StalenessSample(kl=0.01, iw_var=0.2, version_gap_mean=1.0)).metrics
-    m2 = ctl.step(2, StalenessSample(kl=float("nan"), iw_var=0.2, version_gap_mean=1.0)).metrics
+    m1 = ctl.step(1, StalenessSample(behaviour_kl=0.01, iw_var=0.2, version_gap_mean=1.0)).metrics
+    m2 = ctl.step(2, StalenessSample(behaviour_kl=float("nan"), iw_var=0.2, version_gap_mean=1.0)).metrics
     assert math.isnan(m2["staleness_raw"])
     assert m2["staleness"] == m1["staleness"]
     assert 0.0 <= m2["async_ratio"] <= 1.0
@@ -312,7 +313,7 @@ def test_anti_windup_leaves_bound_quickly_naive_does_not():
 def test_derivative_on_measurement_no_kick_on_phase_switch():
     sched = PhaseSchedule(warmup=PhaseSpec(steps=10, target_staleness=0.05), main=PhaseSpec(target_staleness=-1.0))
     ctl = AdaptiveAsyncController(cfg_of(phase_schedule=sched, **REC), 50)
-    sample = StalenessSample(kl=0.01, iw_var=0.2, version_gap_mean=0.5)  # constant staleness 0.1
+    sample = StalenessSample(behaviour_kl=0.01, iw_var=0.2, version_gap_mean=0.5)  # constant staleness 0.1
     hist = [ctl.step(s, sample).metrics for s in range(1, 13)]
     m10, m11 = hist[9], hist[10]
     assert (m10["target_staleness"], m11["target_staleness"]) == (0.05, 0.15)
@@ -321,7 +322,7 @@ def test_derivative_on_measurement_no_kick_on_phase_switch():
     assert m11["pid_p"] - m10["pid_p"] == pytest.approx(REC["kp"] * 0.10)
     assert m11["async_ratio"] - m10["async_ratio"] == pytest.approx(REC["kp"] * 0.10 + REC["ki"] * m11["pid_error"])
     # the derivative does act on a changing measurement
-    m = ctl.step(13, StalenessSample(kl=0.02, iw_var=0.4, version_gap_mean=2.0)).metrics
+    m = ctl.step(13, StalenessSample(behaviour_kl=0.02, iw_var=0.4, version_gap_mean=2.0)).metrics
     assert m["pid_d"] == pytest.approx(-REC["kd"] * (m["staleness"] - m11["staleness"]))
     assert m["pid_d"] < 0
 
@@ -419,7 +420,7 @@ def test_custom_controller_loading(custom_module):
     ctl = AdaptiveAsyncController(cfg_of(controller=f"{custom_module}:Halver", sync_threshold=1.0), 20)
     cls = type(ctl.law)
     assert cls.__name__ == "Halver" and issubclass(cls, ControlLaw) and cls is sys.modules[custom_module].Halver
-    high = StalenessSample(kl=0.1, iw_var=2.0, version_gap_mean=5.0)  # staleness 1 > target
+    high = StalenessSample(behaviour_kl=0.1, iw_var=2.0, version_gap_mean=5.0)  # staleness 1 > target
     assert [ctl.step(s, high).async_ratio for s in (1, 2)] == [0.25, 0.125]
     m = ctl.step(3, high).metrics
     # a custom controller gets the wrapper's error and zero P/I/D terms

@@ -391,3 +391,19 @@ def test_token_logprobs_bfloat16_upcasts():
         token_logprobs(logits, targets, 0.0)
     with pytest.raises(ValueError, match="targets"):
         token_logprobs(logits, targets[:, :3])
+
+
+def test_the_staleness_sample_is_made_of_the_figures_the_step_logs():
+    """``BatchGradient.reduce``: the controller's ``StalenessSample`` holds exactly the token means the metrics row
+    logs (the same floats), and the version gaps of the batch, unclamped."""
+    from torchtitan_flux.rl.controller import StalenessSample
+    from torchtitan_flux.rl.gradient import BatchGradient
+
+    sums = {k: torch.tensor(v) for k, v in (("behaviour_kl", 0.3), ("iw_var", 0.7), ("ess_fraction", 2.9), ("kl", 0.1))}
+    grad = BatchGradient(torch.tensor(2.5), sums, torch.tensor(3), 0, torch.tensor([-1.0, 1.0, 3.0]))
+    reduced = grad.reduce(world=1)
+    assert reduced.loss == 2.5 and reduced.means["iw_var"] == (torch.tensor(0.7) / 3).item()
+    m = reduced.means
+    assert reduced.staleness == StalenessSample(behaviour_kl=m["behaviour_kl"], iw_var=m["iw_var"],
+                                                ess_fraction=m["ess_fraction"], version_gap_mean=1.0,
+                                                version_gap_max=3.0)

@@ -31,23 +31,28 @@ def clamp(x: float, lo: float, hi: float) -> float:
     return lo if x < lo else hi if x > hi else x
 
 
-@dataclass
+@dataclass(frozen=True)
 class StalenessSample:
-    """Staleness measurements of one trained batch: ``kl`` (the loss's ``behaviour_kl``), ``iw_var`` (variance of
-    the per-token importance weights), the trainer's version minus each sample's (mean, max), and the importance
-    weights' effective sample size fraction (reported only)."""
+    """The staleness of one trained batch, what the controller reads: built once per step on every rank, where the
+    loss's figures are all-reduced (``rl/gradient.py``'s ``BatchGradient.reduce``), so every rank's controller sees
+    the same numbers."""
 
-    kl: float = 0.0
+    behaviour_kl: float = 0.0
+    """The loss's ``behaviour_kl``: the k3 estimate of KL(behaviour policy || trainer), token mean."""
     iw_var: float = 0.0
-    version_gap_mean: float = 0.0
-    version_gap_max: float = 0.0
+    """The variance of the per-token importance weights (token mean)."""
     ess_fraction: float = 1.0
+    """The importance weights' effective sample size over N (reported by the loss only; the controller ignores it)."""
+    version_gap_mean: float = 0.0
+    """The trainer's version minus each sample's policy version, mean over the batch."""
+    version_gap_max: float = 0.0
+    """The same, max over the batch."""
 
 
 def staleness_value(sample: StalenessSample, cfg: AdaptiveAsync) -> tuple[float, dict[str, float]]:
-    """``(w_kl * min(1, kl / kl_norm) + w_iw * min(1, iw_var / iw_var_norm) + w_gap * min(1, gap_mean /
+    """``(w_kl * min(1, behaviour_kl / kl_norm) + w_iw * min(1, iw_var / iw_var_norm) + w_gap * min(1, gap_mean /
     version_gap_norm)) / (w_kl + w_iw + w_gap)``, each term floored at 0, and the three terms; NaN if an input is."""
-    raw = (float(sample.kl), float(sample.iw_var), float(sample.version_gap_mean))
+    raw = (float(sample.behaviour_kl), float(sample.iw_var), float(sample.version_gap_mean))
     names = ("staleness_kl", "staleness_iw_var", "staleness_version_gap")
     if not all(math.isfinite(v) for v in raw):
         return math.nan, dict.fromkeys(names, math.nan)
@@ -125,8 +130,15 @@ class ControlDecision:
     """One step's decision: the ratio from now on, whether the next step is synchronous, and its metrics."""
 
     async_ratio: float
+    """The async ratio from now on."""
     force_sync: bool
+    """Whether the next step is synchronous (the smoothed staleness is above ``sync_threshold``)."""
+    staleness: float
+    """The smoothed staleness (EMA) the decision was made on."""
+    target: float
+    """The step's target staleness."""
     metrics: dict[str, float] = field(default_factory=dict)
+    """What the controller logs (the loss logs ``ess_fraction``, the step row the version gaps)."""
 
 
 class AdaptiveAsyncController:
@@ -179,9 +191,8 @@ class AdaptiveAsyncController:
         m.update(staleness=self.ema, staleness_raw=raw, target_staleness=target, async_ratio=ratio,
                  controller_ratio=out, min_async_ratio=lo, max_async_ratio=hi, pid_error=target - self.ema,
                  phase=float(self.phase_of(step)), force_sync=float(force_sync),
-                 forced_syncs_total=float(self.forced_syncs), **terms, ess_fraction=float(sample.ess_fraction),
-                 version_gap_mean=float(sample.version_gap_mean), version_gap_max=float(sample.version_gap_max))
-        return ControlDecision(ratio, force_sync, m)
+                 forced_syncs_total=float(self.forced_syncs), **terms)
+        return ControlDecision(ratio, force_sync, self.ema, target, m)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ema": self.ema, "law_ratio": self.law_ratio, "forced_syncs": self.forced_syncs,

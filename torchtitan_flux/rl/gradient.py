@@ -3,8 +3,9 @@
 Each rank takes its contiguous slice of the rows in micro-batches of ``training.local_batch_size`` sequences;
 every micro-batch's loss is normalised by the *global* token (or sequence) count, so the gradients FSDP sums
 across ranks are the whole batch's. Logits are computed from a micro-batch's first completion-predicting position
-on (``logits_from``): the prompt positions before it carry no loss. Clipping, the optimizer step and the metric
-reduction stay in ``train_on``.
+on (``logits_from``): the prompt positions before it carry no loss. ``BatchGradient.reduce`` sums the loss and its
+metrics over the ranks and builds the batch's ``StalenessSample`` for the controller from those very figures.
+Clipping and the optimizer step stay in ``train_on``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from torchtitan_flux.rl import loss as grpo
 from torchtitan_flux.config import Grpo
+from torchtitan_flux.rl.controller import StalenessSample
 from torchtitan_flux.rollout.batch import RolloutBatch
 
 
@@ -32,6 +35,34 @@ class BatchGradient:
     """Completion tokens of the whole batch (all ranks): the metrics' denominator."""
     zero_variance_groups: int
     """Groups whose rewards are all equal (advantage 0)."""
+    version_gap: torch.Tensor
+    """The trainer's version minus each sample's policy version (float, not clamped): the staleness sample's."""
+
+    def reduce(self, world: int) -> ReducedBatch:
+        """Every rank, after its backward passes: the loss and the metric sums all-reduced over the ``world`` ranks,
+        the metrics' token means, and the staleness sample made of them (the same on every rank)."""
+        keys = sorted(self.metric_sums)
+        stats = torch.stack([self.loss] + [self.metric_sums[k] for k in keys])
+        if world > 1:
+            dist.all_reduce(stats)
+        means = {k: (stats[i + 1] / self.num_tokens.clamp(min=1)).item() for i, k in enumerate(keys)}
+        sample = StalenessSample(
+            behaviour_kl=means["behaviour_kl"], iw_var=means["iw_var"], ess_fraction=means["ess_fraction"],
+            version_gap_mean=self.version_gap.mean().item(), version_gap_max=self.version_gap.max().item(),
+        )
+        return ReducedBatch(stats[0].item(), means, sample)
+
+
+@dataclass(frozen=True)
+class ReducedBatch:
+    """The whole batch's figures, on every rank (``BatchGradient.reduce``)."""
+
+    loss: float
+    """The loss, summed over the ranks."""
+    means: dict[str, float]
+    """Each loss metric's mean over the batch's completion tokens (``loss.grpo_loss``'s metrics), for the logs."""
+    staleness: StalenessSample
+    """What the controller reads (``OffPolicyControl.control``)."""
 
 
 def first_loss_position(loss_mask: torch.Tensor) -> int:
@@ -48,6 +79,7 @@ def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None,
     """Accumulate the GRPO loss's gradient of ``batch`` on this rank's slice (``trained_steps``: optimizer steps
     done before this one, for the samples' version gaps)."""
     adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)
+    version_gap = (trained_steps - batch.versions).float()
     gap = (trained_steps - batch.versions).clamp(min=0).float()
     weights = (1.0 + gap) ** -g.staleness_discount if g.staleness_discount > 0 else None
     num_tokens = batch.loss_mask.sum()
@@ -84,4 +116,4 @@ def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None,
         ntok = mask.sum()
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v.detach() * ntok
-    return BatchGradient(loss_total, sums, num_tokens, zero_groups)
+    return BatchGradient(loss_total, sums, num_tokens, zero_groups, version_gap)

@@ -21,8 +21,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from torchtitan_flux.rl.controller import AdaptiveAsyncController, StalenessSample
 
 logger = logging.getLogger("torchtitan_flux")
@@ -79,6 +77,7 @@ class OffPolicyControl:
         self.controller = AdaptiveAsyncController(aa, total_steps) if aa.enabled else None
         self.async_ratio = aa.initial_async_ratio if aa.enabled else fixed_async_ratio(op, ws)  # the one copy
         self.force_sync = False
+        self.stale = False  # the controller's staleness is above its target by more than STALE_BAND (``control``)
         self.carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
         self.discarded_rollouts = 0  # samples thrown away as too stale
         max_interval = min(ws.max_interval, op.max_version_gap + 1)
@@ -149,28 +148,24 @@ class OffPolicyControl:
             self.depth.depth = depth
         self.admit()
 
-    def control(self, step: int, versions: torch.Tensor, m: dict[str, float]) -> dict[str, float]:
-        """Staleness of the batch just trained (its samples' ``versions``, the step's metrics ``m``) -> the
-        controller -> ``async_ratio`` of the next admission. Returns the controller's metrics."""
+    def control(self, step: int, sample: StalenessSample) -> dict[str, float]:
+        """The staleness ``sample`` of the batch step ``step`` just trained -> the controller -> ``async_ratio`` of the
+        next admission, and whether the staleness is out of band (``stale``). Returns the controller's metrics."""
         out = {"async_ratio": self.async_ratio}
         if self.controller is None:
             return out
-        gap = (step - 1 - versions).float()
-        sample = StalenessSample(
-            kl=m["behaviour_kl"], iw_var=m["iw_var"], version_gap_mean=gap.mean().item(),
-            version_gap_max=gap.max().item(), ess_fraction=m["ess_fraction"],
-        )
         decision = self.controller.step(step, sample)
         self.async_ratio, self.force_sync = decision.async_ratio, decision.force_sync
+        self.stale = decision.staleness > decision.target + STALE_BAND
         return decision.metrics
 
-    def after_push(self, fed, compute_s: float, sync_s: float, push_s_total: float, m: dict[str, float]) -> dict:
+    def after_push(self, fed, compute_s: float, sync_s: float, push_s_total: float) -> dict:
         """Rank 0, after a step's push: the depth and the auto cadence learn from its times; returns their metrics."""
         out: dict[str, Any] = {}
         if self.depth is not None:
             out.update(self.observe_times(fed.batch.gen_time_s, compute_s))
         if self.cadence is not None:
-            out.update(self.tune_cadence(fed.push_due, compute_s, sync_s, fed.wait_s, fed.flush_s, push_s_total, m))
+            out.update(self.tune_cadence(fed.push_due, compute_s, sync_s, fed.wait_s, fed.flush_s, push_s_total))
         return out
 
     def observe_times(self, gen_s: float, train_s: float) -> dict[str, float]:
@@ -179,17 +174,16 @@ class OffPolicyControl:
         return {"pipeline_depth": float(self.depth.depth)}
 
     def tune_cadence(self, pushed: bool, compute_s: float, sync_s: float, rollout_wait: float, flush_s: float,
-                     push_s_total: float, m: dict[str, float]) -> dict[str, Any]:
+                     push_s_total: float) -> dict[str, Any]:
         """Rank 0, ``interval = "auto"``: the step's time lost to weight sync (the main thread's push or snapshot,
         a flush, and in async mode the rollout wait the push thread's work explains) -> ``SyncCadence``.
-        Staleness above its target by more than ``STALE_BAND`` halves the interval."""
+        The controller's staleness out of band (``stale``) halves the interval."""
         lost = sync_s + flush_s
         if self.async_push:
             lost += min(max(rollout_wait - flush_s, 0.0), push_s_total - self._push_s_seen)
             self._push_s_seen = push_s_total
-        stale = "staleness" in m and m["staleness"] > m["target_staleness"] + STALE_BAND
         before = self.cadence.interval
-        d = self.cadence.observe_step(compute_s, lost, pushed, stale=stale)
+        d = self.cadence.observe_step(compute_s, lost, pushed, stale=self.stale)
         out: dict[str, Any] = {"sync_interval": self.cadence.interval, "sync_lost_s": lost,
                                "sync_overhead_target": self.cadence.target}
         if d is not None:

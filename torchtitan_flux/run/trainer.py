@@ -46,6 +46,7 @@ from torchtitan_flux.rollout.scheduler import RolloutBatch
 from torchtitan_flux.run.checkpoint_state import CheckpointState
 from torchtitan_flux.errors import LossNotFinite, TrainingInterrupted
 from torchtitan_flux.run.stops import StopRequests, die_with_launcher, settle_and_checkpoint
+from torchtitan_flux.rl.controller import StalenessSample
 from torchtitan_flux.rl.gradient import backward_on_batch
 from torchtitan_flux.errors import UserCodeError
 from torchtitan_flux.user_code import import_spec, step_callback
@@ -180,13 +181,13 @@ class GRPOTrainer(Trainer):
         self.threads.before_compute(self.rollouts)  # the next steps' requests just went out: their cores come back
         self.step += 1
         t1 = time.perf_counter()
-        metrics = self.train_on(fed.batch)
-        metrics.update(self.off_policy.control(self.step, fed.batch.versions, metrics))
+        metrics, staleness = self.train_on(fed.batch)
+        metrics.update(self.off_policy.control(self.step, staleness))
         t2 = time.perf_counter()
         self.syncer.after_optimizer_step(self.step, due=fed.push_due)
         t3 = time.perf_counter()
         if self.rank == 0:
-            metrics.update(self.off_policy.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total, metrics))
+            metrics.update(self.off_policy.after_push(fed, t2 - t1, t3 - t2, self.syncer.stats.push_s_total))
         if self.probe is not None and (self.probe.due(self.step, jc.training.steps) or last):
             self.syncer.flush(self.step)  # the engines must hold this step's weights
             engines = [e for e in self.rollouts.engines if e.alive()] if self.rank == 0 else []
@@ -243,8 +244,8 @@ class GRPOTrainer(Trainer):
             content = report.summary(self.step, self.syncer, self.rollouts.engines, probed, self._step_ends, memory)
             report.write_summary(self.job_config.job.dump_folder, content)
 
-    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
-        """One GRPO optimizer step on ``batch`` (all ranks): gradients, clipping, step, metrics."""
+    def train_on(self, batch: RolloutBatch) -> tuple[dict[str, float], StalenessSample]:
+        """One GRPO optimizer step on ``batch`` (all ranks): gradients, clipping, step; its metrics and staleness."""
         jc = self.job_config
         self.optimizers.zero_grad()
         grad = backward_on_batch(
@@ -252,7 +253,7 @@ class GRPOTrainer(Trainer):
             world=self.world, micro_batch=jc.training.local_batch_size, device=self.device,
             train_context=self.train_context, amp=self.maybe_enable_amp,
         )
-        loss_total, sums, num_tokens = grad.loss, grad.metric_sums, grad.num_tokens
+        loss_total, num_tokens = grad.loss, grad.num_tokens
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], jc.training.max_norm, foreach=True,
             pp_mesh=None, ep_enabled=False,
@@ -272,13 +273,10 @@ class GRPOTrainer(Trainer):
         self.lr_schedulers.step()
         self.ntokens_seen += int(num_tokens)
 
-        stats = torch.stack([loss_total] + [sums[k] for k in sorted(sums)])
-        if self.world > 1:
-            dist.all_reduce(stats)
-        means = {k: (stats[i + 1] / num_tokens.clamp(min=1)).item() for i, k in enumerate(sorted(sums))}
-        return {"loss": stats[0].item(), **means, "grad_norm": grad_norm.item(), **self.threads.step_metrics(),
+        reduced = grad.reduce(self.world)
+        return {"loss": reduced.loss, **reduced.means, "grad_norm": grad_norm.item(), **self.threads.step_metrics(),
                 "zero_variance_groups": grad.zero_variance_groups,
-                "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0]}
+                "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0]}, reduced.staleness
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
         counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.rollouts.restarts,

@@ -1,16 +1,20 @@
 """``Pusher``: rank 0's join threads and push thread, and the claim that serializes them with snapshots.
 
 Concurrency invariants:
+  * No pipe send, HTTP call or collective while ``LinkTable.lock`` is held (``sync/links.py``): decisions and state
+    transitions are made under the lock, the sends after it; a stale send is recognised by its epoch.
   * ``busy`` is the claim on staging and on the weight-sync groups: set under the link table's lock by its
-    taker (main thread: ``claim``; push thread: ``kick``), cleared only by its holder (``release``). So staging is
-    never written while sent, and one thread at a time issues collectives on the groups, in push order.
+    taker (main thread: ``claim``; whoever finds it free with a late engine: ``kick``), cleared only by its holder
+    (``release``). So staging is never written while sent, and one thread at a time issues collectives on the
+    groups, in push order.
   * Push thread: sends each push it is handed (``hand_over``; blocking mode: the main thread pushes itself):
     header + buckets on every usable engine's group under the push stream (``cuda_rules`` rule 1), all Works
-    polled against ONE deadline (rule 3). An engine that misses it is lagging and broken (NCCL: group aborted) and
-    rejoins at the next push or ``deliver_staged``. ``release`` serves engines that became usable meanwhile.
-  * Joiner threads: one per (re)joining engine; each builds that engine's group eagerly (handshake, NCCL version
-    check, group: rule 8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried
-    at the next push or ``deliver_staged``, not at once.
+    polled against ONE deadline (rule 3). An engine that misses it is BROKEN (NCCL: group aborted) and rejoins at
+    the next push or ``deliver_staged``. ``release`` serves engines that became usable meanwhile.
+  * Joiner threads: one per join the table decided; each sends its engine the join message (it alone may block on
+    a stopped engine's full pipe), builds that engine's group eagerly (handshake, NCCL version check, group: rule
+    8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried at the next push or
+    ``deliver_staged``, not at once; the main thread starts joiners but never sends a join itself.
 On a GPU trainer staging is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a time.
 With ``weight_sync.method = "sparse"`` the push thread also owns ``base`` (``sparse.SparseBase``): an engine whose
 ``EngineLink.holds`` is the base version gets patches, every other one whole buckets, in the same push.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -28,8 +33,8 @@ import torch
 from torchtitan_flux import compat
 from torchtitan_flux.wire import cuda_rules, transport
 from torchtitan_flux.sync import sparse
-from torchtitan_flux.engine.base import WeightGroupInfo
-from torchtitan_flux.sync.links import EngineLink, LinkTable
+from torchtitan_flux.engine.base import EngineHandler, WeightGroupInfo
+from torchtitan_flux.sync.links import EngineLink, Join, LinkTable
 from torchtitan_flux.sync.snapshot import Snapshot
 
 logger = logging.getLogger("torchtitan_flux")
@@ -80,6 +85,53 @@ class DeviceRing:
         self.readers = [[(g, w) for g, w in slot if g is not pg] for slot in self.readers]
 
 
+@dataclass(frozen=True)
+class PushTarget:
+    """A usable link as one push found it (read under the table's lock): the push sends on this group and reports
+    its outcome with this ``epoch``, never with the link's later fields."""
+
+    link: EngineLink
+    """The link, for the table's transitions."""
+    epoch: int
+    """Its group's number when the push started: an outcome for an older group changes nothing."""
+    handler: EngineHandler
+    """Its engine."""
+    pg: object
+    """Rank 0's side of its group."""
+    backend: str
+    """That group's backend."""
+    holds: int
+    """The version the engine holds for sure (``EngineLink.holds``): the base of a patch it may take."""
+
+
+@dataclass
+class InFlight:
+    """One target's sends of a push, until its Works complete or the push's deadline passes."""
+
+    target: PushTarget
+    """Where they went."""
+    works: list
+    """Their Works (or the engine's own handle, ``self_push``)."""
+    tensors: list[torch.Tensor]
+    """What was sent, header first (the bytes counted once complete)."""
+    patched: bool
+    """Whether it was sent patches (sparse) rather than whole buckets."""
+
+
+@dataclass(frozen=True)
+class SparsePayload:
+    """What a sparse push sends to the targets that hold its base version (``transport``'s wire format)."""
+
+    header: torch.Tensor
+    """Its header: the version, the base and each bucket's count (-1: whole)."""
+    tensors: list[torch.Tensor]
+    """What follows the header: each patched bucket's indices and values, each other bucket whole."""
+    base: int
+    """The version the patches apply to."""
+    buckets: int
+    """How many buckets travel as patches."""
+
+
 class Pusher:
     """See the module docstring for the ordering invariants."""
 
@@ -120,8 +172,8 @@ class Pusher:
 
     def on_event(self, ev) -> None:
         """Main thread: an ack or engine error; a lagging engine that answered again gets the staged version."""
-        with self.table.lock:
-            if self.table.record(ev):
+        if self.table.record(ev):
+            with self.table.lock:
                 self.kick()
 
     def kick(self) -> None:
@@ -135,73 +187,66 @@ class Pusher:
             self.table.work.notify()
 
     def deliver_staged(self) -> None:
-        """Main thread: rebuild broken groups; the push thread sends the staged version to engines lacking it."""
+        """Main thread: rejoin broken engines (their joiners send; this thread sends nothing, so a stopped engine's
+        full pipe cannot stall it) and have the push thread send the staged version to engines lacking it."""
+        for join in self.table.rejoin_broken():
+            self.start_join(join)
         with self.table.lock:
-            self._rejoin_broken()
             self.kick()
-
-    def _rejoin_broken(self) -> None:
-        """Start a fresh group for every broken engine still alive (caller holds the table's lock)."""
-        for link in self.table.links:
-            if link.broken and not link.joining and not link.dead and link.handler.alive():
-                self.table.stats.resyncs += 1
-                self.start_join(link)
 
     def close(self) -> None:
         with self.table.lock:
             self.closed = True
             self.table.work.notify()
 
-    def start_join(self, link: EngineLink) -> threading.Thread:
-        """Start ``link``'s rendezvous on a fresh group (caller holds the table's lock)."""
-        link.epoch += 1
-        epoch = link.epoch
-        link.joining, link.pg = True, None
-        link.backend = link.handler.weight_backend(self.backend)
-        colocated = link.backend == transport.COLOCATED
+    def start_join(self, join: Join) -> threading.Thread:
+        """Start the joiner thread of ``join`` (a join the table decided); the caller holds no lock."""
+        handler = join.handler
+        backend = handler.weight_backend(self.backend)
+        colocated = backend == transport.COLOCATED
         info = WeightGroupInfo(
-            self.cfg.master_addr, self.store.port, f"flux_ws/{link.handler.name}/{link.epoch}", link.backend,
+            self.cfg.master_addr, self.store.port, f"flux_ws/{handler.name}/{join.epoch}", backend,
             self.cfg.timeout_seconds, list(self.snap.specs), self.snap.bucket_bytes,
             shared=(self.snap.staging.flats, self.snap.seqlock.t) if colocated else None,
-            patches=self.base is not None and link.handler.accepts_patches and not colocated,
+            patches=self.base is not None and handler.accepts_patches and not colocated,
         )
-        link.handler.join_weight_group(info)
-        t = threading.Thread(target=self._join, args=(link, epoch, info), name=f"flux-join-{link.handler.name}",
-                             daemon=True)
+        t = threading.Thread(target=self._join, args=(join, info), name=f"flux-join-{handler.name}", daemon=True)
         t.start()
         return t
 
-    def _join(self, link: EngineLink, epoch: int, info: WeightGroupInfo) -> None:
-        table = self.table
+    def _join(self, join: Join, info: WeightGroupInfo) -> None:
+        """Joiner thread: ask the engine to join (a pipe send or HTTP call, which may block on a stopped engine: no
+        lock is held), build rank 0's side of the group, report the outcome to the table."""
+        handler = join.handler
+        try:
+            cuda_rules.bind_thread(self.device)  # rule 6; colocated: the join message shares CUDA staging (IPC)
+            handler.join_weight_group(info)
+        except Exception as e:  # noqa: BLE001 - this engine cannot take the join: it would fail again at once
+            self.table.join_failed(join, f"join failed: {e}", retry=False)
+            return
         try:
             if info.backend == transport.COLOCATED:  # no group: the join message carried staging itself
                 pg = transport.COLOCATED
             else:
                 # a store client of its own: a wait on a shared one would stall every other engine's join
                 store = transport.connect_store(info.host, info.port, info.timeout_s, is_master=False)
-                if link.handler.rendezvous_handshake:
+                if handler.rendezvous_handshake:
                     transport.handshake(store, info.prefix, self.token, transport.TRAINER, info.timeout_s)
                     if info.backend == "nccl":
                         cuda_rules.check_nccl_version(store, info.prefix, "trainer", info.timeout_s)
-                cuda_rules.bind_thread(self.device)
-                pg = trainer_group(link.handler, store, info, self.device)
-            with table.lock:
-                if link.epoch != epoch:  # superseded by a newer join (engine replaced): drop this group
-                    return
-                link.pg, link.broken, link.lagging, link.joining = pg, False, False, False
-                link.sent = link.acked = link.holds = -1  # a new group starts with a full push
-                self.kick()
+                pg = trainer_group(handler, store, info, self.device)
         except Exception as e:  # noqa: BLE001 - counted, logged, retried
-            with table.lock:
-                table.fail(link, f"join failed: {e}")
-                if link.epoch == epoch:
-                    link.joining, link.broken = False, True
-                    # a refusal would fail again at once; anything else retries now (a restarted engine may
-                    # still be starting, and the trainer may be waiting on its rollouts)
-                    refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
-                    if not (refused or self.closed or link.dead) and link.handler.alive():
-                        table.stats.resyncs += 1
-                        self.start_join(link)
+            # a refusal would fail again at once; anything else retries now (a restarted engine may still be
+            # starting, and the trainer may be waiting on its rollouts)
+            refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
+            again = self.table.join_failed(join, f"join failed: {e}",
+                                           retry=not (refused or self.closed) and handler.alive())
+            if again is not None:
+                self.start_join(again)
+            return
+        if self.table.joined(join, pg, info.backend):  # else superseded by a newer join: the group is dropped
+            with self.table.lock:
+                self.kick()
 
     def _loop(self) -> None:
         cuda_rules.bind_thread(self.device)
@@ -216,9 +261,7 @@ class Pusher:
             try:
                 self.push(version, only)
             except Exception as e:  # noqa: BLE001 - never lose the thread; counted and logged
-                with table.lock:
-                    table.stats.errors += 1
-                    table.stats.failures.append(f"push {version}: {e}")
+                table.push_crashed(version, e)
                 logger.exception("weight push failed")
             finally:
                 self.release()
@@ -236,93 +279,97 @@ class Pusher:
         """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``.
         With a ``base`` (sparse), an engine known to hold the base version gets patches, every other one dense."""
         t0 = time.perf_counter()
-        table, stats = self.table, self.table.stats
         self.snap.side.synchronize_copy()
         self.snap.publish(version)  # colocated engines copy from here on
         deadline = time.monotonic() + self.cfg.timeout_seconds  # one deadline for the whole push (rule 3)
-        with table.lock:
-            if only is None:
-                self._rejoin_broken()
-            targets = [(lk, lk.epoch, lk.pg, lk.handler, lk.backend, lk.holds)
-                       for lk in (table.links if only is None else only) if lk.usable]
-        plan, staging = self.snap.plan, self.snap.staging
-        dense = transport.encode_header(plan, version)
         if only is None:
-            stats.last_changed = stats.last_diff_s = 0.0  # until this push's diff, if it makes one
-        patches = self._patches(version, targets)
-        if patches is not None:
-            counts, payload = sparse.payload(staging.flats, patches)
-            patch_header = transport.encode_header(plan, version, counts, self.base.version)
-        pending, sent_bytes, patched_buckets = [], 0, 0
+            for join in self.table.rejoin_broken():
+                self.start_join(join)
+            self.table.diffed(0.0, 0.0)  # until this push's diff, if it makes one
+        with self.table.lock:
+            targets = [PushTarget(lk, lk.epoch, lk.handler, lk.pg, lk.backend, lk.holds)
+                       for lk in (self.table.links if only is None else only) if lk.usable]
+        dense = transport.encode_header(self.snap.plan, version)
+        patch = self._patch(version, targets)
         with cuda_rules.on_stream(self.stream):
-            on_device = {}  # host header -> its device copy, for NCCL groups (rule 2); pinned: no copy that syncs
-            for link, epoch, pg, handler, backend, holds in targets:  # the host (N1), on the push stream (rule 1)
-                try:
-                    handler.begin_update(version)
-                    flats = staging.flats
-                    own = handler.self_push(version, flats)  # vLLM on GPU, colocated: the engine fetches
-                    patched = own is None and patches is not None and holds == self.base.version and \
-                        handler.accepts_patches
-                    header = patch_header if patched else dense
-                    nccl = backend == "nccl"
-                    if nccl and id(header) not in on_device:
-                        on_device[id(header)] = header.pin_memory().to(self.device, non_blocking=True)
-                    wire_header = on_device[id(header)] if nccl else header
-                    tensors = ([header, *flats] if own is not None else [wire_header, *payload] if patched
-                               else handler.wire_tensors(wire_header, flats))
-                    send = self._nccl_send if nccl else compat.broadcast
-                    works = [own] if own is not None else [send(pg, t) for t in tensors]
-                    with table.lock:
-                        if link.epoch == epoch:
-                            link.sent, link.sent_at = version, time.time()
-                    pending.append((link, epoch, pg, handler, works, tensors, patched))
-                except Exception as e:  # noqa: BLE001
-                    with table.lock:
-                        if link.epoch == epoch:
-                            link.broken = True
-                        table.fail(link, f"push {version} failed to start: {e}")
-            for link, epoch, pg, handler, works, tensors, patched in pending:
-                try:
-                    if not cuda_rules.wait_works(works, deadline):
-                        if link.backend == "nccl":
-                            cuda_rules.abort_group(pg)
-                            if self.ring is not None:
-                                self.ring.forget(pg)
-                        raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
-                                           f"{self.cfg.timeout_seconds}")
-                    cuda_rules.raise_failed(works)
-                    handler.finish_update(version)
-                    sent_bytes += sum(t.numel() * t.element_size() for t in tensors[1:])
-                    if patched:
-                        patched_buckets = max(patched_buckets, sum(c != transport.DENSE for c in counts))
-                    with table.lock:
-                        if link.epoch == epoch:
-                            link.holds = version
-                except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
-                    with table.lock:
-                        if link.epoch == epoch:  # else it was replaced/rejoined meanwhile: its new group is fine
-                            link.broken = link.lagging = True
-                            link.holds = -1
-                        stats.timeouts += 1
-                        table.fail(link, f"push {version} did not complete: {e}")
+            in_flight = self._send(version, targets, dense, patch)
+            sent_bytes, patched = self._complete(version, in_flight, deadline)
         if self.base is not None:
-            self.base.advance(staging, version)
-        stats.pushes += 1
-        stats.bytes_sent += sent_bytes
-        if only is None:  # a step's push; not a resync of late engines (``kick``), which would mask it
-            stats.last_push_bytes, stats.last_patched_buckets = sent_bytes, patched_buckets
-        stats.last_push_s = time.perf_counter() - t0
-        stats.push_s_total += stats.last_push_s
+            self.base.advance(self.snap.staging, version)
+        self.table.pushed(time.perf_counter() - t0, sent_bytes, patch.buckets if patched else 0,
+                          step_push=only is None)
 
-    def _patches(self, version: int, targets: list) -> list | None:
+    def _send(self, version: int, targets: list[PushTarget], dense: torch.Tensor,
+              patch: SparsePayload | None) -> list[InFlight]:
+        """Issue every target's broadcasts: ``patch`` to a target that holds its base version and takes patches, else
+        whole buckets under the ``dense`` header (or the engine's own push). A target that fails to start is
+        BROKEN."""
+        flats = self.snap.staging.flats
+        on_device = {}  # host header -> its device copy, for NCCL groups (rule 2); pinned: no copy that syncs
+        in_flight = []
+        for target in targets:  # the host (N1), on the push stream (rule 1)
+            handler = target.handler
+            try:
+                handler.begin_update(version)
+                own = handler.self_push(version, flats)  # vLLM on GPU, colocated: the engine fetches
+                patched = own is None and patch is not None and target.holds == patch.base and \
+                    handler.accepts_patches
+                header = patch.header if patched else dense
+                nccl = target.backend == "nccl"
+                if nccl and id(header) not in on_device:
+                    on_device[id(header)] = header.pin_memory().to(self.device, non_blocking=True)
+                wire_header = on_device[id(header)] if nccl else header
+                tensors = ([header, *flats] if own is not None else [wire_header, *patch.tensors] if patched
+                           else handler.wire_tensors(wire_header, flats))
+                send = self._nccl_send if nccl else compat.broadcast
+                works = [own] if own is not None else [send(target.pg, t) for t in tensors]
+                self.table.sent(target.link, target.epoch, version)
+                in_flight.append(InFlight(target, works, tensors, patched))
+            except Exception as e:  # noqa: BLE001
+                self.table.push_failed(target.link, target.epoch, version, str(e))
+        return in_flight
+
+    def _complete(self, version: int, in_flight: list[InFlight], deadline: float) -> tuple[int, bool]:
+        """Poll every target's Works against the push's one ``deadline`` (rule 3); one that misses it is BROKEN (its
+        NCCL group aborted). Returns the bytes completed and whether a patched target completed."""
+        sent_bytes, patched = 0, False
+        for sent in in_flight:
+            target = sent.target
+            try:
+                if not cuda_rules.wait_works(sent.works, deadline):
+                    if target.backend == "nccl":
+                        cuda_rules.abort_group(target.pg)
+                        if self.ring is not None:
+                            self.ring.forget(target.pg)
+                    raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
+                                       f"{self.cfg.timeout_seconds}")
+                cuda_rules.raise_failed(sent.works)
+                target.handler.finish_update(version)
+                sent_bytes += sum(t.numel() * t.element_size() for t in sent.tensors[1:])
+                patched = patched or sent.patched
+                self.table.completed(target.link, target.epoch, version)
+            except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
+                self.table.push_incomplete(target.link, target.epoch, version, str(e))
+        return sent_bytes, patched
+
+    def _patch(self, version: int, targets: list[PushTarget]) -> SparsePayload | None:
+        """The base's patches to ``version`` if some target holds the base version and takes patches and some bucket
+        fits as a patch, else None (every target gets whole buckets)."""
+        patches = self._patches(version, targets)
+        if patches is None:
+            return None
+        counts, tensors = sparse.payload(self.snap.staging.flats, patches)
+        header = transport.encode_header(self.snap.plan, version, counts, self.base.version)
+        return SparsePayload(header, tensors, self.base.version, sum(c != transport.DENSE for c in counts))
+
+    def _patches(self, version: int, targets: list[PushTarget]) -> list | None:
         """The base's patches to ``version`` if some target holds the base version and takes patches, else None."""
         base = self.base
         if base is None or base.version < 0 or base.version == version or not any(
-                holds == base.version and handler.accepts_patches for _, _, _, handler, _, holds in targets):
+                t.holds == base.version and t.handler.accepts_patches for t in targets):
             return None
         patches = base.patches(self.snap.staging, version)
-        stats = self.table.stats
-        stats.last_changed, stats.last_diff_s = base.last_changed, base.last_diff_s
+        self.table.diffed(base.last_changed, base.last_diff_s)
         if all(p is None for p in patches):
             if not self._told_dense:
                 self._told_dense = True

@@ -9,8 +9,10 @@ flight the version is *coalesced*. Blocking mode: rank 0 pushes and waits for ac
 ``deliver_staged`` keep coalescing from leaving a step waiting for weights no push will bring (the async livelock,
 docs/architecture.md). Every wait for the claim is on the main thread, delivering engine events, and bounded;
 ranks > 0 wait for rank 0 on the control group, never inside a gather or any other training collective: before
-a snapshot (``agree``) and after rank 0 waited on engines (``_hold_others``). The syncer never calls back into the
-trainer: ``rollout.fleet.Rollouts`` gives it its ``pump`` and calls ``on_event`` and ``replace_engine``.
+a snapshot (``agree``) and after rank 0 waited on engines (``_hold_others``). No pipe send, HTTP call or collective
+runs under ``LinkTable.lock``, and the main thread never sends a join message itself (joiner threads do): a stopped
+engine that no longer reads its pipe cannot stall ``pump``, ``claim`` or ``deliver_staged``. The syncer never calls
+back into the trainer: ``rollout.fleet.Rollouts`` gives it its ``pump`` and calls ``on_event`` and ``replace_engine``.
 
 Simplification: one data-parallel replica sends (rank 0 of the whole job); every replica holds the same weights.
 """
@@ -91,8 +93,7 @@ class WeightSyncer:
 
     def connect(self) -> None:
         """Create every engine's group (rank 0; blocks until each engine joined or failed)."""
-        with self.table.lock:
-            joiners = [self.pusher.start_join(link) for link in self.links]
+        joiners = [self.pusher.start_join(self.table.begin_join(link)) for link in self.links]
         for j in joiners:
             j.join()
         failed = [link.handler.name for link in self.links if link.pg is None]
@@ -113,7 +114,7 @@ class WeightSyncer:
             claimed = self.pusher.claim()
             idle = self._snapshot_or_release(version, lambda: self.snap.agree(claimed), claimed)
             if not idle:
-                self.stats.coalesced += 1
+                self.table.push_coalesced()
             else:
                 self.pusher.hand_over(version)
         else:
@@ -138,14 +139,15 @@ class WeightSyncer:
         older than ``oldest`` (the oldest the step may train on). Returns whether it staged (same on every rank)."""
         if self.version >= oldest:
             return False
-        self.stats.catch_ups += 1
+        self.table.caught_up()
         logger.info(f"weight sync: staged version {self.version} is older than {oldest}, the oldest this step may "
                     f"train on (pushes were coalesced); staging version {version} now")
         self.stage(version)
         return True
 
     def deliver_staged(self) -> None:
-        """Rank 0: rebuild broken groups and send the staged version to usable engines lacking it (ranks > 0: no-op)."""
+        """Rank 0: rebuild broken groups (joiner threads) and send the staged version to usable engines lacking it
+        (the push thread); returns at once, whatever the engines do (ranks > 0: no-op)."""
         self.pusher.deliver_staged()
 
     def _claim_waiting(self) -> None:
@@ -169,7 +171,7 @@ class WeightSyncer:
             idle = decide()
             if idle:
                 self.snap.take(version)
-                self.stats.last_snapshot_s = self.snap.last_s
+                self.table.snapshot_taken(self.snap.last_s)
         except BaseException:
             if claimed:
                 self.pusher.release()
@@ -184,11 +186,8 @@ class WeightSyncer:
         self.table.check_timeouts()
 
     def replace_engine(self, old: EngineHandler, new: EngineHandler) -> None:
-        """A restarted engine rejoins on a fresh group and gets the newest version."""
-        with self.table.lock:
-            link = next(lk for lk in self.links if lk.handler is old)
-            link.handler, link.dead, link.lagging, link.broken = new, False, False, False
-            self.pusher.start_join(link)
+        """A restarted engine rejoins on a fresh group and gets the newest version (its joiner sends the join)."""
+        self.pusher.start_join(self.table.replaced(old, new))
 
     def _wait_acks(self, version: int) -> None:
         """Wait until every usable engine acked ``version`` (ranks > 0 hold no engines: at once)."""
