@@ -87,6 +87,40 @@ def test_a_restarted_engine_gets_a_dense_push_first(harness_factory):
         in_sync(h, 2, i)
 
 
+def test_an_engine_that_missed_a_push_is_sent_whole_buckets_and_needs_no_resync(harness_factory):
+    """The trainer's side of the rule (``EngineLink.holds``): an engine that does not hold the patches' base gets whole
+    buckets in the same push in which the other is patched; no patch is refused and nothing is resynced. Engine 1
+    misses version 2 (the pusher sends 2 to engine 0 alone, as it sends the staged version to late engines), so at
+    version 3 the base is 2, held by engine 0 only. A mutation audit found a pusher that ignores ``holds`` passing
+    every other sparse test: there the engine's refusal and the resync after it hid the mistake."""
+    h = harness_factory(async_mode=False, bucket_size_mb=0.01, timeout_s=10.0, wire_dtype="bfloat16",
+                        method="sparse", num_engines=2)
+    syncer, pusher, dense_bytes = h.syncer, h.syncer.pusher, h.syncer.plan.nbytes
+    syncer.flush(0)
+    nudge(h.model, seed=1, share=0.02)
+    syncer.after_optimizer_step(1)
+    resyncs = syncer.stats.resyncs
+    assert pusher.claim()  # both pushes under one claim: releasing it would send 2 to engine 1 (a late engine)
+    try:
+        nudge(h.model, seed=2, share=0.02)
+        syncer.snap.take(2)
+        pusher.push(2, only=[syncer.links[0]])
+        assert [lk.holds for lk in syncer.links] == [2, 1]
+        nudge(h.model, seed=3, share=0.02)
+        syncer.snap.take(3)
+        pusher.push(3)
+    finally:
+        pusher.release()
+    h.pump_until(lambda: all(lk.acked >= 3 for lk in syncer.links), 30, "both engines acked version 3")
+    m = syncer.metrics()
+    assert [lk.holds for lk in syncer.links] == [3, 3] and not syncer.stats.failures, syncer.stats.failures
+    assert syncer.stats.resyncs == resyncs
+    assert m["weight_patched_buckets"] > 0  # engine 0 was patched ...
+    assert dense_bytes < m["weight_push_bytes"] < 1.3 * dense_bytes, m  # ... and engine 1 got every byte
+    for i in (0, 1):
+        in_sync(h, 3, i)
+
+
 def test_coalesced_async_pushes_carry_the_union_of_changes(harness_factory):
     """Async: versions coalesced while a push is in flight are never patched one by one; each push patches the
     version the engine holds to the staged one, so the engine ends bit-exact on the newest."""
