@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from torchtitan_flux.engine.embedded import EmbeddedEngine
-from torchtitan_flux.run.threads import TrainerThreads
+from torchtitan_flux.run import threads
+from torchtitan_flux.run.threads import OtherLoad, TrainerThreads
 
 
 class FakeEngine(EmbeddedEngine):
@@ -31,7 +32,10 @@ def job(borrow: bool = True, engine: str = "embedded", threads: int = 1, engines
 
 
 @pytest.fixture(autouse=True)
-def keep_threads():
+def keep_threads(monkeypatch):
+    """Restore torch's thread count; and no machine load unless a test scripts one (this machine's real load,
+    other tests beside these, must not decide whether they borrow)."""
+    monkeypatch.setattr(threads, "machine_busy_s", lambda: None)
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
@@ -50,7 +54,8 @@ def test_own_share_then_idle_engines_lend_theirs():
     fleet.engines[0].script = fleet.engines[1].script = [False]  # both got requests: every borrowed core returned
     t.before_compute(fleet)
     assert torch.get_num_threads() == own
-    assert t.step_metrics() == {"trainer_threads": pytest.approx((3 * own + 3) / 3)}
+    assert t.step_metrics() == {"trainer_threads": pytest.approx((3 * own + 3) / 3), "borrow_contended": 0.0,
+                                "other_cores": 0.0}
     assert t.step_metrics() == {}  # reset by reading
 
 
@@ -100,3 +105,39 @@ def test_watch_rechecks_before_every_block_forward_and_backward():
     out.backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert t.step_metrics()["trainer_threads"] == pytest.approx((2 * own + 4 * (own + 1)) / 6)  # 3 fwd + 3 bwd
+
+
+def test_other_load_is_the_machines_busy_time_less_ours_and_our_engines(monkeypatch):
+    """Per window: the machine's busy CPU seconds minus this process's and its engines', over the window's wall time;
+    a window with a restarted engine (another pid) is skipped."""
+    clock = {"wall": 100.0, "machine": 1000.0, "own": 10.0, 7: 5.0, 8: 5.0}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(threads.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(threads, "machine_busy_s", lambda: clock["machine"])
+    monkeypatch.setattr(threads, "process_busy_s", lambda pid: clock.get(pid))
+    load = OtherLoad()
+    assert load.update([7]) == 0.0  # the first reading: no window yet
+    clock.update(wall=100.2, machine=1001.0)
+    assert load.update([7]) == 0.0  # within the window: not read again
+    clock.update(wall=100.5, machine=1001.0, own=10.3)  # 0.5 s: machine 1.0 busy, trainer 0.3, engine 0.2
+    clock[7] = 5.2
+    assert load.update([7]) == pytest.approx((1.0 - 0.3 - 0.2) / 0.5)
+    clock.update(wall=101.0, machine=1001.5, own=10.8)  # the trainer alone busy: nobody else
+    assert load.update([7]) == pytest.approx(0.0)
+    clock.update(wall=101.5, machine=1003.0)
+    assert load.update([8]) == pytest.approx(0.0)  # engine 7 replaced by 8: that window is not measured
+
+
+def test_nothing_is_borrowed_while_other_processes_keep_a_core_busy(monkeypatch):
+    """The third hostile sweep (2026-11-27): beside another job, borrowing made a step swing from 0.06 s to 2.2 s."""
+    t = TrainerThreads(job(threads=1, engines=1))
+    own = t.own
+    fleet = SimpleNamespace(engines=[FakeEngine(1, [True])])
+    busy = {"cores": 1.0}
+    monkeypatch.setattr(t.others, "update", lambda pids: busy["cores"])
+    t.before_compute(fleet)
+    assert torch.get_num_threads() == own  # the idle engine's core is not free
+    busy["cores"] = 0.1
+    t.before_compute(fleet)
+    assert torch.get_num_threads() == own + 1
+    assert t.step_metrics()["borrow_contended"] == 0.5

@@ -1,8 +1,10 @@
-"""``TrainerThreads``: how many CPU threads this trainer rank computes on, and when it borrows an idle engine's."""
+"""``TrainerThreads``: how many CPU threads this trainer rank computes on, and when it borrows an idle engine's;
+``OtherLoad``: how many cores the machine's other processes keep busy (an idle engine's core is then not free)."""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Protocol
 
 import torch
@@ -16,6 +18,59 @@ class HasEngines(Protocol):
     engines: list
 
 
+CONTENTION_WINDOW_S = 0.5  # OtherLoad measures over windows at least this long
+CONTENTION_CORES = 0.5  # other processes using this much of a core: no engine core is borrowed
+
+
+class OtherLoad:
+    """Cores kept busy by processes other than this trainer and its engines, from Linux's ``/proc`` over windows of
+    ``CONTENTION_WINDOW_S``: the machine's busy CPU time (``/proc/stat``) minus this process's (every thread) and
+    its engines'. Measured on a loaded machine (2026-11-27): with another job on the cores, the trainer's borrowed
+    threads and the engine slowed each other down (a step from 0.06 s to 2.2 s). Main thread only. 0 where
+    ``/proc`` cannot be read (no back-off there)."""
+
+    def __init__(self):
+        self.cores = 0.0
+        self._last: tuple[float, float, float, dict[int, float]] | None = None  # wall, machine, own, engines
+
+    def update(self, engine_pids: list[int]) -> float:
+        """The other processes' cores over the last completed window (at most one ``/proc`` read per window)."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < CONTENTION_WINDOW_S:
+            return self.cores
+        machine, own = machine_busy_s(), time.process_time()
+        engines = {pid: s for pid in engine_pids if (s := process_busy_s(pid)) is not None}
+        if machine is None:
+            return self.cores
+        if self._last is not None and set(engines) == set(self._last[3]):  # a restarted engine: start over
+            wall0, machine0, own0, engines0 = self._last
+            ours = own - own0 + sum(engines[p] - engines0[p] for p in engines)
+            self.cores = max(0.0, (machine - machine0 - ours) / (now - wall0))
+        self._last = (now, machine, own, engines)
+        return self.cores
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (``/proc/stat``'s first line, all but idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def process_busy_s(pid: int) -> float | None:
+    """CPU seconds process ``pid`` spent (user + system, every thread), or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 class TrainerThreads:
     """This trainer rank's CPU threads, and the cores it borrows from idle embedded engines.
 
@@ -26,7 +81,9 @@ class TrainerThreads:
     the threads of each engine that holds no request (its handler's ``idle()``) and gives them back once it holds
     one. ``watch`` calls it before every transformer block's forward and backward (so a step's training takes the
     engine's core within one block of the engine finishing its generation); the trainer calls it once the step's
-    batch is in and before the optimizer step.
+    batch is in and before the optimizer step. It borrows nothing while other processes keep
+    ``CONTENTION_CORES`` or more busy (``OtherLoad``): then the engine's idle core is not free, and borrowing it
+    slows both jobs down.
 
     Invariant (no core does two jobs in a forward or backward pass): an engine gets work only through ``submit``,
     which only the trainer's main thread calls, between computations; ``before_compute`` runs on that thread (CPU
@@ -48,13 +105,16 @@ class TrainerThreads:
                           and not compiled)
         if cpu_split:
             torch.set_num_threads(self.own)
-        self._threads_sum = self._computes = 0
+        self._threads_sum = self._computes = self._contended = 0
+        self.others = OtherLoad()
 
     def before_compute(self, rollouts: HasEngines | None) -> None:
         """Set the threads of the computation about to run: own + those of the engines idle now (main thread)."""
         if not self.borrowing or rollouts is None:
             return
-        n = self.own + sum(e.threads for e in rollouts.engines if e.idle())  # EngineKind.borrowable_cores
+        contended = self.others.update([e.pid for e in rollouts.engines if e.pid is not None]) >= CONTENTION_CORES
+        n = self.own + (0 if contended else sum(e.threads for e in rollouts.engines if e.idle()))  # borrowable_cores
+        self._contended += contended
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
         self._threads_sum += n
@@ -79,9 +139,11 @@ class TrainerThreads:
 
     def step_metrics(self) -> dict[str, float]:
         """``trainer_threads``: mean threads over the checks since the last call (one per block's forward and
-        backward, one per optimizer step; borrowing only)."""
+        backward, one per optimizer step; borrowing only); ``borrow_contended``: the share of those checks that
+        borrowed nothing because other processes kept the machine busy (``other_cores``: their cores, last window)."""
         if not self._computes:
             return {}
-        m = {"trainer_threads": self._threads_sum / self._computes}
-        self._threads_sum = self._computes = 0
+        m = {"trainer_threads": self._threads_sum / self._computes,
+             "borrow_contended": self._contended / self._computes, "other_cores": self.others.cores}
+        self._threads_sum = self._computes = self._contended = 0
         return m
