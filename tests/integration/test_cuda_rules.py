@@ -36,7 +36,7 @@ def test_completion_is_decided_by_polling_against_our_deadline():
     work = compat.broadcast(pg0, t)
     t0 = time.monotonic()
     assert not cuda_rules.wait_works([work], time.monotonic() + 0.3)
-    assert 0.25 < time.monotonic() - t0 < 2.0
+    assert 0.25 < time.monotonic() - t0 < 10.0  # ours, not the group's 30 s (a bound that holds under load)
     got = torch.zeros(4)
     peer = compat.broadcast(pg1, got)
     assert cuda_rules.wait_works([work, peer], time.monotonic() + 10)

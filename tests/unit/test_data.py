@@ -678,8 +678,8 @@ def test_scoring_starts_when_a_steps_results_arrive_not_when_the_trainer_asks():
     )
     sched.dispatch(1, 0)
     t0 = time.perf_counter()
-    sched.pump(1.0)  # the step's only result arrives: scoring is handed to the pool, pump returns at once
-    assert time.perf_counter() - t0 < 0.2 and started.wait(1.0)
+    sched.pump(10.0)  # the step's only result arrives: scoring is handed to the pool, pump returns at once
+    assert time.perf_counter() - t0 < 5.0 and started.wait(5.0)  # not after 10 s (bounds hold under load)
     batch = sched.collect(1, 0)
     assert batch.rewards.tolist() == [1.0] * 4 and batch.reward_metrics["rewards/slow/mean"] == 1.0
     sched.drain(0)
@@ -729,7 +729,7 @@ def test_a_reward_that_never_returns_fails_at_its_deadline_naming_it(is_async):
         with pytest.raises(R.RewardError, match=r"^reward function 'slow' did not return within "
                                                 r"rollout.reward_timeout_seconds = 0.5 \("):
             scorer.wait(future)
-        assert 0.5 <= time.monotonic() - t0 < 3
+        assert 0.5 <= time.monotonic() - t0 < 10  # at its deadline, not never (a bound that holds under load)
         t0 = time.monotonic()
         assert scorer.wait(scorer.submit(["a"], [""], [[]], {}), interrupted=lambda: True) is None  # a stop
         assert time.monotonic() - t0 < 1

@@ -219,8 +219,8 @@ def test_a_join_message_that_cannot_be_sent_holds_no_lock():
         t0 = time.monotonic()
         pusher.deliver_staged()  # starts the rejoin
         assert engine.sending.wait(5)
-        assert time.monotonic() - t0 < 1.0
-        assert table.lock.acquire(timeout=1.0)  # free while the send blocks
+        assert time.monotonic() - t0 < 10.0  # the send blocks forever: returning at all is the point
+        assert table.lock.acquire(timeout=10.0)  # free while the send blocks
         table.lock.release()
         assert pusher.claim()
         pusher.release()

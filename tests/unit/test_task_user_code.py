@@ -101,7 +101,7 @@ def test_a_finished_that_never_returns_stops_at_its_deadline():
     with pytest.raises(UserCodeError, match=r"^task 'mine': finished\(2\) did not return within "
                                             r"rollout.task_timeout_seconds = 0.3 s"):
         task_finished(_task(finished=release.wait), 2, timeout_s=0.3)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10  # a bound that tells "ended" from "hung" under any load
     release.set()
 
 
@@ -112,7 +112,7 @@ def test_a_signal_ends_the_wait_for_hanging_task_code():
     t0 = time.monotonic()
     with pytest.raises(RolloutWaitInterrupted, match="interrupted while waiting for task 'mine': prompts"):
         task_prompts(_task(prompts=lambda n: release.wait()), 0, 1, 4, 32, timeout_s=60, interrupted=lambda: bool(flag))
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10  # a bound that tells "ended" from "hung" under any load
     release.set()
 
 
