@@ -156,7 +156,7 @@ class Rollout:
     reward_weights: list[float] = field(default_factory=list)
     """Weight of each of ``reward_funcs`` in the total reward; empty means 1.0 each."""
 
-    reward_workers: Annotated[int, Range(ge=1)] = 1
+    reward_workers: Annotated[int, Range(ge=1, le=1024)] = 1
     """Threads scoring rewards off the trainer's main loop."""
 
     engine_stall_seconds: Annotated[float, Range(gt=0)] = 1800.0
@@ -370,7 +370,7 @@ class Eval:
     split: str = "test"
     """Split of the held-out dataset (a folder or a saved ``DatasetDict``)."""
 
-    num_prompts: Annotated[int, Range(ge=0, note="0 = all")] = 0
+    num_prompts: Annotated[int, Range(ge=0, le=65536, note="0 = all")] = 0
     """Prompts evaluated: the first N records of the held-out set; 0 means all of a dataset (64 of a generated task)."""
 
     n: Annotated[int, Range(ge=1, le=4096)] = 1
@@ -393,6 +393,10 @@ class MetricsAdditions:
     step_callbacks: list[str] = field(default_factory=list)
     """Functions called on rank 0 after every step, as ``"package.module:function"`` (``trainer.add_step_callback``
     in code): ``fn(result)`` (``result.step``, ``result.metrics``) or ``fn(step, metrics)``, a ``metrics.jsonl`` row."""
+
+    step_callback_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
+    """The longest one step callback may take on one call. Past it the run checkpoints the step and stops with one
+    line naming the callback."""
 
 
 @dataclass

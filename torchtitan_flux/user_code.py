@@ -27,28 +27,27 @@ class StepResult:
     metrics: dict[str, Any]
 
 
-def step_callback(fn: Any, name: str = "the step callback") -> Any:
+def step_callback(fn: Any, name: str = "the step callback", timeout_s: float = 300.0) -> Any:
     """``fn`` as ``callback(step, metrics)``: ``fn(step, metrics)`` as it is, ``fn(result)`` given a
-    ``StepResult``; ``ConfigError`` naming ``name`` for any other. Whatever it raises, ``SystemExit`` included
-    (else a silent exit 0), comes out as a ``UserCodeError`` naming ``name``."""
+    ``StepResult``; ``ConfigError`` naming ``name`` for any other. It runs as user code (``call_with_deadline``,
+    ``metrics.step_callback_timeout_seconds``): whatever it raises, ``SystemExit`` included (else a silent exit 0),
+    or running past ``timeout_s``, comes out as a ``UserCodeError`` naming ``name``."""
     call = _two_argument_form(fn, name)
 
     def guarded(step: int, metrics: dict[str, Any]) -> None:
-        try:
-            call(step, metrics)
-        except (Exception, SystemExit, KeyboardInterrupt) as e:
-            raise UserCodeError(f"{name} raised {describe_exception(e)}") from e
+        call_with_deadline(name, call, step, metrics, timeout_s=timeout_s,
+                           field="metrics.step_callback_timeout_seconds")
 
     return guarded
 
 
 def call_with_deadline(what: str, fn: Callable, *args: Any, timeout_s: float, field: str,
-                       interrupted: Callable[[], bool] = lambda: False) -> Any:
+                       interrupted: Callable[[], bool] = lambda: False, passthrough: tuple[type, ...] = ()) -> Any:
     """``fn(*args)`` run as user code on a thread of its own while the caller waits: whatever it raises
-    (``SystemExit`` and ``KeyboardInterrupt`` included) is a ``UserCodeError`` naming ``what``, and so is running
-    past ``timeout_s`` (the config ``field``; a thread cannot be killed, so the run stops and the thread is left
-    behind, a daemon). The wait is in slices of ``WAIT_SLICE_S``, so a signal's handler runs; ``interrupted()``
-    turning true (a first signal) ends it with ``RolloutWaitInterrupted``."""
+    (``SystemExit`` and ``KeyboardInterrupt`` included; ``passthrough`` types as they are) is a ``UserCodeError``
+    naming ``what``, and so is running past ``timeout_s`` (the config ``field``; a thread cannot be killed, so the
+    run stops and the thread is left behind, a daemon). The wait is in slices of ``WAIT_SLICE_S``, so a signal's
+    handler runs; ``interrupted()`` turning true (a first signal) ends it with ``RolloutWaitInterrupted``."""
     outcome: dict[str, Any] = {}
     done = threading.Event()
 
@@ -69,6 +68,8 @@ def call_with_deadline(what: str, fn: Callable, *args: Any, timeout_s: float, fi
             raise UserCodeError(f"{what} did not return within {field} = {timeout_s:g} s; the run stops (its "
                                 "thread cannot be stopped)")
     if "error" in outcome:
+        if isinstance(outcome["error"], passthrough):
+            raise outcome["error"]
         raise UserCodeError(f"{what} raised {describe_exception(outcome['error'])}") from outcome["error"]
     return outcome["value"]
 

@@ -126,7 +126,7 @@ def _our_traceback_frames(stderr: str) -> list[str]:
 def test_bad_input_is_one_line_exit_2_and_nothing_starts(tmp_path):
     p = _run(tmp_path / "run", "--grpo.group_size", "1")
     first = p.stderr.strip().splitlines()[0]
-    assert first == "error: grpo.group_size = 1 is out of range; allowed: an integer >= 2", p.stderr[-3000:]
+    assert first == "error: grpo.group_size = 1 is out of range; allowed: an integer in [2, 4096]", p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr  # the trainer's own exit code, in torchrun's summary
     assert "traceback : error: grpo.group_size = 1" in p.stderr  # the line, not a pointer to torch's docs
     assert not _our_traceback_frames(p.stderr)

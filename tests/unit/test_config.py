@@ -76,6 +76,14 @@ CASES = [
     (("--grpo.group_size", "99999999999999999999"), "grpo.group_size = 99999999999999999999 is out of range; "
                                                     "allowed: an integer in [2, 4096]"),
     (("--eval.n", "99999999999999999999"), "eval.n = 99999999999999999999 is out of range"),
+    # our own, beside the sweep's: values that passed validation and failed later or did nothing useful
+    (("--rollout.top_k", "99999999999999999999"), "rollout.top_k = 99999999999999999999 is out of range; allowed: 0 "
+                                                  "(off) to vocab_size = 259"),
+    (("--eval.num_prompts", "99999999999999999999"), "eval.num_prompts = 99999999999999999999 is out of range; "
+                                                     "allowed: an integer in [0, 65536]"),
+    (("--rollout.reward_workers", "99999999999999999999"), "rollout.reward_workers = 99999999999999999999 is out of "
+                                                           "range; allowed: an integer in [1, 1024]"),
+    (("--lr_scheduler.warmup_steps", "-5"), "lr_scheduler.warmup_steps = -5 is out of range; allowed: an integer >= 0"),
     (("--weight_sync.sparse_max_bytes_ratio", "0.2"), "weight_sync.sparse_max_bytes_ratio = 0.2 is out of range; "
                                                       "allowed: 0.5 (the default) unless weight_sync.method = "
                                                       "\"sparse\""),
@@ -573,7 +581,7 @@ def test_cli_error_before_any_engine_is_spawned(tiny_model_dir, tmp_path):
         torchrun_cmd(tmp_path, "--grpo.group_size", "1"), cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode != 0
-    assert "grpo.group_size = 1 is out of range; allowed: an integer >= 2" in proc.stderr + proc.stdout
+    assert "grpo.group_size = 1 is out of range; allowed: an integer in [2, 4096]" in proc.stderr + proc.stdout
     assert "engine0" not in proc.stderr + proc.stdout
     assert not (tmp_path / "metrics.jsonl").exists()
 

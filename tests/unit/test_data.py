@@ -28,7 +28,7 @@ def job(tmp_path, path, **rollout):
     r = dict(task="dataset", dataset_path=str(path), dataset_split="train", prompt_column="prompt",
              messages_column="messages", answer_column="answer", apply_chat_template=False, max_prompt_tokens=0,
              long_prompts="drop", reward_funcs=["test_data:exact"], reward_weights=[], seed=0,
-             max_new_tokens=8)
+             max_new_tokens=8, task_timeout_seconds=60.0)
     r.update(rollout)
     return SimpleNamespace(rollout=SimpleNamespace(**r), training=SimpleNamespace(seq_len=64),
                            model=SimpleNamespace(hf_assets_path=str(tmp_path / "model")),
@@ -503,7 +503,7 @@ async def async_interrupts(completions, **kwargs):
     (exits, r"reward function 'f' raised SystemExit: 3$"),
     (async_exits, r"reward function 'f' raised SystemExit: bye$"),
     (interrupts, r"reward function 'f' raised KeyboardInterrupt: from the function$"),  # before (issue 27's second
-    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt: $"),  # sweep): a traceback
+    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt$"),  # sweep): a traceback
 ])
 def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
     """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""
@@ -836,3 +836,31 @@ def test_a_probe_mismatch_names_the_tolerance_a_lower_precision_engine_needs():
     with pytest.raises(ProbeMismatch, match=r"max \|logprob difference\| 0.139 > weight_sync.probe_tolerance 0.1.*"
                                             r"raise weight_sync.probe_tolerance for it"):
         compare("e0", 2, [5, 6, 7], expected, [-1.0, -2.139], tolerance=0.1)
+
+
+async def _one_value(completions, **_):
+    return [1.0]
+
+
+@pytest.mark.parametrize("values, match", [
+    (lambda n: {"a": 1.0}, r"returned dict; it must return a list of 2 floats"),
+    (lambda n: {1.0, 2.0}, r"returned set; it must return a list of 2"),
+    (lambda n: (1.0 for _ in range(n)), r"returned generator; it must return a list of 2"),
+    (lambda n: __import__("numpy").ones((n, 1)), r"returned ndarray; it must return a list of 2"),
+    (lambda n: __import__("torch").ones(n, 2), r"returned Tensor; it must return a list of 2"),
+    (lambda n: [[1.0]] * n, r"returned \[1.0\] for sample 0; allowed: a finite number"),
+    (lambda n: ["1.0"] * n, r"returned '1.0' for sample 0; allowed: a finite number"),
+    (lambda n: [__import__("fractions").Fraction(1, 2)] * n, r"returned Fraction\(1, 2\) for sample 0"),
+    (lambda n: [__import__("decimal").Decimal("0.5")] * n, r"returned Decimal\('0.5'\) for sample 0"),
+    (lambda n: [1j] * n, r"returned 1j for sample 0"),
+    (lambda n: [True] * n, r"returned True for sample 0"),
+    (lambda n: __import__("torch").tensor([float("nan")] * n), r"returned nan for sample 0"),
+    (lambda n: None, r"returned NoneType; it must return a list of 2"),
+])
+def test_reward_values_of_every_wrong_shape_are_one_line(values, match):
+    """Our own cases beyond the sweeps': containers, shapes and number types a reward might return."""
+    scorer = R.RewardScorer([R.RewardFunc("f", lambda completions, **_: values(len(completions)))])
+    with pytest.raises(R.RewardError, match=rf"^reward function 'f' {match}"):
+        scorer.score(["a", "b"], ["", ""], [[], []], {})
+    with pytest.raises(R.RewardError, match=r"^reward function 'f' returned 1 values for 2 completions$"):
+        R.RewardScorer([R.RewardFunc("f", _one_value)]).score(["a", "b"], ["", ""], [[], []], {})

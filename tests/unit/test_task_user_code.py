@@ -59,6 +59,9 @@ PROMPT_CASES = [
     (lambda n: [Prompt("a", max_new_tokens=33)] * n, "max_new_tokens 33; allowed: an integer from 0 "
                                                      "(rollout.max_new_tokens) to rollout.max_new_tokens = 32"),
     (lambda n: [Prompt("a", max_new_tokens=-1)] * n, "max_new_tokens -1"),
+    (lambda n: [Prompt("a", answer=7)] * n, "prompt 0 has answer 7, columns dict, add_bos True; allowed: a string"),
+    (lambda n: [Prompt("a", columns=[1])] * n, "prompt 0 has answer '', columns list"),
+    (lambda n: [Prompt("a", add_bos="no")] * n, "add_bos 'no'; allowed: a string, a dict and a bool"),
 ]
 
 
@@ -119,3 +122,37 @@ def test_a_signal_ends_the_wait_for_hanging_task_code():
 def test_an_exception_whose_str_raises_is_still_described():
     assert describe_exception(Unprintable()) == "Unprintable: (its message cannot be read)"
     assert describe_exception(ValueError("two\nlines")) == "ValueError: two"
+
+
+def test_a_step_callback_that_never_returns_stops_at_its_deadline():
+    """Step callbacks are user code too: before 2026-11-27 one that hung had no deadline."""
+    from torchtitan_flux.user_code import step_callback
+
+    release = threading.Event()
+    guarded = step_callback(lambda step, metrics: release.wait(), "step callback 'mine:cb'", timeout_s=0.3)
+    with pytest.raises(UserCodeError, match=r"^step callback 'mine:cb' did not return within "
+                                            r"metrics.step_callback_timeout_seconds = 0.3 s"):
+        guarded(1, {})
+    release.set()
+    with pytest.raises(UserCodeError, match=r"^step callback 'mine:cb' raised KeyboardInterrupt$"):
+        step_callback(lambda step, metrics: _raise(KeyboardInterrupt()), "step callback 'mine:cb'")(1, {})
+
+
+def test_a_task_factory_that_never_returns_is_refused_at_its_deadline(tmp_path):
+    """A user's task factory runs under ``rollout.task_timeout_seconds`` too (before: only a signal ended it)."""
+    from types import SimpleNamespace
+
+    from torchtitan_flux.data.tasks import build_task
+    from torchtitan_flux.errors import ConfigError
+
+    release = threading.Event()
+    sys.modules["_hanging_factory"] = SimpleNamespace(make=lambda *a: release.wait())
+    try:
+        job = SimpleNamespace(rollout=SimpleNamespace(task="_hanging_factory:make", dataset_path="", dataset_split="",
+                                                      reward_funcs=[], reward_weights=[], task_timeout_seconds=0.3))
+        with pytest.raises(ConfigError, match=r"^rollout.task = '_hanging_factory:make' did not return within "
+                                              r"rollout.task_timeout_seconds = 0.3 s"):
+            build_task(job, tokenizer=None)
+    finally:
+        release.set()
+        del sys.modules["_hanging_factory"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torchtitan_flux.data import rewards as R
-from torchtitan_flux.errors import ConfigError, TrainingInterrupted, UserCodeError
+from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
 from torchtitan_flux.user_code import call_with_deadline, import_spec
 
@@ -116,6 +116,9 @@ def check_prompts(what: str, prompts: Any, n: int | None, max_new_tokens: int) -
                                 "(torchtitan_flux.data.tasks.Prompt)")
         if not isinstance(p.text, str) or not p.text:
             raise UserCodeError(f"{what}: prompt {i} has text {p.text!r:.80}; allowed: a non-empty string")
+        if not isinstance(p.answer, str) or not isinstance(p.columns, dict) or not isinstance(p.add_bos, bool):
+            raise UserCodeError(f"{what}: prompt {i} has answer {p.answer!r:.40}, columns {type(p.columns).__name__}, "
+                                f"add_bos {p.add_bos!r}; allowed: a string, a dict and a bool")
         budget = p.max_new_tokens
         if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= max_new_tokens:
             raise UserCodeError(f"{what}: prompt {i} has max_new_tokens {budget!r}; allowed: an integer from 0 "
@@ -336,13 +339,15 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     split = r.dataset_split if dataset_split is None else dataset_split
 
     factory, rewards = task_factory(r.task), reward_funcs(r)
-    try:  # a user's factory (rollout.task = 'package.module:name'): its failure names it, before any work
-        args = (job_config, tokenizer, path, split, field_name)
-        task = factory(*args, reward_funcs=rewards) if r.task in TASKS else factory(*args)
-    except (ConfigError, TrainingInterrupted):  # a signal while it ran is no failure of it
-        raise
-    except (Exception, SystemExit) as e:
-        raise ConfigError(f"rollout.task = {r.task!r} raised {type(e).__name__}: {e}") from e
+    args = (job_config, tokenizer, path, split, field_name)
+    if r.task in TASKS:
+        task = factory(*args, reward_funcs=rewards)
+    else:  # a user's factory (rollout.task = 'package.module:name'): its failure or hang names it, before any work
+        try:
+            task = call_with_deadline(f"rollout.task = {r.task!r}", factory, *args, timeout_s=r.task_timeout_seconds,
+                                      field=TASK_TIMEOUT_FIELD, passthrough=(ConfigError,))
+        except UserCodeError as e:
+            raise ConfigError(str(e)) from None
     if not isinstance(task, Task):
         raise ConfigError(f"rollout.task = {r.task!r} returned {type(task).__name__}; allowed: a "
                           "torchtitan_flux.data.tasks.Task (prompts(seed, step, n) and its reward functions)")

@@ -123,7 +123,8 @@ class GRPOTrainer(Trainer):
     def add_step_callback(self, fn, name: str | None = None) -> Any:
         """Register ``fn(step, metrics)`` or ``fn(result)``, called on rank 0 after every step; returns ``fn``. If it
         raises (or calls ``sys.exit()``) the run stops with one line naming it (``name``, else the function's own)."""
-        self.step_callbacks.append(step_callback(fn, name or f"step callback {getattr(fn, '__qualname__', fn)!r}"))
+        self.step_callbacks.append(step_callback(fn, name or f"step callback {getattr(fn, '__qualname__', fn)!r}",
+                                                 self.job_config.metrics.step_callback_timeout_seconds))
         return fn
 
     def train(self):

@@ -179,6 +179,7 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
              "a finite number in [0, 1] (AdamW shrinks each weight by lr * weight_decay per step)")
     _require(math.isfinite(opt.eps) and 0 < opt.eps < 1, "optimizer.eps", opt.eps, "a finite number in (0, 1)")
     sched = job_config.lr_scheduler
+    _require(sched.warmup_steps >= 0, "lr_scheduler.warmup_steps", sched.warmup_steps, "an integer >= 0")
     _require(sched.decay_ratio is None or (math.isfinite(sched.decay_ratio) and 0 <= sched.decay_ratio <= 1),
              "lr_scheduler.decay_ratio", sched.decay_ratio, "unset, or a number in [0, 1]")
     _require(math.isfinite(sched.min_lr_factor) and 0 <= sched.min_lr_factor <= 1, "lr_scheduler.min_lr_factor",
@@ -373,6 +374,9 @@ def _check_model_folder(job_config: Any) -> None:
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"model.hf_assets_path = {hf!r}: {e}") from None
     vocab = cfg.get("vocab_size")
+    if isinstance(vocab, int):  # torch.topk refuses k past the vocabulary, in the engine, at the first request
+        _require(r.top_k <= vocab, "rollout.top_k", r.top_k, f"0 (off) to vocab_size = {vocab} of "
+                 f"{os.path.join(hf, 'config.json')}")
     if isinstance(vocab, int) and any(not 0 <= e < vocab for e in eos):  # else no completion could ever end
         raise ConfigError(f"{os.path.join(hf, 'config.json')}: eos_token_id = {cfg.get('eos_token_id')!r} is outside "
                           f"the vocabulary (vocab_size = {vocab}); allowed: token ids in [0, {vocab})")
