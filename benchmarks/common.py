@@ -251,30 +251,34 @@ PAIR_EFFICIENCY_OK = 0.8  # below: two jobs side by side gain well short of 2x h
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def pair_efficiency(phase_s: float = 0.3) -> float:
+def pair_efficiency(phase_s: float = 0.25, rounds: int = 3) -> float:
     """The machine's pair efficiency: the time of a fixed single-thread matmul loop alone over the time two
     processes take to run it together (until both are done): 1.0 when two cores run fully in parallel, 0.5 when
-    the pair shares one core's worth (hyper-threads of one core, or other load). Alone: each process in turn
-    (the mean); together: twice (the faster). About 2 s."""
+    the pair shares one core's worth (hyper-threads of one core, or other load). ``rounds`` of each, interleaved
+    (alone: each process in turn), the fastest of each kind: what the machine allows, less its noise. About 2 s."""
     env = {**os.environ, **_ONE_THREAD}
     cmd = [sys.executable, "-c", _MATMUL_LOOP, str(phase_s)]
     with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as a, \
             subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as b:
 
-        def ask(n: int, *procs) -> list[tuple[int, float]]:
+        def ask(n: int, *procs) -> list[float]:
             for p in procs:
                 p.stdin.write(f"{n}\n")
                 p.stdin.flush()
-            return [(int(k), float(s)) for k, s in (p.stdout.readline().split() for p in procs)]
+            return [float(p.stdout.readline().split()[1]) for p in procs]
 
         for p in (a, b):
             p.stdout.readline()  # ready
-        (n, alone_a), = ask(0, a)
-        together = [max(s for _, s in ask(n, a, b)) for _ in range(2)]
-        (_, alone_b), = ask(n, b)
+        a.stdin.write("0\n")  # calibrate: the iterations of about phase_s
+        a.stdin.flush()
+        n = int(a.stdout.readline().split()[0])
+        alone, together = [], []
+        for r in range(rounds):
+            alone += ask(n, (a, b)[r % 2])
+            together.append(max(ask(n, a, b)))
         a.stdin.close()
         b.stdin.close()
-    return (alone_a + alone_b) / 2 / min(together)
+    return min(alone) / min(together)
 
 
 def paired(e: float) -> float:
