@@ -230,8 +230,8 @@ def busy_cores(seconds: float = 1.0) -> float | None:
     return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
 
 
-# One single-thread process: a fixed matmul loop on request. A line "0" times the loop for about PHASE_S and
-# answers "<iterations> <seconds>"; a line "N" times N iterations and answers "N <seconds>". Ends at EOF.
+# One single-thread process: a fixed matmul loop on request. A line "0" runs the loop for about argv[1] seconds
+# and answers "<iterations> <seconds>"; a line "N" times N iterations and answers "N <seconds>". Ends at EOF.
 _MATMUL_LOOP = r"""
 import sys, time
 import numpy as np

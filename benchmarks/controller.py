@@ -50,7 +50,8 @@ import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, ArgumentParser, count, number, pair_efficiency, pair_lines, run_child, run_training  # noqa: E402
+from common import (ROOT, ArgumentParser, count, number, pair_efficiency, pair_lines, run_child,  # noqa: E402
+                    run_training)
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_controller"))
     ap.add_argument("--plot", default="", help="write the first adaptive run's controller plot here")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
-                    type=variant, help='another adaptive mode: e.g. "fast-ema=--adaptive_async.ema_alpha 0.3" (repeatable)')
+                    type=variant,
+                    help='another adaptive mode: e.g. "fast-ema=--adaptive_async.ema_alpha 0.3" (repeatable)')
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()

@@ -56,7 +56,8 @@ def launch(method: str, config: str, dump: str) -> dict:
     try:
         p = run_child(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as e:
-        raise SystemExit(f"run timed out after {e.timeout:.0f} s (stopped): {' '.join(cmd)}\n{(e.stderr or '')[-4000:]}")
+        raise SystemExit(f"run timed out after {e.timeout:.0f} s (stopped): {' '.join(cmd)}\n"
+                         f"{(e.stderr or '')[-4000:]}") from None
     wall = time.time() - t0
     log = p.stdout + p.stderr
     if p.returncode != 0:

@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             # the two cores pack the work at the pair's efficiency: the ideal per-step time grows by 1 / efficiency
             lim_e = None if lim is None else lim * paired(pair)
             report.append(f"speedup limit at this machine's pair efficiency {pair:.2f}: {_fmt(lim_e, '.2f')}")
-            keyvals.append(f"speedup_limit_real_at_pair_efficiency={_fmt(lim_e, '.2f') if lim_e is not None else 'nan'}")
+            keyvals.append(f"speedup_limit_real_at_pair_efficiency={'nan' if lim_e is None else _fmt(lim_e, '.2f')}")
         first = [r for r in results if r.workload == wl.name and r.seed == seeds[0] and r.curve]
         if first:
             png = out / f"curves_{wl.name}.png"

@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
     --clean) CLEAN=1; shift ;;
     --collect-only) COLLECT=1; shift ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
-    *) echo "check_old_torch.sh: error: unknown argument '$1'; usage: $0 [--clean | --collect-only] [-- pytest args]" >&2
+    *) echo "check_old_torch.sh: error: unknown argument '$1'; allowed: --clean, --collect-only, -- PYTEST_ARGS" >&2
        exit 2 ;;
   esac
 done

@@ -51,7 +51,8 @@ fi
 GGUF=$("$PY" "$ROOT/scripts/real_model.py" fetch "$CACHE")
 mkdir -p "$OUT"
 rm -f "$OUT/.converted" "$OUT/.manifest.json"  # the stamp goes last: until then the folder is not ready
-"$PY" "$ROOT/scripts/convert_gguf.py" "$GGUF" "$OUT" 2> >(grep -v -e "it/s\]" -e "^Converting" -e "^Loading" -e "^Writing" >&2) | tee "$OUT/.converted.part"
+"$PY" "$ROOT/scripts/convert_gguf.py" "$GGUF" "$OUT" \
+  2> >(grep -v -e "it/s\]" -e "^Converting" -e "^Loading" -e "^Writing" >&2) | tee "$OUT/.converted.part"
 "$PY" "$ROOT/scripts/real_model.py" seal "$OUT"
 mv "$OUT/.converted.part" "$OUT/.converted"
 echo "real model ready: --model.hf_assets_path $OUT"

@@ -59,7 +59,7 @@ def test_sigterm_to_a_benchmark_stops_its_torchrun_and_engines(tmp_path):
         assert bench.returncode == 128 + signal.SIGTERM, (bench.returncode, err[-3000:])
         assert "vs_trl.py: received SIGTERM: stopping its child processes" in err
         deadline = time.monotonic() + 10
-        while (alive := [p for pid, p in seen.items() if not gone(pid, p.create_time())]) and time.monotonic() < deadline:
+        while (alive := [p for p in seen.values() if not gone(p.pid, p.create_time())]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive, f"outlived the benchmark: {alive}"
         assert took < 60, f"the stop took {took:.0f} s"
@@ -68,9 +68,13 @@ def test_sigterm_to_a_benchmark_stops_its_torchrun_and_engines(tmp_path):
             bench.kill()
 
 
+def _env(tmp_path) -> dict[str, str]:
+    return {**os.environ, "FLUX_REAL_MODEL_DIR": str(tmp_path / "model"),
+            "FLUX_REAL_MODEL_CACHE": str(tmp_path / "cache")}
+
+
 def _get_real_model(tmp_path, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLUX_REAL_MODEL_DIR": str(tmp_path / "model"), "FLUX_REAL_MODEL_CACHE": str(tmp_path / "cache")}
-    return subprocess.run(["scripts/get_real_model.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(["scripts/get_real_model.sh"], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -79,8 +83,7 @@ def test_get_real_model_after_a_killed_download_and_after_damage(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"")  # what the old script left when stopped
-    env = {**os.environ, "FLUX_REAL_MODEL_DIR": str(tmp_path / "model"), "FLUX_REAL_MODEL_CACHE": str(cache)}
-    first = subprocess.Popen(["scripts/get_real_model.sh"], cwd=ROOT, env=env, start_new_session=True,
+    first = subprocess.Popen(["scripts/get_real_model.sh"], cwd=ROOT, env=_env(tmp_path), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not list(cache.glob(".download-*")):  # the download is under way: stop it as a hard stop would
