@@ -192,6 +192,8 @@ def test_get_real_model_refuses_a_read_only_target_in_one_line(tmp_path):
         p = _get_real_model(tmp_path, out=ro / "model", user=user)
     finally:
         ro.chmod(0o755)
+        if user:
+            shutil.rmtree(tmp_path)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and f"{ro} is not writable" in p.stderr, p.stderr
 
 
