@@ -1,15 +1,24 @@
-"""Shared by the benchmarks: run one training job as a user would (torchrun) and read what it wrote."""
+"""Shared by the benchmarks (and ``scripts/verify_grpo.py``, ``scripts/gpu_smoke.py``): run one training job as a
+user would (torchrun) and read what it wrote; child processes that stop with their starter (``run_child``);
+argument types whose errors are one line (``ArgumentParser``, ``count``, ``number``, ``numbers``); what the
+machine allows (``busy_cores``, ``pair_efficiency``)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CONFIG = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
@@ -21,6 +30,86 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ------------------------------------------------------------------------------------------ child processes
+
+STOP_GRACE_S = 30.0  # how long a stopped child may take to end after SIGTERM (a trainer: its step, its engines)
+
+
+class Interrupted(SystemExit):
+    """SIGINT, SIGTERM or SIGHUP reached this process (``stop_children_on_signals``): it unwinds to ``run_child``,
+    which stops its child, and ends the process with exit status 128 + the signal."""
+
+
+def _on_signal(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    # os.write: the signal may land inside a print, and a buffered stream is not reentrant
+    os.write(2, f"{os.path.basename(sys.argv[0])}: received {name}: stopping its child processes\n".encode())
+    raise Interrupted(128 + signum)
+
+
+def stop_children_on_signals() -> None:
+    """From now on SIGINT, SIGTERM and SIGHUP (each unless ignored, as under nohup) raise ``Interrupted`` in the
+    main thread. ``run_child`` calls it; call it first where a signal must also unwind in-process work."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) not in (signal.SIG_IGN, _on_signal):
+            signal.signal(sig, _on_signal)
+
+
+def stop_group(p: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to ``p`` (a trainer stops its engines on it; torchrun forwards it to its ranks), up to ``grace_s``
+    for it to exit, then SIGKILL to its whole process group: whatever of it lingers."""
+    try:
+        if p.poll() is None:
+            p.terminate()
+            p.wait(grace_s)
+    except (subprocess.TimeoutExpired, Interrupted):  # Interrupted: a second signal, no more waiting
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def run_child(cmd: list[str], *, timeout: float | None = None, check: bool = False, capture_output: bool = False,
+              text: bool = False, grace_s: float = STOP_GRACE_S, **popen_kw) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with the child in a session (and process group) of its own, stopped with its whole group
+    (``stop_group``) when the timeout passes (then ``TimeoutExpired``, as subprocess.run) or a signal reaches this
+    process (then this process exits 128 + the signal). Captured output goes through temporary files, never a
+    pipe that a descendant could hold open or fill."""
+    stop_children_on_signals()
+    with contextlib.ExitStack() as files:
+        if capture_output:
+            popen_kw["stdout"], popen_kw["stderr"] = (files.enter_context(tempfile.TemporaryFile()) for _ in "12")
+
+        def captured() -> tuple:
+            if not capture_output:
+                return None, None
+            out = []
+            for f in (popen_kw["stdout"], popen_kw["stderr"]):
+                f.seek(0)
+                out.append(f.read().decode(errors="replace") if text else f.read())
+            return tuple(out)
+
+        p = subprocess.Popen(cmd, start_new_session=True, **popen_kw)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(p, grace_s)
+            raise subprocess.TimeoutExpired(cmd, timeout, *captured()) from None
+        except BaseException:
+            stop_group(p, grace_s)
+            raise
+        done = subprocess.CompletedProcess(cmd, p.returncode, *captured())
+    if check:
+        done.check_returncode()
+    return done
+
+
+# -------------------------------------------------------------------------------------------- training runs
+
+
 def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: int = 1,
                  env: dict[str, str] | None = None) -> tuple[list[dict], dict]:
     """Train with ``--job.dump_folder out`` plus overrides (and extra environment ``env``); returns
@@ -30,7 +119,7 @@ def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: i
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "torchtitan_flux.train", "--job.config_file", config,
         "--job.dump_folder", out, *overrides,
     ]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    p = run_child(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-6000:])
         raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")
@@ -57,3 +146,152 @@ def flux_log_times(log: str, message: re.Pattern) -> list[tuple[float, re.Match]
         if m and (mm := message.match(m.group(2))):
             out.append((dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), mm))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: argument --x: <why>; allowed: <what>`` (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def count(minimum: int = 1):
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def number(minimum: float = 0.0, *, above: bool = False):
+    """An argparse type: a finite number >= ``minimum`` (> with ``above``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value > minimum if above else value >= minimum) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a number {'>' if above else '>='} {minimum:g}")
+        return value
+
+    return parse
+
+
+def numbers(minimum: float = 0.0, *, above: bool = False):
+    """An argparse type: comma-separated numbers, each as ``number(minimum, above=above)`` allows."""
+    one = number(minimum, above=above)
+
+    def parse(text: str) -> list[float]:
+        try:
+            return [one(x) for x in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"got {text!r}; allowed: comma-separated numbers {'>' if above else '>='} {minimum:g}, e.g. 1e-6,1e-5"
+            ) from None
+
+    return parse
+
+
+def existing_file(text: str) -> str:
+    """An argparse type: a path to an existing file."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"got {text!r}, which is no file; allowed: an existing file")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- the machine
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by other processes over ``seconds`` (from /proc/stat; none of ours is running then)."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v) - idle, sum(v)
+
+    try:
+        b0, t0 = snap()
+        time.sleep(seconds)
+        b1, t1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
+
+
+# One single-thread process: a fixed matmul loop on request. A line "0" runs the loop for about argv[1] seconds
+# and answers "<iterations> <seconds>"; a line "N" times N iterations and answers "N <seconds>". Ends at EOF.
+_MATMUL_LOOP = r"""
+import sys, time
+import numpy as np
+a = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
+for _ in range(50):
+    a @ a
+print("ready", flush=True)
+for line in sys.stdin:
+    n, t0, k = int(line), time.perf_counter(), 0
+    while (k < n) if n else (time.perf_counter() - t0 < float(sys.argv[1])):
+        for _ in range(10):
+            a @ a
+        k += 10
+    print(k, time.perf_counter() - t0, flush=True)
+"""
+PAIR_EFFICIENCY_OK = 0.8  # below: two jobs side by side gain well short of 2x here; overlap cannot show
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def pair_efficiency(phase_s: float = 0.25, rounds: int = 3) -> float:
+    """The machine's pair efficiency: the time of a fixed single-thread matmul loop alone over the time two
+    processes take to run it together (until both are done): 1.0 when two cores run fully in parallel, 0.5 when
+    the pair shares one core's worth (hyper-threads of one core, or other load). ``rounds`` of each, interleaved
+    (alone: each process in turn), the fastest of each kind: what the machine allows, less its noise. About 2 s."""
+    env = {**os.environ, **_ONE_THREAD}
+    cmd = [sys.executable, "-c", _MATMUL_LOOP, str(phase_s)]
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as a, \
+            subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as b:
+
+        def ask(n: int, *procs) -> list[float]:
+            for p in procs:
+                p.stdin.write(f"{n}\n")
+                p.stdin.flush()
+            return [float(p.stdout.readline().split()[1]) for p in procs]
+
+        for p in (a, b):
+            p.stdout.readline()  # ready
+        a.stdin.write("0\n")  # calibrate: the iterations of about phase_s
+        a.stdin.flush()
+        n = int(a.stdout.readline().split()[0])
+        alone, together = [], []
+        for r in range(rounds):
+            alone += ask(n, (a, b)[r % 2])
+            together.append(max(ask(n, a, b)))
+        a.stdin.close()
+        b.stdin.close()
+    return min(alone) / min(together)
+
+
+def paired(e: float) -> float:
+    """The efficiency a schedule can count on: ``e`` within [0.5, 1] (below 0.5 one core at a time is faster)."""
+    return min(1.0, max(0.5, e))
+
+
+def pair_lines(e: float) -> list[str]:
+    """A warning when two jobs side by side cannot show overlap here (``e`` below ``PAIR_EFFICIENCY_OK``), then
+    the ``pair_efficiency=`` line."""
+    warn = [] if e >= PAIR_EFFICIENCY_OK else [
+        f"WARNING: pair efficiency {e:.2f}: two single-thread processes run side by side at {e:.0%} of their speed "
+        f"alone here (hyper-threads of one core, or other load), so overlapping two equal jobs gains at most "
+        f"{2 * paired(e):.2f}x, not 2x: the speedups and limits here cannot show what overlap does; record them "
+        "where pair_efficiency is near 1"]
+    return warn + [f"pair_efficiency={e:.2f}"]

@@ -14,7 +14,9 @@ post-warmup steps whose EMA staleness is within +-0.05 of the target. Key=value 
 ``sync_final_reward_min``, ``sync_final_reward_max``, ``adaptive_vs_best_fixed_time_to_target`` (the best fixed
 gap's median time to target / adaptive's: > 1 means adaptive is sooner), ``adaptive_vs_sync_time_to_target``,
 ``adaptive_final_reward_in_sync_spread`` (1 when every adaptive seed's final reward lies in sync's range or above
-it: a final reward above every sync seed's is no loss).
+it: a final reward above every sync seed's is no loss), and ``pair_efficiency`` (``benchmarks/common.py``: what the
+machine allows two processes side by side, measured before the runs; a WARNING line below 0.8, where the async
+modes cannot show their overlap).
 
 ``--workload sensitive`` is the staleness-sensitive setting found on 2026-11-24 (docs/controller.md): the digits
 task at learning rate 1e-2, where a stale policy needs twice the steps to the target (gap 8: ~27 steps, sync:
@@ -43,13 +45,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, run_training  # noqa: E402
+from common import (ROOT, ArgumentParser, count, number, pair_efficiency, pair_lines, run_child,  # noqa: E402
+                    run_training)
 
 
 @dataclass(frozen=True)
@@ -164,19 +166,29 @@ def plot_curriculum(path: str, title: str, runs: dict[str, tuple[list[dict], lis
     fig.savefig(path, dpi=110)
 
 
+def variant(text: str) -> str:
+    """An argparse type: ``NAME=OVERRIDES`` with a name."""
+    if "=" not in text or not text.partition("=")[0].strip():
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}; allowed: NAME=OVERRIDES, e.g. \"fast-ema=--adaptive_async.ema_alpha 0.3\"")
+    return text
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=None, help="default: the workload's")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=count(), default=None, help="default: the workload's")
+    ap.add_argument("--seeds", type=count(), default=3)
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="debug")
-    ap.add_argument("--gaps", type=int, nargs="+", default=None, help="default: the workload's")
-    ap.add_argument("--adaptive-gap", type=int, default=None, help="default: the workload's")
-    ap.add_argument("--reward-target", type=float, default=0.8)
-    ap.add_argument("--target", type=float, default=0.15)
-    ap.add_argument("--warmup", type=int, default=10, help="controller warmup steps (excluded from the band check)")
+    ap.add_argument("--gaps", type=count(), nargs="+", default=None, help="default: the workload's")
+    ap.add_argument("--adaptive-gap", type=count(), default=None, help="default: the workload's")
+    ap.add_argument("--reward-target", type=number(), default=0.8)
+    ap.add_argument("--target", type=number(), default=0.15)
+    ap.add_argument("--warmup", type=count(0), default=10,
+                    help="controller warmup steps (excluded from the band check; fewer than --steps)")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_controller"))
     ap.add_argument("--plot", default="", help="write the first adaptive run's controller plot here")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+                    type=variant,
                     help='another adaptive mode: e.g. "fast-ema=--adaptive_async.ema_alpha 0.3" (repeatable)')
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
@@ -186,6 +198,9 @@ def main() -> None:
     if args.quick:
         args.seeds, args.warmup = 1, 4
         args.steps = args.steps if w.curriculum else 12  # a curriculum run ends with its phases
+    if args.steps <= args.warmup:
+        ap.error(f"argument --steps: got {args.steps}; allowed: more than --warmup ({args.warmup})")
+    pair = pair_efficiency()  # before any run of ours: what this machine allows two processes side by side
     adaptive_overrides, args.extra = w.adaptive, [*w.overrides, *args.extra]
 
     modes: dict[str, list[str]] = {"sync": ["--weight_sync.async_weight_update", "false"]}
@@ -236,8 +251,8 @@ def main() -> None:
         print(f"{mode:<11} {sps[mode]:>8.2f} {per_seed:>30} {gap:>5.2f} {inb:>8} {times:>34} {steps:>6.0f}")
     full = f"fixed-g{args.adaptive_gap}"
     if args.plot and not w.curriculum:
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_controller.py"),
-                        os.path.join(args.out, "adaptive", "seed0"), "-o", args.plot], check=True)
+        run_child([sys.executable, os.path.join(ROOT, "scripts", "plot_controller.py"),
+                   os.path.join(args.out, "adaptive", "seed0"), "-o", args.plot], check=True)
     # a curriculum's fixed gaps include 0 (sync)
     fixed = {m: t for m, t in ttt.items() if m.startswith("fixed-g") or (w.curriculum and m == "sync")}
     best = min(fixed, key=fixed.get)
@@ -272,6 +287,7 @@ def main() -> None:
         print(f"adaptive_vs_phase_oracle_time_to_target={oracle / ttt['adaptive']:.3f}")
     in_spread = all(x >= min(fin["sync"]) for x in fin["adaptive"])  # within sync's spread, or above it
     print(f"adaptive_final_reward_in_sync_spread={int(in_spread)}")
+    print("\n".join(pair_lines(pair)))
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ or ``spawn`` (``torchtitan_flux/engine/forkserver.py``), and reads the trainer's
   step 1 itself): what a user waits before the first step is done.
 
 Reports medians; the last lines are ``key=value``: ``to_step1_forkserver_s``, ``to_step1_spawn_s``,
-``startup_saved_s`` (spawn - fork server) and ``startup_ratio`` (spawn / fork server).
+``startup_saved_s`` (spawn - fork server), ``startup_ratio`` (spawn / fork server) and ``pair_efficiency``
+(``benchmarks/common.py``: the fork server's gain is imports overlapped on another core, which needs two cores that
+run in parallel; a WARNING line below 0.8).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import platform
@@ -31,7 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DEBUG_CONFIG, ROOT, flux_log_times  # noqa: E402
+from common import (DEBUG_CONFIG, ROOT, ArgumentParser, count, existing_file, flux_log_times,  # noqa: E402
+                    pair_efficiency, pair_lines, run_child)
 
 METHODS = ("forkserver", "spawn")
 _TRAIN_START = re.compile(r"Training starts at step")
@@ -51,7 +53,11 @@ def launch(method: str, config: str, dump: str) -> dict:
            "--job.dump_folder", dump, "--training.steps", "3", "--checkpoint.enable", "false"]
     env = {**os.environ, "TORCHTITAN_FLUX_ENGINE_START": method}
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        p = run_child(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"run timed out after {e.timeout:.0f} s (stopped): {' '.join(cmd)}\n"
+                         f"{(e.stderr or '')[-4000:]}") from None
     wall = time.time() - t0
     log = p.stdout + p.stderr
     if p.returncode != 0:
@@ -60,13 +66,14 @@ def launch(method: str, config: str, dump: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5, help="launches per start method (default 5)")
-    ap.add_argument("--config", default=DEBUG_CONFIG)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=count(), default=5, help="launches per start method (default 5)")
+    ap.add_argument("--config", type=existing_file, default=DEBUG_CONFIG)
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     args = ap.parse_args(argv)
     if args.quick:
         args.reps = 1
+    pair = pair_efficiency()  # the fork server overlaps its imports with the trainer's on another core
     runs: dict[str, list[dict]] = {m: [] for m in METHODS}
     tmp = tempfile.mkdtemp(prefix="flux_startup_")
     try:
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"to_step1_spawn_s={sp:.2f}")
     print(f"startup_saved_s={sp - fs:.2f}")
     print(f"startup_ratio={sp / fs:.2f}")
+    print("\n".join(pair_lines(pair)))
     return 0
 
 

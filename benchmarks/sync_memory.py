@@ -8,7 +8,6 @@ with the other ranks', is what pushing costs beyond the staging copy (bucket gat
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -16,14 +15,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, run_training  # noqa: E402
+from common import ROOT, ArgumentParser, count, number, run_training  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--bucket-mb", type=float, default=8.0)
+    ap = ArgumentParser(description=__doc__)
+    ap.add_argument("--nproc", type=count(), default=2, help="trainer ranks (default 2)")
+    ap.add_argument("--steps", type=count(), default=4)
+    ap.add_argument("--bucket-mb", type=number(above=True), default=8.0)
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     args = ap.parse_args()
     if args.quick:

@@ -19,7 +19,6 @@ The last lines are ``key=value``: ``step_ms``, ``first_step_ms``, ``matmul_ms``,
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
@@ -29,6 +28,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))  # model_assets
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from common import ArgumentParser, count  # noqa: E402
 
 WORKLOADS = {"small": ("tiny", 30), "long": ("small", 140)}  # flavor, tokens per sequence (prompt + completion)
 B = 32
@@ -109,9 +110,9 @@ def sdpa_ms(backend, shape, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=list(WORKLOADS), default="small")
-    ap.add_argument("--reps", type=int, default=20, help="steady steps per micro-batch size (default 20)")
+    ap.add_argument("--reps", type=count(), default=20, help="steady steps per micro-batch size (default 20)")
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     args = ap.parse_args(argv)
     if args.quick:

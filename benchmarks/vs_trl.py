@@ -68,7 +68,10 @@ divided by the best median time to target among our modes whose reward quality m
 on at least as many seeds, and median final reward >= TRL's - 0.05). The real workload also prints
 ``per_step_ratio_real`` (TRL's median s/step over that mode's) and ``speedup_limit_real``: TRL's median s/step over
 (train + generation) / 2 of the ``async_fixed`` runs, each a one-core time: both jobs packed perfectly on the two
-cores, the most any schedule of the same work allows per step (``speedup_limit``).
+cores, the most any schedule of the same work allows per step (``speedup_limit``), and
+``speedup_limit_real_at_pair_efficiency``: that limit where the two cores run two processes side by side at the
+machine's pair efficiency (``pair_efficiency``, the last line: ``benchmarks/common.py``, measured before the runs;
+1.0 = fully in parallel; below 0.8 the report warns that overlap cannot show here).
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "scripts"))  # model_assets
+from common import (ArgumentParser, busy_cores, count, number, pair_efficiency, pair_lines, paired,  # noqa: E402
+                    run_child)
 
 OUR_MODES = {
     "sync": ["--weight_sync.async_weight_update", "false", "--adaptive_async.enabled", "false",
@@ -237,23 +242,6 @@ def summarise(res: RunResult, curve: list[dict], wl: Workload, window: int, firs
     return res
 
 
-def busy_cores(seconds: float = 1.0) -> float | None:
-    """Cores kept busy by other processes over ``seconds`` (from /proc/stat; none of ours is running then)."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        idle = v[3] + (v[4] if len(v) > 4 else 0)
-        return sum(v) - idle, sum(v)
-
-    try:
-        b0, t0 = snap()
-        time.sleep(seconds)
-        b1, t1 = snap()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
-
-
 def write_curve(path: Path, curve: list[dict]) -> None:
     with open(path, "w") as f:
         for r in curve:
@@ -325,7 +313,7 @@ def run_ours(mode: str, wl: Workload, seed: int, steps: int, mdir: Path, run_dir
         with open(log_path, "w") as log:
             log.write(" ".join(cmd) + "\n")
             log.flush()
-            p = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            p = run_child(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
         rc = p.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -385,7 +373,7 @@ def run_trl(wl: Workload, seed: int, steps: int, mdir: Path, run_dir: Path, wind
     t0 = time.perf_counter()
     try:
         with open(log_path, "w") as log:
-            p = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            p = run_child(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
         rc = p.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -544,34 +532,44 @@ def speedup_limit(agg: dict[str, dict]) -> tuple[float | None, str]:
 # -------------------------------------------------------------------------------------------------- main
 
 
+def overrides(text: str) -> str:
+    """An argparse type: overrides as a shell would split them (balanced quotes)."""
+    try:
+        shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"got {text!r} ({e}); allowed: --section.field value pairs, quoted as "
+                                         "in a shell") from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog=__doc__)
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, few steps, no warm-up")
     ap.add_argument("--out", default="outputs/vs_trl", help="output folder (default outputs/vs_trl)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2; --quick: 0)")
+    ap.add_argument("--seeds", type=count(0), nargs="+", default=None, help="seeds (default 0 1 2; --quick: 0)")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["small", "long"],
                     help="default small long; real: the real model (scripts/get_real_model.sh first)")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
                     help=f"our modes and/or trl (default {' '.join(DEFAULT_SYSTEMS)}, for the real workload "
                          f"{' '.join(REAL_SYSTEMS)}; also: async2 = fixed bound 2, async_fixed = no core borrowing)")
-    ap.add_argument("--steps", type=int, default=None, help="override the steps of every workload")
-    ap.add_argument("--window", type=int, default=3, help="trailing window of the time-to-target mean (default 3)")
+    ap.add_argument("--steps", type=count(), default=None, help="override the steps of every workload")
+    ap.add_argument("--window", type=count(), default=3, help="trailing window of the time-to-target mean (default 3)")
     ap.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--trl-attn", default="sdpa", choices=["sdpa", "eager"],
                     help="TRL model attn_implementation (default sdpa; see --tune-trl)")
     ap.add_argument("--trl-cache", default="dynamic",
                     help="TRL cache_implementation: dynamic (transformers' default; the faster in full runs here, "
                          "see the module docstring) or static")
-    ap.add_argument("--ours-args", default="",
+    ap.add_argument("--ours-args", type=overrides, default="",
                     help="extra overrides for every run of ours, e.g. \"--rollout.engine_threads 2\" (as configured "
                          "by default: debug_cpu.toml + the workload's overrides)")
-    ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2)")
+    ap.add_argument("--trl-threads", type=count(), default=2, help="torch threads of the TRL process (default 2)")
     ap.add_argument("--tune-trl", action="store_true",
                     help="only measure TRL variants (threads x attention x KV cache), interleaved, a few steps each "
                          "per workload, print their median s/step and exit: how the TRL defaults here were chosen")
     ap.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run of each system")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="per-run timeout in seconds")
+    ap.add_argument("--timeout", type=number(above=True), default=1800.0, help="per-run timeout in seconds")
     args = ap.parse_args(argv)
 
     out = (REPO / args.out) if not os.path.isabs(args.out) else Path(args.out)
@@ -598,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune_trl:
         return tune_trl(args, wls, mdirs, out, seeds)
 
+    pair = pair_efficiency()  # before any run: what this machine allows two processes side by side
     t_start = time.perf_counter()
     if not args.quick and not args.no_warmup:
         wl0 = wls[0]
@@ -647,6 +646,10 @@ def main(argv: list[str] | None = None) -> int:
             report.append(f"speedup limit (per step, two cores): {_fmt(lim, '.2f')} ({why_lim})")
             keyvals.append(f"per_step_ratio_real={_fmt(per_step, '.2f') if per_step is not None else 'nan'}")
             keyvals.append(f"speedup_limit_real={_fmt(lim, '.2f') if lim is not None else 'nan'}")
+            # the two cores pack the work at the pair's efficiency: the ideal per-step time grows by 1 / efficiency
+            lim_e = None if lim is None else lim * paired(pair)
+            report.append(f"speedup limit at this machine's pair efficiency {pair:.2f}: {_fmt(lim_e, '.2f')}")
+            keyvals.append(f"speedup_limit_real_at_pair_efficiency={'nan' if lim_e is None else _fmt(lim_e, '.2f')}")
         first = [r for r in results if r.workload == wl.name and r.seed == seeds[0] and r.curve]
         if first:
             png = out / f"curves_{wl.name}.png"
@@ -656,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                    "-o", str(png), "--title", f"{wl.name}: {'capitals' if wl.name == 'real' else 'digits'} "
                                               f"reward, seed {seeds[0]}",
                    "--target", str(wl.target)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            p = run_child(cmd, capture_output=True, text=True)
             report.append(f"curves: {png}" if p.returncode == 0 else f"plot failed: {p.stderr.strip()}")
     text = "\n".join(report)
     note = ("time to target excludes process startup (imports, model load, engine spawn); the ttt+startup "
@@ -668,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
                  "runs. Other load slows TRL's 2-thread OpenMP process far more than our "
                  "single-threaded trainer and engine processes (seen: 10-100x slower TRL steps), so these numbers "
                  "favour us; take the recorded numbers on a quiet machine.")
+    *pair_warning, pair_kv = pair_lines(pair)
+    note += "".join("\n" + w for w in pair_warning)
+    keyvals.append(pair_kv)
     per_run = ["", "per run (workload system seed: steps, median s/step, samples/s, time to target s (step), "
                "startup s, final reward, process wall s, cores busy with other work at launch)"]
     for r in results:

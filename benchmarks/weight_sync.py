@@ -7,6 +7,10 @@ Runs ``train_configs/debug_cpu.toml`` (or ``--config``) with ``weight_sync.async
 * ``overlap_limit`` = (T + G + S) / max(T, G) from the sync run's train time T, engine generation time G and
   blocking sync time S: the best an ideal overlap of generation with training could do;
 * ``fraction_of_limit`` = async_speedup / overlap_limit;
+* ``pair_efficiency`` (every mode; ``benchmarks/common.pair_efficiency``, measured before the runs): a fixed
+  single-thread matmul loop alone / two processes running it together, 1.0 = two cores fully in parallel, with a
+  WARNING line below 0.8; ``overlap_limit_at_pair_efficiency``: the overlap limit with the two jobs side by side
+  at that efficiency (the shorter at its pace, the rest of the longer alone);
 * ``blocked_fraction``: trainer time spent in weight sync per async step / async step time;
 * ``push_bandwidth_ratio``: bytes per second of our blocking push (header + buckets, timed on the sending
   thread until its Works complete) / a raw gloo broadcast of one contiguous buffer of the same bytes between
@@ -52,9 +56,18 @@ import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DEBUG_CONFIG, ROOT, free_port, median, run_training  # noqa: E402
+from common import (DEBUG_CONFIG, ROOT, ArgumentParser, count, existing_file, free_port, median, number,  # noqa: E402
+                    numbers, pair_efficiency, pair_lines, paired, run_training)
 
 FAULT_INJECT = os.path.join(ROOT, "tests", "fault_inject")
+
+
+def overlap_limit(train_s: float, gen_s: float, sync_s: float, efficiency: float = 1.0) -> float:
+    """The most overlapping generation with training can speed a step up: the serial step (train + generation +
+    sync) over both jobs side by side on two cores that run together at ``efficiency`` (1: fully in parallel):
+    the shorter job at that pace, the rest of the longer alone."""
+    side_by_side = max(train_s, gen_s) + min(train_s, gen_s) * (1 / paired(efficiency) - 1)
+    return (train_s + gen_s + sync_s) / side_by_side
 
 
 def run(config: str, out: str, steps: int, async_mode: bool, extra: list[str]) -> tuple[list[dict], dict]:
@@ -90,7 +103,8 @@ def raw_broadcast_seconds(nbytes: int, idle_s: float, iters: int = 30) -> float:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_raw_broadcast, args=(r, port, nbytes, iters, idle_s, q)) for r in range(2)]
+    procs = [ctx.Process(target=_raw_broadcast, args=(r, port, nbytes, iters, idle_s, q), daemon=True)
+             for r in range(2)]
     for p in procs:
         p.start()
     t = q.get(timeout=120)
@@ -99,7 +113,7 @@ def raw_broadcast_seconds(nbytes: int, idle_s: float, iters: int = 30) -> float:
     return t
 
 
-def slow_sync(args) -> None:
+def slow_sync(args, pair: float) -> None:
     """interval 1 vs "auto" with every push slowed by ``args.slow_sync`` seconds on the engine."""
     env = {"FLUX_FAULT_PUSH_DELAY": str(args.slow_sync),
            "PYTHONPATH": os.pathsep.join([FAULT_INJECT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -133,9 +147,10 @@ def slow_sync(args) -> None:
     print(f"interval1_overhead={overhead['interval1']:.3f}")
     print(f"auto_final_reward={statistics.median(finals['auto']):.3f}")
     print(f"interval1_final_reward={statistics.median(finals['interval1']):.3f}")
+    print("\n".join(pair_lines(pair)))
 
 
-def colocated(args) -> None:
+def colocated(args, pair: float) -> None:
     """Blocking pushes over a gloo group vs the colocated hand-over, interleaved."""
     modes = {"broadcast": ["--rollout.colocated", "false"], "colocated": ["--rollout.colocated", "true"]}
     rows: dict[str, list[dict]] = {m: [] for m in modes}
@@ -158,15 +173,16 @@ def colocated(args) -> None:
               f"{1e3 * median(rows[m], 'weight_sync_s'):>8.2f} {nbytes / push[m] / 1e9:>6.2f}")
     print(f"colocated_push_speedup={push['broadcast'] / push['colocated']:.3f}")
     print(f"colocated_steps_ratio={statistics.median(sps['colocated']) / statistics.median(sps['broadcast']):.3f}")
+    print("\n".join(pair_lines(pair)))
 
 
 REAL_CONFIG = os.path.join(ROOT, "train_configs", "smollm2_capitals_cpu.toml")
 
 
-def sparse(args) -> None:
+def sparse(args, pair: float) -> None:
     """Dense vs sparse bf16 pushes per learning rate (see the module docstring)."""
     config = args.config or (DEBUG_CONFIG if args.quick else REAL_CONFIG)
-    lrs = [float(x) for x in args.lrs.split(",")][: 1 if args.quick else None]
+    lrs = args.lrs[: 1 if args.quick else None]
     small = ["--rollout.prompts_per_step", "2", "--grpo.group_size", "4", "--training.local_batch_size", "8",
              "--eval.at_start", "false", "--eval.every_steps", "0",
              # the embedded engine computes in the wire dtype: bf16 logprobs of this 30-layer model differ from the
@@ -221,6 +237,7 @@ def sparse(args) -> None:
     print(f"sparse_async_blocked_fraction={blocked:.4f}")
     print(f"sparse_crossover_share={cross:.3f}")
     print(f"sparse_breakeven_gbit_s={breakeven:.2f}")
+    print("\n".join(pair_lines(pair)))
 
 
 def _crossover(rank: int, port: int, shares: list[float], iters: int, q) -> None:
@@ -282,7 +299,8 @@ def sparse_crossover(quick: bool) -> tuple[list[float], list[tuple[float, float]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_crossover, args=(r, port, shares, 3 if quick else 9, q)) for r in range(2)]
+    procs = [ctx.Process(target=_crossover, args=(r, port, shares, 3 if quick else 9, q), daemon=True)
+             for r in range(2)]
     for p in procs:
         p.start()
     out = q.get(timeout=600)
@@ -292,32 +310,37 @@ def sparse_crossover(quick: bool) -> tuple[list[float], list[tuple[float, float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=None, help="default: train_configs/debug_cpu.toml (--sparse: the real model's)")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--slow-sync", type=float, default=0.0, metavar="SECONDS",
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=existing_file, default=None,
+                    help="default: train_configs/debug_cpu.toml (--sparse: the real model's)")
+    ap.add_argument("--steps", type=count(), default=40)
+    ap.add_argument("--warmup", type=count(0), default=5, help="steps left out of the medians (fewer than --steps)")
+    ap.add_argument("--reps", type=count(), default=2)
+    ap.add_argument("--slow-sync", type=number(), default=0.0, metavar="SECONDS",
                     help="compare weight_sync.interval 1 with auto, every push slowed by SECONDS on the engine")
     ap.add_argument("--colocated", action="store_true",
                     help="compare the broadcast push with rollout.colocated (blocking mode)")
     ap.add_argument("--sparse", action="store_true",
                     help="compare weight_sync.method dense and sparse (bf16 wire) on the real model, per --lrs")
-    ap.add_argument("--lrs", default="1e-6,1e-5", help="with --sparse: learning rates, comma-separated")
+    ap.add_argument("--lrs", type=numbers(above=True), default="1e-6,1e-5",
+                    help="with --sparse: learning rates, comma-separated")
     ap.add_argument("--quick", action="store_true", help="smoke run for CI (the cheapest that exercises every code path; its figures are no measurement)")
     ap.add_argument("extra", nargs="*", help="--section.field value overrides for every run")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.warmup, args.reps = 8, 2, 1
+    if not args.sparse and args.steps <= args.warmup:
+        ap.error(f"argument --steps: got {args.steps}; allowed: more than --warmup ({args.warmup})")
+    pair = pair_efficiency()  # before any run of ours: what this machine allows two processes side by side
     if args.sparse:
         if not args.quick and args.steps == 40:
             args.steps = 6
-        return sparse(args)
+        return sparse(args, pair)
     args.config = args.config or DEBUG_CONFIG
     if args.slow_sync > 0:
-        return slow_sync(args)
+        return slow_sync(args, pair)
     if args.colocated:
-        return colocated(args)
+        return colocated(args, pair)
 
     per_mode: dict[str, list[dict]] = {"sync": [], "async": []}
     summaries: dict[str, list[dict]] = {"sync": [], "async": []}
@@ -331,7 +354,7 @@ def main() -> None:
     s, a = per_mode["sync"], per_mode["async"]
     sps = {m: statistics.median(x["steps_per_s"] for x in summaries[m]) for m in summaries}
     T, G, S = median(s, "train_time_s"), median(s, "gen_time_s"), median(s, "weight_sync_s")
-    limit = (T + G + S) / max(T, G)
+    limit = overlap_limit(T, G, S)
     speedup = sps["async"] / sps["sync"]
     blocked = median(a, "weight_sync_s") / median(a, "step_time_s")
     nbytes = summaries["sync"][0]["weight_bytes"]
@@ -357,6 +380,8 @@ def main() -> None:
     print(f"fraction_of_limit={speedup / limit:.3f}")
     print(f"blocked_fraction={blocked:.4f}")
     print(f"push_bandwidth_ratio={bw / raw_bw:.3f}")
+    print("\n".join(pair_lines(pair)))
+    print(f"overlap_limit_at_pair_efficiency={overlap_limit(T, G, S, pair):.3f}")
 
 
 if __name__ == "__main__":

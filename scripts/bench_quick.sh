@@ -27,14 +27,29 @@ for b in "${names[@]}"; do
   [ "$b" = controller ] && modes=("" "--workload growing")  # the curriculum: Task.finished ends each run
   for mode in "${modes[@]}"; do runs+=("$b $mode"); done
 done
-one() {  # one RUN_INDEX: run it into its log, its exit code and seconds beside
+one() {  # one RUN_INDEX: run it into its log, its pid, exit code and seconds beside
   local b mode t0=$SECONDS
   read -r b mode <<< "${runs[$1]}"
   set +e
-  .venv/bin/python "benchmarks/$b.py" --quick $mode > "$logs/$1.out" 2>&1
+  .venv/bin/python "benchmarks/$b.py" --quick $mode > "$logs/$1.out" 2>&1 &
+  echo $! > "$logs/$1.pid"
+  wait $!
   echo $? > "$logs/$1.rc"
+  rm -f "$logs/$1.pid"
   echo $((SECONDS - t0)) > "$logs/$1.s"
 }
+stop() {  # stop EXIT_STATUS: on a signal, SIGTERM to the running benchmarks (each stops its own runs), then wait
+  trap - INT TERM HUP
+  local pids
+  pids=$(cat "$logs"/*.pid 2>/dev/null || true)
+  [ -z "$pids" ] || kill -TERM $pids 2>/dev/null || true
+  wait
+  echo "bench_quick: stopped by a signal; the benchmarks that were running were stopped" >&2
+  exit "$1"
+}
+trap 'stop 130' INT
+trap 'stop 143' TERM
+trap 'stop 129' HUP
 for i in "${!runs[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
   one "$i" &

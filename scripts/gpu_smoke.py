@@ -22,11 +22,8 @@ between GPUs are ``scripts/verify_grpo_2gpu.sh``'s).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +33,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # model_assets; the package itself is installed (gpu_smoke.sh)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import ArgumentParser, count, free_port, run_child, stop_children_on_signals  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -54,12 +53,6 @@ def check(ok: bool, what: str) -> None:
         print(f"CHECK FAILED: {what}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(out: Path, steps: int, timeout: float, *extra: str, prefix: str = "", learns: bool = True) -> None:
     from model_assets import build_model_dir
 
@@ -71,7 +64,7 @@ def train(out: Path, steps: int, timeout: float, *extra: str, prefix: str = "", 
            "--training.steps", str(steps), "--rollout.colocated", "true", "--activation_checkpoint.mode", "selective",
            "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1", *extra]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = run_child(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     (out / f"{prefix}train.log").write_text(proc.stdout + proc.stderr)
     report(f"{prefix}train_rc", proc.returncode)
     report(f"{prefix}train_s", round(time.monotonic() - t0, 1))
@@ -242,11 +235,12 @@ def profile(out: Path, device: torch.device) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run on CPU (CI); the profiler part is skipped")
     ap.add_argument("--out", default="", help="folder for logs and the trace (default: a temporary one)")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=count(), default=20)
     args = ap.parse_args()
+    stop_children_on_signals()  # a signal unwinds the in-process parts too (their engines are closed on the way)
     if not args.cpu and not torch.cuda.is_available():
         print("error: no GPU visible; run with --cpu for the CPU twin", file=sys.stderr)
         return 2

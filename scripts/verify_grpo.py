@@ -13,21 +13,15 @@ checksums are not "equal"). The probe itself is printed as ``<run>_logprob_probe
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from common import ArgumentParser, count, free_port, run_child  # noqa: E402
 
 
 def gpu_count() -> int:
@@ -69,8 +63,8 @@ def run(name: str, nproc: int, overrides: list[str], out: str, args) -> dict | N
         "--job.dump_folder", out, "--training.steps", str(args.steps), *overrides, *args.extra,
     ]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as e:  # subprocess.run killed the child
+        proc = run_child(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:  # run_child stopped the child and its process group
         sys.stderr.write(str(e.stdout or "")[-2000:] + str(e.stderr or "")[-4000:])
         print(f"verify: the {name} run did not finish within {args.timeout} s (killed)", file=sys.stderr)
         return None
@@ -86,14 +80,19 @@ def run(name: str, nproc: int, overrides: list[str], out: str, args) -> dict | N
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = ArgumentParser(description=__doc__)
     ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo (embedded engine) instead of GPUs")
     ap.add_argument("--engine", choices=("vllm", "embedded"), default="vllm",
                     help="GPU only: the rollout engine on GPU 1 (default: a vLLM server launched there)")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per run before it is killed")
+    ap.add_argument("--steps", type=count(), default=12)
+    ap.add_argument("--timeout", type=count(), default=900, help="seconds per run before it is killed")
     ap.add_argument("extra", nargs="*", help="extra --section.field value overrides for every run")
     args = ap.parse_args()
+    gpus = 0 if args.cpu else gpu_count()
+    if not args.cpu and gpus < 2:  # before anything that would fail for want of a GPU (the vLLM venv, CUDA)
+        print(f"verify: error: {'no GPU is' if gpus == 0 else 'only 1 GPU is'} visible (this check needs 2: trainer "
+              "on GPU 0, engine on GPU 1); --cpu runs the CPU mode", file=sys.stderr)
+        return 2
     results: dict[str, dict | None] = {}
     with tempfile.TemporaryDirectory(prefix="flux_verify_") as tmp:
         for name, nproc, overrides in plan(args):

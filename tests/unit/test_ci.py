@@ -57,3 +57,14 @@ def test_ci_runs_the_vllm_stage_with_the_requirement_and_checks_the_import_first
         assert "need_vllm()" in src, path.name
         assert "pytest.skip(" not in src or ("FLUX_REQUIRE_REAL_MODEL" in src and "FLUX_REQUIRE_REAL_MODEL=1" in
                                              stage_text), path.name
+
+
+def test_ci_collects_the_old_torch_tests_as_their_venv_would():
+    """scripts/check_old_torch.sh's venv (torch 2.3.1, no pytest-xdist, no torchtitan) is too big to build in CI; CI
+    runs the script's pytest invocations on .venv instead, where an addopts or import change would show."""
+    lines = [x.strip() for x in (ROOT / ".ci" / "run").read_text().splitlines() if not x.strip().startswith("#")]
+    assert "stage old_torch_collect scripts/check_old_torch.sh --collect-only" in lines
+    script = (ROOT / "scripts" / "check_old_torch.sh").read_text()
+    assert "PYTEST=(-m pytest -q -p no:cacheprovider -o addopts=)" in script  # one invocation for both uses
+    for path in re.findall(r"tests/\S+\.py", script):
+        assert (ROOT / path).is_file(), f"check_old_torch.sh names {path}, which is gone"
