@@ -90,19 +90,14 @@ def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout
     """Rank 0's real rollout side on ``device`` with colocated engines, as the trainer builds it."""
     from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
     from torchtitan_flux.data.tasks import DigitsTask
-    from torchtitan_flux.models import weight_dict
+    from torchtitan_flux.models import families, hf_weights
     from torchtitan_flux.rollout.rollouts import Rollouts
 
-    weights, _ = weight_dict.load_hf_weights_dict(model_dir)
-    model = torch.nn.Module()
-    for name, t in weights.items():
-        *path, leaf = name.split(".")
-        m = model
-        for p in path:
-            if not hasattr(m, p):
-                m.add_module(p, torch.nn.Module())
-            m = getattr(m, p)
-        m.register_parameter(leaf, torch.nn.Parameter(t.detach().clone()))
+    args = families.args_from_hf_dir(model_dir)  # the trainer's model: torchtitan names, pushed as HF's
+    model = (families.FluxQwenModel if isinstance(args, families.Qwen3ModelArgs) else families.FluxLlamaModel)(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    hf_weights.load_hf_weights(model, model_dir, args)
     model.to(device)
     jc = SimpleNamespace(
         rollout=Rollout(num_engines=num_engines, engine_threads=1, colocated=True, prompts_per_step=2, max_new_tokens=8),

@@ -1,4 +1,5 @@
-"""Shared by the HTTP engine tests: a push done the way ``WeightSyncer`` does it, and waiting for an event."""
+"""Shared by the engine tests: the trainer's weights of a HF folder (torchtitan names and layout) and what every engine
+receives of them (HF names and layout), a push done the way ``WeightSyncer`` does it, and waiting for an event."""
 
 from __future__ import annotations
 
@@ -7,12 +8,37 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from torchtitan_flux import compat
+from torchtitan_flux.models import families, hf_weights
 
 from torchtitan_flux.wire import transport
 from torchtitan_flux.engine.base import EngineError
+
+
+def trainer_model(model_dir) -> nn.Module:
+    """The trainer's model of a HF folder (torchtitan names and layout; a tied head is one parameter), fp32, eval."""
+    args = families.args_from_hf_dir(model_dir)
+    model = (families.FluxQwenModel if isinstance(args, families.Qwen3ModelArgs) else families.FluxLlamaModel)(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    hf_weights.load_hf_weights(model, model_dir, args)
+    return model.eval()
+
+
+def trainer_weights(model_dir) -> dict[str, torch.Tensor]:
+    """The trainer's parameters of a HF folder: clean torchtitan names, in push order."""
+    return {n: p.detach().clone() for n, p in trainer_model(model_dir).named_parameters()}
+
+
+def as_pushed(layout, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trainer parameters (torchtitan names) as every engine receives them: HF names and layout, what
+    ``inference`` runs. ``layout``: an ``HFLayout``, or a handler's (``handler.layout``)."""
+    names = layout.hf_names(list(weights), [tuple(t.shape) for t in weights.values()])
+    return {h: layout.wire_tensor(n, t) for h, (n, t) in zip(names, weights.items())}
 
 
 def push_like_syncer(handler, pg, plan, weights: dict, version: int) -> transport.FlatWeights:

@@ -1,9 +1,8 @@
 """Component-level harness for the weight-sync tests: rank 0's real rollout side (``rollout.rollouts.Rollouts``:
-engines, scheduler, event pump and the weight syncer it builds), without torchrun or torchtitan.
+engines, scheduler, event pump and the weight syncer it builds), without torchrun or the trainer.
 
-* the "policy" is a plain ``nn.Module`` whose parameters are the tiny llama's weights under torchtitan names
-  (``tok_embeddings.weight``, ``layers.0.attention.wq.weight``, ...), so the real ``EmbeddedEngine`` child process
-  can generate with whatever it receives;
+* the "policy" is the trainer's model of the tiny llama (``_engine_push.trainer_model``: torchtitan names and
+  layout), which the real ``EmbeddedEngine`` child process receives in HF names and layout, as every engine does;
 * ``Rollouts`` is built from the real config sections, as the trainer builds it: embedded engines on CPU, the
   digits task with a byte tokenizer (``fakes.stub_tokenizers``), its syncer on gloo, loopback, port 0.
 """
@@ -19,25 +18,12 @@ import torch
 from conftest import FIGURES
 from fakes.stub_tokenizers import ByteTokenizer
 from torch import nn
+from _engine_push import as_pushed, trainer_model
 
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
 from torchtitan_flux.rollout.rollouts import Rollouts
 from torchtitan_flux.data.tasks import DigitsTask
-
-
-def module_from_weights(weights: dict[str, torch.Tensor]) -> nn.Module:
-    """An ``nn.Module`` whose ``named_parameters()`` are exactly ``weights`` (same names, same order)."""
-    root = nn.Module()
-    for name, t in weights.items():
-        *path, leaf = name.split(".")
-        m = root
-        for p in path:
-            if not hasattr(m, p):
-                m.add_module(p, nn.Module())
-            m = getattr(m, p)
-        m.register_parameter(leaf, nn.Parameter(t.detach().clone()))
-    return root
 
 
 def params_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -69,8 +55,8 @@ class Harness:
         method: str = "dense",
     ):
         self.model_dir = str(model_dir)
-        weights, self.shape = weight_dict.load_hf_weights_dict(model_dir)
-        self.model = module_from_weights(weights)
+        self.shape = weight_dict.ModelShape.from_hf_dir(model_dir)
+        self.model = trainer_model(model_dir)
         cfg = WeightSync(
             async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=bucket_size_mb, master_port=0,
             wire_dtype=wire_dtype, method=method,
@@ -127,13 +113,21 @@ class Harness:
     def staging_checksum(self) -> str:
         return self.syncer.staging.checksum()
 
+    def wire(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's ``params`` (``params_snapshot``) as staging holds them: the trainer's names, HF layout."""
+        return {n: self.engines[0].wire_tensor(n, p) for n, p in params.items()}
+
+    def engine_weights(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's ``params`` as the engines hold them: HF names and layout."""
+        return as_pushed(self.engines[0].layout, params)
+
     def close(self) -> None:
         self.rollouts.close()
 
 
 def assert_in_sync(h: Harness, version: int, i: int = 0) -> None:
-    """Engine ``i`` holds ``version``, bitwise equal to the staging buffer, which equals the model's parameters."""
+    """Engine ``i`` holds ``version``, bitwise equal to the staging buffer, which holds the model's parameters in the
+    engines' (HF) layout."""
     FIGURES["checksums_compared"] += 1
     assert h.engine_checksum(i) == (version, h.staging_checksum())
-    params = params_snapshot(h.model)
-    assert all(h.syncer.staging.views[n].equal(p) for n, p in params.items())
+    assert all(h.syncer.staging.views[n].equal(p) for n, p in h.wire(params_snapshot(h.model)).items())

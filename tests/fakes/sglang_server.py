@@ -112,14 +112,14 @@ class ContractState:
         self.buckets = 0
         self.gen_delay_s = 0.0
         self.weight_api = True
-        self._tt = None  # torchtitan-named view of self.hf, rebuilt after each update
+        self._weights = None  # the forward's view of self.hf (``hf_to_weights``), rebuilt after each update
 
-    def tt_weights(self):
+    def weights(self):
         from torchtitan_flux.models import weight_dict
 
-        if self._tt is None:
-            self._tt = weight_dict.hf_to_weights(self.hf, self.shape)
-        return self._tt
+        if self._weights is None:
+            self._weights = weight_dict.hf_to_weights(self.hf, self.shape)
+        return self._weights
 
 
 def _init_custom_group(state: ContractState, body: dict) -> None:
@@ -170,7 +170,7 @@ def handle(state: ContractState, method: str, path: str, body) -> tuple[int, obj
 
         with state.lock:
             state.hf = load_file(os.path.join(state.model_dir, "model.safetensors"))
-            state._tt, state.weight_version, state.groups = None, "default", {}
+            state._weights, state.weight_version, state.groups = None, "default", {}
         return 200, ok
     if path == "/_contract/config":
         b = _fields(body, {}, {"gen_delay_s": _is_num, "weight_api": lambda v: isinstance(v, bool)})
@@ -290,7 +290,7 @@ def _generate(state: ContractState, body) -> tuple[int, object]:
         if state.paused or state.session:
             raise Reject("generate while paused or inside a weight-update session (the handler must gate these)")
         state.generating += 1
-        weights, version = state.tt_weights(), state.weight_version
+        weights, version = state.weights(), state.weight_version
     try:
         if state.gen_delay_s:
             time.sleep(state.gen_delay_s)
@@ -369,7 +369,7 @@ def _update(state: ContractState, body) -> tuple[int, object]:
     with state.lock:
         for n, t in zip(names, received):
             state.hf[n] = t.to(state.hf[n].dtype).clone()
-        state._tt = None
+        state._weights = None
         state.buckets += 1
         if b.get("weight_version") is not None:
             state.weight_version = b["weight_version"]

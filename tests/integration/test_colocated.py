@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from _sync_harness import Harness, assert_in_sync, perturb
+from _sync_harness import Harness, assert_in_sync, params_snapshot, perturb
 
 from torchtitan_flux.engine.embedded import EmbeddedEngine
 from torchtitan_flux.sync.links import LinkState
@@ -39,12 +39,10 @@ def test_colocated_blocking_and_async_pushes_are_bitwise_equal(harness_factory):
 
 def test_a_copy_torn_by_a_new_snapshot_is_never_published(tiny_model_dir):
     """The seqlock: a receiver whose copy overlapped a write drops it and acks only the next whole version."""
-    from torchtitan_flux.models import weight_dict
     from torchtitan_flux.sync.snapshot import tensor_specs
-    from _sync_harness import module_from_weights
+    from _engine_push import trainer_model
 
-    model = module_from_weights(weight_dict.load_hf_weights_dict(tiny_model_dir)[0])
-    plan = transport.plan_buckets(tensor_specs(model), 2**14)
+    plan = transport.plan_buckets(tensor_specs(trainer_model(tiny_model_dir)), 2**14)
     staging = plan.allocate("cpu")
     for f in staging.flats:
         f.fill_(1.0)
@@ -126,7 +124,8 @@ def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factor
         perturb(h.model, seed=1)
         h.syncer.after_optimizer_step(1)
         assert h.engine_checksum(1) == (1, h.staging_checksum())
-        assert all(h.syncer.staging.views[n].equal(p.detach().to(torch.bfloat16)) for n, p in h.model.named_parameters())
+        staged = h.wire(params_snapshot(h.model))
+        assert all(h.syncer.staging.views[n].equal(p.to(torch.bfloat16)) for n, p in staged.items())
         m = h.syncer.metrics()
         model_bytes = h.syncer.plan.nbytes
         assert 0 < m["sync_peak_bytes"] <= m["sync_budget_bytes"] <= 2 * 2**20 + 4096 + 2 * 2**20

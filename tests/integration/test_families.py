@@ -76,13 +76,119 @@ def test_tied_is_one_parameter_and_pushed_once(family_dirs, family, tied):
     assert ("output.weight" in names) == (not tied)
     if tied:
         assert model.output.weight is model.tok_embeddings.weight
-    shape = weight_dict.ModelShape.from_hf_dir(d)
-    assert names == weight_dict.weight_names(shape)  # the engine expects exactly what is pushed, in order
     layout = hf_weights.HFLayout.from_hf_dir(d)
     hf_names = layout.hf_names(names, [tuple(p.shape) for p in model.parameters()])
+    # every engine expects exactly what is pushed, in order: HF names
+    assert hf_names == weight_dict.weight_names(weight_dict.ModelShape.from_hf_dir(d))
     assert ("lm_head.weight" in hf_names) == (not tied)
     on_disk = set(hf.read_state_dict(d))
     assert set(hf_names) == on_disk  # every pushed name is one the server loads, nothing silently dropped
+
+
+@torch.no_grad()
+def _nudge(model, seed: int) -> None:
+    """An optimizer step at an RL learning rate: about 2% of each parameter's elements change."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_((torch.rand(p.shape, generator=g) < 0.02) * torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _in_engine_layout(plan, weights: dict) -> dict:
+    """``weights`` copied into flat buckets of ``plan``, as an engine's receive buffer holds them (same offsets)."""
+    flat = plan.allocate()
+    for name, view in flat.views.items():
+        view.copy_(weights[name])
+    return flat.views
+
+
+def _generate_and_score(weights, shape, prompts, seed: int, tokens: list[int]):
+    """What an embedded engine computes for a request (one thread, as the engine) and for the probe."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = inference.generate(weights, shape, prompts, max_new_tokens=12, temperature=1.0, eos_id=[2], pad_id=0,
+                                 generator=torch.Generator().manual_seed(seed))
+        return (*out, inference.score(weights, shape, torch.tensor([tokens]))[0].tolist())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family,tied,colocated", [*((f, t, False) for f, t in CASES), ("llama", False, True)])
+def test_the_embedded_engine_is_pushed_hf_names_and_computes_what_the_folder_gives(family_dirs, family, tied,
+                                                                                   colocated, tmp_path, monkeypatch):
+    """The embedded engine's join carries HF names (``model.layers.0.self_attn.q_proj.weight``, ...) and its pushes
+    HF layout, dense then sparse (or colocated, by reference): from each pushed version it generates and scores
+    bit for bit what ``inference`` computes on that version read from a HF folder (the start path: the folder
+    itself, then the trainer's export), and the post-sync probe matches the trainer's model."""
+    import queue
+    import time
+
+    from torchtitan_flux.config import WeightSync
+    from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
+    from torchtitan_flux.engine.embedded import EmbeddedEngine
+    from torchtitan_flux.sync.probe import PROBE_TEXT, PostSyncProbe
+    from torchtitan_flux.sync.syncer import WeightSyncer
+    from torchtitan_flux.wire import transport
+
+    d = family_dirs[(family, tied)]
+    model, args = _trainer_model(d)
+    events: queue.Queue = queue.Queue()
+    engine = EmbeddedEngine("engine0", str(d), 1, events, colocated=colocated)
+    joins: list = []  # the ``WeightGroupInfo`` of each join message on the engine's pipe
+    send = engine._send
+
+    def send_recording_joins(msg: tuple) -> None:
+        if msg[0] == "join":
+            joins.append(msg[1])
+        send(msg)
+
+    monkeypatch.setattr(engine, "_send", send_recording_joins)
+    results: dict[int, GenerationResult] = {}
+
+    def pump(timeout: float) -> None:
+        try:
+            ev = events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if isinstance(ev, GenerationResult):
+            results[ev.req_id] = ev
+        else:
+            syncer.on_event(ev)
+
+    cfg = WeightSync(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.02, master_port=0,
+                     method="sparse")
+    engine.start()
+    syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump)
+    try:
+        syncer.connect()
+        shape = weight_dict.ModelShape.from_hf_dir(d)
+        names = [s.name for s in joins[0].specs]
+        assert names == weight_dict.weight_names(shape) and "model.layers.0.self_attn.q_proj.weight" in names
+        plan = transport.plan_buckets(joins[0].specs, syncer.bucket_bytes)
+        prompts, tokens = [[1, 40, 41, 42], [1, 60]], [1] + [3 + b for b in PROBE_TEXT.encode()][:59]
+        probe = PostSyncProbe(tokens, 1e-4, every=1, timeout_s=30.0)
+        folder = d
+        for version in (0, 1):
+            if version:
+                _nudge(model, version)
+            syncer.after_optimizer_step(version)
+            assert (syncer.metrics()["weight_patched_buckets"] > 0) == (version == 1 and not colocated)
+            engine.submit(GenerationRequest(version, 1, prompts, 3, 12, 1.0, 0, seed=5, dispatch_version=version))
+            deadline = time.monotonic() + 60
+            while version not in results and time.monotonic() < deadline:
+                pump(0.05)
+            got = results.pop(version)
+            if version:
+                folder = hf_weights.export_hf_weights(model, tmp_path / "export", args, d)
+            weights = _in_engine_layout(plan, weight_dict.load_hf_weights_dict(folder)[0])
+            want = _generate_and_score(weights, shape, [p for p in prompts for _ in range(3)], 5, tokens)
+            assert got.version == version
+            assert all(torch.equal(a, b) for a, b in zip((got.tokens, got.logprobs, got.lengths), want[:3]))
+            assert engine.score(tokens) == (version, want[3])
+            assert probe.run(model, [engine], version, "cpu")["probe_engines_checked"] == 1
+    finally:
+        syncer.close()
+        engine.close()
 
 
 @pytest.mark.parametrize("family,tied", CASES)
@@ -167,12 +273,12 @@ def test_probe_catches_the_old_untied_behaviour(family_dirs):
     d = family_dirs[("qwen3", True)]
     weights, shape = weight_dict.load_hf_weights_dict(d)
     trained = {k: v.clone() for k, v in weights.items()}
-    trained["tok_embeddings.weight"] += 0.05 * torch.randn_like(trained["tok_embeddings.weight"])
+    trained[weight_dict.EMBEDDING] += 0.05 * torch.randn_like(trained[weight_dict.EMBEDDING])
     tokens = [1] + list(range(40, 80))
     seq = torch.tensor([tokens])
     expected = inference.score(trained, shape, seq)[0]
     untied = dataclass_replace(shape, tied=False)
-    stale_head = {**trained, "output.weight": weights["tok_embeddings.weight"]}
+    stale_head = {**trained, weight_dict.LM_HEAD: weights[weight_dict.EMBEDDING]}
     compare("embedded", 3, tokens, expected, inference.score(trained, shape, seq)[0].tolist(), 1e-4)
     with pytest.raises(ProbeMismatch):
         compare("embedded", 3, tokens, expected, inference.score(stale_head, untied, seq)[0].tolist(), 0.1)
@@ -195,23 +301,28 @@ def _swap(w: dict, a: str, b: str) -> dict:
     return {**w, a: w[b], b: w[a]}
 
 
-def _qk_permuted_twice(w: dict, shape) -> dict:
-    """q/k rows in the wrong RoPE layout: HF's permutation undone once more on weights already converted."""
-    heads = {".wq.": shape.n_heads, ".wk.": shape.n_kv_heads}
-    return {**w, **{k: weight_dict._reverse_permute(v, n) for k, v in w.items() for part, n in heads.items()
-                    if part in k and v.dim() == 2}}
+def _qk_interleaved(w: dict, shape) -> dict:
+    """q/k rows in the wrong RoPE layout: each head's two halves interleaved (torchtitan's llama3 layout) where
+    the engines expect HF's."""
+    heads = {".q_proj.weight": shape.n_heads, ".k_proj.weight": shape.n_kv_heads}
+
+    def interleave(v: torch.Tensor, n: int) -> torch.Tensor:
+        rows, cols = v.shape
+        return v.view(n, 2, rows // n // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+    return {**w, **{k: interleave(v, n) for k, v in w.items() for part, n in heads.items() if k.endswith(part)}}
 
 
 WRONG_ENGINE_WEIGHTS = {  # what the README says the probe catches, as an engine would get it wrong
-    "names: feed_forward w1 and w3 swapped": lambda w, s: _swap(w, "layers.0.feed_forward.w1.weight",
-                                                                "layers.0.feed_forward.w3.weight"),
+    "names: gate and up projections swapped": lambda w, s: _swap(w, "model.layers.0.mlp.gate_proj.weight",
+                                                                  "model.layers.0.mlp.up_proj.weight"),
     "names: layers 0 and 1 swapped": lambda w, s: {
         k.replace("layers.0.", "layers.#.").replace("layers.1.", "layers.0.").replace("layers.#.", "layers.1."): v
         for k, v in w.items()},
-    "q/k layout: rows permuted twice": lambda w, s: _qk_permuted_twice(w, s),
-    "dropped: the final norm": lambda w, s: {**w, "norm.weight": torch.zeros_like(w["norm.weight"])},
+    "q/k layout: halves interleaved": lambda w, s: _qk_interleaved(w, s),
+    "dropped: the final norm": lambda w, s: {**w, "model.norm.weight": torch.zeros_like(w["model.norm.weight"])},
     "dropped: layer 0's attention output": lambda w, s: {
-        **w, "layers.0.attention.wo.weight": torch.zeros_like(w["layers.0.attention.wo.weight"])},
+        **w, "model.layers.0.self_attn.o_proj.weight": torch.zeros_like(w["model.layers.0.self_attn.o_proj.weight"])},
 }
 
 

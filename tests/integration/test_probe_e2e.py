@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("fault,tolerance", [
-    ("3:drop:norm.weight", "0.1"),  # the default tolerance
+    ("3:drop:model.norm.weight", "0.1"),  # the default tolerance
     ("3:bf16", "0.001"),
 ], ids=["dropped_tensor", "bf16_mixed"])
 def test_an_engine_serving_other_weights_stops_the_run_at_the_next_probe(tiny_model_dir, tmp_path, fault, tolerance):

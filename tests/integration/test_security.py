@@ -20,14 +20,13 @@ from datetime import timedelta
 import psutil
 import pytest
 import torch
-from _sync_harness import module_from_weights
+from _engine_push import trainer_model
 from conftest import ROOT
 
 from torchtitan_flux import compat
 
 from torchtitan_flux.wire import transport
 
-from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import WeightSync
 from torchtitan_flux import auth
 from torchtitan_flux.auth import MIDDLEWARE, BearerAuthMiddleware
@@ -295,7 +294,6 @@ def _raises(fn, *args):
 def rig(tiny_model_dir, monkeypatch):
     """``engine(token)``: an embedded engine holding ``token``; ``trainer(token, engine, events)``: a
     ``WeightSyncer`` for it whose token variable (``weight_sync.auth_token_env``) holds ``token``."""
-    weights, _ = weight_dict.load_hf_weights_dict(tiny_model_dir)
     made: list = []
 
     def engine(token) -> tuple[EmbeddedEngine, queue.Queue]:
@@ -309,7 +307,7 @@ def rig(tiny_model_dir, monkeypatch):
     def trainer(token, e: EmbeddedEngine, events: queue.Queue) -> WeightSyncer:
         monkeypatch.setenv("FLUX_TEST_TOKEN", token)
         cfg = WeightSync(timeout_seconds=4.0, auth_token_env="FLUX_TEST_TOKEN")
-        syncer = WeightSyncer(cfg, module_from_weights(weights), [e], device=torch.device("cpu"), is_sender=True,
+        syncer = WeightSyncer(cfg, trainer_model(tiny_model_dir), [e], device=torch.device("cpu"), is_sender=True,
                               pump=lambda timeout: _deliver(syncer, events, timeout))
         made.append(syncer)
         return syncer
@@ -364,7 +362,6 @@ def test_engine_without_the_token_is_refused_and_receives_no_weights(rig, engine
 def test_an_engine_without_the_token_does_not_hold_up_the_others(tiny_model_dir, monkeypatch):
     """Joins run concurrently: while the trainer waits out the silent engine's handshake, the other engine, which
     holds the token, joins and gets weights (each join talks to the store on a connection of its own)."""
-    weights, _ = weight_dict.load_hf_weights_dict(tiny_model_dir)
     events: queue.Queue = queue.Queue()
     engines = [EmbeddedEngine(f"engine{i}", str(tiny_model_dir), 1, events, auth_token=t)
                for i, t in enumerate([None, TOKEN])]
@@ -375,7 +372,7 @@ def test_an_engine_without_the_token_does_not_hold_up_the_others(tiny_model_dir,
             e.start()
         for e in engines:
             e.checksum(timeout=60)
-        syncer = WeightSyncer(WeightSync(timeout_seconds=4.0), module_from_weights(weights), engines,
+        syncer = WeightSyncer(WeightSync(timeout_seconds=4.0), trainer_model(tiny_model_dir), engines,
                               device=torch.device("cpu"), is_sender=True,
                               pump=lambda timeout: _deliver(syncer, events, timeout))
         with pytest.raises(RuntimeError, match=r"engines \['engine0'\] did not join .* no answer from the engine"):

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from _engine_push import push_like_syncer as push
-from _engine_push import wait_event
+from _engine_push import as_pushed, trainer_weights, wait_event
 from fakes.sglang_server import ROOT, ContractServer
 
 from torchtitan_flux.models import inference
@@ -49,7 +49,8 @@ def connect(handler, name: str, specs, bucket_bytes: int, epoch: int = 1):
 
 
 def max_logprob_diff(result, prompts, group_size, weights, shape, temperature) -> float:
-    """Max |engine logprob - trainer logprob| over every completion token (trainer = inference.score)."""
+    """Max |engine logprob - trainer logprob| over every completion token (trainer = inference.score on ``weights``
+    as pushed: HF names and layout)."""
     worst = 0.0
     for i in range(result.tokens.shape[0]):
         p, L = prompts[i // group_size], int(result.lengths[i])
@@ -87,7 +88,7 @@ def request(req_id: int, temperature: float = 1.0, max_new: int = 12, seed: int 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    weights, shape = weight_dict.load_hf_weights_dict(tiny_model_dir)
+    weights, shape = trainer_weights(tiny_model_dir), weight_dict.ModelShape.from_hf_dir(tiny_model_dir)
     specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
     return tiny_model_dir, weights, shape, specs
 
@@ -115,7 +116,7 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
     h.submit(request(0))
     r = wait_event(events, GenerationResult)
     assert r.engine == "sgl0" and r.version == -1 and r.tokens.shape == (len(PROMPTS) * G, 12)
-    assert max_logprob_diff(r, PROMPTS, G, weights, shape, 1.0) < 1e-5
+    assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, weights), shape, 1.0) < 1e-5
     assert not torch.equal(r.tokens[0], r.tokens[1])  # the G samples of a prompt differ (seed + sample)
 
     # a bucketed push: the server joins as rank 1 and receives the broadcasts
@@ -151,8 +152,8 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
     h.submit(request(1, temperature=0.7))
     r = wait_event(events, GenerationResult)
     assert r.version == 1 and r.newest_seen == 1
-    assert max_logprob_diff(r, PROMPTS, G, new, shape, 0.7) < 1e-5
-    assert max_logprob_diff(r, PROMPTS, G, weights, shape, 0.7) > 1e-3
+    assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 0.7) < 1e-5
+    assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, weights), shape, 0.7) > 1e-3
 
     # generations submitted around a second push carry the version that generated all their tokens
     server.config(gen_delay_s=0.4)
@@ -174,8 +175,8 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
         server.config(gen_delay_s=0.0)
     r2, r3, ack2 = got["GenerationResult2"], got["GenerationResult3"], got["WeightAck"]
     assert (r2.version, r3.version, ack2.version) == (1, 2, 2)
-    assert max_logprob_diff(r2, PROMPTS, G, new, shape, 1.0) < 1e-5
-    assert max_logprob_diff(r3, PROMPTS, G, new2, shape, 1.0) < 1e-5
+    assert max_logprob_diff(r2, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-5
+    assert max_logprob_diff(r3, PROMPTS, G, as_pushed(h.layout, new2), shape, 1.0) < 1e-5
     assert server.state()["rejected"] == []
 
     # a re-join (resync after a failure) makes a fresh group; the old one is destroyed
@@ -328,7 +329,7 @@ def test_server_with_other_weights_is_detected_and_resynced(tiny, tmp_path):
         assert wait_event(events, WeightAck).version == 1
         h.submit(request(10))
         r = wait_event(events, GenerationResult)
-        assert r.version == 1 and max_logprob_diff(r, PROMPTS, G, new, shape, 1.0) < 1e-5
+        assert r.version == 1 and max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-5
 
         server.http.post("/_contract/restart").raise_for_status()
         h.submit(request(11))
@@ -343,7 +344,7 @@ def test_server_with_other_weights_is_detected_and_resynced(tiny, tmp_path):
         assert wait_event(events, WeightAck).version == 2
         h2.submit(request(11))
         r = wait_event(events, GenerationResult)
-        assert r.version == 2 and max_logprob_diff(r, PROMPTS, G, new, shape, 1.0) < 1e-5
+        assert r.version == 2 and max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-5
     finally:
         h.close()
         if h2 is not None:
@@ -456,7 +457,8 @@ def test_real_sglang_server(tiny, tmp_path):  # pragma: no cover - GPU machines 
         h.submit(request(0, temperature=1.0))
         r = wait_event(events, GenerationResult, timeout=300)
         assert r.version == 1
-        assert max_logprob_diff(r, PROMPTS, G, new, shape, 1.0) < 1e-2  # bf16/fp16 kernels on the GPU
+        # bf16/fp16 kernels on the GPU
+        assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-2
     finally:
         h.close()
         os.killpg(proc.pid, 9)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from _sync_harness import perturb
+from _sync_harness import params_snapshot, perturb
 
 from _engine_push import gloo_pair
 
@@ -30,8 +30,8 @@ def nudge(model, seed: int, share: float, scale: float = 0.05) -> None:
 
 def in_sync(h, version: int, i: int = 0) -> None:
     assert h.engine_checksum(i) == (version, h.staging_checksum())
-    for n, p in h.model.named_parameters():
-        assert torch.equal(h.syncer.staging.views[n], p.detach().to(torch.bfloat16)), n
+    for n, p in h.wire(params_snapshot(h.model)).items():
+        assert torch.equal(h.syncer.staging.views[n], p.to(torch.bfloat16)), n
 
 
 def test_sparse_pushes_are_bit_exact_and_carry_only_what_changed(harness_factory, caplog):

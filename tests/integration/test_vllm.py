@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _engine_push import push_like_syncer, wait_event
+from _engine_push import as_pushed, push_like_syncer, trainer_weights, wait_event
 from fakes.http_servers import VllmStub
 import torch
 from conftest import ROOT, free_port, need_vllm, wait_healthy
@@ -174,7 +174,7 @@ def _modified(weights: dict) -> dict:
 @pytest.mark.vllm
 def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
     url, proc, stats = vllm_server
-    weights, shape = weight_dict.load_hf_weights_dict(small_model_dir)
+    weights, shape = trainer_weights(small_model_dir), weight_dict.ModelShape.from_hf_dir(small_model_dir)
     events: queue.Queue = queue.Queue()
     h = VllmEngine("vllm0", url, events, model_dir=small_model_dir, health_interval_s=1.0, auth_token=TOKEN)
     h.start()
@@ -187,7 +187,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
 
         before = generate(0, 0.0)
         assert before.version == -1 and before.tokens.shape == (len(PROMPTS) * G, 16)
-        assert _max_diff(before, G, weights, shape, 0.0) < 1e-5
+        assert _max_diff(before, G, as_pushed(h.layout, weights), shape, 0.0) < 1e-5
 
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
         store = transport.connect_store("127.0.0.1", 0, 60, True)
@@ -214,10 +214,11 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         greedy = generate(1, 0.0)
         sampled = generate(2, 0.7)
         assert greedy.version == sampled.version == 1
-        d_greedy = _max_diff(greedy, G, new, shape, 0.0)
-        d_sampled = _max_diff(sampled, G, new, shape, 0.7)
+        d_greedy = _max_diff(greedy, G, as_pushed(h.layout, new), shape, 0.0)
+        d_sampled = _max_diff(sampled, G, as_pushed(h.layout, new), shape, 0.7)
         assert d_greedy < 1e-5 and d_sampled < 1e-5
-        assert _max_diff(greedy, G, weights, shape, 0.0) > 1e-2  # the push changed what the server computes
+        # the push changed what the server computes
+        assert _max_diff(greedy, G, as_pushed(h.layout, weights), shape, 0.0) > 1e-2
         assert not torch.equal(sampled.tokens[0], sampled.tokens[1])  # n = G samples differ (seed + j)
         stats.update(push_s=round(push_s, 3), buckets=len(plan.buckets), mb=round(plan.nbytes / 2**20, 2),
                      logprob_max_diff=max(d_greedy, d_sampled), rss_mb_after=round(_tree_rss_mb(proc.pid)))
@@ -233,7 +234,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         assert wait_event(events, WeightAck, timeout=120).version == 2
         again = generate(3, 0.0)
         assert again.version == 2 and torch.equal(again.tokens, before.tokens)
-        assert _max_diff(again, G, weights, shape, 0.0) < 1e-5
+        assert _max_diff(again, G, as_pushed(h.layout, weights), shape, 0.0) < 1e-5
     finally:
         h.close()
 
@@ -291,7 +292,7 @@ def test_requests_without_the_token_are_refused(vllm_server, small_model_dir):
     h = VllmEngine("v_tok", url, events, model_dir=small_model_dir, health_interval_s=0, auth_token=TOKEN)
     h.start()
     try:
-        weights, _ = weight_dict.load_hf_weights_dict(small_model_dir)
+        weights = trainer_weights(small_model_dir)
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
         store = transport.connect_store("127.0.0.1", 0, 20, True)
         info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/v_tok/1", "gloo", 20.0, specs, 512 * 1024)

@@ -15,7 +15,7 @@ import torch
 
 import transformers  # noqa: F401,E402 - a dev dependency (pyproject): missing, this file errors instead of skipping
 
-from _engine_push import push_like_syncer, wait_event  # noqa: E402
+from _engine_push import as_pushed, push_like_syncer, trainer_weights, wait_event  # noqa: E402
 from conftest import ROOT, need_vllm, read_metrics, run_train  # noqa: E402
 from hf_families import build_hf_model  # noqa: E402
 
@@ -92,7 +92,7 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
     """Right push: the probe passes. A push with a tensor left out, and the old untying trainer (a separate
     ``lm_head`` pushed to a tied engine, which drops it): the probe fails naming the engine and version."""
     model_dir, handler, events = tied_llama_server
-    weights, shape = weight_dict.load_hf_weights_dict(model_dir)
+    weights, shape = trainer_weights(model_dir), weight_dict.ModelShape.from_hf_dir(model_dir)
     tokens = [1] + [3 + b for b in PROBE_TEXT.encode()][:60]
     seq = torch.tensor([tokens])
     gen = torch.Generator().manual_seed(0)
@@ -101,7 +101,8 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
 
     _push(handler, events, specs, trained, 1)
     version, got = handler.score(tokens)
-    report = compare(handler.name, version, tokens, inference.score(trained, shape, seq)[0], got, 1e-3)
+    expected = inference.score(as_pushed(handler.layout, trained), shape, seq)[0]
+    report = compare(handler.name, version, tokens, expected, got, 1e-3)
     assert version == 1 and report.max_abs_diff < 1e-3
 
     # a tensor left out: the engine keeps its version-1 value of it
@@ -111,21 +112,23 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
     _push(handler, events, partial, moved, 2)
     version, got = handler.score(tokens)
     with pytest.raises(ProbeMismatch, match="engine vllm0 at version 2"):
-        compare(handler.name, version, tokens, inference.score(moved, shape, seq)[0], got, 1e-3)
+        compare(handler.name, version, tokens, inference.score(as_pushed(handler.layout, moved), shape, seq)[0], got,
+                1e-3)
 
     # the old behaviour: the trainer unties, trains a separate head and pushes it as lm_head.weight
     untied_shape = dataclasses_replace(shape, tied=False)
     untied = {**moved, "output.weight": moved["tok_embeddings.weight"] + 0.2 * torch.randn(
         moved["tok_embeddings.weight"].shape, generator=gen)}
     untied_specs = specs + [transport.TensorSpec("output.weight", tuple(untied["output.weight"].shape), "float32")]
-    handler.layout = _untied_layout(model_dir)  # the pre-fix trainer's names: lm_head.weight included
+    untied_layout = handler.layout = _untied_layout(model_dir)  # the pre-fix trainer's names: lm_head.weight included
     try:
         _push(handler, events, untied_specs, untied, 3)
     finally:
         del handler.layout  # built again from the folder on next use
     version, got = handler.score(tokens)
     with pytest.raises(ProbeMismatch, match="engine vllm0 at version 3"):
-        compare(handler.name, version, tokens, inference.score(untied, untied_shape, seq)[0], got, 1e-3)
+        compare(handler.name, version, tokens, inference.score(as_pushed(untied_layout, untied), untied_shape, seq)[0],
+                got, 1e-3)
 
 
 def dataclasses_replace(obj, **kw):

@@ -22,7 +22,7 @@ LOG = "torchtitan_flux"
 
 
 def staging_holds(h: Harness, params: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(h.syncer.staging.views[n], p) for n, p in params.items())
+    return all(torch.equal(h.syncer.staging.views[n], p) for n, p in h.wire(params).items())
 
 
 
@@ -195,16 +195,16 @@ def test_push_landing_mid_request_is_swapped_in_only_between_requests(harness_fa
     assert batch.versions.tolist() == [0] * batch.tokens.shape[0]
     assert batch.dispatch_version == 0 and batch.newest_seen == 1
     # one version throughout: bit-identical to generating the whole request with v0
-    ref0 = _reference_tokens(w0, h.shape, part.request)
+    ref0 = _reference_tokens(h.engine_weights(w0), h.shape, part.request)
     assert torch.equal(res.tokens, ref0)
-    assert not torch.equal(_reference_tokens(w1, h.shape, part.request), ref0)  # (v1 would differ)
+    assert not torch.equal(_reference_tokens(h.engine_weights(w1), h.shape, part.request), ref0)  # (v1 would differ)
 
     sched.dispatch(2, trainer_version=1)  # the next request runs on v1
     part2 = sched._steps[2].parts[0]
     batch2 = sched.collect(2, trainer_version=1)
     assert part2.result.version == part2.result.newest_seen == 1
     assert batch2.versions.tolist() == [1] * batch2.tokens.shape[0] and batch2.dispatch_version == 1
-    assert torch.equal(part2.result.tokens, _reference_tokens(w1, h.shape, part2.request))
+    assert torch.equal(part2.result.tokens, _reference_tokens(h.engine_weights(w1), h.shape, part2.request))
     assert_in_sync(h, 1)
     print(f"\natomic swap: request took {res.gen_time_s:.2f}s; push of v1 (blocking, acked, receiver stalled 0.3s) "
           "landed during it")

@@ -27,7 +27,7 @@ from torchtitan_flux.models import inference
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.models.inference import forward_logits, generate, score  # noqa: E402
 from torchtitan_flux.models.weight_dict import ModelShape  # noqa: E402
-from torchtitan_flux.models.hf_weights import export_hf_weights, load_hf_weights  # noqa: E402
+from torchtitan_flux.models.hf_weights import HFLayout, export_hf_weights, load_hf_weights  # noqa: E402
 from torchtitan_flux.models.families import (  # noqa: E402
     FAMILY_SPECS,
     FluxLlamaArgs,
@@ -64,6 +64,15 @@ def _job_config(hf_dir, seq_len):
         training=SimpleNamespace(seq_len=seq_len),
         parallelism=SimpleNamespace(context_parallel_degree=1),
     )
+
+
+def _assert_pushed(weights: dict, sd: dict, model_args) -> None:
+    """``weights`` (an engine's) are exactly the torchtitan state dict ``sd`` as pushed: HF names and layout."""
+    layout = HFLayout(model_args)
+    names = layout.hf_names(list(sd), [tuple(v.shape) for v in sd.values()])
+    assert list(weights) == names
+    for name, (k, v) in zip(names, sd.items()):
+        assert torch.equal(weights[name], layout.wire_tensor(k, v)), name
 
 
 def _tt_logprobs(model, batch: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -106,7 +115,7 @@ def test_build_model_dir_files_idempotent_and_param_count(model_dir, tmp_path):
     other = assets.build_model_dir(tmp_path / "m", flavor=FLAVOR, seed=SEED + 1)
     w0, _ = weight_dict.load_hf_weights_dict(model_dir)
     w1, _ = weight_dict.load_hf_weights_dict(other)
-    assert not torch.equal(w0["layers.0.attention.wq.weight"], w1["layers.0.attention.wq.weight"])
+    assert not torch.equal(w0["model.layers.0.self_attn.q_proj.weight"], w1["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_tokenizer_roundtrip_with_torchtitan(model_dir):
@@ -210,11 +219,8 @@ def test_export_hf_weights_roundtrip(model_dir, tmp_path):
     sd = model.state_dict()
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, sd[k]), k
-    # the torch-only reader of the engines gives the same torchtitan-named tensors
-    weights, _ = weight_dict.load_hf_weights_dict(out)
-    assert list(weights) == list(sd)
-    for k, v in weights.items():
-        assert torch.equal(v, sd[k]), k
+    # the torch-only reader of the engines gives what a push of these parameters carries (HF names and layout)
+    _assert_pushed(weight_dict.load_hf_weights_dict(out)[0], sd, args)
 
 
 def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
@@ -243,9 +249,7 @@ def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
         out = export_hf_weights(model, tmp_path / "export", args, model_dir)
     finally:
         dist.destroy_process_group()
-    weights, _ = weight_dict.load_hf_weights_dict(out)
-    for k, v in weights.items():
-        assert torch.equal(v, ref_sd[k]), k
+    _assert_pushed(weight_dict.load_hf_weights_dict(out)[0], ref_sd, args)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,16 +277,15 @@ def test_inference_module_does_not_import_torchtitan():
         assert not bad, (module.__name__, bad)
 
 
-def test_weight_names_and_shapes_match_torchtitan(reference, engine, model_dir):
-    ref_model, _ = reference
+def test_weight_names_and_shapes_are_what_a_push_of_torchtitans_model_carries(reference, engine, model_dir):
+    ref_model, ref_args = reference
     weights, shape = engine
     assert shape == ModelShape.from_hf_dir(model_dir)
     sd = ref_model.state_dict()
-    assert weight_dict.weight_names(shape) == list(sd)
-    assert weight_dict.weight_shapes(shape) == {k: tuple(v.shape) for k, v in sd.items()}
-    assert list(weights) == list(sd)
-    for k, v in weights.items():
-        assert torch.equal(v, sd[k]), k
+    pushed = HFLayout(ref_args).hf_names(list(sd), [tuple(v.shape) for v in sd.values()])
+    assert weight_dict.weight_names(shape) == pushed
+    assert list(weight_dict.weight_shapes(shape).values()) == [tuple(v.shape) for v in sd.values()]
+    _assert_pushed(weights, sd, ref_args)
 
 
 @pytest.mark.parametrize(
@@ -444,14 +447,14 @@ def test_greedy_matches_naive_loop_and_eos_handling(reference, engine):
     # feature 0 equal to 1, and only eos reads feature 0 -> eos logit ~ +100, all others 0.
     forced = dict(weights)
     for i in range(shape.n_layers):
-        for name in ("attention.wo.weight", "feed_forward.w2.weight"):
-            forced[f"layers.{i}.{name}"] = torch.zeros_like(weights[f"layers.{i}.{name}"])
-    emb = weights["tok_embeddings.weight"].clone()
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            forced[f"model.layers.{i}.{name}"] = torch.zeros_like(weights[f"model.layers.{i}.{name}"])
+    emb = weights[weight_dict.EMBEDDING].clone()
     emb[:, 0] = 1.0
-    forced["tok_embeddings.weight"] = emb
-    out_w = torch.zeros_like(weights["output.weight"])
+    forced[weight_dict.EMBEDDING] = emb
+    out_w = torch.zeros_like(weights[weight_dict.LM_HEAD])
     out_w[EOS, 0] = 100.0
-    forced["output.weight"] = out_w
+    forced[weight_dict.LM_HEAD] = out_w
     for temperature in (0.0, 1.0):
         t3, lp3, len3 = generate(
             forced, shape, prompts, max_new_tokens=N, temperature=temperature, eos_id=EOS, pad_id=PAD,

@@ -16,6 +16,7 @@ most once, and not after ``close()``: engines restart by name, so a second repor
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -296,7 +297,7 @@ class EmbeddedEngine(EngineHandler):
             return not self._requests and self.alive()
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
-        self._send(("join", info))
+        self._send(("join", dataclasses.replace(info, specs=self.wire_specs(info.specs))))
 
     def weight_backend(self, trainer_backend: str) -> str:
         from torchtitan_flux.wire.transport import COLOCATED

@@ -8,8 +8,8 @@ did not start; subclasses implement only the per-server hooks (endpoints and pay
   reported version is compared with the stamp: a server restarted or updated behind our back is caught there, its
   result dropped and the handler dies (reconnect, resync, re-dispatch): no sample is labelled with a wrong version.
 * A push runs on one control thread: gate, ``pause``, ``open``, ONE HTTP request per bucket (concurrent with the
-  trainer's broadcast of it), ``close``, ``resume``, then the ``WeightAck``. Names and layout are HF's, converted
-  once on the trainer side (``HFLayout``: ``join_weight_group`` maps the names, ``wire_tensor`` the tensors).
+  trainer's broadcast of it), ``close``, ``resume``, then the ``WeightAck``. Names and layout are HF's, as for every
+  engine (``EngineHandler.wire_specs`` maps the names at the join, ``wire_tensor`` the tensors).
 
 Failure policy: a push that fails after the update session opened leaves the weights partly updated: the handler
 dies (``reconnect()`` gives a fresh one once the server is usable). One that fails before (pause/open refused) is
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
 import logging
 import queue
 import threading
@@ -146,11 +145,9 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._gen.submit(self._generate_task, request)
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
-        plan = transport.plan_buckets(info.specs, info.bucket_bytes)
-        try:
-            meta = self.layout.bucket_meta(plan)
-        except ValueError as e:
-            raise ValueError(f"{self.name}: {e}") from None
+        plan = transport.plan_buckets(self.wire_specs(info.specs), info.bucket_bytes)
+        meta = [([s.name for s in specs], [s.dtype for s in specs], [list(s.shape) for s in specs])
+                for specs in (plan.specs[b.start : b.end] for b in plan.buckets)]
         with self._lock:
             self._plan, self._bucket_meta, self._info = plan, meta, info
         self._ctl.submit(self._join_task, info)
@@ -180,17 +177,6 @@ class HttpEngine(EngineHandler, abc.ABC):
                 w.stop()
         if self.client is not None:
             self.client.close()
-
-    def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A torchtitan parameter in the layout the server loads (HF; see ``HFLayout.wire_tensor``)."""
-        return self.layout.wire_tensor(name, tensor)
-
-    @functools.cached_property
-    def layout(self):
-        """The model family's HF layout (``torchtitan_flux.models.hf_weights.HFLayout``), built on first use."""
-        from torchtitan_flux.models.hf_weights import HFLayout  # imports torchtitan (trainer side only)
-
-        return HFLayout.from_hf_dir(self.model_dir)
 
     def kill(self, why: str) -> None:
         """The server is not ours to stop: the handler gives it up (``_die``) and ``Rollouts`` reconnects if it can."""

@@ -1,6 +1,6 @@
 """HF weights <-> torchtitan models, trainer side, through each family's state-dict adapter (``families.py``):
 ``load_hf_weights`` (checked key by key and shape by shape first), ``export_hf_weights`` (a loadable HF folder; a
-tied model stays tied), and ``HFLayout`` (the HF names and layout the HTTP engines push).
+tied model stays tied), and ``HFLayout`` (the HF names and layout every engine is pushed).
 
 Simplifications: every rank reads the whole files on load (then keeps its shards); export gathers the full state
 dict to rank 0's CPU and writes one ``model.safetensors`` (no sharded export).
@@ -8,6 +8,7 @@ dict to rank 0's CPU and writes one ``model.safetensors`` (no sharded export).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,7 +32,8 @@ ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 
 
 class HFLayout:
-    """Names and tensor layout of torchtitan parameters as HF-layout servers (vLLM, SGLang) load them."""
+    """Names and tensor layout of torchtitan parameters as every engine loads them: HF's (the embedded engine's
+    forward, vLLM, SGLang). The one place the trainer's parameter names meet the engines'."""
 
     def __init__(self, model_args):
         self.adapter = state_dict_adapter(model_args)
@@ -53,14 +55,10 @@ class HFLayout:
                              "is not a parameter of its own and has no HF name)")
         return out
 
-    def bucket_meta(self, plan) -> list[tuple[list[str], list[str], list[list[int]]]]:
-        """Per bucket of a ``transport.BucketPlan``: the (HF names, dtypes, shapes) its update request carries."""
-        names = self.hf_names([s.name for s in plan.specs], [s.shape for s in plan.specs])
-        out = []
-        for b in plan.buckets:
-            specs = plan.specs[b.start : b.end]
-            out.append((names[b.start : b.end], [s.dtype for s in specs], [list(s.shape) for s in specs]))
-        return out
+    def hf_specs(self, specs: list) -> list:
+        """A push's parameter list (``transport.TensorSpec``s of clean torchtitan names) under HF names, in order."""
+        names = self.hf_names([s.name for s in specs], [s.shape for s in specs])
+        return [dataclasses.replace(s, name=n) for s, n in zip(specs, names)]
 
     def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A torchtitan parameter in HF layout (llama: q/k rows permuted by ``to_hf``; otherwise unchanged)."""

@@ -4,21 +4,26 @@ rollout engines. Must NOT import torchtitan (engine environments pin their own t
 The math is copied from torchtitan's ``models/llama3/model/model.py`` and ``models/qwen3/model/model.py``
 (Copyright (c) Meta Platforms, Inc. and affiliates, BSD-3-Clause license): logits match torchtitan's to rounding.
 
-Weights are a plain ``dict[str, Tensor]`` in torchtitan names (``weight_dict``). Every function takes the dict as
+Weights are a plain ``dict[str, Tensor]`` in HF names and layout (``weight_dict``). Every function takes the dict as
 an argument and keeps no reference to it, so an engine can swap the whole dict atomically between requests.
+
+Generation is split as gpt-fast's ``generate.py``: ``prefill`` runs the prompts into a ``KVCache``, ``decode_step``
+runs one token per sequence of that batch, ``sample`` draws the next tokens from the logits, and ``Completions``
+keeps the tokens, logprobs and lengths.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from torchtitan_flux.models.weight_dict import ModelShape, layer_param_names, output_weight
+from torchtitan_flux.models.weight_dict import EMBEDDING, FINAL_NORM, ModelShape, layer_param_names, output_weight
 
-__all__ = ["generate", "score", "forward_logits"]
+__all__ = ["generate", "score", "forward_logits", "prefill", "decode_step", "sample"]
 
 
 def precompute_freqs_cis(shape: ModelShape, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -77,95 +82,140 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, fc: torch.Tensor) -> torch.Tensor:
-    """x [B, S, heads, hd] real; fc [B or 1, S, 1, hd/2] complex (llama), or [B or 1, S, 1, 2 * hd] cos|sin."""
+    """x [B, S, heads, hd] real; fc [B or 1, S, 1, hd/2] complex (llama), or [B or 1, S, 1, 2 * hd] cos|sin.
+    Llama: HF's q/k rows hold each head's rotation pairs as its two halves; they are rotated as torchtitan's llama3
+    rotates interleaved pairs, and the output stays interleaved: q and k share the order, so attention is
+    unchanged and bit-identical to torchtitan's layout."""
     if not fc.is_complex():
         hd = x.shape[-1]
         cos, sin = fc[..., :hd].to(x.dtype), fc[..., hd:].to(x.dtype)
         rotated = torch.cat((-x[..., hd // 2:], x[..., : hd // 2]), dim=-1)
         return x * cos + rotated * sin
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    pairs = x.unflatten(-1, (2, -1)).transpose(-1, -2)  # [..., hd/2, 2]: (x[j], x[j + hd/2])
+    xc = torch.view_as_complex(pairs.contiguous().float())
     return torch.view_as_real(xc * fc).flatten(3).type_as(x)
 
 
-_LAYER_SLOTS = (  # per-layer tuple layout read by _forward_hidden (None where the family has no such tensor)
-    "attention.wq.weight", "attention.wq.bias", "attention.wk.weight", "attention.wk.bias",
-    "attention.wv.weight", "attention.wv.bias", "attention.wo.weight",
-    "attention.q_norm.weight", "attention.k_norm.weight",
-    "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
-    "attention_norm.weight", "ffn_norm.weight",
+class LayerWeights(NamedTuple):
+    """One transformer block's tensors (None where the family has none: q/k/v biases, q/k norms)."""
+
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate: torch.Tensor
+    down: torch.Tensor
+    up: torch.Tensor
+    attention_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+
+
+_LAYER_NAMES = LayerWeights(  # each field's HF name after ``model.layers.{i}.``
+    "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.up_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
 )
 
 
-def _layers(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> list[tuple[torch.Tensor | None, ...]]:
-    present = set(layer_param_names(shape))
-    try:
-        return [
-            tuple(weights[f"layers.{i}.{p}"] if p in present else None for p in _LAYER_SLOTS)
-            for i in range(shape.n_layers)
-        ]
-    except KeyError as e:
-        raise ValueError(f"weights are missing {e.args[0]!r}") from None
+@dataclass(frozen=True)
+class Model:
+    """What a forward reads, looked up once per call from a weight dict: the architecture and the tensors."""
+
+    shape: ModelShape
+    embedding: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    output: torch.Tensor
+
+    @classmethod
+    def of(cls, weights: Mapping[str, torch.Tensor], shape: ModelShape) -> "Model":
+        """Look up ``weights`` (HF names); ValueError naming a missing one."""
+        present = set(layer_param_names(shape))
+        try:
+            layers = [LayerWeights(*(weights[f"model.layers.{i}.{n}"] if n in present else None for n in _LAYER_NAMES))
+                      for i in range(shape.n_layers)]
+            return cls(shape, weights[EMBEDDING], layers, weights[FINAL_NORM], output_weight(weights, shape))
+        except KeyError as e:
+            raise ValueError(f"weights are missing {e.args[0]!r}") from None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.device
 
 
-def _forward_hidden(weights: Mapping[str, torch.Tensor], layers: list[tuple[torch.Tensor, ...]], shape: ModelShape,
-                    tokens: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
+def _attention(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, S, H, hd] over k, v [B, KV, T, hd] -> [B, S, H * hd] (see ``_forward_hidden``'s mask)."""
+    B, S = q.shape[:2]
+    H, KV, hd, rep = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.n_rep
+    # GQA without repeating K/V: the rep query heads of kv head g are folded into the query-length axis
+    if S == 1:
+        qg = q.view(B, KV, rep, hd)
+    else:
+        qg = q.view(B, S, KV, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, rep * S, hd)
+    if S == 1 and mask.dtype != torch.bool:
+        # decode step: explicit attention, additive mask (faster than SDPA's CPU kernels at these sizes)
+        att = torch.matmul(qg, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(hd)).add_(mask)
+        o = torch.matmul(torch.softmax(att, dim=-1), v)
+    else:
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    if S == 1:
+        return o.reshape(B, 1, H * hd)
+    return o.view(B, KV, rep, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, H * hd)
+
+
+def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
+           cache: tuple[torch.Tensor, torch.Tensor] | None, start: int) -> torch.Tensor:
+    """One transformer block on x [B, S, dim]; with ``cache``, K/V are written at ``start:start+S`` and attention
+    reads ``[:start+S]``."""
+    B, S = x.shape[:2]
+    eps = shape.norm_eps
+    h = _rms_norm(x, w.attention_norm, eps)
+    q = F.linear(h, w.wq, w.bq).view(B, S, shape.n_heads, shape.head_dim)
+    k = F.linear(h, w.wk, w.bk).view(B, S, shape.n_kv_heads, shape.head_dim)
+    v = F.linear(h, w.wv, w.bv).view(B, S, shape.n_kv_heads, shape.head_dim)
+    if w.q_norm is not None:
+        q, k = _rms_norm(q, w.q_norm, eps), _rms_norm(k, w.k_norm, eps)
+    q, k = _rope(q, fc), _rope(k, fc)
+    if cache is None:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    else:
+        kc, vc = cache
+        kc[:, :, start:start + S] = k.transpose(1, 2)
+        vc[:, :, start:start + S] = v.transpose(1, 2)
+        k, v = kc[:, :, : start + S], vc[:, :, : start + S]
+    x = x + F.linear(_attention(shape, q, k, v, mask), w.wo)
+    h = _rms_norm(x, w.ffn_norm, eps)
+    return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
+
+
+def _forward_hidden(model: Model, tokens: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
                     caches: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int) -> torch.Tensor:
     """Final-norm hidden states [B, S, dim] of ``tokens`` [B, S]; ``fc``: their RoPE rows [B or 1, S, 1, ...];
     ``mask``: bool (True = attend) to [B, n_kv, rep * S, T], or (S == 1 only) 0/-inf [B, 1, 1, T]. With
     ``caches``, K/V of the S tokens are written at ``start:start+S`` and attention reads ``[:start+S]``."""
-    B, S = tokens.shape
-    H, KV, hd, rep, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.n_rep, shape.norm_eps
-    scale = 1.0 / math.sqrt(hd)
-    x = F.embedding(tokens, weights["tok_embeddings.weight"])
-    for li, (wq, bq, wk, bk, wv, bv, wo, qn, kn, w1, w2, w3, an, fn) in enumerate(layers):
-        h = _rms_norm(x, an, eps)
-        q = F.linear(h, wq, bq).view(B, S, H, hd)
-        k = F.linear(h, wk, bk).view(B, S, KV, hd)
-        v = F.linear(h, wv, bv).view(B, S, KV, hd)
-        if qn is not None:
-            q, k = _rms_norm(q, qn, eps), _rms_norm(k, kn, eps)
-        q, k = _rope(q, fc), _rope(k, fc)
-        if caches is not None:
-            kc, vc = caches[li]
-            kc[:, :, start:start + S] = k.transpose(1, 2)
-            vc[:, :, start:start + S] = v.transpose(1, 2)
-            k = kc[:, :, : start + S]
-            v = vc[:, :, : start + S]
-        else:
-            k = k.transpose(1, 2)
-            v = v.transpose(1, 2)
-        # GQA without repeating K/V: the rep query heads of kv head g are folded into the query-length axis
-        if S == 1:
-            qg = q.view(B, KV, rep, hd)
-        else:
-            qg = q.view(B, S, KV, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, rep * S, hd)
-        if S == 1 and mask.dtype != torch.bool:
-            # decode step: explicit attention, additive mask (faster than SDPA's CPU kernels at these sizes)
-            att = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(mask)
-            o = torch.matmul(torch.softmax(att, dim=-1), v)
-        else:
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
-        if S == 1:
-            o = o.reshape(B, 1, H * hd)
-        else:
-            o = o.view(B, KV, rep, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, H * hd)
-        x = x + F.linear(o, wo)
-        h = _rms_norm(x, fn, eps)
-        x = x + F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
-    return _rms_norm(x, weights["norm.weight"], eps)
+    x = F.embedding(tokens, model.embedding)
+    for i, layer in enumerate(model.layers):
+        x = _block(model.shape, layer, x, fc, mask, None if caches is None else caches[i], start)
+    return _rms_norm(x, model.norm, model.shape.norm_eps)
 
 
 def forward_logits(weights: Mapping[str, torch.Tensor], shape: ModelShape, tokens: torch.Tensor) -> torch.Tensor:
     """Causal logits [B, L, vocab] (float32) of ``tokens`` [B, L], positions 0..L-1 (no cache)."""
-    tokens = torch.as_tensor(tokens)
-    device = weights["tok_embeddings.weight"].device
-    tokens = tokens.to(device)
-    B, L = tokens.shape
+    model = Model.of(weights, shape)
+    tokens = torch.as_tensor(tokens).to(model.device)
+    L = tokens.shape[1]
     with torch.no_grad():
-        fc = _freqs_cis(shape, L, device)[:L].view(1, L, 1, -1)
-        mask = torch.ones(L, L, dtype=torch.bool, device=device).tril_().repeat(shape.n_rep, 1)[None, None]
-        h = _forward_hidden(weights, _layers(weights, shape), shape, tokens, fc, mask, None, 0)
-        return F.linear(h, output_weight(weights, shape)).float()
+        fc = _freqs_cis(shape, L, model.device)[:L].view(1, L, 1, -1)
+        mask = torch.ones(L, L, dtype=torch.bool, device=model.device).tril_().repeat(shape.n_rep, 1)[None, None]
+        return F.linear(_forward_hidden(model, tokens, fc, mask, None, 0), model.output).float()
 
 
 def score(weights: Mapping[str, torch.Tensor], shape: ModelShape, sequences: torch.Tensor,
@@ -179,110 +229,164 @@ def score(weights: Mapping[str, torch.Tensor], shape: ModelShape, sequences: tor
     return torch.log_softmax(logits, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
 
 
+# ------------------------------------------------------------------------------------ generation
+
+
+@dataclass
+class KVCache:
+    """The decode state of a batch of sequences, left-padded to one length: per layer K and V
+    [B, n_kv, capacity, hd], the additive attention mask over the slots [B, 1, 1, capacity] (-inf at a prompt pad),
+    each row's next RoPE position [B], and how many slots are filled (``length``, the same for every row)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor
+    positions: torch.Tensor
+    length: int
+
+
+def _left_pad(prompts: list[tuple[int, ...]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest: tokens [U, P] and pad counts [U]."""
+    P = max(len(p) for p in prompts)
+    flat = [pad_id] * (len(prompts) * P)
+    for u, p in enumerate(prompts):
+        flat[u * P + P - len(p): (u + 1) * P] = p
+    tokens = torch.tensor(flat, dtype=torch.long).view(len(prompts), P).to(device)
+    return tokens, P - torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+
+
+def _empty_cache(shape: ModelShape, rows: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, uninitialised K and V [rows, n_kv, capacity, hd]."""
+    size = (rows, shape.n_kv_heads, capacity, shape.head_dim)
+    return [(torch.empty(size, dtype=dtype, device=device), torch.empty(size, dtype=dtype, device=device))
+            for _ in range(shape.n_layers)]
+
+
+def _prefill_mask(valid: torch.Tensor, rep: int) -> torch.Tensor:
+    """Bool prefill mask [U, 1, rep * P, P] of keys ``valid`` [U, P]: causal over real tokens; a pad attends only to
+    itself (and is never attended)."""
+    P = valid.shape[1]
+    ar = torch.arange(P, device=valid.device)
+    causal = ar[None, :] <= ar[:, None]  # [P(query), P(key)]
+    eye = torch.eye(P, dtype=torch.bool, device=valid.device)[None]
+    return ((causal[None] & valid[:, None, :]) | eye).repeat(1, rep, 1).unsqueeze(1)
+
+
+def prefill(model: Model, prompts: list[list[int]], pad_id: int, capacity: int,
+            freqs: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+    """Run the prompts (left-padded; positions start at 0 at each row's first real token) into a new ``KVCache`` of
+    ``capacity`` slots; returns the last prompt token's hidden state [B, dim] and the cache. GRPO batches repeat
+    each prompt G times: each distinct prompt runs once and its cache rows are copied."""
+    shape, device, dtype = model.shape, model.device, model.embedding.dtype
+    uniq: dict[tuple[int, ...], int] = {}
+    inverse = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
+    tokens, pads = _left_pad(list(uniq), pad_id, device)
+    U, P = tokens.shape
+    ar = torch.arange(P, device=device)
+    fc = freqs[(ar[None, :] - pads[:, None]).clamp_(min=0)].unsqueeze(2)  # [U, P, 1, ...]
+    valid = ar[None, :] >= pads[:, None]  # [U, P]
+    caches = _empty_cache(shape, U, capacity, dtype, device)
+    h = _forward_hidden(model, tokens, fc, _prefill_mask(valid, shape.n_rep), caches, 0)[:, -1]
+    if U != len(prompts) or inverse != list(range(U)):
+        rows = torch.tensor(inverse, dtype=torch.long, device=device)
+        caches = [(kc.index_select(0, rows), vc.index_select(0, rows)) for kc, vc in caches]
+        h, valid = h.index_select(0, rows), valid.index_select(0, rows)
+    mask = torch.zeros(len(prompts), 1, 1, capacity, dtype=dtype, device=device)
+    mask[:, 0, 0, :P].masked_fill_(~valid, float("-inf"))
+    positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    return h, KVCache(caches, mask, positions, P)
+
+
+def decode_step(model: Model, cache: KVCache, tokens: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """One token per row of the cache's batch (``tokens`` [B]), at each row's next position: its K/V go to slot
+    ``cache.length``, and the cache advances by one. Returns the final hidden states [B, dim]."""
+    B = tokens.shape[0]
+    fc = freqs[cache.positions].view(B, 1, 1, -1)
+    mask = cache.mask[..., : cache.length + 1]
+    h = _forward_hidden(model, tokens.view(B, 1), fc, mask, cache.layers, cache.length)[:, 0]
+    cache.positions += 1
+    cache.length += 1
+    return h
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [B, V] (float32), and its logprob, both [B, 1]: from ``softmax(logits /
+    temperature)`` (``top_k > 0``: its ``top_k`` largest logits; ``temperature == 0``: greedy); the logprob is
+    ``log_softmax(logits / temperature)`` over the full vocabulary (greedy: ``log_softmax(logits)``)."""
+    if temperature == 0:
+        tok = logits.argmax(dim=-1, keepdim=True)
+        return tok, torch.log_softmax(logits, dim=-1).gather(1, tok)
+    scaled = logits / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    if top_k:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+    else:
+        probs = logp.exp()
+    # inverse-CDF sampling, one uniform per row (~10x faster than torch.multinomial here); zero-probability tokens
+    # are never chosen
+    cdf = probs.cumsum_(dim=-1)
+    u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device).mul_(cdf[:, -1:])
+    tok = torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1)
+    return tok, logp.gather(1, tok)
+
+
+@dataclass
+class Completions:
+    """What ``generate`` returns, one column per decode step: tokens and logprobs [B, N] (``pad_id`` and 0 once a row
+    stopped), lengths [B] (the stop token included); which rows stopped, after emitting one of ``stop_ids``."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: torch.Tensor
+    done: torch.Tensor
+    stop_ids: torch.Tensor
+    pad_id: int
+
+    @classmethod
+    def empty(cls, rows: int, steps: int, eos_id: int | list[int], pad_id: int, device: torch.device) -> "Completions":
+        return cls(torch.full((rows, steps), pad_id, dtype=torch.long, device=device),
+                   torch.zeros((rows, steps), dtype=torch.float32, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.bool, device=device),
+                   torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=device),
+                   pad_id)
+
+    def add(self, t: int, tok: torch.Tensor, logprob: torch.Tensor) -> torch.Tensor:
+        """Step ``t``'s sample (``tok``, ``logprob`` [B, 1]) recorded; returns its tokens [B], ``pad_id`` if stopped."""
+        tok = tok.squeeze(1).masked_fill_(self.done, self.pad_id)
+        self.tokens[:, t] = tok
+        self.logprobs[:, t] = logprob.squeeze(1).masked_fill_(self.done, 0.0)
+        self.lengths += ~self.done
+        self.done |= torch.isin(tok, self.stop_ids)
+        return tok
+
+
 def generate(weights: Mapping[str, torch.Tensor], shape: ModelShape, prompts: list[list[int]], *,
              max_new_tokens: int, temperature: float, top_k: int = 0, eos_id: int | list[int], pad_id: int,
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample completions for token-id prompts with a KV cache (prompts left-padded, pads never attended), from
-    ``softmax(logits / temperature)`` (``top_k > 0``: its ``top_k`` largest logits; ``temperature == 0``: greedy).
-    A token's logprob is ``log_softmax(logits / temperature)`` over the FULL vocabulary (what the trainer
-    recomputes; greedy: ``log_softmax(logits)``). A row stops after emitting ``eos_id`` (an id or a list); later
-    slots hold ``pad_id``, logprob 0. Positions start at 0 at each row's first real token.
-    Returns (tokens, logprobs) [B, max_new_tokens] and lengths [B] (eos included) on the weights' device."""
-    emb = weights["tok_embeddings.weight"]
-    device, dtype = emb.device, emb.dtype
-    B, N = len(prompts), int(max_new_tokens)
-    out_tokens = torch.full((B, max(N, 0)), pad_id, dtype=torch.long, device=device)
-    out_lp = torch.zeros((B, max(N, 0)), dtype=torch.float32, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
-    if B == 0 or N <= 0:
-        return out_tokens, out_lp, lengths
+    """Sample completions for token-id prompts with a KV cache (``prefill``, then ``sample`` and ``decode_step``
+    per token; see ``sample`` for ``temperature`` and ``top_k``). A row stops after emitting ``eos_id`` (an id or a
+    list); later slots hold ``pad_id``, logprob 0. Returns (tokens, logprobs) [B, max_new_tokens] and lengths [B]
+    (eos included) on the weights' device."""
+    model = Model.of(weights, shape)
+    steps = max(int(max_new_tokens), 0)
+    out = Completions.empty(len(prompts), steps, eos_id, pad_id, model.device)
+    if not prompts or steps == 0:
+        return out.tokens, out.logprobs, out.lengths
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    plens = [len(p) for p in prompts]
-    if min(plens) == 0:
+    if min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
-    P = max(plens)
-    T = P + N
-    KV, hd, rep = shape.n_kv_heads, shape.head_dim, shape.n_rep
-    layers = _layers(weights, shape)
-    out_w = output_weight(weights, shape)
-    greedy = temperature == 0
-    eos_one = isinstance(eos_id, int) or len(eos_id) == 1
-    if eos_one:
-        eos_id = int(eos_id if isinstance(eos_id, int) else eos_id[0])
-    else:
-        eos_ids = torch.tensor(list(eos_id), dtype=torch.long, device=device)
     top_k = int(top_k) if top_k and 0 < top_k < shape.vocab_size else 0
-
+    capacity = max(len(p) for p in prompts) + steps
     with torch.no_grad():
-        # GRPO batches repeat each prompt G times: prefill each distinct prompt once, then copy its KV rows
-        uniq: dict[tuple[int, ...], int] = {}
-        inverse = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
-        uprompts = list(uniq)
-        U = len(uprompts)
-
-        # left-padded prompt batch [U, P]
-        flat = [pad_id] * (U * P)
-        for u, p in enumerate(uprompts):
-            flat[u * P + P - len(p): (u + 1) * P] = p
-        tokens = torch.tensor(flat, dtype=torch.long).view(U, P).to(device)
-        upad = P - torch.tensor([len(p) for p in uprompts], dtype=torch.long, device=device)
-        ar = torch.arange(P, device=device)
-        positions = (ar[None, :] - upad[:, None]).clamp_(min=0)  # [U, P], 0 at the first real token
-        fc_all = _freqs_cis(shape, T, device)
-        fc = fc_all[positions].unsqueeze(2)  # [U, P, 1, hd/2]
-        ukey_valid = ar[None, :] >= upad[:, None]  # [U, P]
-        causal = ar[None, :] <= ar[:, None]  # [P(query), P(key)]
-        eye = torch.eye(P, dtype=torch.bool, device=device)[None]
-        pmask = (causal[None] & ukey_valid[:, None, :]) | eye  # pads attend only to themselves
-        pmask = pmask.repeat(1, rep, 1).unsqueeze(1)  # [U, 1, rep*P, P]
-
-        ucaches = [(torch.empty(U, KV, T, hd, dtype=dtype, device=device),
-                    torch.empty(U, KV, T, hd, dtype=dtype, device=device)) for _ in range(shape.n_layers)]
-        h = _forward_hidden(weights, layers, shape, tokens, fc, pmask, ucaches, 0)[:, -1]
-        if U == B and inverse == list(range(B)):
-            caches, key_valid = ucaches, ukey_valid
-        else:
-            inv = torch.tensor(inverse, dtype=torch.long, device=device)
-            caches = [(kc.index_select(0, inv), vc.index_select(0, inv)) for kc, vc in ucaches]
-            del ucaches
-            h = h.index_select(0, inv)
-            key_valid = ukey_valid.index_select(0, inv)
-
-        # additive decode mask over the whole cache: prompt pads -inf, everything generated 0
-        dmask = torch.zeros(B, 1, 1, T, dtype=dtype, device=device)
-        dmask[:, 0, 0, :P].masked_fill_(~key_valid, float("-inf"))
-
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        pos = torch.tensor(plens, dtype=torch.long, device=device)  # position of the next token of each row
-        for t in range(N):
-            logits = F.linear(h, out_w).float()  # [B, V]
-            if greedy:
-                tok = logits.argmax(dim=-1, keepdim=True)
-                lp = torch.log_softmax(logits, dim=-1).gather(1, tok)
-            else:
-                scaled = logits / temperature
-                logp = torch.log_softmax(scaled, dim=-1)
-                if top_k:
-                    kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-                    probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
-                else:
-                    probs = logp.exp()
-                # inverse-CDF sampling, one uniform per row (~10x faster than torch.multinomial here);
-                # zero-probability tokens are never chosen
-                cdf = probs.cumsum_(dim=-1)
-                u = torch.rand(B, 1, generator=generator, device=device).mul_(cdf[:, -1:])
-                tok = torch.searchsorted(cdf, u, right=True).clamp_(max=shape.vocab_size - 1)
-                lp = logp.gather(1, tok)
-            tok = tok.squeeze(1).masked_fill_(done, pad_id)
-            out_tokens[:, t] = tok
-            out_lp[:, t] = lp.squeeze(1).masked_fill_(done, 0.0)
-            lengths += ~done
-            done |= (tok == eos_id) if eos_one else torch.isin(tok, eos_ids)
-            if t == N - 1 or bool(done.all()):
+        freqs = _freqs_cis(shape, capacity, model.device)
+        h, cache = prefill(model, prompts, pad_id, capacity, freqs)
+        for t in range(steps):
+            tok = out.add(t, *sample(F.linear(h, model.output).float(), temperature, top_k, generator))
+            if t == steps - 1 or bool(out.done.all()):
                 break
-            fc = fc_all[pos].view(B, 1, 1, -1)
-            h = _forward_hidden(weights, layers, shape, tok.view(B, 1), fc, dmask[..., : P + t + 1], caches,
-                                P + t)[:, 0]
-            pos += 1
-    return out_tokens, out_lp, lengths
+            h = decode_step(model, cache, tok, freqs)
+    return out.tokens, out.logprobs, out.lengths

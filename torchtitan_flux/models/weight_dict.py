@@ -1,15 +1,15 @@
 """The rollout engines' view of a model: its architecture (``ModelShape``, from ``config.json``) and its weights as
-a plain ``dict[str, Tensor]`` in torchtitan names (``load_hf_weights_dict``, ``check_weights``), which
+a plain ``dict[str, Tensor]`` in Hugging Face names and layout (``load_hf_weights_dict``, ``check_weights``), which
 ``inference.py`` runs. Must NOT import torchtitan (it runs in engine environments).
 
-Names: ``tok_embeddings.weight``, ``layers.{i}.attention.wq.weight``, ..., ``norm.weight``, ``output.weight`` (a
-tied model has none). Llama q/k rows are in torchtitan's RoPE layout (permuted back on load); Qwen keeps HF's.
+Names and layout are those of the HF folder, and of every push (the trainer maps its parameters to them:
+``torchtitan_flux.models.hf_weights.HFLayout``): ``model.embed_tokens.weight``,
+``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight`` (a tied model has none).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -60,7 +60,8 @@ class ModelShape:
 
     @property
     def rotate_half(self) -> bool:
-        """RoPE on the two halves of a head (HF/qwen layout) rather than on interleaved pairs (torchtitan llama3)."""
+        """Qwen's RoPE (rotate-half, cos|sin table, in the weights' dtype) rather than llama3's (complex rotations
+        of each pair, in float32, as torchtitan's llama3)."""
         return self.family != "llama"
 
     @classmethod
@@ -84,45 +85,46 @@ class ModelShape:
         return cls.from_hf_config(hf.read_config(hf_dir))
 
 
+EMBEDDING, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
 def layer_param_names(shape: ModelShape) -> tuple[str, ...]:
-    """One layer's parameter names, in torchtitan's ``named_parameters`` order for the family."""
-    if shape.family == "llama":
-        attn = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight")
-    else:  # torchtitan's qwen3 Attention registers q_norm / k_norm first
-        attn = ("attention.q_norm.weight", "attention.k_norm.weight") if shape.qk_norm else ()
-        for p in ("wq", "wk", "wv"):
-            attn += (f"attention.{p}.weight",) + ((f"attention.{p}.bias",) if shape.qkv_bias else ())
-        attn += ("attention.wo.weight",)
-    return attn + ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
-                   "attention_norm.weight", "ffn_norm.weight")
+    """One layer's weight names after ``model.layers.{i}.``, in the order the trainer pushes them."""
+    attn: tuple[str, ...] = ()
+    if shape.qk_norm:
+        attn = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    for p in ("q_proj", "k_proj", "v_proj"):
+        attn += (f"self_attn.{p}.weight",) + ((f"self_attn.{p}.bias",) if shape.qkv_bias else ())
+    attn += ("self_attn.o_proj.weight",)
+    return attn + ("mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.up_proj.weight", "input_layernorm.weight",
+                   "post_attention_layernorm.weight")
 
 
 def weight_names(shape: ModelShape) -> list[str]:
-    """All weight names, in torchtitan's ``named_parameters`` order (a tied model has no ``output.weight``)."""
-    names = ["tok_embeddings.weight"]
+    """All weight names, in the order the trainer pushes them (a tied model has no ``lm_head.weight``)."""
+    names = [EMBEDDING]
     for i in range(shape.n_layers):
-        names += [f"layers.{i}.{p}" for p in layer_param_names(shape)]
-    names += ["norm.weight"] + ([] if shape.tied else ["output.weight"])
-    return names
+        names += [f"model.layers.{i}.{p}" for p in layer_param_names(shape)]
+    return names + [FINAL_NORM] + ([] if shape.tied else [LM_HEAD])
 
 
 def weight_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Name -> shape, in ``weight_names`` order."""
     d, hd, h, kv, f = shape.dim, shape.head_dim, shape.n_heads, shape.n_kv_heads, shape.intermediate_size
     per_layer = {
-        "attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,),
-        "attention.wq.weight": (h * hd, d), "attention.wq.bias": (h * hd,),
-        "attention.wk.weight": (kv * hd, d), "attention.wk.bias": (kv * hd,),
-        "attention.wv.weight": (kv * hd, d), "attention.wv.bias": (kv * hd,),
-        "attention.wo.weight": (d, h * hd),
-        "feed_forward.w1.weight": (f, d), "feed_forward.w2.weight": (d, f), "feed_forward.w3.weight": (f, d),
-        "attention_norm.weight": (d,), "ffn_norm.weight": (d,),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+        "self_attn.q_proj.weight": (h * hd, d), "self_attn.q_proj.bias": (h * hd,),
+        "self_attn.k_proj.weight": (kv * hd, d), "self_attn.k_proj.bias": (kv * hd,),
+        "self_attn.v_proj.weight": (kv * hd, d), "self_attn.v_proj.bias": (kv * hd,),
+        "self_attn.o_proj.weight": (d, h * hd),
+        "mlp.gate_proj.weight": (f, d), "mlp.down_proj.weight": (d, f), "mlp.up_proj.weight": (f, d),
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
     }
     out: dict[str, tuple[int, ...]] = {}
     for name in weight_names(shape):
-        if name.startswith("layers."):
-            out[name] = per_layer[name.split(".", 2)[2]]
-        elif name == "norm.weight":
+        if name.startswith("model.layers."):
+            out[name] = per_layer[name.split(".", 3)[3]]
+        elif name == FINAL_NORM:
             out[name] = (d,)
         else:
             out[name] = (shape.vocab_size, d)
@@ -140,52 +142,15 @@ def check_weights(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> Non
         raise ValueError(f"weights do not match {shape}: missing={missing} unexpected={unexpected} shapes={bad}")
 
 
-# HF -> torchtitan names (as torchtitan's Llama3StateDictAdapter / Qwen3StateDictAdapter.from_hf, plus the
-# qwen2 biases of ``torchtitan_flux.models.families``).
-_FROM_HF = {
-    "model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.q_proj.bias": "attention.wq.bias",
-    "self_attn.k_proj.weight": "attention.wk.weight", "self_attn.k_proj.bias": "attention.wk.bias",
-    "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.v_proj.bias": "attention.wv.bias",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.q_norm.weight": "attention.q_norm.weight", "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def _reverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    dim1, dim2 = w.shape
-    return w.view(n_heads, 2, dim1 // n_heads // 2, dim2).transpose(1, 2).reshape(dim1, dim2)
-
-
 def hf_to_weights(hf_sd: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """HF state dict -> torchtitan-named weights (llama: q/k rows permuted back; tied: no ``output.weight``)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf_sd.items():
-        m = _HF_LAYER.match(key)
-        if m is None:
-            if key not in _FROM_HF:
-                raise ValueError(f"unexpected HF weight {key!r}")
-            out[_FROM_HF[key]] = value
-            continue
-        layer, rest = m.group(1), m.group(2)
-        if rest.endswith("rotary_emb.inv_freq"):
-            continue
-        if rest not in _FROM_HF:
-            raise ValueError(f"unexpected HF weight {key!r}")
-        if shape.family == "llama" and rest == "self_attn.q_proj.weight":
-            value = _reverse_permute(value, shape.n_heads)
-        elif shape.family == "llama" and rest == "self_attn.k_proj.weight":
-            value = _reverse_permute(value, shape.n_kv_heads)
-        out[f"layers.{layer}.{_FROM_HF[rest]}"] = value.contiguous()
-    if shape.tied:
-        out.pop("output.weight", None)
-    order = {k: i for i, k in enumerate(weight_names(shape))}
-    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+    """A HF state dict -> the engine's weights: the same names and tensors in push order, less what the forward
+    does not read (RoPE tables; a tied model's ``lm_head.weight``, which some tied checkpoints store anyway)."""
+    names = weight_names(shape)
+    ignored = {k for k in hf_sd if k.endswith("rotary_emb.inv_freq") or (shape.tied and k == LM_HEAD)}
+    unexpected = sorted(set(hf_sd) - set(names) - ignored)
+    if unexpected:
+        raise ValueError(f"unexpected HF weights {unexpected}")
+    return {k: hf_sd[k].contiguous() for k in names if k in hf_sd}
 
 
 def load_hf_weights_dict(hf_dir: str | os.PathLike, shape: ModelShape | None = None, dtype: torch.dtype | None = None,
@@ -201,5 +166,5 @@ def load_hf_weights_dict(hf_dir: str | os.PathLike, shape: ModelShape | None = N
 
 
 def output_weight(weights: Mapping[str, torch.Tensor], shape: ModelShape) -> torch.Tensor:
-    """The output projection: ``output.weight``, or the token embedding of a tied model."""
-    return weights["tok_embeddings.weight" if shape.tied else "output.weight"]
+    """The output projection: ``lm_head.weight``, or the token embedding of a tied model."""
+    return weights[EMBEDDING if shape.tied else LM_HEAD]
