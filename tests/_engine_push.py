@@ -3,6 +3,7 @@ receives of them (HF names and layout), a push done the way ``WeightSyncer`` doe
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -34,20 +35,31 @@ def trainer_weights(model_dir) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer_model(model_dir).named_parameters()}
 
 
+@functools.lru_cache(maxsize=None)
+def layout_of(model_dir) -> hf_weights.HFLayout:
+    """The HF names and layout every engine of the model in ``model_dir`` loads (what the syncer maps to)."""
+    return hf_weights.HFLayout.from_hf_dir(str(model_dir))
+
+
+def engine_specs(handler, specs: list, layout=None) -> list:
+    """A join's parameter list as the syncer sends it to ``handler``: under HF names (``layout``: the folder's)."""
+    return (layout or layout_of(str(handler.model_dir))).hf_specs(specs)
+
+
 def as_pushed(layout, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Trainer parameters (torchtitan names) as every engine receives them: HF names and layout, what
-    ``inference`` runs. ``layout``: an ``HFLayout``, or a handler's (``handler.layout``)."""
+    ``inference`` runs. ``layout``: an ``HFLayout`` (``layout_of``)."""
     names = layout.hf_names(list(weights), [tuple(t.shape) for t in weights.values()])
     return {h: layout.wire_tensor(n, t) for h, (n, t) in zip(names, weights.items())}
 
 
-def push_like_syncer(handler, pg, plan, weights: dict, version: int) -> transport.FlatWeights:
-    """``wire_tensor`` while copying into a staging buffer, ``wire_tensors`` for the broadcast list, between
-    ``begin_update`` and ``finish_update``; returns the staging buffer."""
+def push_like_syncer(handler, pg, plan, weights: dict, version: int, layout=None) -> transport.FlatWeights:
+    """The layout's ``wire_tensor`` (``layout``: the folder's) while copying into a staging buffer, ``wire_tensors``
+    for the broadcast list, between ``begin_update`` and ``finish_update``; returns the staging buffer."""
     staging = plan.allocate()
     for i, b in enumerate(plan.buckets):
         for s, view in zip(plan.specs[b.start : b.end], staging.bucket_views(i)):
-            view.copy_(handler.wire_tensor(s.name, weights[s.name]))
+            view.copy_((layout or layout_of(str(handler.model_dir))).wire_tensor(s.name, weights[s.name]))
     header = transport.encode_header(plan, version)
     handler.begin_update(version)
     works = [compat.broadcast(pg, t) for t in handler.wire_tensors(header, staging.flats)]

@@ -18,7 +18,7 @@ import torch
 from conftest import FIGURES
 from fakes.stub_tokenizers import ByteTokenizer
 from torch import nn
-from _engine_push import as_pushed, trainer_model
+from _engine_push import as_pushed, layout_of, trainer_model
 
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
@@ -115,11 +115,11 @@ class Harness:
 
     def wire(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's ``params`` (``params_snapshot``) as staging holds them: the trainer's names, HF layout."""
-        return {n: self.engines[0].wire_tensor(n, p) for n, p in params.items()}
+        return {n: layout_of(self.model_dir).wire_tensor(n, p) for n, p in params.items()}
 
     def engine_weights(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's ``params`` as the engines hold them: HF names and layout."""
-        return as_pushed(self.engines[0].layout, params)
+        return as_pushed(layout_of(self.model_dir), params)
 
     def close(self) -> None:
         self.rollouts.close()

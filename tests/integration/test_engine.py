@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from _engine_push import layout_of
 import torch
 
 from torchtitan_flux.patches import apply_patches
@@ -50,7 +51,8 @@ def rig(tiny_model_dir):
         else:
             syncer.on_event(ev)
 
-    syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump)
+    syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump,
+                          layout=layout_of(engine.model_dir))
     syncer.connect()
     yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args)
     syncer.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _engine_push import layout_of
 import torch
 
 import transformers  # noqa: F401,E402 - a dev dependency (pyproject): missing, this file errors instead of skipping
@@ -158,7 +159,8 @@ def test_the_embedded_engine_is_pushed_hf_names_and_computes_what_the_folder_giv
     cfg = WeightSync(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.02, master_port=0,
                      method="sparse")
     engine.start()
-    syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump)
+    syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump,
+                          layout=layout_of(engine.model_dir))
     try:
         syncer.connect()
         shape = weight_dict.ModelShape.from_hf_dir(d)

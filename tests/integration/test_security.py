@@ -20,7 +20,7 @@ from datetime import timedelta
 import psutil
 import pytest
 import torch
-from _engine_push import trainer_model
+from _engine_push import layout_of, trainer_model
 from conftest import ROOT
 
 from torchtitan_flux import compat
@@ -308,7 +308,8 @@ def rig(tiny_model_dir, monkeypatch):
         monkeypatch.setenv("FLUX_TEST_TOKEN", token)
         cfg = WeightSync(timeout_seconds=4.0, auth_token_env="FLUX_TEST_TOKEN")
         syncer = WeightSyncer(cfg, trainer_model(tiny_model_dir), [e], device=torch.device("cpu"), is_sender=True,
-                              pump=lambda timeout: _deliver(syncer, events, timeout))
+                              pump=lambda timeout: _deliver(syncer, events, timeout),
+                              layout=layout_of(tiny_model_dir))
         made.append(syncer)
         return syncer
 
@@ -374,7 +375,7 @@ def test_an_engine_without_the_token_does_not_hold_up_the_others(tiny_model_dir,
             e.checksum(timeout=60)
         syncer = WeightSyncer(WeightSync(timeout_seconds=4.0), trainer_model(tiny_model_dir), engines,
                               device=torch.device("cpu"), is_sender=True,
-                              pump=lambda timeout: _deliver(syncer, events, timeout))
+                              pump=lambda timeout: _deliver(syncer, events, timeout), layout=layout_of(tiny_model_dir))
         with pytest.raises(RuntimeError, match=r"engines \['engine0'\] did not join .* no answer from the engine"):
             syncer.connect()
         syncer.after_optimizer_step(1)  # blocking: returns once engine1 acked

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from _engine_push import push_like_syncer as push
-from _engine_push import as_pushed, trainer_weights, wait_event
+from _engine_push import as_pushed, engine_specs, layout_of, trainer_weights, wait_event
 from fakes.sglang_server import ROOT, ContractServer
 
 from torchtitan_flux.models import inference
@@ -41,8 +41,8 @@ from torchtitan_flux.sync.pusher import trainer_group
 def connect(handler, name: str, specs, bucket_bytes: int, epoch: int = 1):
     """The trainer's side of joining (the pusher's ``trainer_group``)."""
     store = transport.connect_store("127.0.0.1", 0, 30, True)
-    info = WeightGroupInfo("127.0.0.1", store.port, f"flux_ws/{name}/{epoch}", "gloo", 30.0, list(specs),
-                           bucket_bytes)
+    info = WeightGroupInfo("127.0.0.1", store.port, f"flux_ws/{name}/{epoch}", "gloo", 30.0,
+                           engine_specs(handler, specs), bucket_bytes)
     handler.join_weight_group(info)
     pg = trainer_group(handler, store, info)
     return store, pg, transport.plan_buckets(list(specs), bucket_bytes)
@@ -71,10 +71,16 @@ def modified(weights: dict, seed: int) -> dict:
     return new
 
 
+def pushed(handler, weights: dict) -> dict:
+    """``weights`` as ``handler``'s engine receives them (HF names and layout)."""
+    return as_pushed(layout_of(handler.model_dir), weights)
+
+
 def hf_sha(handler, weights: dict) -> dict:
     names = list(weights)
-    hf = handler.layout.hf_names(names, [tuple(weights[n].shape) for n in names])
-    return {h: hashlib.sha256(handler.wire_tensor(n, weights[n]).contiguous().view(torch.uint8).numpy()
+    layout = layout_of(handler.model_dir)
+    hf = layout.hf_names(names, [tuple(weights[n].shape) for n in names])
+    return {h: hashlib.sha256(layout.wire_tensor(n, weights[n]).contiguous().view(torch.uint8).numpy()
                               .tobytes()).hexdigest() for h, n in zip(hf, names)}
 
 
@@ -116,7 +122,7 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
     h.submit(request(0))
     r = wait_event(events, GenerationResult)
     assert r.engine == "sgl0" and r.version == -1 and r.tokens.shape == (len(PROMPTS) * G, 12)
-    assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, weights), shape, 1.0) < 1e-5
+    assert max_logprob_diff(r, PROMPTS, G, pushed(h, weights), shape, 1.0) < 1e-5
     assert not torch.equal(r.tokens[0], r.tokens[1])  # the G samples of a prompt differ (seed + sample)
 
     # a bucketed push: the server joins as rank 1 and receives the broadcasts
@@ -144,7 +150,7 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
     # the real endpoint agrees on a permuted q_proj row
     q = h.client.post("/get_weights_by_name", {"name": "model.layers.1.self_attn.q_proj.weight",
                                                 "truncate_size": 3})
-    want = h.wire_tensor("layers.1.attention.wq.weight", new["layers.1.attention.wq.weight"])[:3]
+    want = layout_of(h.model_dir).wire_tensor("layers.1.attention.wq.weight", new["layers.1.attention.wq.weight"])[:3]
     assert torch.allclose(torch.tensor(q), want)
     assert staging.checksum() != ""  # the trainer-side buffer is what went out
 
@@ -152,8 +158,8 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
     h.submit(request(1, temperature=0.7))
     r = wait_event(events, GenerationResult)
     assert r.version == 1 and r.newest_seen == 1
-    assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 0.7) < 1e-5
-    assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, weights), shape, 0.7) > 1e-3
+    assert max_logprob_diff(r, PROMPTS, G, pushed(h, new), shape, 0.7) < 1e-5
+    assert max_logprob_diff(r, PROMPTS, G, pushed(h, weights), shape, 0.7) > 1e-3
 
     # generations submitted around a second push carry the version that generated all their tokens
     server.config(gen_delay_s=0.4)
@@ -175,8 +181,8 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
         server.config(gen_delay_s=0.0)
     r2, r3, ack2 = got["GenerationResult2"], got["GenerationResult3"], got["WeightAck"]
     assert (r2.version, r3.version, ack2.version) == (1, 2, 2)
-    assert max_logprob_diff(r2, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-5
-    assert max_logprob_diff(r3, PROMPTS, G, as_pushed(h.layout, new2), shape, 1.0) < 1e-5
+    assert max_logprob_diff(r2, PROMPTS, G, pushed(h, new), shape, 1.0) < 1e-5
+    assert max_logprob_diff(r3, PROMPTS, G, pushed(h, new2), shape, 1.0) < 1e-5
     assert server.state()["rejected"] == []
 
     # a re-join (resync after a failure) makes a fresh group; the old one is destroyed
@@ -329,7 +335,7 @@ def test_server_with_other_weights_is_detected_and_resynced(tiny, tmp_path):
         assert wait_event(events, WeightAck).version == 1
         h.submit(request(10))
         r = wait_event(events, GenerationResult)
-        assert r.version == 1 and max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-5
+        assert r.version == 1 and max_logprob_diff(r, PROMPTS, G, pushed(h, new), shape, 1.0) < 1e-5
 
         server.http.post("/_contract/restart").raise_for_status()
         h.submit(request(11))
@@ -344,7 +350,7 @@ def test_server_with_other_weights_is_detected_and_resynced(tiny, tmp_path):
         assert wait_event(events, WeightAck).version == 2
         h2.submit(request(11))
         r = wait_event(events, GenerationResult)
-        assert r.version == 2 and max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-5
+        assert r.version == 2 and max_logprob_diff(r, PROMPTS, G, pushed(h, new), shape, 1.0) < 1e-5
     finally:
         h.close()
         if h2 is not None:
@@ -458,7 +464,7 @@ def test_real_sglang_server(tiny, tmp_path):  # pragma: no cover - GPU machines 
         r = wait_event(events, GenerationResult, timeout=300)
         assert r.version == 1
         # bf16/fp16 kernels on the GPU
-        assert max_logprob_diff(r, PROMPTS, G, as_pushed(h.layout, new), shape, 1.0) < 1e-2
+        assert max_logprob_diff(r, PROMPTS, G, pushed(h, new), shape, 1.0) < 1e-2
     finally:
         h.close()
         os.killpg(proc.pid, 9)

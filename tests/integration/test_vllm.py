@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _engine_push import as_pushed, push_like_syncer, trainer_weights, wait_event
+from _engine_push import (as_pushed, engine_specs, layout_of, push_like_syncer, trainer_weights,
+                          wait_event)
 from fakes.http_servers import VllmStub
 import torch
 from conftest import ROOT, free_port, need_vllm, wait_healthy
@@ -187,11 +188,12 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
 
         before = generate(0, 0.0)
         assert before.version == -1 and before.tokens.shape == (len(PROMPTS) * G, 16)
-        assert _max_diff(before, G, as_pushed(h.layout, weights), shape, 0.0) < 1e-5
+        assert _max_diff(before, G, as_pushed(layout_of(h.model_dir), weights), shape, 0.0) < 1e-5
 
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
         store = transport.connect_store("127.0.0.1", 0, 60, True)
-        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm0/1", "gloo", 60.0, specs, 512 * 1024)
+        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm0/1", "gloo", 60.0,
+                               engine_specs(h, specs), 512 * 1024)
         h.join_weight_group(info)
         transport.handshake(store, info.prefix, TOKEN, transport.TRAINER, 60.0)  # the server holds a token
         pg = trainer_group(h, store, info)
@@ -214,11 +216,11 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         greedy = generate(1, 0.0)
         sampled = generate(2, 0.7)
         assert greedy.version == sampled.version == 1
-        d_greedy = _max_diff(greedy, G, as_pushed(h.layout, new), shape, 0.0)
-        d_sampled = _max_diff(sampled, G, as_pushed(h.layout, new), shape, 0.7)
+        d_greedy = _max_diff(greedy, G, as_pushed(layout_of(h.model_dir), new), shape, 0.0)
+        d_sampled = _max_diff(sampled, G, as_pushed(layout_of(h.model_dir), new), shape, 0.7)
         assert d_greedy < 1e-5 and d_sampled < 1e-5
         # the push changed what the server computes
-        assert _max_diff(greedy, G, as_pushed(h.layout, weights), shape, 0.0) > 1e-2
+        assert _max_diff(greedy, G, as_pushed(layout_of(h.model_dir), weights), shape, 0.0) > 1e-2
         assert not torch.equal(sampled.tokens[0], sampled.tokens[1])  # n = G samples differ (seed + j)
         stats.update(push_s=round(push_s, 3), buckets=len(plan.buckets), mb=round(plan.nbytes / 2**20, 2),
                      logprob_max_diff=max(d_greedy, d_sampled), rss_mb_after=round(_tree_rss_mb(proc.pid)))
@@ -226,7 +228,8 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
 
         # a second push on a re-joined group (what a resync does), back to the original weights
         store2 = transport.connect_store("127.0.0.1", 0, 60, True)
-        info2 = WeightGroupInfo("127.0.0.1", store2.port, "flux_ws/vllm0/2", "gloo", 60.0, specs, 512 * 1024)
+        info2 = WeightGroupInfo("127.0.0.1", store2.port, "flux_ws/vllm0/2", "gloo", 60.0,
+                                engine_specs(h, specs), 512 * 1024)
         h.join_weight_group(info2)
         transport.handshake(store2, info2.prefix, TOKEN, transport.TRAINER, 60.0)
         pg2 = trainer_group(h, store2, info2)
@@ -234,7 +237,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         assert wait_event(events, WeightAck, timeout=120).version == 2
         again = generate(3, 0.0)
         assert again.version == 2 and torch.equal(again.tokens, before.tokens)
-        assert _max_diff(again, G, as_pushed(h.layout, weights), shape, 0.0) < 1e-5
+        assert _max_diff(again, G, as_pushed(layout_of(h.model_dir), weights), shape, 0.0) < 1e-5
     finally:
         h.close()
 
@@ -295,7 +298,8 @@ def test_requests_without_the_token_are_refused(vllm_server, small_model_dir):
         weights = trainer_weights(small_model_dir)
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
         store = transport.connect_store("127.0.0.1", 0, 20, True)
-        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/v_tok/1", "gloo", 20.0, specs, 512 * 1024)
+        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/v_tok/1", "gloo", 20.0,
+                               engine_specs(h, specs), 512 * 1024)
         h.join_weight_group(info)
         with pytest.raises(transport.AuthError, match="refused the engine"):
             transport.handshake(store, info.prefix, "another-token", transport.TRAINER, 20.0)

@@ -15,7 +15,8 @@ import torch
 
 import transformers  # noqa: F401,E402 - a dev dependency (pyproject): missing, this file errors instead of skipping
 
-from _engine_push import as_pushed, push_like_syncer, trainer_weights, wait_event  # noqa: E402
+from _engine_push import (as_pushed, engine_specs, layout_of, push_like_syncer,  # noqa: E402
+                          trainer_weights, wait_event)
 from conftest import ROOT, need_vllm, read_metrics, run_train  # noqa: E402
 from hf_families import build_hf_model  # noqa: E402
 
@@ -79,12 +80,14 @@ def tied_llama_server(tmp_path_factory):
         server.stop()
 
 
-def _push(handler, events, specs, weights, version):
+def _push(handler, events, specs, weights, version, layout=None):
+    """As the syncer pushes: HF names at the join, HF layout in the buckets (``layout``: the folder's)."""
     store = transport.connect_store("127.0.0.1", 0, 60, True)
-    info = WeightGroupInfo("127.0.0.1", store.port, f"flux_ws/vllm0/{version}", "gloo", 60.0, specs, 512 * 1024)
+    info = WeightGroupInfo("127.0.0.1", store.port, f"flux_ws/vllm0/{version}", "gloo", 60.0,
+                           engine_specs(handler, specs, layout), 512 * 1024)
     handler.join_weight_group(info)
     pg = trainer_group(handler, store, info)
-    push_like_syncer(handler, pg, transport.plan_buckets(specs, 512 * 1024), weights, version)
+    push_like_syncer(handler, pg, transport.plan_buckets(specs, 512 * 1024), weights, version, layout)
     assert wait_event(events, WeightAck, timeout=120).version == version
 
 
@@ -101,7 +104,7 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
 
     _push(handler, events, specs, trained, 1)
     version, got = handler.score(tokens)
-    expected = inference.score(as_pushed(handler.layout, trained), shape, seq)[0]
+    expected = inference.score(as_pushed(layout_of(handler.model_dir), trained), shape, seq)[0]
     report = compare(handler.name, version, tokens, expected, got, 1e-3)
     assert version == 1 and report.max_abs_diff < 1e-3
 
@@ -112,19 +115,16 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
     _push(handler, events, partial, moved, 2)
     version, got = handler.score(tokens)
     with pytest.raises(ProbeMismatch, match="engine vllm0 at version 2"):
-        compare(handler.name, version, tokens, inference.score(as_pushed(handler.layout, moved), shape, seq)[0], got,
-                1e-3)
+        compare(handler.name, version, tokens,
+                inference.score(as_pushed(layout_of(handler.model_dir), moved), shape, seq)[0], got, 1e-3)
 
     # the old behaviour: the trainer unties, trains a separate head and pushes it as lm_head.weight
     untied_shape = dataclasses_replace(shape, tied=False)
     untied = {**moved, "output.weight": moved["tok_embeddings.weight"] + 0.2 * torch.randn(
         moved["tok_embeddings.weight"].shape, generator=gen)}
     untied_specs = specs + [transport.TensorSpec("output.weight", tuple(untied["output.weight"].shape), "float32")]
-    untied_layout = handler.layout = _untied_layout(model_dir)  # the pre-fix trainer's names: lm_head.weight included
-    try:
-        _push(handler, events, untied_specs, untied, 3)
-    finally:
-        del handler.layout  # built again from the folder on next use
+    untied_layout = _untied_layout(model_dir)  # the pre-fix trainer's names: lm_head.weight included
+    _push(handler, events, untied_specs, untied, 3, untied_layout)
     version, got = handler.score(tokens)
     with pytest.raises(ProbeMismatch, match="engine vllm0 at version 3"):
         compare(handler.name, version, tokens, inference.score(as_pushed(untied_layout, untied), untied_shape, seq)[0],

@@ -4,13 +4,13 @@ A handler is the trainer-side proxy of one inference engine (an embedded child p
 server). It never blocks on the engine: ``submit`` queues work, and everything the engine reports arrives as an
 event on the ``events`` queue all handlers share. ``WeightSyncer`` owns the pushes and calls the handler's
 weight-sync hooks (defaults: ``EngineHandler``'s) for the engine-specific steps. Every engine is pushed HF names and
-layout (``wire_specs``, ``wire_tensor``): only the trainer side knows torchtitan's.
+layout: the syncer maps them (``models.hf_weights.HFLayout``) before a join's parameter list or a push reaches a
+handler, so only the trainer side knows torchtitan's.
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 import os
 import queue
 from dataclasses import dataclass, field
@@ -132,27 +132,6 @@ class EngineHandler(abc.ABC):
         """The backend of this engine's weight-sync group: the trainer's ("nccl" on GPU, "gloo" on CPU), or the
         engine's own choice (an embedded engine on CPU beside a GPU trainer: "gloo"; colocated: no group)."""
         return trainer_backend
-
-    def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A parameter (clean torchtitan name) in the HF layout every engine loads; applied while snapshotting, so
-        staging, dense and sparse pushes and colocated copies all hold it (``HFLayout.wire_tensor``)."""
-        return self.layout.wire_tensor(name, tensor)
-
-    def wire_specs(self, specs: list) -> list:
-        """A join's parameter list (``transport.TensorSpec``s of clean torchtitan names) under the HF names every
-        engine loads, in order."""
-        try:
-            return self.layout.hf_specs(specs)
-        except ValueError as e:
-            raise ValueError(f"{self.name}: {e}") from None
-
-    @functools.cached_property
-    def layout(self):
-        """The model family's HF names and layout (``torchtitan_flux.models.hf_weights.HFLayout``), built on first
-        use."""
-        from torchtitan_flux.models.hf_weights import HFLayout  # imports torchtitan (trainer side only)
-
-        return HFLayout.from_hf_dir(self.model_dir)
 
     def wire_tensors(self, header: torch.Tensor, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors one push broadcasts to this engine, in order."""

@@ -16,7 +16,6 @@ most once, and not after ``close()``: engines restart by name, so a second repor
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -297,7 +296,7 @@ class EmbeddedEngine(EngineHandler):
             return not self._requests and self.alive()
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
-        self._send(("join", dataclasses.replace(info, specs=self.wire_specs(info.specs))))
+        self._send(("join", info))  # HF names already (the syncer's layout)
 
     def weight_backend(self, trainer_backend: str) -> str:
         from torchtitan_flux.wire.transport import COLOCATED

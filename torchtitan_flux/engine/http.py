@@ -9,7 +9,7 @@ did not start; subclasses implement only the per-server hooks (endpoints and pay
   result dropped and the handler dies (reconnect, resync, re-dispatch): no sample is labelled with a wrong version.
 * A push runs on one control thread: gate, ``pause``, ``open``, ONE HTTP request per bucket (concurrent with the
   trainer's broadcast of it), ``close``, ``resume``, then the ``WeightAck``. Names and layout are HF's, as for every
-  engine (``EngineHandler.wire_specs`` maps the names at the join, ``wire_tensor`` the tensors).
+  engine (the syncer's ``HFLayout`` maps the names before the join, and the tensors while snapshotting).
 
 Failure policy: a push that fails after the update session opened leaves the weights partly updated: the handler
 dies (``reconnect()`` gives a fresh one once the server is usable). One that fails before (pause/open refused) is
@@ -33,7 +33,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck, WeightGroupInfo)
+from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck,
+                                         WeightGroupInfo)
 from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.http_client import HttpClient
 from torchtitan_flux.engine.server_checks import HealthMonitor, StartupChecks
@@ -145,7 +146,7 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._gen.submit(self._generate_task, request)
 
     def join_weight_group(self, info: WeightGroupInfo) -> None:
-        plan = transport.plan_buckets(self.wire_specs(info.specs), info.bucket_bytes)
+        plan = transport.plan_buckets(info.specs, info.bucket_bytes)  # HF names already (the syncer's layout)
         meta = [([s.name for s in specs], [s.dtype for s in specs], [list(s.shape) for s in specs])
                 for specs in (plan.specs[b.start : b.end] for b in plan.buckets)]
         with self._lock:

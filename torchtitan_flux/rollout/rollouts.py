@@ -24,6 +24,7 @@ import torch
 from torchtitan_flux.auth import read_token
 from torchtitan_flux.engine.kinds import engine_kind
 from torchtitan_flux.models import hf
+from torchtitan_flux.models.hf_weights import HFLayout
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
 from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.sync.syncer import WeightSyncer
@@ -58,7 +59,8 @@ class Rollouts(RolloutScheduler):
                 stall_s=r.engine_stall_seconds,
             )
             self.syncer = WeightSyncer(jc.weight_sync, model, self.engines, device=device, is_sender=True,
-                                       backend="nccl" if self.trainer_on_gpu else "gloo", pump=self.pump)
+                                       backend="nccl" if self.trainer_on_gpu else "gloo", pump=self.pump,
+                                       layout=HFLayout.from_hf_dir(jc.model.hf_assets_path))
         except BaseException:
             self.close()
             raise

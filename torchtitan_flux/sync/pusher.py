@@ -136,8 +136,10 @@ class Pusher:
     """See the module docstring for the ordering invariants."""
 
     def __init__(self, table: LinkTable, snap: Snapshot, cfg, *, backend: str, device: torch.device,
-                 store, token: str | None):
+                 store, token: str | None, engine_specs: list):
+        """``engine_specs``: staging's parameter list under the names the engines load (HF's), for their joins."""
         self.table, self.snap, self.cfg, self.backend = table, snap, cfg, backend
+        self.engine_specs = engine_specs
         self.device, self.store, self.token = torch.device(device), store, token
         self.busy = threading.Event()
         self.closed = False
@@ -206,7 +208,7 @@ class Pusher:
         colocated = backend == transport.COLOCATED
         info = WeightGroupInfo(
             self.cfg.master_addr, self.store.port, f"flux_ws/{handler.name}/{join.epoch}", backend,
-            self.cfg.timeout_seconds, list(self.snap.specs), self.snap.bucket_bytes,
+            self.cfg.timeout_seconds, list(self.engine_specs), self.snap.bucket_bytes,
             shared=(self.snap.staging.flats, self.snap.seqlock.t) if colocated else None,
             patches=self.base is not None and handler.accepts_patches and not colocated,
         )

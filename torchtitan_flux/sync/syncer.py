@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,16 +42,19 @@ class WeightSyncer:
     """The front: see the package docstring. ``pump(timeout)`` delivers engine events (rank 0)."""
 
     def __init__(self, cfg, model: torch.nn.Module, engines: list[EngineHandler], *, device: torch.device,
-                 is_sender: bool, backend: str = "gloo", pump: Callable[[float], None] = time.sleep):
+                 is_sender: bool, backend: str = "gloo", pump: Callable[[float], None] = time.sleep,
+                 layout: Any = None):
+        """``layout``: the names and tensor layout every engine loads (``models.hf_weights.HFLayout``: Hugging
+        Face's), required with engines: staging holds the parameters in it, and joins carry its names. None
+        without engines (ranks > 0 hold no staging)."""
         self.cfg, self.pump = cfg, pump
         self.async_mode = cfg.async_weight_update
-        # HTTP engines load HF-layout tensors: staging holds the wire layout, so all engines must share it
-        if len({type(e).wire_tensor for e in engines}) > 1:
-            raise ValueError("engines with different wire layouts cannot share one staging buffer")
+        if engines and layout is None:
+            raise ValueError("WeightSyncer with engines needs the engines' layout (models.hf_weights.HFLayout)")
         self.snap = Snapshot(
             model, device=device, is_sender=is_sender, bucket_bytes=int(cfg.bucket_size_mb * 2**20),
             wire_dtype=None if cfg.wire_dtype == "auto" else getattr(torch, cfg.wire_dtype),
-            wire_tensor=engines[0].wire_tensor if engines else None,
+            wire_tensor=layout.wire_tensor if layout is not None else None,
             colocated=any(e.weight_backend(backend) == transport.COLOCATED for e in engines),
         )
         self._same_plan_on_every_rank()
@@ -61,7 +64,7 @@ class WeightSyncer:
             token = read_token(cfg.auth_token_env)  # never logged or checkpointed
             store = transport.connect_store(cfg.master_addr, cfg.master_port, cfg.timeout_seconds, True)
             self.pusher = Pusher(self.table, self.snap, cfg, backend=backend, device=device, store=store,
-                                 token=token)
+                                 token=token, engine_specs=layout.hf_specs(self.snap.specs) if layout else [])
 
     def _same_plan_on_every_rank(self) -> None:
         """Every rank gathers each bucket with its own plan, so the plans must be equal: they depend only on the
