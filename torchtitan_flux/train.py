@@ -148,6 +148,44 @@ def _check_config_file(argv: list[str]) -> str | None:
     return path
 
 
+# path fields -> their default (torchtitan's ``job.dump_folder``: tests/unit/test_config.py checks it is the same)
+PATH_FIELDS = {"job.dump_folder": "./outputs", "model.hf_assets_path": "", "rollout.dataset_path": "",
+               "eval.dataset_path": ""}
+
+
+def _absolute_paths(argv: list[str]) -> list[str]:
+    """Command-line overrides that make every path field (``PATH_FIELDS``) given as a relative or ``~`` path, on
+    the command line, in the TOML or by default, absolute: resolved once against the directory the run starts in,
+    so user code that calls ``os.chdir`` moves no input or output. Read before torchtitan is imported (its parser
+    binds ``sys.argv`` then); a TOML that cannot be read is left to the config check that names it."""
+    import tomllib
+
+    given: dict[str, str] = {}
+    config_file = None
+    for i, a in enumerate(argv):
+        key, eq, val = a.partition("=")
+        val = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if key in ("--job.config_file", "--job.config-file"):
+            config_file = val
+        elif key[2:].replace("-", "_") in PATH_FIELDS:
+            given[key[2:].replace("-", "_")] = val
+    toml: dict = {}
+    if config_file:
+        try:
+            with open(config_file, "rb") as f:
+                toml = tomllib.load(f)
+        except (OSError, ValueError):
+            pass
+    out = []
+    for name, default in PATH_FIELDS.items():
+        section, field = name.split(".")
+        value = given.get(name, toml.get(section, {}).get(field, default) if isinstance(toml.get(section), dict)
+                          else default)
+        if isinstance(value, str) and value and (path := os.path.abspath(os.path.expanduser(value))) != value:
+            out += [f"--{name}", path]
+    return out
+
+
 _LOCKS: list = []  # the open lock files of the folders this run writes (rank 0), held until the process ends
 
 
@@ -281,6 +319,7 @@ def main() -> None:
         os._exit(2)
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
     sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
+    sys.argv += _absolute_paths(sys.argv[1:])
     if _starts_embedded_engines(sys.argv[1:]):
         from torchtitan_flux.engine.forkserver import prestart_engine_server
 
@@ -304,10 +343,6 @@ def main() -> None:
         config_file = _check_config_file(sys.argv[1:])
         try:
             config = ConfigManager().parse_args()
-            dump = os.path.abspath(os.path.expanduser(config.job.dump_folder))
-            if dump != config.job.dump_folder:  # resolved once: user code that calls os.chdir cannot move outputs
-                sys.argv += ["--job.dump_folder", dump]
-                config = ConfigManager().parse_args()
         except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
             raise unknown_fields_error(e, config_file) or e from None
         validate_config(config)  # bad input: one line, before torchtitan's start-up

@@ -308,7 +308,9 @@ def test_a_task_failing_mid_run_stops_the_run_in_one_line_naming_it(tmp_path, mo
 
 def test_the_dump_folder_is_resolved_once_home_expanded_and_a_chdir_moves_no_output(tmp_path, monkeypatch):
     """Before 2026-11-27 ``--job.dump_folder ~/x`` wrote into ``./~/x``, and a reward that called ``os.chdir`` sent
-    checkpoints, ``hf_final`` and ``summary.json`` into another, unlocked folder (exit 0)."""
+    checkpoints, ``hf_final`` and ``summary.json`` into another, unlocked folder (exit 0). Every path field is
+    resolved once, at the start (the relative model folder of the debug config too: the reward moves the working
+    directory at the start-up check already)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),
                                                       os.environ.get("PYTHONPATH", "")]))
     elsewhere = tmp_path / "elsewhere"

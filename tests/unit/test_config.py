@@ -751,3 +751,20 @@ def test_start_up_compares_the_resumed_checkpoints_fingerprint(tiny_model_dir, t
         preflight(cfg)
     (step_dir / resume.FINGERPRINT).write_text(json.dumps(first.fingerprint))
     assert preflight(cfg).config_changes == []
+
+
+def test_path_fields_are_made_absolute_before_torchtitan_parses(tmp_path, monkeypatch):
+    """``train._absolute_paths``: relative and ``~`` paths from the command line, the TOML or torchtitan's default
+    become absolute overrides (torchtitan's parser binds ``sys.argv`` at import, so this runs before it)."""
+    from torchtitan.config.job_config import Job
+
+    from torchtitan_flux.train import PATH_FIELDS, _absolute_paths
+
+    assert PATH_FIELDS["job.dump_folder"] == Job().dump_folder  # torchtitan's default, resolved too
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/someone")
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\\nhf_assets_path = "assets/m"\\n[rollout]\\ndataset_path = "/abs/data"\\n')
+    out = _absolute_paths(["--job.config_file", str(toml), "--job.dump_folder", "~/x"])
+    assert out == ["--job.dump_folder", "/home/someone/x", "--model.hf_assets_path", str(tmp_path / "assets/m")]
+    assert _absolute_paths(["--job.config_file", str(toml)])[:2] == ["--job.dump_folder", str(tmp_path / "outputs")]
