@@ -764,7 +764,7 @@ def test_path_fields_are_made_absolute_before_torchtitan_parses(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", "/home/someone")
     toml = tmp_path / "c.toml"
-    toml.write_text('[model]\\nhf_assets_path = "assets/m"\\n[rollout]\\ndataset_path = "/abs/data"\\n')
+    toml.write_text("[model]\nhf_assets_path = \"assets/m\"\n[rollout]\ndataset_path = \"/abs/data\"\n")
     out = _absolute_paths(["--job.config_file", str(toml), "--job.dump_folder", "~/x"])
     assert out == ["--job.dump_folder", "/home/someone/x", "--model.hf_assets_path", str(tmp_path / "assets/m")]
     assert _absolute_paths(["--job.config_file", str(toml)])[:2] == ["--job.dump_folder", str(tmp_path / "outputs")]
