@@ -270,16 +270,9 @@ def _lock_folder(field: str, value: str, folder: str) -> None:
 
 def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
-    from torchtitan_flux.errors import ConfigError
-    from torchtitan_flux.errors import EngineStartError
-    from torchtitan_flux.errors import NcclVersionMismatch
-    from torchtitan_flux.errors import ProbeMismatch
-    from torchtitan_flux.errors import MetricsWriteError
-    from torchtitan_flux.errors import CheckpointWriteError
-    from torchtitan_flux.errors import RewardError
-    from torchtitan_flux.errors import NoEngineLeft
-    from torchtitan_flux.errors import LossNotFinite, TrainingInterrupted
-    from torchtitan_flux.errors import UserCodeError
+    from torchtitan_flux.errors import (CheckpointWriteError, ConfigError, EngineStartError, LossNotFinite,
+                                        MetricsWriteError, NcclVersionMismatch, NoEngineLeft, ProbeMismatch,
+                                        RewardError, TrainingInterrupted, UserCodeError)
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"

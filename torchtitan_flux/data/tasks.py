@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torchtitan_flux.data import rewards as R
-from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
+from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.user_code import call_with_deadline, import_spec
 
 logger = logging.getLogger("torchtitan_flux")

@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.http_client import HttpClient, HttpError
+from torchtitan_flux.errors import EngineStartError
 
 HEALTH_PATH = "/health"
 

@@ -24,10 +24,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from torchtitan_flux.auth import MIDDLEWARE
-from torchtitan_flux.auth import TOKEN_ENV
-from torchtitan_flux.errors import EngineStartError
+from torchtitan_flux.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.forkserver import die_with_parent
+from torchtitan_flux.errors import EngineStartError
 
 logger = logging.getLogger("torchtitan_flux")
 

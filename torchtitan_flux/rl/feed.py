@@ -20,12 +20,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from torchtitan_flux.data.tasks import task_finished
-from torchtitan_flux.errors import RewardError
+from torchtitan_flux.errors import NoEngineLeft, RewardError, UserCodeError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
-from torchtitan_flux.errors import NoEngineLeft
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.rollout.batch import RolloutBatch
-from torchtitan_flux.errors import UserCodeError
+from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
 

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from torchtitan_flux.rl import loss as grpo
 from torchtitan_flux.config import Grpo
+from torchtitan_flux.rl import loss as grpo
 from torchtitan_flux.rl.controller import StalenessSample
 from torchtitan_flux.rollout.batch import RolloutBatch
 

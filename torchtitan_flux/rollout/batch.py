@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
 from torchtitan_flux.data.rewards import RewardScorer, reward_inputs
+from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
 
 
 @dataclass

@@ -16,8 +16,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from torchtitan_flux.rollout.scheduler import RolloutScheduler, RequestPart
 from torchtitan_flux.data.tasks import Prompt, Task, task_eval_prompts
+from torchtitan_flux.rollout.scheduler import RequestPart, RolloutScheduler
 
 
 @dataclass

@@ -23,11 +23,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from torchtitan_flux.rollout.split import SpeedSplit
-from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
-from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
 from torchtitan_flux.data.tasks import Prompt, Task, task_prompts
+from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
 from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
+from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
+from torchtitan_flux.rollout.split import SpeedSplit
 
 logger = logging.getLogger("torchtitan_flux")
 

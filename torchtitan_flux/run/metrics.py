@@ -14,8 +14,8 @@ import math
 import os
 import time
 
-from torchtitan_flux.run.resume import os_error_fix
 from torchtitan_flux.errors import MetricsWriteError
+from torchtitan_flux.run.resume import os_error_fix
 
 logger = logging.getLogger("torchtitan_flux")
 

@@ -9,10 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_flux.run import resume
+from torchtitan_flux.data.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
 from torchtitan_flux.errors import ConfigError
 from torchtitan_flux.models.families import select_model
-from torchtitan_flux.data.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
+from torchtitan_flux.run import resume
 
 
 @dataclass

@@ -21,8 +21,7 @@ import time
 from typing import Any, Callable
 
 from torchtitan_flux.engine.forkserver import die_with_parent
-from torchtitan_flux.errors import NoEngineLeft
-from torchtitan_flux.errors import TrainingInterrupted
+from torchtitan_flux.errors import NoEngineLeft, TrainingInterrupted
 
 logger = logging.getLogger("torchtitan_flux")
 

@@ -26,12 +26,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from torchtitan_flux.wire import transport
 from torchtitan_flux.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
 from torchtitan_flux.sync.links import LinkTable
 from torchtitan_flux.sync.pusher import Bystander, Pusher
 from torchtitan_flux.sync.snapshot import Snapshot, control_group
+from torchtitan_flux.wire import transport
 
 __all__ = ["WeightSyncer", "control_group"]
 
