@@ -179,6 +179,14 @@ def colocated(args, pair: float) -> None:
 REAL_CONFIG = os.path.join(ROOT, "train_configs", "smollm2_capitals_cpu.toml")
 
 
+def real_model_missing(root: str) -> str | None:
+    """Why ``--sparse`` (on the real model) cannot run: the model folder is not built; None when it is."""
+    if os.path.isfile(os.path.join(root, "assets", "smollm2-135m-instruct", "config.json")):
+        return None
+    return ("argument --sparse: measures the real model, which is not built: run scripts/get_real_model.sh first "
+            "(or --config FILE for another model, --quick for the debug model)")
+
+
 def sparse(args, pair: float) -> None:
     """Dense vs sparse bf16 pushes per learning rate (see the module docstring)."""
     config = args.config or (DEBUG_CONFIG if args.quick else REAL_CONFIG)
@@ -331,6 +339,8 @@ def main() -> None:
         args.steps, args.warmup, args.reps = 8, 2, 1
     if not args.sparse and args.steps <= args.warmup:
         ap.error(f"argument --steps: got {args.steps}; allowed: more than --warmup ({args.warmup})")
+    if args.sparse and not args.quick and not args.config and (why := real_model_missing(ROOT)):
+        ap.error(why)  # before minutes of runs that would fail inside the first torchrun
     pair = pair_efficiency()  # before any run of ours: what this machine allows two processes side by side
     if args.sparse:
         if not args.quick and args.steps == 40:

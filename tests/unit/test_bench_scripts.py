@@ -285,3 +285,17 @@ def test_overlap_limit_at_pair_efficiency():
 def test_every_benchmark_with_a_speedup_prints_the_pair_efficiency(bench):
     src = (ROOT / "benchmarks" / f"{bench}.py").read_text()
     assert "pair_efficiency()" in src and "pair_lines(" in src
+
+
+def test_sparse_without_the_real_model_is_refused_before_any_run(tmp_path):
+    """The third sweep (2026-11-27): ``weight_sync.py --sparse`` without the real model ran a while, then failed
+    inside a torchrun block."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("weight_sync_bench", ROOT / "benchmarks" / "weight_sync.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert "run scripts/get_real_model.sh first" in bench.real_model_missing(str(tmp_path))
+    (tmp_path / "assets" / "smollm2-135m-instruct").mkdir(parents=True)
+    (tmp_path / "assets" / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    assert bench.real_model_missing(str(tmp_path)) is None
