@@ -55,9 +55,16 @@ def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | 
 
 
 class DeviceRing:
-    """Two device buffers host tensors pass through on ``stream`` to be broadcast on NCCL (push thread only). A
-    slot is rewritten only after its previous reader was ordered before the copy on the stream, unless that
-    reader's group was aborted (``forget``: its kernels are gone and its Work would only raise)."""
+    """ONE NCCL engine's path from host staging to its group (push thread only): its own stream and two device
+    buffers that host tensors pass through to be broadcast. A slot is rewritten only after its previous reader was
+    ordered before the copy on the stream, unless that reader's group was aborted (``forget``: its kernels are gone
+    and its Work would only raise).
+
+    Rule (``cuda_rules`` rule 1, review 4 finding 1): a ring serves one engine, so no copy, broadcast or wait for
+    one engine is ever queued behind another engine's: a stalled engine stalls only its own stream and slots, and
+    is cut alone at the deadline. A ring shared by engines made every engine wait for the slowest earlier one, and
+    cut them all when it stalled. Memory: 2 x the largest bucket per NCCL engine, held for the run
+    (``SyncMemory``'s budget counts it per engine)."""
 
     def __init__(self, device: torch.device, max_bytes: int, stream):
         self.stream = stream
@@ -66,19 +73,22 @@ class DeviceRing:
         self.i = 0
 
     def broadcast(self, pg, t: torch.Tensor):
-        if t.device.type != "cpu":
-            return compat.broadcast(pg, t)
-        self.i = (self.i + 1) % 2
-        for _, w in self.readers[self.i]:
-            try:
-                w.wait()  # rule 1: the stream (not the host) waits for the previous readers of this slot
-            except Exception:  # noqa: BLE001 - a failed Work's kernel no longer reads the slot; its link is failed
-                pass
-        dev = self.slots[self.i][: t.numel() * t.element_size()].view(t.dtype)
-        dev.copy_(t.reshape(-1), non_blocking=True)
-        work = compat.broadcast(pg, dev)
-        self.readers[self.i] = [(pg, work)]
-        return work
+        """Broadcast ``t`` on ``pg`` with this ring's stream current; a host tensor (pinned: the copy never blocks
+        the host) goes through the next slot."""
+        with cuda_rules.on_stream(self.stream):
+            if t.device.type != "cpu":
+                return compat.broadcast(pg, t)
+            self.i = (self.i + 1) % 2
+            for _, w in self.readers[self.i]:
+                try:
+                    w.wait()  # rule 1: this ring's stream (not the host) waits for the slot's previous reader
+                except Exception:  # noqa: BLE001 - a failed Work's kernel no longer reads the slot; its link is failed
+                    pass
+            dev = self.slots[self.i][: t.numel() * t.element_size()].view(t.dtype)
+            dev.copy_(t.reshape(-1), non_blocking=True)
+            work = compat.broadcast(pg, dev)
+            self.readers[self.i] = [(pg, work)]
+            return work
 
     def forget(self, pg) -> None:
         """``pg`` was aborted after a missed deadline: no later push waits on its Works."""
@@ -143,8 +153,8 @@ class Pusher:
         self.closed = False
         self._job: int | None = None
         self._job_links: list[EngineLink] | None = None  # None: every usable engine
-        self.stream = cuda_rules.group_stream(device) if backend == "nccl" else None
-        self.ring: DeviceRing | None = None  # allocated by the first push to an NCCL group (``_nccl_send``)
+        self.stream = cuda_rules.group_stream(device) if backend == "nccl" else None  # the polls' and gloo sends'
+        self.rings: dict[str, DeviceRing] = {}  # per NCCL engine (by name), allocated at its first push (``_ring``)
         self.base = sparse.SparseBase(snap.plan, cfg.sparse_max_bytes_ratio) if cfg.method == "sparse" else None
         self._told_dense = False  # the first all-dense sparse push is logged, once
         threading.Thread(target=self._loop, name="flux-weight-push", daemon=True).start()
@@ -266,14 +276,17 @@ class Pusher:
             finally:
                 self.release()
 
-    def _nccl_send(self, pg, t: torch.Tensor):
-        """Broadcast ``t`` on an NCCL group, through the ``DeviceRing`` for host tensors (allocated on first use:
-        engines that never take an NCCL broadcast from us, e.g. vLLM's own engine, cost no ring)."""
-        if self.ring is None:
-            top = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in self.snap.plan.buckets), default=1)
-            self.ring = DeviceRing(self.device, top, self.stream)
+    def _ring(self, name: str) -> DeviceRing:
+        """Engine ``name``'s ``DeviceRing`` (allocated at its first NCCL broadcast from us: engines that never take
+        one, e.g. vLLM's own engine, cost no ring). Slots fit the largest bucket and the push header."""
+        ring = self.rings.get(name)
+        if ring is None:
+            plan = self.snap.plan
+            top = max([b.numel * transport._DTYPES[b.dtype].itemsize for b in plan.buckets]
+                      + [transport.encode_header(plan, 0).nbytes])
+            ring = self.rings[name] = DeviceRing(self.device, top, cuda_rules.group_stream(self.device))
             self.snap.memory.hold(2 * top)  # held for the run
-        return self.ring.broadcast(pg, t)
+        return ring
 
     def push(self, version: int, only: list[EngineLink] | None = None) -> None:
         """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``.
@@ -289,7 +302,7 @@ class Pusher:
         with self.table.lock:
             targets = [PushTarget(lk, lk.epoch, lk.handler, lk.pg, lk.backend, lk.holds)
                        for lk in (self.table.links if only is None else only) if lk.usable]
-        dense = transport.encode_header(self.snap.plan, version)
+        dense = self._host(transport.encode_header(self.snap.plan, version))
         patch = self._patch(version, targets)
         with cuda_rules.on_stream(self.stream):
             in_flight = self._send(version, targets, dense, patch)
@@ -305,9 +318,8 @@ class Pusher:
         whole buckets under the ``dense`` header (or the engine's own push). A target that fails to start is
         BROKEN."""
         flats = self.snap.staging.flats
-        on_device = {}  # host header -> its device copy, for NCCL groups (rule 2); pinned: no copy that syncs
         in_flight = []
-        for target in targets:  # the host (N1), on the push stream (rule 1)
+        for target in targets:  # NCCL: each engine's own ring and stream (rule 1); its header goes through the ring
             handler = target.handler
             try:
                 handler.begin_update(version)
@@ -315,13 +327,9 @@ class Pusher:
                 patched = own is None and patch is not None and target.holds == patch.base and \
                     handler.accepts_patches
                 header = patch.header if patched else dense
-                nccl = target.backend == "nccl"
-                if nccl and id(header) not in on_device:
-                    on_device[id(header)] = header.pin_memory().to(self.device, non_blocking=True)
-                wire_header = on_device[id(header)] if nccl else header
-                tensors = ([header, *flats] if own is not None else [wire_header, *patch.tensors] if patched
-                           else handler.wire_tensors(wire_header, flats))
-                send = self._nccl_send if nccl else compat.broadcast
+                tensors = ([header, *flats] if own is not None else [header, *patch.tensors] if patched
+                           else handler.wire_tensors(header, flats))
+                send = self._ring(handler.name).broadcast if target.backend == "nccl" else compat.broadcast
                 works = [own] if own is not None else [send(target.pg, t) for t in tensors]
                 self.table.sent(target.link, target.epoch, version)
                 in_flight.append(InFlight(target, works, tensors, patched))
@@ -339,8 +347,9 @@ class Pusher:
                 if not cuda_rules.wait_works(sent.works, deadline):
                     if target.backend == "nccl":
                         cuda_rules.abort_group(target.pg)
-                        if self.ring is not None:
-                            self.ring.forget(target.pg)
+                        ring = self.rings.get(target.handler.name)
+                        if ring is not None:
+                            ring.forget(target.pg)
                     raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
                                        f"{self.cfg.timeout_seconds}")
                 cuda_rules.raise_failed(sent.works)
@@ -352,6 +361,11 @@ class Pusher:
                 self.table.push_incomplete(target.link, target.epoch, version, str(e))
         return sent_bytes, patched
 
+    def _host(self, header: torch.Tensor) -> torch.Tensor:
+        """A push header as the rings take it: pinned on a GPU trainer (its copy to the device never blocks the host
+        before the deadline, N1; rule 2: it is broadcast from the device), as is on CPU."""
+        return header.pin_memory() if self.device.type == "cuda" else header
+
     def _patch(self, version: int, targets: list[PushTarget]) -> SparsePayload | None:
         """The base's patches to ``version`` if some target holds the base version and takes patches and some bucket
         fits as a patch, else None (every target gets whole buckets)."""
@@ -359,7 +373,7 @@ class Pusher:
         if patches is None:
             return None
         counts, tensors = sparse.payload(self.snap.staging.flats, patches)
-        header = transport.encode_header(self.snap.plan, version, counts, self.base.version)
+        header = self._host(transport.encode_header(self.snap.plan, version, counts, self.base.version))
         return SparsePayload(header, tensors, self.base.version, sum(c != transport.DENSE for c in counts))
 
     def _patches(self, version: int, targets: list[PushTarget]) -> list | None:

@@ -1,0 +1,97 @@
+"""The pusher's ``DeviceRing``s (review 4, finding 1): each NCCL engine gets its own ring and stream, so one engine
+that stalls is cut alone at the deadline and never delays another engine's copies or broadcasts. CPU has no NCCL:
+``compat.broadcast`` is faked, and a Work's ``wait()`` records the stream wait it would queue on a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from torchtitan_flux import compat
+from torchtitan_flux.config import WeightSync
+from torchtitan_flux.sync.links import LinkState, LinkTable
+from torchtitan_flux.sync.pusher import Pusher
+from torchtitan_flux.sync.snapshot import Snapshot
+
+
+class Work:
+    """A broadcast's Work: ``stalled`` ones never complete (the engine stopped receiving)."""
+
+    def __init__(self, pg: "Group", log: list):
+        self.pg, self.log = pg, log
+
+    def is_completed(self) -> bool:
+        return not self.pg.stalled
+
+    def wait(self, timeout=None) -> bool:
+        self.log.append(("wait", self.pg.name))  # on a GPU: the current stream waits on this Work
+        return True
+
+
+class Group:
+    def __init__(self, name: str, stalled: bool):
+        self.name, self.stalled, self.aborted = name, stalled, False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class Engine:
+    """What the pusher calls on an engine that takes our NCCL broadcasts."""
+
+    accepts_patches = False
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def begin_update(self, version: int) -> None:
+        self.log.append(("begin", self.name))
+
+    def self_push(self, version, flats):
+        return None
+
+    def wire_tensors(self, header, flats):
+        return [header, *flats]
+
+    def finish_update(self, version: int) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+
+def test_a_stalled_nccl_engine_is_cut_alone_and_never_delays_the_next_engine(monkeypatch):
+    """Engine A's Works never complete. B's copies and broadcasts are issued without waiting on any of A's Works
+    (with one ring shared by engines, B's third slot reuse waited on A's broadcast: on a GPU B queued behind A and
+    was cut at the same deadline), B completes within the push, and A alone is cut (aborted, BROKEN) at it."""
+    log: list = []
+    monkeypatch.setattr(compat, "broadcast", lambda pg, t: log.append(("broadcast", pg.name)) or Work(pg, log))
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(4)])  # 4 buckets of 1 KiB
+    snap = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=1024, wire_dtype=None,
+                    ring_engines=2)
+    assert len(snap.plan.buckets) == 4
+    snap.take(1)
+    a, b = Engine("A", log), Engine("B", log)
+    table = LinkTable([a, b], timeout_s=1.0)
+    groups = {"A": Group("A", stalled=True), "B": Group("B", stalled=False)}
+    for link in table.links:
+        assert table.joined(table.begin_join(link), groups[link.handler.name], "nccl")
+    pusher = Pusher(table, snap, WeightSync(timeout_seconds=1.0), backend="gloo", device=torch.device("cpu"),
+                    store=None, token=None)
+    try:
+        t0 = time.monotonic()
+        pusher.push(1)
+        took = time.monotonic() - t0
+    finally:
+        pusher.close()
+    b_starts = log.index(("begin", "B"))
+    assert ("wait", "A") not in log[b_starts:], log  # B never waits on A's Works
+    assert log[b_starts:].count(("broadcast", "B")) == 5  # header + 4 buckets
+    link_a, link_b = table.links
+    assert link_b.state is LinkState.READY and link_b.holds == 1  # B's push completed (the pusher's ack)
+    assert link_a.state is LinkState.BROKEN and groups["A"].aborted and not groups["B"].aborted
+    assert 0.9 <= took < 3.0, took  # A was polled to the deadline, not beyond
+    assert set(pusher.rings) == {"A", "B"}
+    assert snap.memory.peak <= snap.memory.budget  # two rings, both in the ledger's budget
