@@ -5,6 +5,7 @@ that stalls is cut alone at the deadline and never delays another engine's copie
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -95,3 +96,62 @@ def test_a_stalled_nccl_engine_is_cut_alone_and_never_delays_the_next_engine(mon
     assert 0.9 <= took < 3.0, took  # A was polled to the deadline, not beyond
     assert set(pusher.rings) == {"A", "B"}
     assert snap.memory.peak <= snap.memory.budget  # two rings, both in the ledger's budget
+
+
+class Unjoinable(Engine):
+    """An engine whose group never comes up (a vLLM server whose worker is stuck in an abandoned push)."""
+
+    rendezvous_handshake = False
+
+    def __init__(self, name: str, log: list):
+        super().__init__(name, log)
+        self.joins: list[float] = []
+        self.killed: list[str] = []
+
+    def weight_backend(self, trainer_backend: str) -> str:
+        return trainer_backend
+
+    def join_weight_group(self, info) -> None:
+        self.joins.append(time.monotonic())
+
+    def alive(self) -> bool:
+        return not self.killed and len(self.joins) < 50  # the old code's endless loop ends here
+
+    def kill(self, why: str) -> None:
+        self.killed.append(why)
+
+
+def test_failed_joins_back_off_and_the_engine_is_declared_dead_after_join_attempts(monkeypatch):
+    """Review 4, finding 2: a join whose group cannot be built was retried at once, forever. Now each retry waits
+    twice as long as the one before (capped), and after ``JOIN_ATTEMPTS`` failures in a row the engine is killed
+    once, with one message naming the count (its replacement joins afresh)."""
+    from torchtitan_flux.sync import links, pusher as pusher_module
+    from torchtitan_flux.wire import transport
+
+    monkeypatch.setattr(links, "JOIN_BACKOFF_S", (0.05, 0.2))
+    monkeypatch.setattr(links, "JOIN_ATTEMPTS", 5)
+    monkeypatch.setattr(transport, "connect_store", lambda *a, **k: None)
+
+    def no_group(*a, **k):
+        raise ConnectionError("rendezvous timed out")
+
+    monkeypatch.setattr(pusher_module, "trainer_group", no_group)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    snap = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=1024, wire_dtype=None)
+    engine = Unjoinable("srv", [])
+    table = LinkTable([engine], timeout_s=1.0)
+    pusher = Pusher(table, snap, WeightSync(timeout_seconds=1.0), backend="gloo", device=torch.device("cpu"),
+                    store=SimpleNamespace(port=1), token=None)
+    try:
+        pusher.start_join(table.begin_join(table.links[0]))
+        end = time.monotonic() + 5
+        while not engine.killed and time.monotonic() < end and len(engine.joins) < 50:
+            time.sleep(0.02)
+    finally:
+        pusher.close()
+    gaps = [b - a for a, b in zip(engine.joins, engine.joins[1:])]
+    assert len(engine.joins) == 5, gaps
+    assert [round(g, 2) >= d for g, d in zip(gaps, (0.05, 0.1, 0.2, 0.2))] == [True] * 4, gaps
+    assert gaps[0] < 0.15 and gaps[-1] < 0.4, gaps  # doubling, capped at 0.2 s
+    assert len(engine.killed) == 1 and "5 joins of its weight-sync group failed in a row" in engine.killed[0]
+    assert table.links[0].state is LinkState.BROKEN and table.stats.errors == 5

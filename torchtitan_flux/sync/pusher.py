@@ -14,8 +14,11 @@ Concurrency invariants:
   * Joiner threads: one per join the table decided; each sends its engine the join message (it alone may block on
     a stopped engine's full pipe), builds that engine's group eagerly (handshake, NCCL version check, group: rule
     8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried at the next push or
-    ``deliver_staged``, not at once; the main thread starts joiners but never sends a join itself.
-On a GPU trainer staging is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a time.
+    ``deliver_staged``, not at once; any other failure is retried after a backoff, and ``links.JOIN_ATTEMPTS``
+    failures in a row kill the engine (its replacement joins); the main thread starts joiners but never sends a
+    join itself.
+On a GPU trainer staging is pinned host memory; each NCCL engine's ``DeviceRing`` moves it to the GPU two buckets at a
+time, on that engine's own stream.
 With ``weight_sync.method = "sparse"`` the push thread also owns ``base`` (``sparse.SparseBase``): an engine whose
 ``EngineLink.holds`` is the base version gets patches, every other one whole buckets, in the same push.
 """
@@ -228,6 +231,8 @@ class Pusher:
         """Joiner thread: ask the engine to join (a pipe send or HTTP call, which may block on a stopped engine: no
         lock is held), build rank 0's side of the group, report the outcome to the table."""
         handler = join.handler
+        if join.delay_s:  # a retry's backoff (``links.JOIN_BACKOFF_S``)
+            time.sleep(join.delay_s)
         try:
             cuda_rules.bind_thread(self.device)  # rule 6; colocated: the join message shares CUDA staging (IPC)
             handler.join_weight_group(info)
@@ -249,10 +254,13 @@ class Pusher:
             # a refusal would fail again at once; anything else retries now (a restarted engine may still be
             # starting, and the trainer may be waiting on its rollouts)
             refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
-            again = self.table.join_failed(join, f"join failed: {e}",
-                                           retry=not (refused or self.closed) and handler.alive())
+            retry = not (refused or self.closed) and handler.alive()
+            again = self.table.join_failed(join, f"join failed: {e}", retry=retry)
             if again is not None:
                 self.start_join(again)
+            elif retry and self.table.gave_up(join):  # e.g. a server stuck in an abandoned push: replace it
+                handler.kill(f"{join.attempt} joins of its weight-sync group failed in a row (last: {e}); declared "
+                             "dead: restarted or reconnected by the rollouts (rollout.max_engine_restarts)")
             return
         if self.table.joined(join, pg, info.backend):  # else superseded by a newer join: the group is dropped
             with self.table.lock:
