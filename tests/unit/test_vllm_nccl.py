@@ -181,3 +181,38 @@ def test_a_push_waiting_on_a_long_generation_is_not_running_and_does_not_hold_up
     assert a.alive() and b.alive()  # a rejoins (its group was aborted) and keeps serving its old weights
     assert not ta.sending.is_set()  # nothing was sent to a
     assert a.posts.count("/resume") >= 1  # paused for nothing, then resumed
+
+
+def test_vllm_runs_its_trainer_init_and_sends_with_a_side_stream_current(engines, monkeypatch):
+    """Review 4, finding 4 (rule 1): ``trainer_init`` (its warm-up all_reduce) and ``send_weights`` (which ends with
+    ``current_stream().synchronize()``) run with the handler's own stream current, never the default stream, where
+    the synchronize would wait for the training step's kernels. CPU has no stream: a stand-in object, and
+    ``on_stream`` records which one is current when vLLM's calls run."""
+    import contextlib
+
+    make, events = engines
+    side = object()
+    current = threading.local()
+
+    @contextlib.contextmanager
+    def on_stream(s):
+        prev, current.s = getattr(current, "s", None), s
+        try:
+            yield
+        finally:
+            current.s = prev
+
+    seen = []
+    monkeypatch.setattr(cuda_rules, "group_stream", lambda device: side)
+    monkeypatch.setattr(cuda_rules, "on_stream", on_stream)
+    real_init, real_send = FakeTransfer.trainer_init.__func__, FakeTransfer.send_weights
+    monkeypatch.setattr(FakeTransfer, "trainer_init", classmethod(
+        lambda cls, *a, **k: seen.append(("init", getattr(current, "s", None))) or real_init(cls, *a, **k)))
+    monkeypatch.setattr(FakeTransfer, "send_weights",
+                        lambda self: seen.append(("send", getattr(current, "s", None))) or real_send(self))
+    a = make("a")
+    FakeTransfer.made[0].go.set()
+    push = a.self_push(4, [])
+    assert cuda_rules.wait_works([push], time.monotonic() + 5)
+    assert [k for k, _ in seen] == ["init", "send"] and all(s is side for _, s in seen), seen
+    assert [ev.engine for ev in _events(events) if isinstance(ev, WeightAck)] == ["a"]

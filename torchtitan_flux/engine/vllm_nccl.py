@@ -158,6 +158,7 @@ class VllmNcclEngine(VllmEngine):
         self._flats: list[torch.Tensor] = []
         self._device: torch.device | None = None
         self._push: _Push | None = None  # the newest push (set by the push thread, finished by the control thread)
+        self._stream = None  # rule 1: current while vLLM's trainer engine runs (``own_group``, ``self_push``)
 
     def _check_transfer(self, info: dict) -> None:
         """vLLM's NCCL engine on the server, and the same NCCL as ours (rule 7: a mismatch is one error at start,
@@ -180,8 +181,10 @@ class VllmNcclEngine(VllmEngine):
         init = NCCLTrainerInitInfo(rank=0, master_address=info.host, master_port=port, world_size=2,
                                    packed_buffer_size_bytes=info.bucket_bytes)
         self._device = device or torch.device("cuda", torch.cuda.current_device())
-        self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=self._client, source=staging_source(self, self._device))
+        self._stream = self._stream or cuda_rules.group_stream(self._device)
+        with cuda_rules.on_stream(self._stream):  # rule 1: its warm-up all_reduce runs on the current stream
+            self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+                init, client=self._client, source=staging_source(self, self._device))
         return _TransferGroup(self, self._transfer)
 
     def _release_communicators(self) -> None:
@@ -203,7 +206,8 @@ class VllmNcclEngine(VllmEngine):
         def task():
             try:
                 cuda_rules.bind_thread(self._device)  # rule 6: this control thread issues the broadcasts
-                self._update_task(version)  # the gate wait and pause, then ``_sending``
+                with cuda_rules.on_stream(self._stream):  # rule 1: send_weights ends synchronizing the current stream
+                    self._update_task(version)  # the gate wait and pause, then ``_sending``
                 if push.state != "done":  # not sent, or not confirmed: never completed (the pusher rejoins it)
                     raise RuntimeError(f"weight push {version} to {self.name} was not applied ({push.state})")
                 push.future.set_result(None)

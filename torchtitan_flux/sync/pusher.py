@@ -302,7 +302,6 @@ class Pusher:
         t0 = time.perf_counter()
         self.snap.side.synchronize_copy()
         self.snap.publish(version)  # colocated engines copy from here on
-        deadline = time.monotonic() + self.cfg.timeout_seconds  # one deadline for the whole push (rule 3)
         if only is None:
             for join in self.table.rejoin_broken():
                 self.start_join(join)
@@ -311,7 +310,9 @@ class Pusher:
             targets = [PushTarget(lk, lk.epoch, lk.handler, lk.pg, lk.backend, lk.holds)
                        for lk in (self.table.links if only is None else only) if lk.usable]
         dense = self._host(transport.encode_header(self.snap.plan, version))
-        patch = self._patch(version, targets)
+        patch = self._patch(version, targets)  # the sparse diff: host work, never counted against the engines
+        # one deadline for the whole push (rule 3), set before the first send, after the diff (review 4, finding 9)
+        deadline = time.monotonic() + self.cfg.timeout_seconds
         with cuda_rules.on_stream(self.stream):
             in_flight = self._send(version, targets, dense, patch)
             sent_bytes, patched = self._complete(version, in_flight, deadline)

@@ -10,6 +10,9 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
    gives each NCCL engine its own stream and staging ring (``pusher.DeviceRing``): nothing issued for one engine
    is ever ordered after another engine's work, so a stalled engine stalls only itself (a shared stream or ring
    made every engine wait for the slowest earlier one and cut them all at its deadline: review 4, finding 1).
+   A library that sends for us runs under ``on_stream`` too: vLLM's ``trainer_init`` enqueues a warm-up
+   all_reduce on the current stream and its ``send_weights`` ends with ``current_stream().synchronize()``, which
+   on the default stream would wait for the training step's kernels (``engine/vllm_nccl.py``; finding 4).
 2. The header lives on the group's device (``header_device``): NCCL rejects CPU tensors; gloo wants CPU.
 3. Host-side completion is decided by polling ``Work.is_completed()`` against OUR deadline (``wait_works``),
    one deadline per push, never by ``Work.wait(timeout)`` (counted from enqueue, and under

@@ -1,6 +1,7 @@
-"""The pusher's ``DeviceRing``s (review 4, finding 1): each NCCL engine gets its own ring and stream, so one engine
-that stalls is cut alone at the deadline and never delays another engine's copies or broadcasts. CPU has no NCCL:
-``compat.broadcast`` is faked, and a Work's ``wait()`` records the stream wait it would queue on a GPU."""
+"""``Pusher`` against the fourth GPU review: a ``DeviceRing`` and stream per NCCL engine (finding 1: a stalled engine
+is cut alone and never delays another), join retries that back off and give up (finding 2), the deadline set after
+the sparse diff (finding 9). CPU has no NCCL: ``compat.broadcast`` is faked, and a Work's ``wait()`` records the
+stream wait it would queue on a GPU."""
 
 from __future__ import annotations
 
@@ -155,3 +156,34 @@ def test_failed_joins_back_off_and_the_engine_is_declared_dead_after_join_attemp
     assert gaps[0] < 0.15 and gaps[-1] < 0.4, gaps  # doubling, capped at 0.2 s
     assert len(engine.killed) == 1 and "5 joins of its weight-sync group failed in a row" in engine.killed[0]
     assert table.links[0].state is LinkState.BROKEN and table.stats.errors == 5
+
+
+def test_the_push_deadline_starts_after_the_sparse_diff(monkeypatch):
+    """Review 4, finding 9: the diff (host work over the whole model) ran after the deadline was set, so a slow diff
+    cut engines that answered in time. Here the diff takes 1.2 x the deadline and the engine completes 0.2 s after
+    its sends: it completes within the push."""
+    from torchtitan_flux.sync.pusher import Pusher as P
+
+    class Late(Work):
+        def __init__(self, pg, log):
+            super().__init__(pg, log)
+            self.at = time.monotonic() + 0.2
+
+        def is_completed(self) -> bool:
+            return time.monotonic() >= self.at
+
+    monkeypatch.setattr(compat, "broadcast", lambda pg, t: Late(pg, []))
+    monkeypatch.setattr(P, "_patch", lambda self, version, targets: time.sleep(1.2))
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    snap = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=1024, wire_dtype=None)
+    snap.take(1)
+    table = LinkTable([Engine("e", [])], timeout_s=1.0)
+    link = table.links[0]
+    assert table.joined(table.begin_join(link), Group("e", stalled=False), "gloo")
+    pusher = P(table, snap, WeightSync(timeout_seconds=1.0), backend="gloo", device=torch.device("cpu"), store=None,
+               token=None)
+    try:
+        pusher.push(1)
+    finally:
+        pusher.close()
+    assert link.state is LinkState.READY and link.holds == 1 and table.stats.timeouts == 0
