@@ -67,7 +67,8 @@ class DeviceRing:
     one engine is ever queued behind another engine's: a stalled engine stalls only its own stream and slots, and
     is cut alone at the deadline. A ring shared by engines made every engine wait for the slowest earlier one, and
     cut them all when it stalled. Memory: 2 x the largest bucket per NCCL engine, held for the run
-    (``SyncMemory``'s budget counts it per engine)."""
+    (``SyncMemory``'s budget counts it per engine). Kept across the engine's rejoins, never freed: a copy queued on
+    the stream of an aborted group could otherwise land in a block the allocator gave to someone else."""
 
     def __init__(self, device: torch.device, max_bytes: int, stream):
         self.stream = stream
@@ -233,6 +234,8 @@ class Pusher:
         handler = join.handler
         if join.delay_s:  # a retry's backoff (``links.JOIN_BACKOFF_S``)
             time.sleep(join.delay_s)
+            if self.closed:
+                return
         try:
             cuda_rules.bind_thread(self.device)  # rule 6; colocated: the join message shares CUDA staging (IPC)
             handler.join_weight_group(info)
