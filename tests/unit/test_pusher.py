@@ -187,3 +187,51 @@ def test_the_push_deadline_starts_after_the_sparse_diff(monkeypatch):
     finally:
         pusher.close()
     assert link.state is LinkState.READY and link.holds == 1 and table.stats.timeouts == 0
+
+
+def test_each_nccl_engine_is_sent_to_on_its_own_stream(monkeypatch):
+    """Rule 1 as finding 1 needs it: every copy and broadcast for an NCCL engine is issued with that engine's own
+    stream current (one stream per group), never the push stream another engine also uses. CPU has no stream:
+    ``group_stream`` gives stand-in objects and ``on_stream`` records which one is current."""
+    import contextlib
+    import threading
+
+    from torchtitan_flux.wire import cuda_rules
+
+    current = threading.local()
+
+    @contextlib.contextmanager
+    def on_stream(s):
+        prev, current.s = getattr(current, "s", None), s
+        try:
+            yield
+        finally:
+            current.s = prev
+
+    made: list = []
+    monkeypatch.setattr(cuda_rules, "group_stream", lambda device: made.append(object()) or made[-1])
+    monkeypatch.setattr(cuda_rules, "on_stream", on_stream)
+    seen: list = []
+
+    def broadcast(pg, t):
+        seen.append((pg.name, getattr(current, "s", None)))
+        return Work(pg, [])
+
+    monkeypatch.setattr(compat, "broadcast", broadcast)
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(2)])
+    snap = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=1024, wire_dtype=None)
+    snap.take(1)
+    table = LinkTable([Engine("A", []), Engine("B", [])], timeout_s=1.0)
+    for link in table.links:
+        assert table.joined(table.begin_join(link), Group(link.handler.name, stalled=False), "nccl")
+    pusher = Pusher(table, snap, WeightSync(timeout_seconds=1.0), backend="nccl", device=torch.device("cpu"),
+                    store=None, token=None)
+    try:
+        pusher.push(1)
+    finally:
+        pusher.close()
+    push_stream = pusher.stream
+    streams = {name: {s for n, s in seen if n == name} for name in ("A", "B")}
+    assert streams["A"] == {pusher.rings["A"].stream} and streams["B"] == {pusher.rings["B"].stream}, streams
+    assert len({push_stream, pusher.rings["A"].stream, pusher.rings["B"].stream}) == 3
+    assert len(seen) == 6  # header + 2 buckets, per engine
