@@ -377,9 +377,10 @@ def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies:
     return (f"rollout.colocated = true needs {need / gib:.1f} GiB for {engines} engine(s) x {copies} weight copies "
             f"(max(2, off_policy.max_version_gap + 1)) x {model / gib:.1f} GiB + staging {model / gib:.1f} GiB, but "
             f"the {device_bytes / gib:.1f} GiB device leaves {max(free, 0) / gib:.1f} GiB beside training "
-            f"({TRAIN_BYTES_PER_PARAM} B x {params / 1e9:.2f}B parameters / {shards} rank(s) + a margin of 10% and "
-            f"0.5 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
-            "weight_sync.wire_dtype = 'bfloat16', or engines on their own GPUs (rollout.colocated = false)")
+            f"({TRAIN_BYTES_PER_PARAM} B x {params / 1e9:.2f}B parameters / {shards} FSDP shard(s) + a margin of 10% "
+            f"and 0.5 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
+            + ("weight_sync.wire_dtype = 'bfloat16', " if wire_bytes > 2 else "")
+            + "or engines on their own GPUs (rollout.colocated = false)")
 
 
 def hf_param_count(shape: Any) -> int:
@@ -392,16 +393,19 @@ def hf_param_count(shape: Any) -> int:
 
 
 def _check_colocated_memory(job_config: Any) -> None:
-    """``colocated_memory_problem`` for this run on this rank's GPU (training state sharded over WORLD_SIZE)."""
+    """``colocated_memory_problem`` for this run on this rank's GPU (training state sharded over the FSDP degree:
+    ``parallelism.data_parallel_shard_degree``, -1: WORLD_SIZE / the replicate degree)."""
     from torchtitan_flux.models.weight_dict import ModelShape
 
     r, w = job_config.rollout, job_config.weight_sync
     shape = ModelShape.from_hf_dir(job_config.model.hf_assets_path)
     wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize  # "auto": float32 parameters
     device = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    p = job_config.parallelism
+    shards = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else \
+        int(os.environ.get("WORLD_SIZE", "1")) // max(1, p.data_parallel_replicate_degree)
     why = colocated_memory_problem(hf_param_count(shape), wire, r.num_engines,
-                                   max(2, job_config.off_policy.max_version_gap + 1), device,
-                                   shards=int(os.environ.get("WORLD_SIZE", "1")))
+                                   max(2, job_config.off_policy.max_version_gap + 1), device, shards=max(1, shards))
     if why:
         raise ConfigError(why)
 
