@@ -768,3 +768,42 @@ def test_path_fields_are_made_absolute_before_torchtitan_parses(tmp_path, monkey
     out = _absolute_paths(["--job.config_file", str(toml), "--job.dump_folder", "~/x"])
     assert out == ["--job.dump_folder", "/home/someone/x", "--model.hf_assets_path", str(tmp_path / "assets/m")]
     assert _absolute_paths(["--job.config_file", str(toml)])[:2] == ["--job.dump_folder", str(tmp_path / "outputs")]
+
+
+def test_colocated_engines_that_cannot_fit_beside_training_are_refused_by_the_formula():
+    """Review 4, finding 6: each colocated engine holds max(2, max_version_gap + 1) wire-dtype copies of the model on
+    the trainer's device. An 8B model in bf16 with 2 engines and gap 1 cannot fit on an 80 GiB device beside its
+    training state; a 0.6B model can."""
+    from types import SimpleNamespace
+
+    from torchtitan_flux.run.validation import colocated_memory_problem, hf_param_count
+
+    llama8b = SimpleNamespace(dim=4096, head_dim=128, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                              n_layers=32, vocab_size=128256, tied=False, qk_norm=False, qkv_bias=False)
+    qwen06b = SimpleNamespace(dim=1024, head_dim=128, n_heads=16, n_kv_heads=8, intermediate_size=3072,
+                              n_layers=28, vocab_size=151936, tied=True, qk_norm=True, qkv_bias=False)
+    big, small = hf_param_count(llama8b), hf_param_count(qwen06b)
+    assert 8.0e9 < big < 8.1e9 and 0.59e9 < small < 0.61e9, (big, small)
+    gpu = 80 * 2**30
+    why = colocated_memory_problem(big, 2, engines=2, copies=2, device_bytes=gpu)
+    assert why is not None and why.startswith("rollout.colocated = true needs 74.8 GiB for 2 engine(s) x 2 weight")
+    assert "allowed: fewer rollout.num_engines" in why and "\n" not in why
+    assert colocated_memory_problem(small, 2, engines=2, copies=2, device_bytes=gpu) is None
+    # the engines' copies alone can tip it: 0.6B in float32, 8 engines, gap 7 (8 copies each) on a 24 GiB device
+    assert colocated_memory_problem(small, 4, engines=8, copies=8, device_bytes=24 * 2**30) is not None
+
+
+def test_validation_checks_colocated_memory_when_cuda_is_available(monkeypatch):
+    """``validate_config`` applies the formula with the device's own memory when CUDA is reported (CPU runs skip it:
+    there is no device to fill)."""
+    from types import SimpleNamespace
+
+    cfg = parse("--rollout.colocated", "true", "--rollout.num_engines", "2")
+    validate_config(cfg)  # no CUDA here: not checked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    total = {"bytes": 2**20}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total["bytes"]))
+    with pytest.raises(ConfigError, match=r"^rollout.colocated = true needs .* GiB for 2 engine\(s\) x 2 weight"):
+        validate_config(cfg)  # the tiny model does not fit on a 1 MiB device
+    total["bytes"] = 80 * 2**30
+    validate_config(cfg)

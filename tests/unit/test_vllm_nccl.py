@@ -144,3 +144,75 @@ def test_a_server_on_another_nccl_is_refused_at_start(engines, monkeypatch):
     with pytest.raises(cuda_rules.NcclVersionMismatch, match="has NCCL 2.21.5 but the vLLM server has NCCL 2.27.3"):
         a._check_transfer(info)
     a._check_transfer({**info, "nccl_version": "2.21.5"})
+
+
+def test_a_push_waiting_on_a_long_generation_is_not_running_and_does_not_hold_up_another_server(engines):
+    """Review 4, finding 3: engine a's generation outlasts the push's deadline twice over. Its push only waited
+    (gate, pause): it is cancelled at the deadline, not abandoned, so a is not killed; b's push, issued after a's,
+    never waits for a's and is acked within the deadline. (Before: a's push was "running" from the moment it took
+    the process-wide lock, before its gate wait: a was killed and b, queued behind the lock, cancelled.)"""
+    make, events = engines
+    a, b = make("a"), make("b")
+    ta, tb = FakeTransfer.made
+    ta.go.set()
+    tb.go.set()
+    deadline_s = 0.4
+    generating = threading.Event()
+
+    def generation():  # holds a's gate shared, as a generation request does, for 2 x the deadline
+        with a._gate.shared():
+            generating.set()
+            time.sleep(2 * deadline_s)
+
+    threading.Thread(target=generation, daemon=True).start()
+    assert generating.wait(5)
+    pa, pb = a.self_push(3, []), b.self_push(3, [])
+    deadline = time.monotonic() + deadline_s
+    assert cuda_rules.wait_works([pb], deadline)  # b: sent and confirmed within the deadline
+    assert not cuda_rules.wait_works([pa], deadline)  # a: still waiting for its generation
+    cuda_rules.abort_group(a.group)  # what the pusher does at the deadline
+    assert pa.state == "cancelled" and pb.state == "done"
+    assert cuda_rules.wait_works([pa], time.monotonic() + 5)  # a's generation ends; its push gives up
+    with pytest.raises(RuntimeError, match="not applied"):
+        pa.wait()  # never counted as completed
+    evs = _events(events)
+    assert [(ev.engine, ev.version) for ev in evs if isinstance(ev, WeightAck)] == [("b", 3)]
+    assert not any(isinstance(ev, EngineError) and ev.fatal for ev in evs), evs
+    assert a.alive() and b.alive()  # a rejoins (its group was aborted) and keeps serving its old weights
+    assert not ta.sending.is_set()  # nothing was sent to a
+    assert a.posts.count("/resume") >= 1  # paused for nothing, then resumed
+
+
+def test_vllm_runs_its_trainer_init_and_sends_with_a_side_stream_current(engines, monkeypatch):
+    """Review 4, finding 4 (rule 1): ``trainer_init`` (its warm-up all_reduce) and ``send_weights`` (which ends with
+    ``current_stream().synchronize()``) run with the handler's own stream current, never the default stream, where
+    the synchronize would wait for the training step's kernels. CPU has no stream: a stand-in object, and
+    ``on_stream`` records which one is current when vLLM's calls run."""
+    import contextlib
+
+    make, events = engines
+    side = object()
+    current = threading.local()
+
+    @contextlib.contextmanager
+    def on_stream(s):
+        prev, current.s = getattr(current, "s", None), s
+        try:
+            yield
+        finally:
+            current.s = prev
+
+    seen = []
+    monkeypatch.setattr(cuda_rules, "group_stream", lambda device: side)
+    monkeypatch.setattr(cuda_rules, "on_stream", on_stream)
+    real_init, real_send = FakeTransfer.trainer_init.__func__, FakeTransfer.send_weights
+    monkeypatch.setattr(FakeTransfer, "trainer_init", classmethod(
+        lambda cls, *a, **k: seen.append(("init", getattr(current, "s", None))) or real_init(cls, *a, **k)))
+    monkeypatch.setattr(FakeTransfer, "send_weights",
+                        lambda self: seen.append(("send", getattr(current, "s", None))) or real_send(self))
+    a = make("a")
+    FakeTransfer.made[0].go.set()
+    push = a.self_push(4, [])
+    assert cuda_rules.wait_works([push], time.monotonic() + 5)
+    assert [k for k, _ in seen] == ["init", "send"] and all(s is side for _, s in seen), seen
+    assert [ev.engine for ev in _events(events) if isinstance(ev, WeightAck)] == ["a"]

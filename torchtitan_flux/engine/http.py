@@ -239,12 +239,13 @@ class HttpEngine(EngineHandler, abc.ABC):
             if not self._bucket_meta:
                 raise RuntimeError("begin_update before join_weight_group")
             self._pause()
-            self._open(version)
-            opened = True
-            n = len(self._bucket_meta)
-            for i, (names, dtypes, shapes) in enumerate(self._bucket_meta):
-                self._send_bucket(i, n, names, dtypes, shapes, version)
-            self._close(version)
+            with self._sending(version):
+                self._open(version)
+                opened = True
+                n = len(self._bucket_meta)
+                for i, (names, dtypes, shapes) in enumerate(self._bucket_meta):
+                    self._send_bucket(i, n, names, dtypes, shapes, version)
+                self._close(version)
             self._resume()
         except Exception as e:  # noqa: BLE001
             if opened:
@@ -300,6 +301,11 @@ class HttpEngine(EngineHandler, abc.ABC):
     @abc.abstractmethod
     def _pause(self) -> None:
         """Stop the server's generation before a push."""
+
+    def _sending(self, version: int):
+        """Entered after the gate wait and ``pause``, around open .. close: where a push starts sending. One that
+        raises on entry (e.g. cancelled meanwhile) leaves the weights untouched: a non-fatal failure."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def _open(self, version: int) -> None:

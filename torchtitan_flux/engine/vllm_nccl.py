@@ -9,9 +9,14 @@ the GPU on vLLM's producer stream. No byte checksum: ``checksum`` is ``HttpEngin
 
 Pushes and deadlines (the pusher polls every push against one deadline and calls ``abort`` on the group of an
 engine that missed it, ``cuda_rules`` rule 3):
-* one push at a time in this process (``_SENDING``): each allocates vLLM's packed buffers (2 x
+* one push SENDS at a time in this process (``_SENDING``): each allocates vLLM's packed buffers (2 x
   ``weight_sync.bucket_size_mb``, passed to vLLM at ``trainer_init``) and per-tensor copies on the trainer GPU;
-* a push still queued at its deadline is cancelled (it read and sent nothing): the engine rejoins as usual;
+* rule (review 4, finding 3): a push is queued until it sends. It takes ``_SENDING`` and becomes running only
+  after its gate wait (generations in flight) and ``/pause`` (``_sending``), right before ``send_weights()``, so
+  a long generation on one server never makes a push "running" that sent nothing, nor holds up another server's
+  push;
+* a push still queued at its deadline is cancelled (it read and sent nothing): the engine is not killed, it
+  rejoins as usual (once its generation ends it resumes with its old weights);
 * a push already sending cannot be cancelled (vLLM's producer keeps reading staging, and only its communicator
   can be aborted): the engine is declared dead (``kill``: reconnected, resynced in full) and its completion is
   never acked (``_Push.finish``). Rule: no uncancellable push is ever acked.
@@ -103,7 +108,7 @@ class _Push:
             return True
 
     def start(self) -> bool:
-        """Control thread, holding ``_SENDING``: whether to send (False: cancelled meanwhile)."""
+        """Control thread, holding ``_SENDING`` after the gate wait and pause: whether to send (False: cancelled)."""
         return self._move("queued", "running")
 
     def finish(self) -> bool:
@@ -153,6 +158,7 @@ class VllmNcclEngine(VllmEngine):
         self._flats: list[torch.Tensor] = []
         self._device: torch.device | None = None
         self._push: _Push | None = None  # the newest push (set by the push thread, finished by the control thread)
+        self._stream = None  # rule 1: current while vLLM's trainer engine runs (``own_group``, ``self_push``)
 
     def _check_transfer(self, info: dict) -> None:
         """vLLM's NCCL engine on the server, and the same NCCL as ours (rule 7: a mismatch is one error at start,
@@ -175,8 +181,10 @@ class VllmNcclEngine(VllmEngine):
         init = NCCLTrainerInitInfo(rank=0, master_address=info.host, master_port=port, world_size=2,
                                    packed_buffer_size_bytes=info.bucket_bytes)
         self._device = device or torch.device("cuda", torch.cuda.current_device())
-        self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=self._client, source=staging_source(self, self._device))
+        self._stream = self._stream or cuda_rules.group_stream(self._device)
+        with cuda_rules.on_stream(self._stream):  # rule 1: its warm-up all_reduce runs on the current stream
+            self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+                init, client=self._client, source=staging_source(self, self._device))
         return _TransferGroup(self, self._transfer)
 
     def _release_communicators(self) -> None:
@@ -197,10 +205,11 @@ class VllmNcclEngine(VllmEngine):
 
         def task():
             try:
-                with _SENDING:
-                    if push.start():
-                        cuda_rules.bind_thread(self._device)  # rule 6: this control thread issues the broadcasts
-                        self._update_task(version)
+                cuda_rules.bind_thread(self._device)  # rule 6: this control thread issues the broadcasts
+                with cuda_rules.on_stream(self._stream):  # rule 1: send_weights ends synchronizing the current stream
+                    self._update_task(version)  # the gate wait and pause, then ``_sending``
+                if push.state != "done":  # not sent, or not confirmed: never completed (the pusher rejoins it)
+                    raise RuntimeError(f"weight push {version} to {self.name} was not applied ({push.state})")
                 push.future.set_result(None)
             except BaseException as e:  # noqa: BLE001 - surfaced by the pusher through wait()
                 push.future.set_exception(e)
@@ -215,6 +224,15 @@ class VllmNcclEngine(VllmEngine):
             self.kill(f"weight push {push.version} missed its deadline (weight_sync.timeout_seconds) while vLLM's NCCL "
                       "engine was sending; such a push cannot be cancelled, so the server is reconnected and resynced "
                       "in full and this push is never acknowledged")
+
+    @contextlib.contextmanager
+    def _sending(self, version: int):
+        """Control thread, after the gate wait and pause: take ``_SENDING``, then start the push (queued -> running)
+        unless its deadline cancelled it meanwhile (then nothing was sent: a non-fatal failure, the engine rejoins)."""
+        with _SENDING:
+            if not self._push.start():
+                raise RuntimeError(f"weight push {version} was cancelled at its deadline before it sent anything")
+            yield
 
     # the push steps of ``HttpEngine._update_task``: vLLM's engine does start / update / finish itself
     def _open(self, version: int) -> None:

@@ -352,6 +352,62 @@ def validate_config(job_config: Any) -> None:
                  "'pid', or 'package.module:Class' naming a class with update(staleness, target), metrics(), "
                  "state_dict() and load_state_dict() (torchtitan_flux.rl.controller.ControlLaw)")
     _check_model_folder(job_config)
+    if r.colocated and torch.cuda.is_available():
+        _check_colocated_memory(job_config)
+
+
+TRAIN_BYTES_PER_PARAM = 16  # float32 parameter + gradient + AdamW's two moments
+CUDA_CONTEXT_BYTES = 2**29  # about 0.5 GiB per process on the device (trainer + each engine)
+
+
+def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies: int, device_bytes: int,
+                             shards: int = 1) -> str | None:
+    """Why colocated engines cannot fit beside training on one device, else None. Formula (docs/gpu.md, review 4
+    finding 6): ``engines x copies x P x w + P x w`` (each engine's weight copies and rank 0's device staging) must
+    fit in ``device - (16 P / shards + 10% of the device + 0.5 GiB x (engines + 1))`` (training state: float32
+    parameters, gradients and AdamW's moments, sharded over ``shards`` ranks; the margin: activations, allocator
+    slack and a CUDA context per process)."""
+    model = params * wire_bytes
+    need = engines * copies * model + model
+    margin = device_bytes // 10 + CUDA_CONTEXT_BYTES * (engines + 1)
+    free = device_bytes - (TRAIN_BYTES_PER_PARAM * params // max(1, shards) + margin)
+    if need <= free:
+        return None
+    gib = 2**30
+    return (f"rollout.colocated = true needs {need / gib:.1f} GiB for {engines} engine(s) x {copies} weight copies "
+            f"(max(2, off_policy.max_version_gap + 1)) x {model / gib:.1f} GiB + staging {model / gib:.1f} GiB, but "
+            f"the {device_bytes / gib:.1f} GiB device leaves {max(free, 0) / gib:.1f} GiB beside training "
+            f"({TRAIN_BYTES_PER_PARAM} B x {params / 1e9:.2f}B parameters / {shards} FSDP shard(s) + a margin of 10% "
+            f"and 0.5 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
+            + ("weight_sync.wire_dtype = 'bfloat16', " if wire_bytes > 2 else "")
+            + "or engines on their own GPUs (rollout.colocated = false)")
+
+
+def hf_param_count(shape: Any) -> int:
+    """Parameters of a model of ``weight_dict.ModelShape`` (HF layout; a tied model counts its embedding once)."""
+    d, hd = shape.dim, shape.head_dim
+    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
+    layer = d * q + 2 * d * kv + q * d + 3 * d * shape.intermediate_size + 2 * d
+    layer += (2 * hd if shape.qk_norm else 0) + (q + 2 * kv if shape.qkv_bias else 0)
+    return shape.vocab_size * d * (1 if shape.tied else 2) + shape.n_layers * layer + d
+
+
+def _check_colocated_memory(job_config: Any) -> None:
+    """``colocated_memory_problem`` for this run on this rank's GPU (training state sharded over the FSDP degree:
+    ``parallelism.data_parallel_shard_degree``, -1: WORLD_SIZE / the replicate degree)."""
+    from torchtitan_flux.models.weight_dict import ModelShape
+
+    r, w = job_config.rollout, job_config.weight_sync
+    shape = ModelShape.from_hf_dir(job_config.model.hf_assets_path)
+    wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize  # "auto": float32 parameters
+    device = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    p = job_config.parallelism
+    shards = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else \
+        int(os.environ.get("WORLD_SIZE", "1")) // max(1, p.data_parallel_replicate_degree)
+    why = colocated_memory_problem(hf_param_count(shape), wire, r.num_engines,
+                                   max(2, job_config.off_policy.max_version_gap + 1), device, shards=max(1, shards))
+    if why:
+        raise ConfigError(why)
 
 
 def _check_model_folder(job_config: Any) -> None:

@@ -7,7 +7,7 @@ moves the state (``tests/unit/test_links.py`` scans the package for writes from 
 A link's ``state`` (``LinkState``) and the transitions that move it::
 
     JOINING --joined--> READY --check_timeouts--> LAGGING --record(its ack of what it was sent)--> READY
-    JOINING --join_failed--> BROKEN                 (retried at once unless refused: --> JOINING)
+    JOINING --join_failed--> BROKEN                 (retried unless refused, after a backoff: --> JOINING)
     READY, LAGGING --push_failed, push_incomplete, record(non-fatal error)--> BROKEN
     BROKEN --rejoin_broken (engine alive)--> JOINING
     any --record(fatal error)--> DEAD;  any --replaced (a restarted engine)--> JOINING
@@ -20,6 +20,11 @@ A link's ``state`` (``LinkState``) and the transitions that move it::
   weight path, or the join failed); the next push or ``deliver_staged`` rejoins it while the engine is alive. Its
   receiver gave up on the group: it is neither waited for nor timed out.
 * DEAD: the engine process or server is gone; only ``replaced`` (its restart) moves it on.
+
+A failed join is retried (``join_failed``) after ``JOIN_BACKOFF_S`` doubling per consecutive failure, at most
+``JOIN_ATTEMPTS`` joins in a row; then the table stops retrying and the joiner declares the engine dead (review 4,
+finding 2: a server whose worker is stuck in an abandoned push never rendezvouses, and an immediate retry looped
+forever). ``rejoin_broken`` starts a fresh series.
 
 ``epoch`` numbers a link's groups: each join takes the next. A joiner or a push whose epoch is no longer the link's
 (a newer join superseded it) counts its failure but leaves the link alone.
@@ -42,6 +47,9 @@ from dataclasses import dataclass, field
 from torchtitan_flux.engine.base import EngineError, EngineHandler, WeightAck
 
 logger = logging.getLogger("torchtitan_flux")
+
+JOIN_BACKOFF_S = (0.5, 30.0)  # a join retry waits the first, doubling per failure in a row, up to the second
+JOIN_ATTEMPTS = 8  # joins in a row (about a minute of backoff) before the engine is declared dead
 
 
 class LinkState(enum.Enum):
@@ -95,6 +103,10 @@ class Join:
     """The group number this join builds."""
     handler: EngineHandler
     """The engine it joins (a replaced link's new engine gets a join of its own)."""
+    attempt: int = 1
+    """Its number in a series of failed joins in a row (``join_failed``); at most ``JOIN_ATTEMPTS``."""
+    delay_s: float = 0.0
+    """How long the joiner waits before it starts: a retry's backoff (``JOIN_BACKOFF_S``)."""
 
 
 @dataclass
@@ -185,24 +197,31 @@ class LinkTable:
             return True
 
     def join_failed(self, join: Join, why: str, retry: bool) -> Join | None:
-        """``join`` failed (counted): BROKEN. With ``retry`` (not refused, engine alive) the link joins again at once
-        (a resync), returned; a stale join or a DEAD link is not retried."""
+        """``join`` failed (counted): BROKEN. With ``retry`` (not refused, engine alive) the link joins again (a
+        resync), returned with its backoff, unless ``join`` was the last of ``JOIN_ATTEMPTS`` in a row (then the
+        caller gives the engine up: ``gave_up``); a stale join or a DEAD link is not retried."""
         with self.lock:
             link = join.link
             self._fail(link, why)
             if link.epoch != join.epoch or link.state is not LinkState.JOINING:
                 return None
             link.state = LinkState.BROKEN
-            if not retry:
+            if not retry or self.gave_up(join):
                 return None
             self.stats.resyncs += 1
-            return self._begin_join(link)
+            delay = min(JOIN_BACKOFF_S[1], JOIN_BACKOFF_S[0] * 2 ** (join.attempt - 1))
+            return self._begin_join(link, join.attempt + 1, delay)
 
-    def _begin_join(self, link: EngineLink) -> Join:
+    @staticmethod
+    def gave_up(join: Join) -> bool:
+        """Whether a failure of ``join`` ends its series: ``JOIN_ATTEMPTS`` joins failed in a row."""
+        return join.attempt >= JOIN_ATTEMPTS
+
+    def _begin_join(self, link: EngineLink, attempt: int = 1, delay_s: float = 0.0) -> Join:
         """(Caller holds ``lock``.)"""
         link.epoch += 1
         link.state, link.pg = LinkState.JOINING, None
-        return Join(link, link.epoch, link.handler)
+        return Join(link, link.epoch, link.handler, attempt, delay_s)
 
     # --------------------------------------------------------------------------------------------- pushes
 

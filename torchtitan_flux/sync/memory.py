@@ -4,13 +4,14 @@ Staging (one copy of the weights in the wire dtype: pinned host memory on GPU, d
 GPU) is the sync path's only model-sized buffer. Everything else it allocates goes through ``hold`` / ``release``
 here: a bucket's gathered or cast tensors (``Snapshot.take``: bucket i is released once bucket i+1 is held, and
 both live on the snapshot's one stream, so the allocator reuses them in stream order with no host wait), the
-``DeviceRing`` slots and the device header (``Pusher``). ``budget`` is two of the largest bucket plus the ring:
-it grows with the largest tensor (a bucket never splits a tensor: ``transport.plan_buckets``), not with the
-number of layers. ``peak`` is what was held at once; on GPU, ``scripts/gpu_smoke.py`` compares it with the CUDA
-allocator's own peak. Not counted yet (review of 2026-11-26): the FSDP gather's own temporaries inside
-``snapshot._gather_bucket`` (the cast shards, the padded send buffer and the gathered output, alive together: about
-one more bucket per rank) and ``full_tensor()`` before a cast; the budget covers them only on one GPU without FSDP,
-where the smoke measured it. Main thread and push thread: every call under ``_lock``.
+``DeviceRing`` slots (``Pusher``: a ring of two buckets per NCCL engine, each engine's own: review 4, finding 1).
+``budget`` is two of the largest bucket plus the rings (``ring``: their total, from the number of NCCL engines):
+it grows with the largest tensor (a bucket never splits a tensor: ``transport.plan_buckets``) and the number of
+NCCL engines, not with the number of layers. ``peak`` is what was held at once; on GPU, ``scripts/gpu_smoke.py``
+compares it with the CUDA allocator's own peak. Not counted yet (review of 2026-11-26): the FSDP gather's own
+temporaries inside ``snapshot._gather_bucket`` (the cast shards, the padded send buffer and the gathered output,
+alive together: about one more bucket per rank) and ``full_tensor()`` before a cast; the budget covers them only on
+one GPU without FSDP, where the smoke measured it. Main thread and push thread: every call under ``_lock``.
 """
 
 from __future__ import annotations

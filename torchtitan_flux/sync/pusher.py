@@ -14,8 +14,11 @@ Concurrency invariants:
   * Joiner threads: one per join the table decided; each sends its engine the join message (it alone may block on
     a stopped engine's full pipe), builds that engine's group eagerly (handshake, NCCL version check, group: rule
     8), then ``kick``s the push thread; it never touches ``busy``. A refused engine is retried at the next push or
-    ``deliver_staged``, not at once; the main thread starts joiners but never sends a join itself.
-On a GPU trainer staging is pinned host memory; ``DeviceRing`` moves it to the GPU two buckets at a time.
+    ``deliver_staged``, not at once; any other failure is retried after a backoff, and ``links.JOIN_ATTEMPTS``
+    failures in a row kill the engine (its replacement joins); the main thread starts joiners but never sends a
+    join itself.
+On a GPU trainer staging is pinned host memory; each NCCL engine's ``DeviceRing`` moves it to the GPU two buckets at a
+time, on that engine's own stream.
 With ``weight_sync.method = "sparse"`` the push thread also owns ``base`` (``sparse.SparseBase``): an engine whose
 ``EngineLink.holds`` is the base version gets patches, every other one whole buckets, in the same push.
 """
@@ -55,9 +58,17 @@ def trainer_group(handler, store, info: WeightGroupInfo, device: torch.device | 
 
 
 class DeviceRing:
-    """Two device buffers host tensors pass through on ``stream`` to be broadcast on NCCL (push thread only). A
-    slot is rewritten only after its previous reader was ordered before the copy on the stream, unless that
-    reader's group was aborted (``forget``: its kernels are gone and its Work would only raise)."""
+    """ONE NCCL engine's path from host staging to its group (push thread only): its own stream and two device
+    buffers that host tensors pass through to be broadcast. A slot is rewritten only after its previous reader was
+    ordered before the copy on the stream, unless that reader's group was aborted (``forget``: its kernels are gone
+    and its Work would only raise).
+
+    Rule (``cuda_rules`` rule 1, review 4 finding 1): a ring serves one engine, so no copy, broadcast or wait for
+    one engine is ever queued behind another engine's: a stalled engine stalls only its own stream and slots, and
+    is cut alone at the deadline. A ring shared by engines made every engine wait for the slowest earlier one, and
+    cut them all when it stalled. Memory: 2 x the largest bucket per NCCL engine, held for the run
+    (``SyncMemory``'s budget counts it per engine). Kept across the engine's rejoins, never freed: a copy queued on
+    the stream of an aborted group could otherwise land in a block the allocator gave to someone else."""
 
     def __init__(self, device: torch.device, max_bytes: int, stream):
         self.stream = stream
@@ -66,19 +77,22 @@ class DeviceRing:
         self.i = 0
 
     def broadcast(self, pg, t: torch.Tensor):
-        if t.device.type != "cpu":
-            return compat.broadcast(pg, t)
-        self.i = (self.i + 1) % 2
-        for _, w in self.readers[self.i]:
-            try:
-                w.wait()  # rule 1: the stream (not the host) waits for the previous readers of this slot
-            except Exception:  # noqa: BLE001 - a failed Work's kernel no longer reads the slot; its link is failed
-                pass
-        dev = self.slots[self.i][: t.numel() * t.element_size()].view(t.dtype)
-        dev.copy_(t.reshape(-1), non_blocking=True)
-        work = compat.broadcast(pg, dev)
-        self.readers[self.i] = [(pg, work)]
-        return work
+        """Broadcast ``t`` on ``pg`` with this ring's stream current; a host tensor (pinned: the copy never blocks
+        the host) goes through the next slot."""
+        with cuda_rules.on_stream(self.stream):
+            if t.device.type != "cpu":
+                return compat.broadcast(pg, t)
+            self.i = (self.i + 1) % 2
+            for _, w in self.readers[self.i]:
+                try:
+                    w.wait()  # rule 1: this ring's stream (not the host) waits for the slot's previous reader
+                except Exception:  # noqa: BLE001 - a failed Work's kernel no longer reads the slot; its link is failed
+                    pass
+            dev = self.slots[self.i][: t.numel() * t.element_size()].view(t.dtype)
+            dev.copy_(t.reshape(-1), non_blocking=True)
+            work = compat.broadcast(pg, dev)
+            self.readers[self.i] = [(pg, work)]
+            return work
 
     def forget(self, pg) -> None:
         """``pg`` was aborted after a missed deadline: no later push waits on its Works."""
@@ -145,8 +159,8 @@ class Pusher:
         self.closed = False
         self._job: int | None = None
         self._job_links: list[EngineLink] | None = None  # None: every usable engine
-        self.stream = cuda_rules.group_stream(device) if backend == "nccl" else None
-        self.ring: DeviceRing | None = None  # allocated by the first push to an NCCL group (``_nccl_send``)
+        self.stream = cuda_rules.group_stream(device) if backend == "nccl" else None  # the polls' and gloo sends'
+        self.rings: dict[str, DeviceRing] = {}  # per NCCL engine (by name), allocated at its first push (``_ring``)
         self.base = sparse.SparseBase(snap.plan, cfg.sparse_max_bytes_ratio) if cfg.method == "sparse" else None
         self._told_dense = False  # the first all-dense sparse push is logged, once
         threading.Thread(target=self._loop, name="flux-weight-push", daemon=True).start()
@@ -220,6 +234,10 @@ class Pusher:
         """Joiner thread: ask the engine to join (a pipe send or HTTP call, which may block on a stopped engine: no
         lock is held), build rank 0's side of the group, report the outcome to the table."""
         handler = join.handler
+        if join.delay_s:  # a retry's backoff (``links.JOIN_BACKOFF_S``)
+            time.sleep(join.delay_s)
+            if self.closed:
+                return
         try:
             cuda_rules.bind_thread(self.device)  # rule 6; colocated: the join message shares CUDA staging (IPC)
             handler.join_weight_group(info)
@@ -241,10 +259,13 @@ class Pusher:
             # a refusal would fail again at once; anything else retries now (a restarted engine may still be
             # starting, and the trainer may be waiting on its rollouts)
             refused = isinstance(e, (transport.AuthError, cuda_rules.NcclVersionMismatch))
-            again = self.table.join_failed(join, f"join failed: {e}",
-                                           retry=not (refused or self.closed) and handler.alive())
+            retry = not (refused or self.closed) and handler.alive()
+            again = self.table.join_failed(join, f"join failed: {e}", retry=retry)
             if again is not None:
                 self.start_join(again)
+            elif retry and self.table.gave_up(join):  # e.g. a server stuck in an abandoned push: replace it
+                handler.kill(f"{join.attempt} joins of its weight-sync group failed in a row (last: {e}); declared "
+                             "dead: restarted or reconnected by the rollouts (rollout.max_engine_restarts)")
             return
         if self.table.joined(join, pg, info.backend):  # else superseded by a newer join: the group is dropped
             with self.table.lock:
@@ -268,14 +289,17 @@ class Pusher:
             finally:
                 self.release()
 
-    def _nccl_send(self, pg, t: torch.Tensor):
-        """Broadcast ``t`` on an NCCL group, through the ``DeviceRing`` for host tensors (allocated on first use:
-        engines that never take an NCCL broadcast from us, e.g. vLLM's own engine, cost no ring)."""
-        if self.ring is None:
-            top = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in self.snap.plan.buckets), default=1)
-            self.ring = DeviceRing(self.device, top, self.stream)
+    def _ring(self, name: str) -> DeviceRing:
+        """Engine ``name``'s ``DeviceRing`` (allocated at its first NCCL broadcast from us: engines that never take
+        one, e.g. vLLM's own engine, cost no ring). Slots fit the largest bucket and the push header."""
+        ring = self.rings.get(name)
+        if ring is None:
+            plan = self.snap.plan
+            top = max([b.numel * transport._DTYPES[b.dtype].itemsize for b in plan.buckets]
+                      + [transport.encode_header(plan, 0).nbytes])
+            ring = self.rings[name] = DeviceRing(self.device, top, cuda_rules.group_stream(self.device))
             self.snap.memory.hold(2 * top)  # held for the run
-        return self.ring.broadcast(pg, t)
+        return ring
 
     def push(self, version: int, only: list[EngineLink] | None = None) -> None:
         """Send staging (``version``) to every usable engine (or ``only``), poll the Works; caller holds ``busy``.
@@ -283,7 +307,6 @@ class Pusher:
         t0 = time.perf_counter()
         self.snap.side.synchronize_copy()
         self.snap.publish(version)  # colocated engines copy from here on
-        deadline = time.monotonic() + self.cfg.timeout_seconds  # one deadline for the whole push (rule 3)
         if only is None:
             for join in self.table.rejoin_broken():
                 self.start_join(join)
@@ -291,8 +314,10 @@ class Pusher:
         with self.table.lock:
             targets = [PushTarget(lk, lk.epoch, lk.handler, lk.pg, lk.backend, lk.holds)
                        for lk in (self.table.links if only is None else only) if lk.usable]
-        dense = transport.encode_header(self.snap.plan, version)
-        patch = self._patch(version, targets)
+        dense = self._host(transport.encode_header(self.snap.plan, version))
+        patch = self._patch(version, targets)  # the sparse diff: host work, never counted against the engines
+        # one deadline for the whole push (rule 3), set before the first send, after the diff (review 4, finding 9)
+        deadline = time.monotonic() + self.cfg.timeout_seconds
         with cuda_rules.on_stream(self.stream):
             in_flight = self._send(version, targets, dense, patch)
             sent_bytes, patched = self._complete(version, in_flight, deadline)
@@ -307,9 +332,8 @@ class Pusher:
         whole buckets under the ``dense`` header (or the engine's own push). A target that fails to start is
         BROKEN."""
         flats = self.snap.staging.flats
-        on_device = {}  # host header -> its device copy, for NCCL groups (rule 2); pinned: no copy that syncs
         in_flight = []
-        for target in targets:  # the host (N1), on the push stream (rule 1)
+        for target in targets:  # NCCL: each engine's own ring and stream (rule 1); its header goes through the ring
             handler = target.handler
             try:
                 handler.begin_update(version)
@@ -317,13 +341,9 @@ class Pusher:
                 patched = own is None and patch is not None and target.holds == patch.base and \
                     handler.accepts_patches
                 header = patch.header if patched else dense
-                nccl = target.backend == "nccl"
-                if nccl and id(header) not in on_device:
-                    on_device[id(header)] = header.pin_memory().to(self.device, non_blocking=True)
-                wire_header = on_device[id(header)] if nccl else header
-                tensors = ([header, *flats] if own is not None else [wire_header, *patch.tensors] if patched
-                           else handler.wire_tensors(wire_header, flats))
-                send = self._nccl_send if nccl else compat.broadcast
+                tensors = ([header, *flats] if own is not None else [header, *patch.tensors] if patched
+                           else handler.wire_tensors(header, flats))
+                send = self._ring(handler.name).broadcast if target.backend == "nccl" else compat.broadcast
                 works = [own] if own is not None else [send(target.pg, t) for t in tensors]
                 self.table.sent(target.link, target.epoch, version)
                 in_flight.append(InFlight(target, works, tensors, patched))
@@ -341,8 +361,9 @@ class Pusher:
                 if not cuda_rules.wait_works(sent.works, deadline):
                     if target.backend == "nccl":
                         cuda_rules.abort_group(target.pg)
-                        if self.ring is not None:
-                            self.ring.forget(target.pg)
+                        ring = self.rings.get(target.handler.name)
+                        if ring is not None:
+                            ring.forget(target.pg)
                     raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
                                        f"{self.cfg.timeout_seconds}")
                 cuda_rules.raise_failed(sent.works)
@@ -354,6 +375,11 @@ class Pusher:
                 self.table.push_incomplete(target.link, target.epoch, version, str(e))
         return sent_bytes, patched
 
+    def _host(self, header: torch.Tensor) -> torch.Tensor:
+        """A push header as the rings take it: pinned on a GPU trainer (its copy to the device never blocks the host
+        before the deadline, N1; rule 2: it is broadcast from the device), as is on CPU."""
+        return header.pin_memory() if self.device.type == "cuda" else header
+
     def _patch(self, version: int, targets: list[PushTarget]) -> SparsePayload | None:
         """The base's patches to ``version`` if some target holds the base version and takes patches and some bucket
         fits as a patch, else None (every target gets whole buckets)."""
@@ -361,7 +387,7 @@ class Pusher:
         if patches is None:
             return None
         counts, tensors = sparse.payload(self.snap.staging.flats, patches)
-        header = transport.encode_header(self.snap.plan, version, counts, self.base.version)
+        header = self._host(transport.encode_header(self.snap.plan, version, counts, self.base.version))
         return SparsePayload(header, tensors, self.base.version, sum(c != transport.DENSE for c in counts))
 
     def _patches(self, version: int, targets: list[PushTarget]) -> list | None:

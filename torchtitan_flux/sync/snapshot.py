@@ -68,7 +68,7 @@ class Snapshot:
     while it holds the pusher's claim; never written then) and ``side.synchronize_copy`` (push thread)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, is_sender: bool, bucket_bytes: int,
-                 wire_dtype: torch.dtype | None, wire_tensor=None, colocated: bool = False):
+                 wire_dtype: torch.dtype | None, wire_tensor=None, colocated: bool = False, ring_engines: int = 0):
         self.is_sender = is_sender
         self.params = clean_parameters(model)
         self.wire_dtype = wire_dtype
@@ -89,7 +89,8 @@ class Snapshot:
                         flat.share_memory_()
             self.seqlock = transport.Seqlock()
         largest = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in self.plan.buckets), default=0)
-        self.memory = SyncMemory(largest, ring=2 * largest if on_gpu and not colocated else 0)
+        # a ``DeviceRing`` (2 x the largest bucket) per engine that may take our NCCL broadcasts (finding 1)
+        self.memory = SyncMemory(largest, ring=2 * largest * ring_engines if on_gpu else 0)
         self.version = -1  # newest version snapshotted
         self.last_s = 0.0
         control_group()  # collective creation: every rank, here

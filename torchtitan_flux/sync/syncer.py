@@ -56,6 +56,7 @@ class WeightSyncer:
             wire_dtype=None if cfg.wire_dtype == "auto" else getattr(torch, cfg.wire_dtype),
             wire_tensor=layout.wire_tensor if layout is not None else None,
             colocated=any(e.weight_backend(backend) == transport.COLOCATED for e in engines),
+            ring_engines=sum(e.weight_backend(backend) == "nccl" for e in engines),  # vLLM's own engine: an upper bound
         )
         self._same_plan_on_every_rank()
         self.table = LinkTable(engines if is_sender else [], cfg.timeout_seconds)

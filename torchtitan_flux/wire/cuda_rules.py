@@ -6,7 +6,13 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
 1. One thread, one stream per group: every collective of a weight-sync group is issued by one thread (trainer:
    the push thread; engine: the receiver) inside ``on_stream`` with the group's own stream (``group_stream``).
    NCCL's stream waits on the *current* stream at enqueue, and ``Work.wait()`` makes the current stream wait on
-   it: from the default stream a push would queue behind training kernels or block generation.
+   it: from the default stream a push would queue behind training kernels or block generation. The trainer
+   gives each NCCL engine its own stream and staging ring (``pusher.DeviceRing``): nothing issued for one engine
+   is ever ordered after another engine's work, so a stalled engine stalls only itself (a shared stream or ring
+   made every engine wait for the slowest earlier one and cut them all at its deadline: review 4, finding 1).
+   A library that sends for us runs under ``on_stream`` too: vLLM's ``trainer_init`` enqueues a warm-up
+   all_reduce on the current stream and its ``send_weights`` ends with ``current_stream().synchronize()``, which
+   on the default stream would wait for the training step's kernels (``engine/vllm_nccl.py``; finding 4).
 2. The header lives on the group's device (``header_device``): NCCL rejects CPU tensors; gloo wants CPU.
 3. Host-side completion is decided by polling ``Work.is_completed()`` against OUR deadline (``wait_works``),
    one deadline per push, never by ``Work.wait(timeout)`` (counted from enqueue, and under
