@@ -213,7 +213,8 @@ def test_a_join_message_that_cannot_be_sent_holds_no_lock():
     snap = SimpleNamespace(specs=[], bucket_bytes=0, version=-1, plan=None,
                            staging=SimpleNamespace(flats=[]), seqlock=SimpleNamespace(t=None))
     cfg = SimpleNamespace(method="dense", master_addr="127.0.0.1", timeout_seconds=2.0)
-    pusher = Pusher(table, snap, cfg, backend="gloo", device="cpu", store=SimpleNamespace(port=0), token=None)
+    pusher = Pusher(table, snap, cfg, backend="gloo", device="cpu", store=SimpleNamespace(port=0), token=None,
+                    engine_specs=[])
     try:
         table.join_failed(table.begin_join(table.links[0]), "join failed: test", retry=False)  # BROKEN
         t0 = time.monotonic()

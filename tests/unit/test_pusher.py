@@ -81,7 +81,7 @@ def test_a_stalled_nccl_engine_is_cut_alone_and_never_delays_the_next_engine(mon
     for link in table.links:
         assert table.joined(table.begin_join(link), groups[link.handler.name], "nccl")
     pusher = Pusher(table, snap, WeightSync(timeout_seconds=1.0), backend="gloo", device=torch.device("cpu"),
-                    store=None, token=None)
+                    store=None, token=None, engine_specs=[])
     try:
         t0 = time.monotonic()
         pusher.push(1)
@@ -142,7 +142,7 @@ def test_failed_joins_back_off_and_the_engine_is_declared_dead_after_join_attemp
     engine = Unjoinable("srv", [])
     table = LinkTable([engine], timeout_s=1.0)
     pusher = Pusher(table, snap, WeightSync(timeout_seconds=1.0), backend="gloo", device=torch.device("cpu"),
-                    store=SimpleNamespace(port=1), token=None)
+                    store=SimpleNamespace(port=1), token=None, engine_specs=[])
     try:
         pusher.start_join(table.begin_join(table.links[0]))
         end = time.monotonic() + 5
@@ -181,7 +181,7 @@ def test_the_push_deadline_starts_after_the_sparse_diff(monkeypatch):
     link = table.links[0]
     assert table.joined(table.begin_join(link), Group("e", stalled=False), "gloo")
     pusher = P(table, snap, WeightSync(timeout_seconds=1.0), backend="gloo", device=torch.device("cpu"), store=None,
-               token=None)
+               token=None, engine_specs=[])
     try:
         pusher.push(1)
     finally:
@@ -225,7 +225,7 @@ def test_each_nccl_engine_is_sent_to_on_its_own_stream(monkeypatch):
     for link in table.links:
         assert table.joined(table.begin_join(link), Group(link.handler.name, stalled=False), "nccl")
     pusher = Pusher(table, snap, WeightSync(timeout_seconds=1.0), backend="nccl", device=torch.device("cpu"),
-                    store=None, token=None)
+                    store=None, token=None, engine_specs=[])
     try:
         pusher.push(1)
     finally:
