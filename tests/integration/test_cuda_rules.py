@@ -277,3 +277,28 @@ def test_the_pushers_join_checks_the_nccl_version_before_building_a_group(harnes
     assert link.state is LinkState.BROKEN and link.epoch == join.epoch  # broken, and not retried at once
     assert table.stats.errors == errors + 1
     assert any("NCCL 2.21.5 on the trainer" in f for f in table.stats.failures), table.stats.failures
+
+
+def test_the_landing_event_is_a_blocking_one(monkeypatch):
+    """Rule 5 and the fourth review's finding 10: an idle GPU engine waits for the next header in the event's
+    ``synchronize()``; a spinning (non-blocking) event kept a core busy for nothing. CPU: a stand-in device module
+    records how the event was made and that it was recorded on the receiver's stream, then synchronized."""
+    import types
+
+    made = []
+
+    class Event:
+        def __init__(self, **kw):
+            made.append(kw)
+
+        def record(self, stream):
+            made.append(("record", stream))
+
+        def synchronize(self):
+            made.append("synchronize")
+
+    stream = types.SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(cuda_rules.compat, "device_module", lambda device: types.SimpleNamespace(Event=Event))
+    monkeypatch.setattr(cuda_rules, "on_stream", lambda s: __import__("contextlib").nullcontext())
+    cuda_rules.landed([], stream)
+    assert made == [{"blocking": True}, ("record", stream), "synchronize"]

@@ -21,7 +21,8 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
    fresh one.
 4. Groups get a long timeout (``GROUP_TIMEOUT``) so the NCCL watchdog never fires before our deadline does.
 5. The receiver acks only after the bytes landed: ``landed(works, stream)`` waits on the Works on the receiver's
-   stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host).
+   stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host). The event
+   is a blocking one, so an idle engine waiting for the next push sleeps instead of spinning a core.
 6. The receiver thread calls ``bind_thread(device)`` first, so its CUDA context is the engine's GPU.
 7. NCCL versions are compared at join (``check_nccl_version``), or at start where the server reports its own
    (vLLM's NCCL engine: ``require_same_nccl``): a mismatch is one error line, not a rejoin loop.
@@ -124,7 +125,10 @@ def landed(works: list[Any], stream: Any) -> None:
             w.wait()
     if stream is not None:
         mod = compat.device_module(stream.device)
-        ev = mod.Event()
+        try:  # blocking: an idle engine waits for the next header asleep, not spinning a core (review 4, finding 10)
+            ev = mod.Event(blocking=True)
+        except TypeError:  # a device module whose Event takes no ``blocking``
+            ev = mod.Event()
         ev.record(stream)
         ev.synchronize()
 
