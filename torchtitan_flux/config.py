@@ -172,8 +172,8 @@ class Rollout:
     run checkpoints its last completed step and stops with one line naming the task and the call."""
 
     max_engine_restarts: Annotated[int, Range(ge=0)] = 3
-    """Restarts of a dead embedded engine within any 10 minutes before it is given up (the run goes on with the
-    others or, with none left, stops at the step boundary, checkpointed). 0: never restart."""
+    """Restarts of a dead embedded engine (or reconnects to a dead server) within any 10 minutes before it is given
+    up (the run goes on with the others or, with none left, stops at the step boundary, checkpointed). 0: never."""
 
 
 @dataclass

@@ -235,3 +235,35 @@ def test_a_prompt_budget_sets_its_requests_max_new_tokens_and_one_over_the_confi
                                           r"max_new_tokens 33; allowed: an integer from 0 \(rollout.max_new_tokens\) "
                                           r"to rollout.max_new_tokens = 32"):
         requests([33])
+
+
+def test_reconnects_to_a_dying_server_are_capped_like_restarts(caplog):
+    """The fourth GPU review's finding 2: a server wedged after an aborted push takes each new join and dies at the
+    next push; reconnects were not counted against ``rollout.max_engine_restarts``, so that looped forever."""
+    from types import SimpleNamespace
+
+    from torchtitan_flux.rollout.rollouts import Rollouts
+
+    class Server:
+        reconnects = True
+
+        def __init__(self):
+            self.name = "vllm0"
+
+        def close(self):
+            pass
+
+        def reconnect(self):
+            return Server()
+
+    replaced = []
+    rollouts = SimpleNamespace(stops=SimpleNamespace(signal=None), engines=[Server()], _restart_times={}, restarts=0,
+                               job_config=SimpleNamespace(rollout=SimpleNamespace(max_engine_restarts=3)),
+                               syncer=SimpleNamespace(replace_engine=lambda old, new: replaced.append(new)))
+    for _ in range(3):
+        new = Rollouts._replace(rollouts, rollouts.engines[0])
+        assert new is not None
+        rollouts.engines[0] = new
+    with caplog.at_level("ERROR", logger="torchtitan_flux"):
+        assert Rollouts._replace(rollouts, rollouts.engines[0]) is None
+    assert len(replaced) == 3 and "not reconnected again" in caplog.text

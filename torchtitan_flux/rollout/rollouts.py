@@ -70,7 +70,8 @@ class Rollouts(RolloutScheduler):
         r = self.job_config.rollout
         kind = engine_kind(r.engine)
         self._urls = list(r.urls)
-        self._devices = [str(self.device)] * r.num_engines if r.colocated else engine_devices(  # before any engine starts; servers at rollout.urls are placed by their owner
+        # before any engine starts; servers at rollout.urls are placed by their owner
+        self._devices = [str(self.device)] * r.num_engines if r.colocated else engine_devices(
             list(r.engine_devices), r.num_engines, trainer_on_gpu=self.trainer_on_gpu,
             visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         ) if kind.local(r.launch) else []
@@ -94,7 +95,9 @@ class Rollouts(RolloutScheduler):
 
     def _replace(self, dead):
         """A dead engine's replacement, rejoined by the syncer; None when it is given up: while the run stops on a
-        signal, a crash loop past ``rollout.max_engine_restarts``, or a server that is not back."""
+        signal, past ``rollout.max_engine_restarts`` deaths within ``RESTART_WINDOW_S`` (restarts of our engines and
+        reconnects to servers alike: a server wedged after an aborted push took joins and died again, forever), or
+        a server that is not back."""
         dead.close()
         if self.stops.signal is not None:
             logger.warning(f"{dead.name}: not restarted: the run is stopping ({self.stops.signal})")
@@ -103,10 +106,11 @@ class Rollouts(RolloutScheduler):
         now = time.monotonic()
         recent = [t for t in self._restart_times.get(idx, []) if now - t < RESTART_WINDOW_S]
         cap = self.job_config.rollout.max_engine_restarts
-        if not dead.reconnects and len(recent) >= cap:
+        if len(recent) >= cap:  # reconnects too: a server that takes a join and dies at every push would loop
+            again = "reconnected" if dead.reconnects else "restarted"
             logger.error(f"{dead.name}: died {len(recent) + 1} times within {RESTART_WINDOW_S:.0f} s "
-                         f"(rollout.max_engine_restarts = {cap}); not restarted again: its error is the 'died' "
-                         "line above")
+                         f"(rollout.max_engine_restarts = {cap}); not {again} again: its error is the 'died' line "
+                         "above")
             return None
         self._restart_times[idx] = recent + [now]
         self.restarts += 1
