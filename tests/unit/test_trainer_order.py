@@ -31,7 +31,7 @@ def test_pg_timeouts_are_set_before_the_first_push_and_not_again(monkeypatch):
                              after_optimizer_step=lambda v: calls.append(f"push {v}"))
     jc = SimpleNamespace(comm=SimpleNamespace(train_timeout_seconds=100), eval=None, profiling=None,
                          job=mock.MagicMock(), checkpoint=None)
-    t = mock.MagicMock(step=0, rank=0, job_config=jc, syncer=syncer, evaluator=None, scheduler=None,
+    t = mock.MagicMock(step=0, rank=0, job_config=jc, syncer=syncer, evaluator=None, rollouts=None,
                        should_continue_training=lambda: next(steps), train_step_grpo=train_step,
                        _finish=lambda: calls.append("finish"))
     GRPOTrainer.train(t)

@@ -291,7 +291,7 @@ class EmbeddedEngine(EngineHandler):
 
     def idle(self) -> bool:
         """Alive and holding no request (every submitted request's result has been read): its cores compute
-        nothing until the next ``submit``, which only the trainer's main thread calls (``fleet.TrainerThreads``)."""
+        nothing until the next ``submit``, which only the trainer's main thread calls (``run.threads.TrainerThreads``)."""
         with self._requests_lock:
             return not self._requests and self.alive()
 

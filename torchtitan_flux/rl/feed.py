@@ -5,7 +5,7 @@ than the oldest the step may train on (``OffPolicyControl.oldest``): every rank 
 current weights if staging is that old (``WeightSyncer.catch_up``), and before each wait for rollouts rank 0 has
 the staged version sent to every engine that lacks it (``WeightSyncer.deliver_staged``).
 
-Concurrency: main thread of every trainer rank, between training steps; only rank 0 holds the scheduler. The
+Concurrency: main thread of every trainer rank, between training steps; only rank 0 holds the rollout side. The
 broadcast runs on the CPU control group (gloo), so a slow rollout never trips an NCCL timeout. A collection that
 fails on rank 0 (a reward function's error or deadline, a task's bad prompt, no engine left) is broadcast in place
 of the batch, so every rank stops on the same error instead of the others waiting for a batch that never comes.
@@ -37,9 +37,9 @@ class StepInput:
 
 
 class BatchFeed:
-    def __init__(self, off_policy: OffPolicyControl, scheduler: RolloutScheduler | None, syncer: WeightSyncer, *,
+    def __init__(self, off_policy: OffPolicyControl, rollouts: RolloutScheduler | None, syncer: WeightSyncer, *,
                  async_push: bool, last_step: int, rank: int, world: int):
-        self.off_policy, self.scheduler, self.syncer = off_policy, scheduler, syncer
+        self.off_policy, self.rollouts, self.syncer = off_policy, rollouts, syncer
         self.async_push, self.last_step, self.rank, self.world = async_push, last_step, rank, world
 
     def next(self, step: int, version: int) -> StepInput:
@@ -70,8 +70,8 @@ class BatchFeed:
 
     def _task_finished(self, step: int) -> bool:
         """The task's ``finished(step)`` (user code: its failure names it, and every rank stops on it)."""
-        sched = self.scheduler
-        return task_finished(sched.task, step, sched.task_timeout_s, interrupted=lambda: sched.interrupted)
+        r = self.rollouts
+        return task_finished(r.task, step, r.task_timeout_s, interrupted=lambda: r.interrupted)
 
     def _collect(self, step: int, version: int) -> RolloutBatch:
         policy = self.off_policy
@@ -82,10 +82,10 @@ class BatchFeed:
                                f"(trainer at {version}); its rollouts would be discarded forever")
         for k in range(step, min(step + ahead, self.last_step) + 1):
             # born fresh enough: step k is trained at version k - 1, so the engine waits for oldest(k - 1)
-            self.scheduler.dispatch(k, version, pin_version=pin, min_version=max(0, policy.oldest(k - 1)))
+            self.rollouts.dispatch(k, version, pin_version=pin, min_version=max(0, policy.oldest(k - 1)))
         while True:
             self.syncer.deliver_staged()  # the pin reaches every engine, broken groups included
-            batch = self.scheduler.collect(step, version, pin_version=pin, min_version=max(0, policy.oldest(version)))
+            batch = self.rollouts.collect(step, version, pin_version=pin, min_version=max(0, policy.oldest(version)))
             if policy.accept(step, version, batch):
                 break
         self.syncer.check_timeouts()

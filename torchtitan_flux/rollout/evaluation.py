@@ -5,7 +5,7 @@ scores the completions with the task's reward functions. A synchronous run waits
 an asynchronous one picks the results up at the first step that ends after they are scored, and waits only when
 the next evaluation is due before the previous one finished, and at the last step.
 
-Concurrency: main thread only (results arrive through the scheduler's ``pump``); scoring runs on the reward pool.
+Concurrency: main thread only (results arrive through the rollout side's ``pump``); scoring runs on the reward pool.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class _Run:
 
 
 class Evaluator:
-    def __init__(self, eval_cfg, task: Task, scheduler: RolloutScheduler, tokenizer, seed: int, dump_folder: str,
+    def __init__(self, eval_cfg, task: Task, rollouts: RolloutScheduler, tokenizer, seed: int, dump_folder: str,
                  wait: bool):
-        self.cfg, self.task, self.scheduler, self.tokenizer = eval_cfg, task, scheduler, tokenizer
+        self.cfg, self.task, self.rollouts, self.tokenizer = eval_cfg, task, rollouts, tokenizer
         self.seed, self.wait = seed, wait
-        self.prompts: list[Prompt] = task_eval_prompts(task, seed, eval_cfg.num_prompts, scheduler.max_new_tokens,
-                                                       scheduler.task_timeout_s)
+        self.prompts: list[Prompt] = task_eval_prompts(task, seed, eval_cfg.num_prompts, rollouts.max_new_tokens,
+                                                       rollouts.task_timeout_s)
         self.prompt_ids = [tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False) for p in self.prompts]
         self.path = os.path.join(dump_folder, "eval.jsonl")
         self._runs: list[_Run] = []
@@ -44,7 +44,7 @@ class Evaluator:
 
     def start(self, version: int) -> None:
         """Send the held-out prompts for policy ``version`` (call once the engines can get that version)."""
-        parts = self.scheduler.submit_eval(self.prompts, self.prompt_ids, self.cfg.n, self.cfg.temperature, version,
+        parts = self.rollouts.submit_eval(self.prompts, self.prompt_ids, self.cfg.n, self.cfg.temperature, version,
                                            seed=self.seed * 1_000_003 + version)
         self._runs.append(_Run(version, parts, time.perf_counter()))
 
@@ -75,19 +75,19 @@ class Evaluator:
     def _advance(self, run: _Run, wait: bool) -> bool:
         """Pump results / submit scoring; True once ``run`` is scored."""
         while any(p.result is None for p in run.parts):
-            if not wait and self.scheduler.events.empty():
+            if not wait and self.rollouts.events.empty():
                 return False
-            self.scheduler.pump(0.05 if wait else 0)
+            self.rollouts.pump(0.05 if wait else 0)
         if run.scores is None:
             results = [p.result for p in run.parts]
-            _, run.scores = self.scheduler.scoring.submit(self.task, self.prompts, results, self.cfg.n)
+            _, run.scores = self.rollouts.scoring.submit(self.task, self.prompts, results, self.cfg.n)
         if not wait and not run.scores.done():
             return False
-        self.scheduler.scoring.wait(run.scores)
+        self.rollouts.scoring.wait(run.scores)
         return True
 
     def _metrics(self, run: _Run) -> dict[str, float]:
-        scores, n = self.scheduler.scoring.wait(run.scores), self.cfg.n
+        scores, n = self.rollouts.scoring.wait(run.scores), self.cfg.n
         passed = [t >= self.cfg.pass_threshold for t in scores.total]
         per_prompt = [passed[i : i + n] for i in range(0, len(passed), n)]
         out = {

@@ -22,16 +22,16 @@ logger = logging.getLogger("torchtitan_flux")
 
 
 class CheckpointState:
-    def __init__(self, off_policy: OffPolicyControl, scheduler: RolloutScheduler | None, task, prompts_per_step: int,
+    def __init__(self, off_policy: OffPolicyControl, rollouts: RolloutScheduler | None, task, prompts_per_step: int,
                  config_changes: list[str], stops: StopRequests, timeout_s: float, world: int):
-        self.off_policy, self.scheduler, self.task = off_policy, scheduler, task
+        self.off_policy, self.rollouts, self.task = off_policy, rollouts, task
         self.prompts_per_step, self.config_changes, self.world = prompts_per_step, config_changes, world
         self.stops, self.timeout_s = stops, timeout_s  # a save waits for rollouts in flight (less after a signal)
 
     def state_dict(self, step: int) -> dict[str, Any]:
         shared = [b"", pickle.dumps(self.off_policy.state_dict())]  # rank 0's finished rollouts, off-policy state
-        if self.scheduler is not None:  # rank 0
-            shared[0] = pickle.dumps(self.scheduler.state_dict(self.stops.wait_s(self.timeout_s)))
+        if self.rollouts is not None:  # rank 0
+            shared[0] = pickle.dumps(self.rollouts.state_dict(self.stops.wait_s(self.timeout_s)))
         if self.world > 1:  # every rank saves the same value, whichever one the checkpoint writer keeps
             dist.broadcast_object_list(shared, src=0, group=control_group())
         data = self.task.data_state(step, self.prompts_per_step) if hasattr(self.task, "data_state") else {}
@@ -45,14 +45,14 @@ class CheckpointState:
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         torch.set_rng_state(state["rng"])
         self.off_policy.load_state_dict(pickle.loads(state["off_policy"]))
-        if self.scheduler is not None and state["rollouts"]:
+        if self.rollouts is not None and state["rollouts"]:
             if self.config_changes:  # generated and to be scored under the old settings (their batch shape too)
                 logger.warning(f"the checkpoint's finished rollouts are not used ({', '.join(self.config_changes)} "
                                "changed): those steps are generated afresh")
             else:
-                self.scheduler.load_state_dict(pickle.loads(state["rollouts"]))
+                self.rollouts.load_state_dict(pickle.loads(state["rollouts"]))
         saved = pickle.loads(state["data"])
-        if saved and hasattr(self.task, "check_resume") and self.scheduler is not None:  # rank 0
+        if saved and hasattr(self.task, "check_resume") and self.rollouts is not None:  # rank 0
             problem = self.task.check_resume(saved, step, self.prompts_per_step)
             if problem:
                 logger.warning(problem)

@@ -12,7 +12,7 @@ ranks > 0 wait for rank 0 on the control group, never inside a gather or any oth
 a snapshot (``agree``) and after rank 0 waited on engines (``_hold_others``). No pipe send, HTTP call or collective
 runs under ``LinkTable.lock``, and the main thread never sends a join message itself (joiner threads do): a stopped
 engine that no longer reads its pipe cannot stall ``pump``, ``claim`` or ``deliver_staged``. The syncer never calls
-back into the trainer: ``rollout.fleet.Rollouts`` gives it its ``pump`` and calls ``on_event`` and ``replace_engine``.
+back into the trainer: ``rollout.rollouts.Rollouts`` gives it its ``pump`` and calls ``on_event`` and ``replace_engine``.
 
 Simplification: one data-parallel replica sends (rank 0 of the whole job); every replica holds the same weights.
 """
