@@ -71,8 +71,10 @@ def overlap_limit(train_s: float, gen_s: float, sync_s: float, efficiency: float
 
 
 def run(config: str, out: str, steps: int, async_mode: bool, extra: list[str]) -> tuple[list[dict], dict]:
+    """One run with the one toggle, ``weight_sync.async_weight_update`` (``off_policy.async_ratio`` unset follows
+    it: 1 when on, 0 when off)."""
     return run_training(out, "--training.steps", str(steps), "--weight_sync.async_weight_update",
-                        str(async_mode).lower(), "--off_policy.async_ratio", str(int(async_mode)), *extra, config=config)
+                        str(async_mode).lower(), *extra, config=config)
 
 
 def _raw_broadcast(rank: int, port: int, nbytes: int, iters: int, idle_s: float, q) -> None:
