@@ -60,7 +60,7 @@ class FakeEngine:
 
     def __init__(self, weights: dict[int, dict], shape):
         self.receiver, self.shape = FakeReceiver(weights), shape
-        self.eos_id, self.pad_id, self.stall_s = assets.EOS_ID, assets.PAD_ID, 0.0
+        self.eos_id, self.pad_id, self.stall_s = [assets.EOS_ID], assets.PAD_ID, 0.0
         self.results: list[SimpleNamespace] = []
 
     def pinned(self, req):

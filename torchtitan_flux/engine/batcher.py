@@ -8,7 +8,7 @@ while a batch decodes. At most ``max_sequences`` sequences decode at once (the r
 others of an admitted request queue in order and take the rows the finished ones free.
 
 Weights (the embedded engine's invariant: a request runs on exactly one version, its ``pin_version``): requests are
-admitted in arrival order, each once the engine holds its versions (``_EngineProcess._ready``). With nothing in
+admitted in arrival order, each once the engine holds its versions (``_EngineProcess.ready``). With nothing in
 flight, an admitted request makes its pinned version live (``WeightReceiver.swap``, as the serial engine does).
 With requests in flight, a request joins only if it would run on the live version anyway (its pin is not newer
 than the live version, or no newer version has arrived); else it, and every request behind it, waits until the
@@ -70,11 +70,6 @@ class _Request:
     unfinished: int = 0
     """Sequences not ended yet; the result is sent when it reaches 0."""
 
-    @property
-    def sampling(self) -> tuple[float, int]:
-        """(temperature, top_k) of its sequences (``inference.sample``; a top_k past the vocabulary is 0)."""
-        return self.req.temperature, self.req.top_k
-
 
 @dataclass
 class _Sequence:
@@ -101,7 +96,7 @@ class ContinuousBatcher:
 
     def __init__(self, engine: "_EngineProcess", max_sequences: int):
         self.engine, self.max_sequences = engine, max_sequences
-        self.eos = set(engine.eos_id if isinstance(engine.eos_id, list) else [engine.eos_id])
+        self.eos = set(engine.eos_id)  # stop token ids
         self.waiting: collections.deque = collections.deque()  # (request, arrival time): not admitted yet, in order
         self.queued: collections.deque[_Sequence] = collections.deque()  # admitted sequences without a row yet
         self.rows: list[_Sequence] = []  # the sequence in each row in use of ``cache``
@@ -178,7 +173,7 @@ class ContinuousBatcher:
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token and its logprob [rows], sampled with its request's settings and its own generator."""
         logits = F.linear(self.hidden, self.model.output).float()
-        vocab = self.model.shape.vocab_size
+        vocab = self.model.shape.vocab_size  # a top_k past it samples from the whole vocabulary, as generate does
         keys = [(s.request.req.temperature, s.request.req.top_k if 0 < s.request.req.top_k < vocab else 0)
                 for s in self.rows]
         generators = [s.generator for s in self.rows]
