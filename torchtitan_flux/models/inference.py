@@ -420,8 +420,9 @@ class SlotCache:
     """The decode state of continuous batching: rows of sequences, each at its own length. Per layer K and V
     [rows allocated, n_kv, capacity, hd]; ``lengths`` [rows allocated]: each row's filled slots, which is also its
     next token's RoPE position (a row's prompt starts at slot 0: no padding). The rows in use are the prefix
-    ``[:rows]`` (``drop_rows`` keeps it so). Slots past a row's length hold zeros or an earlier sequence's K/V, both
-    finite, and are masked. Rows and capacity grow on demand (``_reserve``); the caller bounds the rows."""
+    ``[:rows]`` (``drop_rows`` keeps it so). Slots past a row's length hold finite values (zeros, an earlier
+    sequence's K/V, copies of its prompt's) and are masked. Rows and capacity grow on demand (``_reserve``); the
+    caller bounds the rows."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     lengths: torch.Tensor
@@ -457,14 +458,17 @@ def join_rows(model: Model, cache: SlotCache, prompts: list[list[int]], pad_id: 
     ``capacity`` slots if shorter; returns their last prompt token's hidden state [len(prompts), dim]."""
     if min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
-    first, P = cache.rows, max(len(p) for p in prompts)
-    _reserve(cache, first + len(prompts), capacity)
+    first, last, P = cache.rows, cache.rows + len(prompts), max(len(p) for p in prompts)
+    _reserve(cache, last, capacity)
     h, fresh = prefill(model, prompts, pad_id, P, _freqs_cis(model.shape, capacity, model.device))
+    lengths = torch.tensor([len(p) for p in prompts], device=model.device)
+    # left-padded to slot 0: slot j of row i takes slot j + pad_i (past the prompt: its last token's, masked)
+    source = (torch.arange(P, device=model.device)[None, :] + (P - lengths)[:, None]).clamp_(max=P - 1)
     for (kc, vc), (fk, fv) in zip(cache.layers, fresh.layers):
-        for i, p in enumerate(prompts):
-            kc[first + i, :, : len(p)], vc[first + i, :, : len(p)] = fk[i, :, P - len(p):], fv[i, :, P - len(p):]
-    cache.lengths[first: first + len(prompts)] = torch.tensor([len(p) for p in prompts], device=model.device)
-    cache.rows += len(prompts)
+        index = source[:, None, :, None].expand(-1, fk.shape[1], -1, fk.shape[3])
+        kc[first:last, :, :P], vc[first:last, :, :P] = fk.gather(2, index), fv.gather(2, index)
+    cache.lengths[first:last] = lengths
+    cache.rows = last
     return h
 
 
