@@ -179,7 +179,8 @@ class Rollout:
     """Embedded engines only (vLLM and SGLang batch continuously already): sequences join the running batch at any
     decode step and leave it when they end, and several steps' requests are in flight at once, each result sent as
     soon as its sequences end (``engine/batcher.py``). Each request still runs on exactly its pinned version: it
-    joins a running batch only on the live version, else waits for the batch to drain. Each sequence samples from
+    joins a running batch only on the live version, else waits for the batch to drain (so requests pinned to
+    different versions do not overlap). Each sequence samples from
     its own generator, so its tokens do not depend on its batch; they differ from those of false (one generator per
     request). Lifts the serial engine's auto ``off_policy.max_pipeline_depth`` of 1. False: one request at a time."""
 
