@@ -184,3 +184,18 @@ def test_engine_is_idle_only_between_a_submit_and_its_result(rig):
         rig.pump(0.05)
     assert rig.results.pop(900).req_id == 900
     assert rig.engine.idle()
+
+
+def test_a_request_pinned_to_a_newer_version_starts_as_soon_as_the_one_before_ends(rig):
+    """The request behind a running one, pinned to the pending version, swaps and starts when the first ends (with
+    continuous batching: once the batch has drained), not at the next push or its wait bound (30 s here)."""
+    rig.syncer.after_optimizer_step(6)
+    generate(rig, 30, [[1, 5]])  # makes 6 live
+    rig.syncer.after_optimizer_step(7)  # pending: no request has swapped to it
+    rig.engine.submit(GenerationRequest(31, 1, [[1, 40, 41]], 4, 60, 1.0, 0, seed=1, dispatch_version=6,
+                                        pin_version=6))
+    rig.engine.submit(GenerationRequest(32, 1, [[1, 50]], 2, 4, 1.0, 0, seed=2, dispatch_version=7, pin_version=7))
+    deadline = time.monotonic() + 10
+    while not {31, 32} <= set(rig.results) and time.monotonic() < deadline:
+        rig.pump(0.05)
+    assert (rig.results.pop(31).version, rig.results.pop(32).version) == (6, 7)

@@ -106,15 +106,17 @@ class ContinuousBatcher:
         self.hidden: torch.Tensor | None = None  # [rows, dim]: each row's last hidden state, to sample from
 
     def run(self) -> None:
-        """Serve until the pipe closes or a shutdown arrives."""
+        """Serve until the pipe closes or a shutdown arrives. The pipe is polled after every decode step, and waited
+        on only with nothing to decode and no request to admit (until a message, a landed push or the head's wait
+        bound)."""
         while True:
-            timeout = 0.0 if self.rows else self.engine.wait_timeout(self.waiting)
-            if self.engine.wait(timeout) and not self._read_pipe():
-                return
             self._admit()
             self._fill_rows()
             if self.rows:
                 self._step()
+            timeout = 0.0 if self.rows or self._admissible() else self.engine.wait_timeout(self.waiting)
+            if self.engine.wait(timeout) and not self._read_pipe():
+                return
 
     def _read_pipe(self) -> bool:
         """Handle every message already in the pipe; False on shutdown or a closed pipe."""
@@ -132,14 +134,16 @@ class ContinuousBatcher:
         receiver, target = self.engine.receiver, self.engine.pinned(req)
         return receiver.newest()[0] == receiver.live_version or 0 <= target <= receiver.live_version
 
+    def _admissible(self) -> bool:
+        """Whether the head of ``waiting`` is ready and may run beside what is in flight."""
+        if not self.waiting or not self.engine.ready(*self.waiting[0]):
+            return False
+        return not self.in_flight or self._joins_live(self.waiting[0][0])
+
     def _admit(self) -> None:
-        """Admit waiting requests in order while the head is ready and may run beside what is in flight."""
-        while self.waiting and self.engine.ready(*self.waiting[0]):
-            req = self.waiting[0][0]
-            if self.in_flight and not self._joins_live(req):
-                return
-            self.waiting.popleft()
-            self._start(req)
+        """Admit waiting requests in order while the head is admissible."""
+        while self._admissible():
+            self._start(self.waiting.popleft()[0])
 
     def _start(self, req: GenerationRequest) -> None:
         if self.engine.stall_s:
