@@ -175,6 +175,22 @@ class Rollout:
     """Restarts of a dead embedded engine (or reconnects to a dead server) within any 10 minutes before it is given
     up (the run goes on with the others or, with none left, stops at the step boundary, checkpointed). 0: never."""
 
+    continuous_batching: Bool = False
+    """Embedded engines only (vLLM and SGLang batch continuously already): sequences join the running batch at any
+    decode step and leave it when they end, and several steps' requests are in flight at once, each result sent as
+    soon as its sequences end (``engine/batcher.py``). Each request still runs on exactly its pinned version: it
+    joins a running batch only on the live version, else waits for the batch to drain (so requests pinned to
+    different versions do not overlap). Each sequence samples from its own generator, so its tokens do not depend
+    on its batch; they differ from those of false (one generator per request). Runs are bit-reproducible only as
+    far as requests interleave alike: which sequences share a decode step depends on when requests arrive, and
+    with it the last bits of the forward (steps pinned alike, such as the first two of an async run, do share
+    steps). Lifts the serial engine's auto ``off_policy.max_pipeline_depth`` of 1. False: one request at a time."""
+
+    max_batch_sequences: Annotated[int, Range(ge=1, le=65536)] = 256
+    """With ``continuous_batching``: the most sequences one embedded engine decodes at once (the rows of its KV
+    cache, allocated as they are first used); further sequences wait for a row. 256: eight steps of the CPU configs
+    (32 sequences each), one of the 8-GPU examples (256)."""
+
 
 @dataclass
 class WeightSync:

@@ -1,5 +1,6 @@
 """The embedded engine process: pushed weights reach generation exactly, and its behaviour log-probs equal the
-trainer's (torchtitan model) within 1e-4 in fp32."""
+trainer's (torchtitan model) within 1e-4 in fp32; every test runs on a serial engine and on one with continuous
+batching (``rollout.continuous_batching``)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from torchtitan_flux.rl import loss as grpo  # noqa: E402
 from torchtitan_flux.config import WeightSync  # noqa: E402
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult  # noqa: E402
 from torchtitan_flux.engine.embedded import EmbeddedEngine  # noqa: E402
+from torchtitan_flux.models import hf, inference, weight_dict  # noqa: E402
 from torchtitan_flux.models.hf_weights import load_hf_weights  # noqa: E402
 from torchtitan_flux.models.families import FluxLlamaArgs  # noqa: E402
 from torchtitan_flux.sync.syncer import WeightSyncer  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def rig(tiny_model_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "continuous"])
+def rig(tiny_model_dir, request):
     torch.manual_seed(0)
     args = FluxLlamaArgs.from_hf_dir(tiny_model_dir, max_seq_len=128)
     model = Transformer(args)
@@ -36,7 +38,7 @@ def rig(tiny_model_dir):
     load_hf_weights(model, tiny_model_dir, args)
     model.eval()
     events: queue.Queue = queue.Queue()
-    engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events)
+    engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events, continuous_batching=request.param)
     engine.start()
     cfg = WeightSync(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, master_port=0)
     results: dict[int, GenerationResult] = {}
@@ -54,7 +56,8 @@ def rig(tiny_model_dir):
     syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump,
                           layout=layout_of(engine.model_dir))
     syncer.connect()
-    yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args)
+    yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args,
+                          continuous=request.param, model_dir=tiny_model_dir)
     syncer.close()
     engine.close()
 
@@ -97,6 +100,46 @@ def test_push_then_generate_matches_trainer_logprobs(rig):
     ref = trainer_logprobs(rig.model, prompts, res, 4, 1.0)
     diff = max((r - res.logprobs[i, : len(r)]).abs().max().item() for i, r in enumerate(ref))
     assert diff < 1e-4, diff
+
+
+def test_serial_engine_generates_what_inference_generate_does_bit_for_bit(rig):
+    """``continuous_batching = false`` is today's path: ``inference.generate`` with the request's seeded generator on
+    the pushed version (here, the HF folder's weights), bit for bit."""
+    if rig.continuous:
+        pytest.skip("continuous batching samples per sequence (engine/batcher.py)")
+    prompts = [[1, 40, 41, 42], [1, 60]]
+    res = generate(rig, 4, prompts)
+    weights, shape = weight_dict.load_hf_weights_dict(rig.model_dir)
+    cfg = hf.read_config(rig.model_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine's
+    try:
+        tokens, logprobs, lengths = inference.generate(
+            weights, shape, [p for p in prompts for _ in range(4)], max_new_tokens=12, temperature=1.0,
+            eos_id=hf.eos_token_ids(cfg), pad_id=int(cfg.get("pad_token_id") or 0),
+            generator=torch.Generator().manual_seed(123))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(res.tokens, tokens) and torch.equal(res.logprobs, logprobs)
+    assert torch.equal(res.lengths, lengths)
+
+
+def test_a_short_request_submitted_behind_a_long_one_returns_first_with_continuous_batching(rig):
+    """Continuous batching: the short request joins the long one's running batch and its result comes back first;
+    a serial engine returns them in order. Both match the trainer's logprobs."""
+    long_prompts, short_prompts = [[1, 40, 41, 42], [1, 50, 51]], [[1, 60]]
+    rig.engine.submit(GenerationRequest(20, 1, long_prompts, 4, 120, 1.0, 0, seed=1, dispatch_version=0))
+    rig.engine.submit(GenerationRequest(21, 1, short_prompts, 2, 2, 1.0, 0, seed=2, dispatch_version=0))
+    order = []
+    deadline = time.monotonic() + 60
+    while len(order) < 2 and time.monotonic() < deadline:
+        rig.pump(0.05)
+        order += [r for r in (20, 21) if r in rig.results and r not in order]
+    assert order == ([21, 20] if rig.continuous else [20, 21])
+    for req_id, prompts, group in ((20, long_prompts, 4), (21, short_prompts, 2)):
+        res = rig.results.pop(req_id)
+        ref = trainer_logprobs(rig.model, prompts, res, group, 1.0)
+        assert max((r - res.logprobs[i, : len(r)]).abs().max().item() for i, r in enumerate(ref)) < 1e-4
 
 
 def test_new_weights_change_generation_and_version(rig):
@@ -143,3 +186,18 @@ def test_engine_is_idle_only_between_a_submit_and_its_result(rig):
         rig.pump(0.05)
     assert rig.results.pop(900).req_id == 900
     assert rig.engine.idle()
+
+
+def test_a_request_pinned_to_a_newer_version_starts_as_soon_as_the_one_before_ends(rig):
+    """The request behind a running one, pinned to the pending version, swaps and starts when the first ends (with
+    continuous batching: once the batch has drained), not at the next push or its wait bound (30 s here)."""
+    rig.syncer.after_optimizer_step(6)
+    generate(rig, 30, [[1, 5]])  # makes 6 live
+    rig.syncer.after_optimizer_step(7)  # pending: no request has swapped to it
+    rig.engine.submit(GenerationRequest(31, 1, [[1, 40, 41]], 4, 60, 1.0, 0, seed=1, dispatch_version=6,
+                                        pin_version=6))
+    rig.engine.submit(GenerationRequest(32, 1, [[1, 50]], 2, 4, 1.0, 0, seed=2, dispatch_version=7, pin_version=7))
+    deadline = time.monotonic() + 10
+    while not {31, 32} <= set(rig.results) and time.monotonic() < deadline:
+        rig.pump(0.05)
+    assert (rig.results.pop(31).version, rig.results.pop(32).version) == (6, 7)

@@ -103,6 +103,22 @@ def test_fixed_interval_2_pushes_every_other_step(tiny_model_dir, tmp_path):
     assert summary["checksums_match"] and summary["final_engine_version"] == 8
 
 
+def test_async_run_with_continuous_batching(tiny_model_dir, tmp_path):
+    """``rollout.continuous_batching``: an async run's engine batches its requests continuously
+    (``engine/batcher.py``), every request still on its pinned version; the post-sync probe, served between decode
+    steps, finds the engine's logprobs equal to the trainer's wherever the engine held the version in time (a probe
+    that finds more stops the run), and the run ends with the trainer's exact weights. (Not compared bit for bit with
+    a second run: steps 1 and 2 share a pin, so they share a batch, as timing decides.)"""
+    run_train(tmp_path, "--training.steps", "12", "--weight_sync.async_weight_update", "true",
+              "--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "48",
+              "--weight_sync.probe_every", "3", "--weight_sync.probe_tolerance", "1e-4")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(r["version_gap_max"] <= 1 for r in rows) and sum(r["version_gap_mean"] for r in rows) > 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 12
+
+
 def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
     run_train(tmp_path / "sync", "--training.steps", "6")
     run_train(

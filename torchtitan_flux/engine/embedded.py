@@ -6,7 +6,9 @@ Process model: rank 0 starts each engine from ``engine.forkserver``. The engine 
 Threads inside the engine (both send on the pipe; ``_send`` serialises them with a lock):
   * the main thread serves the control pipe in order: it generates with the live weights and, between requests
     only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Requests not ready yet
-    queue in order while the other messages are still served, so a (re)join is never stuck behind a request;
+    queue in order while the other messages are still served, so a (re)join is never stuck behind a request.
+    With ``rollout.continuous_batching`` it runs ``batcher.ContinuousBatcher``'s loop instead: several requests
+    decode in one batch, the pipe is read between decode steps, and versions swap only with nothing in flight;
   * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
 
 Trainer side, ``EmbeddedEngine``'s reader thread turns pipe messages into events. It reports the engine's death at
@@ -40,7 +42,8 @@ class _EngineProcess:
     """State of one engine process. Runs in the child."""
 
     def __init__(self, conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
-                 auth_token: str | None):
+                 auth_token: str | None, max_batch_sequences: int):
+        """``max_batch_sequences``: the continuous batch's rows; 0: one request at a time (``serve``)."""
         import json
 
         from torchtitan_flux.models import hf, inference, weight_dict
@@ -57,6 +60,7 @@ class _EngineProcess:
         self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
+        self.max_batch_sequences = max_batch_sequences
         self.stall_s = 0.0  # fault injection: sleep before each generation
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -100,62 +104,88 @@ class _EngineProcess:
         else:
             self.receiver.start(make_group, patches=info.patches)
 
+    def pinned(self, req: GenerationRequest) -> int:
+        """The version ``WeightReceiver.swap`` makes live for ``req``: its pin, or ``min_version`` where the pin is
+        older (see ``GenerationRequest.pin_version``); -1 (unpinned): the newest."""
+        return max(req.pin_version, req.min_version) if req.pin_version >= 0 else -1
+
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
-        # a pin older than min_version gives way to it (see GenerationRequest.pin_version)
-        version = self.receiver.swap(max(req.pin_version, req.min_version) if req.pin_version >= 0 else -1)
+        version = self.receiver.swap(self.pinned(req))
         t0 = time.perf_counter()
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
         tokens, logprobs, lengths = self.inference.generate(
             self.receiver.live.views, self.shape, prompts, max_new_tokens=req.max_new_tokens,
             temperature=req.temperature, top_k=req.top_k, eos_id=self.eos_id, pad_id=self.pad_id, generator=gen)
-        tokens, logprobs, lengths = tokens.cpu(), logprobs.cpu(), lengths.cpu()
-        dt = time.perf_counter() - t0
+        self.send_result(req.req_id, tokens.cpu(), logprobs.cpu(), lengths.cpu(), version, time.perf_counter() - t0)
+
+    def send_result(self, req_id: int, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor,
+                    version: int, gen_time_s: float) -> None:
+        """A request's result (CPU tensors) to the trainer, with the newest version received by now."""
         # numpy, not tensors: torch's pickler would pass each tensor as a shared-memory file descriptor (slower)
         arrays = (tokens.numpy(), logprobs.numpy(), lengths.numpy())
-        self._send(("result", req.req_id, *arrays, version, self.receiver.newest()[0], dt))
+        self._send(("result", req_id, *arrays, version, self.receiver.newest()[0], gen_time_s))
 
-    def _ready(self, req: GenerationRequest, arrived: float) -> bool:
+    def ready(self, req: GenerationRequest, arrived: float) -> bool:
         """Whether the engine holds the request's versions (or it waited ``timeout_s``) and has any weights."""
         newest = self.receiver.newest()[0] if self.receiver is not None else -1
         need = max(req.min_version, req.pin_version)
         return newest >= 0 and (newest >= need or time.monotonic() - arrived > self._wait_bound_s)
 
+    def wait_timeout(self, waiting: collections.deque) -> float | None:
+        """How long to wait for a message: until the oldest waiting request's wait bound (None: no request)."""
+        if not waiting:
+            return None
+        return max(0.0, waiting[0][1] + self._wait_bound_s - time.monotonic()) + 0.001
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for a message or a landed push (which ends a request's wait); whether the control
+        pipe has a message."""
+        ready = mp_connection.wait([self.conn, self._wake_r], timeout)
+        if self._wake_r in ready:
+            os.read(self._wake_r, 4096)
+        return self.conn in ready
+
     def serve(self) -> None:
-        """Serve the control pipe in order; requests wait (FIFO) until ready, and a landed push ends the wait."""
+        """Serve the control pipe: with continuous batching, ``batcher.ContinuousBatcher``'s loop; else in order,
+        one request at a time, requests waiting (FIFO) until ready."""
+        if self.max_batch_sequences:
+            from torchtitan_flux.engine.batcher import ContinuousBatcher
+
+            return ContinuousBatcher(self, self.max_batch_sequences).run()
         waiting: collections.deque = collections.deque()  # (request, arrival time)
         while True:
-            if waiting and self._ready(*waiting[0]):
+            if waiting and self.ready(*waiting[0]):
                 self.generate(waiting.popleft()[0])
                 continue
-            timeout = None
-            if waiting:
-                timeout = max(0.0, waiting[0][1] + self._wait_bound_s - time.monotonic()) + 0.001
-            ready = mp_connection.wait([self.conn, self._wake_r], timeout)
-            if self._wake_r in ready:
-                os.read(self._wake_r, 4096)
-            if self.conn not in ready:
+            if not self.wait(self.wait_timeout(waiting)):
                 continue
             try:
                 msg = self.conn.recv()
             except EOFError:
                 return
-            kind = msg[0]
-            if kind == "generate":
-                waiting.append((msg[1], time.monotonic()))
-            elif kind == "join":
-                self.join(msg[1])
-            elif kind == "checksum":
-                version, weights = self.receiver.newest() if self.receiver else (-1, None)
-                self._send(("checksum", version, weights.checksum() if weights is not None else ""))
-            elif kind == "score":
-                self._send(("score", *self.score(msg[1])))
-            elif kind == "fault":
-                self.fault(*msg[1:])
-            elif kind == "shutdown":
+            if not self.handle(msg, waiting):
                 return
+
+    def handle(self, msg: tuple, waiting: collections.deque) -> bool:
+        """Serve one control message (a request joins ``waiting`` with its arrival time); False on shutdown."""
+        kind = msg[0]
+        if kind == "generate":
+            waiting.append((msg[1], time.monotonic()))
+        elif kind == "join":
+            self.join(msg[1])
+        elif kind == "checksum":
+            version, weights = self.receiver.newest() if self.receiver else (-1, None)
+            self._send(("checksum", version, weights.checksum() if weights is not None else ""))
+        elif kind == "score":
+            self._send(("score", *self.score(msg[1])))
+        elif kind == "fault":
+            self.fault(*msg[1:])
+        elif kind == "shutdown":
+            return False
+        return True
 
     def score(self, tokens: list[int]) -> tuple[int, list[float]]:
         """(newest received version, logprobs of ``tokens[1:]`` under it); (-1, []) before the first push."""
@@ -176,13 +206,13 @@ class _EngineProcess:
 
 
 def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
-                 auth_token: str | None) -> None:
+                 auth_token: str | None, max_batch_sequences: int) -> None:
     die_with_parent()
     release_server_liveness()
     name_process(f"flux-{name}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:
-        proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token)
+        proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token, max_batch_sequences)
         proc.serve()
     except BaseException:
         try:
@@ -201,13 +231,16 @@ class EmbeddedEngine(EngineHandler):
     """``EngineHandler`` for one embedded engine process (see the module docstring)."""
 
     def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu",
-                 weight_buffers: int = 2, auth_token: str | None = None, colocated: bool = False):
+                 weight_buffers: int = 2, auth_token: str | None = None, colocated: bool = False,
+                 continuous_batching: bool = False, max_batch_sequences: int = 256):
         """``weight_buffers``: weight versions the engine holds (>= 2; ``transport.WeightReceiver.swap``).
         ``auth_token``: what its weight-sync joins prove (None: no handshake), passed through the start pipe.
-        ``colocated``: on the trainer's device, copying rank 0's staging by reference (``rollout.colocated``)."""
+        ``colocated``: on the trainer's device, copying rank 0's staging by reference (``rollout.colocated``).
+        ``continuous_batching``, ``max_batch_sequences``: ``rollout``'s fields (``engine/batcher.py``)."""
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
         self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
         self.colocated = colocated
+        self.max_batch_sequences = max_batch_sequences if continuous_batching else 0  # 0: serial
         self._acked = -1  # newest version the engine acked (reader thread writes, push thread reads)
         self._proc: mp.Process | None = None
         self._conn = None
@@ -222,7 +255,8 @@ class EmbeddedEngine(EngineHandler):
     def start(self) -> None:
         ctx = engine_context()
         parent, child = ctx.Pipe(duplex=True)
-        args = (child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token)
+        args = (child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token,
+                self.max_batch_sequences)
         self._proc = ctx.Process(target=_engine_main, args=args, name=self.name, daemon=True)
         self._proc.start()
         child.close()
@@ -317,7 +351,8 @@ class EmbeddedEngine(EngineHandler):
         pass  # the engine acks on its own once the push is complete
 
     def checksum(self, timeout: float = 30.0) -> tuple[int, str]:
-        """(newest received version, sha256 of its weights). Served between generation requests."""
+        """(newest received version, sha256 of its weights). Served between generation requests (decode steps, with
+        continuous batching)."""
         self._send(("checksum",))
         return self._replies.get(timeout=timeout)
 

@@ -34,7 +34,7 @@ class EngineKind:
     """``rollout.launch = true`` starts its servers on this machine."""
 
     serial: bool
-    """An engine serves one request at a time: the auto ``off_policy.max_pipeline_depth`` is 1."""
+    """An engine serves one request at a time unless ``rollout.continuous_batching`` (``serves_serially``)."""
 
     borrowable_cores: bool
     """The trainer may compute on an engine's CPU threads while it holds no request
@@ -51,6 +51,11 @@ class EngineKind:
         """Whether its engines run on this machine (placed on ``rollout.engine_devices``; on CPU, their threads
         come out of the trainer's cores): processes rank 0 forks, or servers ``rollout.launch`` starts."""
         return not self.server or (launch and self.launchable)
+
+    def serves_serially(self, continuous_batching: bool) -> bool:
+        """Whether its engines serve one request at a time, which makes the auto ``off_policy.max_pipeline_depth``
+        1: a serial kind unless ``rollout.continuous_batching`` is on."""
+        return self.serial and not continuous_batching
 
     def handler_class(self, trainer_on_gpu: bool) -> type:
         """The handler class of its engines (imported now)."""

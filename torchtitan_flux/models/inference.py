@@ -10,20 +10,25 @@ an argument and keeps no reference to it, so an engine can swap the whole dict a
 Generation is split as gpt-fast's ``generate.py``: ``prefill`` runs the prompts into a ``KVCache``, ``decode_step``
 runs one token per sequence of that batch, ``sample`` draws the next tokens from the logits, and ``Completions``
 keeps the tokens, logprobs and lengths.
+
+Continuous batching (``engine/batcher.py``) keeps its sequences in a ``SlotCache`` instead, one row per sequence at
+its own length: ``join_rows`` prefills newcomers into free rows, ``decode_rows`` runs one token per row in use, and
+``drop_rows`` frees the rows of finished sequences.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_flux.models.weight_dict import EMBEDDING, FINAL_NORM, ModelShape, layer_param_names, output_weight
 
-__all__ = ["generate", "score", "forward_logits", "prefill", "decode_step", "sample"]
+__all__ = ["generate", "score", "forward_logits", "prefill", "decode_step", "sample", "SlotCache", "join_rows",
+           "decode_rows", "drop_rows"]
 
 
 def precompute_freqs_cis(shape: ModelShape, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -172,9 +177,9 @@ def _attention(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
-           cache: tuple[torch.Tensor, torch.Tensor] | None, start: int) -> torch.Tensor:
-    """One transformer block on x [B, S, dim]; with ``cache``, K/V are written at ``start:start+S`` and attention
-    reads ``[:start+S]``."""
+           cache: tuple[torch.Tensor, torch.Tensor] | None, start: int | torch.Tensor) -> torch.Tensor:
+    """One transformer block on x [B, S, dim]; with ``cache``, K/V are written at ``start:start+S`` (``start`` [B]:
+    S == 1, row b's at ``start[b]``) and attention reads the first ``mask.shape[-1]`` slots."""
     B, S = x.shape[:2]
     eps = shape.norm_eps
     h = _rms_norm(x, w.attention_norm, eps)
@@ -188,19 +193,24 @@ def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     else:
         kc, vc = cache
-        kc[:, :, start:start + S] = k.transpose(1, 2)
-        vc[:, :, start:start + S] = v.transpose(1, 2)
-        k, v = kc[:, :, : start + S], vc[:, :, : start + S]
+        if isinstance(start, torch.Tensor):
+            rows = torch.arange(B, device=x.device)
+            kc[rows, :, start], vc[rows, :, start] = k[:, 0], v[:, 0]
+        else:
+            kc[:, :, start:start + S] = k.transpose(1, 2)
+            vc[:, :, start:start + S] = v.transpose(1, 2)
+        k, v = kc[:, :, : mask.shape[-1]], vc[:, :, : mask.shape[-1]]
     x = x + F.linear(_attention(shape, q, k, v, mask), w.wo)
     h = _rms_norm(x, w.ffn_norm, eps)
     return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
 
 
 def _forward_hidden(model: Model, tokens: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
-                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int) -> torch.Tensor:
+                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int | torch.Tensor) -> torch.Tensor:
     """Final-norm hidden states [B, S, dim] of ``tokens`` [B, S]; ``fc``: their RoPE rows [B or 1, S, 1, ...];
     ``mask``: bool (True = attend) to [B, n_kv, rep * S, T], or (S == 1 only) 0/-inf [B, 1, 1, T]. With
-    ``caches``, K/V of the S tokens are written at ``start:start+S`` and attention reads ``[:start+S]``."""
+    ``caches``, K/V of the S tokens are written at ``start:start+S`` (``start`` [B]: one token per row, at its own
+    slot) and attention reads the first T slots."""
     x = F.embedding(tokens, model.embedding)
     for i, layer in enumerate(model.layers):
         x = _block(model.shape, layer, x, fc, mask, None if caches is None else caches[i], start)
@@ -309,11 +319,21 @@ def decode_step(model: Model, cache: KVCache, tokens: torch.Tensor, freqs: torch
     return h
 
 
+def _uniforms(rows: int, generator: torch.Generator | Sequence[torch.Generator] | None,
+              device: torch.device) -> torch.Tensor:
+    """[rows, 1] uniforms in [0, 1): drawn from ``generator`` (on ``device``), or one from each of a list of CPU
+    generators, one per row (each row's draw then depends on its own generator only)."""
+    if isinstance(generator, Sequence):
+        return torch.cat([torch.rand(1, generator=g) for g in generator]).view(rows, 1).to(device)
+    return torch.rand(rows, 1, generator=generator, device=device)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | Sequence[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V] (float32), and its logprob, both [B, 1]: from ``softmax(logits /
     temperature)`` (``top_k > 0``: its ``top_k`` largest logits; ``temperature == 0``: greedy); the logprob is
-    ``log_softmax(logits / temperature)`` over the full vocabulary (greedy: ``log_softmax(logits)``)."""
+    ``log_softmax(logits / temperature)`` over the full vocabulary (greedy: ``log_softmax(logits)``). ``generator``:
+    one for the batch, or a list of CPU generators, one per row (``_uniforms``)."""
     if temperature == 0:
         tok = logits.argmax(dim=-1, keepdim=True)
         return tok, torch.log_softmax(logits, dim=-1).gather(1, tok)
@@ -327,7 +347,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int,
     # inverse-CDF sampling, one uniform per row (~10x faster than torch.multinomial here); zero-probability tokens
     # are never chosen
     cdf = probs.cumsum_(dim=-1)
-    u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device).mul_(cdf[:, -1:])
+    u = _uniforms(logits.shape[0], generator, logits.device).mul_(cdf[:, -1:])
     tok = torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1)
     return tok, logp.gather(1, tok)
 
@@ -390,3 +410,98 @@ def generate(weights: Mapping[str, torch.Tensor], shape: ModelShape, prompts: li
                 break
             h = decode_step(model, cache, tok, freqs)
     return out.tokens, out.logprobs, out.lengths
+
+
+# ------------------------------------------------------------------------------------ continuous batching
+
+
+@dataclass
+class SlotCache:
+    """The decode state of continuous batching: rows of sequences, each at its own length. Per layer K and V
+    [rows allocated, n_kv, capacity, hd]; ``lengths`` [rows allocated]: each row's filled slots, which is also its
+    next token's RoPE position (a row's prompt starts at slot 0: no padding). The rows in use are the prefix
+    ``[:rows]`` (``drop_rows`` keeps it so). Slots past a row's length hold finite values (zeros, an earlier
+    sequence's K/V, copies of its prompt's) and are masked. Rows and capacity grow on demand (``_reserve``); the
+    caller bounds the rows."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    lengths: torch.Tensor
+    rows: int
+
+    @classmethod
+    def empty(cls, model: Model) -> "SlotCache":
+        return cls(_empty_cache(model.shape, 0, 0, model.embedding.dtype, model.device),
+                   torch.zeros(0, dtype=torch.long, device=model.device), 0)
+
+
+def _reserve(cache: SlotCache, rows: int, capacity: int) -> None:
+    """Grow ``cache`` to at least ``rows`` rows of ``capacity`` slots (capacity to a power of two), keeping its
+    contents; new slots are zeros."""
+    kc = cache.layers[0][0]
+    have_rows, have_capacity = kc.shape[0], kc.shape[2]
+    if rows <= have_rows and capacity <= have_capacity:
+        return
+    rows, capacity = max(rows, have_rows), max(1 << (capacity - 1).bit_length(), have_capacity)
+    grown = []
+    for old_k, old_v in cache.layers:
+        size = (rows, old_k.shape[1], capacity, old_k.shape[3])
+        new_k, new_v = (torch.zeros(size, dtype=old_k.dtype, device=old_k.device) for _ in range(2))
+        new_k[:have_rows, :, :have_capacity], new_v[:have_rows, :, :have_capacity] = old_k, old_v
+        grown.append((new_k, new_v))
+    cache.layers = grown
+    cache.lengths = torch.cat([cache.lengths, cache.lengths.new_zeros(rows - have_rows)])
+
+
+@torch.no_grad()
+def join_rows(model: Model, cache: SlotCache, prompts: list[list[int]], pad_id: int, capacity: int) -> torch.Tensor:
+    """Prefill ``prompts`` (``prefill``) into the rows ``[rows, rows + len(prompts))`` of ``cache``, which grows to
+    ``capacity`` slots if shorter; returns their last prompt token's hidden state [len(prompts), dim]."""
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("every prompt needs at least one token")
+    first, last, P = cache.rows, cache.rows + len(prompts), max(len(p) for p in prompts)
+    _reserve(cache, last, capacity)
+    h, fresh = prefill(model, prompts, pad_id, P, _freqs_cis(model.shape, capacity, model.device))
+    lengths = torch.tensor([len(p) for p in prompts], device=model.device)
+    # left-padded to slot 0: slot j of row i takes slot j + pad_i (past the prompt: its last token's, masked)
+    source = (torch.arange(P, device=model.device)[None, :] + (P - lengths)[:, None]).clamp_(max=P - 1)
+    for (kc, vc), (fk, fv) in zip(cache.layers, fresh.layers):
+        index = source[:, None, :, None].expand(-1, fk.shape[1], -1, fk.shape[3])
+        kc[first:last, :, :P], vc[first:last, :, :P] = fk.gather(2, index), fv.gather(2, index)
+    cache.lengths[first:last] = lengths
+    cache.rows = last
+    return h
+
+
+@torch.no_grad()
+def decode_rows(model: Model, cache: SlotCache, tokens: torch.Tensor) -> torch.Tensor:
+    """One token per row in use (``tokens`` [rows]), each at its row's next slot and position; every row advances
+    by one. Returns the final hidden states [rows, dim]."""
+    n = cache.rows
+    positions = cache.lengths[:n]
+    width = int(positions.max()) + 1
+    beyond = torch.arange(width, device=model.device)[None, :] > positions[:, None]  # [n, width]
+    mask = torch.zeros(n, 1, 1, width, dtype=model.embedding.dtype, device=model.device)
+    mask.masked_fill_(beyond.view(n, 1, 1, width), float("-inf"))
+    fc = _freqs_cis(model.shape, width, model.device)[positions].view(n, 1, 1, -1)
+    layers = [(kc[:n], vc[:n]) for kc, vc in cache.layers]
+    h = _forward_hidden(model, tokens.view(n, 1), fc, mask, layers, positions)[:, 0]
+    positions += 1
+    return h
+
+
+def drop_rows(cache: SlotCache, done: list[bool]) -> list[int]:
+    """Free the rows in use marked ``done``, keeping the rows in use a prefix: the last ones move into the freed
+    rows. Returns, for each row in use now, its row before (for the caller's per-row state)."""
+    keep = len(done) - sum(done)
+    holes = [r for r in range(keep) if done[r]]
+    movers = [r for r in range(keep, len(done)) if not done[r]]
+    order = list(range(keep))
+    for hole, mover in zip(holes, movers):
+        order[hole] = mover
+    if holes:
+        dst, src = (torch.tensor(rows, device=cache.lengths.device) for rows in (holes, movers))
+        for kc, vc in cache.layers:
+            kc[dst], vc[dst] = kc[src], vc[src]
+        cache.lengths[dst] = cache.lengths[src]
+    cache.rows = keep
+    return order

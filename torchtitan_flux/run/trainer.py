@@ -86,7 +86,8 @@ class GRPOTrainer(Trainer):
         self.final_step = job_config.training.steps  # earlier once the task has finished (StepInput.last)
         self.off_policy = OffPolicyControl(job_config.off_policy, job_config.adaptive_async, job_config.weight_sync,
                                            job_config.training.steps,
-                                           serial_engines=engine_kind(job_config.rollout.engine).serial)
+                                           serial_engines=engine_kind(job_config.rollout.engine).serves_serially(
+                                               job_config.rollout.continuous_batching))
         ws = job_config.weight_sync
         self.probe = PostSyncProbe(
             probe_tokens(self.tokenizer, self.model_args.vocab_size, job_config.training.seq_len), ws.probe_tolerance,

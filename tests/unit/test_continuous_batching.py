@@ -1,0 +1,251 @@
+"""Continuous batching (``engine/batcher.py``, ``inference.SlotCache``), in-process on the tiny model: sequences join
+and leave mid-batch, logprobs equal a recomputation on the full sequence, a sequence's tokens do not depend on its
+batch, and weights change only between requests as the admission rule says. The engine process around the batcher
+is a stand-in here (``FakeEngine``); tests/integration/test_engine.py runs the real one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import DEBUG_TOML
+
+from torchtitan_flux.patches import apply_patches
+
+apply_patches()
+
+import model_assets as assets  # noqa: E402
+from torchtitan.config import ConfigManager  # noqa: E402
+
+from torchtitan_flux.engine.base import GenerationRequest  # noqa: E402
+from torchtitan_flux.engine.batcher import ContinuousBatcher, sequence_generator  # noqa: E402
+from torchtitan_flux.engine.kinds import ENGINE_KINDS  # noqa: E402
+from torchtitan_flux.errors import ConfigError  # noqa: E402
+from torchtitan_flux.models import inference, weight_dict  # noqa: E402
+from torchtitan_flux.run.validation import validate_config  # noqa: E402
+from torchtitan_flux.train import _normalise_argv  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def weights_and_shape(tmp_path_factory):
+    return weight_dict.load_hf_weights_dict(assets.build_model_dir(tmp_path_factory.mktemp("tiny"), "tiny", seed=0))
+
+
+@dataclass
+class FakeReceiver:
+    """``WeightReceiver``'s face to the batcher: versions ``weights`` holds, the live one, and the swaps made."""
+
+    weights: dict[int, dict]
+    live_version: int = -1
+    swaps: list[int] = field(default_factory=list)
+
+    @property
+    def live(self):
+        return SimpleNamespace(views=self.weights[self.live_version])
+
+    def newest(self):
+        v = max(self.weights)
+        return v, self.weights[v]
+
+    def swap(self, upto: int) -> int:
+        self.swaps.append(upto)
+        self.live_version = max(v for v in self.weights if upto < 0 or v <= upto)
+        return self.live_version
+
+
+class FakeEngine:
+    """``_EngineProcess``'s face to the batcher: every request is ready; results are collected in order."""
+
+    def __init__(self, weights: dict[int, dict], shape):
+        self.receiver, self.shape = FakeReceiver(weights), shape
+        self.eos_id, self.pad_id, self.stall_s = [assets.EOS_ID], assets.PAD_ID, 0.0
+        self.results: list[SimpleNamespace] = []
+
+    def pinned(self, req):
+        return max(req.pin_version, req.min_version) if req.pin_version >= 0 else -1
+
+    def ready(self, req, arrived):
+        return True
+
+    def send_result(self, req_id, tokens, logprobs, lengths, version, gen_time_s):
+        self.results.append(SimpleNamespace(req_id=req_id, tokens=tokens, logprobs=logprobs, lengths=lengths,
+                                            version=version))
+
+
+def request(req_id: int, prompts, max_new: int, group: int = 2, seed: int = 7, pin: int = -1, temperature=1.0):
+    return GenerationRequest(req_id, 1, prompts, group, max_new, temperature, 0, seed=seed, dispatch_version=0,
+                             pin_version=pin)
+
+
+def batcher(weights_and_shape, max_sequences: int = 64, versions=(0,)) -> ContinuousBatcher:
+    weights, shape = weights_and_shape
+    return ContinuousBatcher(FakeEngine({v: weights for v in versions}, shape), max_sequences)
+
+
+def submit(b: ContinuousBatcher, *reqs: GenerationRequest) -> None:
+    b.waiting.extend((r, 0.0) for r in reqs)
+    b._admit()
+    b._fill_rows()
+
+
+def run_until_idle(b: ContinuousBatcher, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if not b.rows:
+            return
+        b._step()
+        b._fill_rows()
+    raise AssertionError("the batch never drained")
+
+
+def serve_alone(weights_and_shape, req: GenerationRequest):
+    b = batcher(weights_and_shape)
+    submit(b, req)
+    run_until_idle(b)
+    return b.engine.results[0]
+
+
+PROMPTS = [[1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55, 56, 57], [1, 60]]
+
+
+def recomputed_logprobs(weights_and_shape, prompts, group, result) -> float:
+    """Largest |engine logprob - ``inference.score`` of prompt + completion| over every sampled token."""
+    weights, shape = weights_and_shape
+    worst = 0.0
+    for i, prompt in enumerate(p for p in prompts for _ in range(group)):
+        n = int(result.lengths[i])
+        seq = torch.tensor([prompt + result.tokens[i, :n].tolist()])
+        ref = inference.score(weights, shape, seq)[0, len(prompt) - 1:]
+        worst = max(worst, (ref - result.logprobs[i, :n]).abs().max().item())
+    return worst
+
+
+def test_a_short_request_joins_a_long_one_mid_batch_and_its_result_comes_back_first(weights_and_shape):
+    b = batcher(weights_and_shape)
+    submit(b, request(1, PROMPTS, max_new=24, seed=1))
+    for _ in range(5):
+        b._step()
+    assert len(b.rows) == 6 and len({int(n) for n in b.cache.lengths[:6]}) > 1  # rows at different lengths
+    submit(b, request(2, [[1, 70, 71]], max_new=3, seed=2))  # joins at decode step 5
+    assert len(b.rows) == 8 and b.in_flight == 2
+    run_until_idle(b)
+    assert [r.req_id for r in b.engine.results] == [2, 1]
+    assert b.in_flight == 0 and b.cache.rows == 0
+    for req_id, prompts in ((1, PROMPTS), (2, [[1, 70, 71]])):
+        result = next(r for r in b.engine.results if r.req_id == req_id)
+        assert recomputed_logprobs(weights_and_shape, prompts, 2, result) < 1e-4
+        assert result.tokens.shape == (len(prompts) * 2, 24 if req_id == 1 else 3)
+        for i, n in enumerate(result.lengths.tolist()):  # the serial engine's layout past a row's end
+            assert (result.tokens[i, n:] == assets.PAD_ID).all() and (result.logprobs[i, n:] == 0).all()
+            assert n == result.tokens.shape[1] or int(result.tokens[i, n - 1]) == assets.EOS_ID
+
+
+def test_a_sequence_samples_the_same_alone_or_beside_others(weights_and_shape):
+    """Each sequence has its own generator: the same request gives the same tokens whatever shares its batch
+    (and whichever rows it lands in), and logprobs equal to rounding."""
+    alone = serve_alone(weights_and_shape, request(5, PROMPTS, max_new=16, seed=11))
+    b = batcher(weights_and_shape)
+    submit(b, request(4, [[1, 90, 91, 92, 93]], max_new=16, group=3, seed=3))
+    b._step()
+    b._step()
+    submit(b, request(5, PROMPTS, max_new=16, seed=11))
+    run_until_idle(b)
+    beside = next(r for r in b.engine.results if r.req_id == 5)
+    assert torch.equal(beside.tokens, alone.tokens) and torch.equal(beside.lengths, alone.lengths)
+    torch.testing.assert_close(beside.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    again = serve_alone(weights_and_shape, request(5, PROMPTS, max_new=16, seed=11))
+    assert torch.equal(again.tokens, alone.tokens) and torch.equal(again.logprobs, alone.logprobs)
+
+
+def test_a_full_batch_queues_sequences_until_rows_free(weights_and_shape):
+    """Rows bound the batch: 8 sequences through 3 rows, with the same tokens as through 64."""
+    b = batcher(weights_and_shape, max_sequences=3)
+    submit(b, request(1, PROMPTS + [[1, 33]], max_new=10, seed=4))
+    assert len(b.rows) == 3 and len(b.queued) == 5
+    peak = 0
+    while b.rows:
+        b._step()
+        b._fill_rows()
+        peak = max(peak, len(b.rows))
+    assert peak == 3 and b.cache.layers[0][0].shape[0] == 3
+    wide = serve_alone(weights_and_shape, request(1, PROMPTS + [[1, 33]], max_new=10, seed=4))
+    assert torch.equal(b.engine.results[0].tokens, wide.tokens)
+
+
+def test_mixed_sampling_settings_in_one_batch(weights_and_shape):
+    """A greedy request beside a sampled one: each row follows its own request's temperature."""
+    b = batcher(weights_and_shape)
+    submit(b, request(1, PROMPTS, max_new=8, seed=1), request(2, [[1, 70, 71]], max_new=8, temperature=0.0))
+    run_until_idle(b)
+    greedy = next(r for r in b.engine.results if r.req_id == 2)
+    weights, shape = weights_and_shape
+    ref = inference.generate(weights, shape, [[1, 70, 71]] * 2, max_new_tokens=8, temperature=0.0,
+                             eos_id=assets.EOS_ID, pad_id=assets.PAD_ID)
+    assert torch.equal(greedy.tokens, ref[0]) and torch.equal(greedy.lengths, ref[2])
+
+
+def test_a_newer_pin_waits_for_the_batch_to_drain_and_an_older_one_joins(weights_and_shape):
+    """Admission by version: versions swap only with nothing in flight; a request pinned to the live version (or
+    an older one, which swap would leave on the live one) joins, one pinned to a newer version waits, and so does
+    every request behind it."""
+    b = batcher(weights_and_shape, versions=(1, 2, 3))
+    submit(b, request(1, PROMPTS, max_new=12, pin=2))
+    assert b.engine.receiver.swaps == [2]
+    submit(b, request(2, [[1, 5]], max_new=4, pin=1), request(3, [[1, 6]], max_new=4, pin=3),
+           request(4, [[1, 7]], max_new=4, pin=2))
+    assert [r.req_id for r, _ in b.waiting] == [3, 4] and b.in_flight == 2
+    run_until_idle(b)
+    assert {r.req_id for r in b.engine.results} == {1, 2} and all(r.version == 2 for r in b.engine.results)
+    b._admit()
+    assert b.engine.receiver.swaps == [2, 3]
+    b._fill_rows()
+    run_until_idle(b)
+    assert [(r.req_id, r.version) for r in b.engine.results[2:]] == [(3, 3), (4, 3)]
+
+
+def test_slot_cache_decode_matches_the_padded_batch_path(weights_and_shape):
+    """``join_rows`` + ``decode_rows`` (rows at their own lengths) give ``prefill`` + ``decode_step``'s hidden
+    states (one left-padded batch) to rounding, after rows were dropped and moved."""
+    weights, shape = weights_and_shape
+    model = inference.Model.of(weights, shape)
+    prompts = [[1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55, 56, 57], [1, 60], [1, 61, 62]]
+    tokens = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]])  # three steps' tokens per row
+    freqs = inference._freqs_cis(shape, 32, model.device)
+    with torch.no_grad():
+        _, padded = inference.prefill(model, prompts, assets.PAD_ID, 32, freqs)
+        expected = [inference.decode_step(model, padded, t, freqs) for t in tokens]
+    cache = inference.SlotCache.empty(model)
+    inference.join_rows(model, cache, prompts[:1], assets.PAD_ID, 16)  # grows later: rows and capacity
+    inference.join_rows(model, cache, [[1, 2, 3]] + prompts[1:], assets.PAD_ID, 32)
+    order = inference.drop_rows(cache, [False, True, False, False, False])  # the last row moves into row 1
+    assert order == [0, 4, 2, 3]
+    padded_row = [0, 3, 1, 2]  # of each row in use now
+    for step, t in enumerate(tokens):
+        h = inference.decode_rows(model, cache, t[padded_row])
+        torch.testing.assert_close(h, expected[step][padded_row], atol=1e-5, rtol=0)
+
+
+def test_sequence_generators_differ_by_seed_and_index():
+    draws = {(s, i): float(torch.rand(1, generator=sequence_generator(s, i))) for s in (0, 1) for i in (0, 1, 2)}
+    assert len(set(draws.values())) == 6
+
+
+def test_continuous_batching_lifts_the_serial_pipeline_depth_cap():
+    embedded, vllm = ENGINE_KINDS["embedded"], ENGINE_KINDS["vllm"]
+    assert embedded.serves_serially(continuous_batching=False)
+    assert not embedded.serves_serially(continuous_batching=True)
+    assert not vllm.serves_serially(continuous_batching=False)
+
+
+def test_the_fields_parse_and_a_batch_without_rows_is_refused(tiny_model_dir):
+    def parse(*overrides):
+        return ConfigManager().parse_args(_normalise_argv(["--job.config_file", str(DEBUG_TOML), *overrides]))
+
+    default = parse()
+    assert not default.rollout.continuous_batching and default.rollout.max_batch_sequences == 256
+    cfg = parse("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "8")
+    validate_config(cfg)
+    assert cfg.rollout.continuous_batching and cfg.rollout.max_batch_sequences == 8
+    with pytest.raises(ConfigError, match=r"rollout\.max_batch_sequences = 0 is out of"):
+        validate_config(parse("--rollout.max_batch_sequences", "0"))

@@ -1,0 +1,226 @@
+"""Continuous batching in the embedded engine (``rollout.continuous_batching``): the scheduler loop of its main thread.
+
+Sequences (a request's prompts x group) join the running batch at any decode step (the newcomers are prefilled,
+then decode with the rest) and leave it when they end (a stop token or the request's ``max_new_tokens``). Several
+requests are in flight at once; a request's ``GenerationResult`` is sent as soon as its last sequence ends. Between
+decode steps the loop reads the control pipe without blocking, so requests, joins, checksums and probes are served
+while a batch decodes. At most ``max_sequences`` sequences decode at once (the rows of the ``SlotCache``); the
+others of an admitted request queue in order and take the rows the finished ones free.
+
+Weights (the embedded engine's invariant: a request runs on exactly one version, its ``pin_version``): requests are
+admitted in arrival order, each once the engine holds its versions (``_EngineProcess.ready``). With nothing in
+flight, an admitted request makes its pinned version live (``WeightReceiver.swap``, as the serial engine does).
+With requests in flight, a request joins only if it would run on the live version anyway (its pin is not newer
+than the live version, or no newer version has arrived); else it, and every request behind it, waits until the
+running batch has drained, and then swaps. So versions change only between decode steps with nothing running, and
+every sequence of a request decodes on the version its result reports.
+
+Sampling: each sequence draws from its own CPU ``torch.Generator``, seeded from the request's seed and the
+sequence's index, so its tokens do not depend on which sequences share its batch or on its row. What is
+reproducible: the same request on the same weights gives the same tokens whatever runs beside it, up to the last
+bits of the forward (a kernel's rounding may depend on the batch's size), which can flip a token only where two
+tokens' cumulative probabilities tie to rounding; with the same schedule, bit for bit. What is not: the tokens of
+``continuous_batching = false`` (one generator per request, drawn row after row), though logprobs are those of the
+same model and weights.
+
+Threads: everything here runs on the engine's main thread; the receiver thread only publishes versions (and wakes
+the loop through the engine's wake pipe).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan_flux.engine.base import GenerationRequest
+from torchtitan_flux.models import inference
+
+if TYPE_CHECKING:
+    from torchtitan_flux.engine.embedded import _EngineProcess
+
+_SEED_STRIDE = 1_000_003  # sequence seeds: request seed * stride + index (distinct for indices below the stride)
+
+
+def sequence_generator(seed: int, index: int) -> torch.Generator:
+    """The CPU generator of sequence ``index`` of a request seeded ``seed``."""
+    return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
+
+
+@dataclass
+class _Request:
+    """An admitted request: the version it runs on, its sequences, how many are still generating."""
+
+    req: GenerationRequest
+    """The request as the trainer sent it."""
+
+    version: int
+    """The live version when it was admitted, which every one of its tokens is generated on."""
+
+    started: float
+    """``time.perf_counter()`` at admission (its result's ``gen_time_s`` counts from here)."""
+
+    sequences: list["_Sequence"] = field(default_factory=list)
+    """Its sequences, row ``i`` of its result: prompt ``i // group_size``."""
+
+    unfinished: int = 0
+    """Sequences not ended yet; the result is sent when it reaches 0."""
+
+
+@dataclass
+class _Sequence:
+    """One completion: where it comes from, its own generator, what it has sampled so far."""
+
+    request: _Request
+    """The request it belongs to."""
+
+    prompt: list[int]
+    """Its prompt's token ids."""
+
+    generator: torch.Generator
+    """Its sampling stream (``sequence_generator``)."""
+
+    tokens: list[int] = field(default_factory=list)
+    """Sampled token ids, the stop token included."""
+
+    logprobs: list[float] = field(default_factory=list)
+    """Behaviour logprob of each sampled token (float32 values)."""
+
+
+class ContinuousBatcher:
+    """The scheduler loop of the module docstring, over an engine process's pipe, receiver and weights."""
+
+    def __init__(self, engine: "_EngineProcess", max_sequences: int):
+        self.engine, self.max_sequences = engine, max_sequences
+        self.eos = set(engine.eos_id)  # stop token ids
+        self.waiting: collections.deque = collections.deque()  # (request, arrival time): not admitted yet, in order
+        self.queued: collections.deque[_Sequence] = collections.deque()  # admitted sequences without a row yet
+        self.rows: list[_Sequence] = []  # the sequence in each row in use of ``cache``
+        self.in_flight = 0  # admitted requests whose result is not sent yet
+        self.model: inference.Model | None = None  # the live weights, looked up at each swap
+        self.cache: inference.SlotCache | None = None
+        self.hidden: torch.Tensor | None = None  # [rows, dim]: each row's last hidden state, to sample from
+
+    def run(self) -> None:
+        """Serve until the pipe closes or a shutdown arrives. The pipe is polled after every decode step, and waited
+        on only with nothing to decode and no request to admit (until a message, a landed push or the head's wait
+        bound)."""
+        while True:
+            self._admit()
+            self._fill_rows()
+            if self.rows:
+                self._step()
+            timeout = 0.0 if self.rows or self._admissible() else self.engine.wait_timeout(self.waiting)
+            if self.engine.wait(timeout) and not self._read_pipe():
+                return
+
+    def _read_pipe(self) -> bool:
+        """Handle every message already in the pipe; False on shutdown or a closed pipe."""
+        while self.engine.conn.poll():
+            try:
+                msg = self.engine.conn.recv()
+            except EOFError:
+                return False
+            if not self.engine.handle(msg, self.waiting):
+                return False
+        return True
+
+    def _joins_live(self, req: GenerationRequest) -> bool:
+        """Whether ``swap`` would leave the live version live for ``req`` (see the module docstring)."""
+        receiver, target = self.engine.receiver, self.engine.pinned(req)
+        return receiver.newest()[0] == receiver.live_version or 0 <= target <= receiver.live_version
+
+    def _admissible(self) -> bool:
+        """Whether the head of ``waiting`` is ready and may run beside what is in flight."""
+        if not self.waiting or not self.engine.ready(*self.waiting[0]):
+            return False
+        return not self.in_flight or self._joins_live(self.waiting[0][0])
+
+    def _admit(self) -> None:
+        """Admit waiting requests in order while the head is admissible."""
+        while self._admissible():
+            self._start(self.waiting.popleft()[0])
+
+    def _start(self, req: GenerationRequest) -> None:
+        if self.engine.stall_s:
+            time.sleep(self.engine.stall_s)
+        if req.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {req.temperature}")
+        if not self.in_flight:
+            self.engine.receiver.swap(self.engine.pinned(req))
+            self.model = inference.Model.of(self.engine.receiver.live.views, self.engine.shape)
+            self.cache = self.cache or inference.SlotCache.empty(self.model)
+        request = _Request(req, self.engine.receiver.live_version, time.perf_counter())
+        prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
+        request.sequences = [_Sequence(request, p, sequence_generator(req.seed, i)) for i, p in enumerate(prompts)]
+        request.unfinished = len(prompts)
+        self.in_flight += 1
+        self.queued.extend(request.sequences)
+        if not prompts:
+            self._send_result(request)
+
+    def _fill_rows(self) -> None:
+        """Prefill queued sequences into the free rows (in order) and append their hidden states."""
+        count = min(self.max_sequences - len(self.rows), len(self.queued))
+        if count <= 0:
+            return
+        newcomers = [self.queued.popleft() for _ in range(count)]
+        capacity = max(len(s.prompt) + s.request.req.max_new_tokens for s in newcomers)
+        h = inference.join_rows(self.model, self.cache, [s.prompt for s in newcomers], self.engine.pad_id, capacity)
+        self.hidden = h if self.hidden is None else torch.cat([self.hidden, h])
+        self.rows += newcomers
+
+    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its logprob [rows], sampled with its request's settings and its own generator."""
+        logits = F.linear(self.hidden, self.model.output).float()
+        vocab = self.model.shape.vocab_size  # a top_k past it samples from the whole vocabulary, as generate does
+        keys = [(s.request.req.temperature, s.request.req.top_k if 0 < s.request.req.top_k < vocab else 0)
+                for s in self.rows]
+        generators = [s.generator for s in self.rows]
+        if len(set(keys)) == 1:
+            tok, logp = inference.sample(logits, *keys[0], generators)
+            return tok.view(-1), logp.view(-1)
+        tok = torch.empty(len(keys), dtype=torch.long, device=logits.device)
+        logp = torch.empty(len(keys), dtype=torch.float32, device=logits.device)
+        for key in dict.fromkeys(keys):
+            rows = [i for i, k in enumerate(keys) if k == key]
+            index = torch.tensor(rows, device=logits.device)
+            t, lp = inference.sample(logits[index], *key, [generators[i] for i in rows])
+            tok[index], logp[index] = t.view(-1), lp.view(-1)
+        return tok, logp
+
+    def _step(self) -> None:
+        """Sample one token per row, send the results of requests that ended, decode the rows that go on."""
+        tok, logp = self._sample()
+        done = []
+        for seq, t, lp in zip(self.rows, tok.tolist(), logp.tolist()):
+            seq.tokens.append(t)
+            seq.logprobs.append(lp)
+            done.append(t in self.eos or len(seq.tokens) >= seq.request.req.max_new_tokens)
+        ended = [s for s, d in zip(self.rows, done) if d]
+        if ended:
+            order = inference.drop_rows(self.cache, done)
+            self.rows = [self.rows[i] for i in order]
+            tok = tok[torch.tensor(order, dtype=torch.long, device=tok.device)]
+        for seq in ended:
+            seq.request.unfinished -= 1
+            if seq.request.unfinished == 0:
+                self._send_result(seq.request)
+        self.hidden = inference.decode_rows(self.model, self.cache, tok) if self.rows else None
+
+    def _send_result(self, request: _Request) -> None:
+        """The request's ``GenerationResult`` fields, laid out as the serial engine's (pad and 0 after the end)."""
+        req, rows = request.req, len(request.sequences)
+        tokens = torch.full((rows, req.max_new_tokens), self.engine.pad_id, dtype=torch.long)
+        logprobs = torch.zeros((rows, req.max_new_tokens), dtype=torch.float32)
+        for i, seq in enumerate(request.sequences):
+            tokens[i, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
+            logprobs[i, : len(seq.logprobs)] = torch.tensor(seq.logprobs, dtype=torch.float32)
+        lengths = torch.tensor([len(s.tokens) for s in request.sequences], dtype=torch.long)
+        self.in_flight -= 1
+        self.engine.send_result(req.req_id, tokens, logprobs, lengths, request.version,
+                                time.perf_counter() - request.started)
