@@ -32,16 +32,13 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_flux.engine.base import GenerationRequest
 from torchtitan_flux.models import inference
-
-if TYPE_CHECKING:
-    from torchtitan_flux.engine.embedded import _EngineProcess
 
 _SEED_STRIDE = 1_000_003  # sequence seeds: request seed * stride + index (distinct for indices below the stride)
 
@@ -94,7 +91,9 @@ class _Sequence:
 class ContinuousBatcher:
     """The scheduler loop of the module docstring, over an engine process's pipe, receiver and weights."""
 
-    def __init__(self, engine: "_EngineProcess", max_sequences: int):
+    def __init__(self, engine: Any, max_sequences: int):
+        """``engine``: the engine process (``embedded._EngineProcess``: its pipe, receiver, weights and request
+        handling; not imported here, which would make the two modules import each other)."""
         self.engine, self.max_sequences = engine, max_sequences
         self.eos = set(engine.eos_id)  # stop token ids
         self.waiting: collections.deque = collections.deque()  # (request, arrival time): not admitted yet, in order
