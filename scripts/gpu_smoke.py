@@ -43,9 +43,11 @@ sys.path.insert(0, str(ROOT / "scripts"))  # model_assets, gpu_checks; the packa
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import ArgumentParser, count, free_port, number, run_child, stop_children_on_signals  # noqa: E402
 
-ENGINE_PARTS = ("sparse", "stream", "ipc", "memory", "stall", "profile", "colocated")  # parts that start embedded engines
-if __name__ == "__main__" and "--part" in sys.argv[:-1] and sys.argv[sys.argv.index("--part") + 1] in ENGINE_PARTS:
-    from torchtitan_flux.engine.forkserver import prestart_engine_server  # no torch: its imports overlap ours
+# the parts that start embedded engines: their fork server is started first, so its imports overlap the part's
+ENGINE_PARTS = ("sparse", "stream", "ipc", "memory", "stall", "profile", "colocated")
+_PART = sys.argv[sys.argv.index("--part") + 1] if "--part" in sys.argv[:-1] else ""
+if __name__ == "__main__" and _PART in ENGINE_PARTS:
+    from torchtitan_flux.engine.forkserver import prestart_engine_server  # imports no torch
 
     prestart_engine_server()
 

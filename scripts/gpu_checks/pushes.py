@@ -19,15 +19,15 @@ main queue runs: ``sidestream_sync_waited_for_main`` must be 0, and the same cal
 CPU twin: the same async push with no streams (``push_s``): it shows the code path runs, not that nothing waits on
 the default stream (CPU has none).
 
-``ipc``: (1) 1,200 ``ForkingPickler.dumps`` of one staging flat (on GPU a CUDA IPC export each, as every colocated
-(re)join sends staging), a short matmul queued on the default stream before each of the first and last 100:
-``ipc_export_first100_us`` / ``ipc_export_last100_us`` (mean per export; past 1,000 exports torch synchronizes the
-current stream per export instead of recording an event, so the last 100 wait for the queued matmul: compare with
-``ipc_matmul_us``); (2) 10 rounds (CPU: 4) of two colocated engines with one stalled past a 1 s deadline, cut and
-rejoined (a new export of staging each time): ``ipc_rounds_rejoined`` (must equal the rounds), the trainer's and each
-engine's RSS and the device's used memory after the first and the last round (``*_growth_bytes``: must stay under
-64 MiB; on GPU also per process from nvidia-smi where it shows processes). CPU twin: shared-memory exports (each
-loaded back, else the file descriptors pile up) and the same rounds; it shows no CUDA IPC event or mapping.
+``ipc``: (1) 10 rounds (CPU: 4) of two colocated engines with one stalled past a 1 s deadline, cut and rejoined (a
+new export of staging each time): ``ipc_rounds_rejoined`` (must equal the rounds), the trainer's and each engine's RSS
+and the device's used memory after the first and the last round (``*_growth_bytes``: must stay under 64 MiB; on GPU
+also per process from nvidia-smi where it lists processes); (2) then 1,200 ``ForkingPickler.dumps`` of one staging
+flat (on GPU a CUDA IPC export each, as every colocated (re)join sends staging), a short matmul queued on the default
+stream before each of the first and last 100: ``ipc_export_first100_us`` / ``ipc_export_last100_us`` (mean per
+export; past 1,000 exports torch synchronizes the current stream per export instead of recording an event, so the
+last 100 wait for the queued matmul: compare with ``ipc_matmul_us``). CPU twin: the same rounds and shared-memory
+exports (each loaded back, else the duplicated file descriptors pile up); it shows no CUDA IPC event or mapping.
 """
 
 from __future__ import annotations
