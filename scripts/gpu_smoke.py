@@ -214,14 +214,14 @@ def _parts(args, out: Path, device: torch.device) -> dict:
         "stall": (45, 90, 15, lambda: stall(out, device)),
         "profile": (60, 0, 20, lambda: profile(out, device)),
         # a GPU trainer with an embedded engine on the CPU: gloo from pinned staging (finding N12)
-        "train_cpu_engine": (60, 0, 30, lambda: train(out, 10, inner, "--rollout.colocated", "false",
+        "train_cpu_engine": (75, 0, 30, lambda: train(out, 10, inner, "--rollout.colocated", "false",
                                                       "--rollout.engine_devices", "cpu", prefix="cpu_engine_")),
         # the medium model (24M) in bf16, as GPU runs train: mixed precision and a bf16 wire
         "train_medium_bf16": (90, 0, 40, lambda: train(
             out, 20, inner, "--model.hf_assets_path", str(_medium(out)), "--training.mixed_precision_param",
             "bfloat16", "--weight_sync.wire_dtype", "bfloat16", "--training.seq_len", "64",
             prefix="medium_bf16_", learns=False)),
-        "colocated": (75, 60, 30, lambda: colocated.part(out, device)),
+        "colocated": (100, 60, 40, lambda: colocated.part(out, device)),
     }
 
 

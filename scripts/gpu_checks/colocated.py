@@ -12,6 +12,7 @@ path (no device memory: the figures are 0).
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -31,7 +32,9 @@ def part(out: Path, device: torch.device) -> None:
     holds = True
     for engines, gap in ([(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] if gpu else [(1, 1)]):
         if gpu:
+            gc.collect()
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the previous figure's model and staging leave the allocator's cache
             free0 = torch.cuda.mem_get_info(device)[0]
         r, model = rollouts(model_dir, device, num_engines=engines, timeout_s=30.0, async_mode=False,
                             max_version_gap=gap)
@@ -43,7 +46,7 @@ def part(out: Path, device: torch.device) -> None:
             used = (free0 - torch.cuda.mem_get_info(device)[0] - own) if gpu else 0
         finally:
             r.close()
-            del model
+            del r, model
         copies = max(2, gap + 1)
         formula = engines * copies * params * wire + params * wire + CUDA_CONTEXT_BYTES * engines
         report(f"colocated_used_bytes_e{engines}_gap{gap}", used)
