@@ -23,7 +23,7 @@ ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS="${2:?--wheels needs a folder}"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
