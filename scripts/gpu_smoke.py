@@ -1,56 +1,59 @@
 """What a first run on a GPU machine executes (``scripts/gpu_smoke.sh``), and its CPU twin (``--cpu``, run by CI).
 
-Three parts, each under its own time limit, each printing what it measured even when another part fails:
+Parts, in this order (the order they are cut in when time runs out), each in a process of its own under its own
+wall-clock limit and all of them within ``--budget`` seconds (default 470: the whole GPU run fits in about 8 minutes);
+each prints its ``key=value`` lines when it ends, and ``part_<name>=ok|failed|timeout|not_run`` (``timeout``: it
+ran past its own limit, a failure; ``not_run``: the budget was spent before it started, or ended while it ran):
 
-1. training: ``torchrun`` 20 GRPO steps of the debug config on the device, with colocated embedded engines
-   (``rollout.colocated``: on one GPU the engine shares it), async weight updates and selective activation
-   checkpointing; prints ``checksums_equal`` (every engine's final sha256 equals the trainer's), ``reward_gain``
-   (mean reward of the last 5 steps minus the first 5) and ``push_overlap_fraction`` (1 - the main thread's
-   waits on weight sync beyond the snapshot / the push thread's time);
-2. components, in this process, rank 0's real ``Rollouts`` on the device with two colocated engines:
-   ``sync_peak_bytes_<flavor>`` <= ``sync_budget_bytes_<flavor>`` (``sync.memory.SyncMemory``) for two models 80x
-   apart, and on GPU ``allocator_peak_bytes_<flavor>`` (the CUDA allocator's peak growth over one snapshot and
-   push: what the ledger must bound); ``stalled_engine_cut`` (one engine stalls past the deadline: the push ends
-   at it, the other engine is in sync, the next push goes on);
-3. GPU only: ``cpu_engine_*``: the training of part 1 (10 steps) with the engine on the CPU, over gloo from
-   pinned staging; ``medium_bf16_*``: 20 steps of the 24M-parameter model with bf16 mixed precision and a bf16
-   wire (checksums only: its learning rate is the tiny model's); ``default_stream_sync_kernels`` (from the PyTorch profiler: kernels and copies launched inside the
-   snapshot that ran on the default stream; must be 0) and ``sync_kernels`` (how many ran in all: not 0).
-The last line is ``smoke_ok=1`` when every check held. Simplification: one device, rank 0 only (FSDP and NCCL
-between GPUs are ``scripts/verify_grpo_2gpu.sh``'s).
+* ``train``: ``torchrun`` 20 GRPO steps of the debug config on the device, with colocated embedded engines
+  (``rollout.colocated``: on one GPU the engine shares it), async weight updates and selective activation
+  checkpointing; prints ``checksums_equal`` (every engine's final sha256 equals the trainer's), ``reward_gain``
+  (mean reward of the last 5 steps minus the first 5) and ``push_overlap_fraction`` (1 - the main thread's
+  waits on weight sync beyond the snapshot / the push thread's time);
+* ``seqlock``, ``sparse``, ``stream``, ``ipc``, ``fsdp``: ``scripts/gpu_checks/`` (each module's docstring says
+  what it checks, its keys and what its CPU twin does not show);
+* ``memory``: rank 0's real ``Rollouts`` on the device with two colocated engines:
+  ``sync_peak_bytes_<flavor>`` <= ``sync_budget_bytes_<flavor>`` (``sync.memory.SyncMemory``) for two models 80x
+  apart, and on GPU ``allocator_peak_bytes_<flavor>`` (the CUDA allocator's peak growth over one snapshot and
+  push: what the ledger must bound);
+* ``stall``: ``stalled_engine_cut`` (one engine stalls past the deadline: the push ends at it, the other engine is
+  in sync, the next push goes on);
+* GPU only: ``profile``: ``default_stream_sync_kernels`` (from the PyTorch profiler: kernels and copies launched
+  inside the snapshot that ran on the default stream; must be 0) and ``sync_kernels`` (how many ran in all: not
+  0); ``train_cpu_engine`` (``cpu_engine_*``): the training of ``train`` (10 steps) with the engine on the CPU, over
+  gloo from pinned staging; ``train_medium_bf16`` (``medium_bf16_*``): 20 steps of the 24M-parameter model with
+  bf16 mixed precision and a bf16 wire (checksums only: its learning rate is the tiny model's).
+The last line is ``smoke_ok=1`` when every part that ran held. Simplification: one device, rank 0 only (FSDP and
+NCCL between GPUs are ``scripts/verify_grpo_2gpu.sh``'s).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))  # model_assets; the package itself is installed (gpu_smoke.sh)
+sys.path.insert(0, str(ROOT / "scripts"))  # model_assets, gpu_checks; the package itself is installed (gpu_smoke.sh)
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import ArgumentParser, count, free_port, run_child, stop_children_on_signals  # noqa: E402
+from common import ArgumentParser, count, free_port, number, run_child, stop_children_on_signals  # noqa: E402
+
+# the parts that start embedded engines: their fork server is started first, so its imports overlap the part's
+ENGINE_PARTS = ("sparse", "stream", "ipc", "memory", "stall", "profile", "colocated")
+_PART = sys.argv[sys.argv.index("--part") + 1] if "--part" in sys.argv[:-1] else ""
+if __name__ == "__main__" and _PART in ENGINE_PARTS:
+    from torchtitan_flux.engine.forkserver import prestart_engine_server  # imports no torch
+
+    prestart_engine_server()
 
 import torch  # noqa: E402
 
-RESULTS: dict[str, object] = {}
-FAILED: list[str] = []
-
-
-def report(key: str, value) -> None:
-    RESULTS[key] = value
-    print(f"{key}={value}", flush=True)
-
-
-def check(ok: bool, what: str) -> None:
-    if not ok:
-        FAILED.append(what)
-        print(f"CHECK FAILED: {what}", flush=True)
+from gpu_checks.common import FAILED, RESULTS, check, perturb, report, rollouts  # noqa: E402
 
 
 def train(out: Path, steps: int, timeout: float, *extra: str, prefix: str = "", learns: bool = True) -> None:
@@ -84,42 +87,6 @@ def train(out: Path, steps: int, timeout: float, *extra: str, prefix: str = "", 
     check(RESULTS[f"{prefix}checksums_equal"] == 1, f"{prefix}checksums_equal")
     if learns:
         check(RESULTS[f"{prefix}reward_gain"] > 0, f"{prefix}reward_gain > 0")
-
-
-def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout_s: float, async_mode: bool):
-    """Rank 0's real rollout side on ``device`` with colocated engines, as the trainer builds it."""
-    from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
-    from torchtitan_flux.data.tasks import DigitsTask
-    from torchtitan_flux.models import families, hf_weights
-    from torchtitan_flux.rollout.rollouts import Rollouts
-
-    args = families.args_from_hf_dir(model_dir)  # the trainer's model: torchtitan names, pushed as HF's
-    model = (families.FluxQwenModel if isinstance(args, families.Qwen3ModelArgs) else families.FluxLlamaModel)(args)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    hf_weights.load_hf_weights(model, model_dir, args)
-    model.to(device)
-    jc = SimpleNamespace(
-        rollout=Rollout(num_engines=num_engines, engine_threads=1, colocated=True, prompts_per_step=2, max_new_tokens=8),
-        grpo=SimpleNamespace(group_size=2, temperature=1.0),
-        weight_sync=WeightSync(async_weight_update=async_mode, timeout_seconds=timeout_s, bucket_size_mb=1.0,
-                               master_port=0, wire_dtype="bfloat16"),
-        off_policy=OffPolicy(max_version_gap=1), model=SimpleNamespace(hf_assets_path=str(model_dir)),
-        job=SimpleNamespace(dump_folder=""), training=SimpleNamespace(steps=0),
-    )
-    # no generation here, so no tokenizer
-    r = Rollouts(jc, DigitsTask(), SimpleNamespace(), model, device=device, stops=SimpleNamespace(signal=None))
-    for e in r.engines:
-        e.checksum(timeout=120)  # serving its pipe
-    r.syncer.connect()
-    return r, model
-
-
-@torch.no_grad()
-def perturb(model, seed: int) -> None:
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    for p in model.parameters():
-        p.add_((torch.randn(p.shape, generator=g) * 0.01).to(p.device))
 
 
 def memory(out: Path, device: torch.device) -> None:
@@ -167,12 +134,14 @@ def stall(out: Path, device: torch.device) -> None:
         s = r.syncer
         s.flush(0)
         r.engines[1].inject_fault("stall_receive", 4 * timeout_s)
+        r.engines[1].checksum(timeout=60)  # served after the fault, in pipe order: the stall is in place
         perturb(model, 1)
         t0 = time.monotonic()
         s.after_optimizer_step(1)
         took = time.monotonic() - t0
         ok, stalled = s.links
-        was_cut = stalled.lagging and ok.acked == 1
+        report("stalled_state", stalled.state.value)  # broken: its copy missed the deadline (lagging: acked late)
+        was_cut = stalled.state.value in ("broken", "lagging") and ok.acked == 1
         perturb(model, 2)
         s.after_optimizer_step(2)
         cut = (took < 3 * timeout_s and was_cut and ok.acked == 2
@@ -229,13 +198,74 @@ def profile(out: Path, device: torch.device) -> None:
     check(RESULTS["default_stream_sync_kernels"] == 0, "default_stream_sync_kernels == 0")
 
 
+def _parts(args, out: Path, device: torch.device) -> dict:
+    """name -> (limit on GPU s, limit on CPU s, the least time worth starting it with s, the part)."""
+    from gpu_checks import colocated, fsdp, pushes, seqlock
+
+    inner = max(30.0, args.limit - 15)  # a torchrun child ends (and says why) before its part is killed
+    return {
+        "train": (90, 150, 30, lambda: train(out, args.steps, inner)),
+        "seqlock": (110, 60, 75, lambda: seqlock.part(out, device)),
+        "sparse": (60, 90, 25, lambda: pushes.sparse(out, device)),
+        "stream": (60, 90, 25, lambda: pushes.stream(out, device)),
+        "ipc": (75, 120, 35, lambda: pushes.ipc(out, device)),
+        "fsdp": (60, 90, 20, lambda: fsdp.part(out, device)),
+        "memory": (60, 120, 20, lambda: memory(out, device)),
+        "stall": (45, 90, 15, lambda: stall(out, device)),
+        "profile": (60, 0, 20, lambda: profile(out, device)),
+        # a GPU trainer with an embedded engine on the CPU: gloo from pinned staging (finding N12)
+        "train_cpu_engine": (75, 0, 30, lambda: train(out, 10, inner, "--rollout.colocated", "false",
+                                                      "--rollout.engine_devices", "cpu", prefix="cpu_engine_")),
+        # the medium model (24M) in bf16, as GPU runs train: mixed precision and a bf16 wire
+        "train_medium_bf16": (90, 0, 40, lambda: train(
+            out, 20, inner, "--model.hf_assets_path", str(_medium(out)), "--training.mixed_precision_param",
+            "bfloat16", "--weight_sync.wire_dtype", "bfloat16", "--training.seq_len", "64",
+            prefix="medium_bf16_", learns=False)),
+        "colocated": (100, 60, 40, lambda: colocated.part(out, device)),
+    }
+
+
+def _medium(out: Path) -> Path:
+    from model_assets import build_model_dir
+
+    return build_model_dir(out / "medium-llama", flavor="medium", seed=0)
+
+
+def run_part(args) -> int:
+    """``--part NAME``: one part in this process; exit 1 if one of its checks failed or it raised."""
+    stop_children_on_signals()  # a signal unwinds the part too (its engines are closed on the way)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    out = Path(args.out)
+    t0 = time.monotonic()
+    try:
+        _parts(args, out, device)[args.part][3]()
+    except Exception:  # noqa: BLE001 - reported as this part's failure
+        traceback.print_exc()
+        check(False, f"part {args.part} raised")
+    print(f"# part {args.part}: {time.monotonic() - t0:.1f} s", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if FAILED else 0)  # no interpreter teardown: torch's C++ threads (gloo, NCCL, CUDA IPC) race it
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in (text or "").splitlines() if line.strip()]
+
+
 def main() -> int:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="run on CPU (CI); the profiler part is skipped")
+    ap.add_argument("--cpu", action="store_true", help="run on CPU (CI); the GPU-only parts are skipped")
     ap.add_argument("--out", default="", help="folder for logs and the trace (default: a temporary one)")
     ap.add_argument("--steps", type=count(), default=20)
+    ap.add_argument("--budget", type=number(1.0), default=470.0,
+                    help="seconds for all parts together (default 470: the GPU run fits in about 8 minutes)")
+    ap.add_argument("--only", default="", help="comma-separated part names to run (default: all)")
+    ap.add_argument("--part", default="", help=argparse_hidden())
+    ap.add_argument("--limit", type=float, default=0.0, help=argparse_hidden())
     args = ap.parse_args()
-    stop_children_on_signals()  # a signal unwinds the in-process parts too (their engines are closed on the way)
+    if args.part:
+        return run_part(args)
+    stop_children_on_signals()
     if not args.cpu and not torch.cuda.is_available():
         print("error: no GPU visible; run with --cpu for the CPU twin", file=sys.stderr)
         return 2
@@ -244,30 +274,54 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report("device", torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu")
     report("torch", torch.__version__)
-    parts = [("train", lambda: train(out, args.steps, 240)), ("memory", lambda: memory(out, device)),
-             ("stall", lambda: stall(out, device))]
-    if device.type == "cuda":
-        parts.append(("profile", lambda: profile(out, device)))
-        # a GPU trainer with an embedded engine on the CPU: gloo from pinned staging (finding N12)
-        parts.append(("train_cpu_engine", lambda: train(out, 10, 180, "--rollout.colocated", "false",
-                                                        "--rollout.engine_devices", "cpu", prefix="cpu_engine_")))
-        # the medium model (24M) in bf16, as GPU runs train: mixed precision and a bf16 wire (built by "memory")
-        parts.append(("train_medium_bf16", lambda: train(
-            out, 20, 240, "--model.hf_assets_path", str(out / "medium-llama"), "--training.mixed_precision_param",
-            "bfloat16", "--weight_sync.wire_dtype", "bfloat16", "--training.seq_len", "64",
-            prefix="medium_bf16_", learns=False)))
-    for name, part in parts:
+    table = _parts(args, out, device)
+    only = [n for n in args.only.split(",") if n]
+    unknown = [n for n in only if n not in table]
+    if unknown:
+        print(f"error: unknown parts {unknown}; allowed: {', '.join(table)}", file=sys.stderr)
+        return 2
+    t_start = time.monotonic()
+    for name, (gpu_s, cpu_s, least_s, _) in table.items():
+        own = cpu_s if args.cpu else gpu_s
+        if not own or (only and name not in only):
+            continue
+        left = args.budget - (time.monotonic() - t_start)
+        if left < least_s:
+            report(f"part_{name}", "not_run")
+            continue
+        limit = min(own, left)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(out), "--steps",
+               str(args.steps), "--limit", str(limit)] + (["--cpu"] if args.cpu else [])
         t0 = time.monotonic()
         try:
-            part()
-        except Exception:  # noqa: BLE001 - every part reports, whatever the others do
-            traceback.print_exc()
-            check(False, f"part {name} raised")
-        print(f"# part {name}: {time.monotonic() - t0:.1f} s", flush=True)
+            proc = run_child(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit, grace_s=5.0)
+            stdout, stderr, state = proc.stdout, proc.stderr, "ok" if proc.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired as e:
+            stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr))
+            state = "timeout" if limit >= own else "not_run"
+        (out / f"part_{name}.log").write_text((stdout or "") + "\n--- stderr ---\n" + (stderr or ""))
+        for line in _lines(stdout):
+            key, sep, value = line.partition("=")
+            if sep and not line.startswith("#") and " " not in key:
+                RESULTS[key] = value
+            print(line, flush=True)
+        if state != "ok":
+            print("\n".join(_lines(stderr)[-40:]), flush=True)
+        if state == "timeout":
+            print(f"# part {name}: killed at its limit of {limit:.0f} s (log: {out / f'part_{name}.log'})", flush=True)
+        report(f"part_{name}", state)
+        check(state in ("ok", "not_run"), f"part {name} {state} ({time.monotonic() - t0:.0f} s)")
+    report("smoke_s", round(time.monotonic() - t_start, 1))
     report("smoke_ok", int(not FAILED))
     if FAILED:
         print("failed: " + "; ".join(FAILED))
     return 0 if not FAILED else 1
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -5,7 +5,11 @@
 #   scripts/gpu_smoke.sh                       # on a GPU machine where the package is installed (scripts/setup.sh)
 #   scripts/gpu_smoke.sh --wheels .whl         # a bare GPU machine: install the carried pure-Python wheels first
 #   scripts/gpu_smoke.sh --cpu                 # the CPU twin
-#   scripts/gpu_smoke.sh --out DIR             # keep the logs, the profiler trace and the run folder in DIR
+#   scripts/gpu_smoke.sh --out DIR             # keep the logs (part_<name>.log), the trace and the run folders
+#   scripts/gpu_smoke.sh --only seqlock,fsdp   # some parts; --budget S: all parts within S seconds (default 470)
+#
+# Every part runs in its own process under its own time limit; a part the budget leaves no time for prints
+# part_<name>=not_run. What each part checks and prints: docs/gpu.md, "Run this first".
 #
 # --wheels DIR: wheels made here by scripts/gpu_wheels.sh (torchtitan and the pure-Python packages it needs that a
 # CUDA image lacks) are installed into /tmp/flux_wheels, and this checkout is installed in editable mode into the
@@ -19,7 +23,7 @@ ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS="${2:?--wheels needs a folder}"; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done

@@ -3,6 +3,8 @@
 # without network: torchtitan and what it needs beyond a CUDA image's packages (torch, numpy, safetensors,
 # tokenizers, transformers, pyarrow, pandas, ... are there), at the versions .venv holds.
 #   scripts/gpu_wheels.sh [DIR]     # default DIR: .whl (git-ignored); Python 3.12 wheels
+# The smoke's parts (scripts/gpu_smoke.py, scripts/gpu_checks/) import only torch (distributed, fsdp, multiprocessing),
+# numpy, safetensors and this package: nothing more to carry (nvidia-smi, where present, is optional).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${1:-$ROOT/.whl}"
