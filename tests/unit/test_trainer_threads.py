@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from types import SimpleNamespace
 
@@ -116,9 +117,9 @@ def test_other_load_is_the_machines_busy_time_less_ours_and_our_engines(monkeypa
     monkeypatch.setattr(threads, "machine_busy_s", lambda: clock["machine"])
     monkeypatch.setattr(threads, "process_busy_s", lambda pid: clock.get(pid))
     load = OtherLoad()
-    assert load.update([7]) == 0.0  # the first reading: no window yet
+    assert load.update([7]) == math.inf  # the first reading: no window yet, so nothing is borrowed
     clock.update(wall=100.2, machine=1001.0)
-    assert load.update([7]) == 0.0  # within the window: not read again
+    assert load.update([7]) == math.inf  # within the window: not read again
     clock.update(wall=100.5, machine=1001.0, own=10.3)  # 0.5 s: machine 1.0 busy, trainer 0.3, engine 0.2
     clock[7] = 5.2
     assert load.update([7]) == pytest.approx((1.0 - 0.3 - 0.2) / 0.5)
@@ -141,3 +142,8 @@ def test_nothing_is_borrowed_while_other_processes_keep_a_core_busy(monkeypatch)
     t.before_compute(fleet)
     assert torch.get_num_threads() == own + 1
     assert t.step_metrics()["borrow_contended"] == 0.5
+
+
+def test_without_proc_nothing_backs_off(monkeypatch):
+    monkeypatch.setattr(threads, "machine_busy_s", lambda: None)
+    assert OtherLoad().update([1]) == 0.0

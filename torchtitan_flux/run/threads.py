@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Protocol
@@ -25,12 +26,12 @@ CONTENTION_CORES = 0.5  # other processes using this much of a core: no engine c
 class OtherLoad:
     """Cores kept busy by processes other than this trainer and its engines, from Linux's ``/proc`` over windows of
     ``CONTENTION_WINDOW_S``: the machine's busy CPU time (``/proc/stat``) minus this process's (every thread) and
-    its engines'. Measured on a loaded machine (2026-11-27): with another job on the cores, the trainer's borrowed
+    its engines'; infinite until the first window ends (nothing is borrowed unmeasured). Measured on a loaded machine (2026-11-27): with another job on the cores, the trainer's borrowed
     threads and the engine slowed each other down (a step from 0.06 s to 2.2 s). Main thread only. 0 where
     ``/proc`` cannot be read (no back-off there)."""
 
     def __init__(self):
-        self.cores = 0.0
+        self.cores = math.inf  # not measured yet: nothing is borrowed before the first window ends
         self._last: tuple[float, float, float, dict[int, float]] | None = None  # wall, machine, own, engines
 
     def update(self, engine_pids: list[int]) -> float:
@@ -40,7 +41,8 @@ class OtherLoad:
             return self.cores
         machine, own = machine_busy_s(), time.process_time()
         engines = {pid: s for pid in engine_pids if (s := process_busy_s(pid)) is not None}
-        if machine is None:
+        if machine is None:  # no /proc: no back-off
+            self.cores = 0.0
             return self.cores
         if self._last is not None and set(engines) == set(self._last[3]):  # a restarted engine: start over
             wall0, machine0, own0, engines0 = self._last
