@@ -223,8 +223,8 @@ def test_debug_config_as_shipped_learns(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("saves,sig", [(("1000", "false"), "SIGTERM"), (("1000", "true"), "SIGTERM"),
-                                       (("1", "true"), "SIGTERM"), (("1000", "false"), "SIGUSR1")])
+@pytest.mark.parametrize("saves,sig", [(("1000", "false"), "SIGTERM"), (("1", "true"), "SIGTERM"),
+                                       (("1000", "true"), "SIGUSR1")])
 def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tiny_model_dir, tmp_path, saves, sig,
                                                                      monkeypatch):
     """Graceful shutdown: SIGTERM to torchrun (which forwards it) -> the step in progress completes, a
