@@ -3,6 +3,7 @@ can express them: polling completion with a stalled gloo peer, the header's devi
 wire dtype, wrapper-free parameter names, the control plane, and real CPU runs with activation checkpointing."""
 
 from __future__ import annotations
+from _streams import StreamRecorder
 
 import json
 import math
@@ -214,7 +215,6 @@ def test_the_pushers_collectives_and_their_waits_run_on_its_push_stream(harness_
     """Rule 1, in ``Pusher.push`` itself (not only the helper): every broadcast of a push and the poll of its
     Works are issued with the push stream current. CPU has no stream, so the pusher gets a stand-in object as
     its stream (what ``group_stream`` gives on a GPU) and ``on_stream`` records which stream is current."""
-    import contextlib
 
     from _sync_harness import perturb
 
@@ -223,23 +223,15 @@ def test_the_pushers_collectives_and_their_waits_run_on_its_push_stream(harness_
     pusher = h.syncer.pusher
     stream = object()
     pusher.stream = stream
-    current = threading.local()
-
-    @contextlib.contextmanager
-    def on_stream(s):
-        prev, current.s = getattr(current, "s", None), s
-        try:
-            yield
-        finally:
-            current.s = prev
+    recorder = StreamRecorder()
 
     seen: list[tuple[str, object]] = []
     real_broadcast, real_wait = compat.broadcast, cuda_rules.wait_works
-    monkeypatch.setattr(cuda_rules, "on_stream", on_stream)
+    monkeypatch.setattr(cuda_rules, "on_stream", recorder.on_stream)
     monkeypatch.setattr(compat, "broadcast",
-                        lambda pg, t: seen.append(("broadcast", getattr(current, "s", None))) or real_broadcast(pg, t))
+                        lambda pg, t: seen.append(("broadcast", recorder.current)) or real_broadcast(pg, t))
     monkeypatch.setattr(cuda_rules, "wait_works",
-                        lambda w, d: seen.append(("wait", getattr(current, "s", None))) or real_wait(w, d))
+                        lambda w, d: seen.append(("wait", recorder.current)) or real_wait(w, d))
     perturb(h.model, seed=1)
     h.syncer.after_optimizer_step(1)  # blocking: pushed and acked on return
     assert h.link.acked == 1

@@ -4,6 +4,7 @@ the sparse diff (finding 9). CPU has no NCCL: ``compat.broadcast`` is faked, and
 stream wait it would queue on a GPU."""
 
 from __future__ import annotations
+from _streams import StreamRecorder
 
 import time
 from types import SimpleNamespace
@@ -193,28 +194,18 @@ def test_each_nccl_engine_is_sent_to_on_its_own_stream(monkeypatch):
     """Rule 1 as finding 1 needs it: every copy and broadcast for an NCCL engine is issued with that engine's own
     stream current (one stream per group), never the push stream another engine also uses. CPU has no stream:
     ``group_stream`` gives stand-in objects and ``on_stream`` records which one is current."""
-    import contextlib
-    import threading
 
     from torchtitan_flux.wire import cuda_rules
 
-    current = threading.local()
-
-    @contextlib.contextmanager
-    def on_stream(s):
-        prev, current.s = getattr(current, "s", None), s
-        try:
-            yield
-        finally:
-            current.s = prev
+    recorder = StreamRecorder()
 
     made: list = []
     monkeypatch.setattr(cuda_rules, "group_stream", lambda device: made.append(object()) or made[-1])
-    monkeypatch.setattr(cuda_rules, "on_stream", on_stream)
+    monkeypatch.setattr(cuda_rules, "on_stream", recorder.on_stream)
     seen: list = []
 
     def broadcast(pg, t):
-        seen.append((pg.name, getattr(current, "s", None)))
+        seen.append((pg.name, recorder.current))
         return Work(pg, [])
 
     monkeypatch.setattr(compat, "broadcast", broadcast)

@@ -4,6 +4,7 @@ never acked while a queued one is only cancelled (N2), a rejoin destroys the pre
 (N9), and a server on another NCCL is refused at start (N11)."""
 
 from __future__ import annotations
+from _streams import StreamRecorder
 
 import queue
 import sys
@@ -188,28 +189,19 @@ def test_vllm_runs_its_trainer_init_and_sends_with_a_side_stream_current(engines
     ``current_stream().synchronize()``) run with the handler's own stream current, never the default stream, where
     the synchronize would wait for the training step's kernels. CPU has no stream: a stand-in object, and
     ``on_stream`` records which one is current when vLLM's calls run."""
-    import contextlib
 
     make, events = engines
     side = object()
-    current = threading.local()
-
-    @contextlib.contextmanager
-    def on_stream(s):
-        prev, current.s = getattr(current, "s", None), s
-        try:
-            yield
-        finally:
-            current.s = prev
+    recorder = StreamRecorder()
 
     seen = []
     monkeypatch.setattr(cuda_rules, "group_stream", lambda device: side)
-    monkeypatch.setattr(cuda_rules, "on_stream", on_stream)
+    monkeypatch.setattr(cuda_rules, "on_stream", recorder.on_stream)
     real_init, real_send = FakeTransfer.trainer_init.__func__, FakeTransfer.send_weights
     monkeypatch.setattr(FakeTransfer, "trainer_init", classmethod(
-        lambda cls, *a, **k: seen.append(("init", getattr(current, "s", None))) or real_init(cls, *a, **k)))
+        lambda cls, *a, **k: seen.append(("init", recorder.current)) or real_init(cls, *a, **k)))
     monkeypatch.setattr(FakeTransfer, "send_weights",
-                        lambda self: seen.append(("send", getattr(current, "s", None))) or real_send(self))
+                        lambda self: seen.append(("send", recorder.current)) or real_send(self))
     a = make("a")
     FakeTransfer.made[0].go.set()
     push = a.self_push(4, [])
