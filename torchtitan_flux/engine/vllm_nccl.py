@@ -230,7 +230,8 @@ class VllmNcclEngine(VllmEngine):
         """Control thread, after the gate wait and pause: take ``_SENDING``, then start the push (queued -> running)
         unless its deadline cancelled it meanwhile (then nothing was sent: a non-fatal failure, the engine rejoins)."""
         with _SENDING:
-            if not self._push.start():
+            push = self._push  # the newest push: a task of an older, cancelled one must not start it
+            if push is None or push.version != version or not push.start():
                 raise RuntimeError(f"weight push {version} was cancelled at its deadline before it sent anything")
             yield
 
@@ -243,7 +244,8 @@ class VllmNcclEngine(VllmEngine):
             self._transfer.send_weights()
 
     def _close(self, version: int) -> None:
-        if not self._push.finish():  # abandoned at its deadline: the handler is dead, this push is not acked
+        push = self._push
+        if push is None or push.version != version or not push.finish():  # abandoned at its deadline: not acked
             raise RuntimeError(f"weight push {version} completed after its deadline; it was abandoned")
         self.client.post("/reset_prefix_cache")
 

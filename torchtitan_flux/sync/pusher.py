@@ -334,7 +334,7 @@ class Pusher:
         flats = self.snap.staging.flats
         in_flight = []
         for target in targets:  # NCCL: each engine's own ring and stream (rule 1); its header goes through the ring
-            handler = target.handler
+            handler, own, works = target.handler, None, []
             try:
                 handler.begin_update(version)
                 own = handler.self_push(version, flats)  # vLLM on GPU, colocated: the engine fetches
@@ -344,10 +344,17 @@ class Pusher:
                 tensors = ([header, *flats] if own is not None else [header, *patch.tensors] if patched
                            else handler.wire_tensors(header, flats))
                 send = self._ring(handler.name).broadcast if target.backend == "nccl" else compat.broadcast
-                works = [own] if own is not None else [send(target.pg, t) for t in tensors]
+                if own is not None:
+                    works.append(own)
+                else:
+                    for t in tensors:  # appended one by one: a failure midway knows what was issued
+                        works.append(send(target.pg, t))
                 self.table.sent(target.link, target.epoch, version)
                 in_flight.append(InFlight(target, works, tensors, patched))
             except Exception as e:  # noqa: BLE001
+                if target.backend == "nccl" and own is None and works:  # part of it issued: nothing may stay queued
+                    cuda_rules.abort_group(target.pg)  # on its ring's stream behind receives never posted
+                    self._ring(handler.name).forget(target.pg)
                 self.table.push_failed(target.link, target.epoch, version, str(e))
         return in_flight
 
