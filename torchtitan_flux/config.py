@@ -191,6 +191,26 @@ class Rollout:
     cache, allocated as they are first used); further sequences wait for a row. 256: eight steps of the CPU configs
     (32 sequences each), one of the 8-GPU examples (256)."""
 
+    in_flight_weight_updates: Bool = False
+    """Apply a landed push between two decode steps, without waiting for the running sequences to end: each token
+    carries the version that generated it (``GenerationResult.token_versions``), a completion's samples count as
+    its oldest token's version for the staleness bound, and the KV cache of earlier tokens is kept (as PipelineRL
+    does; docs/architecture.md says why). Embedded engines need ``continuous_batching``; vLLM pauses with
+    ``mode=keep`` instead of draining. Requests then run on the newest version an engine holds (their pin only
+    sets the oldest), so runs are not bit-reproducible. False: versions change only between requests."""
+
+    streaming_admission: Bool = False
+    """A step trains on the first ``prompts_per_step`` groups to finish among all those in flight (its own and the
+    steps admitted ahead), each fresh enough for ``off_policy.max_version_gap`` by its oldest token, instead of
+    waiting for its own prompts' slowest completion. Requests are sent one group each. Embedded engines need
+    ``continuous_batching``. Biases a step toward short completions; ``streaming_carry_over`` keeps the slow ones
+    for later steps (docs/architecture.md measures both)."""
+
+    streaming_carry_over: Bool = True
+    """With ``streaming_admission``: groups still generating when a step takes its batch stay in flight and serve
+    later steps (Kimi k1.5's partial rollouts), discarded only when too stale. False: they are dropped when the
+    step whose prompts they are has trained, which biases training toward short completions."""
+
 
 @dataclass
 class WeightSync:

@@ -43,9 +43,18 @@ class GenerationResult:
     tokens: torch.Tensor  # [n * G, max_new_tokens] int64, pad after EOS
     logprobs: torch.Tensor  # [n * G, max_new_tokens] float32 behaviour log-probs, 0 after EOS
     lengths: torch.Tensor  # [n * G] int64, completion lengths including EOS
-    version: int  # engine policy version that generated every token of this request
+    version: int  # engine policy version of the request's oldest token (of every token, without in-flight updates)
     newest_seen: int  # newest version the engine had received when the request finished
     gen_time_s: float
+    # [n * G, max_new_tokens] int64: the version that generated each token (-1 after EOS), where the engine applies
+    # pushes mid-generation and knows (``rollout.in_flight_weight_updates``, embedded); None: every token ``version``
+    token_versions: torch.Tensor | None = None
+
+    def versions_per_token(self) -> torch.Tensor:
+        """``token_versions``, or every position ``version`` where the engine reports none."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full(self.tokens.shape, self.version, dtype=torch.int64)
 
 
 @dataclass

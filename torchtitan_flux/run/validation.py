@@ -286,6 +286,16 @@ def validate_config(job_config: Any) -> None:
         raise ConfigError(f"rollout.colocated = true puts embedded engines on the trainer's device; it needs "
                           f"rollout.engine = {kind_names(lambda k: k.colocatable)} (got {r.engine!r}) and no "
                           f"rollout.engine_devices (got {list(r.engine_devices)!r})")
+    if r.in_flight_weight_updates and not kind.in_flight_updates:
+        raise ConfigError(f"rollout.in_flight_weight_updates = true is not supported by rollout.engine = {r.engine!r} "
+                          f"(docs/engines.md); allowed: false, or rollout.engine = "
+                          f"{kind_names(lambda k: k.in_flight_updates)}")
+    for name in ("in_flight_weight_updates", "streaming_admission"):
+        if getattr(r, name) and kind.serves_serially(r.continuous_batching):
+            raise ConfigError(f"rollout.{name} = true needs rollout.continuous_batching = true on the {r.engine!r} "
+                              "engine (it serves one request at a time otherwise); allowed: false without it")
+    _require(r.streaming_admission or r.streaming_carry_over, "rollout.streaming_carry_over", r.streaming_carry_over,
+             "true (the default) unless rollout.streaming_admission = true: only streaming admission reads it")
     if r.colocated and w.method == "sparse":
         raise ConfigError("weight_sync.method = 'sparse' patches what travels on a wire, but rollout.colocated = true "
                           "engines copy staging in place (no wire); allowed with colocated: 'dense'")
