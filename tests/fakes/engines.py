@@ -36,3 +36,40 @@ class FakeEngine:
         T = req.max_new_tokens  # padded to the request's budget, as the engines pad
         self.events.put(GenerationResult(req.req_id, self.name, torch.full((n, T), 5, dtype=torch.int64),
                                          torch.zeros(n, T), torch.ones(n, dtype=torch.int64), 0, 0, n / rate))
+
+
+class HeldEngine:
+    """An engine without a process that holds every request until the test finishes it (``finish``), in any order
+    and with any version: for tests of streaming admission."""
+
+    reconnects = False
+
+    def __init__(self, name: str, events: queue.Queue):
+        self.name, self.events = name, events
+        self.requests: list = []  # every request received, in order
+        self.held: dict[int, object] = {}  # req_id -> request not finished yet
+
+    def alive(self) -> bool:
+        return True
+
+    def submit(self, req) -> None:
+        self.requests.append(req)
+        self.held[req.req_id] = req
+
+    def held_for(self, step: int, prompt: int):
+        """The request held for prompt ``prompt`` of ``step`` (streaming: one prompt per request)."""
+        return next(r for r in self.held.values() if r.step == step and r.seed % 131 == prompt)
+
+    def finish(self, req, length: int, version: int = 0, token_versions: list[int] | None = None) -> None:
+        """Answer ``req``: every completion ``length`` tokens of id 5, generated on ``version`` (or per token)."""
+        del self.held[req.req_id]
+        n, T = len(req.prompt_ids) * req.group_size, req.max_new_tokens
+        tokens = torch.full((n, T), 0, dtype=torch.int64)
+        tokens[:, :length] = 5
+        by_token = None
+        if token_versions is not None:
+            by_token = torch.full((n, T), -1, dtype=torch.int64)
+            by_token[:, :length] = torch.tensor(token_versions)
+        self.events.put(GenerationResult(req.req_id, self.name, tokens, torch.zeros(n, T),
+                                         torch.full((n,), length, dtype=torch.int64), version, version, 0.01,
+                                         token_versions=by_token))

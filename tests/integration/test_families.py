@@ -458,7 +458,7 @@ def test_a_batch_gradient_with_logits_from_the_first_completion_position_is_the_
     behaviour = -torch.rand(B, L - 1, generator=gen) * mask
     batch = RolloutBatch(step=1, tokens=tokens, loss_mask=mask, behaviour_logprobs=behaviour,
                          rewards=torch.tensor([1.0, 0.0, 0.3, 0.9]), versions=torch.zeros(B, dtype=torch.int64),
-                         dispatch_version=0, newest_seen=0, gen_time_s=0.0)
+                         token_versions=torch.where(mask > 0, 0, -1), dispatch_version=0, newest_seen=0, gen_time_s=0.0)
     assert first_loss_position(mask[:2]) == 19 and first_loss_position(mask) == 17
 
     out = backward_on_batch(model, None, batch, g, trained_steps=0, rank=0, world=1, micro_batch=2,

@@ -119,6 +119,23 @@ def test_async_run_with_continuous_batching(tiny_model_dir, tmp_path):
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
 
 
+def test_streaming_admission_trains_on_fresh_groups_and_resumes_with_what_it_took(tiny_model_dir, tmp_path):
+    """``rollout.streaming_admission``: each step trains on the first groups to finish (its own or the next step's),
+    none staler than ``max_version_gap`` by its oldest token; a checkpoint at step 8 holds which prompts were taken
+    and the finished groups not trained yet, and the resumed run goes on from there to the trainer's exact weights."""
+    args = ["--weight_sync.async_weight_update", "true", "--rollout.continuous_batching", "true",
+            "--rollout.streaming_admission", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    run_train(tmp_path, *args, "--training.steps", "8")
+    proc = run_train(tmp_path, *args, "--training.steps", "12")
+    assert start_step_of(proc.stdout + proc.stderr) == 9
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(r["version_gap_max"] <= 1 and r["token_version_gap_max"] <= 1 for r in rows)
+    assert sum(r["token_version_gap_mean"] for r in rows) > 0 and all(r["stale_samples"] == 0 for r in rows)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 12
+
+
 def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
     run_train(tmp_path / "sync", "--training.steps", "6")
     run_train(

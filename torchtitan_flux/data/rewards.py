@@ -46,6 +46,12 @@ class Scores:
     total: list[float]
     per_func: dict[str, list[float | None]]
 
+    @staticmethod
+    def concat(parts: list["Scores"]) -> "Scores":
+        """The scores of several batches (each with the same functions), one after the other."""
+        names = list(parts[0].per_func) if parts else []
+        return Scores([t for p in parts for t in p.total], {n: [v for p in parts for v in p.per_func[n]] for n in names})
+
     def metrics(self) -> dict[str, float]:
         out = {}
         for name, values in self.per_func.items():

@@ -44,9 +44,10 @@ class StalenessSample:
     ess_fraction: float = 1.0
     """The importance weights' effective sample size over N (reported by the loss only; the controller ignores it)."""
     version_gap_mean: float = 0.0
-    """The trainer's version minus each sample's policy version, mean over the batch."""
+    """The trainer's version minus each completion token's policy version, mean over the batch's tokens (a token
+    generated after an in-flight weight update is younger than its sample's first token)."""
     version_gap_max: float = 0.0
-    """The same, max over the batch."""
+    """The same, max over the batch's tokens."""
 
 
 def staleness_value(sample: StalenessSample, cfg: AdaptiveAsync) -> tuple[float, dict[str, float]]:

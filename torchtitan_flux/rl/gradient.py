@@ -36,7 +36,8 @@ class BatchGradient:
     zero_variance_groups: int
     """Groups whose rewards are all equal (advantage 0)."""
     version_gap: torch.Tensor
-    """The trainer's version minus each sample's policy version (float, not clamped): the staleness sample's."""
+    """The trainer's version minus each completion token's policy version (float, not clamped, flat:
+    ``RolloutBatch.token_version_gaps``): the staleness sample's."""
 
     def reduce(self, world: int) -> ReducedBatch:
         """Every rank, after its backward passes: the loss and the metric sums all-reduced over the ``world`` ranks,
@@ -79,7 +80,7 @@ def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None,
     """Accumulate the GRPO loss's gradient of ``batch`` on this rank's slice (``trained_steps``: optimizer steps
     done before this one, for the samples' version gaps)."""
     adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)
-    version_gap = (trained_steps - batch.versions).float()
+    version_gap = batch.token_version_gaps(trained_steps)
     gap = (trained_steps - batch.versions).clamp(min=0).float()
     weights = (1.0 + gap) ** -g.staleness_discount if g.staleness_discount > 0 else None
     num_tokens = batch.loss_mask.sum()

@@ -26,7 +26,9 @@ class RolloutBatch:
     loss_mask: torch.Tensor  # [B, L-1] float32: 1 where position t predicts a completion token t+1
     behaviour_logprobs: torch.Tensor  # [B, L-1] float32, aligned with loss_mask
     rewards: torch.Tensor  # [B] float32
-    versions: torch.Tensor  # [B] int64: engine policy version that generated each sample
+    versions: torch.Tensor  # [B] int64: engine policy version of each sample's oldest token
+    token_versions: torch.Tensor  # [B, L-1] int64, aligned with loss_mask: the version of each completion token, -1
+    # elsewhere (every token of a sample has its version unless the engine updated weights mid-generation)
     dispatch_version: int  # trainer version when the step's prompts were dispatched
     newest_seen: int  # newest version any engine had received when its part finished
     gen_time_s: float  # max engine-side generation time over the step's parts
@@ -38,6 +40,14 @@ class RolloutBatch:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def token_version_gaps(self, trainer_version: int) -> torch.Tensor:
+        """``trainer_version`` minus the version of each completion token (float, flat); minus each sample's where
+        no sample has a completion token."""
+        tokens = self.loss_mask > 0
+        if not tokens.any():
+            return (trainer_version - self.versions).float()
+        return (trainer_version - self.token_versions[tokens]).float()
 
 
 class CompletionScorer:
@@ -67,12 +77,15 @@ def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
                  group_size: int, pad_id: int) -> RolloutBatch:
     """Step ``step``'s batch: prompt + completion rows (right-padded with ``pad_id``), the loss mask and behaviour
     logprobs aligned with the positions that predict completion tokens, rewards (``scores``, a
-    ``rewards.Scores``) and per-sample policy versions. ``parts`` are (request, result) in prompt order."""
+    ``rewards.Scores``), per-token policy versions and each sample's oldest. ``parts`` are (request, result) in
+    prompt order."""
     G = group_size
     width = max(r.tokens.shape[1] for _, r in parts)  # requests of one step may have different budgets
     tokens = torch.cat([F.pad(r.tokens, (0, width - r.tokens.shape[1]), value=pad_id) for _, r in parts])
     logprobs = torch.cat([F.pad(r.logprobs, (0, width - r.logprobs.shape[1])) for _, r in parts])
     lengths = torch.cat([r.lengths for _, r in parts])
+    token_versions = torch.cat([F.pad(r.versions_per_token(), (0, width - r.tokens.shape[1]), value=-1)
+                                for _, r in parts])
     versions = torch.cat([torch.full((r.tokens.shape[0],), r.version) for _, r in parts])
     prompt_ids = [ids for ids in prompt_ids for _ in range(G)]
     B = len(prompt_ids)
@@ -81,15 +94,19 @@ def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
     seq = torch.full((B, L), pad_id, dtype=torch.int64)
     mask = torch.zeros(B, L - 1)
     behaviour = torch.zeros(B, L - 1)
+    by_token = torch.full((B, L - 1), -1, dtype=torch.int64)
     for i in range(B):
         p, c = len(prompt_ids[i]), int(lengths[i])
         seq[i, :p] = torch.tensor(prompt_ids[i])
         seq[i, p : p + c] = tokens[i, :c]
         mask[i, p - 1 : p - 1 + c] = 1.0
         behaviour[i, p - 1 : p - 1 + c] = logprobs[i, :c]
+        by_token[i, p - 1 : p - 1 + c] = token_versions[i, :c]
+        if c:  # a sample's version is its oldest token's (the request's own may be older: its other samples')
+            versions[i] = token_versions[i, :c].min()
     return RolloutBatch(
         step=step, tokens=seq, loss_mask=mask, behaviour_logprobs=behaviour,
-        rewards=torch.tensor(scores.total, dtype=torch.float32), versions=versions,
+        rewards=torch.tensor(scores.total, dtype=torch.float32), versions=versions, token_versions=by_token,
         dispatch_version=min(q.dispatch_version for q, _ in parts),
         newest_seen=max(r.newest_seen for _, r in parts),
         gen_time_s=max(r.gen_time_s for _, r in parts), completions=completions,

@@ -55,8 +55,8 @@ class Rollouts(RolloutScheduler):
                 top_k=r.top_k, seed=r.seed, pad_id=_pad_id(tokenizer, jc.model.hf_assets_path),
                 dead_zone=r.dispatch_dead_zone, max_share=r.dispatch_max_share,
                 reward_workers=r.reward_workers, reward_timeout_s=r.reward_timeout_seconds,
-                task_timeout_s=r.task_timeout_seconds,
-                stall_s=r.engine_stall_seconds,
+                task_timeout_s=r.task_timeout_seconds, stall_s=r.engine_stall_seconds,
+                streaming=r.streaming_admission, carry_over=r.streaming_carry_over,
             )
             self.syncer = WeightSyncer(jc.weight_sync, model, self.engines, device=device, is_sender=True,
                                        backend="nccl" if self.trainer_on_gpu else "gloo", pump=self.pump,

@@ -9,6 +9,15 @@ batch (so scoring overlaps training). Engines report through one ``events`` queu
 results go to their step, acks and errors to ``_weight_event``, a dead engine to ``_replace`` (both no-ops here;
 ``rollouts.Rollouts`` overrides them). A dead engine's in-flight requests are re-dispatched, so no prompt is lost.
 
+Streaming admission (``rollout.streaming_admission``): each prompt is its own request (one group), scored as
+soon as its result arrives, and ``collect`` takes a step's batch from the first ``prompts_per_step`` groups to
+finish among all dispatched steps (its own and those admitted ahead), in arrival order. A finished group older than
+the step's ``min_version`` by its oldest token is regenerated (``stale_samples`` counts it), never trained on. The
+groups still generating when a step has its batch stay in flight for later steps (``rollout.streaming_carry_over``)
+or, without carry-over, the step's own are restarted from scratch (``restarted_groups``). A step's prompts are
+generated once each: a prompt taken by an earlier step is never dispatched again, and a checkpoint keeps which
+prompts were taken and the finished groups not trained yet.
+
 A stuck engine: ``collect`` logs who holds what every ``WAIT_NOTE_S`` without a result (``waiting_note``); an engine
 alive but holding requests with no result for ``rollout.engine_stall_seconds`` is killed (``pump``) and, like any
 dead engine, restarted and its requests re-dispatched.
@@ -16,6 +25,7 @@ dead engine, restarted and its requests re-dispatched.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -26,6 +36,7 @@ from dataclasses import dataclass, field
 from torchtitan_flux.data.tasks import Prompt, Task, task_prompts
 from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck
 from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
+from torchtitan_flux.data.rewards import Scores
 from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
 from torchtitan_flux.rollout.split import SpeedSplit
 
@@ -43,6 +54,9 @@ class RequestPart:
     first: int  # index of its first prompt in the step's prompt list
     result: GenerationResult | None = None
     sent: float = field(default_factory=time.monotonic)  # when it went to ``engine``
+    # streaming admission: the group's decoded completions and the future of its scores, once its result arrived
+    completions: list[str] | None = None
+    scores: Future | None = None
 
 
 @dataclass
@@ -54,14 +68,20 @@ class _Step:
     n_dispatched: int = 0  # prompts [0, n_dispatched) have been sent to engines
     completions: list[str] | None = None  # decoded once every part has its result
     scores: Future | None = None  # rewards.Scores, computed by the scorer's pool
+    taken: set[int] = field(default_factory=set)  # streaming admission: prompts (indices) a batch has trained on
 
 
 class RolloutScheduler:
     def __init__(self, engines: list[EngineHandler], events: queue.Queue, task: Task, tokenizer, *, group_size: int,
                  prompts_per_step: int, max_new_tokens: int, temperature: float, top_k: int, seed: int, pad_id: int,
                  dead_zone: float = 0.1, max_share: float = 0.75, reward_workers: int = 1,
-                 reward_timeout_s: float = 300.0, task_timeout_s: float = 300.0, stall_s: float = 600.0):
+                 reward_timeout_s: float = 300.0, task_timeout_s: float = 300.0, stall_s: float = 600.0,
+                 streaming: bool = False, carry_over: bool = True):
+        """``streaming``, ``carry_over``: ``rollout.streaming_admission`` and ``rollout.streaming_carry_over``."""
         self.engines = list(engines)
+        self.streaming, self.carry_over = streaming, carry_over
+        self._ready: collections.deque[RequestPart] = collections.deque()  # streaming: finished groups, in order
+        self.stale_samples = self.restarted_groups = 0  # streaming: regenerated as too stale; restarted unfinished
         self.events, self.task, self.tokenizer = events, task, tokenizer
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
@@ -93,6 +113,8 @@ class RolloutScheduler:
         st = self._steps.get(step) or self._new_step(step)
         if st.n_dispatched:
             return
+        if self.streaming:
+            return self._dispatch_groups(st, trainer_version, pin_version, min_version)
         alive = self._alive()
         first = 0
         for engine, n in zip(alive, self.split.split(len(st.prompts), [e.name for e in alive])):
@@ -107,6 +129,28 @@ class RolloutScheduler:
                 st.parts.append(self._send(req, engine, first))
             first += n
         st.n_dispatched = len(st.prompts)
+
+    def _dispatch_groups(self, st: _Step, trainer_version: int, pin_version: int, min_version: int) -> None:
+        """Streaming admission: one request per prompt not taken nor finished yet (a restored step has some), split
+        over the engines alive by measured speed."""
+        have = st.taken | {p.first for p in st.parts}
+        todo = [i for i in range(len(st.prompts)) if i not in have]
+        alive = self._alive()
+        engines = [e for e, n in zip(alive, self.split.split(len(todo), [e.name for e in alive])) for _ in range(n)]
+        for i, engine in zip(todo, engines):
+            st.parts.append(self._send(self._group_request(st, i, trainer_version, pin_version, min_version),
+                                       engine, i))
+        st.n_dispatched = len(st.prompts)
+
+    def _group_request(self, st: _Step, i: int, trainer_version: int, pin_version: int,
+                       min_version: int) -> GenerationRequest:
+        """Prompt ``i`` of ``st`` as a request of its own (streaming admission), seeded as in ``dispatch``."""
+        return GenerationRequest(
+            req_id=next(self._req_ids), step=st.step, prompt_ids=[st.prompt_ids[i]], group_size=self.group_size,
+            max_new_tokens=self._budget([st.prompts[i]]), temperature=self.temperature, top_k=self.top_k,
+            seed=(self.seed * 1_000_003 + st.step) * 131 + i, dispatch_version=trainer_version,
+            min_version=min_version, pin_version=pin_version,
+        )
 
     def _budget(self, prompts: list[Prompt]) -> int:
         """A request's ``max_new_tokens``: the largest of its prompts' budgets (``Prompt.max_new_tokens``)."""
@@ -172,7 +216,9 @@ class RolloutScheduler:
                 part.result = ev
                 self.split.observe(ev.engine, ev.tokens.shape[0], ev.gen_time_s)
                 st = self._steps.get(part.request.step)  # None for evaluation requests (step 0)
-                if st is not None and all(p.result is not None for p in st.parts):
+                if st is not None and self.streaming:
+                    self._score_group(st, part)
+                elif st is not None and all(p.result is not None for p in st.parts):
                     self._score(st)
         elif isinstance(ev, WeightAck):
             self._weight_event(ev)
@@ -227,22 +273,83 @@ class RolloutScheduler:
 
     def collect(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> RolloutBatch:
         """Dispatch ``step`` (unless admission already has), wait for all its parts and build its batch (scored,
-        laid out for training)."""
+        laid out for training). Streaming admission: the first groups to finish instead (``_collect_groups``)."""
         self.dispatch(step, trainer_version, pin_version=pin_version, min_version=min_version)
+        if self.streaming:
+            return self._collect_groups(step, trainer_version, pin_version, min_version)
         st = self._steps[step]
-        start = noted = time.monotonic()
+        waiting = _WaitNotes(self, step)
         while any(p.result is None for p in st.parts):
-            if self.interrupted:
-                raise RolloutWaitInterrupted(f"interrupted while waiting for the rollouts of step {step}")
-            self.pump(0.05)
-            now = time.monotonic()
-            if now - max(self.last_result, start) >= WAIT_NOTE_S and now - noted >= WAIT_NOTE_S:
-                logger.warning(waiting_note(step, now - start, self.engines, list(self._by_req.values()),
-                                            self.last_result))
-                noted = now
+            waiting.pump()
         del self._steps[step]
         self._score(st)  # (a step restored finished from a checkpoint is scored here)
         return self._build(st)
+
+    def _collect_groups(self, step: int, trainer_version: int, pin_version: int, min_version: int) -> RolloutBatch:
+        """Streaming admission's batch of ``step``: the first ``prompts_per_step`` finished groups fresh enough for
+        ``min_version`` (by their oldest token), in arrival order; stale ones are regenerated (module docstring)."""
+        for k, st in sorted(self._steps.items()):  # restored from a checkpoint, older than the admission's steps
+            if k < step and not st.n_dispatched:
+                self._dispatch_groups(st, trainer_version, pin_version, min_version)
+        chosen: list[RequestPart] = []
+        waiting = _WaitNotes(self, step)
+        try:
+            while len(chosen) < self.prompts_per_step:
+                if not self._ready:
+                    waiting.pump()
+                    continue
+                part = self._ready.popleft()
+                if part.result.version >= min_version:  # the bound is on the oldest token (GenerationResult.version)
+                    chosen.append(part)
+                    continue
+                self.stale_samples += part.result.tokens.shape[0]
+                logger.info(f"step {step}: a group of step {part.request.step} from version {part.result.version} is "
+                            f"older than {min_version} allows (off_policy.max_version_gap); regenerating it")
+                self._restart(self._steps[part.request.step], part, trainer_version, pin_version, min_version)
+        except BaseException:  # interrupted: the groups chosen so far stay ready, in their order
+            self._ready.extendleft(reversed(chosen))
+            raise
+        for part in chosen:
+            self._steps[part.request.step].taken.add(part.first)
+        if not self.carry_over:
+            mine = self._steps[step]
+            for part in [p for p in mine.parts if p.result is None and p.first not in mine.taken]:
+                self.restarted_groups += 1
+                self._restart(mine, part, trainer_version, pin_version, min_version)
+        batch = self._build_groups(step, sorted(chosen, key=lambda p: (p.request.step, p.first)))
+        for k in [k for k, st in self._steps.items() if k <= step and len(st.taken) == len(st.prompts)]:
+            del self._steps[k]  # a step ahead stays, even fully taken: its dispatch must not start it afresh
+        return batch
+
+    def _restart(self, st: _Step, part: RequestPart, trainer_version: int, pin_version: int,
+                 min_version: int) -> None:
+        """Generate ``part``'s group afresh (streaming admission); its old request's result, if any, is dropped."""
+        self._by_req.pop(part.request.req_id, None)
+        st.parts.remove(part)
+        alive = self._alive()
+        engine = next(e for e in alive if e.name == self.split.fastest([a.name for a in alive]))
+        st.parts.append(self._send(self._group_request(st, part.first, trainer_version, pin_version, min_version),
+                                   engine, part.first))
+
+    def _score_group(self, st: _Step, part: RequestPart) -> None:
+        """Streaming admission: decode a finished group and hand it to the reward pool; it is ready to be taken."""
+        part.completions, part.scores = self.scoring.submit(self.task, [st.prompts[part.first]], [part.result],
+                                                            self.group_size)
+        self._ready.append(part)
+
+    def _build_groups(self, step: int, parts: list[RequestPart]) -> RolloutBatch:
+        """The batch of streaming admission's ``parts`` (each a group, of any step), scored."""
+        scores = []
+        for part in parts:
+            got = self.scoring.wait(part.scores, lambda: self.interrupted)
+            if got is None:
+                raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {step}")
+            scores.append(got)
+        steps = [self._steps[p.request.step] for p in parts]
+        return layout_batch(step, [st.prompts[p.first] for st, p in zip(steps, parts)],
+                            [st.prompt_ids[p.first] for st, p in zip(steps, parts)],
+                            [(p.request, p.result) for p in parts], Scores.concat(scores),
+                            [c for p in parts for c in p.completions], self.group_size, self.pad_id)
 
     def interrupt(self) -> None:
         """Make ``collect`` raise ``RolloutWaitInterrupted`` within ~50 ms; safe to call from a signal handler."""
@@ -281,12 +388,31 @@ class RolloutScheduler:
                 waiting = False
             if not waiting and self.events.empty():
                 break
+        if self.streaming:  # which prompts were taken, and the finished groups not trained yet, in arrival order
+            return {"streaming": {"taken": {st.step: sorted(st.taken) for st in self._steps.values()},
+                                  "ready": [(p.request.step, p.first, p.request, p.result) for p in self._ready]}}
         done = [st for st in self._steps.values() if all(p.result is not None for p in st.parts)]
         return {"steps": [{"step": st.step, "n_dispatched": st.n_dispatched,
                            "parts": [(p.first, p.request, p.result) for p in st.parts]} for st in done]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the finished rollouts of ``state_dict``; they are trained on as they are, never regenerated."""
+        """Restore the finished rollouts of ``state_dict``; they are trained on as they are, never regenerated.
+        Streaming admission's: a restored step dispatches only its prompts neither taken nor finished. Rollouts
+        saved with the other ``rollout.streaming_admission`` are generated afresh (nothing trained is lost)."""
+        if ("streaming" in state) != self.streaming and (state.get("steps") or state.get("streaming")):
+            logger.warning("the checkpoint's rollouts were saved with rollout.streaming_admission = "
+                           f"{not self.streaming}; they are generated afresh")
+            return
+        if self.streaming:
+            saved = state["streaming"]
+            for k, taken in saved["taken"].items():
+                self._new_step(k).taken = set(taken)
+            for k, first, req, result in saved["ready"]:
+                st = self._steps.get(k) or self._new_step(k)
+                part = RequestPart(req, None, first, result)
+                st.parts.append(part)
+                self._score_group(st, part)
+            return
         for saved in state.get("steps", []):
             st = self._new_step(saved["step"])
             st.n_dispatched = saved["n_dispatched"]
@@ -302,7 +428,28 @@ class RolloutScheduler:
             pass
         self._steps.clear()
         self._by_req.clear()
+        self._ready.clear()
         self.scoring.close()
+
+
+class _WaitNotes:
+    """``collect``'s wait for step ``step``'s rollouts, one ``pump`` at a time: raises ``RolloutWaitInterrupted`` on
+    ``interrupt``, logs ``waiting_note`` every ``WAIT_NOTE_S`` without a result."""
+
+    def __init__(self, scheduler: RolloutScheduler, step: int):
+        self.scheduler, self.step = scheduler, step
+        self.start = self.noted = time.monotonic()
+
+    def pump(self) -> None:
+        sched = self.scheduler
+        if sched.interrupted:
+            raise RolloutWaitInterrupted(f"interrupted while waiting for the rollouts of step {self.step}")
+        sched.pump(0.05)
+        now = time.monotonic()
+        if now - max(sched.last_result, self.start) >= WAIT_NOTE_S and now - self.noted >= WAIT_NOTE_S:
+            logger.warning(waiting_note(self.step, now - self.start, sched.engines, list(sched._by_req.values()),
+                                        sched.last_result))
+            self.noted = now
 
 
 def waiting_note(step: int, waited: float, engines: list[EngineHandler], in_flight: list[RequestPart],

@@ -34,7 +34,8 @@ class StepTimes:
 def step_row(step: int, batch: RolloutBatch, t: StepTimes, counters: dict[str, int], m: dict[str, Any]) -> dict:
     """The ``metrics.jsonl`` row of ``step``: ``m`` (loss, controller, probe, sync metrics) plus rewards,
     timings, throughput, version gaps and ``counters`` (discarded rollouts, engine restarts, ...)."""
-    gap = (step - 1 - batch.versions).float()
+    gap = (step - 1 - batch.versions).float()  # per sample: its oldest token
+    token_gap = batch.token_version_gaps(step - 1)
     ntok = batch.num_completion_tokens
     step_time = t.synced - t.start
     return {
@@ -52,6 +53,8 @@ def step_row(step: int, batch: RolloutBatch, t: StepTimes, counters: dict[str, i
         "completion_len_mean": ntok / batch.tokens.shape[0],
         "version_gap_mean": gap.mean().item(),
         "version_gap_max": gap.max().item(),
+        "token_version_gap_mean": token_gap.mean().item(),
+        "token_version_gap_max": token_gap.max().item(),
         "rollout_version_min": int(batch.versions.min()),
         **counters,
         **batch.reward_metrics,
