@@ -208,8 +208,9 @@ class Rollout:
 
     streaming_carry_over: Bool = True
     """With ``streaming_admission``: groups still generating when a step takes its batch stay in flight and serve
-    later steps (Kimi k1.5's partial rollouts), discarded only when too stale. False: they are dropped when the
-    step whose prompts they are has trained, which biases training toward short completions."""
+    later steps (Kimi k1.5's partial rollouts), regenerated only when too stale by their oldest token. False: a
+    step's own groups still generating when it has its batch restart from scratch (``restarted_groups``), so a
+    completion longer than a step's window is never trained on: training leans toward short completions."""
 
 
 @dataclass
