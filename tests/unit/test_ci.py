@@ -1,9 +1,15 @@
 """CI's stages (``.ci/run``): the real-vLLM stage fails, instead of skipping, when ``.venv-vllm`` is missing or
-cannot import vLLM (a stage whose every test skipped would pass without testing anything)."""
+cannot import vLLM (a stage whose every test skipped would pass without testing anything); and ``.ci/run`` itself,
+run on a copy of the repository whose scripts and Pythons are stand-ins that record their calls: every stage runs,
+in order, a failing stage ends the run with its status, and a ``.venv-vllm`` that cannot import vLLM stops it before
+the vLLM stage."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -68,3 +74,47 @@ def test_ci_collects_the_old_torch_tests_as_their_venv_would():
     assert "PYTEST=(-m pytest -q -p no:cacheprovider -o addopts=)" in script  # one invocation for both uses
     for path in re.findall(r"tests/\S+\.py", script):
         assert (ROOT / path).is_file(), f"check_old_torch.sh names {path}, which is gone"
+
+
+def _ci_copy(tmp_path, fail: str | None = None, vllm_imports: bool = True):
+    """A copy of ``.ci/run`` beside stand-ins for every script and Python it calls: each appends its name and
+    arguments to ``calls``, exits 0, or 3 where ``fail`` is a word of its command line."""
+    root = tmp_path / "repo"
+    (root / ".ci").mkdir(parents=True)
+    shutil.copy(ROOT / ".ci" / "run", root / ".ci" / "run")
+    calls = tmp_path / "calls"
+    stand_in = (f"#!/bin/sh\necho \"$(basename $0) $*\" >> {calls}\n"
+                f"case \" $* \" in *\" {fail} \"*) exit 3;; esac\n" if fail else
+                f"#!/bin/sh\necho \"$(basename $0) $*\" >> {calls}\n")
+    names = set(re.findall(r"scripts/(\w+)\.sh", (ROOT / ".ci" / "run").read_text())) | {"setup", "setup_vllm",
+                                                                                        "get_real_model", "setup_trl"}
+    for path in [*(f"scripts/{n}.sh" for n in names), ".venv/bin/python"]:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(stand_in)
+        (root / path).chmod(0o755)
+    vllm = root / ".venv-vllm" / "bin" / "python"
+    vllm.parent.mkdir(parents=True)
+    vllm.write_text(f"#!/bin/sh\necho \"venv-vllm $*\" >> {calls}\nexit {0 if vllm_imports else 1}\n")
+    vllm.chmod(0o755)
+    proc = subprocess.run(["bash", str(root / ".ci" / "run")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": os.environ["PATH"]})
+    return proc, (calls.read_text().splitlines() if calls.exists() else [])
+
+
+def test_ci_runs_every_stage_in_order_and_a_failing_stage_ends_it(tmp_path):
+    proc, calls = _ci_copy(tmp_path / "ok")
+    assert proc.returncode == 0, proc.stderr
+    stages = re.findall(r"^ci: (\w+) \d+ s", proc.stdout, re.M)
+    assert stages == re.findall(r"^(?:FLUX_\S+ )*stage (\w+)", (ROOT / ".ci" / "run").read_text(), re.M), stages
+    assert "passed in" in proc.stdout.splitlines()[-1]
+    assert any(c.startswith("python -m pytest -q -n 2 -m not slow tests") for c in calls), calls  # the README's
+    # a failing stage (the default suite) ends the run with its status; nothing after it runs
+    proc, calls = _ci_copy(tmp_path / "fail", fail="slow")
+    assert proc.returncode == 3 and "passed in" not in proc.stdout
+    assert not any("bench_quick" in c for c in calls) and re.findall(r"^ci: (\w+)", proc.stdout, re.M) == ["setup"]
+
+
+def test_ci_stops_before_the_vllm_stage_when_vllm_does_not_import(tmp_path):
+    proc, calls = _ci_copy(tmp_path, vllm_imports=False)
+    assert proc.returncode == 1 and "cannot import vllm" in proc.stderr
+    assert not any("-m vllm" in c for c in calls) and not any("bench_quick" in c for c in calls)
