@@ -62,12 +62,14 @@ def test_a_step_takes_the_first_groups_to_finish_among_every_step_in_flight():
         engine.finish(engine.held_for(step, i), length)
     batch = sched.collect(1, 0)
     assert prompts_of(batch) == ["p1_0", "p1_3", "p2_0", "p2_1"]  # ordered by (step, prompt) in the batch
+    assert sched.generated == {"generated_completion_len_mean": 2.5, "generated_reward_mean": 2.5}
     assert batch.rewards.tolist() == [4.0, 4.0, 2.0, 2.0, 1.0, 1.0, 3.0, 3.0]  # each group's own scores
     assert batch.loss_mask.sum().item() == G * (4 + 2 + 1 + 3)
     # step 2 trains on what is left, and nothing is dispatched twice
     for step, i in [(1, 1), (2, 3), (1, 2), (2, 2)]:
         engine.finish(engine.held_for(step, i), 5)
     batch = sched.collect(2, 1)
+    assert sched.generated["generated_completion_len_mean"] == 5.0
     assert sorted(prompts_of(batch)) == ["p1_1", "p1_2", "p2_2", "p2_3"]
     assert len(engine.requests) == 2 * P and not engine.held
 

@@ -82,6 +82,9 @@ class RolloutScheduler:
         self.streaming, self.carry_over = streaming, carry_over
         self._ready: collections.deque[RequestPart] = collections.deque()  # streaming: finished groups, in order
         self.stale_samples = self.restarted_groups = 0  # streaming: regenerated as too stale; restarted unfinished
+        self._arrived: list[RequestPart] = []  # streaming: groups finished since the last batch (``generated``)
+        self.generated: dict[str, float] = {}  # streaming: mean length and reward of the groups finished during the
+        # last collect's window, trained or not (the bias toward short completions: docs/benchmarks.md)
         self.events, self.task, self.tokenizer = events, task, tokenizer
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
@@ -317,6 +320,7 @@ class RolloutScheduler:
                 self.restarted_groups += 1
                 self._restart(mine, part, trainer_version, pin_version, min_version)
         batch = self._build_groups(step, sorted(chosen, key=lambda p: (p.request.step, p.first)))
+        self.generated = self._generated_stats()
         for k in [k for k, st in self._steps.items() if k <= step and len(st.taken) == len(st.prompts)]:
             del self._steps[k]  # a step ahead stays, even fully taken: its dispatch must not start it afresh
         return batch
@@ -331,11 +335,22 @@ class RolloutScheduler:
         st.parts.append(self._send(self._group_request(st, part.first, trainer_version, pin_version, min_version),
                                    engine, part.first))
 
+    def _generated_stats(self) -> dict[str, float]:
+        """Mean completion length and reward of every group finished since the last batch (their rewards waited
+        for), trained or not; the window starts afresh."""
+        arrived, self._arrived = self._arrived, []
+        lengths = [float(x) for p in arrived for x in p.result.lengths.tolist()]
+        scores = [self.scoring.wait(p.scores, lambda: self.interrupted) for p in arrived]
+        rewards = [r for got in scores if got is not None for r in got.total]  # None: interrupted (the run stops)
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        return {"generated_completion_len_mean": mean(lengths), "generated_reward_mean": mean(rewards)}
+
     def _score_group(self, st: _Step, part: RequestPart) -> None:
         """Streaming admission: decode a finished group and hand it to the reward pool; it is ready to be taken."""
         part.completions, part.scores = self.scoring.submit(self.task, [st.prompts[part.first]], [part.result],
                                                             self.group_size)
         self._ready.append(part)
+        self._arrived.append(part)
 
     def _build_groups(self, step: int, parts: list[RequestPart]) -> RolloutBatch:
         """The batch of streaming admission's ``parts`` (each a group, of any step), scored."""

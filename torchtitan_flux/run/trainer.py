@@ -284,7 +284,8 @@ class GRPOTrainer(Trainer):
         counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.rollouts.restarts,
                         redispatched_requests=self.rollouts.redispatched, **self.syncer.metrics())
         if self.rollouts.streaming:  # its own stale groups (regenerated) and restarted unfinished ones
-            counters.update(stale_samples=self.rollouts.stale_samples, restarted_groups=self.rollouts.restarted_groups)
+            counters.update(stale_samples=self.rollouts.stale_samples, restarted_groups=self.rollouts.restarted_groups,
+                            **self.rollouts.generated)
         m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)
         every = self.job_config.metrics.log_completions_every
