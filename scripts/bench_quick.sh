@@ -5,11 +5,11 @@
 # results are printed in order.
 # Needs .venv (scripts/setup.sh), .venv-vllm (scripts/setup_vllm.sh) and .venv-trl (scripts/setup_trl.sh):
 # a missing one is an error, not a skip.
-#   bash scripts/bench_quick.sh            # all of them (~7.5 min on 2 cores)
+#   bash scripts/bench_quick.sh            # all of them (~8 min on 2 cores)
 #   bash scripts/bench_quick.sh weight_sync controller   # some of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
-all=(weight_sync controller sync_memory train_step startup vs_trl vllm_async)
+all=(weight_sync controller sync_memory train_step startup vs_trl vllm_async streaming)
 names=("${@:-${all[@]}}")
 need() { [ -x "$1/bin/python" ] || { echo "bench_quick: $1 is missing: run $2" >&2; exit 1; }; }
 need .venv scripts/setup.sh
@@ -25,6 +25,7 @@ for b in "${names[@]}"; do
   [ "$b" = weight_sync ] && modes=("" "--colocated" "--sparse")
   [ "$b" = vs_trl ] && modes=("" "--workloads real")  # real: needs assets/smollm2-135m-instruct (get_real_model.sh)
   [ "$b" = controller ] && modes=("" "--workload growing")  # the curriculum: Task.finished ends each run
+  [ "$b" = streaming ] && modes=("--carry-over both")  # async, streaming and streaming without carry-over
   for mode in "${modes[@]}"; do runs+=("$b $mode"); done
 done
 one() {  # one RUN_INDEX: run it into its log, its pid, exit code and seconds beside

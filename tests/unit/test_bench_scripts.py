@@ -129,6 +129,10 @@ BAD_ARGUMENTS = [
     ("benchmarks/vs_trl.py", ["--window", "0"], "--window"),
     ("benchmarks/vs_trl.py", ["--timeout", "0"], "--timeout"),
     ("benchmarks/vs_trl.py", ["--ours-args", '"unclosed'], "--ours-args"),
+    ("benchmarks/streaming.py", ["--seeds", "0"], "--seeds"),
+    ("benchmarks/streaming.py", ["--steps", "3"], "--steps"),
+    ("benchmarks/streaming.py", ["--carry-over", "sometimes"], "--carry-over"),
+    ("benchmarks/streaming.py", ["--reward-target", "x"], "--reward-target"),
     ("scripts/verify_grpo.py", ["--steps", "0"], "--steps"),
 ]
 
@@ -281,10 +285,22 @@ def test_overlap_limit_at_pair_efficiency():
     assert overlap_limit(1.0, 1.0, 0.0, 0.3) == overlap_limit(1.0, 1.0, 0.0, 0.5)  # serial is the floor
 
 
-@pytest.mark.parametrize("bench", ["weight_sync", "controller", "vs_trl", "vllm_async", "startup"])
+@pytest.mark.parametrize("bench", ["weight_sync", "controller", "vs_trl", "vllm_async", "startup", "streaming"])
 def test_every_benchmark_with_a_speedup_prints_the_pair_efficiency(bench):
     src = (ROOT / "benchmarks" / f"{bench}.py").read_text()
     assert "pair_efficiency()" in src and "pair_lines(" in src
+
+
+def test_streaming_real_without_the_real_model_is_one_line_before_any_run(tmp_path, monkeypatch, capsys):
+    import streaming
+
+    monkeypatch.setattr(streaming, "REAL_MODEL", str(tmp_path / "absent"))
+    monkeypatch.setattr(streaming, "pair_efficiency", lambda: pytest.fail("measured before the refusal"))
+    with pytest.raises(SystemExit) as e:
+        streaming.main(["--real"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and "argument --real: got no model at" in lines[0], lines
+    assert "scripts/get_real_model.sh" in lines[0]
 
 
 def test_sparse_without_the_real_model_is_refused_before_any_run(tmp_path):
