@@ -51,8 +51,9 @@ class LossNotFinite(RuntimeError):
 
 
 class UserCodeError(RuntimeError):
-    """User code failed mid-run: a step callback raised or called ``sys.exit()``, or a task made a prompt it may
-    not (a budget above ``rollout.max_new_tokens``); the message names it and what it did."""
+    """User code failed mid-run: a step callback raised or called ``sys.exit()``, a task made a prompt it may
+    not (a budget above ``rollout.max_new_tokens``), or an environment raised, hung or returned the wrong type; the
+    message names it and what it did."""
 
 
 class CheckpointWriteError(RuntimeError):

@@ -1,8 +1,8 @@
 """The one importer of user code named in the config (``"package.module:attribute"``: reward functions, tasks,
-custom controllers, step callbacks), the step-callback adapter, and ``call_with_deadline``, which runs user code
-mid-run. Import failures are ``ConfigError`` lines naming the field, raised at validation, before any work; user
-code that raises, calls ``sys.exit()`` or hangs mid-run is a ``UserCodeError`` naming it (the run stops with that
-one line, after checkpointing the step).
+environments, custom controllers, step callbacks), the step-callback adapter, and ``call_with_deadline``, which runs
+user code mid-run. Import failures are ``ConfigError`` lines naming the field, raised at validation, before any
+work; user code that raises, calls ``sys.exit()`` or hangs mid-run is a ``UserCodeError`` naming it (the run stops
+with that one line, after checkpointing the step).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
   the file names), or a ``save_to_disk`` folder; local paths only. A ``.jsonl`` file is checked line by line first
   (``datasets`` takes bytes that are not UTF-8 silently and names no line in a syntax error).
 * ``ChatTemplate``: the model folder's own ``chat_template``, rendered the way ``transformers``'
-  ``apply_chat_template`` renders it (docs/data.md). Simplification: no tools / documents / ``{% generation %}``
-  blocks (prompts only).
+  ``apply_chat_template`` renders it (docs/data.md), tools included (multi-turn episodes, docs/environments.md).
+  Simplification: no documents / ``{% generation %}`` blocks.
 * ``EpochSampler``: record ``i`` of the prompt stream is ``perm(seed, i // N)[i % N]``, a fresh seeded permutation
   per epoch. The position is ``(step - 1) * prompts_per_step``, a function of the checkpointed step, so a resume
   mid-epoch draws exactly the prompts the uninterrupted run would have (no dataloader state).
@@ -170,10 +170,13 @@ class ChatTemplate:
             for k, v in cfg.items()
             if k.endswith("_token") and isinstance(v, (str, dict))
         }
+        self.source = source
         self._template = _jinja_env().from_string(source)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """``tools``: JSON schemas as ``apply_chat_template`` takes them (``{"type": "function", ...}``)."""
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      **self.special_tokens)
 
 

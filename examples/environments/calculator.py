@@ -1,0 +1,105 @@
+"""A calculator environment for multi-step arithmetic (docs/environments.md): the model may call a plain-text tool
+and must answer with the right number.
+
+Protocol (the system message tells the model; SmolLM2's template has no tool format, so the tool is plain text):
+``CALC: <expression>`` (to the end of its line) in an assistant turn asks the calculator (``+ - * /``, parentheses,
+integers); the environment replies ``= <value>`` as a user message and the episode goes on. ``ANSWER: <number>`` ends
+the episode with ``env_rewards = {"correct": 1.0}`` when the number is the record's answer, else 0.0. A turn with
+neither ends the episode with 0.0. The first of the two in a turn counts.
+
+Records (``problems``): ``{"question": "What is 23 * 47 + 18 * 9?", "answer": "1243"}``: two products of two-digit
+numbers and their sum or difference, beyond what a 135M model computes reliably alone; the calculator makes each
+step one call.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from torchtitan_flux.data.environments import Message, MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput
+
+SYSTEM = ("You solve arithmetic problems with a calculator. To use it, write one line 'CALC: <expression>', for "
+          "example 'CALC: 12*37', and stop; it replies '= 444'. When you know the result, write 'ANSWER: <number>'.")
+
+_CALL = re.compile(r"\b(CALC|ANSWER)\s*:[ \t]*([^\n]*)", re.I)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+MAX_DIGITS = 30  # a longer number is refused (products of long numbers would grow without bound)
+
+
+class CalculatorEnv(MessageEnv):
+    """One problem: the question in, calculator replies until an answer (the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        pass
+
+    def __init__(self, config: Config, *, env_input: dict) -> None:
+        self._question = env_input["question"]
+        self._answer = Fraction(env_input["answer"])
+
+    async def init(self) -> MessageEnvInitOutput:
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "system", "content": SYSTEM},
+                                                          {"role": "user", "content": self._question}])
+
+    async def step(self, completion_message: Message) -> MessageEnvStepOutput:
+        found = _CALL.search(completion_message["content"])
+        if found is None:
+            return MessageEnvStepOutput(done=True, env_rewards={"correct": 0.0})
+        kind, text = found.group(1).upper(), found.group(2)
+        if kind == "ANSWER":
+            number = _NUMBER.match(text)
+            correct = number is not None and Fraction(number.group(0).replace(",", "")) == self._answer
+            return MessageEnvStepOutput(done=True, env_rewards={"correct": float(correct)})
+        return MessageEnvStepOutput(env_messages=[{"role": "user", "content": calculate(text)}])
+
+
+def calculate(expression: str) -> str:
+    """``= <value>`` of an arithmetic expression, or ``= error: <why>``; never evaluates anything else."""
+    try:
+        value = _eval(ast.parse(expression.replace("×", "*").rstrip(" =?"), mode="eval").body)
+    except SyntaxError:
+        return "= error: not an expression"
+    except ZeroDivisionError:
+        return "= error: division by zero"
+    except RecursionError:
+        return "= error: too deeply nested"
+    except ValueError as e:
+        return f"= error: {e}"
+    if value.denominator == 1:
+        return f"= {value.numerator}"
+    return f"= {float(value):.6g}"
+
+
+def _eval(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return _bounded(Fraction(node.value))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _eval(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _bounded(_OPS[type(node.op)](_eval(node.left), _eval(node.right)))
+    raise ValueError("only integers, + - * / and parentheses")
+
+
+def _bounded(value: Fraction) -> Fraction:
+    if max(len(str(abs(value.numerator))), len(str(value.denominator))) > MAX_DIGITS:
+        raise ValueError(f"a number beyond {MAX_DIGITS} digits")
+    return value
+
+
+def problems(n: int, seed: int) -> list[dict]:
+    """``n`` records ``{"question", "answer"}``: ``a * b + c * d`` or ``a * b - c * d``, two-digit operands."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, c, d = (rng.randint(11, 99) for _ in range(4))
+        op = rng.choice("+-")
+        answer = a * b + c * d if op == "+" else a * b - c * d
+        out.append({"question": f"What is {a} * {b} {op} {c} * {d}?", "answer": str(answer)})
+    return out
