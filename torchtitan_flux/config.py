@@ -178,9 +178,9 @@ class Rollout:
     continuous_batching: Bool = False
     """Embedded engines only (vLLM and SGLang batch continuously already): sequences join the running batch at any
     decode step and leave it when they end, and several steps' requests are in flight at once, each result sent as
-    soon as its sequences end (``engine/batcher.py``). Each request still runs on exactly its pinned version: it
-    joins a running batch only on the live version, else waits for the batch to drain (so requests pinned to
-    different versions do not overlap). Each sequence samples from its own generator, so its tokens do not depend
+    soon as its sequences end (``engine/batcher.py``). Each request runs on exactly its pinned version (unless
+    ``in_flight_weight_updates``): it joins a running batch only on the live version, else waits for the batch to
+    drain (so requests pinned to different versions do not overlap). Each sequence samples from its own generator, so its tokens do not depend
     on its batch; they differ from those of false (one generator per request). Runs are bit-reproducible only as
     far as requests interleave alike: which sequences share a decode step depends on when requests arrive, and
     with it the last bits of the forward (steps pinned alike, such as the first two of an async run, do share

@@ -1,9 +1,11 @@
 """The embedded engine process: pushed weights reach generation exactly, and its behaviour log-probs equal the
 trainer's (torchtitan model) within 1e-4 in fp32; every test runs on a serial engine and on one with continuous
-batching (``rollout.continuous_batching``)."""
+batching (``rollout.continuous_batching``). The last tests run an engine with in-flight weight updates
+(``rollout.in_flight_weight_updates``) too."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from types import SimpleNamespace
@@ -30,6 +32,14 @@ from torchtitan_flux.sync.syncer import WeightSyncer  # noqa: E402
 
 @pytest.fixture(scope="module", params=[False, True], ids=["serial", "continuous"])
 def rig(tiny_model_dir, request):
+    with serving(tiny_model_dir, continuous_batching=request.param) as r:
+        yield r
+
+
+@contextlib.contextmanager
+def serving(tiny_model_dir, **engine_kw):
+    """A torchtitan model (the trainer's, seeded) pushing to one embedded engine (``engine_kw``) through a
+    ``WeightSyncer``; ``results`` collects what ``pump`` reads."""
     torch.manual_seed(0)
     args = FluxLlamaArgs.from_hf_dir(tiny_model_dir, max_seq_len=128)
     model = Transformer(args)
@@ -38,7 +48,7 @@ def rig(tiny_model_dir, request):
     load_hf_weights(model, tiny_model_dir, args)
     model.eval()
     events: queue.Queue = queue.Queue()
-    engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events, continuous_batching=request.param)
+    engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events, **engine_kw)
     engine.start()
     cfg = WeightSync(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, master_port=0)
     results: dict[int, GenerationResult] = {}
@@ -56,10 +66,12 @@ def rig(tiny_model_dir, request):
     syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump,
                           layout=layout_of(engine.model_dir))
     syncer.connect()
-    yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args,
-                          continuous=request.param, model_dir=tiny_model_dir)
-    syncer.close()
-    engine.close()
+    try:
+        yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args,
+                              continuous=engine_kw.get("continuous_batching", False), model_dir=tiny_model_dir)
+    finally:
+        syncer.close()
+        engine.close()
 
 
 def generate(rig, req_id: int, prompts, temperature=1.0, max_new=12) -> GenerationResult:
@@ -96,7 +108,7 @@ def test_push_then_generate_matches_trainer_logprobs(rig):
 
     prompts = [[1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55, 56, 57], [1, 60]]
     res = generate(rig, 1, prompts)
-    assert res.version == 1 and res.newest_seen == 1
+    assert res.version == 1 and res.newest_seen == 1 and res.token_versions is None  # no in-flight updates
     ref = trainer_logprobs(rig.model, prompts, res, 4, 1.0)
     diff = max((r - res.logprobs[i, : len(r)]).abs().max().item() for i, r in enumerate(ref))
     assert diff < 1e-4, diff
@@ -201,3 +213,51 @@ def test_a_request_pinned_to_a_newer_version_starts_as_soon_as_the_one_before_en
     while not {31, 32} <= set(rig.results) and time.monotonic() < deadline:
         rig.pump(0.05)
     assert (rig.results.pop(31).version, rig.results.pop(32).version) == (6, 7)
+
+
+def wait_result(rig, req_id: int, timeout: float = 20.0) -> GenerationResult:
+    deadline = time.monotonic() + timeout
+    while req_id not in rig.results and time.monotonic() < deadline:
+        rig.pump(0.05)
+    assert req_id in rig.results, f"request {req_id}: no result within {timeout:g} s"
+    return rig.results.pop(req_id)
+
+
+def test_in_flight_updates_apply_a_push_mid_request_and_report_each_tokens_version(tiny_model_dir):
+    """``in_flight_weight_updates``, over the pipe: request 1 (greedy, 120 tokens; the tiny model's greedy rows meet
+    no stop token) starts on version 1; request 0 (one token), admitted after it, shows it has. Request 2 is pinned
+    to version 5, never pushed, and starts anyway (its ``min_version`` 1 is held); its admission stalls the engine's
+    main thread 0.5 s (fault injection) while version 2 lands, so request 1 is mid-generation when it does: its
+    tokens switch from 1 to 2 once, those of version 1 have the trainer's version-1 logprobs, and its ``version``
+    is 1."""
+    with serving(tiny_model_dir, continuous_batching=True, in_flight_weight_updates=True) as rig:
+        rig.syncer.after_optimizer_step(1)
+        prompts = [[1, 40, 41, 42]]
+        rig.engine.submit(GenerationRequest(1, 1, prompts, 1, 120, 0.0, 0, seed=1, dispatch_version=1,
+                                            min_version=1, pin_version=1))
+        rig.engine.submit(GenerationRequest(0, 1, [[1, 5]], 1, 1, 1.0, 0, seed=1, dispatch_version=1))
+        assert wait_result(rig, 0).token_versions.tolist() == [[1]]  # request 1 decodes on version 1 now
+        rig.engine.inject_fault("stall_generate", 0.5)
+        rig.engine.submit(GenerationRequest(2, 1, [[1, 60]], 2, 4, 1.0, 0, seed=2, dispatch_version=1,
+                                            min_version=1, pin_version=5))
+        v1 = {n: p.detach().clone() for n, p in rig.model.state_dict().items()}
+        with torch.no_grad():
+            rig.model.output.weight.mul_(3.0)
+            rig.model.norm.weight.mul_(0.5)
+        rig.syncer.after_optimizer_step(2)  # blocking: the engine acked version 2
+        first, second = wait_result(rig, 1), wait_result(rig, 2)
+        assert first.token_versions.shape == first.tokens.shape == (1, 120) and int(first.lengths[0]) == 120
+        versions = first.token_versions[0]
+        switch = int((versions == 2).nonzero()[0])
+        assert 0 < switch < 120 and (versions[:switch] == 1).all() and (versions[switch:] == 2).all()
+        assert first.version == 1
+        assert second.token_versions.shape == (2, 4) and set(second.token_versions.flatten().tolist()) <= {1, 2, -1}
+        assert second.version == int(second.token_versions[:, 0].min())  # its oldest token's
+        rig.model.load_state_dict(v1)
+        ref = trainer_logprobs(rig.model, prompts, first, 1, 1.0)[0]  # greedy logprobs are at temperature 1
+        assert (ref[:switch] - first.logprobs[0, :switch]).abs().max() < 1e-4
+
+
+def test_in_flight_updates_without_continuous_batching_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"in_flight_weight_updates = true needs continuous_batching = true"):
+        EmbeddedEngine("engine0", str(tiny_model_dir), 1, queue.Queue(), in_flight_weight_updates=True)

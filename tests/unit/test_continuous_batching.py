@@ -1,7 +1,8 @@
 """Continuous batching (``engine/batcher.py``, ``inference.SlotCache``), in-process on the tiny model: sequences join
 and leave mid-batch, logprobs equal a recomputation on the full sequence, a sequence's tokens do not depend on its
-batch, and weights change only between requests as the admission rule says. The engine process around the batcher
-is a stand-in here (``FakeEngine``); tests/integration/test_engine.py runs the real one."""
+batch, and weights change only between requests as the admission rule says (with in-flight updates: between decode
+steps, each token recording its version). The engine process around the batcher is a stand-in here
+(``FakeEngine``); tests/integration/test_engine.py runs the real one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEBUG_TOML
 
 from torchtitan_flux.patches import apply_patches
@@ -69,19 +71,26 @@ class FakeEngine:
     def ready(self, req, arrived):
         return True
 
-    def send_result(self, req_id, tokens, logprobs, lengths, version, gen_time_s):
+    def send_result(self, req_id, tokens, logprobs, lengths, version, gen_time_s, token_versions=None):
         self.results.append(SimpleNamespace(req_id=req_id, tokens=tokens, logprobs=logprobs, lengths=lengths,
-                                            version=version))
+                                            version=version, token_versions=token_versions))
 
 
-def request(req_id: int, prompts, max_new: int, group: int = 2, seed: int = 7, pin: int = -1, temperature=1.0):
+def request(req_id: int, prompts, max_new: int, group: int = 2, seed: int = 7, pin: int = -1, temperature=1.0,
+            min_version: int = -1):
     return GenerationRequest(req_id, 1, prompts, group, max_new, temperature, 0, seed=seed, dispatch_version=0,
-                             pin_version=pin)
+                             pin_version=pin, min_version=min_version)
 
 
-def batcher(weights_and_shape, max_sequences: int = 64, versions=(0,)) -> ContinuousBatcher:
+def batcher(weights_and_shape, max_sequences: int = 64, versions=(0,), in_flight=False) -> ContinuousBatcher:
     weights, shape = weights_and_shape
-    return ContinuousBatcher(FakeEngine({v: weights for v in versions}, shape), max_sequences)
+    return ContinuousBatcher(FakeEngine({v: weights for v in versions}, shape), max_sequences, in_flight)
+
+
+def perturbed(weights: dict, seed: int = 1) -> dict:
+    """Another version of ``weights``: every tensor moved by noise of its own scale (its KV and logits differ)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: t + 0.5 * t.abs().mean() * torch.randn(t.shape, generator=g, dtype=t.dtype) for k, t in weights.items()}
 
 
 def submit(b: ContinuousBatcher, *reqs: GenerationRequest) -> None:
@@ -202,6 +211,126 @@ def test_a_newer_pin_waits_for_the_batch_to_drain_and_an_older_one_joins(weights
     b._fill_rows()
     run_until_idle(b)
     assert [(r.req_id, r.version) for r in b.engine.results[2:]] == [(3, 3), (4, 3)]
+
+
+def mixed_logprobs(weights_of: dict, shape, prompt, tokens, versions) -> torch.Tensor:
+    """Each token's logprob (temperature 1) the way in-flight updates compute it, one row alone: the hidden state
+    it is sampled from is decoded by its own version, over the K/V the earlier tokens' versions wrote, kept."""
+    models = {v: inference.Model.of(weights_of[v], shape) for v in set(versions)}
+    cache = inference.SlotCache.empty(models[versions[0]])
+    h = inference.join_rows(models[versions[0]], cache, [prompt], assets.PAD_ID, len(prompt) + len(tokens))
+    out = []
+    for k, (t, v) in enumerate(zip(tokens, versions)):
+        out.append(torch.log_softmax(F.linear(h, models[v].output).float(), dim=-1)[0, t])
+        if k + 1 < len(tokens):
+            h = inference.decode_rows(models[versions[k + 1]], cache, torch.tensor([t]))
+    return torch.stack(out)
+
+
+def test_a_push_landing_mid_generation_goes_live_at_the_next_step_and_each_token_records_its_version(
+        weights_and_shape):
+    """In-flight updates: version 4 lands while version 3 decodes (no stop token, so every row runs 20 tokens).
+    Tokens 0-5 were sampled before it landed; step 6 samples from version 3's hidden state, then swaps, so tokens
+    7 on come from version 4. What is comparable: the prefix (tokens 0-6) to scoring with version 3 alone; the rest
+    to version 4 decoding over the K/V version 3 wrote (``mixed_logprobs``), not to either version alone (the KV
+    cache is kept, not recomputed)."""
+    weights, shape = weights_and_shape
+    weights_of = {3: weights, 4: perturbed(weights)}
+    b = batcher(weights_and_shape, versions=(3,), in_flight=True)
+    b.eos = set()  # no stop token: every row runs max_new tokens
+    submit(b, request(1, PROMPTS, max_new=20, seed=5, pin=3, min_version=3))
+    for _ in range(6):
+        b._step()
+    b.engine.receiver.weights[4] = weights_of[4]  # the push lands between two decode steps
+    run_until_idle(b)
+    assert b.engine.receiver.swaps == [-1, -1]  # the admission's, then the mid-generation one
+    (result,) = b.engine.results
+    assert result.version == 3 and (result.lengths == 20).all()
+    expected = torch.tensor([3] * 7 + [4] * 13)
+    for i, prompt in enumerate(p for p in PROMPTS for _ in range(2)):
+        tokens = result.tokens[i].tolist()
+        assert torch.equal(result.token_versions[i], expected)  # switches once, monotonically, at 7
+        scored = {v: inference.score(w, shape, torch.tensor([prompt + tokens]))[0, len(prompt) - 1:]
+                  for v, w in weights_of.items()}
+        torch.testing.assert_close(result.logprobs[i, :7], scored[3][:7], atol=1e-4, rtol=0)
+        torch.testing.assert_close(result.logprobs[i], mixed_logprobs(weights_of, shape, prompt, tokens,
+                                                                      expected.tolist()), atol=1e-4, rtol=0)
+        assert (result.logprobs[i, 7:] - scored[3][7:]).abs().max() > 1e-2  # the new weights made these
+        assert (result.logprobs[i, 8:] - scored[4][8:]).abs().max() > 1e-3  # on version 3's K/V, not recomputed
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["off", "in_flight"])
+def test_a_request_joins_a_batch_on_an_older_version_at_once_only_with_in_flight_updates(weights_and_shape,
+                                                                                        in_flight):
+    """Version 2 lands while request 1 decodes on version 1; then requests 2 (pinned to 2) and 3 (``min_version``
+    2) arrive. In flight: 2 joins at once (the live version serves it; its pin is ignored), and 3 at the next step,
+    whose swap makes 2 live; nothing drains. Off: both wait until request 1 has ended, then run on version 2."""
+    weights, _ = weights_and_shape
+    b = batcher(weights_and_shape, versions=(1,), in_flight=in_flight)
+    b.eos = set()  # no stop token: every row runs max_new tokens
+    submit(b, request(1, PROMPTS, max_new=12, seed=3))
+    b._step()
+    b.engine.receiver.weights[2] = perturbed(weights)
+    submit(b, request(2, [[1, 70, 71]], max_new=4, pin=2), request(3, [[1, 5]], max_new=4, pin=2, min_version=2))
+    waiting = [r.req_id for r, _ in b.waiting]
+    b._step()
+    submit(b)
+    running = {s.request.req.req_id for s in b.rows}
+    run_until_idle(b)
+    results = {r.req_id: r for r in b.engine.results}
+    if in_flight:
+        assert waiting == [3] and running == {1, 2, 3}
+        assert [r.req_id for r in b.engine.results][-1] == 1  # still decoding when both joined
+        versions = {k: r.token_versions[0].tolist() for k, r in results.items()}
+        assert versions == {1: [1, 1] + [2] * 10, 2: [1, 2, 2, 2], 3: [2] * 4}  # 2: prefilled on the live one
+        assert [results[k].version for k in (1, 2, 3)] == [1, 1, 2]
+    else:
+        assert waiting == [2, 3] and running == {1} and set(results) == {1}
+        assert all(r.token_versions is None for r in results.values())
+        submit(b)
+        run_until_idle(b)
+        assert [(r.req_id, r.version, r.token_versions) for r in b.engine.results] == [(1, 1, None), (2, 2, None),
+                                                                                        (3, 2, None)]
+
+
+def test_an_in_flight_request_reports_its_oldest_token_not_its_admission(weights_and_shape):
+    """Two rows: request 2 is admitted on version 1 but its sequences wait for request 1's rows, which a swap to
+    version 2 precedes; every token of request 2 is version 2's, and so is its ``version``."""
+    weights, _ = weights_and_shape
+    b = batcher(weights_and_shape, max_sequences=2, versions=(1,), in_flight=True)
+    b.eos = set()
+    submit(b, request(1, [[1, 40]], max_new=3), request(2, [[1, 50]], max_new=2))
+    assert len(b.queued) == 2 and b.in_flight == 2
+    b._step()
+    b.engine.receiver.weights[2] = perturbed(weights)
+    run_until_idle(b)
+    results = {r.req_id: r for r in b.engine.results}
+    assert results[1].token_versions.tolist() == [[1, 1, 2]] * 2 and results[1].version == 1
+    assert results[2].token_versions.tolist() == [[2, 2]] * 2 and results[2].version == 2
+
+
+def test_in_flight_updates_run_a_request_on_the_newest_version_whatever_its_pin(weights_and_shape):
+    """With nothing in flight, a request pinned to version 1 makes the newest held (2) live, not its pin."""
+    b = batcher(weights_and_shape, versions=(1, 2), in_flight=True)
+    submit(b, request(1, [[1, 40]], max_new=3, pin=1, min_version=1))
+    run_until_idle(b)
+    (result,) = b.engine.results
+    assert b.engine.receiver.swaps == [-1] and result.version == 2
+    assert set(result.token_versions[result.token_versions >= 0].tolist()) == {2}
+
+
+def test_without_in_flight_updates_results_carry_no_token_versions(weights_and_shape):
+    """Off: no per-token versions (every token is the result's ``version``), and the tokens are the same as those
+    of an in-flight batcher when no push lands (one version: nothing to swap)."""
+    off = serve_alone(weights_and_shape, request(1, PROMPTS, max_new=10, seed=2))
+    b = batcher(weights_and_shape, in_flight=True)
+    submit(b, request(1, PROMPTS, max_new=10, seed=2))
+    run_until_idle(b)
+    (on,) = b.engine.results
+    assert off.token_versions is None and off.version == 0
+    written = torch.arange(10)[None, :] < on.lengths[:, None]  # -1 after each row's end
+    assert torch.equal(on.token_versions, torch.where(written, 0, -1)) and on.version == 0
+    assert torch.equal(on.tokens, off.tokens) and torch.equal(on.logprobs, off.logprobs)
 
 
 def test_slot_cache_decode_matches_the_padded_batch_path(weights_and_shape):

@@ -7,13 +7,27 @@ decode steps the loop reads the control pipe without blocking, so requests, join
 while a batch decodes. At most ``max_sequences`` sequences decode at once (the rows of the ``SlotCache``); the
 others of an admitted request queue in order and take the rows the finished ones free.
 
-Weights (the embedded engine's invariant: a request runs on exactly one version, its ``pin_version``): requests are
-admitted in arrival order, each once the engine holds its versions (``_EngineProcess.ready``). With nothing in
-flight, an admitted request makes its pinned version live (``WeightReceiver.swap``, as the serial engine does).
-With requests in flight, a request joins only if it would run on the live version anyway (its pin is not newer
-than the live version, or no newer version has arrived); else it, and every request behind it, waits until the
-running batch has drained, and then swaps. So versions change only between decode steps with nothing running, and
-every sequence of a request decodes on the version its result reports.
+Weights, ``rollout.in_flight_weight_updates`` off (the embedded engine's invariant: a request runs on exactly one
+version, its ``pin_version``): requests are admitted in arrival order, each once the engine holds its versions
+(``_EngineProcess.ready``). With nothing in flight, an admitted request makes its pinned version live
+(``WeightReceiver.swap``, as the serial engine does). With requests in flight, a request joins only if it would run
+on the live version anyway (its pin is not newer than the live version, or no newer version has arrived); else it,
+and every request behind it, waits until the running batch has drained, and then swaps. So versions change only
+between decode steps with nothing running, and every sequence of a request decodes on the version its result
+reports.
+
+Weights, ``in_flight_weight_updates`` on (a token runs on the newest version held when it is sampled): a request is
+admitted once the engine holds its ``min_version`` (its pin is ignored beyond that), without waiting for the running
+batch to drain; with nothing in flight it makes the newest version live. Right after a step's tokens are sampled,
+if a newer complete version has arrived, ``swap(-1)`` makes it live and the model is rebuilt from its views; the
+rows go on from their KV cache as it is (written by the older versions, not recomputed: docs/architecture.md says
+why), and the next decode step, prefills included, runs on the new version. A newcomer is prefilled on the live
+version, so one whose ``min_version`` is newer than the live one (but held) waits one decode step, for that swap.
+Each token records the live version it was sampled on (``GenerationResult.token_versions``; non-decreasing along a
+sequence), and the result's ``version`` is its oldest token's. Which token a push lands at depends on timing, so
+such runs are not reproducible. The swap frees the old live buffer to the receiver thread while no kernel reads it
+any more: the step's ``tolist()`` waited for every kernel queued before it on the engine's stream (all those that
+read the old buffer), and nothing reads it after the swap.
 
 Sampling: each sequence draws from its own CPU ``torch.Generator``, seeded from the request's seed and the
 sequence's index, so its tokens do not depend on which sequences share its batch or on its row. What is
@@ -56,7 +70,8 @@ class _Request:
     """The request as the trainer sent it."""
 
     version: int
-    """The live version when it was admitted, which every one of its tokens is generated on."""
+    """The live version when it was admitted: every one of its tokens is generated on it, unless
+    ``in_flight_weight_updates`` (then its result reports its oldest token's version)."""
 
     started: float
     """``time.perf_counter()`` at admission (its result's ``gen_time_s`` counts from here)."""
@@ -87,14 +102,18 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     """Behaviour logprob of each sampled token (float32 values)."""
 
+    versions: list[int] = field(default_factory=list)
+    """The live version each token was sampled on (sent only with ``in_flight_weight_updates``)."""
+
 
 class ContinuousBatcher:
     """The scheduler loop of the module docstring, over an engine process's pipe, receiver and weights."""
 
-    def __init__(self, engine: Any, max_sequences: int):
+    def __init__(self, engine: Any, max_sequences: int, in_flight_updates: bool = False):
         """``engine``: the engine process (``embedded._EngineProcess``: its pipe, receiver, weights and request
-        handling; not imported here, which would make the two modules import each other)."""
-        self.engine, self.max_sequences = engine, max_sequences
+        handling; not imported here, which would make the two modules import each other).
+        ``in_flight_updates``: ``rollout.in_flight_weight_updates`` (the module docstring's second weights rule)."""
+        self.engine, self.max_sequences, self.in_flight_updates = engine, max_sequences, in_flight_updates
         self.eos = set(engine.eos_id)  # stop token ids
         self.waiting: collections.deque = collections.deque()  # (request, arrival time): not admitted yet, in order
         self.queued: collections.deque[_Sequence] = collections.deque()  # admitted sequences without a row yet
@@ -133,11 +152,20 @@ class ContinuousBatcher:
         receiver, target = self.engine.receiver, self.engine.pinned(req)
         return receiver.newest()[0] == receiver.live_version or 0 <= target <= receiver.live_version
 
+    def _live_is_fresh(self, req: GenerationRequest) -> bool:
+        """In-flight updates: whether the live version is at least ``req``'s ``min_version``, or no newer one has
+        arrived (its wait bound passed); else the next decode step's swap makes a fresh enough one live."""
+        receiver = self.engine.receiver
+        return req.min_version <= receiver.live_version or receiver.newest()[0] == receiver.live_version
+
     def _admissible(self) -> bool:
         """Whether the head of ``waiting`` is ready and may run beside what is in flight."""
         if not self.waiting or not self.engine.ready(*self.waiting[0]):
             return False
-        return not self.in_flight or self._joins_live(self.waiting[0][0])
+        if not self.in_flight:
+            return True
+        fits = self._live_is_fresh if self.in_flight_updates else self._joins_live
+        return fits(self.waiting[0][0])
 
     def _admit(self) -> None:
         """Admit waiting requests in order while the head is admissible."""
@@ -150,8 +178,7 @@ class ContinuousBatcher:
         if req.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {req.temperature}")
         if not self.in_flight:
-            self.engine.receiver.swap(self.engine.pinned(req))
-            self.model = inference.Model.of(self.engine.receiver.live.views, self.engine.shape)
+            self._swap(-1 if self.in_flight_updates else self.engine.pinned(req))
             self.cache = self.cache or inference.SlotCache.empty(self.model)
         request = _Request(req, self.engine.receiver.live_version, time.perf_counter())
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
@@ -161,6 +188,12 @@ class ContinuousBatcher:
         self.queued.extend(request.sequences)
         if not prompts:
             self._send_result(request)
+
+    def _swap(self, upto: int) -> None:
+        """``WeightReceiver.swap(upto)``, and the model of the live version (main thread; see the module docstring
+        for when the old live buffer may be freed)."""
+        self.engine.receiver.swap(upto)
+        self.model = inference.Model.of(self.engine.receiver.live.views, self.engine.shape)
 
     def _fill_rows(self) -> None:
         """Prefill queued sequences into the free rows (in order) and append their hidden states."""
@@ -195,10 +228,11 @@ class ContinuousBatcher:
     def _step(self) -> None:
         """Sample one token per row, send the results of requests that ended, decode the rows that go on."""
         tok, logp = self._sample()
-        done = []
+        version, done = self.engine.receiver.live_version, []
         for seq, t, lp in zip(self.rows, tok.tolist(), logp.tolist()):
             seq.tokens.append(t)
             seq.logprobs.append(lp)
+            seq.versions.append(version)
             done.append(t in self.eos or len(seq.tokens) >= seq.request.req.max_new_tokens)
         ended = [s for s, d in zip(self.rows, done) if d]
         if ended:
@@ -209,6 +243,9 @@ class ContinuousBatcher:
             seq.request.unfinished -= 1
             if seq.request.unfinished == 0:
                 self._send_result(seq.request)
+        receiver = self.engine.receiver
+        if self.in_flight_updates and receiver.newest()[0] > receiver.live_version:
+            self._swap(-1)  # after the tolist() above: no queued kernel reads the old buffer any more
         self.hidden = inference.decode_rows(self.model, self.cache, tok) if self.rows else None
 
     def _send_result(self, request: _Request) -> None:
@@ -220,6 +257,12 @@ class ContinuousBatcher:
             tokens[i, : len(seq.tokens)] = torch.tensor(seq.tokens, dtype=torch.long)
             logprobs[i, : len(seq.logprobs)] = torch.tensor(seq.logprobs, dtype=torch.float32)
         lengths = torch.tensor([len(s.tokens) for s in request.sequences], dtype=torch.long)
+        version, token_versions = request.version, None
+        if self.in_flight_updates:
+            token_versions = torch.full((rows, req.max_new_tokens), -1, dtype=torch.long)
+            for i, seq in enumerate(request.sequences):
+                token_versions[i, : len(seq.versions)] = torch.tensor(seq.versions, dtype=torch.long)
+            version = min((s.versions[0] for s in request.sequences), default=version)  # non-decreasing per row
         self.in_flight -= 1
-        self.engine.send_result(req.req_id, tokens, logprobs, lengths, request.version,
-                                time.perf_counter() - request.started)
+        self.engine.send_result(req.req_id, tokens, logprobs, lengths, version, time.perf_counter() - request.started,
+                                token_versions)

@@ -8,7 +8,10 @@ Threads inside the engine (both send on the pipe; ``_send`` serialises them with
     only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Requests not ready yet
     queue in order while the other messages are still served, so a (re)join is never stuck behind a request.
     With ``rollout.continuous_batching`` it runs ``batcher.ContinuousBatcher``'s loop instead: several requests
-    decode in one batch, the pipe is read between decode steps, and versions swap only with nothing in flight;
+    decode in one batch, the pipe is read between decode steps, and versions swap only with nothing in flight.
+    With ``rollout.in_flight_weight_updates`` too, a request starts once the engine holds its ``min_version`` and
+    a newer complete version goes live between two decode steps, under the running sequences (their KV cache
+    kept): a request then runs on several versions, each token recorded with its own (``token_versions``);
   * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
 
 Trainer side, ``EmbeddedEngine``'s reader thread turns pipe messages into events. It reports the engine's death at
@@ -42,8 +45,9 @@ class _EngineProcess:
     """State of one engine process. Runs in the child."""
 
     def __init__(self, conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
-                 auth_token: str | None, max_batch_sequences: int):
-        """``max_batch_sequences``: the continuous batch's rows; 0: one request at a time (``serve``)."""
+                 auth_token: str | None, max_batch_sequences: int, in_flight_updates: bool):
+        """``max_batch_sequences``: the continuous batch's rows; 0: one request at a time (``serve``).
+        ``in_flight_updates``: ``rollout.in_flight_weight_updates`` (continuous batching only)."""
         import json
 
         from torchtitan_flux.models import hf, inference, weight_dict
@@ -60,7 +64,7 @@ class _EngineProcess:
         self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
-        self.max_batch_sequences = max_batch_sequences
+        self.max_batch_sequences, self.in_flight_updates = max_batch_sequences, in_flight_updates
         self.stall_s = 0.0  # fault injection: sleep before each generation
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -122,16 +126,19 @@ class _EngineProcess:
         self.send_result(req.req_id, tokens.cpu(), logprobs.cpu(), lengths.cpu(), version, time.perf_counter() - t0)
 
     def send_result(self, req_id: int, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor,
-                    version: int, gen_time_s: float) -> None:
-        """A request's result (CPU tensors) to the trainer, with the newest version received by now."""
+                    version: int, gen_time_s: float, token_versions: torch.Tensor | None = None) -> None:
+        """A request's result (CPU tensors) to the trainer, with the newest version received by now.
+        ``token_versions``: each token's version (in-flight updates only; None: every token ``version``)."""
         # numpy, not tensors: torch's pickler would pass each tensor as a shared-memory file descriptor (slower)
         arrays = (tokens.numpy(), logprobs.numpy(), lengths.numpy())
-        self._send(("result", req_id, *arrays, version, self.receiver.newest()[0], gen_time_s))
+        per_token = token_versions.numpy() if token_versions is not None else None
+        self._send(("result", req_id, *arrays, version, self.receiver.newest()[0], gen_time_s, per_token))
 
     def ready(self, req: GenerationRequest, arrived: float) -> bool:
-        """Whether the engine holds the request's versions (or it waited ``timeout_s``) and has any weights."""
+        """Whether the engine holds the request's versions (or it waited ``timeout_s``) and has any weights: its
+        pin and ``min_version``; with in-flight updates, which ignore the pin, ``min_version`` only."""
         newest = self.receiver.newest()[0] if self.receiver is not None else -1
-        need = max(req.min_version, req.pin_version)
+        need = req.min_version if self.in_flight_updates else max(req.min_version, req.pin_version)
         return newest >= 0 and (newest >= need or time.monotonic() - arrived > self._wait_bound_s)
 
     def wait_timeout(self, waiting: collections.deque) -> float | None:
@@ -154,7 +161,7 @@ class _EngineProcess:
         if self.max_batch_sequences:
             from torchtitan_flux.engine.batcher import ContinuousBatcher
 
-            return ContinuousBatcher(self, self.max_batch_sequences).run()
+            return ContinuousBatcher(self, self.max_batch_sequences, self.in_flight_updates).run()
         waiting: collections.deque = collections.deque()  # (request, arrival time)
         while True:
             if waiting and self.ready(*waiting[0]):
@@ -206,13 +213,14 @@ class _EngineProcess:
 
 
 def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
-                 auth_token: str | None, max_batch_sequences: int) -> None:
+                 auth_token: str | None, max_batch_sequences: int, in_flight_updates: bool) -> None:
     die_with_parent()
     release_server_liveness()
     name_process(f"flux-{name}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:
-        proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token, max_batch_sequences)
+        proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token, max_batch_sequences,
+                              in_flight_updates)
         proc.serve()
     except BaseException:
         try:
@@ -232,15 +240,21 @@ class EmbeddedEngine(EngineHandler):
 
     def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu",
                  weight_buffers: int = 2, auth_token: str | None = None, colocated: bool = False,
-                 continuous_batching: bool = False, max_batch_sequences: int = 256):
+                 continuous_batching: bool = False, max_batch_sequences: int = 256,
+                 in_flight_weight_updates: bool = False):
         """``weight_buffers``: weight versions the engine holds (>= 2; ``transport.WeightReceiver.swap``).
         ``auth_token``: what its weight-sync joins prove (None: no handshake), passed through the start pipe.
         ``colocated``: on the trainer's device, copying rank 0's staging by reference (``rollout.colocated``).
-        ``continuous_batching``, ``max_batch_sequences``: ``rollout``'s fields (``engine/batcher.py``)."""
+        ``continuous_batching``, ``max_batch_sequences``, ``in_flight_weight_updates``: ``rollout``'s fields
+        (``engine/batcher.py``); the last needs the first."""
+        if in_flight_weight_updates and not continuous_batching:
+            raise ValueError("in_flight_weight_updates = true needs continuous_batching = true on an embedded engine "
+                             "(rollout.continuous_batching; the serial engine swaps only between requests)")
         self.name, self.model_dir, self.threads, self.events = name, model_dir, threads, events
         self.device, self.weight_buffers, self._token = device, weight_buffers, auth_token
         self.colocated = colocated
         self.max_batch_sequences = max_batch_sequences if continuous_batching else 0  # 0: serial
+        self.in_flight_updates = in_flight_weight_updates
         self._acked = -1  # newest version the engine acked (reader thread writes, push thread reads)
         self._proc: mp.Process | None = None
         self._conn = None
@@ -256,7 +270,7 @@ class EmbeddedEngine(EngineHandler):
         ctx = engine_context()
         parent, child = ctx.Pipe(duplex=True)
         args = (child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token,
-                self.max_batch_sequences)
+                self.max_batch_sequences, self.in_flight_updates)
         self._proc = ctx.Process(target=_engine_main, args=args, name=self.name, daemon=True)
         self._proc.start()
         child.close()
@@ -302,11 +316,13 @@ class EmbeddedEngine(EngineHandler):
                 return
             kind = msg[0]
             if kind == "result":
-                _, req_id, tokens, logprobs, lengths, version, newest, dt = msg
+                _, req_id, tokens, logprobs, lengths, version, newest, dt, per_token = msg
                 with self._requests_lock:
                     self._requests.discard(req_id)
                 tokens, logprobs, lengths = (torch.from_numpy(a) for a in (tokens, logprobs, lengths))
-                self.events.put(GenerationResult(req_id, self.name, tokens, logprobs, lengths, version, newest, dt))
+                per_token = torch.from_numpy(per_token) if per_token is not None else None
+                self.events.put(GenerationResult(req_id, self.name, tokens, logprobs, lengths, version, newest, dt,
+                                                 per_token))
             elif kind == "ack":
                 self._acked = max(self._acked, msg[1])
                 self.events.put(WeightAck(self.name, msg[1], msg[2]))
