@@ -242,6 +242,82 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         h.close()
 
 
+def _generated_tokens(url: str) -> float:
+    """vLLM's count of the tokens it generated (``/metrics`` needs no token)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_push_lands_while_a_generation_runs(vllm_server, small_model_dir):
+    """``rollout.in_flight_weight_updates``: a push while a long generation runs pauses with ``mode=keep``, is
+    acked BEFORE the generation ends (a draining push would wait for it), and the generation goes on and is stamped
+    with the version it started on. Then the post-sync probe (the server's teacher-forced logprobs) and a fresh
+    generation equal the trainer's on the pushed weights, and the server holds their exact bytes (checksum)."""
+    url = vllm_server[0]
+    weights, shape = trainer_weights(small_model_dir), weight_dict.ModelShape.from_hf_dir(small_model_dir)
+    events: queue.Queue = queue.Queue()
+    h = VllmEngine("vllm_if", url, events, model_dir=small_model_dir, health_interval_s=0, auth_token=TOKEN,
+                   in_flight=True)
+    h.start()
+    try:
+        specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
+        store = transport.connect_store("127.0.0.1", 0, 60, True)
+        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm_if/1", "gloo", 60.0,
+                               engine_specs(h, specs), 512 * 1024)
+        h.join_weight_group(info)
+        transport.handshake(store, info.prefix, TOKEN, transport.TRAINER, 60.0)
+        pg = trainer_group(h, store, info)
+        plan = transport.plan_buckets(specs, 512 * 1024)
+        push_like_syncer(h, pg, plan, weights, 1)
+        assert wait_event(events, WeightAck, timeout=120).version == 1
+
+        before = _generated_tokens(url)
+        t0 = time.perf_counter()
+        h.submit(GenerationRequest(0, 1, PROMPTS, 2, 480, 1.0, 0, 5, 1))  # random weights: EOS is rare
+        while _generated_tokens(url) < before + 3 * 6:  # 3 tokens of each completion on v1
+            assert time.perf_counter() - t0 < 60 and events.empty(), "the generation never ran"
+            time.sleep(0.05)
+        new = _modified(weights)  # deterministic: the same weights each call
+        t_push = time.perf_counter()
+        staging = push_like_syncer(h, pg, plan, new, 2)
+        first = events.get(timeout=120)
+        push_s = time.perf_counter() - t_push
+        assert isinstance(first, WeightAck) and first.version == 2, first  # acked while the generation runs
+        res = wait_event(events, GenerationResult, timeout=300)
+        gen_s = time.perf_counter() - t0
+        assert res.version == 1 and res.newest_seen == 2
+        # its longest completion: the trainer's v1 logprobs up to the push (not restarted), then not v1's, nor
+        # what v2 computes afresh (the KV of the tokens before the push was kept: v1's)
+        i = int(res.lengths.argmax())
+        p, L = PROMPTS[i // 2], int(res.lengths[i])
+        seq = torch.tensor([p + res.tokens[i, :L].tolist()])
+        d1, d2 = ((inference.score(as_pushed(layout_of(h.model_dir), w), shape, seq)[0, len(p) - 1:]
+                   - res.logprobs[i, :L]).abs() for w in (weights, _modified(weights)))
+        on_v1 = int((d1 > 1e-4).int().argmax()) if bool((d1 > 1e-4).any()) else L
+        assert 0 < on_v1 < L and d1[:on_v1].max() < 1e-5 and d2[on_v1] > 1e-4, (on_v1, L, d1, d2)
+
+        assert h.checksum() == (2, staging.checksum())
+        probe = [1, 75, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
+        version, lps = h.score(probe)
+        ref = inference.score(as_pushed(layout_of(h.model_dir), new), shape, torch.tensor([probe]))[0]
+        probe_diff = (ref - torch.tensor(lps)).abs().max().item()
+        assert version == 2 and probe_diff < 1e-5
+        h.submit(GenerationRequest(1, 2, PROMPTS, 2, 16, 0.7, 0, 11, 2))
+        fresh = wait_event(events, GenerationResult, timeout=120)
+        assert fresh.version == fresh.newest_seen == 2
+        assert _max_diff(fresh, 2, as_pushed(layout_of(h.model_dir), new), shape, 0.7) < 1e-5
+        print(f"\nvLLM in-flight push: {push_s:.2f} s, {t_push - t0:.2f} s into a generation of {gen_s:.2f} s "
+              f"(lengths {res.lengths.tolist()}; the longest on v1 for {on_v1} tokens), probe max diff "
+              f"{probe_diff:.2e}")
+    finally:
+        h.close()
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_mismatched_model_or_vocabulary_is_refused(vllm_server, small_model_dir, tiny_model_dir, tmp_path):

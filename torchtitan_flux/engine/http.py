@@ -7,6 +7,13 @@ did not start; subclasses implement only the per-server hooks (endpoints and pay
   push holds it alone, so every token of a request comes from one version. After each generation the server's
   reported version is compared with the stamp: a server restarted or updated behind our back is caught there, its
   result dropped and the handler dies (reconnect, resync, re-dispatch): no sample is labelled with a wrong version.
+* In-flight updates (``in_flight``: ``rollout.in_flight_weight_updates``, where the server can freeze running
+  requests with their KV cache, ``pause`` then does): a generation holds the gate shared only to read its stamp
+  (after a push in progress), so a push waits for no generation, and requests in flight continue on the new weights
+  once the server resumes. Invariant: the stamp is the version of the request's OLDEST token, never newer (the gate
+  publishes a version only once the server holds it, and the server's versions only grow); the server's report
+  after the call may then be any version from the stamp to the newest push started (``_newest_push``, set before
+  that push could change the server), anything else is a server changed behind our back, as above.
 * A push runs on one control thread: gate, ``pause``, ``open``, ONE HTTP request per bucket (concurrent with the
   trainer's broadcast of it), ``close``, ``resume``, then the ``WeightAck``. Names and layout are HF's, as for every
   engine (the syncer's ``HFLayout`` maps the names before the join, and the tensors while snapshotting).
@@ -15,8 +22,8 @@ Failure policy: a push that fails after the update session opened leaves the wei
 dies (``reconnect()`` gives a fresh one once the server is usable). One that fails before (pause/open refused) is
 non-fatal: the old weights stay and the syncer resyncs.
 
-Simplifications: one server = one weight-sync rank; full pushes only; a push waits for in-flight generations, so
-``weight_sync.timeout_seconds`` must exceed one generation request.
+Simplifications: one server = one weight-sync rank; full pushes only; without in-flight updates a push waits for
+the generations in flight, so ``weight_sync.timeout_seconds`` must exceed one generation request.
 """
 
 from __future__ import annotations
@@ -91,9 +98,10 @@ def pack_completions(completions: list[tuple[list[int], list[float]]], req: Gene
 class HttpEngine(EngineHandler, abc.ABC):
     """Concurrency: generations run on the ``_gen`` workers, joins and pushes on the one ``_ctl`` thread, the health
     poll on its own; ``_gate`` orders generations against pushes and holds the server's version, ``_lock`` guards
-    the push plan and the dead flag."""
+    the push plan and the dead flag; ``_newest_push`` is written by the ``_ctl`` thread only."""
 
     kind = "HTTP"  # server kind, for messages ("vLLM", "SGLang")
+    in_flight = False  # pushes land while generations run (see the module docstring); set by handlers that can
     reconnects = True  # a server is not ours to restart
     launch_hint = ""  # how to start a correctly configured server, appended to start-up errors
     Options: type[HttpOptions] = HttpOptions  # the constructor's keyword arguments
@@ -112,6 +120,7 @@ class HttpEngine(EngineHandler, abc.ABC):
         self._plan: transport.BucketPlan | None = None
         self._bucket_meta: list[tuple[list[str], list[str], list[list[int]]]] = []
         self._info: WeightGroupInfo | None = None
+        self._newest_push = -1  # the newest version a push started (control thread; see the module docstring)
         self._dead = False
         self._closing = False
         self._gen: Workers | None = None
@@ -199,24 +208,51 @@ class HttpEngine(EngineHandler, abc.ABC):
         # born fresh enough; after the wait bound it runs on what the server holds
         self._gate.wait_version(req.min_version, self._info.timeout_s if self._info is not None else 60.0)
         try:
-            with self._gate.shared() as version:
+            with self._stamped() as version:
                 t0 = time.perf_counter()
-                completions = self._generate(req)
+                completions = self._generate(req, version)
                 dt = time.perf_counter() - t0
-                # no push of ours can run while the gate is held shared: any other version means the server
-                # was restarted (or its weights replaced) behind our back, and the tokens are not ``version``'s
-                reported = self.weight_version() if version >= 0 else None
+                # without in-flight updates no push of ours can run while the gate is held shared: any other
+                # version means the server was restarted (or its weights replaced) behind our back, and the tokens
+                # are not ``version``'s; with them, see ``_ours_since``. Unchecked before our first push.
+                pushed = self._newest_push if self.in_flight else version
+                reported = self.weight_version() if pushed >= 0 else None
             tokens, logprobs, lengths = pack_completions(completions, req, self.pad_id)
         except Exception as e:  # noqa: BLE001 - the client already retried: the server cannot serve
             self._die(f"generation request {req.req_id} failed: {e}")
             return
-        if reported is not None and str(reported) != str(version):
-            self._die(f"reports weight version {reported!r} after generation request {req.req_id}, but our last push "
-                      f"to it was version {version}: it was restarted or its weights were replaced; the result is "
-                      "dropped and the engine is reconnected and resynced")
+        if reported is not None and not self._ours_since(version, reported):
+            ours = (f"it started on version {version} and our newest push is {self._newest_push}" if self.in_flight
+                    else f"our last push to it was version {version}")
+            self._die(f"reports weight version {reported!r} after generation request {req.req_id}, but {ours}: it "
+                      "was restarted or its weights were replaced; the result is dropped and the engine is "
+                      "reconnected and resynced")
             return
         newest = self._gate.version
         self.events.put(GenerationResult(req.req_id, self.name, tokens, logprobs, lengths, version, newest, dt))
+
+    @contextlib.contextmanager
+    def _stamped(self):
+        """Around one generation call; yields its stamp, the version it starts on. Without in-flight updates the
+        gate is held shared throughout (a push waits for the call: every token is the stamp's); with them only
+        while reading the stamp, after a push in progress (the stamp is then the oldest token's)."""
+        with self._gate.shared() as version:
+            if not self.in_flight:
+                yield version
+                return
+        yield version
+
+    def _ours_since(self, version: int, reported: str | None) -> bool:
+        """Whether ``reported``, the server's version after a request stamped ``version``, is one of ours it may
+        hold: ``version``; with in-flight updates any from ``version`` to the newest push started (read after the
+        report), or the server's own from disk ("default") on a request started before our first push."""
+        if not self.in_flight:
+            return str(reported) == str(version)
+        try:
+            held = int(str(reported))
+        except ValueError:
+            return version < 0
+        return max(version, 0) <= held <= self._newest_push
 
     def _join_task(self, info: WeightGroupInfo) -> None:
         if self._dead or self._closing:
@@ -235,6 +271,7 @@ class HttpEngine(EngineHandler, abc.ABC):
             return
         opened = False
         t0 = time.perf_counter()
+        self._newest_push = max(self._newest_push, version)  # before the server can report it (``_ours_since``)
         try:
             if not self._bucket_meta:
                 raise RuntimeError("begin_update before join_weight_group")
@@ -287,8 +324,9 @@ class HttpEngine(EngineHandler, abc.ABC):
         """The weight version the server reports (``str(v)`` after our push of ``v``)."""
 
     @abc.abstractmethod
-    def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
-        """One HTTP generation call: (token ids, behaviour logprobs) per completion, prompt-major."""
+    def _generate(self, req: GenerationRequest, version: int) -> list[tuple[list[int], list[float]]]:
+        """One HTTP generation call: (token ids, behaviour logprobs) per completion, prompt-major. ``version``: its
+        stamp (``_stamped``)."""
 
     @abc.abstractmethod
     def _score(self, tokens: list[int]) -> list[float]:
@@ -300,7 +338,8 @@ class HttpEngine(EngineHandler, abc.ABC):
 
     @abc.abstractmethod
     def _pause(self) -> None:
-        """Stop the server's generation before a push."""
+        """Stop the server's generation before a push: once the requests in flight ended, or, with ``in_flight``,
+        at once, freezing them with their KV cache until ``_resume``."""
 
     def _sending(self, version: int):
         """Entered after the gate wait and ``pause``, around open .. close: where a push starts sending. One that

@@ -64,7 +64,7 @@ class SglangEngine(HttpEngine):
         self.checks.tokenizer(lambda text: self.client.post(
             "/tokenize", {"prompt": text, "add_special_tokens": False}, idempotent=True)["tokens"])
 
-    def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
+    def _generate(self, req: GenerationRequest, version: int) -> list[tuple[list[int], list[float]]]:
         G = req.group_size
         input_ids = [p for p in req.prompt_ids for _ in range(G)]
         top_k = {"top_k": req.top_k} if req.top_k > 0 else {}

@@ -6,6 +6,13 @@ Generation: vLLM gives sample ``j`` the seed ``seed + j``; greedy requests, wher
 prompt instead. Log-probs are ``log_softmax(logits / T)`` (``--logprobs-mode processed_logprobs``); with
 ``top_k > 0`` vLLM reports them under the top-k-truncated distribution, not the full tempered one the embedded
 engine reports.
+
+In-flight updates (``in_flight``, ``rollout.in_flight_weight_updates``): a push pauses with ``mode=keep`` and
+``clear_cache=false`` (vLLM 0.32: the scheduler stops stepping, running requests stay scheduled with their KV
+cache, new ones queue; ``clear_cache`` would preempt the running requests and drop their KV), updates, and
+``/resume`` lets them continue on the new weights (their earlier tokens' KV stays the old weights'). The
+``/reset_prefix_cache`` after the push then fails while requests hold blocks, so each request salts the prefix
+cache with its stamp (``cache_salt``): a request never reuses blocks computed on weights older than its own stamp.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
 @dataclass
 class VllmOptions(HttpOptions):
     """``HttpOptions`` plus the sampled checksums: the server hashes every ``verify_every``-th push (0: none) and
-    the final one, ``final_version`` (hashing copies the whole model to the host, so it is sampled)."""
+    the final one, ``final_version`` (hashing copies the whole model to the host, so it is sampled); and
+    ``in_flight``: pushes land while generations run (``rollout.in_flight_weight_updates``; the module docstring)."""
 
     verify_every: int = 1
     final_version: int = -1
+    in_flight: bool = False
 
 
 class VllmEngine(HttpEngine):
@@ -45,6 +54,7 @@ class VllmEngine(HttpEngine):
     def __init__(self, *args, **options):
         super().__init__(*args, **options)
         self.served_model: str | None = None
+        self.in_flight = self.options.in_flight
 
     def _check_server(self) -> None:
         self.checks.reachable()
@@ -85,7 +95,7 @@ class VllmEngine(HttpEngine):
                                    "--weight-transfer-config '{\"backend\":\"gloo\"}' (CPU) or "
                                    "'{\"backend\":\"nccl\"}' (GPU, vLLM's own engine).")
 
-    def _generate(self, req: GenerationRequest) -> list[tuple[list[int], list[float]]]:
+    def _generate(self, req: GenerationRequest, version: int) -> list[tuple[list[int], list[float]]]:
         greedy = req.temperature == 0  # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)] if greedy else req.prompt_ids
         body: dict[str, Any] = {
@@ -95,6 +105,8 @@ class VllmEngine(HttpEngine):
         }
         if req.top_k > 0:
             body["top_k"] = req.top_k
+        if self.in_flight:  # blocks of older weights are never reused (the module docstring)
+            body["cache_salt"] = f"flux-v{version}"
         out = self.client.post("/v1/completions", body, idempotent=True)  # generation has no side effects
         choices = sorted(out["choices"], key=lambda c: c["index"])
         completions = []
@@ -127,7 +139,8 @@ class VllmEngine(HttpEngine):
         self.client.post("/init_weight_transfer_engine", {"init_info": init}, timeout_s=self._weight_timeout_s)
 
     def _pause(self) -> None:
-        self.client.post("/pause", params={"mode": "wait"}, timeout_s=self._weight_timeout_s)
+        params = {"mode": "keep", "clear_cache": "false"} if self.in_flight else {"mode": "wait"}
+        self.client.post("/pause", params=params, timeout_s=self._weight_timeout_s)
 
     def _open(self, version: int) -> None:
         self.client.post("/start_weight_update")

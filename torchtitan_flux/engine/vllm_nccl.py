@@ -12,9 +12,9 @@ engine that missed it, ``cuda_rules`` rule 3):
 * one push SENDS at a time in this process (``_SENDING``): each allocates vLLM's packed buffers (2 x
   ``weight_sync.bucket_size_mb``, passed to vLLM at ``trainer_init``) and per-tensor copies on the trainer GPU;
 * rule (review 4, finding 3): a push is queued until it sends. It takes ``_SENDING`` and becomes running only
-  after its gate wait (generations in flight) and ``/pause`` (``_sending``), right before ``send_weights()``, so
-  a long generation on one server never makes a push "running" that sent nothing, nor holds up another server's
-  push;
+  after its gate wait (generations in flight, unless in-flight updates: ``engine/http.py``) and ``/pause``
+  (``_sending``), right before ``send_weights()``, so a long generation on one server never makes a push
+  "running" that sent nothing, nor holds up another server's push;
 * a push still queued at its deadline is cancelled (it read and sent nothing): the engine is not killed, it
   rejoins as usual (once its generation ends it resumes with its old weights);
 * a push already sending cannot be cancelled (vLLM's producer keeps reading staging, and only its communicator

@@ -143,6 +143,8 @@ class Rollouts(RolloutScheduler):
             kw = {}
             if kind.sampled_checksums:  # of what the server received (weight_sync.verify_every)
                 kw = dict(verify_every=ws.verify_every, final_version=self.job_config.training.steps)
+            if kind.in_flight_updates:  # pushes land while its generations run (rollout.in_flight_weight_updates)
+                kw["in_flight"] = r.in_flight_weight_updates
             e = cls(f"{kind.name}{index}", self._urls[index], self.events,
                     model_dir=self.job_config.model.hf_assets_path, auth_token=token, **kw)
         else:
