@@ -439,13 +439,15 @@ def test_rewards_of_1e38_log_a_finite_mean():
 
     from torchtitan_flux.run.report import StepTimes, step_row
 
-    batch = SimpleNamespace(rewards=torch.full((32,), 1e38), versions=torch.zeros(32, dtype=torch.long),
-                            tokens=torch.zeros(32, 4, dtype=torch.long),
-                            num_completion_tokens=32, gen_time_s=0.0, reward_metrics={}, completion_lengths=None)
-    try:
-        row = step_row(1, batch, StepTimes(0.0, 1.0, 2.0, 3.0, 0.5), {}, {})
-    except AttributeError as e:  # a field this stand-in lacks: name it
-        pytest.fail(f"step_row reads a batch field the test does not build: {e}")
+    from torchtitan_flux.rollout.batch import RolloutBatch
+
+    mask = torch.zeros(32, 3)
+    mask[:, 2] = 1.0
+    batch = RolloutBatch(step=1, tokens=torch.zeros(32, 4, dtype=torch.long), loss_mask=mask,
+                         behaviour_logprobs=torch.zeros(32, 3), rewards=torch.full((32,), 1e38),
+                         versions=torch.zeros(32, dtype=torch.long), token_versions=torch.where(mask > 0, 0, -1),
+                         dispatch_version=0, newest_seen=0, gen_time_s=0.0)
+    row = step_row(1, batch, StepTimes(0.0, 1.0, 2.0, 3.0, 0.5), {}, {})
     assert math.isfinite(row["reward_mean"]) and row["reward_mean"] == pytest.approx(1e38, rel=1e-6)
 
 
