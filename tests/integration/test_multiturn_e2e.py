@@ -42,12 +42,13 @@ def _run(dump, model, *overrides, timeout=240):
 def test_an_async_multi_turn_run_trains_and_logs_whole_episodes(tmp_path, chat_model, streaming):
     """Mutations: turns sent from the episodes' thread or never answered (the run would hang or crash), the
     environment's replies missing from the sequences, episodes missing from completions.jsonl, the final push
-    skipped (checksums)."""
+    skipped (checksums), evaluation sending single-turn requests (no environment reward)."""
     dump = tmp_path / "run"
     p = _run(dump, chat_model, "--training.steps", "3", "--metrics.log_completions_every", "1",
              "--rollout.reward_funcs", "digits", "--off_policy.async_ratio", "1",
              "--weight_sync.async_weight_update", "true", "--rollout.continuous_batching", "true",
-             "--rollout.streaming_admission", streaming)
+             "--rollout.streaming_admission", streaming, "--eval.every_steps", "3", "--eval.num_prompts", "4",
+             "--eval.n", "2", "--eval.temperature", "1.0")
     assert p.returncode == 0, p.stderr[-3000:]
     rows = read_metrics(dump)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -62,6 +63,9 @@ def test_an_async_multi_turn_run_trains_and_logs_whole_episodes(tmp_path, chat_m
         assert r["episode"]["messages"][1] == {"role": "user", "content": "ok 1"}
         assert "\n[user] ok 1\n[assistant] " in r["completion"]
     assert {r["episode"]["end"] for r in done} <= {"done", "max_tokens", "max_turns"}
+    (evaluation,) = [json.loads(line) for line in (dump / "eval.jsonl").read_text().splitlines()]
+    assert evaluation["eval/version"] == 3 and evaluation["eval/num_prompts"] == 4  # episodes, scored alike
+    assert "eval/rewards/environment/mean" in evaluation
 
 
 @pytest.mark.parametrize("fault,line", [

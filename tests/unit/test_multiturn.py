@@ -309,3 +309,28 @@ def test_multi_turn_config_errors_name_the_field(overrides, fragment):
     with pytest.raises(ConfigError) as err:
         validate_config(jc)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_checkpoint_keeps_finished_groups_with_their_episodes(tok, monkeypatch, streaming):
+    """Mutations: the episodes left out of the saved parts (a restored group could not be scored as a
+    conversation), or the restored group's prompt taken from the record's text instead of its opening."""
+    sched, _ = make(tok, monkeypatch, streaming=streaming)
+    try:
+        sched.dispatch(1, 0)
+        deadline = time.monotonic() + 10
+        while sched._groups and time.monotonic() < deadline:
+            sched.pump(0.05)
+        state = sched.state_dict(timeout=5.0)
+        expected = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    resumed, (engine,) = make(tok, monkeypatch, streaming=streaming)
+    try:
+        resumed.load_state_dict(state)
+        batch = resumed.collect(1, 0)
+    finally:
+        resumed.drain(0)
+    assert engine.requests == []  # nothing generated again
+    assert torch.equal(batch.tokens, expected.tokens) and torch.equal(batch.loss_mask, expected.loss_mask)
+    assert batch.episodes == expected.episodes and batch.rewards.tolist() == expected.rewards.tolist()
