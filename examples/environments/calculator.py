@@ -9,7 +9,9 @@ neither ends the episode with 0.0. The first of the two in a turn counts.
 
 Records (``problems``): ``{"question": "What is 23 * 47 + 18 * 9?", "answer": "1243"}``: two products of two-digit
 numbers and their sum or difference, beyond what a 135M model computes reliably alone; the calculator makes each
-step one call.
+step one call. ``calculator_task`` serves them as a task (``rollout.task``): fresh problems each step, a fixed
+held-out set for ``[eval]``; without ``rollout.environment`` the same task is the no-tool baseline (the question
+alone, scored by ``answer_match``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from torchtitan_flux.data.environments import Message, MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput
+from torchtitan_flux.data.tasks import Prompt, Task
 
 SYSTEM = ("You solve arithmetic problems with a calculator. To use it, write one line 'CALC: <expression>', for "
           "example 'CALC: 12*37', and stop; it replies '= 444'. When you know the result, write 'ANSWER: <number>'.")
@@ -103,3 +106,42 @@ def problems(n: int, seed: int) -> list[dict]:
         answer = a * b + c * d if op == "+" else a * b - c * d
         out.append({"question": f"What is {a} * {b} {op} {c} * {d}?", "answer": str(answer)})
     return out
+
+
+class CalculatorTask(Task):
+    """``problems`` as prompts: seeded by (seed, step); ``eval_prompts`` a fixed set (its own seed). The prompt's text
+    is the question in the model's chat template (the baseline's prompt; an episode opens with ``init`` instead)."""
+
+    name = "calculator"
+    own_rewards = ("answer_match",)
+
+    def __init__(self, template=None):
+        super().__init__()
+        self.template = template
+
+    def _prompts(self, records: list[dict]) -> list[Prompt]:
+        out = []
+        for r in records:
+            text = r["question"] if self.template is None else self.template.render(
+                [{"role": "user", "content": r["question"]}], add_generation_prompt=True)
+            out.append(Prompt(text, r["answer"], dict(r), add_bos=self.template is None))
+        return out
+
+    def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
+        return self._prompts(problems(n, seed * 1_000_003 + step))
+
+    def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
+        return self._prompts(problems(n or 64, 7_919))  # the same held-out records for every run and seed
+
+
+def calculator_task(job_config, tokenizer, dataset_path, dataset_split, field_name) -> CalculatorTask:
+    """``rollout.task = "examples.environments.calculator:calculator_task"``: the model's chat template renders the
+    baseline's prompts when the model folder has one."""
+    from torchtitan_flux.data.datasets import ChatTemplate
+    from torchtitan_flux.errors import ConfigError
+
+    try:
+        template = ChatTemplate(job_config.model.hf_assets_path)
+    except ConfigError:  # no chat template: the question as plain text
+        template = None
+    return CalculatorTask(template)

@@ -192,7 +192,8 @@ def group_result(req_id: int, episodes: list[Episode], newest_seen: int, gen_tim
                  ) -> tuple[list[int], GenerationResult]:
     """A finished group as one part: (the prompt: the opening tokens its episodes share, the result: each episode's
     tokens after it, the model's and the environment's as generated, with ``model_mask`` on the model's, logprobs 0
-    and version -1 elsewhere; ``version`` the oldest model token's)."""
+    and version -1 elsewhere; ``version`` the oldest model token's; ``gen_time_s`` the group's wall time, from its
+    start to its last episode's end)."""
     first = episodes[0].token_ids[: episodes[0].prompt_tokens]
     shared = min(next((i for i, (a, b) in enumerate(zip(first, ep.token_ids)) if a != b), len(first))
                  for ep in episodes)  # the same record opens alike, unless its environment draws at random

@@ -93,7 +93,7 @@ class RolloutScheduler:
         ``episodes``: multi-turn groups (``rollout.environment``; posting to ``events``), None: single-turn."""
         self.episodes = episodes
         self._groups: dict[int, RequestPart] = {}  # multi-turn groups running: request id -> part
-        self._group_stats: dict[int, tuple[int, float]] = {}  # -> (newest version seen, generation seconds)
+        self._group_stats: dict[int, tuple[int, float]] = {}  # -> (newest version seen by its turns, when it started)
         self.episode_failure: BaseException | None = None  # the first group that failed (an environment's error)
         self.engines = list(engines)
         self.streaming, self.carry_over = streaming, carry_over
@@ -237,7 +237,7 @@ class RolloutScheduler:
         started on the episodes' thread; its turns come back as ``TurnRequest``s, its end as ``GroupEnded``."""
         part = RequestPart(req, None, first)
         self._groups[req.req_id] = part
-        self._group_stats[req.req_id] = (-1, 0.0)
+        self._group_stats[req.req_id] = (-1, time.monotonic())
         self.episodes.start(req.req_id, env_input(prompt), req.group_size)
         return part
 
@@ -260,8 +260,8 @@ class RolloutScheduler:
     def _turn_ended(self, part: RequestPart, result: GenerationResult) -> None:
         """A turn's tokens, logprobs and versions, to its episode."""
         turn, n = part.turn, int(result.lengths[0])
-        newest, seconds = self._group_stats.get(turn.group, (-1, 0.0))
-        self._group_stats[turn.group] = (max(newest, result.newest_seen), seconds + result.gen_time_s)
+        newest, started = self._group_stats.get(turn.group, (-1, time.monotonic()))
+        self._group_stats[turn.group] = (max(newest, result.newest_seen), started)
         self.episodes.answer(turn, (result.tokens[0, :n].tolist(), result.logprobs[0, :n].tolist(),
                                     result.versions_per_token()[0, :n].tolist()))
 
@@ -270,11 +270,11 @@ class RolloutScheduler:
         if not self.episodes.ended(ev.group):  # cancelled (restarted, discarded): dropped
             return
         part = self._groups.pop(ev.group)
-        newest, seconds = self._group_stats.pop(ev.group)
+        newest, started = self._group_stats.pop(ev.group)
         if ev.error is not None:
             self.episode_failure = self.episode_failure or ev.error
             return
-        prompt, result = group_result(ev.group, ev.episodes, newest, seconds)
+        prompt, result = group_result(ev.group, ev.episodes, newest, time.monotonic() - started)
         part.request.prompt_ids, part.episodes = [prompt], ev.episodes
         st = self._steps.get(part.request.step)
         if st is not None:
