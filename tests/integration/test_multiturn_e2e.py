@@ -17,6 +17,7 @@ from _procs import complete_ckpts
 from fakes.environments import TINY_CHAT_TEMPLATE
 
 from conftest import ROOT, TESTS, read_metrics, torchrun_cmd
+from test_vllm import TOKEN, vllm_server  # noqa: F401 - the real server's fixture (module-scoped: one per file)
 
 ENV = "fakes.environments:DigitsEnv"
 
@@ -89,3 +90,27 @@ def test_a_failing_environment_stops_the_run_in_one_line_and_checkpoints_the_las
     trained = [r["step"] for r in read_metrics(dump)]
     assert trained and trained == list(range(1, len(trained) + 1)) and len(trained) < 6
     assert complete_ckpts(dump) == [trained[-1]]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_multi_turn_run_with_vllm_pushes_and_probes(vllm_server, small_model_dir, tmp_path, monkeypatch):
+    """The real vLLM server (CPU) generates every turn; weights are pushed every step and the post-sync probe runs
+    after each. Mutations: a turn's stop token dropped or its ids re-tokenized (the episode's next prompt would not
+    extend it: the chat bridge refuses), pushes or probes skipped (checksums, version)."""
+    from torchtitan_flux.auth import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    model = tmp_path / "small-chat"
+    shutil.copytree(small_model_dir, model)  # the server's model, with a chat template (the server needs none)
+    (model / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE)
+    dump = tmp_path / "run"
+    p = _run(dump, model, "--training.steps", "3", "--rollout.engine", "vllm", "--rollout.urls", vllm_server[0],
+             "--weight_sync.probe_every", "1", "--metrics.log_completions_every", "1", "--rollout.reward_funcs",
+             "digits", "--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1", timeout=500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2, 3]
+    summary = json.loads((dump / "summary.json").read_text())
+    assert summary["checksums_match"] and summary["final_engine_version"] == 3
+    done = [json.loads(line) for line in (dump / "completions.jsonl").read_text().splitlines()]
+    assert len(done) == 3 * 4 * 8 and any(r["episode"]["turns"] >= 2 for r in done)

@@ -260,7 +260,9 @@ class RolloutScheduler:
     def _turn_ended(self, part: RequestPart, result: GenerationResult) -> None:
         """A turn's tokens, logprobs and versions, to its episode."""
         turn, n = part.turn, int(result.lengths[0])
-        newest, started = self._group_stats.get(turn.group, (-1, time.monotonic()))
+        if turn.group not in self._groups:  # cancelled meanwhile
+            return
+        newest, started = self._group_stats[turn.group]
         self._group_stats[turn.group] = (max(newest, result.newest_seen), started)
         self.episodes.answer(turn, (result.tokens[0, :n].tolist(), result.logprobs[0, :n].tolist(),
                                     result.versions_per_token()[0, :n].tolist()))
