@@ -162,6 +162,8 @@ def test_an_episode_keeps_earlier_turns_tokens_and_only_the_models_tokens_are_in
         assert torch.all(versions[mask.bool()] == 0) and torch.all(versions[~mask.bool()] == -1)
     assert batch.num_completion_tokens == sum(len(g) for _, g in turns)
     assert [e["end"] for e in batch.episodes] == ["done"] * (P * G) and batch.episodes[0]["turns"] == 3
+    if streaming:  # the generated length counts the model's tokens only
+        assert sched.generated["generated_completion_len_mean"] == batch.num_completion_tokens / (P * G)
     assert batch.episodes[0]["messages"][1] == {"role": "user", "content": "again 1"}
 
 

@@ -453,10 +453,12 @@ class RolloutScheduler:
         st.parts.append(self._send(req, engine, part.first))
 
     def _generated_stats(self) -> dict[str, float]:
-        """Mean completion length and reward of every group finished since the last batch (their rewards waited
-        for), trained or not; the window starts afresh."""
+        """Mean completion length (the model's tokens: a multi-turn episode's environment tokens left out) and reward
+        of every group finished since the last batch (their rewards waited for), trained or not; the window starts
+        afresh."""
         arrived, self._arrived = self._arrived, []
-        lengths = [float(x) for p in arrived for x in p.result.lengths.tolist()]
+        lengths = [float(x) for p in arrived for x in (p.result.lengths if p.result.model_mask is None
+                                                        else p.result.model_mask.sum(1)).tolist()]
         scores = [self.scoring.wait(p.scores, lambda: self.interrupted) for p in arrived]
         rewards = [r for got in scores if got is not None for r in got.total]  # None: interrupted (the run stops)
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
