@@ -40,14 +40,19 @@ class CalculatorEnv(MessageEnv):
 
     @dataclass(kw_only=True, slots=True)
     class Config(MessageEnv.Config):
-        pass
+        examples: int = 0
+        """Worked examples in the opening (a question, the calculator calls and their replies, the answer), for a
+        model that does not follow the protocol from the system message alone (``rollout.environment_args =
+        ["examples=1"]``)."""
 
     def __init__(self, config: Config, *, env_input: dict) -> None:
         self._question = env_input["question"]
         self._answer = Fraction(env_input["answer"])
+        self._examples = config.examples
 
     async def init(self) -> MessageEnvInitOutput:
-        return MessageEnvInitOutput(init_prompt_messages=[{"role": "system", "content": SYSTEM},
+        shots = [m for record in problems(self._examples, seed=-1) for m in worked_example(record)]
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "system", "content": SYSTEM}, *shots,
                                                           {"role": "user", "content": self._question}])
 
     async def step(self, completion_message: Message) -> MessageEnvStepOutput:
@@ -60,6 +65,18 @@ class CalculatorEnv(MessageEnv):
             correct = number is not None and Fraction(number.group(0).replace(",", "")) == self._answer
             return MessageEnvStepOutput(done=True, env_rewards={"correct": float(correct)})
         return MessageEnvStepOutput(env_messages=[{"role": "user", "content": calculate(text)}])
+
+
+def worked_example(record: dict) -> list[Message]:
+    """``record`` solved with the calculator, as messages: each product, then their sum or difference, then the
+    answer."""
+    a, b, op, c, d = record["question"].removeprefix("What is ").removesuffix("?").replace("*", "").split()
+    ab, cd = f"{a}*{b}", f"{c}*{d}"
+    steps = [ab, cd, f"{calculate(ab)[2:]}{op}{calculate(cd)[2:]}"]
+    out: list[Message] = [{"role": "user", "content": record["question"]}]
+    for expr in steps:
+        out += [{"role": "assistant", "content": f"CALC: {expr}"}, {"role": "user", "content": calculate(expr)}]
+    return out + [{"role": "assistant", "content": f"ANSWER: {record['answer']}"}]
 
 
 def calculate(expression: str) -> str:
