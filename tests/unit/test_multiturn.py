@@ -336,3 +336,23 @@ def test_a_checkpoint_keeps_finished_groups_with_their_episodes(tok, monkeypatch
     assert engine.requests == []  # nothing generated again
     assert torch.equal(batch.tokens, expected.tokens) and torch.equal(batch.loss_mask, expected.loss_mask)
     assert batch.episodes == expected.episodes and batch.rewards.tolist() == expected.rewards.tolist()
+
+
+def test_the_calculators_worked_examples_follow_its_protocol():
+    """Mutations: an example whose calculator replies or answer are wrong (the model would learn them), or the
+    examples placed after the question."""
+    import asyncio
+
+    from examples.environments.calculator import CalculatorEnv, calculate, problems
+
+    record = problems(1, seed=5)[0]
+    opening = asyncio.run(CalculatorEnv(CalculatorEnv.Config(examples=2), env_input=record).init())
+    messages = opening.init_prompt_messages
+    assert [m["role"] for m in messages[:2]] == ["system", "user"] and messages[-1]["content"] == record["question"]
+    shots = messages[1:-1]
+    assert len(shots) == 2 * 8
+    for i, m in enumerate(shots):
+        if m["role"] == "assistant" and m["content"].startswith("CALC: "):
+            assert shots[i + 1] == {"role": "user", "content": calculate(m["content"][6:])}
+    answers = [m["content"] for m in shots if m["content"].startswith("ANSWER: ")]
+    assert answers == [f"ANSWER: {r['answer']}" for r in problems(2, seed=-1)]
