@@ -105,10 +105,6 @@ class EpisodeGroups:
         """Run ``n`` episodes built from ``record``; ``GroupEnded`` for ``group`` comes when they end."""
         self._groups[group] = asyncio.run_coroutine_threadsafe(self._group(group, record, n), self._loop)
 
-    def running(self) -> int:
-        """Groups started and not ended (nor cancelled)."""
-        return len(self._groups)
-
     def ended(self, group: int) -> bool:
         """Forget ``group`` once its ``GroupEnded`` arrived: False when it was cancelled (drop the event)."""
         return self._groups.pop(group, None) is not None
