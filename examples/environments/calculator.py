@@ -9,7 +9,9 @@ neither ends the episode with 0.0. The first of the two in a turn counts.
 
 Records (``problems``): ``{"question": "What is 23 * 47 + 18 * 9?", "answer": "1243"}``: two products of two-digit
 numbers and their sum or difference, beyond what a 135M model computes reliably alone; the calculator makes each
-step one call.
+step one call. ``calculator_task`` serves them as a task (``rollout.task``): fresh problems each step, a fixed
+held-out set for ``[eval]``; without ``rollout.environment`` the same task is the no-tool baseline (the question
+alone, scored by ``answer_match``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from torchtitan_flux.data.environments import Message, MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput
+from torchtitan_flux.data.tasks import Prompt, Task
 
 SYSTEM = ("You solve arithmetic problems with a calculator. To use it, write one line 'CALC: <expression>', for "
           "example 'CALC: 12*37', and stop; it replies '= 444'. When you know the result, write 'ANSWER: <number>'.")
@@ -37,14 +40,19 @@ class CalculatorEnv(MessageEnv):
 
     @dataclass(kw_only=True, slots=True)
     class Config(MessageEnv.Config):
-        pass
+        examples: int = 0
+        """Worked examples in the opening (a question, the calculator calls and their replies, the answer), for a
+        model that does not follow the protocol from the system message alone (``rollout.environment_args =
+        ["examples=1"]``)."""
 
     def __init__(self, config: Config, *, env_input: dict) -> None:
         self._question = env_input["question"]
         self._answer = Fraction(env_input["answer"])
+        self._examples = config.examples
 
     async def init(self) -> MessageEnvInitOutput:
-        return MessageEnvInitOutput(init_prompt_messages=[{"role": "system", "content": SYSTEM},
+        shots = [m for record in problems(self._examples, seed=-1) for m in worked_example(record)]
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "system", "content": SYSTEM}, *shots,
                                                           {"role": "user", "content": self._question}])
 
     async def step(self, completion_message: Message) -> MessageEnvStepOutput:
@@ -57,6 +65,18 @@ class CalculatorEnv(MessageEnv):
             correct = number is not None and Fraction(number.group(0).replace(",", "")) == self._answer
             return MessageEnvStepOutput(done=True, env_rewards={"correct": float(correct)})
         return MessageEnvStepOutput(env_messages=[{"role": "user", "content": calculate(text)}])
+
+
+def worked_example(record: dict) -> list[Message]:
+    """``record`` solved with the calculator, as messages: each product, then their sum or difference, then the
+    answer."""
+    a, b, op, c, d = record["question"].removeprefix("What is ").removesuffix("?").replace("*", "").split()
+    ab, cd = f"{a}*{b}", f"{c}*{d}"
+    steps = [ab, cd, f"{calculate(ab)[2:]}{op}{calculate(cd)[2:]}"]
+    out: list[Message] = [{"role": "user", "content": record["question"]}]
+    for expr in steps:
+        out += [{"role": "assistant", "content": f"CALC: {expr}"}, {"role": "user", "content": calculate(expr)}]
+    return out + [{"role": "assistant", "content": f"ANSWER: {record['answer']}"}]
 
 
 def calculate(expression: str) -> str:
@@ -103,3 +123,42 @@ def problems(n: int, seed: int) -> list[dict]:
         answer = a * b + c * d if op == "+" else a * b - c * d
         out.append({"question": f"What is {a} * {b} {op} {c} * {d}?", "answer": str(answer)})
     return out
+
+
+class CalculatorTask(Task):
+    """``problems`` as prompts: seeded by (seed, step); ``eval_prompts`` a fixed set (its own seed). The prompt's text
+    is the question in the model's chat template (the baseline's prompt; an episode opens with ``init`` instead)."""
+
+    name = "calculator"
+    own_rewards = ("answer_match",)
+
+    def __init__(self, template=None):
+        super().__init__()
+        self.template = template
+
+    def _prompts(self, records: list[dict]) -> list[Prompt]:
+        out = []
+        for r in records:
+            text = r["question"] if self.template is None else self.template.render(
+                [{"role": "user", "content": r["question"]}], add_generation_prompt=True)
+            out.append(Prompt(text, r["answer"], dict(r), add_bos=self.template is None))
+        return out
+
+    def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
+        return self._prompts(problems(n, seed * 1_000_003 + step))
+
+    def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
+        return self._prompts(problems(n or 64, 7_919))  # the same held-out records for every run and seed
+
+
+def calculator_task(job_config, tokenizer, dataset_path, dataset_split, field_name) -> CalculatorTask:
+    """``rollout.task = "examples.environments.calculator:calculator_task"``: the model's chat template renders the
+    baseline's prompts when the model folder has one."""
+    from torchtitan_flux.data.datasets import ChatTemplate
+    from torchtitan_flux.errors import ConfigError
+
+    try:
+        template = ChatTemplate(job_config.model.hf_assets_path)
+    except ConfigError:  # no chat template: the question as plain text
+        template = None
+    return CalculatorTask(template)

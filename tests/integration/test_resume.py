@@ -23,7 +23,7 @@ from torchtitan_flux.errors import ConfigError
 def _config(model_dir, **over) -> SimpleNamespace:
     ck = dict(enable=True, load_step=-1, on_config_mismatch="error")
     ck.update({k: over.pop(k) for k in list(over) if k in ck})
-    r = dict(prompts_per_step=4, task="digits", seed=0)
+    r = dict(prompts_per_step=4, task="digits", seed=0, environment="")
     r.update({k: over.pop(k) for k in list(over) if k in r})
     return SimpleNamespace(
         model=SimpleNamespace(hf_assets_path=str(over.pop("model_dir", model_dir))),
@@ -60,7 +60,8 @@ def _check(cfg, task, folder):
 def test_fingerprint_holds_the_fields_that_shape_a_resume(tiny_model_dir):
     fp = resume.fingerprint(_config(tiny_model_dir), None)
     assert set(fp) == {"model.hf_assets_path config.json", "model.hf_assets_path tokenizer.json", "optimizer.name",
-                       "rollout.prompts_per_step", "grpo.group_size", "rollout.task", "rollout.seed"}
+                       "rollout.prompts_per_step", "grpo.group_size", "rollout.task", "rollout.seed",
+                       "rollout.environment"}
     assert fp["rollout.prompts_per_step"] == 4 and fp["grpo.group_size"] == 8
     with_data = resume.fingerprint(_config(tiny_model_dir, task="dataset"), _DataTask(["a", "b"]))
     assert with_data["rollout.task"] == "dataset"
@@ -73,6 +74,7 @@ def test_fingerprint_holds_the_fields_that_shape_a_resume(tiny_model_dir):
     (dict(optimizer="Adam"), "optimizer.name = 'Adam' differs from the checkpoint's 'AdamW'"),
     (dict(seed=7), "rollout.seed = 7 differs from the checkpoint's 0"),
     (dict(task="arithmetic"), "rollout.task = 'arithmetic' differs from the checkpoint's 'digits'"),
+    (dict(environment="m:Env"), "rollout.environment = 'm:Env' differs from the checkpoint's ''"),
 ])
 def test_a_changed_field_is_refused_in_one_line_naming_it_both_values_and_the_fix(tiny_model_dir, tmp_path, change,
                                                                                    field):

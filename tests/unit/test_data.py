@@ -28,7 +28,7 @@ def job(tmp_path, path, **rollout):
     r = dict(task="dataset", dataset_path=str(path), dataset_split="train", prompt_column="prompt",
              messages_column="messages", answer_column="answer", apply_chat_template=False, max_prompt_tokens=0,
              long_prompts="drop", reward_funcs=["test_data:exact"], reward_weights=[], seed=0,
-             max_new_tokens=8, task_timeout_seconds=60.0)
+             max_new_tokens=8, task_timeout_seconds=60.0, environment="")
     r.update(rollout)
     return SimpleNamespace(rollout=SimpleNamespace(**r), training=SimpleNamespace(seq_len=64),
                            model=SimpleNamespace(hf_assets_path=str(tmp_path / "model")),

@@ -54,7 +54,8 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
 
     def job(task):
         return SimpleNamespace(rollout=SimpleNamespace(task=task, dataset_path="", dataset_split="train",
-                                                       reward_funcs=[], reward_weights=[], task_timeout_seconds=60.0))
+                                                       reward_funcs=[], reward_weights=[], task_timeout_seconds=60.0,
+                                                       environment=""))
 
     assert isinstance(build_task(job("test_tasks:documented_factory"), None), DigitsTask)
     with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:not_a_task' returned list; allowed: a "

@@ -28,8 +28,10 @@ import abc
 import asyncio
 import dataclasses
 import inspect
+import json
 import math
 import threading
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -202,6 +204,44 @@ def load_environment(spec: str, field_name: str, timeout_s: float, timeout_field
     except ValueError:  # no signature to read (a C-level constructor): its first call will tell
         pass
     return EnvironmentClass(spec, cls, config, timeout_s, timeout_field)
+
+
+def configure_environment(env_class: EnvironmentClass, args: list[str], field_name: str) -> EnvironmentClass:
+    """``env_class`` with its ``Config`` fields set from ``args`` ("name=value", the value read as JSON when it parses,
+    else as the plain string), each checked against the field's type; ``ConfigError`` naming ``field_name``."""
+    config_cls = type(env_class.config)
+    fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    try:
+        hints = typing.get_type_hints(config_cls)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: its values are not type-checked
+        hints = {}
+    values: dict[str, Any] = {}
+    for arg in args:
+        name, eq, text = arg.partition("=")
+        name = name.strip()
+        if not eq or name not in fields:
+            raise ConfigError(f"{field_name} has {arg!r}; allowed: 'name=value' with name one of "
+                              f"{sorted(fields) or '(none: ' + env_class.spec + ' has no Config fields)'}")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        want = hints.get(name)
+        plain = typing.get_origin(want) or want
+        if isinstance(plain, type) and plain is not Any:
+            ok = isinstance(value, plain) and not (isinstance(value, bool) and plain is not bool)
+            if plain is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise ConfigError(f"{field_name} sets {name} = {value!r} ({type(value).__name__}); allowed: "
+                                  f"{getattr(want, '__name__', want)} (the type of {env_class.spec}'s Config.{name})")
+        values[name] = value
+    try:
+        config = dataclasses.replace(env_class.config, **values)
+    except Exception as e:  # noqa: BLE001 - user code (a __post_init__): reported naming the field
+        raise ConfigError(f"{field_name}: {env_class.spec}'s Config({', '.join(values)}) raised "
+                          f"{describe_exception(e)}") from e
+    return dataclasses.replace(env_class, config=config)
 
 
 class RunningEnvironment:

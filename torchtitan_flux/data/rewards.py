@@ -260,6 +260,19 @@ def gold_answer(answer: str) -> str | None:
     return extract_answer(str(answer)) if "####" in str(answer) else _normalize(str(answer))
 
 
+ENV_REWARDS_COLUMN = "env_rewards"  # multi-turn: each episode's env_rewards, one dict per environment step
+EPISODE_END_COLUMN = "episode_end"  # multi-turn: how each episode ended ("done", "max_turns", "max_tokens")
+ENV_REWARD_NAME = "environment"  # the reward that sums env_rewards (rollout.environment_reward_weight)
+
+
+def environment_reward(completions, env_rewards=None, **_) -> list[float | None]:
+    """Multi-turn episodes: the sum of every value of every ``env_rewards`` dict the environment returned in the
+    episode (0.0 when it returned none, a truncated episode's usual case); None for samples that are no episodes."""
+    if env_rewards is None:
+        return [None] * len(completions)
+    return [float(sum(sum(step.values()) for step in steps)) for steps in env_rewards]
+
+
 def _text(completion: Any) -> str:
     return completion[-1]["content"] if isinstance(completion, list) else completion
 

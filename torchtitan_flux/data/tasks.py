@@ -330,6 +330,18 @@ def reward_funcs(rollout_cfg) -> list[R.RewardFunc]:
     return out
 
 
+def episode_rewards(rollout_cfg, rewards: list[R.RewardFunc]) -> list[R.RewardFunc]:
+    """What scores multi-turn episodes (``rollout.environment``): ``rewards`` (``rollout.reward_funcs``; a task's
+    own rewards read single completions, so they are not used), then the sum of the environment's ``env_rewards``
+    weighted by ``rollout.environment_reward_weight`` (left out at 0)."""
+    weight = rollout_cfg.environment_reward_weight
+    env = [R.RewardFunc(R.ENV_REWARD_NAME, R.environment_reward, float(weight))] if weight else []
+    if not rewards and not env:
+        raise ConfigError("rollout.environment_reward_weight = 0 and no rollout.reward_funcs: nothing scores the "
+                          "episodes; allowed: a nonzero weight, or reward functions over the conversation")
+    return [*rewards, *env]
+
+
 def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_split: str | None = None,
                field_name: str = "rollout.dataset_path") -> Task:
     """The task named by ``rollout.task``, on ``dataset_path`` / ``dataset_split`` (default: the rollout's),
@@ -354,6 +366,9 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
     if rewards and task.reward_funcs is not rewards:  # a user's task: a copy scored by rollout.reward_funcs
         task = copy.copy(task)
         task.reward_funcs = rewards
+    if r.environment:  # episodes: rollout.reward_funcs over the conversation and the environment's own rewards
+        task = copy.copy(task)
+        task.reward_funcs = episode_rewards(r, rewards)
     if not task.reward_funcs:
         raise ConfigError(f"rollout.task = {task.name!r} has no reward of its own; name one in rollout.reward_funcs")
     return task
@@ -374,14 +389,20 @@ def build_eval_task(job_config, tokenizer, task: Task) -> Task | None:
                       "eval.dataset_path" if ev.dataset_path else "rollout.dataset_path (eval.split)")
 
 
-def check_rewards(task: Task, seed: int, timeout_s: float, max_new_tokens: int, task_timeout_s: float) -> None:
+def check_rewards(task: Task, seed: int, timeout_s: float, max_new_tokens: int, task_timeout_s: float,
+                  episodes: bool = False) -> None:
     """Score an empty completion of one prompt with every reward function, so that a function that fails, returns
     a bad value or runs past ``timeout_s`` stops the run before any engine starts (``RewardError``); the task's
-    ``prompts`` is called (and checked) the same way first."""
+    ``prompts`` is called (and checked) the same way first. ``episodes``: as a multi-turn episode's (an opening user
+    message, one empty assistant turn, no environment rewards, ended "done")."""
     prompt = task_prompts(task, seed, 1, 1, max_new_tokens, task_timeout_s)
     scorer = R.RewardScorer(task.reward_funcs, timeout_s=timeout_s)
     try:
         prompts, completions, columns = R.reward_inputs(task, prompt, [""], 1)
+        if episodes:
+            prompts, completions = [[{"role": "user", "content": prompt[0].text}]], [[{"role": "assistant",
+                                                                                      "content": ""}]]
+            columns = {**columns, R.ENV_REWARDS_COLUMN: [[]], R.EPISODE_END_COLUMN: ["done"]}
         scorer.wait(scorer.submit(prompts, completions, [[]], columns))
     finally:
         scorer.close()

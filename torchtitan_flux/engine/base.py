@@ -49,6 +49,10 @@ class GenerationResult:
     # [n * G, max_new_tokens] int64: the version that generated each token (-1 after EOS), where the engine applies
     # pushes mid-generation and knows (``rollout.in_flight_weight_updates``, embedded); None: every token ``version``
     token_versions: torch.Tensor | None = None
+    # [n * G, max_new_tokens] bool: which tokens the model generated, where others are interleaved (a multi-turn
+    # episode's environment replies and chat scaffolding, ``rollout/episodes.py``: logprobs 0 and version -1 there);
+    # only those are in the loss (``rollout.batch.layout_batch``). None: every token up to ``lengths`` is the model's
+    model_mask: torch.Tensor | None = None
 
     def versions_per_token(self) -> torch.Tensor:
         """``token_versions``, or every position ``version`` where the engine reports none."""

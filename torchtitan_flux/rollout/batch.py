@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from torchtitan_flux.data.rewards import RewardScorer, reward_inputs
+from torchtitan_flux.data.rewards import ENV_REWARDS_COLUMN, EPISODE_END_COLUMN, RewardScorer, reward_inputs
 from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
 
 
@@ -36,6 +36,7 @@ class RolloutBatch:
     prompts: list[str] = field(default_factory=list)  # one per prompt (not per completion)
     reward_values: dict[str, list] = field(default_factory=dict)  # reward function -> value per completion
     reward_metrics: dict[str, float] = field(default_factory=dict)  # rewards/<name>/mean, /std
+    episodes: list[dict] = field(default_factory=list)  # multi-turn: each sample's episode (``episode_record``)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -68,6 +69,24 @@ class CompletionScorer:
         prompts, texts, columns = reward_inputs(task, prompts, completions, group_size)
         return completions, self.pool.submit(prompts, texts, ids, columns)
 
+    def submit_episodes(self, task, prompts: list, groups: list[list]) -> tuple[list[str], Future]:
+        """Multi-turn groups (``groups[i]``: the ``episodes.Episode``s of ``prompts[i]``) to the pool, in TRL's
+        conversational format: ``prompts`` the opening messages, ``completions`` the messages after them (the
+        assistant's turns and the environment's replies), ``completion_ids`` the tokens after the opening; besides
+        the prompts' columns, ``env_rewards`` (each episode's, one dict per environment step) and ``episode_end``
+        ("done", "max_turns", "max_tokens"). (The conversations as text, a future of their scores.)"""
+        episodes = [ep for g in groups for ep in g]
+        rows = [p for p, g in zip(prompts, groups) for _ in g]
+        p_in = [ep.messages[: ep.prompt_messages] for ep in episodes]
+        c_in = [ep.messages[ep.prompt_messages:] for ep in episodes]
+        keys = list(dict.fromkeys(k for p in prompts for k in p.columns))
+        columns = {k: [p.columns.get(k) for p in rows] for k in keys}
+        columns[ENV_REWARDS_COLUMN] = [ep.env_rewards for ep in episodes]
+        columns[EPISODE_END_COLUMN] = [ep.end.value for ep in episodes]
+        ids = [ep.token_ids[ep.prompt_tokens:] for ep in episodes]
+        texts = ["\n".join(f"[{m['role']}] {m['content']}" for m in c) for c in c_in]  # the conversation as text
+        return texts, self.pool.submit(p_in, c_in, ids, columns)
+
     def close(self) -> None:
         self.pool.close()
 
@@ -76,7 +95,8 @@ def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
                  parts: list[tuple[GenerationRequest, GenerationResult]], scores, completions: list[str],
                  group_size: int, pad_id: int) -> RolloutBatch:
     """Step ``step``'s batch: prompt + completion rows (right-padded with ``pad_id``), the loss mask and behaviour
-    logprobs aligned with the positions that predict completion tokens, rewards (``scores``, a
+    logprobs aligned with the positions that predict the model's completion tokens (a result's ``model_mask`` leaves
+    a multi-turn episode's environment tokens out: no loss, no KL), rewards (``scores``, a
     ``rewards.Scores``), per-token policy versions and each sample's oldest. ``parts`` are (request, result) in
     prompt order."""
     G = group_size
@@ -86,6 +106,8 @@ def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
     lengths = torch.cat([r.lengths for _, r in parts])
     token_versions = torch.cat([F.pad(r.versions_per_token(), (0, width - r.tokens.shape[1]), value=-1)
                                 for _, r in parts])
+    model = torch.cat([F.pad(torch.ones(r.tokens.shape, dtype=torch.bool) if r.model_mask is None else r.model_mask,
+                             (0, width - r.tokens.shape[1])) for _, r in parts])
     versions = torch.cat([torch.full((r.tokens.shape[0],), r.version) for _, r in parts])
     prompt_ids = [ids for ids in prompt_ids for _ in range(G)]
     B = len(prompt_ids)
@@ -99,11 +121,12 @@ def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
         p, c = len(prompt_ids[i]), int(lengths[i])
         seq[i, :p] = torch.tensor(prompt_ids[i])
         seq[i, p : p + c] = tokens[i, :c]
-        mask[i, p - 1 : p - 1 + c] = 1.0
-        behaviour[i, p - 1 : p - 1 + c] = logprobs[i, :c]
-        by_token[i, p - 1 : p - 1 + c] = token_versions[i, :c]
-        if c:  # a sample's version is its oldest token's (the request's own may be older: its other samples')
-            versions[i] = token_versions[i, :c].min()
+        mine = model[i, :c]  # the model's tokens: all of them, but for a multi-turn episode's environment tokens
+        mask[i, p - 1 : p - 1 + c] = mine.float()
+        behaviour[i, p - 1 : p - 1 + c] = torch.where(mine, logprobs[i, :c], 0.0)
+        by_token[i, p - 1 : p - 1 + c] = torch.where(mine, token_versions[i, :c], -1)
+        if mine.any():  # a sample's version is its oldest token's (the request's own may be older: its other samples')
+            versions[i] = token_versions[i, :c][mine].min()
     return RolloutBatch(
         step=step, tokens=seq, loss_mask=mask, behaviour_logprobs=behaviour,
         rewards=torch.tensor(scores.total, dtype=torch.float32), versions=versions, token_versions=by_token,

@@ -89,6 +89,8 @@ class Episode:
     env_rewards: list[dict[str, float]] = field(default_factory=list)  # one per environment step
     turns: int = 0  # assistant turns generated
     end: EpisodeEnd = EpisodeEnd.DONE
+    prompt_tokens: int = 0  # the opening prompt's tokens (the first of ``token_ids``)
+    prompt_messages: int = 0  # the opening messages (the first of ``messages``)
 
     @property
     def truncated(self) -> bool:
@@ -220,6 +222,7 @@ async def _run(env: Any, generate: Generate, chat: ChatFormat, limits: EpisodeLi
     messages, tools = list(opening.init_prompt_messages), list(opening.tools)
     episode = Episode([], [], [], [], messages)
     episode.add(chat.opening(messages, tools))
+    episode.prompt_tokens, episode.prompt_messages = len(episode.token_ids), len(messages)
     while True:
         budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode.token_ids))
         if budget < 1:

@@ -1,7 +1,8 @@
 """Held-out evaluation through the rollout engines (``[eval]``; metrics and timing: docs/data.md).
 
 Rank 0 sends the held-out prompts to the training engines, pinned to the newest policy version sent to them, and
-scores the completions with the task's reward functions. A synchronous run waits for the evaluation at its step;
+scores the completions with the task's reward functions. With ``rollout.environment`` each held-out prompt is a
+group of ``eval.n`` episodes, scored like the training's. A synchronous run waits for the evaluation at its step;
 an asynchronous one picks the results up at the first step that ends after they are scored, and waits only when
 the next evaluation is due before the previous one finished, and at the last step.
 
@@ -78,9 +79,9 @@ class Evaluator:
             if not wait and self.rollouts.events.empty():
                 return False
             self.rollouts.pump(0.05 if wait else 0)
+            self.rollouts.raise_episode_failure()
         if run.scores is None:
-            results = [p.result for p in run.parts]
-            _, run.scores = self.rollouts.scoring.submit(self.task, self.prompts, results, self.cfg.n)
+            _, run.scores = self.rollouts.submit_scores(self.task, self.prompts, run.parts, self.cfg.n)
         if not wait and not run.scores.done():
             return False
         self.rollouts.scoring.wait(run.scores)

@@ -25,6 +25,7 @@ from torchtitan_flux.auth import read_token
 from torchtitan_flux.engine.kinds import engine_kind
 from torchtitan_flux.models import hf
 from torchtitan_flux.models.hf_weights import HFLayout
+from torchtitan_flux.rollout.multiturn import episode_groups
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
 from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.sync.syncer import WeightSyncer
@@ -57,6 +58,7 @@ class Rollouts(RolloutScheduler):
                 reward_workers=r.reward_workers, reward_timeout_s=r.reward_timeout_seconds,
                 task_timeout_s=r.task_timeout_seconds, stall_s=r.engine_stall_seconds,
                 streaming=r.streaming_admission, carry_over=r.streaming_carry_over,
+                episodes=episode_groups(job_config, tokenizer, self.events),
             )
             self.syncer = WeightSyncer(jc.weight_sync, model, self.engines, device=device, is_sender=True,
                                        backend="nccl" if self.trainer_on_gpu else "gloo", pump=self.pump,

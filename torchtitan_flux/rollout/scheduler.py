@@ -18,6 +18,14 @@ or, without carry-over, the step's own are restarted from scratch (``restarted_g
 generated once each: a prompt taken by an earlier step is never dispatched again, and a checkpoint keeps which
 prompts were taken and the finished groups not trained yet.
 
+Multi-turn episodes (``rollout.environment``, ``episodes`` given): each prompt is a group of G episodes run by
+``multiturn.EpisodeGroups`` on its own thread; each turn comes back through ``events`` as a ``TurnRequest``, which
+``pump`` sends as a request of one sequence (so engines are only ever called from the main thread) and whose result
+it hands back to the episode. A group whose episodes all ended arrives as ``GroupEnded`` and becomes one finished
+part (its tokens after the shared opening, ``model_mask`` on the model's), in both paths above alike; a turn on a
+dead engine is re-dispatched like any request. An environment's failure is kept (``episode_failure``) and raised by
+the next wait for rollouts, so a checkpoint's pumping never raises it.
+
 A stuck engine: ``collect`` logs who holds what every ``WAIT_NOTE_S`` without a result (``waiting_note``); an engine
 alive but holding requests with no result for ``rollout.engine_stall_seconds`` is killed (``pump``) and, like any
 dead engine, restarted and its requests re-dispatched.
@@ -38,6 +46,8 @@ from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRe
 from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
 from torchtitan_flux.data.rewards import Scores
 from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
+from torchtitan_flux.rollout.multiturn import (EpisodeGroups, GroupEnded, TurnRequest, env_input, episode_record,
+                                               group_result, turn_seed)
 from torchtitan_flux.rollout.split import SpeedSplit
 
 logger = logging.getLogger("torchtitan_flux")
@@ -57,6 +67,8 @@ class RequestPart:
     # streaming admission: the group's decoded completions and the future of its scores, once its result arrived
     completions: list[str] | None = None
     scores: Future | None = None
+    turn: TurnRequest | None = None  # a multi-turn episode's turn: its result goes to the episode, not to a step
+    episodes: list | None = None  # a multi-turn group's episodes (``episodes.Episode``), once they all ended
 
 
 @dataclass
@@ -76,8 +88,13 @@ class RolloutScheduler:
                  prompts_per_step: int, max_new_tokens: int, temperature: float, top_k: int, seed: int, pad_id: int,
                  dead_zone: float = 0.1, max_share: float = 0.75, reward_workers: int = 1,
                  reward_timeout_s: float = 300.0, task_timeout_s: float = 300.0, stall_s: float = 600.0,
-                 streaming: bool = False, carry_over: bool = True):
-        """``streaming``, ``carry_over``: ``rollout.streaming_admission`` and ``rollout.streaming_carry_over``."""
+                 streaming: bool = False, carry_over: bool = True, episodes: EpisodeGroups | None = None):
+        """``streaming``, ``carry_over``: ``rollout.streaming_admission`` and ``rollout.streaming_carry_over``;
+        ``episodes``: multi-turn groups (``rollout.environment``; posting to ``events``), None: single-turn."""
+        self.episodes = episodes
+        self._groups: dict[int, RequestPart] = {}  # multi-turn groups running: request id -> part
+        self._group_stats: dict[int, tuple[int, float]] = {}  # -> (newest version seen by its turns, when it started)
+        self.episode_failure: BaseException | None = None  # the first group that failed (an environment's error)
         self.engines = list(engines)
         self.streaming, self.carry_over = streaming, carry_over
         self._ready: collections.deque[RequestPart] = collections.deque()  # streaming: finished groups, in order
@@ -118,6 +135,12 @@ class RolloutScheduler:
             return
         if self.streaming:
             return self._dispatch_groups(st, trainer_version, pin_version, min_version)
+        if self.episodes is not None:
+            for i in range(len(st.prompts)):
+                req = self._group_request(st, i, trainer_version, pin_version, min_version)
+                st.parts.append(self._start_group(req, st.prompts[i], i))
+            st.n_dispatched = len(st.prompts)
+            return
         alive = self._alive()
         first = 0
         for engine, n in zip(alive, self.split.split(len(st.prompts), [e.name for e in alive])):
@@ -138,6 +161,12 @@ class RolloutScheduler:
         over the engines alive by measured speed."""
         have = st.taken | {p.first for p in st.parts}
         todo = [i for i in range(len(st.prompts)) if i not in have]
+        if self.episodes is not None:
+            for i in todo:
+                req = self._group_request(st, i, trainer_version, pin_version, min_version)
+                st.parts.append(self._start_group(req, st.prompts[i], i))
+            st.n_dispatched = len(st.prompts)
+            return
         alive = self._alive()
         engines = [e for e, n in zip(alive, self.split.split(len(todo), [e.name for e in alive])) for _ in range(n)]
         for i, engine in zip(todo, engines):
@@ -176,6 +205,11 @@ class RolloutScheduler:
         """Evaluation requests: ``n`` completions of each prompt (``prompt_ids``: their tokens) on exactly policy
         ``version``, split evenly over the engines alive, each request with its prompts' largest budget; their
         results come through ``pump`` like any other's."""
+        if self.episodes is not None:  # a group of n episodes per prompt
+            return [self._start_group(GenerationRequest(
+                req_id=next(self._req_ids), step=0, prompt_ids=[ids], group_size=n, max_new_tokens=self.max_new_tokens,
+                temperature=temperature, top_k=self.top_k, seed=seed * 131 + i, dispatch_version=version,
+                min_version=version, pin_version=version), p, i) for i, (p, ids) in enumerate(zip(prompts, prompt_ids))]
         alive = self._alive()
         parts, first = [], 0
         for i, engine in enumerate(alive):
@@ -191,11 +225,78 @@ class RolloutScheduler:
             first += count
         return parts
 
-    def _send(self, req: GenerationRequest, engine: EngineHandler, first: int) -> RequestPart:
-        part = RequestPart(req, engine, first)
+    def _send(self, req: GenerationRequest, engine: EngineHandler, first: int,
+              turn: TurnRequest | None = None) -> RequestPart:
+        part = RequestPart(req, engine, first, turn=turn)
         self._by_req[req.req_id] = part
         engine.submit(req)
         return part
+
+    def _start_group(self, req: GenerationRequest, prompt: Prompt, first: int) -> RequestPart:
+        """A multi-turn group (``req``: its prompt's budget, sampling, seed and versions; ``group_size`` episodes)
+        started on the episodes' thread; its turns come back as ``TurnRequest``s, its end as ``GroupEnded``."""
+        part = RequestPart(req, None, first)
+        self._groups[req.req_id] = part
+        self._group_stats[req.req_id] = (-1, time.monotonic())
+        self.episodes.start(req.req_id, env_input(prompt), req.group_size)
+        return part
+
+    def _send_turn(self, turn: TurnRequest) -> None:
+        """An episode's turn as a request of one sequence, on the engine alive holding the fewest requests."""
+        group = self._groups.get(turn.group)
+        if group is None:  # cancelled meanwhile
+            return
+        g = group.request
+        req = GenerationRequest(
+            req_id=next(self._req_ids), step=g.step, prompt_ids=[turn.prompt_ids], group_size=1,
+            max_new_tokens=turn.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+            seed=turn_seed(g.seed, turn.episode, turn.turn), dispatch_version=g.dispatch_version,
+            min_version=g.min_version, pin_version=g.pin_version,
+        )
+        held = collections.Counter(p.engine.name for p in self._by_req.values() if p.engine is not None)
+        engine = min(self._alive(), key=lambda e: held[e.name])
+        self._send(req, engine, group.first, turn)
+
+    def _turn_ended(self, part: RequestPart, result: GenerationResult) -> None:
+        """A turn's tokens, logprobs and versions, to its episode."""
+        turn, n = part.turn, int(result.lengths[0])
+        if turn.group not in self._groups:  # cancelled meanwhile
+            return
+        newest, started = self._group_stats[turn.group]
+        self._group_stats[turn.group] = (max(newest, result.newest_seen), started)
+        self.episodes.answer(turn, (result.tokens[0, :n].tolist(), result.logprobs[0, :n].tolist(),
+                                    result.versions_per_token()[0, :n].tolist()))
+
+    def _group_ended(self, ev: GroupEnded) -> None:
+        """A multi-turn group's end: one finished part (or, failed, the failure kept for the next wait)."""
+        if not self.episodes.ended(ev.group):  # cancelled (restarted, discarded): dropped
+            return
+        part = self._groups.pop(ev.group)
+        newest, started = self._group_stats.pop(ev.group)
+        if ev.error is not None:
+            self.episode_failure = self.episode_failure or ev.error
+            return
+        prompt, result = group_result(ev.group, ev.episodes, newest, time.monotonic() - started)
+        part.request.prompt_ids, part.episodes = [prompt], ev.episodes
+        st = self._steps.get(part.request.step)
+        if st is not None:
+            st.prompt_ids[part.first] = prompt
+        self._finished(part, result)
+
+    def _cancel_group(self, part: RequestPart) -> None:
+        """Stop a multi-turn group still running and forget its turns in flight (their results are dropped)."""
+        gid = part.request.req_id
+        if self._groups.pop(gid, None) is None:
+            return
+        self._group_stats.pop(gid, None)
+        self.episodes.cancel(gid)
+        for req_id in [k for k, p in self._by_req.items() if p.turn is not None and p.turn.group == gid]:
+            del self._by_req[req_id]
+
+    def raise_episode_failure(self) -> None:
+        """Raise the first multi-turn group's failure (an environment's ``UserCodeError``), if any."""
+        if self.episode_failure is not None:
+            raise self.episode_failure
 
     def pump(self, timeout: float) -> None:
         """Handle at most one engine event, waiting up to ``timeout`` seconds; once a second, kill stuck engines."""
@@ -216,13 +317,15 @@ class RolloutScheduler:
             if part is None:  # a re-dispatched request's late original, or a request of a discarded step
                 logger.debug(f"dropped a late result (request {ev.req_id}, engine {ev.engine})")
             else:
-                part.result = ev
                 self.split.observe(ev.engine, ev.tokens.shape[0], ev.gen_time_s)
-                st = self._steps.get(part.request.step)  # None for evaluation requests (step 0)
-                if st is not None and self.streaming:
-                    self._score_group(st, part)
-                elif st is not None and all(p.result is not None for p in st.parts):
-                    self._score(st)
+                if part.turn is not None:
+                    self._turn_ended(part, ev)
+                else:
+                    self._finished(part, ev)
+        elif isinstance(ev, TurnRequest):
+            self._send_turn(ev)
+        elif isinstance(ev, GroupEnded):
+            self._group_ended(ev)
         elif isinstance(ev, WeightAck):
             self._weight_event(ev)
         elif isinstance(ev, EngineError):
@@ -231,6 +334,15 @@ class RolloutScheduler:
                 self._engine_died(ev.engine, ev.message)
             else:
                 logger.warning(f"engine {ev.engine}: {ev.message}")
+
+    def _finished(self, part: RequestPart, result: GenerationResult) -> None:
+        """A part's result: scored with its group (streaming) or its step, once the step has all its parts."""
+        part.result = result
+        st = self._steps.get(part.request.step)  # None for evaluation requests (step 0)
+        if st is not None and self.streaming:
+            self._score_group(st, part)
+        elif st is not None and all(p.result is not None for p in st.parts):
+            self._score(st)
 
     def _weight_event(self, ev: WeightAck | EngineError) -> None:
         """An ack or engine error: nothing to do for the scheduler alone (``rollouts.Rollouts`` hands it to its
@@ -277,6 +389,7 @@ class RolloutScheduler:
     def collect(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> RolloutBatch:
         """Dispatch ``step`` (unless admission already has), wait for all its parts and build its batch (scored,
         laid out for training). Streaming admission: the first groups to finish instead (``_collect_groups``)."""
+        self.raise_episode_failure()
         self.dispatch(step, trainer_version, pin_version=pin_version, min_version=min_version)
         if self.streaming:
             return self._collect_groups(step, trainer_version, pin_version, min_version)
@@ -330,16 +443,22 @@ class RolloutScheduler:
         """Generate ``part``'s group afresh (streaming admission); its old request's result, if any, is dropped."""
         self._by_req.pop(part.request.req_id, None)
         st.parts.remove(part)
+        req = self._group_request(st, part.first, trainer_version, pin_version, min_version)
+        if self.episodes is not None:
+            self._cancel_group(part)
+            st.parts.append(self._start_group(req, st.prompts[part.first], part.first))
+            return
         alive = self._alive()
         engine = next(e for e in alive if e.name == self.split.fastest([a.name for a in alive]))
-        st.parts.append(self._send(self._group_request(st, part.first, trainer_version, pin_version, min_version),
-                                   engine, part.first))
+        st.parts.append(self._send(req, engine, part.first))
 
     def _generated_stats(self) -> dict[str, float]:
-        """Mean completion length and reward of every group finished since the last batch (their rewards waited
-        for), trained or not; the window starts afresh."""
+        """Mean completion length (the model's tokens: a multi-turn episode's environment tokens left out) and reward
+        of every group finished since the last batch (their rewards waited for), trained or not; the window starts
+        afresh."""
         arrived, self._arrived = self._arrived, []
-        lengths = [float(x) for p in arrived for x in p.result.lengths.tolist()]
+        lengths = [float(x) for p in arrived for x in (p.result.lengths if p.result.model_mask is None
+                                                        else p.result.model_mask.sum(1)).tolist()]
         scores = [self.scoring.wait(p.scores, lambda: self.interrupted) for p in arrived]
         rewards = [r for got in scores if got is not None for r in got.total]  # None: interrupted (the run stops)
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
@@ -347,8 +466,8 @@ class RolloutScheduler:
 
     def _score_group(self, st: _Step, part: RequestPart) -> None:
         """Streaming admission: decode a finished group and hand it to the reward pool; it is ready to be taken."""
-        part.completions, part.scores = self.scoring.submit(self.task, [st.prompts[part.first]], [part.result],
-                                                            self.group_size)
+        part.completions, part.scores = self.submit_scores(self.task, [st.prompts[part.first]], [part],
+                                                           self.group_size)
         self._ready.append(part)
         self._arrived.append(part)
 
@@ -361,10 +480,11 @@ class RolloutScheduler:
                 raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {step}")
             scores.append(got)
         steps = [self._steps[p.request.step] for p in parts]
-        return layout_batch(step, [st.prompts[p.first] for st, p in zip(steps, parts)],
-                            [st.prompt_ids[p.first] for st, p in zip(steps, parts)],
-                            [(p.request, p.result) for p in parts], Scores.concat(scores),
-                            [c for p in parts for c in p.completions], self.group_size, self.pad_id)
+        return _with_episodes(layout_batch(step, [st.prompts[p.first] for st, p in zip(steps, parts)],
+                                           [st.prompt_ids[p.first] for st, p in zip(steps, parts)],
+                                           [(p.request, p.result) for p in parts], Scores.concat(scores),
+                                           [c for p in parts for c in p.completions], self.group_size, self.pad_id),
+                              parts)
 
     def interrupt(self) -> None:
         """Make ``collect`` raise ``RolloutWaitInterrupted`` within ~50 ms; safe to call from a signal handler."""
@@ -373,8 +493,16 @@ class RolloutScheduler:
     def _score(self, st: _Step) -> None:
         """Decode ``st``'s completions and hand them to the reward pool (once)."""
         if st.scores is None:
-            results = [p.result for p in sorted(st.parts, key=lambda p: p.first)]
-            st.completions, st.scores = self.scoring.submit(self.task, st.prompts, results, self.group_size)
+            parts = sorted(st.parts, key=lambda p: p.first)
+            st.completions, st.scores = self.submit_scores(self.task, st.prompts, parts, self.group_size)
+
+    def submit_scores(self, task: Task, prompts: list[Prompt], parts: list[RequestPart],
+                      n: int) -> tuple[list[str], Future]:
+        """The finished ``parts`` of ``prompts`` (``n`` samples each, in order) to the reward pool: (completion
+        texts, future of their scores); multi-turn groups are scored as conversations (``submit_episodes``)."""
+        if parts and parts[0].episodes is not None:
+            return self.scoring.submit_episodes(task, prompts, [p.episodes for p in parts])
+        return self.scoring.submit(task, prompts, [p.result for p in parts], n)
 
     def _build(self, st: _Step) -> RolloutBatch:
         parts = sorted(st.parts, key=lambda p: p.first)
@@ -382,20 +510,22 @@ class RolloutScheduler:
         scores = self.scoring.wait(st.scores, lambda: self.interrupted)
         if scores is None:
             raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {st.step}")
-        return layout_batch(st.step, st.prompts, st.prompt_ids, [(p.request, p.result) for p in parts], scores,
-                            st.completions, self.group_size, self.pad_id)
+        return _with_episodes(layout_batch(st.step, st.prompts, st.prompt_ids, [(p.request, p.result) for p in parts],
+                                           scores, st.completions, self.group_size, self.pad_id), parts)
 
     def discard(self, step: int) -> None:
         """Forget ``step``'s requests (their results will be dropped); the next dispatch starts it afresh."""
         st = self._steps.pop(step, None)
         for part in st.parts if st else []:
             self._by_req.pop(part.request.req_id, None)
+            if self.episodes is not None:
+                self._cancel_group(part)
 
     def state_dict(self, timeout: float) -> dict:
         """The finished rollouts of dispatched steps, for a checkpoint, after waiting up to ``timeout`` seconds for
         those in flight. A step still unfinished is left out and generated afresh on resume."""
         deadline = time.monotonic() + timeout
-        while self._by_req and time.monotonic() < deadline:
+        while (self._by_req or self._groups) and time.monotonic() < deadline:
             waiting = any(e.alive() for e in self.engines)  # else: only take the results already queued
             try:
                 self.pump(0.05 if waiting else 0)
@@ -405,10 +535,11 @@ class RolloutScheduler:
                 break
         if self.streaming:  # which prompts were taken, and the finished groups not trained yet, in arrival order
             return {"streaming": {"taken": {st.step: sorted(st.taken) for st in self._steps.values()},
-                                  "ready": [(p.request.step, p.first, p.request, p.result) for p in self._ready]}}
+                                  "ready": [(p.request.step, p.first, p.request, p.result, p.episodes)
+                                            for p in self._ready]}}
         done = [st for st in self._steps.values() if all(p.result is not None for p in st.parts)]
         return {"steps": [{"step": st.step, "n_dispatched": st.n_dispatched,
-                           "parts": [(p.first, p.request, p.result) for p in st.parts]} for st in done]}
+                           "parts": [(p.first, p.request, p.result, p.episodes) for p in st.parts]} for st in done]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the finished rollouts of ``state_dict``; they are trained on as they are, never regenerated.
@@ -422,16 +553,16 @@ class RolloutScheduler:
             saved = state["streaming"]
             for k, taken in saved["taken"].items():
                 self._new_step(k).taken = set(taken)
-            for k, first, req, result in saved["ready"]:
+            for k, first, req, result, *episodes in saved["ready"]:  # (saved before multi-turn: no episodes)
                 st = self._steps.get(k) or self._new_step(k)
-                part = RequestPart(req, None, first, result)
+                part = _restored(st, first, req, result, episodes)
                 st.parts.append(part)
                 self._score_group(st, part)
             return
         for saved in state.get("steps", []):
             st = self._new_step(saved["step"])
             st.n_dispatched = saved["n_dispatched"]
-            st.parts = [RequestPart(req, None, first, result) for first, req, result in saved["parts"]]
+            st.parts = [_restored(st, first, req, result, episodes) for first, req, result, *episodes in saved["parts"]]
 
     def drain(self, timeout: float = 5.0) -> None:
         """Forget outstanding requests (shutdown); results that still arrive are dropped."""
@@ -441,10 +572,28 @@ class RolloutScheduler:
                 self.pump(0.05)
         except NoEngineLeft:  # shutting down anyway: not the run's outcome (which the caller is reporting)
             pass
+        if self.episodes is not None:
+            self.episodes.close()
+        self._groups.clear()
         self._steps.clear()
         self._by_req.clear()
         self._ready.clear()
         self.scoring.close()
+
+
+def _restored(st: _Step, first: int, req: GenerationRequest, result: GenerationResult, episodes: list) -> RequestPart:
+    """A finished part from a checkpoint; a multi-turn group's opening is its prompt."""
+    part = RequestPart(req, None, first, result, episodes=episodes[0] if episodes else None)
+    if part.episodes is not None:
+        st.prompt_ids[first] = req.prompt_ids[0]
+    return part
+
+
+def _with_episodes(batch: RolloutBatch, parts: list[RequestPart]) -> RolloutBatch:
+    """``batch`` with its multi-turn episodes (for ``completions.jsonl``), one per sample in order."""
+    if parts and parts[0].episodes is not None:
+        batch.episodes = [episode_record(ep) for p in parts for ep in p.episodes]
+    return batch
 
 
 class _WaitNotes:
@@ -460,6 +609,7 @@ class _WaitNotes:
         if sched.interrupted:
             raise RolloutWaitInterrupted(f"interrupted while waiting for the rollouts of step {self.step}")
         sched.pump(0.05)
+        sched.raise_episode_failure()
         now = time.monotonic()
         if now - max(sched.last_result, self.start) >= WAIT_NOTE_S and now - self.noted >= WAIT_NOTE_S:
             logger.warning(waiting_note(self.step, now - self.start, sched.engines, list(sched._by_req.values()),

@@ -56,8 +56,10 @@ class MetricsWriter:
         rows = []
         for i, (p, c, v, t) in enumerate(zip(prompts, batch.completions, versions, total)):
             rewards = {name: values[i] for name, values in per_func.items()}
-            _write(self._completions, json.dumps({"step": step, "version": v, "prompt": p, "completion": c,
-                                                  "reward": t, "rewards": rewards}) + "\n", step)
+            row = {"step": step, "version": v, "prompt": p, "completion": c, "reward": t, "rewards": rewards}
+            if batch.episodes:  # multi-turn: the whole episode (messages after the opening, its end, env_rewards)
+                row["episode"] = batch.episodes[i]
+            _write(self._completions, json.dumps(row, default=str) + "\n", step)
             rows.append([step, v, p, c, t, *rewards.values()])
         if self._wandb is not None:
             columns = ["step", "version", "prompt", "completion", "reward", *per_func]

@@ -38,7 +38,8 @@ def preflight(job_config) -> Preflight:
     task = build_task(job_config, tokenizer)
     eval_task = build_eval_task(job_config, tokenizer, task)
     r = job_config.rollout
-    check_rewards(task, r.seed, r.reward_timeout_seconds, r.max_new_tokens, r.task_timeout_seconds)
+    check_rewards(task, r.seed, r.reward_timeout_seconds, r.max_new_tokens, r.task_timeout_seconds,
+                  episodes=bool(r.environment))
     fp = resume.fingerprint(job_config, task)
     folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
     return Preflight(titan_config, task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))

@@ -34,7 +34,8 @@ def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
     content hash so that a moved folder still matches; ``optimizer.name`` (the optimizer state);
     ``rollout.prompts_per_step`` and ``grpo.group_size`` (the shape of an async checkpoint's rollouts, the prompt
     stream position); ``rollout.task``, the dataset's records (content hash, after length filtering) and
-    ``rollout.seed`` (which prompts come next).
+    ``rollout.seed`` (which prompts come next); ``rollout.environment`` (an async checkpoint's rollouts are its
+    episodes; a checkpoint from before the field has no such key, and is not compared on it).
 
     Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
     checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch; the prompt
@@ -48,6 +49,7 @@ def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
         "grpo.group_size": job_config.grpo.group_size,
         "rollout.task": r.task,
         "rollout.seed": r.seed,
+        "rollout.environment": r.environment,
     }
     if hasattr(task, "data_state"):  # dataset tasks; generated ones are a function of (task, seed, step)
         data = task.data_state(0, r.prompts_per_step)

@@ -278,6 +278,7 @@ def validate_config(job_config: Any) -> None:
                  f"{prof.profiler_warmup + prof.profiler_active}")
 
     _check_data(job_config)
+    _check_environment(job_config)
     if r.engine_stall_seconds <= job_config.weight_sync.timeout_seconds:  # a request may wait that long for weights
         raise ConfigError(f"rollout.engine_stall_seconds = {r.engine_stall_seconds:g} is out of range; allowed: more "
                           f"than weight_sync.timeout_seconds = {job_config.weight_sync.timeout_seconds:g}")
@@ -459,6 +460,39 @@ def _check_model_folder(job_config: Any) -> None:
         if why := unservable_reason(hf):
             raise ConfigError(f"rollout.launch = true cannot serve model.hf_assets_path = {hf!r} here: {why}; "
                               "use a GPU, or a model with a supported head_dim (rollout.engine = 'embedded' serves any)")
+
+
+MULTI_TURN_FIELDS = ("environment_args", "max_turns", "max_episodes_in_flight", "environment_timeout_seconds",
+                     "environment_reward_weight")  # read only with rollout.environment
+MULTI_TURN_ENGINES = ("embedded", "vllm")  # tested with episodes (SGLang: not yet)
+
+
+def _check_environment(job_config: Any) -> None:
+    """``rollout.environment``: its class loads in torchtitan's shape with ``environment_args``, the engine serves
+    episodes, the model has a chat template; the multi-turn fields are left alone without it."""
+    from torchtitan_flux.config import Rollout
+    from torchtitan_flux.rollout.multiturn import load_configured_environment
+
+    r = job_config.rollout
+    if not r.environment:
+        defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default
+                    for f in dataclasses.fields(Rollout) if f.name in MULTI_TURN_FIELDS}
+        for name, default in defaults.items():
+            _require(getattr(r, name) == default, f"rollout.{name}", getattr(r, name),
+                     f"{default!r} (the default) unless rollout.environment is set: only multi-turn episodes read it")
+        return
+    if r.engine not in MULTI_TURN_ENGINES:
+        raise ConfigError(f"rollout.environment = {r.environment!r} runs its episodes on "
+                          f"{' or '.join(map(repr, MULTI_TURN_ENGINES))} engines only for now (rollout.engine = "
+                          f"{r.engine!r}); allowed: rollout.engine = {' | '.join(map(repr, MULTI_TURN_ENGINES))}")
+    load_configured_environment(r)
+    from torchtitan_flux.data.datasets import ChatTemplate
+
+    try:
+        ChatTemplate(job_config.model.hf_assets_path)
+    except ConfigError as e:
+        raise ConfigError(f"rollout.environment = {r.environment!r} renders conversations with the model's chat "
+                          f"template: {e}") from None
 
 
 def _check_data(job_config: Any) -> None:

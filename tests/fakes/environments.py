@@ -1,0 +1,49 @@
+"""A multi-turn environment for the tiny model's end-to-end runs (``rollout.environment =
+"fakes.environments:DigitsEnv"``, tests/ on ``PYTHONPATH``), and a chat template for the tiny model, which has none.
+
+``DigitsEnv``: the record's prompt opens the episode; each assistant turn gets "ok <n>" back until ``turns`` turns,
+then the episode ends with ``env_rewards = {"digits": the last turn's fraction of digit characters}`` (the digits
+task's reward, earned over a conversation). ``fault`` ("raise", "hang", "type") makes ``step`` fail from its
+``fault_after``-th call in this process on (so a run has trained some steps first)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from torchtitan_flux.data.environments import MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput
+
+# the tiny model's byte tokenizer has <|bos|> (1), <|eos|> (2: its EOS, where a turn stops); one message per block
+TINY_CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|bos|>' + m['role'] + '\\n' + m['content'] + '<|eos|>' }}"
+                      "{%- endfor %}{%- if add_generation_prompt %}{{ '<|bos|>assistant\\n' }}{%- endif %}")
+
+_steps = itertools.count(1)  # step() calls in this process
+
+
+class DigitsEnv(MessageEnv):
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        turns: int = 2
+        fault: str = ""
+        fault_after: int = 0
+
+    def __init__(self, config: Config, *, env_input: dict) -> None:
+        self.config, self.prompt, self.n = config, env_input["prompt"], 0
+
+    async def init(self) -> MessageEnvInitOutput:
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "user", "content": self.prompt}])
+
+    async def step(self, completion_message) -> MessageEnvStepOutput:
+        self.n += 1
+        if self.config.fault and next(_steps) >= self.config.fault_after:
+            if self.config.fault == "raise":
+                raise RuntimeError("the tool broke")
+            if self.config.fault == "hang":
+                while True:
+                    time.sleep(1)
+            return "done"  # the wrong type
+        if self.n < self.config.turns:
+            return MessageEnvStepOutput(env_messages=[{"role": "user", "content": f"ok {self.n}"}])
+        text = completion_message["content"]
+        return MessageEnvStepOutput(done=True, env_rewards={"digits": sum(c.isdigit() for c in text) / max(1, len(text))})

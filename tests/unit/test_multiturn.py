@@ -1,0 +1,358 @@
+"""Multi-turn episodes in the rollout scheduler (``rollout.environment``; ``rollout/multiturn.py``): a group is G
+episodes of one record, each turn one request sent by the main thread; the finished group is one part whose
+environment tokens are out of the loss; the environment's failures stop the wait in one line.
+
+SmolLM2's chat template and tokenizer (in the repository), engines without processes that answer each turn with
+scripted text: the scheduler, the episodes' thread and the environments' threads are the real ones."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import ROOT
+from test_environments import HFTokenizer
+
+from torchtitan_flux.data.environments import (MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput,
+                                               configure_environment, load_environment)
+from torchtitan_flux.data.rewards import ENV_REWARD_NAME, RewardFunc, environment_reward
+from torchtitan_flux.data.tasks import Prompt
+from torchtitan_flux.engine.base import EngineError, GenerationResult
+from torchtitan_flux.errors import ConfigError, UserCodeError
+from torchtitan_flux.rl.loss import group_advantages, grpo_loss, token_logprobs
+from torchtitan_flux.rollout.episodes import ChatFormat, EpisodeLimits
+from torchtitan_flux.rollout.multiturn import EpisodeGroups
+from torchtitan_flux.rollout.scheduler import RolloutScheduler
+
+SMOLLM2 = ROOT / "assets" / "smollm2-135m-instruct"
+IM_END = 2
+G, P = 2, 2
+
+
+class Guess(MessageEnv):
+    """Replies "again <n>" to each turn until the ``turns``-th, then done with ``env_rewards`` = {"len": length of
+    the last turn's text}."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        turns: int = 2
+        fault: str = ""
+
+    def __init__(self, config: Config, *, env_input: dict) -> None:
+        self.config, self.record, self.n = config, env_input, 0
+
+    async def init(self):
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "user", "content": self.record["prompt"]}])
+
+    async def step(self, completion_message):
+        self.n += 1
+        if self.config.fault == "raise":
+            raise RuntimeError("the tool broke")
+        if self.config.fault == "hang":
+            time.sleep(30)
+        if self.config.fault == "type":
+            return {"done": True}
+        if self.n >= self.config.turns:
+            return MessageEnvStepOutput(done=True, env_rewards={"len": float(len(completion_message["content"]))})
+        return MessageEnvStepOutput(env_messages=[{"role": "user", "content": f"again {self.n}"}])
+
+
+class ScriptEngine:
+    """Answers every turn at once with the text ``reply(prompt_ids)`` then <|im_end|>, logprob -0.5 per token, on
+    ``version``; records each request's prompt and generated ids. ``hold``: keeps requests (to die with them)."""
+
+    reconnects = False
+
+    def __init__(self, name, events, tok, hold=False, version=0):
+        self.name, self.events, self.tok, self.hold, self.version = name, events, tok, hold, version
+        self.is_alive, self.requests, self.held = True, [], []
+        self.generated: list[tuple[list[int], list[int]]] = []  # (prompt ids, generated ids) of each answered one
+
+    def alive(self):
+        return self.is_alive
+
+    def submit(self, req):
+        self.requests.append(req)
+        if self.hold:
+            self.held.append(req)
+            return
+        prompt = req.prompt_ids[0]
+        ids = self.tok.encode(f"answer {len(prompt) % 7} to {req.seed % 1000}", add_bos=False) + [IM_END]
+        self.generated.append((prompt, ids))
+        T = req.max_new_tokens
+        tokens = torch.zeros(1, T, dtype=torch.int64)
+        tokens[0, :len(ids)] = torch.tensor(ids)
+        logprobs = torch.zeros(1, T)
+        logprobs[0, :len(ids)] = -0.5
+        self.events.put(GenerationResult(req.req_id, self.name, tokens, logprobs, torch.tensor([len(ids)]),
+                                         self.version, self.version, 0.01))
+
+
+class RecordTask:
+    """Prompts ``q{step}_{i}``; its own rewards are never used with an environment."""
+
+    chat = False
+    reward_funcs: list = []
+
+    def prompts(self, seed, step, n):
+        return [Prompt(f"q{step}_{i}", columns={"answer": str(i)}, add_bos=False) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return HFTokenizer(SMOLLM2)
+
+
+def make(tok, monkeypatch, *, turns=2, fault="", streaming=False, timeout_s=10.0, engines=1, hold=(),
+         reward_funcs=None, max_in_flight=0):
+    monkeypatch.setitem(sys.modules, "_mt_envs", types.SimpleNamespace(Guess=Guess))
+    env = configure_environment(load_environment("_mt_envs:Guess", "rollout.environment", timeout_s,
+                                                 "rollout.environment_timeout_seconds"),
+                                [f"turns={turns}", f'fault="{fault}"'], "rollout.environment_args")
+    events: queue.Queue = queue.Queue()
+    chat = ChatFormat.from_model_dir(str(SMOLLM2), tok)
+    groups = EpisodeGroups(env, chat, EpisodeLimits(max_turns=4, max_new_tokens=32, max_total_tokens=256), events,
+                           max_in_flight)
+    task = RecordTask()
+    task.reward_funcs = [*(reward_funcs or []), RewardFunc(ENV_REWARD_NAME, environment_reward)]
+    eng = [ScriptEngine(f"e{k}", events, tok, hold=k in hold) for k in range(engines)]
+    sched = RolloutScheduler(eng, events, task, tok, group_size=G, prompts_per_step=P, max_new_tokens=32,
+                             temperature=1.0, top_k=0, seed=0, pad_id=0, streaming=streaming, episodes=groups)
+    return sched, eng
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_episode_keeps_earlier_turns_tokens_and_only_the_models_tokens_are_in_the_loss(tok, monkeypatch,
+                                                                                          streaming):
+    """Mutations: re-rendering the conversation between turns (a later prompt would not extend the earlier one);
+    the loss mask on every token after the prompt (env tokens in the loss); logprobs / versions left on env
+    tokens; a request of several sequences or one seeded alike for every episode."""
+    sched, (engine,) = make(tok, monkeypatch, turns=3, streaming=streaming)
+    try:
+        batch = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    assert batch.tokens.shape[0] == P * G
+    reqs = engine.requests
+    assert len(reqs) == P * G * 3 and all(len(r.prompt_ids) == 1 and r.group_size == 1 for r in reqs)
+    assert len({r.seed for r in reqs}) == len(reqs)  # every turn of every episode seeded apart
+    turns = engine.generated
+    for i in range(P * G):
+        row = batch.tokens[i].tolist()
+        mine = [(p, g) for p, g in turns if row[:len(p) + len(g)] == p + g]
+        assert len(mine) == 3  # its three turns: each prompt is the row's prefix, followed by the generated ids
+        mine.sort(key=lambda t: len(t[0]))
+        first_prompt, first_gen = mine[0]
+        assert row[:len(first_prompt) + len(first_gen)] == first_prompt + first_gen  # turn 1, exactly
+        for (p0, g0), (p1, _) in zip(mine, mine[1:]):
+            assert p1[:len(p0) + len(g0)] == p0 + g0  # a later turn's prompt extends the earlier turn unchanged
+        model = torch.zeros(len(row), dtype=torch.bool)
+        for p, g in mine:
+            model[len(p):len(p) + len(g)] = True
+        mask, behaviour, versions = batch.loss_mask[i], batch.behaviour_logprobs[i], batch.token_versions[i]
+        # position t predicts token t + 1: the mask is 1 exactly where the next token is the model's
+        assert mask.bool().tolist() == model[1:].tolist()
+        assert torch.all(behaviour[mask.bool()] == -0.5) and torch.all(behaviour[~mask.bool()] == 0)
+        assert torch.all(versions[mask.bool()] == 0) and torch.all(versions[~mask.bool()] == -1)
+    assert batch.num_completion_tokens == sum(len(g) for _, g in turns)
+    assert [e["end"] for e in batch.episodes] == ["done"] * (P * G) and batch.episodes[0]["turns"] == 3
+    if streaming:  # the generated length counts the model's tokens only
+        assert sched.generated["generated_completion_len_mean"] == batch.num_completion_tokens / (P * G)
+    assert batch.episodes[0]["messages"][1] == {"role": "user", "content": "again 1"}
+
+
+def test_environment_tokens_get_zero_gradient(tok, monkeypatch):
+    """Mutation: a mask that keeps the environment's tokens (their logits would get gradient)."""
+    sched, _ = make(tok, monkeypatch, turns=2)
+    try:
+        batch = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    rewards = batch.rewards + torch.arange(len(batch.rewards)) * 0.1  # nonzero advantages in every group
+    adv, _ = group_advantages(rewards, G)
+    B, L1 = batch.loss_mask.shape
+    logits = torch.randn(B, L1, 64, requires_grad=True)
+    targets = (batch.tokens[:, 1:] % 64)
+    lp = token_logprobs(logits, targets)
+    on_policy = torch.where(batch.loss_mask.bool(), lp.detach(), batch.behaviour_logprobs)  # ratio 1: no clipping
+    loss, _ = grpo_loss(lp, on_policy, adv, batch.loss_mask)
+    loss.backward()
+    per_position = logits.grad.abs().sum(-1)
+    env = (batch.loss_mask == 0)
+    assert torch.all(per_position[env] == 0)
+    assert torch.all(per_position[batch.loss_mask == 1] > 0)
+    # there are environment tokens between model tokens (not only the prompt and the padding)
+    first, last = batch.loss_mask[0].nonzero()[0].item(), batch.loss_mask[0].nonzero()[-1].item()
+    assert (batch.loss_mask[0, first:last] == 0).any()
+
+
+def test_the_environments_rewards_and_reward_functions_over_the_conversation_are_combined(tok, monkeypatch):
+    """Mutations: env_rewards not summed into the total; reward functions given text instead of message lists;
+    the weight not applied."""
+    seen = {}
+
+    def turns_reward(prompts, completions, completion_ids, env_rewards, episode_end, answer, **_):
+        seen.update(prompts=prompts, completions=completions, env_rewards=env_rewards, end=episode_end, answer=answer)
+        return [float(sum(m["role"] == "assistant" for m in c)) for c in completions]
+
+    sched, _ = make(tok, monkeypatch, turns=2, reward_funcs=[RewardFunc("turns", turns_reward, 10.0)])
+    try:
+        batch = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    assert seen["prompts"][0] == [{"role": "user", "content": "q1_0"}]
+    assert [m["role"] for m in seen["completions"][0]] == ["assistant", "user", "assistant"]
+    assert seen["end"] == ["done"] * (P * G) and seen["answer"] == ["0", "0", "1", "1"]
+    last_len = [float(len(c[-1]["content"])) for c in seen["completions"]]
+    assert seen["env_rewards"][0] == [{}, {"len": last_len[0]}]
+    assert batch.reward_values[ENV_REWARD_NAME] == last_len
+    assert batch.rewards.tolist() == pytest.approx([20.0 + x for x in last_len])
+
+
+@pytest.mark.parametrize("fault,fragment", [
+    ("raise", "step() raised RuntimeError: the tool broke"),
+    ("type", "step() returned {'done': True} (dict); expected MessageEnvStepOutput"),
+    ("hang", "step() did not return within rollout.environment_timeout_seconds = 0.5 s"),
+])
+def test_a_failing_environment_stops_the_wait_in_one_line_naming_it(tok, monkeypatch, fault, fragment):
+    """Mutations: the group's failure dropped (the wait would never end); raised from ``pump`` itself (a
+    checkpoint's pumping would fail); the environment not named."""
+    sched, _ = make(tok, monkeypatch, fault=fault, timeout_s=0.5)
+    try:
+        sched.dispatch(1, 0)
+        deadline = time.monotonic() + 10
+        while sched.episode_failure is None and time.monotonic() < deadline:
+            sched.pump(0.05)  # pumping (as a checkpoint's wait does) keeps the failure, raises nothing
+        with pytest.raises(UserCodeError) as err:
+            sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("environment '_mt_envs:Guess': ") and fragment in line
+
+
+def test_a_turn_on_an_engine_that_dies_is_redispatched(tok, monkeypatch):
+    """Mutation: turn requests not in the re-dispatch (the episode would wait forever)."""
+    sched, (dying, healthy) = make(tok, monkeypatch, engines=2, hold={0})
+    try:
+        sched.dispatch(1, 0)
+        deadline = time.monotonic() + 10
+        while not dying.held and time.monotonic() < deadline:
+            sched.pump(0.05)
+        assert dying.held
+        dying.is_alive = False
+        sched.events.put(EngineError(dying.name, "killed", fatal=True))
+        batch = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    assert sched.redispatched >= 1 and batch.tokens.shape[0] == P * G
+    assert {r.seed for r in dying.held} <= {r.seed for r in healthy.requests}  # the same turns, generated there
+
+
+def test_episodes_in_flight_are_capped(tok, monkeypatch):
+    """Mutation: the semaphore ignored (all four episodes would hold a turn at once)."""
+    sched, (engine,) = make(tok, monkeypatch, hold={0}, max_in_flight=1)
+    try:
+        sched.dispatch(1, 0)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            sched.pump(0.05)
+        assert len(engine.held) == 1
+    finally:
+        sched.drain(0)
+
+
+def test_environment_args_set_the_config_and_are_checked(monkeypatch):
+    """Mutations: an unknown name or a value of the wrong type accepted silently."""
+    monkeypatch.setitem(sys.modules, "_mt_envs", types.SimpleNamespace(Guess=Guess))
+    env = load_environment("_mt_envs:Guess", "rollout.environment", 1.0, "rollout.environment_timeout_seconds")
+    assert configure_environment(env, ["turns=5", "fault=hang"], "rollout.environment_args").config.turns == 5
+    with pytest.raises(ConfigError, match=r"rollout.environment_args has 'steps=5'; allowed: 'name=value' with "
+                                          r"name one of \['fault', 'turns'\]"):
+        configure_environment(env, ["steps=5"], "rollout.environment_args")
+    with pytest.raises(ConfigError, match=r"rollout.environment_args sets turns = 'many' \(str\); allowed: int"):
+        configure_environment(env, ["turns=many"], "rollout.environment_args")
+
+
+CALCULATOR = "examples.environments.calculator:CalculatorEnv"
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (("--rollout.max_turns", "3"), "rollout.max_turns = 3 is out of range; allowed: 4 (the default) unless "
+                                   "rollout.environment is set"),
+    (("--rollout.environment", "examples.environments.calculator:Nope"), "rollout.environment"),
+    (("--rollout.environment", CALCULATOR, "--rollout.environment_args", "digits=3"),
+     "rollout.environment_args has 'digits=3'; allowed: 'name=value' with name one of"),
+    (("--rollout.environment", CALCULATOR, "--rollout.engine", "sglang", "--rollout.urls", "http://127.0.0.1:1"),
+     "'embedded' or 'vllm' engines only for now (rollout.engine = 'sglang')"),
+    (("--rollout.environment", CALCULATOR), "renders conversations with the model's chat template: "
+                                            "model.hf_assets_path = './assets/tiny-llama' has no chat_template"),
+])
+def test_multi_turn_config_errors_name_the_field(overrides, fragment):
+    """Mutations: a multi-turn field read silently without an environment; an environment loaded unchecked; an
+    engine or a model folder that cannot run episodes found only mid-run."""
+    from conftest import DEBUG_TOML
+
+    from torchtitan_flux.patches import apply_patches
+
+    apply_patches()
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_flux.run.validation import validate_config
+    from torchtitan_flux.train import _normalise_argv
+
+    jc = ConfigManager().parse_args(_normalise_argv(["--job.config_file", str(DEBUG_TOML), *overrides]))
+    with pytest.raises(ConfigError) as err:
+        validate_config(jc)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_checkpoint_keeps_finished_groups_with_their_episodes(tok, monkeypatch, streaming):
+    """Mutations: the episodes left out of the saved parts (a restored group could not be scored as a
+    conversation), or the restored group's prompt taken from the record's text instead of its opening."""
+    sched, _ = make(tok, monkeypatch, streaming=streaming)
+    try:
+        sched.dispatch(1, 0)
+        deadline = time.monotonic() + 10
+        while sched._groups and time.monotonic() < deadline:
+            sched.pump(0.05)
+        state = sched.state_dict(timeout=5.0)
+        expected = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    resumed, (engine,) = make(tok, monkeypatch, streaming=streaming)
+    try:
+        resumed.load_state_dict(state)
+        batch = resumed.collect(1, 0)
+    finally:
+        resumed.drain(0)
+    assert engine.requests == []  # nothing generated again
+    assert torch.equal(batch.tokens, expected.tokens) and torch.equal(batch.loss_mask, expected.loss_mask)
+    assert batch.episodes == expected.episodes and batch.rewards.tolist() == expected.rewards.tolist()
+
+
+def test_the_calculators_worked_examples_follow_its_protocol():
+    """Mutations: an example whose calculator replies or answer are wrong (the model would learn them), or the
+    examples placed after the question."""
+    import asyncio
+
+    from examples.environments.calculator import CalculatorEnv, calculate, problems
+
+    record = problems(1, seed=5)[0]
+    opening = asyncio.run(CalculatorEnv(CalculatorEnv.Config(examples=2), env_input=record).init())
+    messages = opening.init_prompt_messages
+    assert [m["role"] for m in messages[:2]] == ["system", "user"] and messages[-1]["content"] == record["question"]
+    shots = messages[1:-1]
+    assert len(shots) == 2 * 8
+    for i, m in enumerate(shots):
+        if m["role"] == "assistant" and m["content"].startswith("CALC: "):
+            assert shots[i + 1] == {"role": "user", "content": calculate(m["content"][6:])}
+    answers = [m["content"] for m in shots if m["content"].startswith("ANSWER: ")]
+    assert answers == [f"ANSWER: {r['answer']}" for r in problems(2, seed=-1)]
