@@ -159,3 +159,16 @@ def test_layout_takes_each_samples_oldest_token_and_pads_token_versions():
     batch = layout_batch(1, [Prompt("x")], [[1, 2]], [(req, res)], Scores([0.0, 0.0], {}), ["", ""], 2, 0)
     assert batch.versions.tolist() == [5, 4]
     assert batch.token_versions.tolist() == [[-1, 5, 5, 6], [-1, 4, -1, -1]]
+
+
+def test_among_the_finished_groups_the_oldest_is_taken_first():
+    """A group of the step ahead (fresher) that finished first waits; the older one would go stale by the next
+    step. (Taking in arrival order fails this.)"""
+    sched, engine = make()
+    sched.dispatch(1, 0)
+    sched.dispatch(2, 0)
+    engine.finish(engine.held_for(2, 0), 2, version=1)  # fresher, first to finish
+    for i in range(P):
+        engine.finish(engine.held_for(1, i), 2, version=0)
+    batch = sched.collect(1, 1, min_version=0)
+    assert prompts_of(batch) == [f"p1_{i}" for i in range(P)] and batch.versions.max().item() == 0

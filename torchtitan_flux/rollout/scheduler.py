@@ -11,9 +11,10 @@ results go to their step, acks and errors to ``_weight_event``, a dead engine to
 
 Streaming admission (``rollout.streaming_admission``): each prompt is its own request (one group), scored as
 soon as its result arrives, and ``collect`` takes a step's batch from the first ``prompts_per_step`` groups to
-finish among all dispatched steps (its own and those admitted ahead), in arrival order. A finished group older than
-the step's ``min_version`` by its oldest token is regenerated (``stale_samples`` counts it), never trained on. The
-groups still generating when a step has its batch stay in flight for later steps (``rollout.streaming_carry_over``)
+finish among all dispatched steps (its own and those admitted ahead): among those finished, the oldest version
+first (a fresher group can wait for the next step; an older one would go stale), else in arrival order. A
+finished group older than the step's ``min_version`` by its oldest token is regenerated (``stale_samples`` counts
+it), never trained on. The groups still generating when a step has its batch stay in flight for later steps (``rollout.streaming_carry_over``)
 or, without carry-over, the step's own are restarted from scratch (``restarted_groups``). A step's prompts are
 generated once each: a prompt taken by an earlier step is never dispatched again, and a checkpoint keeps which
 prompts were taken and the finished groups not trained yet.
@@ -402,8 +403,9 @@ class RolloutScheduler:
         return self._build(st)
 
     def _collect_groups(self, step: int, trainer_version: int, pin_version: int, min_version: int) -> RolloutBatch:
-        """Streaming admission's batch of ``step``: the first ``prompts_per_step`` finished groups fresh enough for
-        ``min_version`` (by their oldest token), in arrival order; stale ones are regenerated (module docstring)."""
+        """Streaming admission's batch of ``step``: the first ``prompts_per_step`` groups to finish that are fresh
+        enough for ``min_version`` (by their oldest token), the oldest first among those finished when one is taken;
+        stale ones are regenerated (module docstring)."""
         for k, st in sorted(self._steps.items()):  # restored from a checkpoint, older than the admission's steps
             if k < step and not st.n_dispatched:
                 self._dispatch_groups(st, trainer_version, pin_version, min_version)
@@ -414,7 +416,10 @@ class RolloutScheduler:
                 if not self._ready:
                     waiting.pump()
                     continue
-                part = self._ready.popleft()
+                while not self.events.empty():  # every group finished by now is a candidate
+                    self.pump(0)
+                part = min(self._ready, key=lambda p: p.result.version)  # the oldest first (ties: arrival order):
+                self._ready.remove(part)  # a fresher one can wait a step, an older one would go stale
                 if part.result.version >= min_version:  # the bound is on the oldest token (GenerationResult.version)
                     chosen.append(part)
                     continue
