@@ -19,7 +19,7 @@ Modes (each for ``--seeds`` rollout seeds, interleaved, the order rotated per se
   streaming       ``continuous_batching`` + ``in_flight_weight_updates`` + ``streaming_admission``, with
                   ``streaming_carry_over`` (``--carry-over on``, the default, or ``both``)
   streaming_drop  the same without carry-over (``--carry-over off`` or ``both``): groups still generating when
-                  their step trains are dropped, which biases training toward short completions
+                  their step trains restart from scratch, which biases training toward short completions
 
 Table per mode: median steps/s (``summary.json``), final reward per seed (mean of the last 10 steps), mean
 sample-level version gap (``version_gap_mean``: a sample's policy version behind the trainer), mean and max
@@ -27,7 +27,7 @@ token-level gap (``token_version_gap_mean`` / ``_max`` of the metrics rows, once
 before), mean length of the trained completions (``completion_len_mean``) and, with ``--real``, the time to the
 training-reward target per seed (``--reward-target``: wall clock from the start of step 1 until the mean reward of
 the last 5 steps reaches it; ``benchmarks/controller.time_to_target``). Then the short bias, per mode: mean length
-and reward of trained completions against all generated ones (trained or dropped: the rows'
+and reward of trained completions against all generated ones (trained or not: stale or restarted; the rows'
 ``generated_completion_len_mean`` / ``generated_reward_mean`` once the trainer writes them; the async mode trains
 what it generates), and the mean target length of the trained prompts (from ``completions.jsonl``) against that of
 the prompts dispatched for the run's steps (the task's own draws): a ratio below 1 is a bias toward short answers.
@@ -155,7 +155,7 @@ class Run:
         return final_reward(self.rows)
 
     def generated(self, key: str, trained_key: str) -> float:
-        """The rows' ``key`` (every completion generated, trained or dropped) where the trainer writes it; else,
+        """The rows' ``key`` (every completion generated, trained or not) where the trainer writes it; else,
         for a mode without streaming admission, ``trained_key`` (it trains what it generates); else nan."""
         if any(key in r for r in self.rows):
             return mean_of(self.rows, key)

@@ -136,6 +136,21 @@ def test_streaming_admission_trains_on_fresh_groups_and_resumes_with_what_it_too
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
 
 
+RECORDED = TESTS / "fixtures" / "recorded_losses.json"  # scripts/record_losses.sh, on commit 6ff31e4
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_with_every_streaming_field_off_the_losses_are_the_recorded_runs(tiny_model_dir, tmp_path, mode):
+    """The debug config with the streaming fields at their defaults (off) gives, bit for bit, the losses and rewards
+    the code recorded before in-flight updates, streaming admission, per-token versions and episodes existed
+    (commit 6ff31e4, ``scripts/record_losses.sh``). Mutation: a request's seed one off fails both modes."""
+    recorded = json.loads(RECORDED.read_text())[mode]
+    run_train(tmp_path, "--training.steps", str(len(recorded["loss"])), *recorded["args"])
+    rows = read_metrics(tmp_path)
+    for key in ("loss", "reward_mean", "behaviour_kl", "version_gap_mean"):
+        assert [r[key] for r in rows] == recorded[key], key
+
+
 def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
     run_train(tmp_path / "sync", "--training.steps", "6")
     run_train(
