@@ -16,7 +16,7 @@ import pytest
 from _procs import complete_ckpts
 from fakes.environments import TINY_CHAT_TEMPLATE
 
-from conftest import ROOT, TESTS, read_metrics, torchrun_cmd
+from conftest import ROOT, TESTS, need_vllm, read_metrics, torchrun_cmd
 from test_vllm import TOKEN, vllm_server  # noqa: F401 - the real server's fixture (module-scoped: one per file)
 
 ENV = "fakes.environments:DigitsEnv"
@@ -102,6 +102,7 @@ def test_a_multi_turn_run_with_vllm_pushes_and_probes(vllm_server, small_model_d
     extend it: the chat bridge refuses), pushes or probes skipped (checksums, version)."""
     from torchtitan_flux.auth import TOKEN_ENV
 
+    need_vllm()  # (the fixture checks too; CI's rule wants every vLLM file to say so)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     model = tmp_path / "small-chat"
     shutil.copytree(small_model_dir, model)  # the server's model, with a chat template (the server needs none)

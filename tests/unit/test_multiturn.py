@@ -290,7 +290,7 @@ CALCULATOR = "examples.environments.calculator:CalculatorEnv"
     (("--rollout.environment", CALCULATOR, "--rollout.environment_args", "digits=3"),
      "rollout.environment_args has 'digits=3'; allowed: 'name=value' with name one of"),
     (("--rollout.environment", CALCULATOR, "--rollout.engine", "sglang", "--rollout.urls", "http://127.0.0.1:1"),
-     "'embedded' or 'vllm' engines only for now (rollout.engine = 'sglang')"),
+     "'embedded' | 'vllm' engines only for now (rollout.engine = 'sglang')"),
     (("--rollout.environment", CALCULATOR), "renders conversations with the model's chat template: "
                                             "model.hf_assets_path = './assets/tiny-llama' has no chat_template"),
 ])

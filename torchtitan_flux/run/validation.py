@@ -464,7 +464,6 @@ def _check_model_folder(job_config: Any) -> None:
 
 MULTI_TURN_FIELDS = ("environment_args", "max_turns", "max_episodes_in_flight", "environment_timeout_seconds",
                      "environment_reward_weight")  # read only with rollout.environment
-MULTI_TURN_ENGINES = ("embedded", "vllm")  # tested with episodes (SGLang: not yet)
 
 
 def _check_environment(job_config: Any) -> None:
@@ -481,10 +480,10 @@ def _check_environment(job_config: Any) -> None:
             _require(getattr(r, name) == default, f"rollout.{name}", getattr(r, name),
                      f"{default!r} (the default) unless rollout.environment is set: only multi-turn episodes read it")
         return
-    if r.engine not in MULTI_TURN_ENGINES:
-        raise ConfigError(f"rollout.environment = {r.environment!r} runs its episodes on "
-                          f"{' or '.join(map(repr, MULTI_TURN_ENGINES))} engines only for now (rollout.engine = "
-                          f"{r.engine!r}); allowed: rollout.engine = {' | '.join(map(repr, MULTI_TURN_ENGINES))}")
+    if not engine_kind(r.engine).episodes:
+        allowed = kind_names(lambda k: k.episodes)
+        raise ConfigError(f"rollout.environment = {r.environment!r} runs its episodes on {allowed} engines only for "
+                          f"now (rollout.engine = {r.engine!r}); allowed: rollout.engine = {allowed}")
     load_configured_environment(r)
     from torchtitan_flux.data.datasets import ChatTemplate
 
