@@ -482,3 +482,25 @@ def test_pinned_swap_runs_each_request_on_its_pin_when_kept(buffers):
     assert rx.swap(3) == 3 and float(rx.live.flats[0][0]) == 3.0
     assert rx.swap(1) == 3  # never back to an older version
     assert rx.swap() == 3 and len(rx._free) == buffers - 1  # every buffer accounted for
+
+
+def test_newest_never_names_a_buffer_taken_to_be_overwritten():
+    """Two buffers: version 0 live, version 1 pending, then a third push takes version 1's buffer to receive into
+    (engine-side coalescing). Until version 2 lands, the newest complete version is 0 (live): ``newest()`` must not
+    name 1, whose buffer is being overwritten (a probe or checksum would read torn weights, and a request needing
+    version 1 would be admitted and then run on 0). The old code named 1."""
+    plan = transport.plan_buckets([TensorSpec("w", (4,), "float32")], 1024)
+    rx = transport.WeightReceiver(plan, "cpu", lambda v: None, lambda e: None, buffers=2)
+    stop = threading.Event()
+    buf = rx._take_buffer(stop)
+    buf.flats[0].fill_(0)
+    assert rx._publish(0, buf, stop) and rx.swap() == 0
+    buf = rx._take_buffer(stop)
+    buf.flats[0].fill_(1)
+    assert rx._publish(1, buf, stop) and rx.newest()[0] == 1
+    taken = rx._take_buffer(stop)  # no free buffer: version 1's, the only pending one
+    assert taken is buf
+    version, weights = rx.newest()
+    assert version == 0 and weights is rx.live
+    taken.flats[0].fill_(2)
+    assert rx._publish(2, taken, stop) and rx.newest()[0] == 2 and rx.swap() == 2

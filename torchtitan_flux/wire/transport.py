@@ -298,6 +298,8 @@ class WeightReceiver:
       * ``swap()`` (generation thread, between requests) makes a pending version live under ``_lock`` and frees
         the old live buffer and older pending ones, so a request always runs on one complete version.
       * live + pending + free + the one being received are the allocated buffers (+ those abandoned loops hold).
+      * ``newest()`` names a complete version whose buffer nobody writes: when the receiver takes the newest
+        pending buffer to overwrite, the newest becomes the next pending one, else the live one.
     ``max_version_gap + 1`` buffers keep every version a queued pinned request can ask for. Only the receiver
     thread issues collectives on the group, in push order; the wait for a header has no deadline.
     """
@@ -349,6 +351,10 @@ class WeightReceiver:
                 buf = self._pending.pop(0)[1]
                 if self._base is not None and self._base[1] is buf:
                     self._base = None
+                if self._newest is not None and self._newest[1] is buf:  # about to be overwritten: the newest
+                    # complete version is now the newest pending one, else the live one
+                    live = (self.live_version, self.live) if self.live is not None else None
+                    self._newest = self._pending[-1] if self._pending else live
                 return buf
         # only after a restart whose predecessor still holds a buffer in a dead collective
         logger.warning("weight receiver: allocating a replacement buffer (previous receive was abandoned)")
