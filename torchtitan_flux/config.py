@@ -180,8 +180,9 @@ class Rollout:
     decode step and leave it when they end, and several steps' requests are in flight at once, each result sent as
     soon as its sequences end (``engine/batcher.py``). Each request runs on exactly its pinned version (unless
     ``in_flight_weight_updates``): it joins a running batch only on the live version, else waits for the batch to
-    drain (so requests pinned to different versions do not overlap). Each sequence samples from its own generator, so its tokens do not depend
-    on its batch; they differ from those of false (one generator per request). Runs are bit-reproducible only as
+    drain (so requests pinned to different versions do not overlap). Each sequence samples from its own
+    generator, so its tokens do not depend on its batch; they differ from those of false (one generator per
+    request). Runs are bit-reproducible only as
     far as requests interleave alike: which sequences share a decode step depends on when requests arrive, and
     with it the last bits of the forward (steps pinned alike, such as the first two of an async run, do share
     steps). Lifts the serial engine's auto ``off_policy.max_pipeline_depth`` of 1. False: one request at a time."""

@@ -9,12 +9,12 @@ batch (so scoring overlaps training). Engines report through one ``events`` queu
 results go to their step, acks and errors to ``_weight_event``, a dead engine to ``_replace`` (both no-ops here;
 ``rollouts.Rollouts`` overrides them). A dead engine's in-flight requests are re-dispatched, so no prompt is lost.
 
-Streaming admission (``rollout.streaming_admission``): each prompt is its own request (one group), scored as
-soon as its result arrives, and ``collect`` takes a step's batch from the first ``prompts_per_step`` groups to
-finish among all dispatched steps (its own and those admitted ahead): among those finished, the oldest version
-first (a fresher group can wait for the next step; an older one would go stale), else in arrival order. A
-finished group older than the step's ``min_version`` by its oldest token is regenerated (``stale_samples`` counts
-it), never trained on. The groups still generating when a step has its batch stay in flight for later steps (``rollout.streaming_carry_over``)
+Streaming admission (``rollout.streaming_admission``): each prompt is its own request (one group), scored as soon as
+its result arrives, and ``collect`` takes a step's batch from the first ``prompts_per_step`` groups to finish among
+all dispatched steps (its own and those admitted ahead): among those finished, the oldest version first (a fresher
+group can wait for the next step; an older one would go stale), else in arrival order. A finished group older than
+the step's ``min_version`` by its oldest token is regenerated (``stale_samples`` counts it), never trained on. The
+groups still generating when a step has its batch stay in flight for later steps (``rollout.streaming_carry_over``)
 or, without carry-over, the step's own are restarted from scratch (``restarted_groups``). A step's prompts are
 generated once each: a prompt taken by an earlier step is never dispatched again, and a checkpoint keeps which
 prompts were taken and the finished groups not trained yet.
