@@ -278,9 +278,13 @@ def test_a_push_lands_while_a_generation_runs(vllm_server, small_model_dir):
 
         before = _generated_tokens(url)
         t0 = time.perf_counter()
-        h.submit(GenerationRequest(0, 1, PROMPTS, 2, 480, 1.0, 0, 5, 1))  # random weights: EOS is rare
-        while _generated_tokens(url) < before + 3 * 6:  # 3 tokens of each completion on v1
-            assert time.perf_counter() - t0 < 60 and events.empty(), "the generation never ran"
+        # random weights: EOS is rare. Long and wide enough that the push lands mid-generation on a loaded machine
+        # (480 tokens of 6 completions took 0.56 s under two test workers and ended before the push was acked)
+        G = 32  # the fixture's server has max_model_len 512: wide, not longer
+        h.submit(GenerationRequest(0, 1, PROMPTS, G, 500, 1.0, 0, 5, 1))
+        while _generated_tokens(url) < before + 3 * len(PROMPTS) * G:  # 3 tokens of each completion on v1
+            assert time.perf_counter() - t0 < 60 and events.empty(), ("the generation never ran",
+                                                                        None if events.empty() else events.get())
             time.sleep(0.05)
         new = _modified(weights)  # deterministic: the same weights each call
         t_push = time.perf_counter()
@@ -294,7 +298,7 @@ def test_a_push_lands_while_a_generation_runs(vllm_server, small_model_dir):
         # its longest completion: the trainer's v1 logprobs up to the push (not restarted), then not v1's, nor
         # what v2 computes afresh (the KV of the tokens before the push was kept: v1's)
         i = int(res.lengths.argmax())
-        p, L = PROMPTS[i // 2], int(res.lengths[i])
+        p, L = PROMPTS[i // G], int(res.lengths[i])
         seq = torch.tensor([p + res.tokens[i, :L].tolist()])
         d1, d2 = ((inference.score(as_pushed(layout_of(h.model_dir), w), shape, seq)[0, len(p) - 1:]
                    - res.logprobs[i, :L]).abs() for w in (weights, _modified(weights)))
