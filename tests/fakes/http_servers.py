@@ -31,20 +31,25 @@ class Flaky(ThreadingHTTPServer):
         self.requests = 0
 
 
-class _FlakyHandler(BaseHTTPRequestHandler):
+class _JsonHandler(BaseHTTPRequestHandler):
+    """Keep-alive, silent, JSON replies (``_reply``): what every fake server here shares."""
+
     protocol_version = "HTTP/1.1"
     timeout = 10
 
     def log_message(self, *args):
         pass
 
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
+    def _reply(self, status: int, body: dict | None) -> None:
+        data = b"" if body is None else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+class _FlakyHandler(_JsonHandler):
 
     def _do(self) -> None:
         srv: Flaky = self.server
@@ -97,13 +102,7 @@ class VllmStub(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _VllmStubHandler)
 
 
-class _VllmStubHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = 10
-
-    def log_message(self, *args):
-        pass
-
+class _VllmStubHandler(_JsonHandler):
     def _do(self):
         if int(self.headers.get("Content-Length") or 0):
             self.rfile.read(int(self.headers["Content-Length"]))
@@ -119,12 +118,7 @@ class _VllmStubHandler(BaseHTTPRequestHandler):
                                                       "'flux_model_info'"}}
         else:
             status, body = 404, {"detail": "Not Found"}
-        data = b"" if body is None else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._reply(status, body)
 
     do_GET = do_POST = _do
 
@@ -233,12 +227,8 @@ class VllmFake(ThreadingHTTPServer):
                              "hf_config": self.hf_config}]}
 
 
-class _VllmFakeHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _VllmFakeHandler(_JsonHandler):
     timeout = 30
-
-    def log_message(self, *args):
-        pass
 
     def _do(self):
         srv: VllmFake = self.server
@@ -260,11 +250,6 @@ class _VllmFakeHandler(BaseHTTPRequestHandler):
             status, out = 200, srv.complete(body)
         else:
             status, out = srv.control(url.path, q, body)
-        data = b"" if out is None else json.dumps(out).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._reply(status, out)
 
     do_GET = do_POST = _do

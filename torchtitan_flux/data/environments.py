@@ -244,6 +244,27 @@ def configure_environment(env_class: EnvironmentClass, args: list[str], field_na
     return dataclasses.replace(env_class, config=config)
 
 
+def loop_thread(name: str) -> asyncio.AbstractEventLoop:
+    """A new event loop running on a daemon thread of its own (``name``) until ``loop.stop()`` (called with
+    ``call_soon_threadsafe``); then what still runs on it is cancelled, awaited, and the loop closed."""
+    loop = asyncio.new_event_loop()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+            tasks = asyncio.all_tasks(loop)  # what the environments or episodes left running
+            for t in tasks:
+                t.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+    threading.Thread(target=serve, name=name, daemon=True).start()
+    return loop
+
+
 class RunningEnvironment:
     """One episode's environment instance, on its own thread and event loop (the module docstring). Each method
     runs the environment's under the deadline and checks what it returns."""
@@ -253,22 +274,7 @@ class RunningEnvironment:
         self.name = f"environment {env_class.spec!r}"
         self._env: Any = None
         self._stuck = False  # a call missed its deadline: the loop may be blocked, close() is not attempted
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, name="flux-env", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        loop = self._loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-            tasks = asyncio.all_tasks(loop)  # what the environment left running
-            for t in tasks:
-                t.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()
+        self._loop = loop_thread("flux-env")
 
     async def _call(self, method: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` (awaited if it returns an awaitable) on the environment's loop, under the

@@ -20,14 +20,13 @@ import contextlib
 import copy
 import itertools
 import queue
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchtitan_flux.data.environments import (EnvironmentClass, ParsedToolCall, configure_environment,
+from torchtitan_flux.data.environments import (EnvironmentClass, ParsedToolCall, configure_environment, loop_thread,
                                                load_environment)
 from torchtitan_flux.data.tasks import Prompt
 from torchtitan_flux.engine.base import GenerationResult
@@ -84,22 +83,7 @@ class EpisodeGroups:
         self.env_class, self.chat, self.limits, self.events = env_class, chat, limits, events
         self._slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self._groups: dict[int, Future] = {}  # group id -> its coroutine's future (main thread only)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, name="flux-episodes", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        """The episodes' loop until ``close``; then what still runs is cancelled (environments closed) and it ends."""
-        loop = self._loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-            tasks = asyncio.all_tasks(loop)
-            for t in tasks:
-                t.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        finally:
-            loop.close()
+        self._loop = loop_thread("flux-episodes")  # until ``close``; then what still runs is cancelled
 
     def start(self, group: int, record: dict, n: int) -> None:
         """Run ``n`` episodes built from ``record``; ``GroupEnded`` for ``group`` comes when they end."""
