@@ -289,6 +289,8 @@ CALCULATOR = "examples.environments.calculator:CalculatorEnv"
     (("--rollout.environment", "examples.environments.calculator:Nope"), "rollout.environment"),
     (("--rollout.environment", CALCULATOR, "--rollout.environment_args", "digits=3"),
      "rollout.environment_args has 'digits=3'; allowed: 'name=value' with name one of"),
+    (("--rollout.environment_reward_weight", "nan"), "rollout.environment_reward_weight = nan is out of range; "
+                                                     "allowed: a finite number"),
     (("--rollout.environment", CALCULATOR, "--rollout.engine", "sglang", "--rollout.urls", "http://127.0.0.1:1"),
      "'embedded' | 'vllm' engines only for now (rollout.engine = 'sglang')"),
     (("--rollout.environment", CALCULATOR), "renders conversations with the model's chat template: "

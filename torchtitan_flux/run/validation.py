@@ -526,6 +526,8 @@ def _check_data(job_config: Any) -> None:
     bad = [w for w in r.reward_weights if not math.isfinite(w)]
     if bad:
         raise ConfigError(f"rollout.reward_weights = {r.reward_weights!r} holds {bad[0]!r}; allowed: finite numbers")
+    _require(math.isfinite(r.environment_reward_weight), "rollout.environment_reward_weight",
+             r.environment_reward_weight, "a finite number (like rollout.reward_weights)")
     if ev.dataset_path and not os.path.exists(ev.dataset_path):
         raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
     _check_type("metrics.step_callbacks", job_config.metrics.step_callbacks, list[str])
