@@ -227,7 +227,7 @@ def test_in_flight_updates_apply_a_push_mid_request_and_report_each_tokens_versi
     """``in_flight_weight_updates``, over the pipe: request 1 (greedy, 120 tokens; the tiny model's greedy rows meet
     no stop token) starts on version 1; request 0 (one token), admitted after it, shows it has. Request 2 is pinned
     to version 5, never pushed, and starts anyway (its ``min_version`` 1 is held); its admission stalls the engine's
-    main thread 0.5 s (fault injection) while version 2 lands, so request 1 is mid-generation when it does: its
+    main thread 1.5 s (fault injection) while version 2 lands, so request 1 is mid-generation when it does: its
     tokens switch from 1 to 2 once, those of version 1 have the trainer's version-1 logprobs, and its ``version``
     is 1."""
     with serving(tiny_model_dir, continuous_batching=True, in_flight_weight_updates=True) as rig:
@@ -237,7 +237,7 @@ def test_in_flight_updates_apply_a_push_mid_request_and_report_each_tokens_versi
                                             min_version=1, pin_version=1))
         rig.engine.submit(GenerationRequest(0, 1, [[1, 5]], 1, 1, 1.0, 0, seed=1, dispatch_version=1))
         assert wait_result(rig, 0).token_versions.tolist() == [[1]]  # request 1 decodes on version 1 now
-        rig.engine.inject_fault("stall_generate", 0.5)
+        rig.engine.inject_fault("stall_generate", 1.5)  # far longer than the push, under load too
         rig.engine.submit(GenerationRequest(2, 1, [[1, 60]], 2, 4, 1.0, 0, seed=2, dispatch_version=1,
                                             min_version=1, pin_version=5))
         v1 = {n: p.detach().clone() for n, p in rig.model.state_dict().items()}
