@@ -48,6 +48,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("reliability figures: " + ", ".join(f"{k}={v}" for k, v in sorted(_TOTALS.items())))
 
 
+@pytest.fixture(scope="session")
+def chatml_dir(tmp_path_factory):
+    """A ChatML tokenizer folder in SmolLM2's layout (tests/fakes/chatml_tokenizer.py), built once per session."""
+    from fakes.chatml_tokenizer import write_chatml_tokenizer
+    return write_chatml_tokenizer(tmp_path_factory.mktemp("chatml"))
+
+
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 REQUIRE_VLLM_ENV = "FLUX_REQUIRE_VLLM"  # CI's vLLM stage sets it to 1: a missing or broken .venv-vllm fails there
 

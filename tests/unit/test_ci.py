@@ -65,6 +65,18 @@ def test_ci_runs_the_vllm_stage_with_the_requirement_and_checks_the_import_first
                                              stage_text), path.name
 
 
+def test_the_default_suite_reads_only_what_setup_builds():
+    """CI runs the default suite after scripts/setup.sh alone (which builds assets/tiny-llama); the real model
+    (scripts/get_real_model.sh) comes later, for the slow and vLLM stages. A unit test that read it passed on a
+    machine that had it and failed in CI (2026-11-27): the unit tests' ChatML tokenizer is tests/fakes/'s."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    built = set(re.findall(r"assets/([\w.-]+)", setup))
+    assert built == {"tiny-llama"}, built
+    for path in sorted([*(ROOT / "tests" / "unit").glob("*.py"), ROOT / "tests" / "conftest.py"]):
+        for name in re.findall(r'ROOT\s*/\s*"assets"\s*/\s*"([^"]+)"', path.read_text()):
+            assert name in built, f"{path.name} reads assets/{name}, which scripts/setup.sh does not build"
+
+
 def test_ci_collects_the_old_torch_tests_as_their_venv_would():
     """scripts/check_old_torch.sh's venv (torch 2.3.1, no pytest-xdist, no torchtitan) is too big to build in CI; CI
     runs the script's pytest invocations on .venv instead, where an addopts or import change would show."""

@@ -15,16 +15,14 @@ from dataclasses import dataclass
 
 import pytest
 import tokenizers
-from conftest import ROOT
 
 from examples.environments import alphabet_sort, calculator
+from fakes.chatml_tokenizer import IM_END  # <|im_end|>, the EOS, as in SmolLM2
 from torchtitan_flux.data.environments import (MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput, ParsedToolCall,
                                                ToolCallParseStatus, load_environment)
 from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.rollout.episodes import ChatFormat, EpisodeEnd, EpisodeLimits, run_episode
 
-SMOLLM2 = ROOT / "assets" / "smollm2-135m-instruct"
-IM_END = 2  # SmolLM2's <|im_end|>, its EOS
 FIELD, TIMEOUT_FIELD = "rollout.environment", "rollout.env_timeout_seconds"
 QUESTION = {"question": "What is 23 * 47 + 18 * 9?", "answer": "1243"}
 
@@ -33,6 +31,7 @@ class HFTokenizer:
     """The model folder's tokenizer.json, with torchtitan's tokenizer's encode/decode signatures."""
 
     def __init__(self, model_dir):
+        self.model_dir = model_dir
         self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
     def encode(self, text, add_bos=True, add_eos=False):
@@ -44,13 +43,13 @@ class HFTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return HFTokenizer(SMOLLM2)
+def tok(chatml_dir):
+    return HFTokenizer(chatml_dir)
 
 
 @pytest.fixture(scope="module")
-def chat(tok):
-    return ChatFormat.from_model_dir(str(SMOLLM2), tok)
+def chat(tok, chatml_dir):
+    return ChatFormat.from_model_dir(str(chatml_dir), tok)
 
 
 def _load(spec, timeout_s=10.0):

@@ -2,7 +2,7 @@
 episodes of one record, each turn one request sent by the main thread; the finished group is one part whose
 environment tokens are out of the loss; the environment's failures stop the wait in one line.
 
-SmolLM2's chat template and tokenizer (in the repository), engines without processes that answer each turn with
+A ChatML tokenizer in SmolLM2's layout (tests/fakes/chatml_tokenizer.py), engines without processes that answer each turn with
 scripted text: the scheduler, the episodes' thread and the environments' threads are the real ones."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import ROOT
+from fakes.chatml_tokenizer import IM_END
 from test_environments import HFTokenizer
 
 from torchtitan_flux.data.environments import (MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput,
@@ -30,8 +30,6 @@ from torchtitan_flux.rollout.episodes import ChatFormat, EpisodeLimits
 from torchtitan_flux.rollout.multiturn import EpisodeGroups
 from torchtitan_flux.rollout.scheduler import RolloutScheduler
 
-SMOLLM2 = ROOT / "assets" / "smollm2-135m-instruct"
-IM_END = 2
 G, P = 2, 2
 
 
@@ -105,8 +103,8 @@ class RecordTask:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return HFTokenizer(SMOLLM2)
+def tok(chatml_dir):
+    return HFTokenizer(chatml_dir)
 
 
 def make(tok, monkeypatch, *, turns=2, fault="", streaming=False, timeout_s=10.0, engines=1, hold=(),
@@ -116,7 +114,7 @@ def make(tok, monkeypatch, *, turns=2, fault="", streaming=False, timeout_s=10.0
                                                  "rollout.environment_timeout_seconds"),
                                 [f"turns={turns}", f'fault="{fault}"'], "rollout.environment_args")
     events: queue.Queue = queue.Queue()
-    chat = ChatFormat.from_model_dir(str(SMOLLM2), tok)
+    chat = ChatFormat.from_model_dir(str(tok.model_dir), tok)
     groups = EpisodeGroups(env, chat, EpisodeLimits(max_turns=4, max_new_tokens=32, max_total_tokens=256), events,
                            max_in_flight)
     task = RecordTask()
