@@ -1,5 +1,6 @@
 """Workloads of the benchmarks that a run imports by name (``rollout.task = "benchmarks.workloads:heavy_tail"``,
-with the repository root as the working directory, as ``benchmarks/common.run_training`` runs it).
+``rollout.environment = "benchmarks.workloads:LatencyEnv"``, with the repository root as the working directory, as
+``benchmarks/common.run_training`` runs it).
 
 ``heavy_tail``: the heavy-tailed generation of ``benchmarks/streaming.py``. Each prompt asks for its own number
 ``L`` of digits, drawn from a Pareto distribution (``P(L > x) = (MIN_LEN / x) ** ALPHA``, rounded up) clipped to
@@ -20,12 +21,15 @@ nothing else."``. A pure function of (seed, step), like every task (``torchtitan
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import re
 import string
+from dataclasses import dataclass
 
 from torchtitan_flux.data import rewards as R
+from torchtitan_flux.data.environments import MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput
 from torchtitan_flux.data.tasks import Prompt, Task
 
 MIN_LEN = 4  # the shortest answer, in tokens
@@ -113,3 +117,40 @@ def heavy_tail(job_config, tokenizer, dataset_path, dataset_split, field_name) -
 
         template = ChatTemplate(job_config.model.hf_assets_path)
     return HeavyTailTask(job_config.rollout.max_new_tokens, digit_ids(tokenizer), template=template)
+
+
+# ---------------------------------------------------------------------------------------------- environments
+
+# ``LatencyEnv`` (``benchmarks/environments.py``): the tiny model has no chat template, so its runs copy it with
+# this one (its byte tokenizer's <|bos|> 1 and <|eos|> 2, the EOS where a turn stops; one message per block).
+TINY_CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|bos|>' + m['role'] + '\\n' + m['content'] + '<|eos|>' }}"
+                      "{%- endfor %}{%- if add_generation_prompt %}{{ '<|bos|>assistant\\n' }}{%- endif %}")
+
+
+class LatencyEnv(MessageEnv):
+    """A multi-turn environment that takes ``delay_ms`` to answer each turn, as a tool behind a network call would
+    (``asyncio.sleep``: the episode waits, no core is busy): the record's prompt opens the episode, each assistant
+    turn gets ``"more <n>"`` back until ``turns`` turns, then the episode ends with ``env_rewards = {"digits": the
+    last turn's share of digit characters}`` (the digits task's reward, over a conversation)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        delay_ms: float = 0.0
+        """How long each ``step`` takes, in milliseconds."""
+        turns: int = 3
+        """Assistant turns per episode (``rollout.max_turns`` must allow them)."""
+
+    def __init__(self, config: Config, *, env_input: dict) -> None:
+        self.config, self.prompt, self.n = config, env_input["prompt"], 0
+
+    async def init(self) -> MessageEnvInitOutput:
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "user", "content": self.prompt}])
+
+    async def step(self, completion_message) -> MessageEnvStepOutput:
+        await asyncio.sleep(self.config.delay_ms / 1000)
+        self.n += 1
+        if self.n < self.config.turns:
+            return MessageEnvStepOutput(env_messages=[{"role": "user", "content": f"more {self.n}"}])
+        text = completion_message["content"]
+        digits = sum(c.isdigit() for c in text) / max(1, len(text))
+        return MessageEnvStepOutput(done=True, env_rewards={"digits": digits})

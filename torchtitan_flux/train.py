@@ -57,6 +57,22 @@ def _field_type(path: str):
     return cls
 
 
+def emptied_lists(argv: list[str]) -> list[str]:
+    """The list fields of ours given ``""`` on the command line (``--rollout.environment_args ""``): each is the
+    empty list, clearing what the TOML file set. tyro reads ``""`` as ``[""]`` and has no form for zero values, so
+    ``main`` sets them after parsing."""
+    import typing
+
+    out = []
+    for i, a in enumerate(argv):
+        key, eq, val = a.partition("=")
+        if not eq:
+            key, val = a, argv[i + 1] if i + 1 < len(argv) else None
+        if key.startswith("--") and val == "" and typing.get_origin(_field_type(key[2:].replace("-", "_"))) is list:
+            out.append(key[2:].replace("-", "_"))
+    return out
+
+
 def _normalise_argv(argv: list[str]) -> list[str]:
     """One command-line syntax for every field, whoever declares it: ``--section.field true|false`` (or ``=``) for
     every boolean (torchtitan's are tyro flags, ``--x.y`` / ``--x.no_y``), the comma form for every list
@@ -338,6 +354,9 @@ def main() -> None:
             config = ConfigManager().parse_args()
         except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
             raise unknown_fields_error(e, config_file) or e from None
+        for path in emptied_lists(sys.argv[1:]):
+            section, _, name = path.partition(".")
+            setattr(getattr(config, section), name, [])
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_run_folders(config)
         if os.environ.get("RANK", "0") == "0":

@@ -8,10 +8,12 @@ the episode with ``env_rewards = {"correct": 1.0}`` when the number is the recor
 neither ends the episode with 0.0. The first of the two in a turn counts.
 
 Records (``problems``): ``{"question": "What is 23 * 47 + 18 * 9?", "answer": "1243"}``: two products of two-digit
-numbers and their sum or difference, beyond what a 135M model computes reliably alone; the calculator makes each
-step one call. ``calculator_task`` serves them as a task (``rollout.task``): fresh problems each step, a fixed
-held-out set for ``[eval]``; without ``rollout.environment`` the same task is the no-tool baseline (the question
-alone, scored by ``answer_match``).
+numbers and their sum or difference (``kind="two_products"``), or ``{"question": "What is 347 * 68?", ...}``: one
+product of a three-digit and a two-digit number (``kind="product"``, two turns: the call and the answer, the shape
+the README's real-model run trains on, short enough for 2 CPU cores); both beyond what a 135M model computes
+reliably alone; the calculator makes each step one call. ``calculator_task`` and ``product_task`` serve them as a
+task (``rollout.task``): fresh problems each step, a fixed held-out set for ``[eval]``; without
+``rollout.environment`` the same task is the no-tool baseline (the question alone, scored by ``answer_match``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class CalculatorEnv(MessageEnv):
         self._examples = config.examples
 
     async def init(self) -> MessageEnvInitOutput:
-        shots = [m for record in problems(self._examples, seed=-1) for m in worked_example(record)]
+        kind = "product" if self._question.count("*") == 1 else "two_products"  # examples of the question's shape
+        records = problems(self._examples, seed=EXAMPLE_SEED, kind=kind)
+        shots = [m for record in records for m in worked_example(record)]
         return MessageEnvInitOutput(init_prompt_messages=[{"role": "system", "content": SYSTEM}, *shots,
                                                           {"role": "user", "content": self._question}])
 
@@ -68,11 +72,15 @@ class CalculatorEnv(MessageEnv):
 
 
 def worked_example(record: dict) -> list[Message]:
-    """``record`` solved with the calculator, as messages: each product, then their sum or difference, then the
-    answer."""
-    a, b, op, c, d = record["question"].removeprefix("What is ").removesuffix("?").replace("*", "").split()
-    ab, cd = f"{a}*{b}", f"{c}*{d}"
-    steps = [ab, cd, f"{calculate(ab)[2:]}{op}{calculate(cd)[2:]}"]
+    """``record`` solved with the calculator, as messages: each product, then (two products) their sum or
+    difference, then the answer."""
+    terms = record["question"].removeprefix("What is ").removesuffix("?").replace("*", "").split()
+    if len(terms) == 2:  # a product
+        steps = ["{}*{}".format(*terms)]
+    else:
+        a, b, op, c, d = terms
+        ab, cd = f"{a}*{b}", f"{c}*{d}"
+        steps = [ab, cd, f"{calculate(ab)[2:]}{op}{calculate(cd)[2:]}"]
     out: list[Message] = [{"role": "user", "content": record["question"]}]
     for expr in steps:
         out += [{"role": "assistant", "content": f"CALC: {expr}"}, {"role": "user", "content": calculate(expr)}]
@@ -113,11 +121,24 @@ def _bounded(value: Fraction) -> Fraction:
     return value
 
 
-def problems(n: int, seed: int) -> list[dict]:
-    """``n`` records ``{"question", "answer"}``: ``a * b + c * d`` or ``a * b - c * d``, two-digit operands."""
+PROBLEM_KINDS = ("two_products", "product")
+# The worked examples' records: not a training step's seed (seed * 1_000_003 + step) nor the held-out set's (7_919)
+# in a run seeded below 1000 (random.Random(-s) is random.Random(s): the -1 used before was step 1's).
+EXAMPLE_SEED = 1_000_000_007
+
+
+def problems(n: int, seed: int, kind: str = "two_products") -> list[dict]:
+    """``n`` records ``{"question", "answer"}``: ``a * b + c * d`` or ``a * b - c * d`` with two-digit operands
+    (``two_products``), or ``a * b`` with a three-digit ``a`` and a two-digit ``b`` (``product``)."""
+    if kind not in PROBLEM_KINDS:
+        raise ValueError(f"kind = {kind!r}; expected one of {PROBLEM_KINDS}")
     rng = random.Random(seed)
     out = []
     for _ in range(n):
+        if kind == "product":
+            a, b = rng.randint(101, 999), rng.randint(11, 99)
+            out.append({"question": f"What is {a} * {b}?", "answer": str(a * b)})
+            continue
         a, b, c, d = (rng.randint(11, 99) for _ in range(4))
         op = rng.choice("+-")
         answer = a * b + c * d if op == "+" else a * b - c * d
@@ -132,9 +153,10 @@ class CalculatorTask(Task):
     name = "calculator"
     own_rewards = ("answer_match",)
 
-    def __init__(self, template=None):
+    def __init__(self, template=None, kind: str = "two_products"):
         super().__init__()
         self.template = template
+        self.kind = kind
 
     def _prompts(self, records: list[dict]) -> list[Prompt]:
         out = []
@@ -145,13 +167,14 @@ class CalculatorTask(Task):
         return out
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
-        return self._prompts(problems(n, seed * 1_000_003 + step))
+        return self._prompts(problems(n, seed * 1_000_003 + step, self.kind))
 
     def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
-        return self._prompts(problems(n or 64, 7_919))  # the same held-out records for every run and seed
+        return self._prompts(problems(n or 64, 7_919, self.kind))  # the same held-out records for every run and seed
 
 
-def calculator_task(job_config, tokenizer, dataset_path, dataset_split, field_name) -> CalculatorTask:
+def calculator_task(job_config, tokenizer, dataset_path, dataset_split, field_name,
+                    kind: str = "two_products") -> CalculatorTask:
     """``rollout.task = "examples.environments.calculator:calculator_task"``: the model's chat template renders the
     baseline's prompts when the model folder has one."""
     from torchtitan_flux.data.datasets import ChatTemplate
@@ -161,4 +184,9 @@ def calculator_task(job_config, tokenizer, dataset_path, dataset_split, field_na
         template = ChatTemplate(job_config.model.hf_assets_path)
     except ConfigError:  # no chat template: the question as plain text
         template = None
-    return CalculatorTask(template)
+    return CalculatorTask(template, kind)
+
+
+def product_task(job_config, tokenizer, dataset_path, dataset_split, field_name) -> CalculatorTask:
+    """``rollout.task = "examples.environments.calculator:product_task"``: ``calculator_task`` with one product."""
+    return calculator_task(job_config, tokenizer, dataset_path, dataset_split, field_name, kind="product")

@@ -133,6 +133,9 @@ BAD_ARGUMENTS = [
     ("benchmarks/streaming.py", ["--steps", "3"], "--steps"),
     ("benchmarks/streaming.py", ["--carry-over", "sometimes"], "--carry-over"),
     ("benchmarks/streaming.py", ["--reward-target", "x"], "--reward-target"),
+    ("benchmarks/environments.py", ["--delay-ms", "0"], "--delay-ms"),
+    ("benchmarks/environments.py", ["--steps", "3"], "--steps"),
+    ("benchmarks/environments.py", ["--seeds", "-1"], "--seeds"),
     ("scripts/verify_grpo.py", ["--steps", "0"], "--steps"),
 ]
 
@@ -285,7 +288,8 @@ def test_overlap_limit_at_pair_efficiency():
     assert overlap_limit(1.0, 1.0, 0.0, 0.3) == overlap_limit(1.0, 1.0, 0.0, 0.5)  # serial is the floor
 
 
-@pytest.mark.parametrize("bench", ["weight_sync", "controller", "vs_trl", "vllm_async", "startup", "streaming"])
+@pytest.mark.parametrize("bench", ["weight_sync", "controller", "vs_trl", "vllm_async", "startup", "streaming",
+                                   "environments"])
 def test_every_benchmark_with_a_speedup_prints_the_pair_efficiency(bench):
     src = (ROOT / "benchmarks" / f"{bench}.py").read_text()
     assert "pair_efficiency()" in src and "pair_lines(" in src

@@ -29,7 +29,7 @@ from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS
 from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.ranges import field_ranges  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
-from torchtitan_flux.train import _normalise_argv, _report  # noqa: E402
+from torchtitan_flux.train import _normalise_argv, _report, emptied_lists  # noqa: E402
 
 
 def parse(*overrides: str, toml: str | None = None):
@@ -807,3 +807,13 @@ def test_validation_checks_colocated_memory_when_cuda_is_available(monkeypatch):
         validate_config(cfg)  # the tiny model does not fit on a 1 MiB device
     total["bytes"] = 80 * 2**30
     validate_config(cfg)
+
+
+def test_an_empty_value_clears_a_list_field_the_toml_set():
+    """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") and has no form for
+    zero values: ``main`` sets each list given "" to [] after parsing. Mutation: the check on the field's type (a
+    string field given "" would become a list)."""
+    argv = ["--rollout.environment_args", "", "--rollout.reward_funcs=", "--rollout.task", "", "--job.description",
+            "", "--rollout.reward_weights", "1.0"]
+    assert emptied_lists(argv) == ["rollout.environment_args", "rollout.reward_funcs"]
+    assert parse("--rollout.environment_args", "").rollout.environment_args == [""]  # what main then clears

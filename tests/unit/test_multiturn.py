@@ -253,6 +253,34 @@ def test_a_turn_on_an_engine_that_dies_is_redispatched(tok, monkeypatch):
     assert {r.seed for r in dying.held} <= {r.seed for r in healthy.requests}  # the same turns, generated there
 
 
+def test_relaying_turns_runs_episodes_while_nobody_pumps_and_keeps_other_events_for_pump(tok, monkeypatch):
+    """What the trainer calls between transformer blocks while a step trains: every turn of every episode is sent
+    and answered without a ``pump``; the groups' ends and every other event wait, in order, for ``pump``.
+    Mutations: relay handling every event (a group would be scored mid-training: the order check), or none (the
+    episodes would stall at their first turn)."""
+    sched, (engine,) = make(tok, monkeypatch, turns=3)
+    handled: list = []
+    handle = sched._handle
+    monkeypatch.setattr(sched, "_handle", lambda ev: (handled.append(type(ev).__name__), handle(ev)))
+    try:
+        sched.events.put(EngineError(engine.name, "a note", fatal=False))
+        sched.dispatch(1, 0)
+        deadline = time.monotonic() + 10
+        while len(engine.requests) < P * G * 3 and time.monotonic() < deadline:
+            sched.relay_turns()
+            time.sleep(0.001)
+        assert len(engine.requests) == P * G * 3  # three turns of each episode, with no pump
+        time.sleep(0.2)  # the groups' ends reach the queue
+        sched.relay_turns()
+        assert set(handled) == {"TurnRequest", "GenerationResult"} and sched.has_events()
+        handled.clear()
+        batch = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    assert handled[:1 + P] == ["EngineError"] + ["GroupEnded"] * P
+    assert batch.tokens.shape[0] == P * G and len(engine.requests) == P * G * 3  # nothing generated again
+
+
 def test_episodes_in_flight_are_capped(tok, monkeypatch):
     """Mutation: the semaphore ignored (all four episodes would hold a turn at once)."""
     sched, (engine,) = make(tok, monkeypatch, hold={0}, max_in_flight=1)
@@ -343,7 +371,7 @@ def test_the_calculators_worked_examples_follow_its_protocol():
     examples placed after the question."""
     import asyncio
 
-    from examples.environments.calculator import CalculatorEnv, calculate, problems
+    from examples.environments.calculator import EXAMPLE_SEED, CalculatorEnv, calculate, problems
 
     record = problems(1, seed=5)[0]
     opening = asyncio.run(CalculatorEnv(CalculatorEnv.Config(examples=2), env_input=record).init())
@@ -355,4 +383,4 @@ def test_the_calculators_worked_examples_follow_its_protocol():
         if m["role"] == "assistant" and m["content"].startswith("CALC: "):
             assert shots[i + 1] == {"role": "user", "content": calculate(m["content"][6:])}
     answers = [m["content"] for m in shots if m["content"].startswith("ANSWER: ")]
-    assert answers == [f"ANSWER: {r['answer']}" for r in problems(2, seed=-1)]
+    assert answers == [f"ANSWER: {r['answer']}" for r in problems(2, seed=EXAMPLE_SEED)]

@@ -11,7 +11,7 @@ import torch
 
 from torchtitan_flux.engine.embedded import EmbeddedEngine
 from torchtitan_flux.run import threads
-from torchtitan_flux.run.threads import OtherLoad, TrainerThreads
+from torchtitan_flux.run.threads import OtherLoad, TrainerThreads, every_block
 
 
 class FakeEngine(EmbeddedEngine):
@@ -91,7 +91,7 @@ class Model(torch.nn.Module):
         return x
 
 
-def test_watch_rechecks_before_every_block_forward_and_backward():
+def test_every_block_rechecks_before_every_block_forward_and_backward():
     """The engine turns idle during the forward: the later blocks, and the whole backward, get its core; the
     check runs once per block each way (the backward through a gradient hook on the block's output)."""
     seen: list = []
@@ -99,7 +99,7 @@ def test_watch_rechecks_before_every_block_forward_and_backward():
     t = TrainerThreads(job())
     own = t.own
     engine = FakeEngine(1, [False, False, True])  # busy for the first two checks
-    t.watch(model, SimpleNamespace(engines=[engine]))
+    every_block(model, lambda: t.before_compute(SimpleNamespace(engines=[engine])))
     x = torch.randn(2, 4, requires_grad=True)
     out = model(x).sum()
     assert [n for _, n in seen] == [own, own, own + 1]

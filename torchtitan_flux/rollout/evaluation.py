@@ -76,7 +76,7 @@ class Evaluator:
     def _advance(self, run: _Run, wait: bool) -> bool:
         """Pump results / submit scoring; True once ``run`` is scored."""
         while any(p.result is None for p in run.parts):
-            if not wait and self.rollouts.events.empty():
+            if not wait and not self.rollouts.has_events():
                 return False
             self.rollouts.pump(0.05 if wait else 0)
             self.rollouts.raise_episode_failure()

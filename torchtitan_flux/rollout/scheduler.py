@@ -22,7 +22,10 @@ prompts were taken and the finished groups not trained yet.
 Multi-turn episodes (``rollout.environment``, ``episodes`` given): each prompt is a group of G episodes run by
 ``multiturn.EpisodeGroups`` on its own thread; each turn comes back through ``events`` as a ``TurnRequest``, which
 ``pump`` sends as a request of one sequence (so engines are only ever called from the main thread) and whose result
-it hands back to the episode. A group whose episodes all ended arrives as ``GroupEnded`` and becomes one finished
+it hands back to the episode. While a step trains nobody pumps, so the trainer calls ``relay_turns`` between
+transformer blocks (``run/threads.every_block``): it sends the turns waiting and hands back the turns' results, and
+keeps every other event for ``pump`` (``_deferred``, read before the queue), so episodes go on while the trainer
+computes. A group whose episodes all ended arrives as ``GroupEnded`` and becomes one finished
 part (its tokens after the shared opening, ``model_mask`` on the model's), in both paths above alike; a turn on a
 dead engine is re-dispatched like any request. An environment's failure is kept (``episode_failure``) and raised by
 the next wait for rollouts, so a checkpoint's pumping never raises it.
@@ -118,6 +121,7 @@ class RolloutScheduler:
         self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
         self._stall_checked = 0.0
         self._last_pump = self._stall_clock_from = time.monotonic()
+        self._deferred: collections.deque = collections.deque()  # events ``relay_turns`` read and left for ``pump``
         self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
 
@@ -305,13 +309,41 @@ class RolloutScheduler:
         if now - self._last_pump > 5.0:  # nobody pumped meanwhile (training, a save): results may sit unread in
             self._stall_clock_from = now  # the queue, so that time is no evidence of a stall
         self._last_pump = now
-        if now - self._stall_checked >= 1.0 and self.events.empty():
+        if now - self._stall_checked >= 1.0 and not self.has_events():
             self._stall_checked = now
             self._kill_stuck(now)
         try:
-            ev = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
+            if self._deferred:
+                ev = self._deferred.popleft()
+            else:
+                ev = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
         except queue.Empty:
             return
+        self._handle(ev)
+
+    def has_events(self) -> bool:
+        """Whether ``pump`` has an event to handle now."""
+        return bool(self._deferred) or not self.events.empty()
+
+    def relay_turns(self) -> None:
+        """Send the multi-turn episodes' turns waiting and hand back their results, without waiting; every other
+        event is kept, in order, for ``pump`` (main thread; called between transformer blocks while a step trains:
+        a queue read per call when there is nothing to relay). Single-turn runs: nothing."""
+        if self.episodes is None:
+            return
+        while True:
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                return
+            part = self._by_req.get(ev.req_id) if isinstance(ev, GenerationResult) else None
+            if isinstance(ev, TurnRequest) or (part is not None and part.turn is not None):
+                self._handle(ev)
+            else:
+                self._deferred.append(ev)
+
+    def _handle(self, ev) -> None:
+        """One engine or episode event (``pump``, ``relay_turns``)."""
         if isinstance(ev, GenerationResult):
             self.last_result = self._last_from[ev.engine] = time.monotonic()
             part = self._by_req.pop(ev.req_id, None)
@@ -416,7 +448,7 @@ class RolloutScheduler:
                 if not self._ready:
                     waiting.pump()
                     continue
-                while not self.events.empty():  # every group finished by now is a candidate
+                while self.has_events():  # every group finished by now is a candidate
                     self.pump(0)
                 part = min(self._ready, key=lambda p: p.result.version)  # the oldest first (ties: arrival order):
                 self._ready.remove(part)  # a fresher one can wait a step, an older one would go stale
@@ -536,7 +568,7 @@ class RolloutScheduler:
                 self.pump(0.05 if waiting else 0)
             except NoEngineLeft:
                 waiting = False
-            if not waiting and self.events.empty():
+            if not waiting and not self.has_events():
                 break
         if self.streaming:  # which prompts were taken, and the finished groups not trained yet, in arrival order
             return {"streaming": {"taken": {st.step: sorted(st.taken) for st in self._steps.values()},

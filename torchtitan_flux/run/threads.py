@@ -81,8 +81,8 @@ class TrainerThreads:
     local ranks; remote servers leave it every core; on GPU nothing is set. With ``rollout.borrow_idle_engine_cores``
     (CPU, one local rank, a kind with ``EngineKind.borrowable_cores``, no compiled model), ``before_compute`` adds
     the threads of each engine that holds no request (its handler's ``idle()``) and gives them back once it holds
-    one. ``watch`` calls it before every transformer block's forward and backward (so a step's training takes the
-    engine's core within one block of the engine finishing its generation); the trainer calls it once the step's
+    one. The trainer calls it before every transformer block's forward and backward (``every_block``: so a step's
+    training takes the engine's core within one block of the engine finishing its generation); the trainer calls it once the step's
     batch is in and before the optimizer step. It borrows nothing while other processes keep
     ``CONTENTION_CORES`` or more busy (``OtherLoad``): then the engine's idle core is not free, and borrowing it
     slows both jobs down.
@@ -122,23 +122,6 @@ class TrainerThreads:
         self._threads_sum += n
         self._computes += 1
 
-    def watch(self, model: torch.nn.Module, rollouts: HasEngines | None) -> None:
-        """Hooks on ``model``'s transformer blocks (``model.layers``): ``before_compute`` before each block's forward
-        and, through a gradient hook on its output, before its backward. Nothing when not borrowing."""
-        if not self.borrowing or rollouts is None:
-            return
-
-        def check(*_):
-            self.before_compute(rollouts)
-
-        def on_output(_module, _args, out):
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(check)  # returns None: the gradient is unchanged
-
-        for block in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
-            block.register_forward_pre_hook(check)
-            block.register_forward_hook(on_output)
-
     def step_metrics(self) -> dict[str, float]:
         """``trainer_threads``: mean threads over the checks since the last call (one per block's forward and
         backward, one per optimizer step; borrowing only); ``borrow_contended``: the share of those checks that
@@ -149,3 +132,20 @@ class TrainerThreads:
              "borrow_contended": self._contended / self._computes, "other_cores": self.others.cores}
         self._threads_sum = self._computes = self._contended = 0
         return m
+
+
+def every_block(model: torch.nn.Module, fn) -> None:
+    """``fn()`` before each of ``model``'s transformer blocks (``model.layers``) computes its forward and, through a
+    gradient hook on the block's output, its backward; on the main thread (CPU autograd runs the backward on the
+    thread that called it; on GPU, where the block's kernels are launched from)."""
+
+    def check(*_):
+        fn()
+
+    def on_output(_module, _args, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(check)  # returns None: the gradient is unchanged
+
+    for block in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+        block.register_forward_pre_hook(check)
+        block.register_forward_hook(on_output)

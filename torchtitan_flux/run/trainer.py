@@ -34,7 +34,7 @@ from torchtitan_flux.engine.kinds import engine_kind
 from torchtitan_flux.rollout.evaluation import Evaluator
 from torchtitan_flux.rl.feed import BatchFeed
 from torchtitan_flux.rollout.rollouts import Rollouts
-from torchtitan_flux.run.threads import TrainerThreads
+from torchtitan_flux.run.threads import TrainerThreads, every_block
 from torchtitan_flux.models.hf_weights import build_reference_model, export_hf_weights, load_hf_weights
 from torchtitan_flux.errors import CheckpointWriteError, MetricsWriteError
 from torchtitan_flux.run.metrics import MetricsWriter
@@ -98,7 +98,8 @@ class GRPOTrainer(Trainer):
             self.rollouts = Rollouts(job_config, self.task, self.tokenizer, self.model, device=self.device,
                                       stops=self.stops)
             self.syncer = self.rollouts.syncer
-            self.threads.watch(self.model, self.rollouts)
+            if self.threads.borrowing or self.rollouts.episodes is not None:
+                every_block(self.model, self._between_computations)
             if self.world == 1:
                 self.stops.interrupt_rollout_waits_of(self.rollouts)
         else:  # a bystander: takes part in every snapshot, sends nothing
@@ -174,13 +175,22 @@ class GRPOTrainer(Trainer):
                 self.rollouts.drain(timeout=1.0)
         self._finish()
 
+    def _between_computations(self) -> None:
+        """Rank 0, main thread, before each transformer block's forward and backward (``every_block``) and the
+        optimizer step: the multi-turn episodes' turns waiting are sent and their results handed back (so episodes
+        go on while a step trains), then the threads are set (a turn just sent makes its engine busy: its core is
+        given back before the block computes)."""
+        if self.rollouts is not None:
+            self.rollouts.relay_turns()
+        self.threads.before_compute(self.rollouts)
+
     def train_step_grpo(self) -> None:
         """One step, all ranks: batch, GRPO update, controller, push, probe, checkpoint, evaluation, metrics."""
         jc = self.job_config
         t0 = time.perf_counter()
         fed = self.feed.next(self.step + 1, self.step)
         last = fed.last
-        self.threads.before_compute(self.rollouts)  # the next steps' requests just went out: their cores come back
+        self._between_computations()  # the next steps' requests just went out: their cores come back
         self.step += 1
         t1 = time.perf_counter()
         metrics, staleness = self.train_on(fed.batch)
@@ -270,7 +280,7 @@ class GRPOTrainer(Trainer):
             )
         self.checkpointer.maybe_wait_for_staging()
         self.syncer.before_optimizer_step()
-        self.threads.before_compute(self.rollouts)
+        self._between_computations()
         self.optimizers.step()
         self.lr_schedulers.step()
         self.ntokens_seen += int(num_tokens)
