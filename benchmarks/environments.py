@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"machine: {platform.machine()} {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; debug model; "
           f"{seeds} seeds x {steps} steps; 4 prompts x 8 episodes a step, {TURNS} turns each; async_ratio 1")
-    print("| environment delay | median step time (per seed) | median rollout wait | turns per episode | final reward |")
+    print("| environment delay | median step time (per seed) | median rollout wait | turns per episode "
+          "| final reward |")
     print("|---|---|---|---|---|")
     keyvals = [f"env_delay_ms={args.delay_ms:g}"]
     for mode in names:

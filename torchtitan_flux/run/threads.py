@@ -82,13 +82,14 @@ class TrainerThreads:
     (CPU, one local rank, a kind with ``EngineKind.borrowable_cores``, no compiled model), ``before_compute`` adds
     the threads of each engine that holds no request (its handler's ``idle()``) and gives them back once it holds
     one. The trainer calls it before every transformer block's forward and backward (``every_block``: so a step's
-    training takes the engine's core within one block of the engine finishing its generation); the trainer calls it once the step's
+    training takes the engine's core within one block of the engine finishing its generation), once the step's
     batch is in and before the optimizer step. It borrows nothing while other processes keep
     ``CONTENTION_CORES`` or more busy (``OtherLoad``): then the engine's idle core is not free, and borrowing it
     slows both jobs down.
 
     Invariant (no core does two jobs in a forward or backward pass): an engine gets work only through ``submit``,
-    which only the trainer's main thread calls, between computations; ``before_compute`` runs on that thread (CPU
+    which only the trainer's main thread calls, between computations (a multi-turn turn relayed between blocks
+    included: the trainer relays first, then calls ``before_compute``); ``before_compute`` runs on that thread (CPU
     autograd runs the backward on the thread that called it) before each block, so a block computes on a borrowed
     core only while its engine has nothing to generate. Between a submit and the next check the main thread runs
     bookkeeping and copies only (the batch's layout, a staging copy), still on the borrowed count; so does the
