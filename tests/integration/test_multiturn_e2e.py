@@ -117,3 +117,30 @@ def test_a_multi_turn_run_with_vllm_pushes_and_probes(vllm_server, small_model_d
     assert summary["checksums_match"] and summary["final_engine_version"] == 3
     done = [json.loads(line) for line in (dump / "completions.jsonl").read_text().splitlines()]
     assert len(done) == 3 * 4 * 8 and any(r["episode"]["turns"] >= 2 for r in done)
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_against_the_sglang_contract_server(chat_model, tmp_path):
+    """SGLang's ``/generate`` (the contract server of SGLang 0.5.23's HTTP API, ``fakes/sglang_server.py``) generates
+    every turn of an async run, with a push and a post-sync probe every step. Mutations: pushes or probes skipped
+    (version, probe), episodes refused on SGLang (the run's validation)."""
+    from fakes.sglang_server import ContractServer
+
+    server = ContractServer(ROOT / "assets" / "tiny-llama", tmp_path, deadline_s=600, max_requests=20000)
+    try:
+        dump = tmp_path / "run"
+        p = _run(dump, chat_model, "--training.steps", "3", "--rollout.engine", "sglang", "--rollout.urls",
+                 server.url, "--weight_sync.probe_every", "1", "--metrics.log_completions_every", "1",
+                 "--rollout.reward_funcs", "digits", "--weight_sync.async_weight_update", "true",
+                 "--off_policy.async_ratio", "1", timeout=400)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rows = read_metrics(dump)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert all(r["probe_engines_checked"] == 1 and r["probe_max_abs_diff"] < 1e-4 for r in rows)
+        summary = json.loads((dump / "summary.json").read_text())
+        assert summary["final_engine_version"] == 3 and summary["all_engines_verified"]
+        done = [json.loads(line) for line in (dump / "completions.jsonl").read_text().splitlines()]
+        assert len(done) == 3 * 4 * 8 and any(r["episode"]["turns"] >= 2 for r in done)
+        assert server.state()["rejected"] == []
+    finally:
+        server.stop()

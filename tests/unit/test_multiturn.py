@@ -317,14 +317,12 @@ CALCULATOR = "examples.environments.calculator:CalculatorEnv"
      "rollout.environment_args has 'digits=3'; allowed: 'name=value' with name one of"),
     (("--rollout.environment_reward_weight", "nan"), "rollout.environment_reward_weight = nan is out of range; "
                                                      "allowed: a finite number"),
-    (("--rollout.environment", CALCULATOR, "--rollout.engine", "sglang", "--rollout.urls", "http://127.0.0.1:1"),
-     "'embedded' | 'vllm' engines only for now (rollout.engine = 'sglang')"),
     (("--rollout.environment", CALCULATOR), "renders conversations with the model's chat template: "
                                             "model.hf_assets_path = './assets/tiny-llama' has no chat_template"),
 ])
 def test_multi_turn_config_errors_name_the_field(overrides, fragment):
-    """Mutations: a multi-turn field read silently without an environment; an environment loaded unchecked; an
-    engine or a model folder that cannot run episodes found only mid-run."""
+    """Mutations: a multi-turn field read silently without an environment; an environment loaded unchecked; a
+    model folder that cannot run episodes found only mid-run."""
     from conftest import DEBUG_TOML
 
     from torchtitan_flux.patches import apply_patches

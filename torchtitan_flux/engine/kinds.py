@@ -47,9 +47,6 @@ class EngineKind:
     """``rollout.in_flight_weight_updates`` applies pushes mid-generation on its engines (embedded: with
     ``rollout.continuous_batching``; vLLM: ``/pause?mode=keep``). False: docs/engines.md says why not."""
 
-    episodes: bool
-    """``rollout.environment``'s multi-turn episodes run on its engines (tested there; SGLang: not yet)."""
-
     sampled_checksums: bool
     """Its handler takes ``verify_every`` and ``final_version``: the engine hashes what it received on the pushes
     ``weight_sync.verify_every`` samples."""
@@ -74,18 +71,18 @@ ENGINE_KINDS: dict[str, EngineKind] = {
     "embedded": EngineKind(
         name="embedded", handler="torchtitan_flux.engine.embedded:EmbeddedEngine", gpu_handler=None, server=False,
         launchable=False, serial=True, borrowable_cores=True, colocatable=True, in_flight_updates=True,
-        episodes=True, sampled_checksums=False,
+        sampled_checksums=False,
     ),
     "vllm": EngineKind(
         name="vllm", handler="torchtitan_flux.engine.vllm:VllmEngine",
         gpu_handler="torchtitan_flux.engine.vllm_nccl:VllmNcclEngine",  # vLLM's own NCCL engines
         server=True, launchable=True, serial=False, borrowable_cores=False, colocatable=False, in_flight_updates=True,
-        episodes=True, sampled_checksums=True,
+        sampled_checksums=True,
     ),
     "sglang": EngineKind(
         name="sglang", handler="torchtitan_flux.engine.sglang:SglangEngine", gpu_handler=None, server=True,
         launchable=False, serial=False, borrowable_cores=False, colocatable=False, in_flight_updates=False,
-        episodes=False, sampled_checksums=False,
+        sampled_checksums=False,
     ),
 }
 

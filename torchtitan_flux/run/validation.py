@@ -467,8 +467,8 @@ MULTI_TURN_FIELDS = ("environment_args", "max_turns", "max_episodes_in_flight", 
 
 
 def _check_environment(job_config: Any) -> None:
-    """``rollout.environment``: its class loads in torchtitan's shape with ``environment_args``, the engine serves
-    episodes, the model has a chat template; the multi-turn fields are left alone without it."""
+    """``rollout.environment``: its class loads in torchtitan's shape with ``environment_args``, the model has a
+    chat template; the multi-turn fields are left alone without it."""
     from torchtitan_flux.config import Rollout
     from torchtitan_flux.rollout.multiturn import load_configured_environment
 
@@ -480,10 +480,6 @@ def _check_environment(job_config: Any) -> None:
             _require(getattr(r, name) == default, f"rollout.{name}", getattr(r, name),
                      f"{default!r} (the default) unless rollout.environment is set: only multi-turn episodes read it")
         return
-    if not engine_kind(r.engine).episodes:
-        allowed = kind_names(lambda k: k.episodes)
-        raise ConfigError(f"rollout.environment = {r.environment!r} runs its episodes on {allowed} engines only for "
-                          f"now (rollout.engine = {r.engine!r}); allowed: rollout.engine = {allowed}")
     load_configured_environment(r)
     from torchtitan_flux.data.datasets import ChatTemplate
 
