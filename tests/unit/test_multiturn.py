@@ -281,6 +281,26 @@ def test_relaying_turns_runs_episodes_while_nobody_pumps_and_keeps_other_events_
     assert batch.tokens.shape[0] == P * G and len(engine.requests) == P * G * 3  # nothing generated again
 
 
+def test_a_turn_is_not_relayed_while_no_engine_is_alive(tok, monkeypatch):
+    """Sending it would wait (up to DEATH_NOTICE_S, pumping every event) for a restart inside a transformer block;
+    the turn waits for ``pump`` instead. Mutation: no aliveness check (relay blocks, then raises NoEngineLeft)."""
+    sched, (engine,) = make(tok, monkeypatch)
+    try:
+        sched.dispatch(1, 0)
+        engine.is_alive = False
+        deadline = time.monotonic() + 10
+        while not sched.has_events() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the episodes' first turns reach the queue
+        t0 = time.monotonic()
+        sched.relay_turns()
+        assert time.monotonic() - t0 < 1.0 and engine.requests == [] and sched.has_events()
+        engine.is_alive = True  # a restart, as pump would see it
+        batch = sched.collect(1, 0)
+    finally:
+        sched.drain(0)
+    assert batch.tokens.shape[0] == P * G
+
+
 def test_episodes_in_flight_are_capped(tok, monkeypatch):
     """Mutation: the semaphore ignored (all four episodes would hold a turn at once)."""
     sched, (engine,) = make(tok, monkeypatch, hold={0}, max_in_flight=1)

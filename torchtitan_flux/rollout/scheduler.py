@@ -328,7 +328,8 @@ class RolloutScheduler:
     def relay_turns(self) -> None:
         """Send the multi-turn episodes' turns waiting and hand back their results, without waiting; every other
         event is kept, in order, for ``pump`` (main thread; called between transformer blocks while a step trains:
-        a queue read per call when there is nothing to relay). Single-turn runs: nothing."""
+        a queue read per call when there is nothing to relay), and so is a turn while no engine is alive (sending
+        it would wait for a restart). Single-turn runs: nothing."""
         if self.episodes is None:
             return
         while True:
@@ -337,7 +338,8 @@ class RolloutScheduler:
             except queue.Empty:
                 return
             part = self._by_req.get(ev.req_id) if isinstance(ev, GenerationResult) else None
-            if isinstance(ev, TurnRequest) or (part is not None and part.turn is not None):
+            sendable = isinstance(ev, TurnRequest) and any(e.alive() for e in self.engines)  # else ``pump`` waits
+            if sendable or (part is not None and part.turn is not None):  # for a restart (``_alive``), not a block
                 self._handle(ev)
             else:
                 self._deferred.append(ev)
