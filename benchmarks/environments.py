@@ -23,7 +23,7 @@ Table per mode: median step time (``step_time_s`` of every step but the first tw
 (``completions.jsonl``), final reward. Key=value lines: ``env_delay_ms``,
 ``step_time_0ms_s`` and ``step_time_<delay>ms_s`` (medians over seeds of each run's median),
 ``env_latency_step_ratio`` (per seed the delayed run's median step time over the instant one's, the median over
-seeds; issue 39's goal: at most 1.10 at 50 ms), ``rollout_wait_0ms_s`` / ``rollout_wait_<delay>ms_s``,
+seeds; the goal: at most 1.10 at 50 ms), ``rollout_wait_0ms_s`` / ``rollout_wait_<delay>ms_s``,
 ``episode_turns_mean`` (the delayed runs': after each turn that stops, the episode waits for the environment), then
 ``pair_efficiency`` (``benchmarks/common.py``).
 """
@@ -53,13 +53,12 @@ STOP_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEF"  # an eighth of the bytes: stop
 
 
 def chat_model(out: str) -> str:
-    """The tiny model's folder copied with a chat template (``workloads.TINY_CHAT_TEMPLATE``) and with 32 byte tokens
+    """The tiny model's folder copied with a chat template (``model_assets.TINY_CHAT_TEMPLATE``) and with 32 byte tokens
     as stop tokens besides its EOS (``eos_token_id``, which the engine and the episodes both stop on): its random
     weights spread a turn's tokens over all 256 bytes and almost never sample EOS, so every turn would run to its
     budget, where an episode ends without stepping its environment (docs/environments.md, limits); with an eighth
     of the bytes stopping it, a turn is ~8 tokens and an episode has its three turns."""
-    from model_assets import BYTE_OFFSET, EOS_ID
-    from workloads import TINY_CHAT_TEMPLATE
+    from model_assets import BYTE_OFFSET, EOS_ID, TINY_CHAT_TEMPLATE
 
     folder = os.path.join(out, "tiny-chat")
     shutil.rmtree(folder, ignore_errors=True)

@@ -121,12 +121,6 @@ def heavy_tail(job_config, tokenizer, dataset_path, dataset_split, field_name) -
 
 # ---------------------------------------------------------------------------------------------- environments
 
-# ``LatencyEnv`` (``benchmarks/environments.py``): the tiny model has no chat template, so its runs copy it with
-# this one (its byte tokenizer's <|bos|> 1 and <|eos|> 2, the EOS where a turn stops; one message per block).
-TINY_CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|bos|>' + m['role'] + '\\n' + m['content'] + '<|eos|>' }}"
-                      "{%- endfor %}{%- if add_generation_prompt %}{{ '<|bos|>assistant\\n' }}{%- endif %}")
-
-
 class LatencyEnv(MessageEnv):
     """A multi-turn environment that takes ``delay_ms`` to answer each turn, as a tool behind a network call would
     (``asyncio.sleep``: the episode waits, no core is busy): the record's prompt opens the episode, each assistant

@@ -34,6 +34,10 @@ BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
 BYTE_OFFSET = len(SPECIAL_TOKENS)  # byte b has token id BYTE_OFFSET + b
+# A chat template for the tiny model, which has none (tests and benchmarks copy the model with it, for multi-turn
+# episodes): one message per block, <|bos|> role, newline, content, <|eos|> (the EOS, where a turn stops).
+TINY_CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|bos|>' + m['role'] + '\\n' + m['content'] + '<|eos|>' }}"
+                      "{%- endfor %}{%- if add_generation_prompt %}{{ '<|bos|>assistant\\n' }}{%- endif %}")
 VOCAB_SIZE = BYTE_OFFSET + 256  # 259
 
 # RoPE scaling written to config.json: exactly torchtitan's RoPEScalingArgs defaults (llama3 scaling).

@@ -1,5 +1,5 @@
 """A multi-turn environment for the tiny model's end-to-end runs (``rollout.environment =
-"fakes.environments:DigitsEnv"``, tests/ on ``PYTHONPATH``), and a chat template for the tiny model, which has none.
+"fakes.environments:DigitsEnv"``, tests/ on ``PYTHONPATH``).
 
 ``DigitsEnv``: the record's prompt opens the episode; each assistant turn gets "ok <n>" back until ``turns`` turns,
 then the episode ends with ``env_rewards = {"digits": the last turn's fraction of digit characters}`` (the digits
@@ -13,10 +13,6 @@ import time
 from dataclasses import dataclass
 
 from torchtitan_flux.data.environments import MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput
-
-# the tiny model's byte tokenizer has <|bos|> (1), <|eos|> (2: its EOS, where a turn stops); one message per block
-TINY_CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|bos|>' + m['role'] + '\\n' + m['content'] + '<|eos|>' }}"
-                      "{%- endfor %}{%- if add_generation_prompt %}{{ '<|bos|>assistant\\n' }}{%- endif %}")
 
 _steps = itertools.count(1)  # step() calls in this process
 

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 from _procs import complete_ckpts
-from fakes.environments import TINY_CHAT_TEMPLATE
+from model_assets import TINY_CHAT_TEMPLATE
 
 from conftest import ROOT, TESTS, need_vllm, read_metrics, torchrun_cmd
 from test_vllm import TOKEN, vllm_server  # noqa: F401 - the real server's fixture (module-scoped: one per file)

@@ -191,12 +191,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         assert _max_diff(before, G, as_pushed(layout_of(h.model_dir), weights), shape, 0.0) < 1e-5
 
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
-        store = transport.connect_store("127.0.0.1", 0, 60, True)
-        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm0/1", "gloo", 60.0,
-                               engine_specs(h, specs), 512 * 1024)
-        h.join_weight_group(info)
-        transport.handshake(store, info.prefix, TOKEN, transport.TRAINER, 60.0)  # the server holds a token
-        pg = trainer_group(h, store, info)
+        pg, store = _join(h, specs, 1)
         plan = transport.plan_buckets(specs, 512 * 1024)
         new = _modified(weights)
         posted: list[str] = []  # every control request of the push (docs: one /update_weights per bucket)
@@ -227,12 +222,7 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         print(f"\nvLLM push: {stats}")
 
         # a second push on a re-joined group (what a resync does), back to the original weights
-        store2 = transport.connect_store("127.0.0.1", 0, 60, True)
-        info2 = WeightGroupInfo("127.0.0.1", store2.port, "flux_ws/vllm0/2", "gloo", 60.0,
-                                engine_specs(h, specs), 512 * 1024)
-        h.join_weight_group(info2)
-        transport.handshake(store2, info2.prefix, TOKEN, transport.TRAINER, 60.0)
-        pg2 = trainer_group(h, store2, info2)
+        pg2, store2 = _join(h, specs, 2)
         push_like_syncer(h, pg2, plan, weights, 2)
         assert wait_event(events, WeightAck, timeout=120).version == 2
         again = generate(3, 0.0)
@@ -240,6 +230,17 @@ def test_pushed_weights_reach_generation_exactly(vllm_server, small_model_dir):
         assert _max_diff(again, G, as_pushed(layout_of(h.model_dir), weights), shape, 0.0) < 1e-5
     finally:
         h.close()
+
+
+def _join(h, specs, epoch: int):
+    """The trainer's side of joining ``h`` to group ``epoch`` as the syncer does (store, join message, handshake: the
+    server holds a token, then the group; 512 KiB buckets); returns (group, store: kept while the group lives)."""
+    store = transport.connect_store("127.0.0.1", 0, 60, True)
+    info = WeightGroupInfo("127.0.0.1", store.port, f"flux_ws/{h.name}/{epoch}", "gloo", 60.0,
+                           engine_specs(h, specs), 512 * 1024)
+    h.join_weight_group(info)
+    transport.handshake(store, info.prefix, TOKEN, transport.TRAINER, 60.0)
+    return trainer_group(h, store, info), store
 
 
 def _generated_tokens(url: str) -> float:
@@ -266,12 +267,7 @@ def test_a_push_lands_while_a_generation_runs(vllm_server, small_model_dir):
     h.start()
     try:
         specs = [transport.TensorSpec(n, tuple(v.shape), "float32") for n, v in weights.items()]
-        store = transport.connect_store("127.0.0.1", 0, 60, True)
-        info = WeightGroupInfo("127.0.0.1", store.port, "flux_ws/vllm_if/1", "gloo", 60.0,
-                               engine_specs(h, specs), 512 * 1024)
-        h.join_weight_group(info)
-        transport.handshake(store, info.prefix, TOKEN, transport.TRAINER, 60.0)
-        pg = trainer_group(h, store, info)
+        pg, store = _join(h, specs, 1)
         plan = transport.plan_buckets(specs, 512 * 1024)
         push_like_syncer(h, pg, plan, weights, 1)
         assert wait_event(events, WeightAck, timeout=120).version == 1

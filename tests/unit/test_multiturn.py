@@ -28,7 +28,7 @@ from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.rl.loss import group_advantages, grpo_loss, token_logprobs
 from torchtitan_flux.rollout.episodes import ChatFormat, EpisodeLimits
 from torchtitan_flux.rollout.multiturn import EpisodeGroups
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.rollout.scheduler import DEATH_NOTICE_S, RolloutScheduler
 
 G, P = 2, 2
 
@@ -293,7 +293,8 @@ def test_a_turn_is_not_relayed_while_no_engine_is_alive(tok, monkeypatch):
             time.sleep(0.01)  # the episodes' first turns reach the queue
         t0 = time.monotonic()
         sched.relay_turns()
-        assert time.monotonic() - t0 < 1.0 and engine.requests == [] and sched.has_events()
+        assert time.monotonic() - t0 < DEATH_NOTICE_S / 2  # not the wait for a restart (a bound load cannot reach)
+        assert engine.requests == [] and sched.has_events()
         engine.is_alive = True  # a restart, as pump would see it
         batch = sched.collect(1, 0)
     finally:
