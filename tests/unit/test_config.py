@@ -189,6 +189,8 @@ CASES = [
      "rollout.urls = 'http://127.0.0.1:99999' is not a server URL (Port out of range 0-65535)"),
     (("--rollout.engine", "sglang", "--rollout.urls", "127.0.0.1:30000"), "rollout.urls = '127.0.0.1:30000' is not a "
                                                                           "server URL (no scheme)"),
+    (("--rollout.engine", "vllm", "--rollout.urls", "http://127.0.0.1:8000,http://127.0.0.1:8000"),
+     "names 'http://127.0.0.1:8000' more than once; allowed: each server once"),
     # issue 27's second sweep (2026-11-26): torchtitan fields that failed late with its traceback, or silently
     (("--training.max_norm", "0"), "training.max_norm = 0.0 is out of range; allowed: a finite number > 0"),
     (("--training.max_norm", "-1"), "training.max_norm = -1.0 is out of range"),  # before: the gradient reversed

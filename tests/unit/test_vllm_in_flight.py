@@ -106,13 +106,3 @@ def test_a_server_changed_under_a_request_spanning_pushes_is_still_caught(fake, 
             "and our newest push is 1") in err.message
     assert events.empty()  # its result was dropped
 
-
-def test_a_server_left_paused_is_resumed_when_a_handler_connects(fake, handler):
-    """A push abandoned mid-way (its trainer killed, or the handler replaced at a missed deadline) leaves vLLM
-    paused, and nothing else resumes it: every request would wait until rollout.engine_stall_seconds. Mutation:
-    no /resume at start (the request below never ends)."""
-    fake.paused = "keep"  # as an in-flight push leaves it between /pause and /resume
-    h, events = handler(in_flight=True)
-    assert fake.paused is None and ("/resume", {}) in fake.calls
-    h.submit(GenerationRequest(0, 1, [[1, 2, 3]], 1, 4, 1.0, 0, 7, dispatch_version=0))
-    assert wait_event(events, GenerationResult, timeout=30).tokens.shape == (1, 4)

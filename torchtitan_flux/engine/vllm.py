@@ -86,10 +86,6 @@ class VllmEngine(HttpEngine):
         self.checks.tokenizer(lambda text: self.client.post(
             "/tokenize", {"model": self.served_model, "prompt": text, "add_special_tokens": False}, idempotent=True,
         )["tokens"])
-        # a server left paused mid-push (its trainer killed, or a push abandoned at its deadline before the handler
-        # was replaced) would hold every generation until rollout.engine_stall_seconds: nothing else resumes it.
-        # vLLM's /resume of a server that is not paused does nothing.
-        self._resume()
 
     def _check_transfer(self, info: dict) -> None:
         """The server's weight-transfer engine (``flux_model_info``) is one this handler drives."""

@@ -23,9 +23,9 @@ Multi-turn episodes (``rollout.environment``, ``episodes`` given): each prompt i
 ``multiturn.EpisodeGroups`` on its own thread; each turn comes back through ``events`` as a ``TurnRequest``, which
 ``pump`` sends as a request of one sequence (so engines are only ever called from the main thread) and whose result
 it hands back to the episode. While a step trains nobody pumps, so the trainer calls ``relay_turns`` between
-transformer blocks (``run/threads.every_block``): it sends the turns waiting and hands back the turns' results, and
-keeps every other event for ``pump`` (``_deferred``, read before the queue), so episodes go on while the trainer
-computes. A group whose episodes all ended arrives as ``GroupEnded`` and becomes one finished
+transformer blocks (``run/threads.every_block``): it sends the turns waiting and hands back the turns' results,
+never waits or pumps, and keeps every other event for ``pump`` (``_deferred``, read before the queue), so episodes go
+on while the trainer computes. A group whose episodes all ended arrives as ``GroupEnded`` and becomes one finished
 part (its tokens after the shared opening, ``model_mask`` on the model's), in both paths above alike; a turn on a
 dead engine is re-dispatched like any request. An environment's failure is kept (``episode_failure``) and raised by
 the next wait for rollouts, so a checkpoint's pumping never raises it.
@@ -246,8 +246,9 @@ class RolloutScheduler:
         self.episodes.start(req.req_id, env_input(prompt), req.group_size)
         return part
 
-    def _send_turn(self, turn: TurnRequest) -> None:
-        """An episode's turn as a request of one sequence, on the engine alive holding the fewest requests."""
+    def _send_turn(self, turn: TurnRequest, alive: list[EngineHandler] | None = None) -> None:
+        """An episode's turn as a request of one sequence, on the engine alive holding the fewest requests (among
+        ``alive`` when given; else ``_alive()``, which may wait for a restart)."""
         group = self._groups.get(turn.group)
         if group is None:  # cancelled meanwhile
             return
@@ -259,7 +260,7 @@ class RolloutScheduler:
             min_version=g.min_version, pin_version=g.pin_version,
         )
         held = collections.Counter(p.engine.name for p in self._by_req.values() if p.engine is not None)
-        engine = min(self._alive(), key=lambda e: held[e.name])
+        engine = min(alive or self._alive(), key=lambda e: held[e.name])
         self._send(req, engine, group.first, turn)
 
     def _turn_ended(self, part: RequestPart, result: GenerationResult) -> None:
@@ -326,10 +327,11 @@ class RolloutScheduler:
         return bool(self._deferred) or not self.events.empty()
 
     def relay_turns(self) -> None:
-        """Send the multi-turn episodes' turns waiting and hand back their results, without waiting; every other
-        event is kept, in order, for ``pump`` (main thread; called between transformer blocks while a step trains:
-        a queue read per call when there is nothing to relay), and so is a turn while no engine is alive (sending
-        it would wait for a restart). Single-turn runs: nothing."""
+        """Send the multi-turn episodes' turns waiting and hand back their results, without waiting or pumping;
+        every other event is kept, in order, for ``pump``, and so is a turn while no engine is alive (sending it
+        would wait for a restart). Called between transformer blocks while a step trains (a queue read per call when
+        there is nothing to relay): from the main thread, or on GPU from autograd's device thread for a backward
+        block, while the main thread waits in ``backward()``: one thread at a time. Single-turn runs: nothing."""
         if self.episodes is None:
             return
         while True:
@@ -338,10 +340,12 @@ class RolloutScheduler:
             except queue.Empty:
                 return
             part = self._by_req.get(ev.req_id) if isinstance(ev, GenerationResult) else None
-            sendable = isinstance(ev, TurnRequest) and any(e.alive() for e in self.engines)  # else ``pump`` waits
-            if sendable or (part is not None and part.turn is not None):  # for a restart (``_alive``), not a block
+            alive = [e for e in self.engines if e.alive()] if isinstance(ev, TurnRequest) else []
+            if alive:  # never ``_alive()``, which pumps while it waits for a restart
+                self._send_turn(ev, alive)
+            elif part is not None and part.turn is not None:
                 self._handle(ev)
-            else:
+            else:  # a turn with no engine alive waits for ``pump`` (and a restart) too
                 self._deferred.append(ev)
 
     def _handle(self, ev) -> None:

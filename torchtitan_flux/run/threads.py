@@ -137,8 +137,9 @@ class TrainerThreads:
 
 def every_block(model: torch.nn.Module, fn) -> None:
     """``fn()`` before each of ``model``'s transformer blocks (``model.layers``) computes its forward and, through a
-    gradient hook on the block's output, its backward; on the main thread (CPU autograd runs the backward on the
-    thread that called it; on GPU, where the block's kernels are launched from)."""
+    gradient hook on the block's output, its backward. The forward's on the main thread; the backward's on the
+    thread running the backward: the main thread on CPU (CPU autograd runs it on the caller), autograd's device
+    thread on GPU, while the main thread waits in ``backward()`` (so one thread at a time either way)."""
 
     def check(*_):
         fn()

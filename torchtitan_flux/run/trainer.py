@@ -176,8 +176,8 @@ class GRPOTrainer(Trainer):
         self._finish()
 
     def _between_computations(self) -> None:
-        """Rank 0, main thread, before each transformer block's forward and backward (``every_block``) and the
-        optimizer step: the multi-turn episodes' turns waiting are sent and their results handed back (so episodes
+        """Rank 0, before each transformer block's forward and backward (``every_block``: the main thread, or
+        autograd's device thread on GPU while the main thread waits in ``backward()``) and the optimizer step: the multi-turn episodes' turns waiting are sent and their results handed back (so episodes
         go on while a step trains), then the threads are set (a turn just sent makes its engine busy: its core is
         given back before the block computes)."""
         if self.rollouts is not None:

@@ -320,6 +320,10 @@ def validate_config(job_config: Any) -> None:
 
     for url in r.urls:
         _check_url("rollout.urls", url)
+    repeated = sorted({u for u in r.urls if r.urls.count(u) > 1})
+    if repeated:  # two handlers would push to one server as two weight-sync ranks, and pause each other's pushes
+        raise ConfigError(f"rollout.urls = {r.urls!r} names {repeated[0]!r} more than once; allowed: each server once "
+                          "(one server = one engine)")
 
     if w.interval != "auto":
         _require(w.interval >= 1, "weight_sync.interval", w.interval, 'an integer >= 1, or "auto"')
