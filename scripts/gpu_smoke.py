@@ -12,6 +12,8 @@ ran past its own limit, a failure; ``not_run``: the budget was spent before it s
   waits on weight sync beyond the snapshot / the push thread's time);
 * ``seqlock``, ``sparse``, ``stream``, ``ipc``, ``fsdp``: ``scripts/gpu_checks/`` (each module's docstring says
   what it checks, its keys and what its CPU twin does not show);
+* ``one_gpu``: the one-GPU number, Qwen3-0.6B's shape trained colocated (``gpu_checks/one_gpu.py``):
+  ``one_gpu_blocked_ms_p50/p99``, ``one_gpu_push_ms_p50/p99``, ``one_gpu_checksums_equal``;
 * ``memory``: rank 0's real ``Rollouts`` on the device with two colocated engines:
   ``sync_peak_bytes_<flavor>`` <= ``sync_budget_bytes_<flavor>`` (``sync.memory.SyncMemory``) for two models 80x
   apart, and on GPU ``allocator_peak_bytes_<flavor>`` (the CUDA allocator's peak growth over one snapshot and
@@ -200,7 +202,7 @@ def profile(out: Path, device: torch.device) -> None:
 
 def _parts(args, out: Path, device: torch.device) -> dict:
     """name -> (limit on GPU s, limit on CPU s, the least time worth starting it with s, the part)."""
-    from gpu_checks import colocated, fsdp, pushes, seqlock
+    from gpu_checks import colocated, fsdp, one_gpu, pushes, seqlock
 
     inner = max(30.0, args.limit - 15)  # a torchrun child ends (and says why) before its part is killed
     return {
@@ -210,6 +212,7 @@ def _parts(args, out: Path, device: torch.device) -> dict:
         "stream": (60, 90, 25, lambda: pushes.stream(out, device)),
         "ipc": (75, 120, 35, lambda: pushes.ipc(out, device)),
         "fsdp": (60, 90, 20, lambda: fsdp.part(out, device)),
+        "one_gpu": (150, 120, 60, lambda: one_gpu_number(out, device, inner)),
         "memory": (60, 120, 20, lambda: memory(out, device)),
         "stall": (45, 90, 15, lambda: stall(out, device)),
         "profile": (60, 0, 20, lambda: profile(out, device)),
@@ -223,6 +226,18 @@ def _parts(args, out: Path, device: torch.device) -> dict:
             prefix="medium_bf16_", learns=False)),
         "colocated": (100, 60, 40, lambda: colocated.part(out, device)),
     }
+
+
+def one_gpu_number(out: Path, device: torch.device, timeout: float) -> None:
+    """Qwen3-0.6B's shape trained colocated (``gpu_checks/one_gpu.py``): 30 steps on a GPU, 4 on CPU."""
+    from gpu_checks import one_gpu
+
+    model_dir = one_gpu.build_model_dir(out / "qwen3-0.6b-shape", device)
+    train(out, 30 if device.type == "cuda" else 4, timeout, "--model.hf_assets_path", str(model_dir),
+          "--training.mixed_precision_param", "bfloat16", "--weight_sync.wire_dtype", "bfloat16",
+          "--optimizer.lr", "1e-5", "--weight_sync.probe_tolerance", "2.0", prefix="one_gpu_", learns=False)
+    if RESULTS.get("one_gpu_train_rc") == 0:
+        one_gpu.report_pushes(out / "one_gpu_run")
 
 
 def _medium(out: Path) -> Path:

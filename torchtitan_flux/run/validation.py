@@ -372,14 +372,16 @@ def validate_config(job_config: Any) -> None:
 
 
 TRAIN_BYTES_PER_PARAM = 16  # float32 parameter + gradient + AdamW's two moments
-CUDA_CONTEXT_BYTES = 2**29  # about 0.5 GiB per process on the device (trainer + each engine)
+# per process on the device (trainer + each engine): its CUDA context, kernels and allocator slack; measured on an H200
+# (torch 2.11, CUDA 13; the smoke's ``colocated`` part, 2026-11-27): 0.58-0.84 GB per engine beyond its weight copies
+CUDA_CONTEXT_BYTES = 2**30
 
 
 def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies: int, device_bytes: int,
                              shards: int = 1) -> str | None:
     """Why colocated engines cannot fit beside training on one device, else None. Formula (docs/gpu.md, review 4
     finding 6): ``engines x copies x P x w + P x w`` (each engine's weight copies and rank 0's device staging) must
-    fit in ``device - (16 P / shards + 10% of the device + 0.5 GiB x (engines + 1))`` (training state: float32
+    fit in ``device - (16 P / shards + 10% of the device + 1 GiB x (engines + 1))`` (training state: float32
     parameters, gradients and AdamW's moments, sharded over ``shards`` ranks; the margin: activations, allocator
     slack and a CUDA context per process)."""
     model = params * wire_bytes
@@ -393,7 +395,7 @@ def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies:
             f"(max(2, off_policy.max_version_gap + 1)) x {model / gib:.1f} GiB + staging {model / gib:.1f} GiB, but "
             f"the {device_bytes / gib:.1f} GiB device leaves {max(free, 0) / gib:.1f} GiB beside training "
             f"({TRAIN_BYTES_PER_PARAM} B x {params / 1e9:.2f}B parameters / {shards} FSDP shard(s) + a margin of 10% "
-            f"and 0.5 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
+            f"and 1 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
             + ("weight_sync.wire_dtype = 'bfloat16', " if wire_bytes > 2 else "")
             + "or engines on their own GPUs (rollout.colocated = false)")
 

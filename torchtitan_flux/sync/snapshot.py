@@ -7,7 +7,7 @@ the next ``optimizer.step()`` waits for it (``WeightSyncer.before_optimizer_step
 
   1. gather: the bucket's FSDP2 shards (``Shard(0)`` on a 1-D mesh) are cast to the wire dtype and all-gathered
      with ONE collective (``_gather_bucket``); other DTensors use ``full_tensor()``; plain tensors as they are;
-  2. the engines' wire layout (``wire_tensor``) is applied and the bucket copied into staging.
+  2. the engines' wire layout (``wire_tensor``) is applied and the bucket copied into staging (the copy casts).
 A bucket's temporaries are freed once the next bucket's exist: on one stream the allocator reuses them in stream
 order, so the sync path holds about two buckets (``memory.SyncMemory`` counts them). Only rank 0 owns staging:
 pinned host memory on GPU, device memory shared by CUDA IPC when colocated on a GPU, shared memory when colocated
@@ -135,13 +135,15 @@ class Snapshot:
 
 
 def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """Full tensors of ``params`` (cast to ``wire_dtype`` first, so the gather moves wire bytes): one
-    ``all_gather_into_tensor`` for every ``Shard(0)`` DTensor of the bucket on a shared 1-D mesh."""
+    """Full tensors of ``params``: one ``all_gather_into_tensor`` for every ``Shard(0)`` DTensor of the bucket on a
+    shared 1-D mesh, cast to ``wire_dtype`` first (the gather moves wire bytes), as are other DTensors; plain
+    tensors as they are (the copy into staging casts them: no temporary, one kernel per tensor instead of two,
+    docs/gpu.md, "The one-GPU number")."""
     cast = (lambda t: t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype))
     sharded = [p for p in params if compat.is_dtensor(p) and _row_sharded(p)]
     meshes = {id(p.device_mesh) for p in sharded}
     if not sharded or len(meshes) != 1:
-        return [cast(p.full_tensor() if compat.is_dtensor(p) else p.detach()) for p in params]
+        return [cast(p.full_tensor()) if compat.is_dtensor(p) else p.detach() for p in params]
     mesh = sharded[0].device_mesh
     group, world = mesh.get_group(), mesh.size()
     parts, layout = [], []
@@ -164,7 +166,7 @@ def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -
         pieces = per_rank[:, off : off + n].reshape(world * chunk, *rest)
         full[id(p)] = pieces[:rows]
         off += n
-    return [full[id(p)] if id(p) in full else cast(p.full_tensor() if compat.is_dtensor(p) else p.detach())
+    return [full[id(p)] if id(p) in full else cast(p.full_tensor()) if compat.is_dtensor(p) else p.detach()
             for p in params]
 
 
