@@ -1,5 +1,5 @@
 """Run by tests/integration/test_cuda_rules.py as 2 gloo processes: ``_gather_bucket`` on FSDP2 shards (uneven rows
-too) equals ``full_tensor()`` per parameter, in ONE all_gather per bucket."""
+too) equals ``full_tensor()`` per parameter, in ONE all_gather per bucket, and its temporaries go through the ledger."""
 
 import os
 import sys
@@ -10,6 +10,7 @@ from torch import nn
 
 from torchtitan_flux import compat
 from torchtitan_flux.sync import snapshot
+from torchtitan_flux.sync.memory import SyncMemory
 
 
 def main() -> None:
@@ -23,10 +24,17 @@ def main() -> None:
     calls = []
     real = dist.all_gather_into_tensor
     dist.all_gather_into_tensor = lambda *a, **k: calls.append(1) or real(*a, **k)
-    got = snapshot._gather_bucket(params, torch.bfloat16)
+    memory = SyncMemory(0, ring=0)
+    got = snapshot._gather_bucket(params, torch.bfloat16, memory)
     dist.all_gather_into_tensor = real
     want = [p.full_tensor().to(torch.bfloat16) for p in params]
     assert len(calls) == 1, calls
+    # the ledger held the gather's temporaries while the collective ran: the bfloat16 shards and the padded send
+    # buffer (each sum(ceil(rows / world) x columns) x 2 bytes) and the output (world x that), then let them go
+    world = dist.get_world_size()
+    send = sum(-(-p.shape[0] // world) * (p.shape[1] if p.dim() > 1 else 1) * 2 for p in params)
+    assert (memory.peak, memory.held) == ((2 + world) * send, 0), (memory.peak, memory.held, send)
+    assert snapshot.gather_bytes(params, torch.bfloat16) == (send, world * send)
     assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
     dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0:

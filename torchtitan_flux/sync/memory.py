@@ -5,13 +5,14 @@ GPU) is the sync path's only model-sized buffer. Everything else it allocates go
 here: a bucket's gathered or cast tensors (``Snapshot.take``: bucket i is released once bucket i+1 is held, and
 both live on the snapshot's one stream, so the allocator reuses them in stream order with no host wait), the
 ``DeviceRing`` slots (``Pusher``: a ring of two buckets per NCCL engine, each engine's own: review 4, finding 1).
-``budget`` is two of the largest bucket plus the rings (``ring``: their total, from the number of NCCL engines):
-it grows with the largest tensor (a bucket never splits a tensor: ``transport.plan_buckets``) and the number of
-NCCL engines, not with the number of layers. ``peak`` is what was held at once; on GPU, ``scripts/gpu_smoke.py``
-compares it with the CUDA allocator's own peak. Not counted yet (review of 2026-11-26): the FSDP gather's own
-temporaries inside ``snapshot._gather_bucket`` (the cast shards, the padded send buffer and the gathered output,
-alive together: about one more bucket per rank) and ``full_tensor()`` before a cast; the budget covers them only on
-one GPU without FSDP, where the smoke measured it. Main thread and push thread: every call under ``_lock``.
+``budget`` is two of the largest bucket plus the rings (``ring``: their total, from the number of NCCL engines)
+plus, with FSDP, twice the largest gather's send buffer (``snapshot._gather_bucket`` holds its cast shards, padded
+send buffer and output together while the collective runs: on a one-rank mesh 3 buckets, measured on an H200,
+2026-11-27; on ``N`` ranks ``L x (1 + 2/N)``): it grows with the largest tensor (a bucket never splits a tensor:
+``transport.plan_buckets``) and the number of NCCL engines, not with the number of layers. ``peak`` is what was
+held at once; on GPU, ``scripts/gpu_smoke.py`` compares it with the CUDA allocator's own peak. Not counted:
+``full_tensor()`` of a DTensor that is not row-sharded, before its cast. Main thread and push thread: every call
+under ``_lock``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def new_bytes(tensors: list[torch.Tensor], params: list[torch.Tensor]) -> int:
 class SyncMemory:
     """Bytes held now and at most, against ``budget`` (see the module docstring)."""
 
-    def __init__(self, largest_bucket: int, ring: int):
-        self.budget = 2 * largest_bucket + ring + 4096  # + the header and allocator rounding of small tensors
+    def __init__(self, largest_bucket: int, ring: int, gather: int = 0):
+        """``largest_bucket``: bytes of the largest bucket (or FSDP gather output); ``ring``: every ``DeviceRing``;
+        ``gather``: the largest FSDP gather's cast shards and padded send buffer (0: no FSDP)."""
+        self.budget = 2 * largest_bucket + ring + gather + 4096  # + the header and allocator rounding of small tensors
         self.held = 0
         self.peak = 0
         self._lock = threading.Lock()

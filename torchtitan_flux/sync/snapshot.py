@@ -89,8 +89,13 @@ class Snapshot:
                         flat.share_memory_()
             self.seqlock = transport.Seqlock()
         largest = max((b.numel * transport._DTYPES[b.dtype].itemsize for b in self.plan.buckets), default=0)
-        # a ``DeviceRing`` (2 x the largest bucket) per engine that may take our NCCL broadcasts (finding 1)
-        self.memory = SyncMemory(largest, ring=2 * largest * ring_engines if on_gpu else 0)
+        gathers = [gather_bytes([self.params[s.name] for s in self.plan.specs[b.start : b.end]], wire_dtype)
+                   for b in self.plan.buckets]
+        # a ``DeviceRing`` (2 x the largest bucket) per engine that may take our NCCL broadcasts (finding 1); an FSDP
+        # gather's cast shards and send buffer beside its output (padded: a little more than the bucket)
+        self.memory = SyncMemory(max([largest] + [out for _, out in gathers]),
+                                 ring=2 * largest * ring_engines if on_gpu else 0,
+                                 gather=2 * max((send for send, _ in gathers), default=0))
         self.version = -1  # newest version snapshotted
         self.last_s = 0.0
         control_group()  # collective creation: every rank, here
@@ -116,7 +121,7 @@ class Snapshot:
         with self.side.copy_context(), torch.profiler.record_function("flux_weight_sync.snapshot"):
             for i, bucket in enumerate(self.plan.buckets):
                 params = [self.params[s.name] for s in self.plan.specs[bucket.start : bucket.end]]
-                srcs = _gather_bucket(params, self.wire_dtype)
+                srcs = _gather_bucket(params, self.wire_dtype, self.memory)
                 if self.is_sender and self._wire is not None:
                     srcs = [self._wire(s.name, t) for s, t in zip(self.plan.specs[bucket.start : bucket.end], srcs)]
                 now = self.memory.hold(new_bytes(srcs, params))
@@ -134,18 +139,34 @@ class Snapshot:
         self.seqlock.publish(version)
 
 
-def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> list[torch.Tensor]:
+def _gathered(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """The ``Shard(0)`` DTensors of a bucket that ONE ``all_gather_into_tensor`` gathers, and their mesh's size
+    (([], 0): none, or they are on several meshes)."""
+    sharded = [p for p in params if compat.is_dtensor(p) and _row_sharded(p)]
+    if not sharded or len({id(p.device_mesh) for p in sharded}) != 1:
+        return [], 0
+    return sharded, sharded[0].device_mesh.size()
+
+
+def gather_bytes(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> tuple[int, int]:
+    """(padded send buffer, gathered output) bytes of a bucket's gather in ``_gather_bucket``; (0, 0) without one."""
+    sharded, world = _gathered(params)
+    send = sum(-(-p.shape[0] // world) * math.prod(p.shape[1:]) * (wire_dtype or p.dtype).itemsize for p in sharded)
+    return send, world * send
+
+
+def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None,
+                   memory: SyncMemory | None = None) -> list[torch.Tensor]:
     """Full tensors of ``params``: one ``all_gather_into_tensor`` for every ``Shard(0)`` DTensor of the bucket on a
     shared 1-D mesh, cast to ``wire_dtype`` first (the gather moves wire bytes), as are other DTensors; plain
     tensors as they are (the copy into staging casts them: no temporary, one kernel per tensor instead of two,
-    docs/gpu.md, "The one-GPU number")."""
+    docs/gpu.md, "The one-GPU number"). ``memory`` holds the gather's temporaries while they live: the cast shards,
+    the padded send buffer and the output, alive together (the caller then holds the output again, as its own)."""
     cast = (lambda t: t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype))
-    sharded = [p for p in params if compat.is_dtensor(p) and _row_sharded(p)]
-    meshes = {id(p.device_mesh) for p in sharded}
-    if not sharded or len(meshes) != 1:
+    sharded, world = _gathered(params)
+    if not sharded:
         return [cast(p.full_tensor()) if compat.is_dtensor(p) else p.detach() for p in params]
-    mesh = sharded[0].device_mesh
-    group, world = mesh.get_group(), mesh.size()
+    group = sharded[0].device_mesh.get_group()
     parts, layout = [], []
     for p in sharded:
         rows, rest = p.shape[0], tuple(p.shape[1:])
@@ -158,7 +179,12 @@ def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -
         layout.append((rows, rest, chunk))
     send = torch.cat(parts)
     out = send.new_empty(world * send.numel())
-    dist.all_gather_into_tensor(out, send, group=group)
+    held = memory.hold(new_bytes(parts, params) + send.nbytes + out.nbytes) if memory is not None else 0
+    try:
+        dist.all_gather_into_tensor(out, send, group=group)
+    finally:
+        if memory is not None:
+            memory.release(held)
     per_rank = out.view(world, send.numel())
     full, off = {}, 0
     for p, (rows, rest, chunk) in zip(sharded, layout):
