@@ -1,14 +1,14 @@
 """Part ``fsdp`` (e): ``Snapshot.take`` of an FSDP2 model on a one-rank NCCL mesh (CPU twin: gloo), against the ledger.
 
 The tiny llama (as the trainer builds it) is ``fully_shard``-ed per block and at the root on a 1-D mesh of one rank,
-so every parameter is a ``Shard(0)`` DTensor and ``snapshot._gather_bucket`` issues its one
-``all_gather_into_tensor`` per bucket on NCCL, on the snapshot's side stream (bf16 wire, 64 KiB buckets: many
-buckets). Keys: ``ledger_peak_bytes`` (``SyncMemory.peak``) <= ``ledger_budget_bytes`` (must hold),
-``allocator_peak_growth_bytes`` (the CUDA allocator's peak growth over the snapshot) and ``allocator_within_budget``
-(reported, not yet a check: before the ledger counted the gather's own temporaries the H200 showed 3 buckets against
-a budget of 2, 2026-11-27; the budget now covers them, to be confirmed by the next GPU run), ``fsdp_staging_equal`` (staging equals every parameter's ``full_tensor()`` cast to bf16: must be 1),
-``fsdp_buckets``. CPU twin: the same on a gloo group (the ledger and the gather's result; no allocator, no NCCL, no
-stream).
+so every parameter is a ``Shard(0)`` DTensor and ``snapshot._gather_bucket`` issues its one ``all_gather_into_tensor``
+per bucket on NCCL, on the snapshot's side stream (bf16 wire, 64 KiB buckets: many buckets). Keys:
+``ledger_peak_bytes`` (``SyncMemory.peak``) <= ``ledger_budget_bytes`` (must hold), ``allocator_peak_growth_bytes``
+(the CUDA allocator's peak growth over the snapshot) and ``allocator_within_budget`` (reported, not yet a check:
+before the ledger counted the gather's own temporaries the H200 showed 3 buckets against a budget of 2, 2026-11-27;
+the budget now covers them, to be confirmed by the next GPU run), ``fsdp_staging_equal`` (staging equals every
+parameter's ``full_tensor()`` cast to bf16: must be 1), ``fsdp_buckets``. CPU twin: the same on a gloo group (the
+ledger and the gather's result; no allocator, no NCCL, no stream).
 """
 
 from __future__ import annotations

@@ -2,17 +2,17 @@
 vocabulary with the byte-level test tokenizer, whose ids are a subset) trained colocated on one GPU with async weight
 updates, as ``gpu_smoke.py``'s ``train`` part runs the tiny model.
 
-Keys (``one_gpu_`` prefix): ``params``; ``blocked_ms_p50`` / ``blocked_ms_p99`` (the main thread's time in weight
-sync per step, ``weight_sync_s``: the snapshot plus any wait for the previous push; the goal is p99 < 10 ms);
+Keys (``one_gpu_`` prefix): ``params``; ``blocked_ms_p50`` / ``blocked_ms_p99`` (the main thread's time in weight sync
+per step, ``weight_sync_s``: the snapshot plus any wait for the previous push; the goal is p99 < 10 ms);
 ``snapshot_ms_p50``, ``push_ms_p50`` / ``push_ms_p99`` (the push thread's time per push, overlapped with the next
-step); ``steps_per_s``, ``checksums_equal`` (must be 1: the engine's bytes are the trainer's);
-``probe_max_abs_diff`` (the logprob probe's worst difference; its tolerance is 2.0 here, not 0.1: on the first GPU
-run, 2026-11-27, random weights of std 0.02 and one rewarded step, whose AdamW moves every weight by about lr in the
-direction of its gradient's sign, below half a bf16 step for most weights, gave 0.70 at version 20 against 0.02 at
-version 10: the bf16 copy does not see the update the fp32 trainer does). Percentiles are over the steps after the first two (the
-first pushes join and resync the engine); with 30 steps p99 is the worst step. A one-GPU push is a device-to-device
-copy over CUDA IPC, not the NCCL broadcast across GPUs the anchors' figures time: docs/benchmarks.md says so beside
-them. CPU twin (``--cpu``): 4 steps of a 2-layer, 64-wide Qwen3 (4,096 tokens): the code path, figures of no meaning.
+step); ``steps_per_s``, ``checksums_equal`` (must be 1: the engine's bytes are the trainer's); ``probe_max_abs_diff``
+(the logprob probe's worst difference; its tolerance is 2.0 here, not 0.1: on the first GPU run, 2026-11-27, random
+weights of std 0.02 and one rewarded step, whose AdamW moves every weight by about lr in the direction of its
+gradient's sign, below half a bf16 step for most weights, gave 0.70 at version 20 against 0.02 at version 10: the bf16
+copy does not see the update the fp32 trainer does). Percentiles are over the steps after the first two (the first
+pushes join and resync the engine); with 30 steps p99 is the worst step. A one-GPU push is a device-to-device copy
+over CUDA IPC, not the NCCL broadcast across GPUs the anchors' figures time: docs/benchmarks.md says so beside them.
+CPU twin (``--cpu``): 4 steps of a 2-layer, 64-wide Qwen3 (4,096 tokens): the code path, figures of no meaning.
 """
 
 from __future__ import annotations

@@ -216,3 +216,43 @@ def test_the_device_ring_does_not_wait_on_an_aborted_groups_works(monkeypatch):
     ring.broadcast(alive, torch.zeros(4))
     ring.broadcast(alive, torch.zeros(4))  # waits on alive's Work: fine
     assert all(g is alive for slot in ring.readers for g, _ in slot)
+
+
+def test_the_snapshot_keeps_no_bucket_alive_past_the_next_and_never_records_streams():
+    """Review 4, finding 11: the ledger counts holds in program order, so it cannot see a return of N5 (each bucket's
+    temporaries kept alive until its copy ended, by ``record_stream``: the whole model on the GPU). This can: every
+    temporary the snapshot makes (here a layout rewrite of every tensor, as Llama's q/k rows) is dead once the bucket
+    after next starts, and none outlives ``take``; and nothing in the package calls ``record_stream``."""
+    import gc
+    import weakref
+    from pathlib import Path
+
+    from torch import nn
+
+    from torchtitan_flux.sync.snapshot import Snapshot
+
+    bucket_of: dict[str, int] = {}
+    refs: list[tuple[int, weakref.ref]] = []
+
+    def rewrite(name: str, t: torch.Tensor) -> torch.Tensor:  # a new tensor per parameter, as a layout rewrite is
+        b = bucket_of[name]
+        gc.collect()
+        alive = [i for i, r in refs if r() is not None and i <= b - 2]
+        assert not alive, f"bucket {b}: temporaries of buckets {alive} still alive"
+        out = t * 1
+        refs.append((b, weakref.ref(out)))
+        return out
+
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(6)])  # 6 buckets of 2 KiB (bfloat16)
+    snap = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=2048,
+                    wire_dtype=torch.bfloat16, wire_tensor=rewrite)
+    bucket_of.update({s.name: i for i, b in enumerate(snap.plan.buckets) for s in snap.plan.specs[b.start : b.end]})
+    assert len(snap.plan.buckets) == 6
+    snap.take(1)
+    gc.collect()
+    assert len(refs) == 6 and all(r() is None for _, r in refs)
+    root = Path(__file__).resolve().parents[2] / "torchtitan_flux"
+    calls = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if "record_stream(" in line and not line.lstrip().startswith("#")]
+    assert not calls, calls

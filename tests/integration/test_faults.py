@@ -77,8 +77,12 @@ def test_engine_stalled_past_timeout_lags_keeps_serving_then_resyncs(harness_fac
     b2 = sched.collect(2, trainer_version=2)  # lagging: still serving v0, and its rollouts say so
     assert set(b2.versions.tolist()) == {0} and b2.dispatch_version == 2
 
-    # it answers again: the next push rejoins it on a fresh group and it gets the newest weights
+    # it answers again: the abandoned push's sends have ended (their group's timeout closed them moments after the
+    # deadline; the next snapshot would wait for them: test_the_sends_of_a_push_abandoned_at_its_deadline_end_...),
+    # the next push rejoins it on a fresh group and it gets the newest weights
     eng.inject_fault("stall_receive", 0.0)
+    h.pump_until(lambda: all(w.is_completed() for a in syncer.pusher.abandoned for w in a.works), 10.0,
+                 "the abandoned push's sends to end")
     resyncs = syncer.stats.resyncs
     perturb(h.model, seed=3)
     t0 = time.perf_counter()
@@ -136,6 +140,47 @@ def test_a_stalled_engine_times_out_alone_while_the_other_stays_in_sync(harness_
     assert_in_sync(h, 2, 1)
     batch = sched.collect(2, trainer_version=2)  # both engines serve: the fast one's rollouts are of v2
     assert 2 in set(batch.versions.tolist()), batch.versions
+
+
+@pytest.mark.slow
+def test_the_sends_of_a_push_abandoned_at_its_deadline_end_before_the_next_snapshot(caplog):
+    """Review 4, finding 12: gloo cannot cancel a send (its ``abort`` leaves it running), so the sends of a push
+    given up at its deadline could read staging while the next snapshot rewrites it, and carry a torn copy to the
+    engine. They end on their own: their group's timeout is the push's (``timeout_seconds``), so gloo closes the pair
+    moments after the deadline, and the snapshot waits for that (``Pusher.free_staging``; an engine whose sends still
+    ran ``FREE_STAGING_S`` later would be stopped: tests/unit/test_pusher.py). A 97 MB push (far more than the
+    sockets' buffers hold) to an engine stalled in its middle: the next snapshot neither stops the engine nor waits
+    long; the engine's receive failed with the closed pair, it rejoins and is resynced to version 2, bit for bit."""
+    from _sync_harness import Harness
+    from conftest import ROOT
+    from model_assets import build_model_dir
+
+    from torchtitan_flux.sync.pusher import FREE_STAGING_S
+
+    caplog.set_level(logging.INFO, logger=LOG)
+    h = Harness(build_model_dir(ROOT / "assets" / "medium-llama", flavor="medium", seed=0), async_mode=True,
+                timeout_s=2.0, bucket_size_mb=4.0)
+    try:
+        syncer, eng = h.syncer, h.engines[0]
+        syncer.flush(0)
+        eng.inject_fault("stall_receive", 60.0)
+        eng.checksum()
+        perturb(h.model, seed=1)
+        syncer.after_optimizer_step(1)
+        h.pump_until(lambda: not syncer.busy(), 10.0, "push 1 to give up at its deadline")
+        assert h.link.state is LinkState.BROKEN and len(syncer.pusher.abandoned) == 1  # 24 of 25 buckets unsent
+        perturb(h.model, seed=2)
+        t0 = time.monotonic()
+        syncer.after_optimizer_step(2)
+        took = time.monotonic() - t0
+        assert took < FREE_STAGING_S, took
+        assert syncer.pusher.abandoned == [] and not any("torn copy" in r.getMessage() for r in caplog.records)
+        eng.inject_fault("stall_receive", 0.0)
+        h.pump_until(lambda: h.link.acked == 2, 60.0, "the engine resynced to version 2")
+        assert h.restarts == 0 and h.engines[0] is eng
+        assert_in_sync(h, 2)
+    finally:
+        h.close()
 
 
 def test_a_stopped_engine_with_a_full_pipe_blocks_only_its_joiner(harness_factory):

@@ -15,7 +15,7 @@ from torch import nn
 from torchtitan_flux import compat
 from torchtitan_flux.config import WeightSync
 from torchtitan_flux.sync.links import LinkState, LinkTable
-from torchtitan_flux.sync.pusher import Pusher
+from torchtitan_flux.sync.pusher import FREE_STAGING_S, Pusher
 from torchtitan_flux.sync.snapshot import Snapshot
 
 
@@ -256,3 +256,50 @@ def test_each_nccl_engine_is_sent_to_on_its_own_stream(monkeypatch):
     assert streams["A"] == {pusher.rings["A"].stream} and streams["B"] == {pusher.rings["B"].stream}, streams
     assert len({push_stream, pusher.rings["A"].stream, pusher.rings["B"].stream}) == 3
     assert len(seen) == 6  # header + 2 buckets, per engine
+
+
+class Killable(Engine):
+    """An engine on a gloo group: its stalled sends end (fail) once it is killed, as a dead peer's socket closes."""
+
+    def __init__(self, name: str, log: list, group: Group):
+        super().__init__(name, log)
+        self.group, self.killed = group, []
+
+    def kill(self, why: str) -> None:
+        self.killed.append(why)
+        self.group.stalled = False
+
+
+def test_a_gloo_send_past_its_deadline_is_ended_by_killing_its_engine_before_staging_is_rewritten(monkeypatch):
+    """Review 4, finding 12: gloo cannot cancel a send (its ``abort`` leaves it running, torch 2.13), so a send
+    given up at its deadline could keep reading staging, and the next snapshot's bytes could reach the engine inside
+    the old push (a torn copy). Now ``free_staging``, before the snapshot, waits for such sends (their group's
+    timeout ends them moments after the deadline: tests/integration/test_faults.py), and kills the engine of one
+    still running ``FREE_STAGING_S`` past the deadline (the send then fails); an engine whose send ended meanwhile
+    (it resumed) is left alone."""
+    log: list = []
+    monkeypatch.setattr(compat, "broadcast", lambda pg, t: Work(pg, log))
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(4)])
+    snap = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=1024, wire_dtype=None)
+    snap.take(1)
+    groups = {n: Group(n, stalled=n != "fine") for n in ("stuck", "resumed", "fine")}
+    engines = [Killable(n, log, g) for n, g in groups.items()]
+    table = LinkTable(engines, timeout_s=0.5)
+    for link in table.links:
+        assert table.joined(table.begin_join(link), groups[link.handler.name], "gloo")
+    pusher = Pusher(table, snap, WeightSync(timeout_seconds=0.5), backend="gloo", device=torch.device("cpu"),
+                    store=None, token=None, engine_specs=[])
+    try:
+        pusher.push(1)
+        assert [lk.state for lk in table.links] == [LinkState.BROKEN, LinkState.BROKEN, LinkState.READY]
+        assert [a.handler.name for a in pusher.abandoned] == ["stuck", "resumed"]
+        groups["resumed"].stalled = False  # it answered again and finished receiving version 1
+        t0 = time.monotonic()
+        pusher.free_staging(2)
+        took = time.monotonic() - t0
+    finally:
+        pusher.close()
+    stuck, resumed, fine = engines
+    assert len(stuck.killed) == 1 and "version 1" in stuck.killed[0] and "version 2" in stuck.killed[0]
+    assert resumed.killed == [] and fine.killed == [] and pusher.abandoned == []
+    assert took < FREE_STAGING_S + 3.0, took  # up to FREE_STAGING_S past the deadline, then the kill ends it at once

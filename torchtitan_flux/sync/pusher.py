@@ -17,6 +17,11 @@ Concurrency invariants:
     ``deliver_staged``, not at once; any other failure is retried after a backoff, and ``links.JOIN_ATTEMPTS``
     failures in a row kill the engine (its replacement joins); the main thread starts joiners but never sends a
     join itself.
+  * A gloo send that misses its push's deadline cannot be cancelled (gloo's ``abort`` leaves it running) and may
+    read staging until its group's own timeout (``timeout_seconds`` too, counted from its start: moments after the
+    deadline) closes the pair. It is kept in ``abandoned`` (owned by the holder of ``busy``), and the next snapshot
+    does not rewrite staging before it ended (``free_staging``: it waits up to ``FREE_STAGING_S`` past the deadline,
+    then kills the engine, which ends the send), so no engine ever receives a torn copy (review 4, finding 12).
 On a GPU trainer staging is pinned host memory; each NCCL engine's ``DeviceRing`` moves it to the GPU two buckets at a
 time, on that engine's own stream.
 With ``weight_sync.method = "sparse"`` the push thread also owns ``base`` (``sparse.SparseBase``): an engine whose
@@ -130,6 +135,28 @@ class InFlight:
     """What was sent, header first (the bytes counted once complete)."""
     patched: bool
     """Whether it was sent patches (sparse) rather than whole buckets."""
+    own: bool
+    """Whether ``works`` is the engine's own push handle (``self_push``) rather than our broadcasts' Works."""
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A target's gloo sends given up at a push's deadline: they may still read staging."""
+
+    handler: EngineHandler
+    """Their engine."""
+    version: int
+    """The version they send."""
+    works: list
+    """Their Works."""
+    deadline: float
+    """The push's deadline (``time.monotonic()``): their group's timeout ends them moments after it."""
+
+
+# how long past a push's deadline ``free_staging`` waits for its abandoned gloo sends to end (their group's timeout
+# closes them within milliseconds of it) before it kills the engine; and then for the killed engine's sends to fail
+# (measured: 20 ms)
+FREE_STAGING_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -163,6 +190,7 @@ class Pusher:
         self.rings: dict[str, DeviceRing] = {}  # per NCCL engine (by name), allocated at its first push (``_ring``)
         self.base = sparse.SparseBase(snap.plan, cfg.sparse_max_bytes_ratio) if cfg.method == "sparse" else None
         self._told_dense = False  # the first all-dense sparse push is logged, once
+        self.abandoned: list[Abandoned] = []  # gloo sends past their deadline (holder of ``busy`` only)
         threading.Thread(target=self._loop, name="flux-weight-push", daemon=True).start()
 
     def claim(self) -> bool:
@@ -289,6 +317,29 @@ class Pusher:
             finally:
                 self.release()
 
+    def free_staging(self, version: int) -> None:
+        """Main thread, holding ``busy``, before the snapshot of ``version`` rewrites staging: wait until every gloo
+        send abandoned at a deadline ended (its group's timeout closes it), up to ``FREE_STAGING_S`` past that
+        deadline; the engine of one still running then is killed (restarted or reconnected and resynced: its socket
+        closes and the send fails) and the send waited for, up to ``FREE_STAGING_S`` more."""
+        abandoned, self.abandoned = self.abandoned, []
+        for a in abandoned:
+            if cuda_rules.wait_works(a.works, a.deadline + FREE_STAGING_S):
+                continue
+            a.handler.kill(f"its weight push of version {a.version} missed weight_sync.timeout_seconds and was still "
+                           f"sending when the snapshot of version {version} was due: a gloo send cannot be "
+                           "cancelled and would carry the new weights into the old push (a torn copy), so the "
+                           "engine is stopped")
+            if not cuda_rules.wait_works(a.works, time.monotonic() + FREE_STAGING_S):
+                logger.error(f"weight sync: the abandoned push of version {a.version} to {a.handler.name} still "
+                             f"runs {FREE_STAGING_S:.0f} s after its engine was stopped; staging is rewritten anyway")
+
+    def _abandon(self, handler: EngineHandler, version: int, works: list, deadline: float) -> None:
+        """Keep gloo ``works`` given up at ``deadline`` (or after a failed send) until ``free_staging``."""
+        self.abandoned = [a for a in self.abandoned if not all(w.is_completed() for w in a.works)]
+        if works and not all(w.is_completed() for w in works):
+            self.abandoned.append(Abandoned(handler, version, list(works), deadline))
+
     def _ring(self, name: str) -> DeviceRing:
         """Engine ``name``'s ``DeviceRing`` (allocated at its first NCCL broadcast from us: engines that never take
         one, e.g. vLLM's own engine, cost no ring). Slots fit the largest bucket and the push header."""
@@ -350,11 +401,13 @@ class Pusher:
                     for t in tensors:  # appended one by one: a failure midway knows what was issued
                         works.append(send(target.pg, t))
                 self.table.sent(target.link, target.epoch, version)
-                in_flight.append(InFlight(target, works, tensors, patched))
+                in_flight.append(InFlight(target, works, tensors, patched, own is not None))
             except Exception as e:  # noqa: BLE001
                 if target.backend == "nccl" and own is None and works:  # part of it issued: nothing may stay queued
                     cuda_rules.abort_group(target.pg)  # on its ring's stream behind receives never posted
                     self._ring(handler.name).forget(target.pg)
+                elif own is None:  # gloo: what was issued may still read staging, until its group's timeout
+                    self._abandon(handler, version, works, time.monotonic() + self.cfg.timeout_seconds)
                 self.table.push_failed(target.link, target.epoch, version, str(e))
         return in_flight
 
@@ -371,6 +424,8 @@ class Pusher:
                         ring = self.rings.get(target.handler.name)
                         if ring is not None:
                             ring.forget(target.pg)
+                    elif not sent.own:  # gloo: cannot be cancelled, may still read staging
+                        self._abandon(target.handler, version, sent.works, deadline)
                     raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
                                        f"{self.cfg.timeout_seconds}")
                 cuda_rules.raise_failed(sent.works)
@@ -433,6 +488,9 @@ class Bystander:
         pass
 
     def release(self) -> None:
+        pass
+
+    def free_staging(self, version: int) -> None:
         pass
 
     def deliver_staged(self) -> None:

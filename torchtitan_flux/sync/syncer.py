@@ -174,6 +174,7 @@ class WeightSyncer:
         try:
             idle = decide()
             if idle:
+                self.pusher.free_staging(version)  # no abandoned gloo send reads what the snapshot writes
                 self.snap.take(version)
                 self.table.snapshot_taken(self.snap.last_s)
         except BaseException:
