@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every benchmark's cheapest mode (--quick), so that a change which breaks one fails CI instead of rotting
 # unnoticed. Each must exit 0 and print at least one key=value headline line; the figures are not measurements,
-# so two run at a time (BENCH_JOBS, default 2: one per core of this machine kind), each into its own log, and the
-# results are printed in order.
+# so two run at a time (BENCH_JOBS, default 2: one per core of this machine kind; vs_trl's runs alone), each into
+# its own log, and the results are printed in order.
 # Needs .venv (scripts/setup.sh), .venv-vllm (scripts/setup_vllm.sh) and .venv-trl (scripts/setup_trl.sh):
 # a missing one is an error, not a skip.
 #   bash scripts/bench_quick.sh            # all of them (~8 min on 2 cores)
@@ -52,7 +52,15 @@ stop() {  # stop EXIT_STATUS: on a signal, SIGTERM to the running benchmarks (ea
 trap 'stop 130' INT
 trap 'stop 143' TERM
 trap 'stop 129' HUP
+# vs_trl's runs go alone: TRL's 2-thread process beside another job ran 2-3x slower (measured 2026-11-27: its two
+# quick runs took ~410 s side by side with the others, 96 + 162 s alone)
+solo() { [[ "${runs[$1]}" == vs_trl* ]]; }
 for i in "${!runs[@]}"; do
+  if solo "$i"; then
+    wait
+    ( one "$i" )
+    continue
+  fi
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
   one "$i" &
 done
