@@ -58,7 +58,8 @@ solo() { [[ "${runs[$1]}" == vs_trl* ]]; }
 for i in "${!runs[@]}"; do
   if solo "$i"; then
     wait
-    ( one "$i" )
+    one "$i" &
+    wait $!  # a background job, waited for: a signal's trap runs at once (not after a foreground command)
     continue
   fi
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
