@@ -25,7 +25,7 @@ at the measured pipeline depth). Compare with ``--variant "no-ff=--off_policy.fe
 controller alone) and ``--variant "ff-discount=--grpo.staleness_discount 1"`` (the step of each sample scaled by
 1 / (1 + its version gap), the seeds' staleness-adaptive learning rate).
 
-``--workload growing`` and ``--workload shifting`` are non-stationary (issue 30, fixed before any measurement):
+``--workload growing`` and ``--workload shifting`` are non-stationary (fixed before any measurement):
 the length curriculum of ``examples/length_curriculum.py`` at the sensitive learning rate, phases of 16, 48 and
 128 new tokens (``shifting``: 128, 48, 16), each ending when the mean reward of its last 5 steps reaches 0.8 (cap
 200 steps); the run ends with the last phase (``Task.finished``), so time to target is the wall clock from the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first thing to run on a GPU machine (issue 26), in under 10 minutes on one bare GPU with a CUDA torch and no
+# The first thing to run on a GPU machine, in under 10 minutes on one bare GPU with a CUDA torch and no
 # network; `--cpu` runs the same parts on CPU (CI runs it). What each part checks and prints: scripts/gpu_smoke.py.
 #
 #   scripts/gpu_smoke.sh                       # on a GPU machine where the package is installed (scripts/setup.sh)

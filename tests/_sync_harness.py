@@ -92,6 +92,19 @@ class Harness:
     def link(self):
         return self.syncer.links[0]
 
+    def miss_a_push(self, version: int) -> None:
+        """Engine 0 stalls in the middle of every push (60 s); ``version`` is trained and pushed (async) and the
+        push gives up on it at its deadline: its link is BROKEN."""
+        from torchtitan_flux.sync.links import LinkState
+
+        eng = self.engines[0]
+        eng.inject_fault("stall_receive", 60.0)
+        eng.checksum()  # a round trip: the fault is in place
+        perturb(self.model, seed=version)
+        self.syncer.after_optimizer_step(version)
+        self.pump_until(lambda: not self.syncer.busy(), 10.0, f"the push of version {version} to give up")
+        assert self.link.state is LinkState.BROKEN and self.link.acked < version
+
     def pump_until(self, cond: Callable[[], bool], timeout: float, what: str = "") -> float:
         """Pump engine events until ``cond()``; returns the seconds it took."""
         t0 = time.monotonic()

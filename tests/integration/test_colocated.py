@@ -109,6 +109,17 @@ def test_a_stalled_colocated_engine_is_cut_at_the_deadline_and_the_others_go_on(
     assert ok.acked == 2
 
 
+def _push_bf16_and_check(h) -> None:
+    """Push version 1 (a blocking push to every engine); staging holds the parameters cast to bfloat16 in the
+    engines' layout, and every engine holds staging's bytes."""
+    h.syncer.flush(0)
+    perturb(h.model, seed=1)
+    h.syncer.after_optimizer_step(1)
+    assert all(h.engine_checksum(i) == (1, h.staging_checksum()) for i in range(len(h.engines)))
+    staged = h.wire(params_snapshot(h.model))
+    assert all(h.syncer.staging.views[n].equal(p.to(torch.bfloat16)) for n, p in staged.items())
+
+
 @pytest.mark.parametrize("flavor", ["tiny", "medium"])
 def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factory, flavor):
     """Every buffer the sync path allocates besides staging goes through ``SyncMemory``: pushing to two engines,
@@ -120,12 +131,7 @@ def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factor
     model_dir = build_model_dir(ROOT / "assets" / f"{flavor}-llama", flavor=flavor, seed=0)
     h = Harness(model_dir, async_mode=False, num_engines=2, bucket_size_mb=1.0, wire_dtype="bfloat16")
     try:
-        h.syncer.flush(0)
-        perturb(h.model, seed=1)
-        h.syncer.after_optimizer_step(1)
-        assert h.engine_checksum(1) == (1, h.staging_checksum())
-        staged = h.wire(params_snapshot(h.model))
-        assert all(h.syncer.staging.views[n].equal(p.to(torch.bfloat16)) for n, p in staged.items())
+        _push_bf16_and_check(h)
         m = h.syncer.metrics()
         model_bytes = h.syncer.plan.nbytes
         assert 0 < m["sync_peak_bytes"] <= m["sync_budget_bytes"] <= 2 * 2**20 + 4096 + 2 * 2**20
@@ -145,12 +151,7 @@ def test_plain_parameters_are_cast_by_the_copy_into_staging_with_no_temporary(tm
     h = Harness(build_hf_model(tmp_path / "qwen3", "qwen3", tied=False), async_mode=False, bucket_size_mb=1.0,
                 wire_dtype="bfloat16")
     try:
-        h.syncer.flush(0)
-        perturb(h.model, seed=1)
-        h.syncer.after_optimizer_step(1)
-        assert h.engine_checksum(0) == (1, h.staging_checksum())
-        staged = h.wire(params_snapshot(h.model))
-        assert all(h.syncer.staging.views[n].equal(p.to(torch.bfloat16)) for n, p in staged.items())
+        _push_bf16_and_check(h)
         assert h.syncer.metrics()["sync_peak_bytes"] == 0
     finally:
         h.close()
