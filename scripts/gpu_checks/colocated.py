@@ -5,7 +5,7 @@ rank 0's real ``Rollouts`` with the medium model (24M parameters, bf16 wire) col
 push: ``colocated_used_bytes_e<N>_gap<G>`` (the device's used memory growth from before the engines started, less the
 trainer's own parameters: the engines' CUDA contexts and weight copies, and rank 0's device staging) against
 ``colocated_formula_bytes_e<N>_gap<G>`` (``colocated_memory_problem``'s ``engines x copies x P x w + P x w`` plus its
-0.5 GiB of CUDA context per engine); ``colocated_formula_holds`` is 1 when every measured figure stayed under its
+1 GiB of CUDA context per engine); ``colocated_formula_holds`` is 1 when every measured figure stayed under its
 formula. Reported, not checked (the margin is an estimate, docs/gpu.md finding 6). The CPU twin only runs the code
 path (no device memory: the figures are 0).
 """

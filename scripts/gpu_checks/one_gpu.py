@@ -78,6 +78,7 @@ def report_pushes(dump: Path) -> None:
     """The blocked and push times of a finished run's ``metrics.jsonl`` (after its first two steps)."""
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()][2:]
     blocked = [1e3 * r["weight_sync_s"] for r in rows]
+    # ``weight_push_s`` is the last completed push's: a coalesced step repeats it (none at ``async_ratio`` 1 so far)
     pushes = [1e3 * r["weight_push_s"] for r in rows if r["weight_push_s"] > 0]
     report("one_gpu_steps_measured", len(rows))
     report("one_gpu_blocked_ms_p50", round(_percentile(blocked, 0.5), 2))

@@ -4,6 +4,7 @@ per-engine backend (a CPU engine beside a GPU trainer gets gloo, not NCCL)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -135,6 +136,11 @@ def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factor
         m = h.syncer.metrics()
         model_bytes = h.syncer.plan.nbytes
         assert 0 < m["sync_peak_bytes"] <= m["sync_budget_bytes"] <= 2 * 2**20 + 4096 + 2 * 2**20
+        # the only temporaries: Llama's q/k rows rewritten in the wire dtype (cast first), two buckets' at most
+        plan = h.syncer.plan
+        qk = [sum(math.prod(s.shape) * 2 for s in plan.specs[b.start : b.end]
+                  if s.name.endswith(("attention.wq.weight", "attention.wk.weight"))) for b in plan.buckets]
+        assert m["sync_peak_bytes"] == max(a + b for a, b in zip([0] + qk, qk)), (m["sync_peak_bytes"], qk)
         print(f"\n{flavor}: wire bytes {model_bytes}, sync peak {m['sync_peak_bytes']}, budget {m['sync_budget_bytes']}")
         if flavor == "medium":
             assert model_bytes > 8 * m["sync_budget_bytes"]
@@ -144,8 +150,8 @@ def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factor
 
 def test_plain_parameters_are_cast_by_the_copy_into_staging_with_no_temporary(tmp_path):
     """``Snapshot.take`` copies float32 parameters into bfloat16 staging directly (the copy casts: one kernel per
-    tensor, no temporary; on an H200 it halved the snapshot's kernels and host time, docs/gpu.md); only a layout
-    rewrite (Llama's q/k rows) allocates. Qwen3's layout rewrites nothing, so the ledger holds nothing at all."""
+    tensor, no temporary into CPU or device staging; on an H200 it halved the snapshot's kernels and host time,
+    docs/gpu.md); only a layout rewrite (Llama's q/k rows, cast first) allocates. Qwen3's layout rewrites nothing, so the ledger holds nothing at all."""
     from hf_families import build_hf_model
 
     h = Harness(build_hf_model(tmp_path / "qwen3", "qwen3", tied=False), async_mode=False, bucket_size_mb=1.0,
@@ -235,12 +241,12 @@ def test_the_snapshot_keeps_no_bucket_alive_past_the_next_and_never_records_stre
     bucket_of: dict[str, int] = {}
     refs: list[tuple[int, weakref.ref]] = []
 
-    def rewrite(name: str, t: torch.Tensor) -> torch.Tensor:  # a new tensor per parameter, as a layout rewrite is
+    def rewrite(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # a new tensor per parameter
         b = bucket_of[name]
         gc.collect()
         alive = [i for i, r in refs if r() is not None and i <= b - 2]
         assert not alive, f"bucket {b}: temporaries of buckets {alive} still alive"
-        out = t * 1
+        out = t.to(dtype) * 1  # as a layout rewrite does (``HFLayout.wire_tensor``)
         refs.append((b, weakref.ref(out)))
         return out
 

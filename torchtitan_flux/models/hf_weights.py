@@ -60,10 +60,14 @@ class HFLayout:
         names = self.hf_names([s.name for s in specs], [s.shape for s in specs])
         return [dataclasses.replace(s, name=n) for s, n in zip(specs, names)]
 
-    def wire_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A torchtitan parameter in HF layout (llama: q/k rows permuted by ``to_hf``; otherwise unchanged)."""
+    def wire_tensor(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A torchtitan parameter in HF layout (llama: q/k rows permuted by ``to_hf``; otherwise unchanged, as is).
+        ``dtype``: a tensor that is rewritten is cast to it first (the snapshot's wire dtype: its copies then hold
+        wire bytes, not the parameter's)."""
         if not self.permuted or not (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
             return tensor
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
         (out,) = self.adapter.to_hf({name: tensor}).values()
         return out
 

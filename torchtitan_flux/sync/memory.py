@@ -11,7 +11,8 @@ send buffer and output together while the collective runs: on a one-rank mesh 3 
 2026-11-27; on ``N`` ranks ``L x (1 + 2/N)``): it grows with the largest tensor (a bucket never splits a tensor:
 ``transport.plan_buckets``) and the number of NCCL engines, not with the number of layers. ``peak`` is what was
 held at once; on GPU, ``scripts/gpu_smoke.py`` compares it with the CUDA allocator's own peak. Not counted:
-``full_tensor()`` of a DTensor that is not row-sharded, before its cast. Main thread and push thread: every call
+``full_tensor()`` of a DTensor that is not row-sharded, before its cast, and the one-tensor device copy torch makes
+when a plain parameter is cast on its way into pinned host staging (freed in stream order: at most one tensor). Main thread and push thread: every call
 under ``_lock``.
 """
 

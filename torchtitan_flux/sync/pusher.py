@@ -17,11 +17,14 @@ Concurrency invariants:
     ``deliver_staged``, not at once; any other failure is retried after a backoff, and ``links.JOIN_ATTEMPTS``
     failures in a row kill the engine (its replacement joins); the main thread starts joiners but never sends a
     join itself.
-  * A gloo send that misses its push's deadline cannot be cancelled (gloo's ``abort`` leaves it running) and may
-    read staging until its group's own timeout (``timeout_seconds`` too, counted from its start: moments after the
-    deadline) closes the pair. It is kept in ``abandoned`` (owned by the holder of ``busy``), and the next snapshot
-    does not rewrite staging before it ended (``free_staging``: it waits up to ``FREE_STAGING_S`` past the deadline,
-    then kills the engine, which ends the send), so no engine ever receives a torn copy (review 4, finding 12).
+  * A gloo send that misses its push's deadline cannot be cancelled (gloo's ``abort`` leaves it running: torch 2.13
+    on CPU) and may read staging until its group's own timeout (``timeout_seconds`` too, counted from the start of
+    each broadcast: for an engine stalled at the first one, moments after the deadline; for one that stalls later,
+    or crawls, up to ``timeout_seconds`` after it) fails it. It is kept in ``abandoned`` (owned by the holder of
+    ``busy``), and the next snapshot does not rewrite staging before it ended (``free_staging``: it waits up to
+    ``FREE_STAGING_S`` past the deadline, then kills the engine). An embedded engine's death fails the send at once,
+    so it never receives a torn copy; an HTTP server keeps its socket when its handler is killed, so a send to one
+    that still runs ``FREE_STAGING_S`` after the kill is logged and staging rewritten anyway (docs/gpu.md, Open).
 On a GPU trainer staging is pinned host memory; each NCCL engine's ``DeviceRing`` moves it to the GPU two buckets at a
 time, on that engine's own stream.
 With ``weight_sync.method = "sparse"`` the push thread also owns ``base`` (``sparse.SparseBase``): an engine whose
@@ -154,8 +157,8 @@ class Abandoned:
 
 
 # how long past a push's deadline ``free_staging`` waits for its abandoned gloo sends to end (their group's timeout
-# closes them within milliseconds of it) before it kills the engine; and then for the killed engine's sends to fail
-# (measured: 20 ms)
+# fails a send stalled at the first broadcast within milliseconds of it) before it kills the engine; and then for
+# the killed engine's sends to fail (an embedded engine's: 20 ms, measured)
 FREE_STAGING_S = 2.0
 
 
@@ -319,9 +322,9 @@ class Pusher:
 
     def free_staging(self, version: int) -> None:
         """Main thread, holding ``busy``, before the snapshot of ``version`` rewrites staging: wait until every gloo
-        send abandoned at a deadline ended (its group's timeout closes it), up to ``FREE_STAGING_S`` past that
-        deadline; the engine of one still running then is killed (restarted or reconnected and resynced: its socket
-        closes and the send fails) and the send waited for, up to ``FREE_STAGING_S`` more."""
+        send abandoned at a deadline ended (its group's timeout fails it), up to ``FREE_STAGING_S`` past that
+        deadline; the engine of one still running then is killed (restarted or reconnected and resynced; an embedded
+        engine's socket closes and the send fails) and the send waited for, up to ``FREE_STAGING_S`` more."""
         abandoned, self.abandoned = self.abandoned, []
         for a in abandoned:
             if cuda_rules.wait_works(a.works, a.deadline + FREE_STAGING_S):

@@ -76,7 +76,7 @@ class Snapshot:
         self.bucket_bytes = bucket_bytes
         self.plan = transport.plan_buckets(self.specs, bucket_bytes)
         self.side = compat.SideStream(device)
-        self._wire = wire_tensor  # the engines' layout hook (HF q/k rows), None: identity
+        self._wire = wire_tensor  # the engines' layout hook (name, tensor, wire dtype; HF q/k rows), None: identity
         on_gpu = torch.device(device).type == "cuda"
         self.staging = self.seqlock = None
         if is_sender:
@@ -123,7 +123,8 @@ class Snapshot:
                 params = [self.params[s.name] for s in self.plan.specs[bucket.start : bucket.end]]
                 srcs = _gather_bucket(params, self.wire_dtype, self.memory)
                 if self.is_sender and self._wire is not None:
-                    srcs = [self._wire(s.name, t) for s, t in zip(self.plan.specs[bucket.start : bucket.end], srcs)]
+                    srcs = [self._wire(s.name, t, self.wire_dtype)
+                            for s, t in zip(self.plan.specs[bucket.start : bucket.end], srcs)]
                 now = self.memory.hold(new_bytes(srcs, params))
                 self.memory.release(held)  # the previous bucket's temporaries, reused in stream order
                 held = now
@@ -159,8 +160,8 @@ def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None,
                    memory: SyncMemory | None = None) -> list[torch.Tensor]:
     """Full tensors of ``params``: one ``all_gather_into_tensor`` for every ``Shard(0)`` DTensor of the bucket on a
     shared 1-D mesh, cast to ``wire_dtype`` first (the gather moves wire bytes), as are other DTensors; plain
-    tensors as they are (the copy into staging casts them: no temporary, one kernel per tensor instead of two,
-    docs/gpu.md, "The one-GPU number"). ``memory`` holds the gather's temporaries while they live: the cast shards,
+    tensors as they are (the copy into staging casts them: into device or CPU staging with no temporary, into pinned
+    host staging through one transient device copy of that tensor, docs/gpu.md, "Memory"). ``memory`` holds the gather's temporaries while they live: the cast shards,
     the padded send buffer and the output, alive together (the caller then holds the output again, as its own)."""
     cast = (lambda t: t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype))
     sharded, world = _gathered(params)
