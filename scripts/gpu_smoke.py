@@ -202,7 +202,7 @@ def profile(out: Path, device: torch.device) -> None:
 
 def _parts(args, out: Path, device: torch.device) -> dict:
     """name -> (limit on GPU s, limit on CPU s, the least time worth starting it with s, the part)."""
-    from gpu_checks import colocated, fsdp, one_gpu, pushes, seqlock
+    from gpu_checks import colocated, fsdp, pushes, seqlock
 
     inner = max(30.0, args.limit - 15)  # a torchrun child ends (and says why) before its part is killed
     return {

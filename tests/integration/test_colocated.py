@@ -151,7 +151,8 @@ def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factor
 def test_plain_parameters_are_cast_by_the_copy_into_staging_with_no_temporary(tmp_path):
     """``Snapshot.take`` copies float32 parameters into bfloat16 staging directly (the copy casts: one kernel per
     tensor, no temporary into CPU or device staging; on an H200 it halved the snapshot's kernels and host time,
-    docs/gpu.md); only a layout rewrite (Llama's q/k rows, cast first) allocates. Qwen3's layout rewrites nothing, so the ledger holds nothing at all."""
+    docs/gpu.md); only a layout rewrite (Llama's q/k rows, cast first) allocates. Qwen3's layout rewrites nothing, so
+    the ledger holds nothing at all."""
     from hf_families import build_hf_model
 
     h = Harness(build_hf_model(tmp_path / "qwen3", "qwen3", tied=False), async_mode=False, bucket_size_mb=1.0,

@@ -159,10 +159,11 @@ def gather_bytes(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> 
 def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None,
                    memory: SyncMemory | None = None) -> list[torch.Tensor]:
     """Full tensors of ``params``: one ``all_gather_into_tensor`` for every ``Shard(0)`` DTensor of the bucket on a
-    shared 1-D mesh, cast to ``wire_dtype`` first (the gather moves wire bytes), as are other DTensors; plain
-    tensors as they are (the copy into staging casts them: into device or CPU staging with no temporary, into pinned
-    host staging through one transient device copy of that tensor, docs/gpu.md, "Memory"). ``memory`` holds the gather's temporaries while they live: the cast shards,
-    the padded send buffer and the output, alive together (the caller then holds the output again, as its own)."""
+    shared 1-D mesh, cast to ``wire_dtype`` first (the gather moves wire bytes), as are other DTensors; plain tensors as
+    they are (the copy into staging casts them: into device or CPU staging with no temporary, into pinned host staging
+    through one transient device copy of that tensor, docs/gpu.md, "Memory"). ``memory`` holds the gather's temporaries
+    while they live: the cast shards, the padded send buffer and the output, alive together (the caller then holds the
+    output again, as its own)."""
     cast = (lambda t: t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype))
     sharded, world = _gathered(params)
     if not sharded:
