@@ -182,6 +182,64 @@ def test_a_full_batch_queues_sequences_until_rows_free(weights_and_shape):
     assert torch.equal(b.engine.results[0].tokens, wide.tokens)
 
 
+class ScriptedPipe:
+    """The control pipe of a stand-in engine for ``ContinuousBatcher.run``: messages queued in order."""
+
+    def __init__(self, *messages):
+        self.messages = list(messages)
+
+    def poll(self):
+        return bool(self.messages)
+
+    def recv(self):
+        return self.messages.pop(0)
+
+
+class PipedEngine(FakeEngine):
+    """``FakeEngine`` with the pipe, wait and message handling ``run()`` uses. A wait that would block (nothing in
+    the pipe, a timeout other than 0) records how many sequences were still admitted, then delivers a shutdown: the
+    real engine would wait there for a message that never comes."""
+
+    def __init__(self, weights, shape, *messages):
+        super().__init__(weights, shape)
+        self.conn = ScriptedPipe(*messages)
+        self.blocked_with_queued: list[int] = []
+        self.batcher: ContinuousBatcher | None = None
+
+    def wait_timeout(self, waiting):
+        return None if not waiting else 0.001
+
+    def wait(self, timeout):
+        if self.conn.poll():
+            return True
+        if timeout == 0.0:
+            return False
+        self.blocked_with_queued.append(len(self.batcher.queued))
+        self.conn.messages.append(("shutdown",))
+        return True
+
+    def handle(self, msg, waiting):
+        if msg[0] == "generate":
+            waiting.append((msg[1], 0.0))
+            return True
+        return msg[0] != "shutdown"
+
+
+def test_run_serves_sequences_still_queued_when_every_row_ends_in_the_same_step(weights_and_shape):
+    """The hang of ``rollout.continuous_batching`` with few rows: greedy copies of one prompt end in the same decode
+    step while more copies wait for a row; ``run()`` must go on decoding them, not wait on the pipe."""
+    weights, shape = weights_and_shape
+    greedy = [request(1, [[1, 40, 41]], max_new=3, group=4, temperature=0.0),
+              request(2, [[1, 50, 51]], max_new=2, group=6, temperature=0.0)]
+    engine = PipedEngine({0: weights}, shape, *(("generate", r) for r in greedy))
+    b = engine.batcher = ContinuousBatcher(engine, max_sequences=2)
+    b.run()
+    assert engine.blocked_with_queued == [0], "run() waited on the pipe with admitted sequences still queued"
+    assert sorted(r.req_id for r in engine.results) == [1, 2]
+    ref = serve_alone(weights_and_shape, greedy[0])
+    assert torch.equal(next(r for r in engine.results if r.req_id == 1).tokens, ref.tokens)
+
+
 def test_mixed_sampling_settings_in_one_batch(weights_and_shape):
     """A greedy request beside a sampled one: each row follows its own request's temperature."""
     b = batcher(weights_and_shape)

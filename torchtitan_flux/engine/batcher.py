@@ -125,14 +125,16 @@ class ContinuousBatcher:
 
     def run(self) -> None:
         """Serve until the pipe closes or a shutdown arrives. The pipe is polled after every decode step, and waited
-        on only with nothing to decode and no request to admit (until a message, a landed push or the head's wait
-        bound)."""
+        on only with nothing to decode, no admitted sequence waiting for a row and no request to admit (until a
+        message, a landed push or the head's wait bound). Admitted sequences still queued when every row ended in
+        the same step take the freed rows on the next turn of the loop, not after the next message."""
         while True:
             self._admit()
             self._fill_rows()
             if self.rows:
                 self._step()
-            timeout = 0.0 if self.rows or self._admissible() else self.engine.wait_timeout(self.waiting)
+            busy = self.rows or self.queued or self._admissible()
+            timeout = 0.0 if busy else self.engine.wait_timeout(self.waiting)
             if self.engine.wait(timeout) and not self._read_pipe():
                 return
 
