@@ -1,5 +1,7 @@
 """Generate docs/configuration.md from the config dataclasses' field docstrings (torchtitan_flux/config.py), each
-followed by the field's declared range ("Allowed: ...", torchtitan_flux/ranges.py), when it has one.
+followed by the field's declared range ("Allowed: ...", torchtitan_flux/ranges.py), when it has one. A class whose
+fields are grouped by comment lines ``# -- Title: one-line description`` (each right above its group's first field,
+as in ``Rollout``) gets a ``### Title`` sub-heading, the description and a table per group.
 
     python scripts/gen_config_docs.py            # rewrite docs/configuration.md
     python scripts/gen_config_docs.py --check    # exit 1 if it is out of date (CI runs this in the tests)
@@ -11,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import os
+import re
 import sys
 import types
 import typing
@@ -32,6 +35,34 @@ def field_docs() -> dict[str, dict[str, str]]:
                 if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
                     d[a.target.id] = " ".join(str(b.value.value).split())
     return docs
+
+
+GROUP_MARK = re.compile(r"^\s*# -- (?P<title>[^:]+): (?P<description>.+?)\s*$")
+
+
+def field_groups() -> dict[str, list[tuple[str, str, list[str]]]]:
+    """class name -> [(title, description, fields)], in source order, for each class with ``# -- Title:
+    description`` lines among its fields; a field belongs to the group of the last such line above it (a field above
+    the first one belongs to none). Classes without such lines are left out."""
+    text = open(SRC).read()
+    lines = text.splitlines()
+    groups: dict[str, list[tuple[str, str, list[str]]]] = {}
+    for node in ast.parse(text).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        found: list[tuple[str, str, list[str]]] = []
+        prev_end = node.lineno
+        for stmt in node.body:
+            for line in lines[prev_end:stmt.lineno - 1]:  # the lines between two statements: comments, blanks
+                m = GROUP_MARK.match(line)
+                if m:
+                    found.append((m["title"], m["description"], []))
+            if isinstance(stmt, ast.AnnAssign) and found:
+                found[-1][2].append(stmt.target.id)
+            prev_end = stmt.end_lineno
+        if found:
+            groups[node.name] = found
+    return groups
 
 
 def _type(tp) -> str:
@@ -57,6 +88,7 @@ def render() -> str:
     from torchtitan_flux.ranges import field_ranges
 
     docs = field_docs()
+    groups = field_groups()
     lines = [
         "# Configuration reference",
         "",
@@ -71,22 +103,36 @@ def render() -> str:
     ]
 
     def section(title: str, cls, prefix: str) -> None:
-        lines.extend([f"## `[{prefix}]`", "", (cls.__doc__ or "").strip(), "",
-                      "| field | type | default | meaning |", "|---|---|---|---|"])
+        lines.extend([f"## `[{prefix}]`", "", (cls.__doc__ or "").strip(), ""])
         hints = typing.get_type_hints(cls)
         ranges = field_ranges(cls)
+        by_name = {f.name: f for f in dataclasses.fields(cls)}
         nested = []
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            if dataclasses.is_dataclass(tp):
-                nested.append((f.name, tp))
-                continue
-            doc = docs.get(cls.__name__, {}).get(f.name, "")
-            if f.name in ranges:
-                doc += f" Allowed: {ranges[f.name][1]}."
-            doc = doc.replace("|", "\\|")
-            lines.append(f"| `{f.name}` | {_type(tp)} | {_default(f)} | {doc} |")
-        lines.append("")
+
+        def table(names: list[str]) -> None:
+            lines.extend(["| field | type | default | meaning |", "|---|---|---|---|"])
+            for name in names:
+                f, tp = by_name[name], hints[name]
+                if dataclasses.is_dataclass(tp):
+                    nested.append((f.name, tp))
+                    continue
+                doc = docs.get(cls.__name__, {}).get(f.name, "")
+                if f.name in ranges:
+                    doc += f" Allowed: {ranges[f.name][1]}."
+                doc = doc.replace("|", "\\|")
+                lines.append(f"| `{f.name}` | {_type(tp)} | {_default(f)} | {doc} |")
+            lines.append("")
+
+        if cls.__name__ not in groups:
+            table(list(by_name))
+        else:
+            grouped = [n for _, _, names in groups[cls.__name__] for n in names]
+            if sorted(grouped) != sorted(by_name):
+                raise SystemExit(f"{cls.__name__}: fields in no group (each needs a '# -- Title: description' line "
+                                 f"above it): {sorted(set(by_name) - set(grouped))}")
+            for group, description, names in groups[cls.__name__]:
+                lines.extend([f"### {group}", "", description[:1].upper() + description[1:], ""])
+                table(names)
         for name, tp in nested:
             section(title, tp, f"{prefix}.{name}")
 

@@ -35,3 +35,19 @@ def exits_at_step_2(step, metrics):
 
     if step == 2:
         sys.exit("enough for today")
+
+
+def stop_the_engine_after_step_2(step, metrics):
+    """SIGSTOP this trainer's embedded engine processes once step 2 ended (a stopped engine: it reads nothing,
+    answers nothing), and write their pids to ``$FLUX_TEST_CALLBACKS``."""
+    import signal
+
+    import psutil
+
+    if step != 2:
+        return
+    engines = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("flux-engine")]
+    for p in engines:
+        p.send_signal(signal.SIGSTOP)
+    with open(os.environ["FLUX_TEST_CALLBACKS"], "a") as f:
+        f.write(json.dumps({"stopped": [p.pid for p in engines]}) + "\n")

@@ -1,5 +1,5 @@
 """Component-level harness for the weight-sync tests: rank 0's real rollout side (``rollout.rollouts.Rollouts``:
-engines, scheduler, event pump and the weight syncer it builds), without torchrun or the trainer.
+the engine fleet, event pump, group table and the weight syncer it builds), without torchrun or the trainer.
 
 * the "policy" is the trainer's model of the tiny llama (``_engine_push.trainer_model``: torchtitan names and
   layout), which the real ``EmbeddedEngine`` child process receives in HF names and layout, as every engine does;
@@ -9,6 +9,7 @@ engines, scheduler, event pump and the weight syncer it builds), without torchru
 
 from __future__ import annotations
 
+import queue
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,10 +21,32 @@ from fakes.stub_tokenizers import ByteTokenizer
 from torch import nn
 from _engine_push import as_pushed, layout_of, trainer_model
 
+from torchtitan_flux.engine.base import GenerationResult
 from torchtitan_flux.models import weight_dict
 from torchtitan_flux.config import OffPolicy, Rollout, WeightSync
 from torchtitan_flux.rollout.rollouts import Rollouts
 from torchtitan_flux.data.tasks import DigitsTask
+
+
+class ResultPump:
+    """The rollout side's pump over one bare engine's ``events``, for tests without ``Rollouts``: results kept by
+    request id, every other event to the syncer (``attach``, once it is built with this pump)."""
+
+    def __init__(self, events):
+        self.events, self.results, self.syncer = events, {}, None
+
+    def attach(self, syncer) -> None:
+        self.syncer = syncer
+
+    def __call__(self, timeout: float) -> None:
+        try:
+            ev = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if isinstance(ev, GenerationResult):
+            self.results[ev.req_id] = ev
+        else:
+            self.syncer.on_event(ev)
 
 
 def params_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -73,7 +96,7 @@ class Harness:
             job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
             training=SimpleNamespace(steps=0),  # final version of vLLM checksums: no vLLM here
         )
-        self.rollouts = Rollouts(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),
+        self.rollouts = Rollouts.start(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),
                                   stops=SimpleNamespace(signal=None))  # no signal handlers in the test process
         self.syncer = self.rollouts.syncer
         for e in self.engines:  # serves its pipe once up (the first start waits for the fork server's imports)
@@ -86,7 +109,7 @@ class Harness:
 
     @property
     def restarts(self) -> int:
-        return self.rollouts.restarts
+        return self.rollouts.fleet.restarts
 
     @property
     def link(self):
@@ -111,14 +134,14 @@ class Harness:
         while not cond():
             if time.monotonic() - t0 > timeout:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-            self.rollouts.pump(0.02)
+            self.rollouts.pump.pump(0.02)
         return time.monotonic() - t0
 
     def drain(self, seconds: float) -> None:
         """Pump whatever arrives during ``seconds``."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            self.rollouts.pump(0.02)
+            self.rollouts.pump.pump(0.02)
 
     def engine_checksum(self, i: int = 0) -> tuple[int, str]:
         return self.engines[i].checksum(timeout=30)

@@ -61,53 +61,18 @@ class Grpo:
 class Rollout:
     """``[rollout]``: where completions come from and what they are scored on."""
 
+    # Fields are grouped by job, each group headed by a "# -- Title: one-line description" comment, which
+    # scripts/gen_config_docs.py turns into a sub-heading of docs/configuration.md. The TOML section stays flat.
+
+    # -- Engines: which engines generate the completions, where they run and on how many threads.
     engine: Literal["embedded", "vllm", "sglang"] = "embedded"
     """Rollout engine: "embedded" (a child process holding a copy of the policy), "vllm" or "sglang" (servers)."""
-
-    num_engines: Annotated[int, Range(ge=1, le=1024)] = 1
-    """Embedded engine processes, or vLLM servers started with ``launch = true`` (else ``urls`` counts them)."""
 
     urls: list[str] = field(default_factory=list)
     """Base URLs of vLLM / SGLang servers, e.g. ["http://127.0.0.1:8000"]. Required for those engines."""
 
-    prompts_per_step: Annotated[int, Range(ge=1, le=65536)] = 4
-    """Prompts per training step; the batch holds prompts_per_step * grpo.group_size completions."""
-
-    max_new_tokens: Annotated[int, Range(ge=1)] = 16
-    """Maximum completion length in tokens."""
-
-    top_k: Annotated[int, Range(ge=0)] = 0
-    """Sample only from the top-k tokens (slightly off-policy: logprobs stay the full distribution's); 0 disables."""
-
-    task: str = "digits"
-    """Task: "digits" (fraction of digit characters), "arithmetic" (exact-match sums), "dataset" (``dataset_path``
-    scored by ``reward_funcs``), "gsm8k" (scored by the final answer), or "package.module:name" (docs/data.md)."""
-
-    dataset_path: str = ""
-    """Dataset of tasks "dataset" / "gsm8k": a local .jsonl / .json / .parquet / .csv file, a folder of such files
-    (splits named by file name: train.jsonl, test.jsonl), or a ``save_to_disk`` folder (docs/data.md)."""
-
-    engine_threads: Annotated[int, Range(ge=1, le=4096)] = 1
-    """CPU threads of each engine (torch threads, or a launched server's OpenMP threads); the trainer gets the rest."""
-
-    borrow_idle_engine_cores: Bool = True
-    """CPU, one trainer rank, embedded engines, no compiled model: the trainer also computes on the threads of every
-    engine that holds no request (re-checked before every transformer block's forward and backward;
-    ``run.threads.TrainerThreads``). With async rollouts the engine is idle once the next batch is generated, so its
-    core trains the rest of the step. The thread count then depends on timing, and with it the last bits of reductions:
-    runs are not bit-reproducible.
-    False: the fixed split (``engine_threads`` per engine, the rest for the trainer), reproducible."""
-
-    seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
-    """Base seed of the engines' samplers (each request derives its own generator from it)."""
-
-    dispatch_dead_zone: Annotated[float, Range(ge=0, lt=1)] = 0.1
-    """Dead zone of the dispatch split (prompts go to engines in proportion to their measured completions/s): the
-    split is kept while every engine's share would change by less than this fraction of itself. 0 re-splits always."""
-
-    dispatch_max_share: Annotated[float, Range(gt=0, le=1)] = 0.75
-    """Imbalance cap: while several engines are alive, none gets more than this fraction of a step's prompts
-    (below 1 / (engines alive) the split is even)."""
+    num_engines: Annotated[int, Range(ge=1, le=1024)] = 1
+    """Embedded engine processes, or vLLM servers started with ``launch = true`` (else ``urls`` counts them)."""
 
     launch: Bool = False
     """Engine "vllm" only: the trainer starts ``num_engines`` local vLLM servers (model ``model.hf_assets_path``,
@@ -127,6 +92,40 @@ class Rollout:
     """Embedded engines share the trainer's device (rank 0's GPU, or the CPU) and copy the weights from rank 0's
     staging by reference (CUDA IPC on GPU, shared memory on CPU) instead of a broadcast: the mode for one GPU, or
     one host (docs/gpu.md). Needs ``engine = "embedded"`` and an empty ``engine_devices``."""
+
+    engine_threads: Annotated[int, Range(ge=1, le=4096)] = 1
+    """CPU threads of each engine (torch threads, or a launched server's OpenMP threads); the trainer gets the rest."""
+
+    borrow_idle_engine_cores: Bool = True
+    """CPU, one trainer rank, embedded engines, no compiled model: the trainer also computes on the threads of every
+    engine that holds no request (re-checked before every transformer block's forward and backward;
+    ``run.threads.TrainerThreads``). With async rollouts the engine is idle once the next batch is generated, so its
+    core trains the rest of the step. The thread count then depends on timing, and with it the last bits of reductions:
+    runs are not bit-reproducible. Refused with ``environment`` (episodes send their turns while the trainer computes).
+    False: the fixed split (``engine_threads`` per engine, the rest for the trainer), reproducible."""
+
+    # -- Sampling: how each completion is sampled (its temperature is ``grpo.temperature``).
+    max_new_tokens: Annotated[int, Range(ge=1)] = 16
+    """Maximum completion length in tokens."""
+
+    top_k: Annotated[int, Range(ge=0)] = 0
+    """Sample only from the top-k tokens (slightly off-policy: logprobs stay the full distribution's); 0 disables."""
+
+    seed: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
+    """Base seed of the engines' samplers (each request derives its own generator from it) and of the task's prompt
+    order (a dataset's epoch permutations, a generated task's prompts; docs/data.md)."""
+
+    # -- Tasks and prompts: what the prompts are, how many a step takes, and how a dataset is read and filtered.
+    task: str = "digits"
+    """Task: "digits" (fraction of digit characters), "arithmetic" (exact-match sums), "dataset" (``dataset_path``
+    scored by ``reward_funcs``), "gsm8k" (scored by the final answer), or "package.module:name" (docs/data.md)."""
+
+    prompts_per_step: Annotated[int, Range(ge=1, le=65536)] = 4
+    """Prompts per training step; the batch holds prompts_per_step * grpo.group_size completions."""
+
+    dataset_path: str = ""
+    """Dataset of tasks "dataset" / "gsm8k": a local .jsonl / .json / .parquet / .csv file, a folder of such files
+    (splits named by file name: train.jsonl, test.jsonl), or a ``save_to_disk`` folder (docs/data.md)."""
 
     dataset_split: str = "train"
     """Split of ``dataset_path`` to train on, when it is a folder or a saved ``DatasetDict``."""
@@ -149,6 +148,11 @@ class Rollout:
     long_prompts: Literal["drop", "error"] = "drop"
     """Dataset prompts longer than ``max_prompt_tokens``: "drop" them (the count is logged) or "error"."""
 
+    task_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
+    """The longest a task's own code may take on one call (``prompts``, ``eval_prompts``, ``finished``). Past it the
+    run checkpoints its last completed step and stops with one line naming the task and the call."""
+
+    # -- Rewards: how completions are scored.
     reward_funcs: list[str] = field(default_factory=list)
     """Reward functions ``f(prompts, completions, completion_ids, **columns) -> list[float | None]`` (TRL's; sync or
     async): "package.module:function" or "answer_match", "math_verify", "digits". Empty: the task's own reward."""
@@ -159,22 +163,28 @@ class Rollout:
     reward_workers: Annotated[int, Range(ge=1, le=1024)] = 1
     """Threads scoring rewards off the trainer's main loop."""
 
-    engine_stall_seconds: Annotated[float, Range(gt=0)] = 1800.0
-    """An embedded engine holding requests with no result for this long (stopped, hung) is restarted, its requests
-    re-dispatched. Must exceed ``weight_sync.timeout_seconds`` plus the longest generation of one engine's share."""
-
     reward_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
     """The longest one reward function may take on one batch. Past it the run checkpoints its last completed step
     and stops with one line naming the function (exit code 2): a thread cannot be killed."""
 
-    task_timeout_seconds: Annotated[float, Range(gt=0)] = 300.0
-    """The longest a task's own code may take on one call (``prompts``, ``eval_prompts``, ``finished``). Past it the
-    run checkpoints its last completed step and stops with one line naming the task and the call."""
+    # -- Dispatch and engine faults: how prompts are split among the engines, and what happens to a stalled or dead one.
+    dispatch_dead_zone: Annotated[float, Range(ge=0, lt=1)] = 0.1
+    """Dead zone of the dispatch split (prompts go to engines in proportion to their measured completions/s): the
+    split is kept while every engine's share would change by less than this fraction of itself. 0 re-splits always."""
+
+    dispatch_max_share: Annotated[float, Range(gt=0, le=1)] = 0.75
+    """Imbalance cap: while several engines are alive, none gets more than this fraction of a step's prompts
+    (below 1 / (engines alive) the split is even)."""
+
+    engine_stall_seconds: Annotated[float, Range(gt=0)] = 1800.0
+    """An embedded engine holding requests with no result for this long (stopped, hung) is restarted, its requests
+    re-dispatched. Must exceed ``weight_sync.timeout_seconds`` plus the longest generation of one engine's share."""
 
     max_engine_restarts: Annotated[int, Range(ge=0)] = 3
     """Restarts of a dead embedded engine (or reconnects to a dead server) within any 10 minutes before it is given
     up (the run goes on with the others or, with none left, stops at the step boundary, checkpointed). 0: never."""
 
+    # -- Batching: how an embedded engine batches requests, and when new weights go live in it.
     continuous_batching: Bool = False
     """Embedded engines only (vLLM and SGLang batch continuously already): sequences join the running batch at any
     decode step and leave it when they end, and several steps' requests are in flight at once, each result sent as
@@ -200,12 +210,13 @@ class Rollout:
     ``mode=keep`` instead of draining. Requests then run on the newest version an engine holds (their pin only
     sets the oldest), so runs are not bit-reproducible. False: versions change only between requests."""
 
+    # -- Streaming: which finished groups a step trains on, and what becomes of the ones still generating.
     streaming_admission: Bool = False
     """A step trains on the first ``prompts_per_step`` groups to finish among all those in flight (its own and the
     steps admitted ahead), each fresh enough for ``off_policy.max_version_gap`` by its oldest token, instead of
     waiting for its own prompts' slowest completion. Requests are sent one group each. Embedded engines need
     ``continuous_batching``. Biases a step toward short completions; ``streaming_carry_over`` keeps the slow ones
-    for later steps (docs/architecture.md measures both)."""
+    for later steps (docs/benchmarks.md, "Streaming rollouts", measures both)."""
 
     streaming_carry_over: Bool = True
     """With ``streaming_admission``: groups still generating when a step takes its batch stay in flight and serve
@@ -213,6 +224,7 @@ class Rollout:
     step's own groups still generating when it has its batch restart from scratch (``restarted_groups``), so a
     completion longer than a step's window is never trained on: training leans toward short completions."""
 
+    # -- Environments: multi-turn episodes; every field but ``environment`` is read only when it is set.
     environment: str = ""
     """Multi-turn episodes: the environment class, "package.module:Class" in torchtitan 0.3.0's ``MessageEnv``
     shape (docs/environments.md). Each prompt of the task becomes a group of ``grpo.group_size`` episodes, each with
@@ -222,7 +234,7 @@ class Rollout:
 
     environment_args: list[str] = field(default_factory=list)
     """The environment's own ``Config`` fields, as "name=value" (the value read as JSON when it parses, e.g.
-    ``["max_value=100", "mode=\"hard\""]``, else as the plain string); each is checked against the field's type."""
+    ``["max_value=100", 'mode="hard"']``, else as the plain string); each is checked against the field's type."""
 
     max_turns: Annotated[int, Range(ge=1, le=1024)] = 4
     """Multi-turn: assistant turns per episode at most; the environment is stepped on the last one and the episode

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from _engine_push import layout_of
+from _sync_harness import ResultPump
 import torch
 
 from torchtitan_flux.patches import apply_patches
@@ -51,20 +52,11 @@ def serving(tiny_model_dir, **engine_kw):
     engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events, **engine_kw)
     engine.start()
     cfg = WeightSync(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.05, master_port=0)
-    results: dict[int, GenerationResult] = {}
-
-    def pump(timeout: float) -> None:
-        try:
-            ev = events.get(timeout=timeout)
-        except queue.Empty:
-            return
-        if isinstance(ev, GenerationResult):
-            results[ev.req_id] = ev
-        else:
-            syncer.on_event(ev)
-
+    pump = ResultPump(events)
+    results = pump.results
     syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump,
                           layout=layout_of(engine.model_dir))
+    pump.attach(syncer)
     syncer.connect()
     try:
         yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args,

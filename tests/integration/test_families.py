@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from _engine_push import layout_of
+from _sync_harness import ResultPump
 import torch
 
 import transformers  # noqa: F401,E402 - a dev dependency (pyproject): missing, this file errors instead of skipping
@@ -125,7 +126,7 @@ def test_the_embedded_engine_is_pushed_hf_names_and_computes_what_the_folder_giv
     import time
 
     from torchtitan_flux.config import WeightSync
-    from torchtitan_flux.engine.base import GenerationRequest, GenerationResult
+    from torchtitan_flux.engine.base import GenerationRequest
     from torchtitan_flux.engine.embedded import EmbeddedEngine
     from torchtitan_flux.sync.probe import PROBE_TEXT, PostSyncProbe
     from torchtitan_flux.sync.syncer import WeightSyncer
@@ -144,23 +145,15 @@ def test_the_embedded_engine_is_pushed_hf_names_and_computes_what_the_folder_giv
         send(msg)
 
     monkeypatch.setattr(engine, "_send", send_recording_joins)
-    results: dict[int, GenerationResult] = {}
-
-    def pump(timeout: float) -> None:
-        try:
-            ev = events.get(timeout=timeout)
-        except queue.Empty:
-            return
-        if isinstance(ev, GenerationResult):
-            results[ev.req_id] = ev
-        else:
-            syncer.on_event(ev)
+    pump = ResultPump(events)
+    results = pump.results
 
     cfg = WeightSync(async_weight_update=False, timeout_seconds=30.0, bucket_size_mb=0.02, master_port=0,
                      method="sparse")
     engine.start()
     syncer = WeightSyncer(cfg, model, [engine], device=torch.device("cpu"), is_sender=True, pump=pump,
                           layout=layout_of(engine.model_dir))
+    pump.attach(syncer)
     try:
         syncer.connect()
         shape = weight_dict.ModelShape.from_hf_dir(d)

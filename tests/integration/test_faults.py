@@ -179,21 +179,24 @@ def test_the_sends_of_a_push_abandoned_at_its_deadline_end_before_the_next_snaps
         h.close()
 
 
-def test_a_stopped_engine_with_a_full_pipe_blocks_only_its_joiner(harness_factory):
+def test_a_stopped_engine_with_a_full_pipe_blocks_only_its_sender(harness_factory):
     """Review 4, finding 5: an engine stopped with SIGSTOP reads no pipe; the join message of each retry (~44.5 KB
     for a 70B spec list) piles up until the pipe is full, and the next send blocks. Rejoins sent it while holding
     the link table's lock, so ``deliver_staged``, ``pump`` and ``claim`` on the main thread blocked on that lock
-    and the stuck-engine kill never ran. Now only the joiner thread blocks, holding no lock."""
+    and the stuck-engine kill never ran. Then only the joiner thread blocked, holding no lock; now (GPU review,
+    finding 21) only the engine's sender thread does (``engine/sender.py``): the joiner waits for the rendezvous."""
     h = harness_factory(async_mode=True, timeout_s=2.0)
     syncer, eng = h.syncer, h.engines[0]
     syncer.flush(0)
     os.kill(eng.pid, signal.SIGSTOP)
     try:
         # the pipe fills: a message much larger than its buffer stands in for the join messages piled up
-        filler = threading.Thread(target=eng._send, args=(("pad", bytes(16 << 20)),), daemon=True)
-        filler.start()
-        filler.join(0.5)
-        assert filler.is_alive(), "the stopped engine's pipe took 16 MiB: the test blocks nothing"
+        t0 = time.monotonic()
+        eng._send(("pad", bytes(16 << 20)))
+        eng._send(("pad", b""))  # queued behind it
+        assert time.monotonic() - t0 < 1.0, "a send blocked its caller"
+        time.sleep(0.5)
+        assert eng._sender._queue.qsize() == 1, "the stopped engine's pipe took 16 MiB: the test blocks nothing"
         eng.events.put(EngineError(eng.name, "weight receiver: RuntimeError: test", fatal=False))
         h.pump_until(lambda: h.link.state is LinkState.BROKEN, 5.0, "the link broken")
 
@@ -203,20 +206,20 @@ def test_a_stopped_engine_with_a_full_pipe_blocks_only_its_joiner(harness_factor
         assert done.wait(5.0), "deliver_staged blocked on the stopped engine's pipe"
         took = time.monotonic() - t0
         assert took < 1.0, took
-        assert h.link.state is LinkState.JOINING  # its joiner waits to send the join message
+        assert h.link.state is LinkState.JOINING  # its joiner waits for the engine's side of the rendezvous
         assert any(t.name == f"flux-join-{eng.name}" for t in threading.enumerate())
         assert syncer.table.lock.acquire(timeout=1.0), "the link table's lock is held while a send blocks"
         syncer.table.lock.release()
         t0 = time.monotonic()
-        h.rollouts.pump(0.05)  # the main thread's pump, claim and timeout check go on
+        h.rollouts.pump.pump(0.05)  # the main thread's pump, claim and timeout check go on
         assert syncer.pusher.claim()
         syncer.pusher.release()
         syncer.check_timeouts()
         assert time.monotonic() - t0 < 10.0  # the engine is stopped for good: returning at all is the point
     finally:
         os.kill(eng.pid, signal.SIGKILL)  # a stopped process dies at once; its pipe closes and the sends end
-    # the replacement joins; the old joiner sends into a closed pipe, fails its rendezvous at the deadline, is
-    # superseded and not retried (and no thread is left inside a store wait when the interpreter exits)
+    # the replacement joins; the old joiner fails its rendezvous at the deadline, is superseded and not retried (and
+    # no thread is left inside a store wait when the interpreter exits)
     h.pump_until(lambda: h.restarts == 1 and h.link.state is LinkState.READY and not any(
         t.name.startswith("flux-join-") for t in threading.enumerate()), 10.0, "the replacement joined, joiners ended")
     print(f"\nstopped engine, full pipe: deliver_staged returned in {took * 1e3:.1f} ms")
@@ -251,7 +254,7 @@ def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redisp
     else:  # blocking: bounded by the push deadline, not by the dead engine
         assert dt < timeout + 1.0, dt
 
-    t_dead = h.pump_until(lambda: sched.engine_deaths == 1, 10.0, "the fatal event")
+    t_dead = h.pump_until(lambda: sched.pump.engine_deaths == 1, 10.0, "the fatal event")
     assert syncer.wait_idle(timeout + 2.0)  # the push thread did not hang on the dead engine
     assert h.restarts == 1  # the one engine, ``eng`` (``old_pid``), was restarted
     new = h.engines[0]
@@ -263,7 +266,7 @@ def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redisp
     t0 = time.perf_counter()
     batch = sched.collect(1, trainer_version=1)
     t_collect = time.perf_counter() - t0
-    assert sched.redispatched == 1
+    assert sched.pump.redispatched == 1
     assert set(batch.versions.tolist()) == {1} and batch.dispatch_version == 0
     assert h.link.epoch == 2 and h.link.state is LinkState.READY
     assert_in_sync(h, 1)
@@ -274,7 +277,7 @@ def test_engine_killed_during_push_is_restarted_resynced_and_its_requests_redisp
     h.pump_until(lambda: h.link.acked == 2, 10.0, "v2 on the replacement")
     assert_in_sync(h, 2)
     h.drain(0.5)
-    assert sched.engine_deaths == 1 and h.restarts == 1  # one death, one restart
+    assert sched.pump.engine_deaths == 1 and h.restarts == 1  # one death, one restart
     print(f"\nkill ({'async' if async_mode else 'blocking'}): after_optimizer_step {dt:.3f}s; death delivered "
           f"{t_dead:.2f}s later; re-dispatched request done {t_collect:.2f}s after that")
 

@@ -7,7 +7,7 @@ rollouts are dispatched the staged version is at least ``version - max_version_g
 and before each wait for them every engine that lacks the staged version is sent it (``deliver_staged``).
 
 * component level (default suite): the real ``BatchFeed`` / ``OffPolicyControl`` / ``WeightSyncer`` /
-  ``RolloutScheduler`` over an embedded engine process, with a push held in flight in-process, and with an engine
+  ``Rollouts`` over an embedded engine process, with a push held in flight in-process, and with an engine
   whose push broke;
 * end to end (slow): torchrun with the ``FLUX_FAULT_PUSH_HOLD`` fault hook (``tests/fault_inject``) on 1 and 2
   trainer processes with the embedded engine, and against the SGLang contract server; the real vLLM CPU server's

@@ -10,7 +10,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 from _procs import complete_ckpts
@@ -31,11 +33,13 @@ def chat_model(tmp_path_factory):
     return folder
 
 
-def _run(dump, model, *overrides, timeout=240):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+def _run(dump, model, *overrides, timeout=240, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           **(env_extra or {})}
     return subprocess.run(torchrun_cmd(dump, "--model.hf_assets_path", str(model), "--rollout.environment", ENV,
                                        "--rollout.max_new_tokens", "32", "--training.seq_len", "160",
-                                       "--rollout.max_turns", "3", *overrides),
+                                       "--rollout.max_turns", "3", "--rollout.borrow_idle_engine_cores", "false",
+                                       *overrides),
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -92,6 +96,34 @@ def test_a_failing_environment_stops_the_run_in_one_line_and_checkpoints_the_las
     trained = [r["step"] for r in read_metrics(dump)]
     assert trained and trained == list(range(1, len(trained) + 1)) and len(trained) < 6
     assert complete_ckpts(dump) == [trained[-1]]
+
+
+def test_an_engine_stopped_mid_episode_never_stops_training_and_is_killed_at_its_deadline(tmp_path, chat_model):
+    """GPU review 5, finding 21: turns went to engines from the trainer's block hooks, where a send to a stopped
+    engine (its pipe full) blocked the backward with no bound. Now episodes send their own turns, never blocking:
+    after step 2 a step callback SIGSTOPs the engine mid-episode (async: the next steps' episodes are running); the
+    run goes on to its last step, the engine is killed at ``rollout.engine_stall_seconds`` and restarted, its turns
+    re-dispatched. Mutations: turns left out of the stall kill or the re-dispatch (the run waits forever). That a
+    send to a stopped engine whose pipe is full returns at once: tests/integration/test_engine_submit.py."""
+    import psutil
+
+    record = tmp_path / "callbacks.jsonl"
+    t0 = time.monotonic()
+    p = _run(tmp_path / "run", chat_model, "--training.steps", "5", "--weight_sync.async_weight_update", "true",
+             "--rollout.engine_stall_seconds", "6", "--weight_sync.timeout_seconds", "3",
+             "--metrics.step_callbacks", "_step_callbacks:stop_the_engine_after_step_2", "--eval.every_steps", "0",
+             "--rollout.environment_args", "turns=3", timeout=200, env_extra={"FLUX_TEST_CALLBACKS": str(record)})
+    took = time.monotonic() - t0
+    stopped = [pid for x in record.read_text().splitlines() for pid in json.loads(x).get("stopped", [])]
+    for pid in stopped:  # killed by the run; never leave a stopped process behind
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGCONT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert stopped, "the callback found no engine to stop"
+    assert "declared stuck and stopped" in p.stdout + p.stderr
+    rows = [r for r in read_metrics(tmp_path / "run") if not r.get("eval_only")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["engine_restarts"] >= 1
+    assert took < 180, took
 
 
 @pytest.mark.slow

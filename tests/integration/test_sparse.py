@@ -131,7 +131,7 @@ def test_coalesced_async_pushes_carry_the_union_of_changes(harness_factory):
     for v in range(1, 13):
         nudge(h.model, seed=v, share=0.01)
         syncer.after_optimizer_step(v)
-        h.rollouts.pump(0.001)
+        h.rollouts.pump.pump(0.001)
     syncer.flush(12)
     assert syncer.stats.coalesced >= 1, "no push was coalesced: the test did not test coalescing"
     assert syncer.metrics()["weight_patched_buckets"] > 0

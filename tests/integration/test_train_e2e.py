@@ -136,19 +136,24 @@ def test_streaming_admission_trains_on_fresh_groups_and_resumes_with_what_it_too
     assert summary["checksums_match"] and summary["final_engine_version"] == 12
 
 
-RECORDED = TESTS / "fixtures" / "recorded_losses.json"  # scripts/record_losses.sh, on commit 6ff31e4
+RECORDED = TESTS / "fixtures" / "recorded_losses.json"  # scripts/record_losses.sh (its "commit")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_with_every_streaming_field_off_the_losses_are_the_recorded_runs(tiny_model_dir, tmp_path, mode):
-    """The debug config with the streaming fields at their defaults (off) gives, bit for bit, the losses and rewards
-    the code recorded before in-flight updates, streaming admission, per-token versions and episodes existed
-    (commit 6ff31e4, ``scripts/record_losses.sh``). Mutation: a request's seed one off fails both modes."""
+    """The debug config with the streaming fields at their defaults (off) gives the losses and rewards the code
+    recorded before the rollout side was rebuilt (``scripts/record_losses.sh`` on 421d221, itself equal to the
+    record of 6ff31e4, before in-flight updates, streaming admission and episodes existed, in everything sampled).
+    Rewards and version gaps bit for bit; losses and KL to 1e-6: their last bits depend on the CPU's float kernels
+    (the record of 6ff31e4, made on another machine, differs from this code's and 421d221's by 1e-8 here).
+    Mutation: a request's seed one off fails both modes (the rewards)."""
     recorded = json.loads(RECORDED.read_text())[mode]
     run_train(tmp_path, "--training.steps", str(len(recorded["loss"])), *recorded["args"])
     rows = read_metrics(tmp_path)
-    for key in ("loss", "reward_mean", "behaviour_kl", "version_gap_mean"):
+    for key in ("reward_mean", "version_gap_mean"):
         assert [r[key] for r in rows] == recorded[key], key
+    for key in ("loss", "behaviour_kl"):
+        assert [r[key] for r in rows] == pytest.approx(recorded[key], abs=1e-6, rel=0), key
 
 
 def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):

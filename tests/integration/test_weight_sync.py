@@ -1,5 +1,5 @@
 """Weight sync at component level: a real ``EmbeddedEngine`` child process, a ``WeightSyncer(is_sender=True)`` on
-gloo/loopback and a ``RolloutScheduler`` pumping the events (see ``_sync_harness``). No torchrun.
+gloo/loopback and ``Rollouts`` pumping the events (see ``_sync_harness``). No torchrun.
 
 What "in sync" means everywhere below: the engine's newest complete version has the sha256 of the trainer's
 staging buffer (``EmbeddedEngine.checksum()`` == ``WeightSyncer.staging.checksum()``), and the staging buffer
@@ -181,30 +181,33 @@ def test_push_landing_mid_request_is_swapped_in_only_between_requests(harness_fa
     eng.checksum()
 
     sched.dispatch(1, trainer_version=0)
-    part = sched._steps[1].parts[0]
+    groups = sched.table.of_step(1)  # one request: both groups' rows
+    request = groups[0].request
     perturb(h.model, seed=1, scale=0.5)
     w1 = params_snapshot(h.model)
     syncer.after_optimizer_step(1)  # blocking: returns once the engine acked v1 ...
     assert h.link.acked == 1
-    assert part.result is None  # ... while the request is still running
+    assert all(g.result is None for g in groups)  # ... while the request is still running
     eng.inject_fault("stall_receive", 0.0)
 
     batch = sched.collect(1, trainer_version=1)
-    res = part.result
+    res = groups[0].result
+    tokens = torch.cat([g.result.tokens for g in groups])
     assert res.version == 0 and res.newest_seen == 1  # stamped with the version live at its start
     assert batch.versions.tolist() == [0] * batch.tokens.shape[0]
     assert batch.dispatch_version == 0 and batch.newest_seen == 1
     # one version throughout: bit-identical to generating the whole request with v0
-    ref0 = _reference_tokens(h.engine_weights(w0), h.shape, part.request)
-    assert torch.equal(res.tokens, ref0)
-    assert not torch.equal(_reference_tokens(h.engine_weights(w1), h.shape, part.request), ref0)  # (v1 would differ)
+    ref0 = _reference_tokens(h.engine_weights(w0), h.shape, request)
+    assert torch.equal(tokens, ref0)
+    assert not torch.equal(_reference_tokens(h.engine_weights(w1), h.shape, request), ref0)  # (v1 would differ)
 
     sched.dispatch(2, trainer_version=1)  # the next request runs on v1
-    part2 = sched._steps[2].parts[0]
+    groups2 = sched.table.of_step(2)
     batch2 = sched.collect(2, trainer_version=1)
-    assert part2.result.version == part2.result.newest_seen == 1
+    assert groups2[0].result.version == groups2[0].result.newest_seen == 1
     assert batch2.versions.tolist() == [1] * batch2.tokens.shape[0] and batch2.dispatch_version == 1
-    assert torch.equal(part2.result.tokens, _reference_tokens(h.engine_weights(w1), h.shape, part2.request))
+    assert torch.equal(torch.cat([g.result.tokens for g in groups2]),
+                       _reference_tokens(h.engine_weights(w1), h.shape, groups2[0].request))
     assert_in_sync(h, 1)
     print(f"\natomic swap: request took {res.gen_time_s:.2f}s; push of v1 (blocking, acked, receiver stalled 0.3s) "
           "landed during it")

@@ -2,10 +2,13 @@
 and leave mid-batch, logprobs equal a recomputation on the full sequence, a sequence's tokens do not depend on its
 batch, and weights change only between requests as the admission rule says (with in-flight updates: between decode
 steps, each token recording its version). The engine process around the batcher is a stand-in here
-(``FakeEngine``); tests/integration/test_engine.py runs the real one."""
+(``FakeEngine``, an ``EngineIO`` with the engine's real ``VersionRule``); tests/integration/test_engine.py runs the
+real one."""
 
 from __future__ import annotations
 
+import collections
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -22,8 +25,9 @@ import model_assets as assets  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 
 from torchtitan_flux.engine.base import GenerationRequest  # noqa: E402
-from torchtitan_flux.engine.batcher import ContinuousBatcher, sequence_generator  # noqa: E402
+from torchtitan_flux.engine.batcher import ContinuousBatcher, EngineIO, sequence_generator  # noqa: E402
 from torchtitan_flux.engine.kinds import ENGINE_KINDS  # noqa: E402
+from torchtitan_flux.engine.versions import InFlight, Pinned  # noqa: E402
 from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.models import inference, weight_dict  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
@@ -57,19 +61,15 @@ class FakeReceiver:
         return self.live_version
 
 
-class FakeEngine:
-    """``_EngineProcess``'s face to the batcher: every request is ready; results are collected in order."""
+class FakeEngine(EngineIO):
+    """``_EngineProcess``'s face to the batcher (``EngineIO``): the engine's version rule over ``FakeReceiver``
+    (requests arrive at time 0, so past their wait bound: every request is ready); results are collected in order.
+    ``run()`` needs ``PipedEngine``'s messages."""
 
-    def __init__(self, weights: dict[int, dict], shape):
-        self.receiver, self.shape = FakeReceiver(weights), shape
+    def __init__(self, weights: dict[int, dict], shape, in_flight: bool = False):
+        self.rule, self.receiver, self.shape = InFlight() if in_flight else Pinned(), FakeReceiver(weights), shape
         self.eos_id, self.pad_id, self.stall_s = [assets.EOS_ID], assets.PAD_ID, 0.0
         self.results: list[SimpleNamespace] = []
-
-    def pinned(self, req):
-        return max(req.pin_version, req.min_version) if req.pin_version >= 0 else -1
-
-    def ready(self, req, arrived):
-        return True
 
     def send_result(self, req_id, tokens, logprobs, lengths, version, gen_time_s, token_versions=None):
         self.results.append(SimpleNamespace(req_id=req_id, tokens=tokens, logprobs=logprobs, lengths=lengths,
@@ -84,7 +84,7 @@ def request(req_id: int, prompts, max_new: int, group: int = 2, seed: int = 7, p
 
 def batcher(weights_and_shape, max_sequences: int = 64, versions=(0,), in_flight=False) -> ContinuousBatcher:
     weights, shape = weights_and_shape
-    return ContinuousBatcher(FakeEngine({v: weights for v in versions}, shape), max_sequences, in_flight)
+    return ContinuousBatcher(FakeEngine({v: weights for v in versions}, shape, in_flight), max_sequences)
 
 
 def perturbed(weights: dict, seed: int = 1) -> dict:
@@ -182,47 +182,30 @@ def test_a_full_batch_queues_sequences_until_rows_free(weights_and_shape):
     assert torch.equal(b.engine.results[0].tokens, wide.tokens)
 
 
-class ScriptedPipe:
-    """The control pipe of a stand-in engine for ``ContinuousBatcher.run``: messages queued in order."""
-
-    def __init__(self, *messages):
-        self.messages = list(messages)
-
-    def poll(self):
-        return bool(self.messages)
-
-    def recv(self):
-        return self.messages.pop(0)
-
-
 class PipedEngine(FakeEngine):
-    """``FakeEngine`` with the pipe, wait and message handling ``run()`` uses. A wait that would block (nothing in
-    the pipe, a timeout other than 0) records how many sequences were still admitted, then delivers a shutdown: the
-    real engine would wait there for a message that never comes."""
+    """``FakeEngine`` with the scripted messages ``run()`` serves, in order. A wait that would block (no message
+    left, a timeout other than 0) records how many sequences were still admitted, then serves a shutdown: the real
+    engine would wait there for a message that never comes."""
 
     def __init__(self, weights, shape, *messages):
         super().__init__(weights, shape)
-        self.conn = ScriptedPipe(*messages)
+        self.messages = list(messages)
         self.blocked_with_queued: list[int] = []
         self.batcher: ContinuousBatcher | None = None
 
-    def wait_timeout(self, waiting):
-        return None if not waiting else 0.001
-
-    def wait(self, timeout):
-        if self.conn.poll():
-            return True
-        if timeout == 0.0:
+    def serve_messages(self, waiting, timeout):
+        if not self.messages:
+            if timeout == 0.0:
+                return True
+            self.blocked_with_queued.append(len(self.batcher.queued))
             return False
-        self.blocked_with_queued.append(len(self.batcher.queued))
-        self.conn.messages.append(("shutdown",))
+        while self.messages:
+            msg = self.messages.pop(0)
+            if msg[0] == "shutdown":
+                return False
+            if msg[0] == "generate":
+                waiting.append((msg[1], 0.0))
         return True
-
-    def handle(self, msg, waiting):
-        if msg[0] == "generate":
-            waiting.append((msg[1], 0.0))
-            return True
-        return msg[0] != "shutdown"
 
 
 def test_run_serves_sequences_still_queued_when_every_row_ends_in_the_same_step(weights_and_shape):
@@ -411,6 +394,19 @@ def test_slot_cache_decode_matches_the_padded_batch_path(weights_and_shape):
     for step, t in enumerate(tokens):
         h = inference.decode_rows(model, cache, t[padded_row])
         torch.testing.assert_close(h, expected[step][padded_row], atol=1e-5, rtol=0)
+
+
+def test_each_rule_waits_for_its_own_versions_until_the_wait_bound():
+    """``Pinned`` waits for the pin and ``min_version``, ``InFlight`` for ``min_version`` only; either starts a
+    request on what is held once its wait bound (the join's timeout) passed, and none before the first version."""
+    now = time.monotonic()
+    held = FakeReceiver({1: {}})
+    req = request(1, [[1, 5]], max_new=2, pin=2, min_version=1)
+    pinned, in_flight = Pinned(wait_bound_s=30.0), InFlight(wait_bound_s=30.0)
+    assert not pinned.ready(req, now, held) and in_flight.ready(req, now, held)
+    assert pinned.ready(req, now - 31.0, held) and not pinned.ready(req, now - 31.0, None)
+    assert pinned.wait_timeout(collections.deque([(req, now)])) == pytest.approx(30.001, abs=0.1)
+    assert (pinned.swap_target(req), in_flight.swap_target(req)) == (2, -1)
 
 
 def test_sequence_generators_differ_by_seed_and_index():

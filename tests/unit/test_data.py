@@ -661,7 +661,7 @@ def test_scoring_starts_when_a_steps_results_arrive_not_when_the_trainer_asks():
 
     from test_dispatch import FakeEngine, FakeTokenizer
 
-    from torchtitan_flux.rollout.scheduler import RolloutScheduler
+    from torchtitan_flux.rollout.rollouts import Rollouts
     from torchtitan_flux.data.tasks import Prompt
 
     started = threading.Event()
@@ -674,13 +674,13 @@ def test_scoring_starts_when_a_steps_results_arrive_not_when_the_trainer_asks():
     task = SimpleNamespace(chat=False, reward_funcs=[R.RewardFunc("slow", slow)],
                            prompts=lambda seed, step, n: [Prompt(f"p{step}_{i}") for i in range(n)])
     events: queue.Queue = queue.Queue()
-    sched = RolloutScheduler(
+    sched = Rollouts(
         [FakeEngine("e0", 100.0, events)], events, task, FakeTokenizer(), group_size=2, prompts_per_step=2,
         max_new_tokens=1, temperature=1.0, top_k=0, seed=0, pad_id=0,
     )
     sched.dispatch(1, 0)
     t0 = time.perf_counter()
-    sched.pump(10.0)  # the step's only result arrives: scoring is handed to the pool, pump returns at once
+    sched.pump.pump(10.0)  # the step's only result arrives: scoring is handed to the pool, pump returns at once
     assert time.perf_counter() - t0 < 5.0 and started.wait(5.0)  # not after 10 s (bounds hold under load)
     batch = sched.collect(1, 0)
     assert batch.rewards.tolist() == [1.0] * 4 and batch.reward_metrics["rewards/slow/mean"] == 1.0

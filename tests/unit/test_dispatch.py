@@ -1,7 +1,7 @@
-"""``RolloutScheduler`` dispatch: prompts split in proportion to the EMA of measured engine speed, with a dead
+"""``Rollouts`` dispatch (``rollout/dispatch.py``, ``split.py``): prompts split in proportion to the EMA of measured engine speed, with a dead
 zone against jitter (``rollout.dispatch_dead_zone``) and an imbalance cap (``rollout.dispatch_max_share``).
 
-Fake engines only (``fakes.engines``, no processes): each answers a request at once, through the scheduler's event
+Fake engines only (``fakes.engines``, no processes): each answers a request at once, through the engines' event
 queue, with a ``gen_time_s`` that corresponds to its configured rate (completions/s), optionally jittered."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fakes.stub_tokenizers import FakeTokenizer
 
 from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.engine.base import EngineError
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.rollout.rollouts import Rollouts
 
 G = 4
 
@@ -23,7 +23,7 @@ G = 4
 def make(rates, *, prompts=16, dead_zone=0.1, max_share=0.75, jitter=0.0):
     events: queue.Queue = queue.Queue()
     engines = [FakeEngine(f"e{i}", r, events, jitter=jitter, seed=i) for i, r in enumerate(rates)]
-    sched = RolloutScheduler(
+    sched = Rollouts(
         engines, events, FakeTask(), FakeTokenizer(), group_size=G, prompts_per_step=prompts, max_new_tokens=1,
         temperature=1.0, top_k=0, seed=0, pad_id=0, dead_zone=dead_zone, max_share=max_share,
     )
@@ -34,8 +34,8 @@ def step(sched, engines, k: int) -> list[int]:
     """Dispatch step ``k``, let every result arrive; prompts each engine got for it."""
     before = [sum(e.received) for e in engines]
     sched.dispatch(k, 0)
-    while not sched.events.empty():
-        sched.pump(0)
+    while sched.pump.has_events():
+        sched.pump.pump(0)
     sched.discard(k)
     return [sum(e.received) - b for e, b in zip(engines, before)]
 
@@ -46,7 +46,7 @@ def test_split_is_proportional_to_measured_speed():
     for k in range(2, 40):
         counts = step(sched, engines, k)
     assert counts == [10, 20, 10]
-    assert abs(sched.split.speed["e1"] / sched.split.speed["e0"] - 2.0) < 1e-3
+    assert abs(sched.pump.split.speed["e1"] / sched.pump.split.speed["e0"] - 2.0) < 1e-3
     # with the default dead zone the split settles within it of the proportional one
     sched, engines = make([10.0, 20.0, 10.0], prompts=40)
     for k in range(1, 40):
@@ -92,7 +92,7 @@ def test_cap_holds_with_a_10x_faster_engine():
     splits = [step(sched, engines, k) for k in range(1, 30)]
     assert all(s[0] <= 12 for s in splits)  # never above 0.75 * 16
     assert splits[-1] == [12, 4]
-    assert abs(sched.split.speed["e0"] / sched.split.speed["e1"] - 10.0) < 0.1  # the speed is measured, only the split capped
+    assert abs(sched.pump.split.speed["e0"] / sched.pump.split.speed["e1"] - 10.0) < 0.1  # the speed is measured, only the split capped
     # three engines: the fast one is capped, the excess is spread over the others by speed
     # (100 / 140 = 0.71 of the speed; cap 0.6: e0 gets 0.6, the other 0.4 splits 1:3)
     sched, engines = make([100.0, 10.0, 30.0], prompts=32, dead_zone=0.0, max_share=0.6)
@@ -129,15 +129,15 @@ def test_engine_dying_with_work_in_flight():
     engines[2].answer = False
     sched.dispatch(1, 0)
     assert [sum(e.received) for e in engines] == [4, 4, 4]
-    while not sched.events.empty():
-        sched.pump(0)
+    while sched.pump.has_events():
+        sched.pump.pump(0)
     engines[2].is_alive = False
-    sched.events.put(EngineError("e2", "server gone", fatal=True))
-    sched.pump(0)  # the scheduler alone drops a dead engine: e2 goes and its 4 prompts are re-dispatched to the others
-    assert [e.name for e in sched.engines] == ["e0", "e1"] and sched.redispatched == 1
-    while not sched.events.empty():
-        sched.pump(0)
-    assert all(p.result is not None for p in sched._steps[1].parts)
+    engines[2].events.put(EngineError("e2", "server gone", fatal=True))
+    sched.pump.pump(0)  # the scheduler alone drops a dead engine: e2 goes and its 4 prompts are re-dispatched to the others
+    assert [e.name for e in sched.engines] == ["e0", "e1"] and sched.pump.redispatched == 1
+    while sched.pump.has_events():
+        sched.pump.pump(0)
+    assert all(g.result is not None for g in sched.table.of_step(1))
     sched.discard(1)
     before = [sum(e.received) for e in engines[:2]]
     sched.dispatch(2, 0)
@@ -156,11 +156,11 @@ def test_checkpoint_state_when_the_last_engine_dies_with_work_in_flight():
     engines[0].answer = False
     sched.dispatch(2, 0)  # in flight when the engine dies
     engines[0].is_alive = False
-    sched.events.put(EngineError("e0", "server gone", fatal=True))
+    engines[0].events.put(EngineError("e0", "server gone", fatal=True))
     t0 = time.monotonic()
     state = sched.state_dict(timeout=30.0)
     assert time.monotonic() - t0 < 5.0
-    assert [s["step"] for s in state["steps"]] == [1]  # step 2 is generated afresh on resume
+    assert {g[0] for g in state["groups"]["finished"]} == {1}  # step 2 is generated afresh on resume
 
 
 def test_a_stuck_engine_is_reported_every_wait_note_while_collect_waits(monkeypatch, caplog):
@@ -168,13 +168,13 @@ def test_a_stuck_engine_is_reported_every_wait_note_while_collect_waits(monkeypa
     import threading
     import time
 
-    from torchtitan_flux.rollout import scheduler as rollout
+    from torchtitan_flux.rollout import pump as rollout
 
     monkeypatch.setattr(rollout, "WAIT_NOTE_S", 0.2)
     sched, (fast, stuck) = make([1.0, 1.0], prompts=4)
     stuck.answer = False
     sched.dispatch(3, 0, pin_version=2)
-    stuck_req = next(p.request for p in sched._by_req.values() if p.engine is stuck)
+    stuck_req = next(f.request for f in sched.pump.in_flight() if f.engine is stuck)
 
     def answer_late():  # the stuck engine answers after ~3 notes, so collect returns
         time.sleep(0.7)
@@ -215,13 +215,13 @@ def test_a_prompt_budget_sets_its_requests_max_new_tokens_and_one_over_the_confi
     def scheduler(budgets, engines=1):
         events: queue.Queue = queue.Queue()
         fakes = [FakeEngine(f"e{i}", 10.0, events) for i in range(engines)]
-        return RolloutScheduler(fakes, events, Budgets(budgets), FakeTokenizer(), group_size=G, prompts_per_step=4,
+        return Rollouts(fakes, events, Budgets(budgets), FakeTokenizer(), group_size=G, prompts_per_step=4,
                                 max_new_tokens=32, temperature=1.0, top_k=0, seed=0, pad_id=0)
 
     def requests(budgets, engines=1):
         sched = scheduler(budgets, engines)
         sched.dispatch(1, 0)
-        return sorted(p.request.max_new_tokens for p in sched._steps[1].parts)
+        return sorted({id(g.request): g.request.max_new_tokens for g in sched.table.of_step(1)}.values())
 
     assert requests([0]) == [32]  # no budget: the config's
     assert requests([8]) == [8]
@@ -242,7 +242,7 @@ def test_reconnects_to_a_dying_server_are_capped_like_restarts(caplog):
     next push; reconnects were not counted against ``rollout.max_engine_restarts``, so that looped forever."""
     from types import SimpleNamespace
 
-    from torchtitan_flux.rollout.rollouts import Rollouts
+    from torchtitan_flux.rollout.engines import EngineFleet
 
     class Server:
         reconnects = True
@@ -256,14 +256,12 @@ def test_reconnects_to_a_dying_server_are_capped_like_restarts(caplog):
         def reconnect(self):
             return Server()
 
-    replaced = []
-    rollouts = SimpleNamespace(stops=SimpleNamespace(signal=None), engines=[Server()], _restart_times={}, restarts=0,
-                               job_config=SimpleNamespace(rollout=SimpleNamespace(max_engine_restarts=3)),
-                               syncer=SimpleNamespace(replace_engine=lambda old, new: replaced.append(new)))
+    fleet = SimpleNamespace(stops=SimpleNamespace(signal=None), _restart_times={}, restarts=0,
+                            job_config=SimpleNamespace(rollout=SimpleNamespace(max_engine_restarts=3)))
+    engine = Server()
     for _ in range(3):
-        new = Rollouts._replace(rollouts, rollouts.engines[0])
-        assert new is not None
-        rollouts.engines[0] = new
+        engine = EngineFleet.replace(fleet, engine, 0)
+        assert engine is not None
     with caplog.at_level("ERROR", logger="torchtitan_flux"):
-        assert Rollouts._replace(rollouts, rollouts.engines[0]) is None
-    assert len(replaced) == 3 and "not reconnected again" in caplog.text
+        assert EngineFleet.replace(fleet, engine, 0) is None
+    assert fleet.restarts == 3 and "not reconnected again" in caplog.text

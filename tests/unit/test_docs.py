@@ -29,6 +29,37 @@ def test_every_config_field_has_a_docstring():
     assert not missing, missing
 
 
+def test_every_rollout_field_is_in_exactly_one_group_under_its_heading():
+    """``Rollout``'s fields are grouped by job (``# -- Title: description`` lines in config.py): every field is in
+    exactly one group, and docs/configuration.md's ``[rollout]`` section has each group's heading with exactly its
+    fields' rows under it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import dataclasses
+    import re
+
+    import gen_config_docs
+
+    from torchtitan_flux import config
+
+    groups = gen_config_docs.field_groups()["Rollout"]
+    titles = [t for t, _, _ in groups]
+    assert len(groups) >= 2 and len(set(titles)) == len(titles), titles
+    assert all(desc and names for _, desc, names in groups), groups
+    grouped = [n for _, _, names in groups for n in names]
+    fields = [f.name for f in dataclasses.fields(config.Rollout)]
+    ungrouped = sorted(set(fields) - set(grouped))
+    twice = sorted({n for n in grouped if grouped.count(n) > 1})
+    assert not ungrouped and not twice and len(grouped) == len(fields), (ungrouped, twice)
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text.split("\n## `[rollout]`\n", 1)[1].split("\n## ", 1)[0]
+    parts = re.split(r"^### (.+)$", section, flags=re.M)  # [preamble, title, body, title, body, ...]
+    assert parts[1::2] == titles, parts[1::2]
+    for (title, desc, names), body in zip(groups, parts[2::2]):
+        assert desc[:1].upper() + desc[1:] in body, title
+        assert re.findall(r"^\| `(\w+)` \|", body, re.M) == names, title
+
+
 def test_every_test_the_docs_name_exists():
     """README.md, CHANGELOG.md and docs/*.md back their claims with ``tests/<unit|integration>/test_x.py::test_y``
     references: each must name a test that exists (a renamed or removed test would leave a claim unbacked)."""

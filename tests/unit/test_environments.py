@@ -1,5 +1,5 @@
 """Environments in torchtitan 0.3.0's shape (``data/environments.py``) and the episode runner
-(``rollout/episodes.py``): loading by path, a raising / hanging / malformed environment as one line naming it,
+(``rollout/episode.py``): loading by path, a raising / hanging / malformed environment as one line naming it,
 tokens kept as generated across turns, the loss mask, the limits, and the two example environments."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fakes.chatml_tokenizer import IM_END  # <|im_end|>, the EOS, as in SmolLM2
 from torchtitan_flux.data.environments import (MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput, ParsedToolCall,
                                                ToolCallParseStatus, load_environment)
 from torchtitan_flux.errors import ConfigError, UserCodeError
-from torchtitan_flux.rollout.episodes import ChatFormat, EpisodeEnd, EpisodeLimits, run_episode
+from torchtitan_flux.rollout.episode import ChatFormat, EpisodeEnd, EpisodeLimits, run_episode
 
 FIELD, TIMEOUT_FIELD = "rollout.environment", "rollout.env_timeout_seconds"
 QUESTION = {"question": "What is 23 * 47 + 18 * 9?", "answer": "1243"}

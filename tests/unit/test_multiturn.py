@@ -1,15 +1,16 @@
-"""Multi-turn episodes in the rollout scheduler (``rollout.environment``; ``rollout/multiturn.py``): a group is G
-episodes of one record, each turn one request sent by the main thread; the finished group is one part whose
-environment tokens are out of the loss; the environment's failures stop the wait in one line.
+"""Multi-turn groups on the rollout side (``rollout.environment``; ``rollout/episode_groups.py``): a group is G
+episodes of one record, each turn one request the episodes' thread sends itself (through ``EnginePump.send_turn``,
+answered through the pump's router: no main-thread pump needed); the finished group's environment tokens are out of
+the loss; the environment's failures stop the wait in one line.
 
-A ChatML tokenizer in SmolLM2's layout (tests/fakes/chatml_tokenizer.py), engines without processes that answer each turn with
-scripted text: the scheduler, the episodes' thread and the environments' threads are the real ones."""
+A ChatML tokenizer in SmolLM2's layout (tests/fakes/chatml_tokenizer.py), engines without processes that answer each
+turn with scripted text: ``Rollouts``, the pump's router, the episodes' thread and the environments' threads are the
+real ones."""
 
 from __future__ import annotations
 
 import queue
 import sys
-import threading
 import time
 import types
 from dataclasses import dataclass
@@ -26,9 +27,11 @@ from torchtitan_flux.data.tasks import Prompt
 from torchtitan_flux.engine.base import EngineError, GenerationResult
 from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.rl.loss import group_advantages, grpo_loss, token_logprobs
-from torchtitan_flux.rollout.episodes import ChatFormat, EpisodeLimits
-from torchtitan_flux.rollout.multiturn import EpisodeGroups
-from torchtitan_flux.rollout.scheduler import DEATH_NOTICE_S, RolloutScheduler
+from torchtitan_flux.rollout.episode import ChatFormat, EpisodeLimits
+from torchtitan_flux.rollout.episode_groups import EpisodeGroups
+from torchtitan_flux.rollout.groups import GroupState
+from torchtitan_flux.rollout.pump import DEATH_NOTICE_S
+from torchtitan_flux.rollout.rollouts import Rollouts
 
 G, P = 2, 2
 
@@ -115,13 +118,13 @@ def make(tok, monkeypatch, *, turns=2, fault="", streaming=False, timeout_s=10.0
                                 [f"turns={turns}", f'fault="{fault}"'], "rollout.environment_args")
     events: queue.Queue = queue.Queue()
     chat = ChatFormat.from_model_dir(str(tok.model_dir), tok)
-    groups = EpisodeGroups(env, chat, EpisodeLimits(max_turns=4, max_new_tokens=32, max_total_tokens=256), events,
-                           max_in_flight)
+    limits = EpisodeLimits(max_turns=4, max_new_tokens=32, max_total_tokens=256)
     task = RecordTask()
     task.reward_funcs = [*(reward_funcs or []), RewardFunc(ENV_REWARD_NAME, environment_reward)]
     eng = [ScriptEngine(f"e{k}", events, tok, hold=k in hold) for k in range(engines)]
-    sched = RolloutScheduler(eng, events, task, tok, group_size=G, prompts_per_step=P, max_new_tokens=32,
-                             temperature=1.0, top_k=0, seed=0, pad_id=0, streaming=streaming, episodes=groups)
+    sched = Rollouts(eng, events, task, tok, group_size=G, prompts_per_step=P, max_new_tokens=32, temperature=1.0,
+                     top_k=0, seed=0, pad_id=0, streaming=streaming,
+                     episodes=lambda raw, sender: EpisodeGroups(env, chat, limits, raw, max_in_flight, sender))
     return sched, eng
 
 
@@ -161,7 +164,7 @@ def test_an_episode_keeps_earlier_turns_tokens_and_only_the_models_tokens_are_in
     assert batch.num_completion_tokens == sum(len(g) for _, g in turns)
     assert [e["end"] for e in batch.episodes] == ["done"] * (P * G) and batch.episodes[0]["turns"] == 3
     if streaming:  # the generated length counts the model's tokens only
-        assert sched.generated["generated_completion_len_mean"] == batch.num_completion_tokens / (P * G)
+        assert sched.policy.generated["generated_completion_len_mean"] == batch.num_completion_tokens / (P * G)
     assert batch.episodes[0]["messages"][1] == {"role": "user", "content": "again 1"}
 
 
@@ -226,7 +229,7 @@ def test_a_failing_environment_stops_the_wait_in_one_line_naming_it(tok, monkeyp
         sched.dispatch(1, 0)
         deadline = time.monotonic() + 10
         while sched.episode_failure is None and time.monotonic() < deadline:
-            sched.pump(0.05)  # pumping (as a checkpoint's wait does) keeps the failure, raises nothing
+            sched.pump.pump(0.05)  # pumping (as a checkpoint's wait does) keeps the failure, raises nothing
         with pytest.raises(UserCodeError) as err:
             sched.collect(1, 0)
     finally:
@@ -242,61 +245,57 @@ def test_a_turn_on_an_engine_that_dies_is_redispatched(tok, monkeypatch):
         sched.dispatch(1, 0)
         deadline = time.monotonic() + 10
         while not dying.held and time.monotonic() < deadline:
-            sched.pump(0.05)
+            sched.pump.pump(0.05)
         assert dying.held
         dying.is_alive = False
-        sched.events.put(EngineError(dying.name, "killed", fatal=True))
+        dying.events.put(EngineError(dying.name, "killed", fatal=True))
         batch = sched.collect(1, 0)
     finally:
         sched.drain(0)
-    assert sched.redispatched >= 1 and batch.tokens.shape[0] == P * G
+    assert sched.pump.redispatched >= 1 and batch.tokens.shape[0] == P * G
     assert {r.seed for r in dying.held} <= {r.seed for r in healthy.requests}  # the same turns, generated there
 
 
-def test_relaying_turns_runs_episodes_while_nobody_pumps_and_keeps_other_events_for_pump(tok, monkeypatch):
-    """What the trainer calls between transformer blocks while a step trains: every turn of every episode is sent
-    and answered without a ``pump``; the groups' ends and every other event wait, in order, for ``pump``.
-    Mutations: relay handling every event (a group would be scored mid-training: the order check), or none (the
-    episodes would stall at their first turn)."""
+def test_episodes_run_their_turns_while_nobody_pumps_and_groups_wait_for_pump(tok, monkeypatch):
+    """What goes on while a step trains (the main thread computes, nobody pumps): every turn of every episode is
+    sent by the episodes' thread and answered through the router, with no ``pump``; the groups' ends and every other
+    event wait, in order, for ``pump``. Mutations: turns' results routed to the main queue (the episodes would stall
+    at their first turn), or groups finished by the router (a group scored while the trainer computes: the state
+    check)."""
     sched, (engine,) = make(tok, monkeypatch, turns=3)
-    handled: list = []
-    handle = sched._handle
-    monkeypatch.setattr(sched, "_handle", lambda ev: (handled.append(type(ev).__name__), handle(ev)))
     try:
-        sched.events.put(EngineError(engine.name, "a note", fatal=False))
+        engine.events.put(EngineError(engine.name, "a note", fatal=False))
         sched.dispatch(1, 0)
         deadline = time.monotonic() + 10
         while len(engine.requests) < P * G * 3 and time.monotonic() < deadline:
-            sched.relay_turns()
-            time.sleep(0.001)
+            time.sleep(0.01)
         assert len(engine.requests) == P * G * 3  # three turns of each episode, with no pump
-        time.sleep(0.2)  # the groups' ends reach the queue
-        sched.relay_turns()
-        assert set(handled) == {"GenerationResult"} and sched.has_events()  # turns' results; the turns are sent
-        handled.clear()
+        deadline = time.monotonic() + 10
+        while sched.pump.events.qsize() < 1 + P and time.monotonic() < deadline:
+            time.sleep(0.01)  # the groups' ends reach the main queue
+        assert [type(ev).__name__ for ev in list(sched.pump.events.queue)] == ["EngineError"] + ["GroupEnded"] * P
+        assert all(g.state is GroupState.RUNNING for g in sched.table.of_step(1))  # nothing finished without pump
         batch = sched.collect(1, 0)
     finally:
         sched.drain(0)
-    assert handled[:1 + P] == ["EngineError"] + ["GroupEnded"] * P
     assert batch.tokens.shape[0] == P * G and len(engine.requests) == P * G * 3  # nothing generated again
 
 
-def test_a_turn_is_not_relayed_while_no_engine_is_alive(tok, monkeypatch):
-    """Sending it would wait (up to DEATH_NOTICE_S, pumping every event) for a restart inside a transformer block;
-    the turn waits for ``pump`` instead. Mutation: no aliveness check (relay blocks, then raises NoEngineLeft)."""
+def test_a_turn_sent_while_no_engine_is_alive_is_parked_until_pump_sees_one(tok, monkeypatch):
+    """The episodes' thread never waits for a restart: a turn with no engine alive is parked, and sent by ``pump``
+    once one is. Mutation: no aliveness check (the turn would go to the dead engine and the episode wait forever)."""
     sched, (engine,) = make(tok, monkeypatch)
     try:
-        sched.dispatch(1, 0)
         engine.is_alive = False
+        sched.dispatch(1, 0)
         deadline = time.monotonic() + 10
-        while not sched.has_events() and time.monotonic() < deadline:
-            time.sleep(0.01)  # the episodes' first turns reach the queue
-        t0 = time.monotonic()
-        sched.relay_turns()
-        assert time.monotonic() - t0 < DEATH_NOTICE_S / 2  # not the wait for a restart (a bound load cannot reach)
-        assert engine.requests == [] and sched.has_events()
+        while len(sched.pump._parked) < P * G and time.monotonic() < deadline:
+            time.sleep(0.01)  # every episode's first turn, parked
+        assert engine.requests == [] and len(sched.pump._parked) == P * G
         engine.is_alive = True  # a restart, as pump would see it
+        t0 = time.monotonic()
         batch = sched.collect(1, 0)
+        assert time.monotonic() - t0 < DEATH_NOTICE_S / 2
     finally:
         sched.drain(0)
     assert batch.tokens.shape[0] == P * G
@@ -309,7 +308,7 @@ def test_episodes_in_flight_are_capped(tok, monkeypatch):
         sched.dispatch(1, 0)
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            sched.pump(0.05)
+            sched.pump.pump(0.05)
         assert len(engine.held) == 1
     finally:
         sched.drain(0)
@@ -368,8 +367,8 @@ def test_a_checkpoint_keeps_finished_groups_with_their_episodes(tok, monkeypatch
     try:
         sched.dispatch(1, 0)
         deadline = time.monotonic() + 10
-        while sched._groups and time.monotonic() < deadline:
-            sched.pump(0.05)
+        while sched.table.in_state(GroupState.RUNNING) and time.monotonic() < deadline:
+            sched.pump.pump(0.05)
         state = sched.state_dict(timeout=5.0)
         expected = sched.collect(1, 0)
     finally:

@@ -1,4 +1,4 @@
-"""Streaming admission (``rollout.streaming_admission``) in ``RolloutScheduler``: a step trains on the first groups
+"""Streaming admission (``rollout.streaming_admission``) in ``Rollouts`` (``rollout/collect.py``): a step trains on the first groups
 to finish among all those in flight, fresh enough by their oldest token; stale groups are regenerated, unfinished
 ones carried over or restarted, and a checkpoint keeps what was taken.
 
@@ -18,7 +18,7 @@ from torchtitan_flux.data.rewards import RewardFunc
 from torchtitan_flux.data.tasks import Prompt
 from torchtitan_flux.rollout.batch import layout_batch
 from torchtitan_flux.errors import RolloutWaitInterrupted
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.rollout.rollouts import Rollouts
 
 G, P, T = 2, 4, 8
 
@@ -34,18 +34,18 @@ class LengthTask:
         return [Prompt(f"p{step}_{i}") for i in range(n)]
 
 
-def make(carry_over: bool = True) -> tuple[RolloutScheduler, HeldEngine]:
+def make(carry_over: bool = True) -> tuple[Rollouts, HeldEngine]:
     events: queue.Queue = queue.Queue()
     engine = HeldEngine("e0", events)
-    sched = RolloutScheduler([engine], events, LengthTask(), FakeTokenizer(), group_size=G, prompts_per_step=P,
+    sched = Rollouts([engine], events, LengthTask(), FakeTokenizer(), group_size=G, prompts_per_step=P,
                              max_new_tokens=T, temperature=1.0, top_k=0, seed=0, pad_id=0, streaming=True,
                              carry_over=carry_over)
     return sched, engine
 
 
-def drain(sched: RolloutScheduler) -> None:
-    while not sched.events.empty():
-        sched.pump(0)
+def drain(sched: Rollouts) -> None:
+    while sched.pump.has_events():
+        sched.pump.pump(0)
 
 
 def prompts_of(batch) -> list[str]:
@@ -62,14 +62,14 @@ def test_a_step_takes_the_first_groups_to_finish_among_every_step_in_flight():
         engine.finish(engine.held_for(step, i), length)
     batch = sched.collect(1, 0)
     assert prompts_of(batch) == ["p1_0", "p1_3", "p2_0", "p2_1"]  # ordered by (step, prompt) in the batch
-    assert sched.generated == {"generated_completion_len_mean": 2.5, "generated_reward_mean": 2.5}
+    assert sched.policy.generated == {"generated_completion_len_mean": 2.5, "generated_reward_mean": 2.5}
     assert batch.rewards.tolist() == [4.0, 4.0, 2.0, 2.0, 1.0, 1.0, 3.0, 3.0]  # each group's own scores
     assert batch.loss_mask.sum().item() == G * (4 + 2 + 1 + 3)
     # step 2 trains on what is left, and nothing is dispatched twice
     for step, i in [(1, 1), (2, 3), (1, 2), (2, 2)]:
         engine.finish(engine.held_for(step, i), 5)
     batch = sched.collect(2, 1)
-    assert sched.generated["generated_completion_len_mean"] == 5.0
+    assert sched.policy.generated["generated_completion_len_mean"] == 5.0
     assert sorted(prompts_of(batch)) == ["p1_1", "p1_2", "p2_2", "p2_3"]
     assert len(engine.requests) == 2 * P and not engine.held
 
@@ -87,7 +87,7 @@ def test_a_group_staler_than_the_bound_by_its_oldest_token_is_regenerated_not_tr
         sched.collect(1, 1, pin_version=1, min_version=1)
     sched.interrupted = False
     again = engine.held_for(1, P - 1)
-    assert again.min_version == 1 and again.pin_version == 1 and sched.stale_samples == G
+    assert again.min_version == 1 and again.pin_version == 1 and sched.policy.stale_samples == G
     engine.finish(again, 2, version=1)
     batch = sched.collect(1, 1, pin_version=1, min_version=1)  # the interrupted wait lost none of the three
     assert prompts_of(batch) == [f"p1_{i}" for i in range(P)] and batch.versions.min().item() == 1
@@ -122,9 +122,9 @@ def test_without_carry_over_a_steps_unfinished_groups_restart_and_with_it_they_s
         now = {(r.step, r.seed % 131): r.req_id for r in engine.held.values()}
         restarted = {k for k in now if now[k] != first[k]}
         if carry_over:
-            assert not restarted and sched.restarted_groups == 0
+            assert not restarted and sched.policy.restarted_groups == 0
         else:  # step 1's own unfinished groups start afresh; step 2's stay
-            assert restarted == {(1, 2), (1, 3)} and sched.restarted_groups == 2
+            assert restarted == {(1, 2), (1, 3)} and sched.policy.restarted_groups == 2
 
 
 def test_a_checkpoint_keeps_the_taken_prompts_and_the_finished_groups_not_trained_yet():

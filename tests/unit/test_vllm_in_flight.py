@@ -31,7 +31,7 @@ def fake(tiny_model_dir):
 @pytest.fixture
 def handler(fake, tiny_model_dir):
     """``make(in_flight)``: a started, joined handler of ``fake`` built as a run builds it, and its events."""
-    from torchtitan_flux.rollout.rollouts import Rollouts
+    from torchtitan_flux.rollout.engines import EngineFleet
 
     made = []
 
@@ -40,7 +40,7 @@ def handler(fake, tiny_model_dir):
                              weight_sync=SimpleNamespace(auth_token_env="FLUX_TEST_UNSET_TOKEN", verify_every=0),
                              training=SimpleNamespace(steps=4), model=SimpleNamespace(hf_assets_path=tiny_model_dir))
         rollouts = SimpleNamespace(job_config=jc, trainer_on_gpu=False, _urls=[fake.url], events=queue.Queue())
-        h = Rollouts._new_engine(rollouts, 0)
+        h = EngineFleet._new_engine(rollouts, 0)
         made.append(h)
         specs = [transport.TensorSpec("model.norm.weight", (4,), "float32")]
         h.join_weight_group(WeightGroupInfo("127.0.0.1", 1, "flux_ws/vllm0/1", "gloo", 10.0, specs, 2**20))

@@ -50,7 +50,7 @@ class GenerationResult:
     # pushes mid-generation and knows (``rollout.in_flight_weight_updates``, embedded); None: every token ``version``
     token_versions: torch.Tensor | None = None
     # [n * G, max_new_tokens] bool: which tokens the model generated, where others are interleaved (a multi-turn
-    # episode's environment replies and chat scaffolding, ``rollout/episodes.py``: logprobs 0 and version -1 there);
+    # episode's environment replies and chat scaffolding, ``rollout/episode.py``: logprobs 0 and version -1 there);
     # only those are in the loss (``rollout.batch.layout_batch``). None: every token up to ``lengths`` is the model's
     model_mask: torch.Tensor | None = None
 
@@ -118,7 +118,9 @@ class EngineHandler(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a generation request; never blocks on the engine."""
+        """Queue a generation request. Thread-safe (the main thread and the episodes thread call it concurrently);
+        never blocks on the engine, even one that stopped reading: its result, or the engine's fatal
+        ``EngineError``, arrives as an event."""
 
     @abc.abstractmethod
     def join_weight_group(self, info: WeightGroupInfo) -> None:

@@ -7,27 +7,10 @@ decode steps the loop reads the control pipe without blocking, so requests, join
 while a batch decodes. At most ``max_sequences`` sequences decode at once (the rows of the ``SlotCache``); the
 others of an admitted request queue in order and take the rows the finished ones free.
 
-Weights, ``rollout.in_flight_weight_updates`` off (the embedded engine's invariant: a request runs on exactly one
-version, its ``pin_version``): requests are admitted in arrival order, each once the engine holds its versions
-(``_EngineProcess.ready``). With nothing in flight, an admitted request makes its pinned version live
-(``WeightReceiver.swap``, as the serial engine does). With requests in flight, a request joins only if it would run
-on the live version anyway (its pin is not newer than the live version, or no newer version has arrived); else it,
-and every request behind it, waits until the running batch has drained, and then swaps. So versions change only
-between decode steps with nothing running, and every sequence of a request decodes on the version its result
-reports.
-
-Weights, ``in_flight_weight_updates`` on (a token runs on the newest version held when it is sampled): a request is
-admitted once the engine holds its ``min_version`` (its pin is ignored beyond that), without waiting for the running
-batch to drain; with nothing in flight it makes the newest version live. Right after a step's tokens are sampled,
-if a newer complete version has arrived, ``swap(-1)`` makes it live and the model is rebuilt from its views; the
-rows go on from their KV cache as it is (written by the older versions, not recomputed: docs/architecture.md says
-why), and the next decode step, prefills included, runs on the new version. A newcomer is prefilled on the live
-version, so one whose ``min_version`` is newer than the live one (but held) waits one decode step, for that swap.
-Each token records the live version it was sampled on (``GenerationResult.token_versions``; non-decreasing along a
-sequence), and the result's ``version`` is its oldest token's. Which token a push lands at depends on timing, so
-such runs are not reproducible. The swap frees the old live buffer to the receiver thread while no kernel reads it
-any more: the step's ``tolist()`` waited for every kernel queued before it on the engine's stream (all those that
-read the old buffer), and nothing reads it after the swap.
+Weights: the engine's ``versions.VersionRule`` (``engine/versions.py`` states both rules) says when a waiting
+request is admitted (in arrival order: the head is ready, and may join what is in flight), which version a swap makes
+live when nothing is in flight, and whether a newer one goes live between two decode steps, under the running rows
+(``rollout.in_flight_weight_updates``: each token then records the version it was sampled on).
 
 Sampling: each sequence draws from its own CPU ``torch.Generator``, seeded from the request's seed and the
 sequence's index, so its tokens do not depend on which sequences share its batch or on its row. What is
@@ -46,13 +29,18 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_flux.engine.base import GenerationRequest
+from torchtitan_flux.engine.versions import VersionRule
 from torchtitan_flux.models import inference
+
+if TYPE_CHECKING:
+    from torchtitan_flux.models.weight_dict import ModelShape
+    from torchtitan_flux.wire.transport import WeightReceiver
 
 _SEED_STRIDE = 1_000_003  # sequence seeds: request seed * stride + index (distinct for indices below the stride)
 
@@ -60,6 +48,37 @@ _SEED_STRIDE = 1_000_003  # sequence seeds: request seed * stride + index (disti
 def sequence_generator(seed: int, index: int) -> torch.Generator:
     """The CPU generator of sequence ``index`` of a request seeded ``seed``."""
     return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
+
+
+class EngineIO(Protocol):
+    """What the batcher uses of its engine process (``embedded._EngineProcess``, which imports this module lazily;
+    a stand-in in tests/unit/test_continuous_batching.py). Everything runs on the engine's main thread."""
+
+    rule: VersionRule
+    """Which version each request runs on (``engine/versions.py``)."""
+
+    receiver: WeightReceiver | None
+    """The versions held (None before the first join); the batcher swaps the live one where ``rule`` says."""
+
+    shape: ModelShape
+    """The model's shape (``inference.Model.of`` a version's views)."""
+
+    eos_id: list[int]
+    """Stop token ids."""
+
+    pad_id: int
+    """Written after a sequence's end (as the serial engine does)."""
+
+    stall_s: float
+    """Fault injection: seconds to sleep before admitting each request."""
+
+    def serve_messages(self, waiting: collections.deque, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for a message or a landed push, then serve every message already in the control
+        pipe (a request joins ``waiting`` with its arrival time); False on shutdown or a closed pipe."""
+
+    def send_result(self, req_id: int, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor,
+                    version: int, gen_time_s: float, token_versions: torch.Tensor | None = None) -> None:
+        """A request's result (CPU tensors) to the trainer."""
 
 
 @dataclass
@@ -70,8 +89,8 @@ class _Request:
     """The request as the trainer sent it."""
 
     version: int
-    """The live version when it was admitted: every one of its tokens is generated on it, unless
-    ``in_flight_weight_updates`` (then its result reports its oldest token's version)."""
+    """The live version when it was admitted: every one of its tokens is generated on it, unless the rule swaps
+    between steps (``VersionRule.per_token_versions``: then its result reports its oldest token's version)."""
 
     started: float
     """``time.perf_counter()`` at admission (its result's ``gen_time_s`` counts from here)."""
@@ -103,17 +122,14 @@ class _Sequence:
     """Behaviour logprob of each sampled token (float32 values)."""
 
     versions: list[int] = field(default_factory=list)
-    """The live version each token was sampled on (sent only with ``in_flight_weight_updates``)."""
+    """The live version each token was sampled on (sent only with ``VersionRule.per_token_versions``)."""
 
 
 class ContinuousBatcher:
-    """The scheduler loop of the module docstring, over an engine process's pipe, receiver and weights."""
+    """The scheduler loop of the module docstring, over an engine process's messages, versions and weights."""
 
-    def __init__(self, engine: Any, max_sequences: int, in_flight_updates: bool = False):
-        """``engine``: the engine process (``embedded._EngineProcess``: its pipe, receiver, weights and request
-        handling; not imported here, which would make the two modules import each other).
-        ``in_flight_updates``: ``rollout.in_flight_weight_updates`` (the module docstring's second weights rule)."""
-        self.engine, self.max_sequences, self.in_flight_updates = engine, max_sequences, in_flight_updates
+    def __init__(self, engine: EngineIO, max_sequences: int):
+        self.engine, self.rule, self.max_sequences = engine, engine.rule, max_sequences
         self.eos = set(engine.eos_id)  # stop token ids
         self.waiting: collections.deque = collections.deque()  # (request, arrival time): not admitted yet, in order
         self.queued: collections.deque[_Sequence] = collections.deque()  # admitted sequences without a row yet
@@ -134,40 +150,14 @@ class ContinuousBatcher:
             if self.rows:
                 self._step()
             busy = self.rows or self.queued or self._admissible()
-            timeout = 0.0 if busy else self.engine.wait_timeout(self.waiting)
-            if self.engine.wait(timeout) and not self._read_pipe():
+            if not self.engine.serve_messages(self.waiting, 0.0 if busy else self.rule.wait_timeout(self.waiting)):
                 return
 
-    def _read_pipe(self) -> bool:
-        """Handle every message already in the pipe; False on shutdown or a closed pipe."""
-        while self.engine.conn.poll():
-            try:
-                msg = self.engine.conn.recv()
-            except EOFError:
-                return False
-            if not self.engine.handle(msg, self.waiting):
-                return False
-        return True
-
-    def _joins_live(self, req: GenerationRequest) -> bool:
-        """Whether ``swap`` would leave the live version live for ``req`` (see the module docstring)."""
-        receiver, target = self.engine.receiver, self.engine.pinned(req)
-        return receiver.newest()[0] == receiver.live_version or 0 <= target <= receiver.live_version
-
-    def _live_is_fresh(self, req: GenerationRequest) -> bool:
-        """In-flight updates: whether the live version is at least ``req``'s ``min_version``, or no newer one has
-        arrived (its wait bound passed); else the next decode step's swap makes a fresh enough one live."""
-        receiver = self.engine.receiver
-        return req.min_version <= receiver.live_version or receiver.newest()[0] == receiver.live_version
-
     def _admissible(self) -> bool:
-        """Whether the head of ``waiting`` is ready and may run beside what is in flight."""
-        if not self.waiting or not self.engine.ready(*self.waiting[0]):
+        """Whether the head of ``waiting`` is ready and may run beside what is in flight (the rule's)."""
+        if not self.waiting or not self.rule.ready(*self.waiting[0], self.engine.receiver):
             return False
-        if not self.in_flight:
-            return True
-        fits = self._live_is_fresh if self.in_flight_updates else self._joins_live
-        return fits(self.waiting[0][0])
+        return not self.in_flight or self.rule.may_join(self.waiting[0][0], self.engine.receiver)
 
     def _admit(self) -> None:
         """Admit waiting requests in order while the head is admissible."""
@@ -180,7 +170,7 @@ class ContinuousBatcher:
         if req.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {req.temperature}")
         if not self.in_flight:
-            self._swap(-1 if self.in_flight_updates else self.engine.pinned(req))
+            self._swap(self.rule.swap_target(req))
             self.cache = self.cache or inference.SlotCache.empty(self.model)
         request = _Request(req, self.engine.receiver.live_version, time.perf_counter())
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
@@ -192,8 +182,8 @@ class ContinuousBatcher:
             self._send_result(request)
 
     def _swap(self, upto: int) -> None:
-        """``WeightReceiver.swap(upto)``, and the model of the live version (main thread; see the module docstring
-        for when the old live buffer may be freed)."""
+        """``WeightReceiver.swap(upto)``, and the model of the live version (main thread; engine/versions.py says
+        when the old live buffer may be freed)."""
         self.engine.receiver.swap(upto)
         self.model = inference.Model.of(self.engine.receiver.live.views, self.engine.shape)
 
@@ -245,8 +235,7 @@ class ContinuousBatcher:
             seq.request.unfinished -= 1
             if seq.request.unfinished == 0:
                 self._send_result(seq.request)
-        receiver = self.engine.receiver
-        if self.in_flight_updates and receiver.newest()[0] > receiver.live_version:
+        if self.rule.swap_between_steps(self.engine.receiver):
             self._swap(-1)  # after the tolist() above: no queued kernel reads the old buffer any more
         self.hidden = inference.decode_rows(self.model, self.cache, tok) if self.rows else None
 
@@ -260,7 +249,7 @@ class ContinuousBatcher:
             logprobs[i, : len(seq.logprobs)] = torch.tensor(seq.logprobs, dtype=torch.float32)
         lengths = torch.tensor([len(s.tokens) for s in request.sequences], dtype=torch.long)
         version, token_versions = request.version, None
-        if self.in_flight_updates:
+        if self.rule.per_token_versions:
             token_versions = torch.full((rows, req.max_new_tokens), -1, dtype=torch.long)
             for i, seq in enumerate(request.sequences):
                 token_versions[i, : len(seq.versions)] = torch.tensor(seq.versions, dtype=torch.long)

@@ -4,18 +4,18 @@ Process model: rank 0 starts each engine from ``engine.forkserver``. The engine 
 (``PR_SET_PDEATHSIG``) and exits when its control pipe closes, so no engine outlives its trainer.
 
 Threads inside the engine (both send on the pipe; ``_send`` serialises them with a lock):
-  * the main thread serves the control pipe in order: it generates with the live weights and, between requests
-    only, calls ``WeightReceiver.swap()`` so each request runs on one complete version. Requests not ready yet
-    queue in order while the other messages are still served, so a (re)join is never stuck behind a request.
-    With ``rollout.continuous_batching`` it runs ``batcher.ContinuousBatcher``'s loop instead: several requests
-    decode in one batch, the pipe is read between decode steps, and versions swap only with nothing in flight.
-    With ``rollout.in_flight_weight_updates`` too, a request starts once the engine holds its ``min_version`` and
-    a newer complete version goes live between two decode steps, under the running sequences (their KV cache
-    kept): a request then runs on several versions, each token recorded with its own (``token_versions``);
+  * the main thread serves the control pipe in order: it generates with the live weights, one request at a time,
+    or with ``rollout.continuous_batching`` runs ``batcher.ContinuousBatcher``'s loop (several requests decode in
+    one batch, the pipe read between decode steps). Requests not ready yet queue in order while the other messages
+    are still served, so a (re)join is never stuck behind a request. Which version each request runs on, and when
+    ``WeightReceiver.swap()`` changes the live one, is the engine's ``versions.VersionRule`` (``Pinned``, or with
+    ``rollout.in_flight_weight_updates`` ``InFlight``: engine/versions.py), read by both loops;
   * the receiver thread (``transport.WeightReceiver``) takes pushes from the weight-sync group and acks them.
 
 Trainer side, ``EmbeddedEngine``'s reader thread turns pipe messages into events. It reports the engine's death at
 most once, and not after ``close()``: engines restart by name, so a second report would restart the replacement.
+Every message to the engine goes through its ``sender.PipeSender`` thread, so no send blocks its caller (that
+module states what may be dropped, and why nothing is lost).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import torch
 from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck,
                                         WeightGroupInfo)
 from torchtitan_flux.engine.forkserver import name_process, die_with_parent, engine_context, release_server_liveness
+from torchtitan_flux.engine.sender import PipeSender
+from torchtitan_flux.engine.versions import InFlight, Pinned
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -64,11 +66,11 @@ class _EngineProcess:
         self.eos_id, self.pad_id = hf.eos_token_ids(cfg), int(cfg.get("pad_token_id") or 0)
         self.receiver = None
         self.weight_buffers = weight_buffers
-        self.max_batch_sequences, self.in_flight_updates = max_batch_sequences, in_flight_updates
+        self.max_batch_sequences = max_batch_sequences
+        self.rule = InFlight() if in_flight_updates else Pinned()  # which version each request runs on
         self.stall_s = 0.0  # fault injection: sleep before each generation
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
-        self._wait_bound_s = 60.0  # how long a request waits for its min_version; the join sets timeout_s
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
@@ -100,7 +102,7 @@ class _EngineProcess:
         if self.receiver is None:
             plan = transport.plan_buckets(info.specs, info.bucket_bytes)
             self.receiver = transport.WeightReceiver(plan, self.device, on_received, on_error, self.weight_buffers)
-        self._wait_bound_s = info.timeout_s
+        self.rule.wait_bound_s = info.timeout_s
         # a re-join (resync) keeps serving the live version meanwhile
         if info.backend == transport.COLOCATED:
             staging, seq = info.shared
@@ -108,15 +110,10 @@ class _EngineProcess:
         else:
             self.receiver.start(make_group, patches=info.patches)
 
-    def pinned(self, req: GenerationRequest) -> int:
-        """The version ``WeightReceiver.swap`` makes live for ``req``: its pin, or ``min_version`` where the pin is
-        older (see ``GenerationRequest.pin_version``); -1 (unpinned): the newest."""
-        return max(req.pin_version, req.min_version) if req.pin_version >= 0 else -1
-
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
-        version = self.receiver.swap(self.pinned(req))
+        version = self.receiver.swap(self.rule.swap_target(req))
         t0 = time.perf_counter()
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
@@ -134,19 +131,6 @@ class _EngineProcess:
         per_token = token_versions.numpy() if token_versions is not None else None
         self._send(("result", req_id, *arrays, version, self.receiver.newest()[0], gen_time_s, per_token))
 
-    def ready(self, req: GenerationRequest, arrived: float) -> bool:
-        """Whether the engine holds the request's versions (or it waited ``timeout_s``) and has any weights: its
-        pin and ``min_version``; with in-flight updates, which ignore the pin, ``min_version`` only."""
-        newest = self.receiver.newest()[0] if self.receiver is not None else -1
-        need = req.min_version if self.in_flight_updates else max(req.min_version, req.pin_version)
-        return newest >= 0 and (newest >= need or time.monotonic() - arrived > self._wait_bound_s)
-
-    def wait_timeout(self, waiting: collections.deque) -> float | None:
-        """How long to wait for a message: until the oldest waiting request's wait bound (None: no request)."""
-        if not waiting:
-            return None
-        return max(0.0, waiting[0][1] + self._wait_bound_s - time.monotonic()) + 0.001
-
     def wait(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` for a message or a landed push (which ends a request's wait); whether the control
         pipe has a message."""
@@ -155,19 +139,33 @@ class _EngineProcess:
             os.read(self._wake_r, 4096)
         return self.conn in ready
 
+    def serve_messages(self, waiting: collections.deque, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` (``wait``), then serve every message already in the pipe; False on shutdown or a
+        closed pipe (``batcher.EngineIO``)."""
+        if not self.wait(timeout):
+            return True
+        while self.conn.poll():
+            try:
+                msg = self.conn.recv()
+            except EOFError:
+                return False
+            if not self.handle(msg, waiting):
+                return False
+        return True
+
     def serve(self) -> None:
         """Serve the control pipe: with continuous batching, ``batcher.ContinuousBatcher``'s loop; else in order,
         one request at a time, requests waiting (FIFO) until ready."""
         if self.max_batch_sequences:
             from torchtitan_flux.engine.batcher import ContinuousBatcher
 
-            return ContinuousBatcher(self, self.max_batch_sequences, self.in_flight_updates).run()
+            return ContinuousBatcher(self, self.max_batch_sequences).run()
         waiting: collections.deque = collections.deque()  # (request, arrival time)
         while True:
-            if waiting and self.ready(*waiting[0]):
+            if waiting and self.rule.ready(*waiting[0], self.receiver):
                 self.generate(waiting.popleft()[0])
                 continue
-            if not self.wait(self.wait_timeout(waiting)):
+            if not self.wait(self.rule.wait_timeout(waiting)):
                 continue
             try:
                 msg = self.conn.recv()
@@ -263,8 +261,9 @@ class EmbeddedEngine(EngineHandler):
         self._closing = False
         self._dead_lock = threading.Lock()
         self._dead_reported = False
+        self._sender: PipeSender | None = None  # every message to the engine goes through it
         self._requests_lock = threading.Lock()
-        self._requests: set[int] = set()  # submitted, result not yet read (main thread adds, reader thread removes)
+        self._requests: set[int] = set()  # submitted, result not yet read (``submit`` adds, reader thread removes)
 
     def start(self) -> None:
         ctx = engine_context()
@@ -275,9 +274,9 @@ class EmbeddedEngine(EngineHandler):
         self._proc.start()
         child.close()
         self._conn = parent
-        self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
         self._reader.start()
+        self._sender = PipeSender(parent, self.name, self._report_dead)
 
     @property
     def pid(self) -> int | None:
@@ -287,11 +286,7 @@ class EmbeddedEngine(EngineHandler):
         return self._proc is not None and self._proc.is_alive()
 
     def _send(self, msg: tuple) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send(msg)
-        except (OSError, EOFError, BrokenPipeError) as e:
-            self._report_dead(f"control pipe closed: {e}")
+        self._sender.send(msg)  # any thread; never blocks
 
     def _report_dead(self, message: str) -> None:
         """Emit the fatal event once per engine process (see the module docstring); later ones are logged."""
@@ -335,13 +330,14 @@ class EmbeddedEngine(EngineHandler):
                 self._replies.put((msg[1], msg[2]))
 
     def submit(self, request: GenerationRequest) -> None:
+        """Any thread; never blocks (``sender.PipeSender``)."""
         with self._requests_lock:
             self._requests.add(request.req_id)
         self._send(("generate", request))
 
     def idle(self) -> bool:
         """Alive and holding no request (every submitted request's result has been read): its cores compute
-        nothing until the next ``submit``, which only the trainer's main thread calls (``run.threads.TrainerThreads``)."""
+        nothing until the next ``submit`` (``run.threads.TrainerThreads``)."""
         with self._requests_lock:
             return not self._requests and self.alive()
 
@@ -382,7 +378,9 @@ class EmbeddedEngine(EngineHandler):
         self._report_dead(why)
         proc = self._proc
         if proc is not None and proc.is_alive():
-            proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+            proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too, and with it a send blocked on it
+        if self._sender is not None:
+            self._sender.stop()
 
     def inject_fault(self, what: str, arg: float = 0.0) -> None:
         self._send(("fault", what, arg))
@@ -396,6 +394,7 @@ class EmbeddedEngine(EngineHandler):
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout=5)
+        self._sender.stop()
         self._conn.close()
         self._proc = None
 

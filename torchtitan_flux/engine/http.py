@@ -149,6 +149,7 @@ class HttpEngine(EngineHandler, abc.ABC):
         return self.client is not None and not self._dead and not self._closing
 
     def submit(self, request: GenerationRequest) -> None:
+        """Any thread; never blocks: the call runs on a ``_gen`` worker (an unbounded queue's ``put``)."""
         if not self.alive():
             self._die("submit on a dead or closed engine")
             return

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -23,8 +24,20 @@ from torchtitan_flux.data.tasks import task_finished
 from torchtitan_flux.errors import NoEngineLeft, RewardError, UserCodeError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.rollout.batch import RolloutBatch
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
+
+
+class RolloutSource(Protocol):
+    """What the feed uses of rank 0's rollout side (``rollout.rollouts.Rollouts``)."""
+
+    task: object
+    task_timeout_s: float
+    interrupted: bool
+
+    def dispatch(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> None: ...
+
+    def collect(self, step: int, trainer_version: int, pin_version: int = -1,
+                min_version: int = 0) -> RolloutBatch: ...
 
 
 @dataclass
@@ -37,7 +50,7 @@ class StepInput:
 
 
 class BatchFeed:
-    def __init__(self, off_policy: OffPolicyControl, rollouts: RolloutScheduler | None, syncer: WeightSyncer, *,
+    def __init__(self, off_policy: OffPolicyControl, rollouts: RolloutSource | None, syncer: WeightSyncer, *,
                  async_push: bool, last_step: int, rank: int, world: int):
         self.off_policy, self.rollouts, self.syncer = off_policy, rollouts, syncer
         self.async_push, self.last_step, self.rank, self.world = async_push, last_step, rank, world

@@ -6,7 +6,7 @@ group of ``eval.n`` episodes, scored like the training's. A synchronous run wait
 an asynchronous one picks the results up at the first step that ends after they are scored, and waits only when
 the next evaluation is due before the previous one finished, and at the last step.
 
-Concurrency: main thread only (results arrive through the rollout side's ``pump``); scoring runs on the reward pool.
+Concurrency: main thread only (``Rollouts.start_eval`` and ``eval_scores``); scoring runs on the reward pool.
 """
 
 from __future__ import annotations
@@ -14,23 +14,33 @@ from __future__ import annotations
 import json
 import os
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
+from torchtitan_flux.data.rewards import Scores
 from torchtitan_flux.data.tasks import Prompt, Task, task_eval_prompts
-from torchtitan_flux.rollout.scheduler import RequestPart, RolloutScheduler
+
+
+class EvalEngines(Protocol):
+    """What evaluation uses of rank 0's rollout side (``rollouts.Rollouts``)."""
+
+    max_new_tokens: int
+    task_timeout_s: float
+
+    def start_eval(self, prompts: list[Prompt], prompt_ids: list[list[int]], n: int, temperature: float,
+                   version: int) -> None: ...
+
+    def eval_scores(self, version: int, task: Task, wait: bool) -> Scores | None: ...
 
 
 @dataclass
 class _Run:
     version: int
-    parts: list[RequestPart]
     started: float
-    scores: Future | None = None
 
 
 class Evaluator:
-    def __init__(self, eval_cfg, task: Task, rollouts: RolloutScheduler, tokenizer, seed: int, dump_folder: str,
+    def __init__(self, eval_cfg, task: Task, rollouts: EvalEngines, tokenizer, seed: int, dump_folder: str,
                  wait: bool):
         self.cfg, self.task, self.rollouts, self.tokenizer = eval_cfg, task, rollouts, tokenizer
         self.seed, self.wait = seed, wait
@@ -45,9 +55,8 @@ class Evaluator:
 
     def start(self, version: int) -> None:
         """Send the held-out prompts for policy ``version`` (call once the engines can get that version)."""
-        parts = self.rollouts.submit_eval(self.prompts, self.prompt_ids, self.cfg.n, self.cfg.temperature, version,
-                                           seed=self.seed * 1_000_003 + version)
-        self._runs.append(_Run(version, parts, time.perf_counter()))
+        self.rollouts.start_eval(self.prompts, self.prompt_ids, self.cfg.n, self.cfg.temperature, version)
+        self._runs.append(_Run(version, time.perf_counter()))
 
     def after_step(self, step: int, version: int, last: bool) -> dict[str, float]:
         """Rank 0, after training step ``step``: start the evaluation of ``version`` (the newest policy the engines
@@ -65,30 +74,17 @@ class Evaluator:
         newest = None
         while self._runs:
             run = self._runs[0]
-            if not self._advance(run, wait):
+            scores = self.rollouts.eval_scores(run.version, self.task, wait)
+            if scores is None:
                 break
             self._runs.pop(0)
-            newest = self._metrics(run)
+            newest = self._metrics(run, scores)
             with open(self.path, "a") as f:
                 f.write(json.dumps(newest) + "\n")
         return newest
 
-    def _advance(self, run: _Run, wait: bool) -> bool:
-        """Pump results / submit scoring; True once ``run`` is scored."""
-        while any(p.result is None for p in run.parts):
-            if not wait and not self.rollouts.has_events():
-                return False
-            self.rollouts.pump(0.05 if wait else 0)
-            self.rollouts.raise_episode_failure()
-        if run.scores is None:
-            _, run.scores = self.rollouts.submit_scores(self.task, self.prompts, run.parts, self.cfg.n)
-        if not wait and not run.scores.done():
-            return False
-        self.rollouts.scoring.wait(run.scores)
-        return True
-
-    def _metrics(self, run: _Run) -> dict[str, float]:
-        scores, n = self.rollouts.scoring.wait(run.scores), self.cfg.n
+    def _metrics(self, run: _Run, scores: Scores) -> dict[str, float]:
+        n = self.cfg.n
         passed = [t >= self.cfg.pass_threshold for t in scores.total]
         per_prompt = [passed[i : i + n] for i in range(0, len(passed), n)]
         out = {

@@ -1,165 +1,294 @@
-"""``Rollouts``: rank 0's rollout side as one object: the engines, their event queue, the scheduler (inherited:
-dispatch, collect, ``pump``) and the weight syncer that sends to the engines.
+"""``Rollouts``: rank 0's rollout side, composed of the engines (``EngineFleet``), the pump of their events
+(``EnginePump``), the one owner of group state (``GroupTable``), a collection policy (``PerStep`` or ``Streaming``),
+the reward pool, the multi-turn episodes (``EpisodeGroups``, with ``rollout.environment``) and the weight syncer
+that sends to the engines. The trainer, the batch feed and the evaluator use its public methods only.
 
-Which engines (``rollout.engine``): embedded engine processes (placed on ``rollout.engine_devices``), vLLM servers
-we launch (``rollout.launch``) or servers someone else runs (``rollout.urls``: vLLM or SGLang). A dead engine is
-replaced (an embedded one by a fresh process, a server by a reconnect) at most ``rollout.max_engine_restarts``
-times per engine within ``RESTART_WINDOW_S``, and not at all while the run stops on a signal.
+One life for every group, single- or multi-turn (``groups.py``): ``dispatch`` draws a step's prompts into the table
+(QUEUED) and starts them (RUNNING): a single-turn group on an engine request (per step: the step's groups split
+over the engines alive by measured speed, one request per engine; streaming and evaluation: one request per group),
+a multi-turn group as G episodes on the episodes' thread, which send their turns themselves. Its result (a request's
+rows, or the episodes' ``GroupEnded``) finishes it (FINISHED) and the policy scores it; ``collect`` takes a step's
+batch as the policy says (TAKEN).
 
-Direction: ``Rollouts`` builds rank 0's ``WeightSyncer`` with its own ``pump`` (the syncer waits by pumping);
-``pump`` delivers acks and engine errors to the syncer (``on_event``) and replacements (``replace_engine``), and
-the syncer calls nothing else here. Ranks > 0 have no rollout side. Concurrency: main thread only; engine threads
-and processes only put events on the queue.
+Direction: ``Rollouts`` builds rank 0's ``WeightSyncer`` with the pump's ``pump`` (the syncer waits by pumping); the
+pump hands acks and engine errors to the syncer (``on_event``) and a dead engine to ``_replace`` (which restarts it
+through the fleet and has the syncer rejoin it: ``replace_engine``); the syncer calls nothing else here. Ranks > 0
+have no rollout side. Concurrency: the main thread; the pump's router and the episodes' thread only as the pump's
+docstring says. An environment's failure is kept (``episode_failure``) and raised by the next wait for rollouts, so
+a checkpoint's pumping never raises it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
+from typing import Callable
 
 import torch
 
-from torchtitan_flux.auth import read_token
-from torchtitan_flux.engine.kinds import engine_kind
+from torchtitan_flux.data.rewards import Scores
+from torchtitan_flux.data.tasks import Prompt
+from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationResult, WeightAck
+from torchtitan_flux.errors import NoEngineLeft
 from torchtitan_flux.models import hf
 from torchtitan_flux.models.hf_weights import HFLayout
-from torchtitan_flux.rollout.multiturn import episode_groups
-from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
+from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch
+from torchtitan_flux.rollout.collect import PerStep, Streaming, rows, score
+from torchtitan_flux.rollout.dispatch import Dispatcher
+from torchtitan_flux.rollout.engines import EngineFleet
+from torchtitan_flux.rollout.episode_groups import EpisodeGroups, GroupEnded, TurnSender, episode_groups, group_result
+from torchtitan_flux.rollout.groups import GroupState, GroupTable, eval_step
+from torchtitan_flux.rollout.pump import EnginePump, InFlight, WaitNotes, interrupted_wait
+from torchtitan_flux.rollout.requests import Sampling, Versions
+from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.sync.syncer import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
 
-RESTART_WINDOW_S = 600.0  # rollout.max_engine_restarts counts restarts of one engine within this window
 
+class Rollouts:
+    """Built by ``start`` for a run; tests build it over engines of their own (``fleet`` None: a dead engine is
+    dropped, not replaced; no syncer: acks and engine errors are only logged)."""
 
-class Rollouts(RolloutScheduler):
-    """``stops``: the run's ``StopRequests`` (read: ``signal``)."""
+    def __init__(self, engines: list[EngineHandler], raw: queue.Queue, task, tokenizer, *, group_size: int,
+                 prompts_per_step: int, max_new_tokens: int, temperature: float, top_k: int, seed: int, pad_id: int,
+                 dead_zone: float = 0.1, max_share: float = 0.75, reward_workers: int = 1,
+                 reward_timeout_s: float = 300.0, task_timeout_s: float = 300.0, stall_s: float = 600.0,
+                 streaming: bool = False, carry_over: bool = True,
+                 episodes: Callable[[queue.Queue, TurnSender], EpisodeGroups | None] = lambda raw, sender: None,
+                 fleet: EngineFleet | None = None):
+        """``raw``: the queue every engine reports to; ``streaming``, ``carry_over``: ``rollout.streaming_admission``
+        and ``rollout.streaming_carry_over``; ``episodes(raw, sender)``: the multi-turn groups
+        (``rollout.environment``), None: single-turn."""
+        self.task, self.tokenizer, self.fleet = task, tokenizer, fleet
+        self.group_size, self.prompts_per_step, self.temperature = group_size, prompts_per_step, temperature
+        self.sampling = Sampling(seed, top_k, max_new_tokens)
+        self.max_new_tokens, self.task_timeout_s, self.streaming = max_new_tokens, task_timeout_s, streaming
+        self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
+        self.episode_failure: BaseException | None = None  # the first group that failed (an environment's error)
+        self.syncer: WeightSyncer | None = None  # ``start``'s
+        self.table = GroupTable()
+        self.pump = EnginePump(engines, raw, split=SpeedSplit([e.name for e in engines], dead_zone, max_share),
+                               stall_s=stall_s, replace=self._replace, handlers={
+                                   GenerationResult: self._on_result, GroupEnded: self._on_group_ended,
+                                   WeightAck: self._on_weight_event, EngineError: self._on_weight_event})
+        self.episodes = episodes(raw, self.pump)
+        self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
+        self.dispatcher = Dispatcher(self.table, self.pump, self.episodes, task, tokenizer, sampling=self.sampling,
+                                     group_size=group_size, prompts_per_step=prompts_per_step, temperature=temperature,
+                                     streaming=streaming, task_timeout_s=task_timeout_s,
+                                     interrupted=lambda: self.interrupted)
+        common = dict(group_size=group_size, pad_id=pad_id, wait=self._wait, interrupted=lambda: self.interrupted)
+        self.policy = Streaming(
+            self.table, self.scoring, task, prompts_per_step=prompts_per_step, carry_over=carry_over,
+            dispatch=self.dispatcher.dispatch, restart=self.dispatcher.stop, has_events=self.pump.has_events,
+            pump=self.pump.pump, **common,
+        ) if streaming else PerStep(self.table, self.scoring, task, **common)
 
-    def __init__(self, job_config, task, tokenizer, model: torch.nn.Module, *, device: torch.device, stops):
-        self.job_config, self.stops, self.trainer_on_gpu = job_config, stops, device.type == "cuda"
-        self.device = device
-        self.servers: list = []  # launched vLLM servers (stopped by ``close``)
-        self.restarts = 0
-        self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of recent restarts
-        self.events: queue.Queue = queue.Queue()
-        self.engines: list = []
-        self.syncer: WeightSyncer | None = None
+    @classmethod
+    def start(cls, job_config, task, tokenizer, model: torch.nn.Module, *, device: torch.device,
+              stops) -> "Rollouts":
+        """A run's rollout side: its engines started (``EngineFleet``), the syncer that sends to them built.
+        ``stops``: the run's ``StopRequests`` (read: ``signal``)."""
         jc, r = job_config, job_config.rollout
+        raw: queue.Queue = queue.Queue()
+        fleet = EngineFleet(job_config, raw, device=device, stops=stops)
+        engines: list[EngineHandler] = []
+        rollouts = None
         try:
-            self._start()
-            super().__init__(
-                self.engines, self.events, task, tokenizer, group_size=jc.grpo.group_size,
-                prompts_per_step=r.prompts_per_step, max_new_tokens=r.max_new_tokens, temperature=jc.grpo.temperature,
-                top_k=r.top_k, seed=r.seed, pad_id=_pad_id(tokenizer, jc.model.hf_assets_path),
-                dead_zone=r.dispatch_dead_zone, max_share=r.dispatch_max_share,
-                reward_workers=r.reward_workers, reward_timeout_s=r.reward_timeout_seconds,
-                task_timeout_s=r.task_timeout_seconds, stall_s=r.engine_stall_seconds,
-                streaming=r.streaming_admission, carry_over=r.streaming_carry_over,
-                episodes=episode_groups(job_config, tokenizer, self.events),
+            engines = fleet.start()
+            rollouts = cls(
+                engines, raw, task, tokenizer, group_size=jc.grpo.group_size, prompts_per_step=r.prompts_per_step,
+                max_new_tokens=r.max_new_tokens, temperature=jc.grpo.temperature, top_k=r.top_k, seed=r.seed,
+                pad_id=_pad_id(tokenizer, jc.model.hf_assets_path), dead_zone=r.dispatch_dead_zone,
+                max_share=r.dispatch_max_share, reward_workers=r.reward_workers,
+                reward_timeout_s=r.reward_timeout_seconds, task_timeout_s=r.task_timeout_seconds,
+                stall_s=r.engine_stall_seconds, streaming=r.streaming_admission, carry_over=r.streaming_carry_over,
+                episodes=lambda raw, sender: episode_groups(job_config, tokenizer, raw, sender), fleet=fleet,
             )
-            self.syncer = WeightSyncer(jc.weight_sync, model, self.engines, device=device, is_sender=True,
-                                       backend="nccl" if self.trainer_on_gpu else "gloo", pump=self.pump,
-                                       layout=HFLayout.from_hf_dir(jc.model.hf_assets_path))
+            rollouts.syncer = WeightSyncer(jc.weight_sync, model, rollouts.engines, device=device, is_sender=True,
+                                           backend="nccl" if device.type == "cuda" else "gloo",
+                                           pump=rollouts.pump.pump, layout=HFLayout.from_hf_dir(jc.model.hf_assets_path))
         except BaseException:
-            self.close()
+            if rollouts is not None:
+                rollouts.close()
+            else:
+                fleet.close(engines)
             raise
+        return rollouts
 
-    def _start(self) -> None:
-        """Launch servers (``rollout.launch``), then start or connect every engine (``EngineStartError``)."""
-        r = self.job_config.rollout
-        kind = engine_kind(r.engine)
-        self._urls = list(r.urls)
-        # before any engine starts; servers at rollout.urls are placed by their owner
-        self._devices = [str(self.device)] * r.num_engines if r.colocated else engine_devices(
-            list(r.engine_devices), r.num_engines, trainer_on_gpu=self.trainer_on_gpu,
-            visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        ) if kind.local(r.launch) else []
-        if r.launch:
-            from torchtitan_flux.engine.vllm_launch import resolve_launch_python
-            from torchtitan_flux.engine.vllm_launch import launch_servers
+    @property
+    def engines(self) -> list[EngineHandler]:
+        """The engines now (replacements included)."""
+        return self.pump.engines
 
-            self.servers = launch_servers(
-                r.num_engines, self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
-                log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
-                threads=None if torch.cuda.is_available() else r.engine_threads,
-                auth_token=read_token(self.job_config.weight_sync.auth_token_env),
-                envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in self._devices],
-            )
-            self._urls = [s.url for s in self.servers]
-        n = len(self._urls) if kind.server else r.num_engines
-        self.engines.extend(self._new_engine(i) for i in range(n))
+    def metrics(self) -> dict[str, float]:
+        """Per-step counters of the rollout side (``metrics.jsonl``)."""
+        return {"engine_restarts": self.fleet.restarts, "redispatched_requests": self.pump.redispatched,
+                **self.policy.metrics()}
 
-    def _weight_event(self, ev) -> None:
-        self.syncer.on_event(ev)
+    # -- dispatch
+    def dispatch(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> None:
+        """Start ``step``'s groups not started yet (once each; later calls for the step do nothing more), pinned to
+        ``pin_version``, generated on ``min_version`` or newer (see ``GenerationRequest``)."""
+        self.dispatcher.dispatch(step, Versions(trainer_version, pin_version, min_version))
 
-    def _replace(self, dead):
-        """A dead engine's replacement, rejoined by the syncer; None when it is given up: while the run stops on a
-        signal, past ``rollout.max_engine_restarts`` deaths within ``RESTART_WINDOW_S`` (restarts of our engines and
-        reconnects to servers alike: a server wedged after an aborted push took joins and died again, forever), or
-        a server that is not back."""
-        dead.close()
-        if self.stops.signal is not None:
-            logger.warning(f"{dead.name}: not restarted: the run is stopping ({self.stops.signal})")
+    # -- events (``EnginePump.pump``, main thread)
+    def _on_result(self, in_flight: InFlight, result: GenerationResult) -> None:
+        """A request's result: each of its groups finishes with its rows."""
+        groups = sorted((g for g in self.table.in_state(GroupState.RUNNING) if g.request is in_flight.request),
+                        key=lambda g: g.index)
+        n = in_flight.request.group_size
+        for k, g in enumerate(groups):
+            self.table.finish(g, result if len(groups) == 1 else rows(result, k, n))
+            if g.step >= 0:
+                self.policy.finished(g)
+
+    def _on_group_ended(self, ev: GroupEnded) -> None:
+        """A multi-turn group's end: finished (or, failed, the failure kept for the next wait)."""
+        if not self.episodes.ended(ev.group):  # cancelled (restarted, discarded): dropped
+            return
+        if ev.error is not None:
+            self.episode_failure = self.episode_failure or ev.error
+            return
+        group = next(g for g in self.table.in_state(GroupState.RUNNING) if g.request.req_id == ev.group)
+        opening, result = group_result(ev.group, ev.episodes, ev.newest_seen, ev.gen_time_s)
+        self.table.finish(group, result, ev.episodes, opening)
+        if group.step >= 0:
+            self.policy.finished(group)
+
+    def _on_weight_event(self, ev: WeightAck | EngineError) -> None:
+        if self.syncer is not None:
+            self.syncer.on_event(ev)
+
+    def _replace(self, dead: EngineHandler) -> EngineHandler | None:
+        """A dead engine's replacement, rejoined by the syncer; None: it is dropped."""
+        if self.fleet is None:
             return None
-        idx = self.engines.index(dead)
-        now = time.monotonic()
-        recent = [t for t in self._restart_times.get(idx, []) if now - t < RESTART_WINDOW_S]
-        cap = self.job_config.rollout.max_engine_restarts
-        if len(recent) >= cap:  # reconnects too: a server that takes a join and dies at every push would loop
-            again = "reconnected" if dead.reconnects else "restarted"
-            logger.error(f"{dead.name}: died {len(recent) + 1} times within {RESTART_WINDOW_S:.0f} s "
-                         f"(rollout.max_engine_restarts = {cap}); not {again} again: its error is the 'died' line "
-                         "above")
-            return None
-        self._restart_times[idx] = recent + [now]
-        self.restarts += 1
-        if dead.reconnects:  # an HTTP server is not ours to restart: reconnect if it is back
-            try:
-                new = dead.reconnect()
-            except Exception as e:  # noqa: BLE001
-                logger.error(f"{dead.name}: server gone ({e}); going on without it")
-                return None
-        else:
-            new = self._new_engine(idx)
-        self.syncer.replace_engine(dead, new)
+        new = self.fleet.replace(dead, self.pump.engines.index(dead))
+        if new is not None:
+            self.syncer.replace_engine(dead, new)
         return new
+
+    # -- collection
+    def collect(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> RolloutBatch:
+        """Dispatch ``step`` (unless admission already has) and take its batch as the policy says (scored, laid out
+        for training)."""
+        if self.episode_failure is not None:
+            raise self.episode_failure
+        versions = Versions(trainer_version, pin_version, min_version)
+        self.dispatcher.dispatch(step, versions)
+        return self.policy.collect(step, versions)
+
+    def _wait(self, step: int) -> WaitNotes:
+        return WaitNotes(self.pump, step, lambda: self._check(step))
+
+    def _check(self, step: int = 0) -> None:
+        """Raise what ends a wait for rollouts: a signal's interrupt, an environment's failure."""
+        if self.interrupted:
+            raise interrupted_wait(step)
+        if self.episode_failure is not None:
+            raise self.episode_failure
+
+    def interrupt(self) -> None:
+        """Make ``collect`` raise ``RolloutWaitInterrupted`` within ~50 ms; safe to call from a signal handler."""
+        self.interrupted = True
+
+    def discard(self, step: int) -> None:
+        """Forget ``step``'s groups (their results will be dropped); the next dispatch starts it afresh."""
+        for g in self.table.of_step(step):
+            self.dispatcher.stop(g)
+            self.table.drop(g)
+
+    # -- evaluation
+    def start_eval(self, prompts: list[Prompt], prompt_ids: list[list[int]], n: int, temperature: float,
+                   version: int) -> None:
+        """``n`` samples of each held-out prompt on exactly policy ``version`` (multi-turn: a group of ``n``
+        episodes each), split evenly over the engines alive; ``eval_scores(version)`` gives their scores."""
+        self.dispatcher.dispatch_eval(prompts, prompt_ids, n, temperature, version)
+
+    def eval_scores(self, version: int, task, wait: bool) -> Scores | None:
+        """The scores of ``start_eval(version)``'s samples, in prompt order, with ``task``'s reward columns (the
+        held-out task's); None while they are not all in and scored (``wait``: wait for them). Once returned, its
+        groups are forgotten."""
+        groups = self.table.of_step(eval_step(version))
+        while any(g.state is GroupState.RUNNING for g in groups):
+            if not wait and not self.pump.has_events():
+                return None
+            self.pump.pump(0.05 if wait else 0)
+            self._check()
+        if groups[0].scores is None:
+            score(self.scoring, self.table, task, groups, groups[0].request.group_size)
+        if not wait and not groups[0].scores.done():
+            return None
+        scores = self.scoring.wait(groups[0].scores)
+        for g in groups:
+            self.table.drop(g)
+        return scores
+
+    # -- checkpoint and shutdown
+    def state_dict(self, timeout: float) -> dict:
+        """The finished groups of training steps, for a checkpoint, after waiting up to ``timeout`` seconds for
+        those in flight (``GroupTable.state_dict``): per step, only steps whose every group finished."""
+        deadline = time.monotonic() + timeout
+        while self._generating() and time.monotonic() < deadline:
+            waiting = any(e.alive() for e in self.engines)  # else: only take the results already queued
+            try:
+                self.pump.pump(0.05 if waiting else 0)
+            except NoEngineLeft:
+                waiting = False
+            if not waiting and not self.pump.has_events():
+                break
+        return {"streaming": self.streaming, "groups": self.table.state_dict(whole_steps_only=not self.streaming)}
+
+    def _generating(self) -> bool:
+        return any(g.step >= 0 for g in self.table.in_state(GroupState.RUNNING))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict``'s groups; they are trained on as they are, never regenerated. Groups saved with
+        the other ``rollout.streaming_admission`` are generated afresh (nothing trained is lost)."""
+        if "groups" not in state:  # written before the group table (2026-11-29)
+            logger.warning("the checkpoint's rollouts were saved by an earlier torchtitan_flux; they are generated "
+                           "afresh")
+            return
+        groups = state["groups"]
+        if state["streaming"] != self.streaming and (groups["finished"] or groups["taken"]):
+            logger.warning(
+                "the checkpoint's rollouts were saved with rollout.streaming_admission = "
+                f"{state['streaming']}; they are generated afresh")
+            return
+        self.table.load_state_dict(groups)
+        if self.streaming:
+            for g in sorted(self.table.in_state(GroupState.FINISHED), key=lambda g: g.finished_order):
+                self.policy.finished(g)
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Forget outstanding requests (shutdown); results that still arrive are dropped."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self.pump.in_flight() and time.monotonic() < deadline:
+                self.pump.pump(0.05)
+        except NoEngineLeft:  # shutting down anyway: not the run's outcome (which the caller is reporting)
+            pass
+        if self.episodes is not None:
+            self.episodes.close()
+        self.pump.forget(lambda r, turn: False)
+        for step in self.table.steps():
+            for g in self.table.of_step(step):
+                self.table.drop(g)
+        self.scoring.close()
 
     def close(self) -> None:
         """Stop the syncer's threads, every engine, then the servers we launched."""
         if self.syncer is not None:
             self.syncer.close()
-        for e in self.engines:
-            e.close()
-        for s in self.servers:
-            s.stop()
-
-    def _new_engine(self, index: int):
-        r, ws = self.job_config.rollout, self.job_config.weight_sync
-        kind = engine_kind(r.engine)
-        cls = kind.handler_class(self.trainer_on_gpu)
-        token = read_token(ws.auth_token_env)  # never stored: not in checkpoints
-        if kind.server:  # connect and check it (start() raises)
-            kw = {}
-            if kind.sampled_checksums:  # of what the server received (weight_sync.verify_every)
-                kw = dict(verify_every=ws.verify_every, final_version=self.job_config.training.steps)
-            if kind.in_flight_updates:  # pushes land while its generations run (rollout.in_flight_weight_updates)
-                kw["in_flight"] = r.in_flight_weight_updates
-            e = cls(f"{kind.name}{index}", self._urls[index], self.events,
-                    model_dir=self.job_config.model.hf_assets_path, auth_token=token, **kw)
-        else:
-            e = cls(
-                f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self.events,
-                self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
-                auth_token=token, colocated=r.colocated, continuous_batching=r.continuous_batching,
-                max_batch_sequences=r.max_batch_sequences, in_flight_weight_updates=r.in_flight_weight_updates,
-            )
-        e.start()
-        return e
+        if self.fleet is not None:
+            self.fleet.close(self.engines)
+        self.pump.close()
 
 
 def _pad_id(tokenizer, hf_dir: str) -> int:
     pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
     return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
+

@@ -8,21 +8,28 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_flux.rl.off_policy import OffPolicyControl
-from torchtitan_flux.rollout.scheduler import RolloutScheduler
 from torchtitan_flux.run.stops import StopRequests
 from torchtitan_flux.sync.syncer import control_group
 
 logger = logging.getLogger("torchtitan_flux")
 
 
+class RolloutState(Protocol):
+    """Rank 0's rollout side as a checkpoint sees it (``rollout.rollouts.Rollouts``)."""
+
+    def state_dict(self, timeout: float) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class CheckpointState:
-    def __init__(self, off_policy: OffPolicyControl, rollouts: RolloutScheduler | None, task, prompts_per_step: int,
+    def __init__(self, off_policy: OffPolicyControl, rollouts: RolloutState | None, task, prompts_per_step: int,
                  config_changes: list[str], stops: StopRequests, timeout_s: float, world: int):
         self.off_policy, self.rollouts, self.task = off_policy, rollouts, task
         self.prompts_per_step, self.config_changes, self.world = prompts_per_step, config_changes, world

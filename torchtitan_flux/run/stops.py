@@ -8,7 +8,7 @@ and torchrun SIGKILLs after its grace period). A second one, 2 s or more later: 
 step may be incomplete).
 
 Concurrency: the handler runs on the main thread between bytecodes; it only sets fields and calls
-``RolloutScheduler.interrupt`` (which sets a flag), or raises ``TrainingInterrupted`` (before the loop, or on a
+``Rollouts.interrupt`` (which sets a flag), or raises ``TrainingInterrupted`` (before the loop, or on a
 second signal).
 """
 
@@ -39,7 +39,7 @@ class StopRequests:
         self.signal: str | None = None
         self.training = False  # set by the trainer as its loop starts; before, there is nothing to finish or save
         self._at = 0.0
-        self._interruptible = None  # a RolloutScheduler whose wait for rollouts a first signal ends
+        self._interruptible = None  # a Rollouts whose wait for rollouts a first signal ends
         for sig in STOP_SIGNALS:  # SIGHUP: the terminal was closed
             if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:  # nohup: the user asked to go on
                 continue

@@ -88,10 +88,10 @@ class TrainerThreads:
     slows both jobs down.
 
     Invariant (no core does two jobs in a forward or backward pass): an engine gets work only through ``submit``,
-    which only the trainer's main thread calls, between computations (a multi-turn turn relayed between blocks
-    included: the trainer relays first, then calls ``before_compute``); ``before_compute`` runs on that thread (CPU
-    autograd runs the backward on the thread that called it) before each block, so a block computes on a borrowed
-    core only while its engine has nothing to generate. Between a submit and the next check the main thread runs
+    which only the trainer's main thread calls, between computations (multi-turn episodes send their own turns from
+    their thread, so validation refuses borrowing with ``rollout.environment``); ``before_compute`` runs on that
+    thread (CPU autograd runs the backward on the thread that called it) before each block, so a block computes on a
+    borrowed core only while its engine has nothing to generate. Between a submit and the next check the main thread runs
     bookkeeping and copies only (the batch's layout, a staging copy), still on the borrowed count; so does the
     engine's receiver thread when it unpacks a push. Compiled models (``compile.enable`` with "model") do not
     borrow: Inductor writes the thread count into the kernels it generates, so later changes would not reach them.
@@ -137,9 +137,9 @@ class TrainerThreads:
 
 def every_block(model: torch.nn.Module, fn) -> None:
     """``fn()`` before each of ``model``'s transformer blocks (``model.layers``) computes its forward and, through a
-    gradient hook on the block's output, its backward. The forward's on the main thread; the backward's on the
-    thread running the backward: the main thread on CPU (CPU autograd runs it on the caller), autograd's device
-    thread on GPU, while the main thread waits in ``backward()`` (so one thread at a time either way)."""
+    gradient hook on the block's output, its backward: on the main thread (borrowing runs on CPU only, where autograd
+    runs the backward on its caller). Only ``TrainerThreads.before_compute`` is registered: no rollout work runs in
+    a forward or backward pass."""
 
     def check(*_):
         fn()

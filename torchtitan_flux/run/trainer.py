@@ -42,7 +42,7 @@ from torchtitan_flux.run.preflight import preflight
 from torchtitan_flux.sync.probe import PostSyncProbe, probe_tokens
 from torchtitan_flux.errors import RewardError
 from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
-from torchtitan_flux.rollout.scheduler import RolloutBatch
+from torchtitan_flux.rollout.batch import RolloutBatch
 from torchtitan_flux.run.checkpoint_state import CheckpointState
 from torchtitan_flux.errors import LossNotFinite, TrainingInterrupted
 from torchtitan_flux.run.stops import StopRequests, die_with_launcher, settle_and_checkpoint
@@ -95,11 +95,11 @@ class GRPOTrainer(Trainer):
         ) if ws.probe_every > 0 else None
         self.memory = {"rss_before_sync_mb": report.rss_mb()}
         if self.rank == 0:  # starts the engines and builds the syncer it delivers their events to
-            self.rollouts = Rollouts(job_config, self.task, self.tokenizer, self.model, device=self.device,
+            self.rollouts = Rollouts.start(job_config, self.task, self.tokenizer, self.model, device=self.device,
                                       stops=self.stops)
             self.syncer = self.rollouts.syncer
-            if self.threads.borrowing or self.rollouts.episodes is not None:
-                every_block(self.model, self._between_computations)
+            if self.threads.borrowing:
+                every_block(self.model, self._before_compute)
             if self.world == 1:
                 self.stops.interrupt_rollout_waits_of(self.rollouts)
         else:  # a bystander: takes part in every snapshot, sends nothing
@@ -175,13 +175,10 @@ class GRPOTrainer(Trainer):
                 self.rollouts.drain(timeout=1.0)
         self._finish()
 
-    def _between_computations(self) -> None:
-        """Rank 0, before each transformer block's forward and backward (``every_block``: the main thread, or
-        autograd's device thread on GPU while the main thread waits in ``backward()``) and the optimizer step: the multi-turn episodes' turns waiting are sent and their results handed back (so episodes
-        go on while a step trains), then the threads are set (a turn just sent makes its engine busy: its core is
-        given back before the block computes)."""
-        if self.rollouts is not None:
-            self.rollouts.relay_turns()
+    def _before_compute(self) -> None:
+        """Rank 0, before each transformer block's forward and backward (``every_block``, borrowing only: CPU, the
+        main thread) and the optimizer step: the threads of the computation about to run (``TrainerThreads``). No
+        rollout work runs here: episodes send their own turns (``rollout/pump.py``)."""
         self.threads.before_compute(self.rollouts)
 
     def train_step_grpo(self) -> None:
@@ -190,7 +187,7 @@ class GRPOTrainer(Trainer):
         t0 = time.perf_counter()
         fed = self.feed.next(self.step + 1, self.step)
         last = fed.last
-        self._between_computations()  # the next steps' requests just went out: their cores come back
+        self._before_compute()  # the next steps' requests just went out: their cores come back
         self.step += 1
         t1 = time.perf_counter()
         metrics, staleness = self.train_on(fed.batch)
@@ -280,7 +277,7 @@ class GRPOTrainer(Trainer):
             )
         self.checkpointer.maybe_wait_for_staging()
         self.syncer.before_optimizer_step()
-        self._between_computations()
+        self._before_compute()
         self.optimizers.step()
         self.lr_schedulers.step()
         self.ntokens_seen += int(num_tokens)
@@ -291,11 +288,8 @@ class GRPOTrainer(Trainer):
                 "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0]}, reduced.staleness
 
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
-        counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, engine_restarts=self.rollouts.restarts,
-                        redispatched_requests=self.rollouts.redispatched, **self.syncer.metrics())
-        if self.rollouts.streaming:  # its own stale groups (regenerated) and restarted unfinished ones
-            counters.update(stale_samples=self.rollouts.stale_samples, restarted_groups=self.rollouts.restarted_groups,
-                            **self.rollouts.generated)
+        counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, **self.rollouts.metrics(),
+                        **self.syncer.metrics())
         m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)
         every = self.job_config.metrics.log_completions_every

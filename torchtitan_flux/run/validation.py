@@ -476,7 +476,7 @@ def _check_environment(job_config: Any) -> None:
     """``rollout.environment``: its class loads in torchtitan's shape with ``environment_args``, the model has a
     chat template; the multi-turn fields are left alone without it."""
     from torchtitan_flux.config import Rollout
-    from torchtitan_flux.rollout.multiturn import load_configured_environment
+    from torchtitan_flux.rollout.episode_groups import load_configured_environment
 
     r = job_config.rollout
     if not r.environment:
@@ -486,6 +486,12 @@ def _check_environment(job_config: Any) -> None:
             _require(getattr(r, name) == default, f"rollout.{name}", getattr(r, name),
                      f"{default!r} (the default) unless rollout.environment is set: only multi-turn episodes read it")
         return
+    from torchtitan_flux.engine.kinds import engine_kind
+
+    if r.borrow_idle_engine_cores and engine_kind(r.engine).borrowable_cores:
+        raise ConfigError("rollout.borrow_idle_engine_cores = true cannot be used with rollout.environment: episodes "
+                          "send their turns while the trainer computes, so no engine's core is free to lend; set "
+                          "--rollout.borrow_idle_engine_cores false")
     load_configured_environment(r)
     from torchtitan_flux.data.datasets import ChatTemplate
 
