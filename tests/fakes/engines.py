@@ -1,4 +1,6 @@
-"""Engines without processes, for tests of the scheduler's dispatch."""
+"""Engines without processes, for tests of the rollout side: each implements ``rollout.pump.RolloutEngine``, the
+face the rollout side uses of an engine handler, through ``FakeEngineBase`` (checked against every real handler by
+tests/unit/test_dispatch.py). Fakes of other faces (the pusher's, the probe's) live beside their tests."""
 
 from __future__ import annotations
 
@@ -10,22 +12,38 @@ import torch
 from torchtitan_flux.engine.base import GenerationResult
 
 
-class FakeEngine:
-    """An engine without a process: answers each request at once, through the scheduler's event queue, with a
-    ``gen_time_s`` that corresponds to ``rate`` (completions/s), jittered by up to ``jitter`` (a fraction)."""
+class FakeEngineBase:
+    """``rollout.pump.RolloutEngine`` without a process: alive until ``is_alive`` is cleared or it is killed (``why``
+    kept); reports to ``events``. Subclasses answer ``submit``."""
 
     reconnects = False  # restarted, not reconnected, when it dies (as an embedded engine)
 
-    def __init__(self, name: str, rate: float, events: queue.Queue, jitter: float = 0.0, seed: int = 0,
-                 answer: bool = True):
-        self.name, self.rate, self.events, self.jitter = name, rate, events, jitter
-        self.rng = random.Random(seed)
-        self.answer = answer  # False: hold requests (to die with them in flight)
+    def __init__(self, name: str, events: queue.Queue):
+        self.name, self.events = name, events
         self.is_alive = True
-        self.received: list[int] = []  # prompts per request
+        self.killed: str | None = None
 
     def alive(self) -> bool:
         return self.is_alive
+
+    def submit(self, req) -> None:
+        raise NotImplementedError
+
+    def kill(self, why: str) -> None:
+        self.killed, self.is_alive = why, False
+
+
+class FakeEngine(FakeEngineBase):
+    """Answers each request at once, through the engines' event queue, with a ``gen_time_s`` that corresponds to
+    ``rate`` (completions/s), jittered by up to ``jitter`` (a fraction)."""
+
+    def __init__(self, name: str, rate: float, events: queue.Queue, jitter: float = 0.0, seed: int = 0,
+                 answer: bool = True):
+        super().__init__(name, events)
+        self.rate, self.jitter = rate, jitter
+        self.rng = random.Random(seed)
+        self.answer = answer  # False: hold requests (to die with them in flight)
+        self.received: list[int] = []  # prompts per request
 
     def submit(self, req) -> None:
         self.received.append(len(req.prompt_ids))
@@ -38,19 +56,14 @@ class FakeEngine:
                                          torch.zeros(n, T), torch.ones(n, dtype=torch.int64), 0, 0, n / rate))
 
 
-class HeldEngine:
-    """An engine without a process that holds every request until the test finishes it (``finish``), in any order
-    and with any version: for tests of streaming admission."""
-
-    reconnects = False
+class HeldEngine(FakeEngineBase):
+    """Holds every request until the test finishes it (``finish``), in any order and with any version: for tests
+    of streaming admission."""
 
     def __init__(self, name: str, events: queue.Queue):
-        self.name, self.events = name, events
+        super().__init__(name, events)
         self.requests: list = []  # every request received, in order
         self.held: dict[int, object] = {}  # req_id -> request not finished yet
-
-    def alive(self) -> bool:
-        return True
 
     def submit(self, req) -> None:
         self.requests.append(req)

@@ -1,5 +1,6 @@
-"""``Rollouts`` dispatch (``rollout/dispatch.py``, ``split.py``): prompts split in proportion to the EMA of measured engine speed, with a dead
-zone against jitter (``rollout.dispatch_dead_zone``) and an imbalance cap (``rollout.dispatch_max_share``).
+"""``Rollouts`` dispatch (``rollout/dispatch.py``, ``split.py``): prompts split in proportion to the EMA of
+measured engine speed, with a dead zone against jitter (``rollout.dispatch_dead_zone``) and an imbalance cap
+(``rollout.dispatch_max_share``).
 
 Fake engines only (``fakes.engines``, no processes): each answers a request at once, through the engines' event
 queue, with a ``gen_time_s`` that corresponds to its configured rate (completions/s), optionally jittered."""
@@ -92,7 +93,8 @@ def test_cap_holds_with_a_10x_faster_engine():
     splits = [step(sched, engines, k) for k in range(1, 30)]
     assert all(s[0] <= 12 for s in splits)  # never above 0.75 * 16
     assert splits[-1] == [12, 4]
-    assert abs(sched.pump.split.speed["e0"] / sched.pump.split.speed["e1"] - 10.0) < 0.1  # the speed is measured, only the split capped
+    speed = sched.pump.split.speed
+    assert abs(speed["e0"] / speed["e1"] - 10.0) < 0.1  # the speed is measured, only the split capped
     # three engines: the fast one is capped, the excess is spread over the others by speed
     # (100 / 140 = 0.71 of the speed; cap 0.6: e0 gets 0.6, the other 0.4 splits 1:3)
     sched, engines = make([100.0, 10.0, 30.0], prompts=32, dead_zone=0.0, max_share=0.6)
@@ -133,7 +135,7 @@ def test_engine_dying_with_work_in_flight():
         sched.pump.pump(0)
     engines[2].is_alive = False
     engines[2].events.put(EngineError("e2", "server gone", fatal=True))
-    sched.pump.pump(0)  # the scheduler alone drops a dead engine: e2 goes and its 4 prompts are re-dispatched to the others
+    sched.pump.pump(0)  # with no fleet a dead engine is dropped: e2 goes, its 4 prompts re-dispatched to the others
     assert [e.name for e in sched.engines] == ["e0", "e1"] and sched.pump.redispatched == 1
     while sched.pump.has_events():
         sched.pump.pump(0)
@@ -168,7 +170,7 @@ def test_a_stuck_engine_is_reported_every_wait_note_while_collect_waits(monkeypa
     import threading
     import time
 
-    from torchtitan_flux.rollout import pump as rollout
+    from torchtitan_flux.rollout import waiting as rollout
 
     monkeypatch.setattr(rollout, "WAIT_NOTE_S", 0.2)
     sched, (fast, stuck) = make([1.0, 1.0], prompts=4)
@@ -265,3 +267,24 @@ def test_reconnects_to_a_dying_server_are_capped_like_restarts(caplog):
     with caplog.at_level("ERROR", logger="torchtitan_flux"):
         assert EngineFleet.replace(fleet, engine, 0) is None
     assert fleet.restarts == 3 and "not reconnected again" in caplog.text
+
+
+def test_the_fakes_and_every_engine_kinds_handler_have_the_rollout_face():
+    """The rollout side uses an engine through ``rollout.pump.RolloutEngine`` only; the process-free fakes of these
+    tests implement exactly that face, and so does every real handler (so the fakes cannot drift from what they stand
+    in for). Mutation: a member added to the face that a handler lacks."""
+    import typing
+
+    from fakes.engines import FakeEngineBase, HeldEngine
+
+    from torchtitan_flux.engine.kinds import ENGINE_KINDS
+    from torchtitan_flux.rollout.pump import RolloutEngine
+
+    face = set(typing.get_type_hints(RolloutEngine)) | {
+        n for n, v in vars(RolloutEngine).items() if callable(v) and not n.startswith("_")}
+    assert face == {"name", "reconnects", "alive", "submit", "kill"}
+    handlers = {kind.handler_class(gpu) for kind in ENGINE_KINDS.values() for gpu in (False, True)}
+    for cls in [FakeEngineBase, FakeEngine, HeldEngine, *handlers]:
+        missing = {m for m in face - {"name"} if not hasattr(cls, m)}
+        assert not missing, (cls.__name__, missing)
+    assert isinstance(FakeEngine("e", 1.0, queue.Queue()), RolloutEngine)

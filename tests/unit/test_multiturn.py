@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from fakes.chatml_tokenizer import IM_END
+from fakes.engines import FakeEngineBase
 from test_environments import HFTokenizer
 
 from torchtitan_flux.data.environments import (MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput,
@@ -64,19 +65,15 @@ class Guess(MessageEnv):
         return MessageEnvStepOutput(env_messages=[{"role": "user", "content": f"again {self.n}"}])
 
 
-class ScriptEngine:
+class ScriptEngine(FakeEngineBase):
     """Answers every turn at once with the text ``reply(prompt_ids)`` then <|im_end|>, logprob -0.5 per token, on
     ``version``; records each request's prompt and generated ids. ``hold``: keeps requests (to die with them)."""
 
-    reconnects = False
-
     def __init__(self, name, events, tok, hold=False, version=0):
-        self.name, self.events, self.tok, self.hold, self.version = name, events, tok, hold, version
-        self.is_alive, self.requests, self.held = True, [], []
+        super().__init__(name, events)
+        self.tok, self.hold, self.version = tok, hold, version
+        self.requests, self.held = [], []
         self.generated: list[tuple[list[int], list[int]]] = []  # (prompt ids, generated ids) of each answered one
-
-    def alive(self):
-        return self.is_alive
 
     def submit(self, req):
         self.requests.append(req)

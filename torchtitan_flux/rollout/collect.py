@@ -27,7 +27,7 @@ from torchtitan_flux.errors import RolloutWaitInterrupted
 from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
 from torchtitan_flux.rollout.episode_groups import episode_record
 from torchtitan_flux.rollout.groups import Group, GroupState, GroupTable
-from torchtitan_flux.rollout.pump import WaitNotes
+from torchtitan_flux.rollout.waiting import WaitNotes
 from torchtitan_flux.rollout.requests import Versions
 
 logger = logging.getLogger("torchtitan_flux")

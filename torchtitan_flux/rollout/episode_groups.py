@@ -175,12 +175,10 @@ def load_configured_environment(rollout_cfg) -> EnvironmentClass:
     return configure_environment(env_class, list(rollout_cfg.environment_args), "rollout.environment_args")
 
 
-def episode_groups(job_config, tokenizer, events: queue.Queue, sender: TurnSender) -> EpisodeGroups | None:
-    """The multi-turn episodes of ``rollout.environment`` (None without one): the model folder's chat template,
-    ``rollout.max_turns`` and ``max_new_tokens`` per turn, ``training.seq_len`` per episode."""
+def episode_groups(job_config, tokenizer, events: queue.Queue, sender: TurnSender) -> EpisodeGroups:
+    """The multi-turn episodes of ``rollout.environment``: the model folder's chat template, ``rollout.max_turns``
+    and ``max_new_tokens`` per turn, ``training.seq_len`` per episode."""
     r = job_config.rollout
-    if not r.environment:
-        return None
     limits = EpisodeLimits(max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
                            max_total_tokens=job_config.training.seq_len)
     chat = ChatFormat.from_model_dir(job_config.model.hf_assets_path, tokenizer)
@@ -194,11 +192,11 @@ def _resolve(future: asyncio.Future, value: Any) -> None:
 
 def group_result(req_id: int, episodes: list[Episode], newest_seen: int, gen_time_s: float
                  ) -> tuple[list[int], GenerationResult]:
-    """A finished group as one result: (the prompt: the opening tokens its episodes share, the result: each episode's
-    tokens after it, the model's and the environment's as generated, with ``model_mask`` on the model's, logprobs 0
-    and version -1 elsewhere (an environment whose openings differ within the group: the rest of each opening is
-    laid out with its sample as masked context, docs/environments.md); ``version`` the oldest model token's; ``gen_time_s`` the group's wall time, from its
-    start to its last episode's end)."""
+    """A finished group as one result: (the prompt: the opening tokens its episodes share, the result: each
+    episode's tokens after it, the model's and the environment's as generated, with ``model_mask`` on the model's,
+    logprobs 0 and version -1 elsewhere (an environment whose openings differ within the group: the rest of each
+    opening is laid out with its sample as masked context, docs/environments.md); ``version`` the oldest model
+    token's; ``gen_time_s`` the group's wall time, from its start to its last episode's end)."""
     first = episodes[0].token_ids[: episodes[0].prompt_tokens]
     shared = min(next((i for i, (a, b) in enumerate(zip(first, ep.token_ids)) if a != b), len(first))
                  for ep in episodes)  # the same record opens alike, unless its environment draws at random

@@ -171,8 +171,8 @@ class GroupTable:
         finished = sorted((g for g in self.in_state(GroupState.FINISHED)
                            if g.step >= 0 and (g.step in whole or not whole_steps_only)),
                           key=lambda g: g.finished_order)
-        saved = lambda g: (g.step, g.index, g.prompt, g.prompt_ids, g.request, g.result, g.episodes, g.opening)  # noqa: E731
-        return {"finished": [saved(g) for g in finished], "taken": [saved(g) for g in self.in_state(GroupState.TAKEN)]}
+        return {"finished": [_saved(g) for g in finished],
+                "taken": [_saved(g) for g in self.in_state(GroupState.TAKEN)]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict``'s groups as they were: FINISHED (in their arrival order) and TAKEN."""
@@ -183,3 +183,7 @@ class GroupTable:
                 self.finish(group, result, episodes, opening)
                 if kind == "taken":
                     self.take(group)
+
+
+def _saved(g: Group) -> tuple:
+    return g.step, g.index, g.prompt, g.prompt_ids, g.request, g.result, g.episodes, g.opening

@@ -9,9 +9,9 @@ handler registered for its type at construction (results with their ``InFlight``
 Threads, and who waits for whom:
 
 * engine threads and processes only put events on ``raw`` (the queue every handler was given);
-* the router thread ("flux-router") moves them to the main queue in order, but for a multi-turn turn's result,
-  which it hands straight to the episode waiting for it (``TurnRequest.resolve``), so episodes go on while nobody pumps (a step
-  training, a checkpoint);
+* with multi-turn episodes, the router thread ("flux-router") moves them to the main queue in order, but for a
+  turn's result, which it hands straight to the episode waiting for it (``TurnRequest.resolve``), so episodes go on
+  while nobody pumps (a step training, a checkpoint); single-turn runs have no router (the main queue is ``raw``);
 * the episodes' thread ("flux-episodes") sends turns (``send_turn``): never blocks, never waits for an engine
   (a turn while no engine is alive is parked until ``pump`` sees one);
 * the main thread sends single-turn and evaluation requests (``send``) and runs ``pump``: the handlers, stall
@@ -28,18 +28,32 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
-from torchtitan_flux.engine.base import EngineError, EngineHandler, GenerationRequest, GenerationResult
-from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
+from torchtitan_flux.engine.base import EngineError, GenerationRequest, GenerationResult
+from torchtitan_flux.errors import NoEngineLeft
 from torchtitan_flux.rollout.split import SpeedSplit
 
 logger = logging.getLogger("torchtitan_flux")
 
 DEATH_NOTICE_S = 10.0  # how long a dispatch with no engine alive waits for a queued death (and its restart)
-WAIT_NOTE_S = 30.0  # a wait with no result for this long logs who holds what
 ROUTER_S = 0.1  # ``pump(0)`` waits this long at most for an event the router is moving
 UNPUMPED_S = 5.0  # nobody pumped for this long (training, a save): queued results are no evidence of a stall
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout side uses of an engine handler (``engine.base.EngineHandler``, every kind); the tests'
+    engines without processes implement exactly this (``tests/fakes/engines.py``)."""
+
+    name: str
+    reconnects: bool  # True: a server not ours (no stall kill: its HTTP timeouts cover its calls)
+
+    def alive(self) -> bool: ...
+
+    def submit(self, request: GenerationRequest) -> None: ...  # thread-safe, never blocks
+
+    def kill(self, why: str) -> None: ...
 
 
 class Turn(Protocol):
@@ -55,7 +69,7 @@ class InFlight:
     """A request on an engine."""
 
     request: GenerationRequest
-    engine: EngineHandler
+    engine: RolloutEngine
     sent: float = field(default_factory=time.monotonic)
     turn: Turn | None = None
     """A multi-turn episode's turn: its result goes to ``turn.resolve`` on the router thread, not to the main one."""
@@ -64,15 +78,17 @@ class InFlight:
 class EnginePump:
     """The module docstring's owner of engines, requests in flight and events."""
 
-    def __init__(self, engines: list[EngineHandler], raw: queue.Queue, *, split: SpeedSplit, stall_s: float,
-                 replace: Callable[[EngineHandler], EngineHandler | None], handlers: dict[type, Callable]):
+    def __init__(self, engines: list[RolloutEngine], raw: queue.Queue, *, split: SpeedSplit, stall_s: float,
+                 replace: Callable[[RolloutEngine], RolloutEngine | None], handlers: dict[type, Callable],
+                 turns: bool):
         """``raw``: the queue every engine handler (and ``EpisodeGroups``) reports to; ``handlers``: event type ->
         handler (``GenerationResult``: ``fn(in_flight, result)``; others ``fn(ev)``; an ``EngineError`` goes to its
         handler before a fatal one is handled here); ``replace(dead)``: a started replacement, or None (the engine is
-        dropped)."""
+        dropped); ``turns``: multi-turn episodes send turns (only then does the router run: a single-turn run's main
+        thread reads ``raw`` itself, one thread hop less per event)."""
         self.engines, self.split, self.stall_s = list(engines), split, stall_s
         self._replace, self._handlers = replace, handlers
-        self.events: queue.Queue = queue.Queue()  # the main thread's, fed by the router in order
+        self.events: queue.Queue = queue.Queue() if turns else raw  # the main thread's (the router's, in order)
         self._raw = raw
         self._lock = threading.Lock()  # guards _in_flight, _parked, last_result, _last_from (three threads)
         self._in_flight: dict[int, InFlight] = {}
@@ -83,15 +99,16 @@ class EnginePump:
         self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
         self._stall_checked = 0.0
         self._last_pump = self._stall_clock_from = time.monotonic()
-        self._router = threading.Thread(target=self._route, name="flux-router", daemon=True)
-        self._router.start()
+        self._router = threading.Thread(target=self._route, name="flux-router", daemon=True) if turns else None
+        if self._router is not None:
+            self._router.start()
 
     # -- sending (``send``: main thread; ``send_turn``: any thread)
     def new_id(self) -> int:
         with self._lock:
             return next(self._ids)
 
-    def send(self, request: GenerationRequest, engine: EngineHandler) -> None:
+    def send(self, request: GenerationRequest, engine: RolloutEngine) -> None:
         with self._lock:
             self._in_flight[request.req_id] = InFlight(request, engine)
         engine.submit(request)
@@ -120,7 +137,7 @@ class EnginePump:
         with self._lock:
             return list(self._in_flight.values())
 
-    def alive(self) -> list[EngineHandler]:
+    def alive(self) -> list[RolloutEngine]:
         """The engines alive now. With none, pump for up to ``DEATH_NOTICE_S``: a death still queued gets its
         replacement instead of ending the run (main thread)."""
         deadline = time.monotonic() + DEATH_NOTICE_S
@@ -132,7 +149,7 @@ class EnginePump:
                 raise NoEngineLeft("no rollout engine is alive")
             self.pump(0.05)
 
-    def fastest(self, alive: list[EngineHandler]) -> EngineHandler:
+    def fastest(self, alive: list[RolloutEngine]) -> RolloutEngine:
         return next(e for e in alive if e.name == self.split.fastest([a.name for a in alive]))
 
     # -- events
@@ -154,7 +171,7 @@ class EnginePump:
 
     def has_events(self) -> bool:
         """Whether ``pump`` has an event to handle now, or the router one still to move."""
-        return not self.events.empty() or self._raw.unfinished_tasks > 0
+        return not self.events.empty() or (self._router is not None and self._raw.unfinished_tasks > 0)
 
     def pump(self, timeout: float) -> None:
         """Handle at most one event, waiting up to ``timeout`` seconds; once a second, kill stuck engines and send
@@ -168,7 +185,7 @@ class EnginePump:
             self._kill_stuck(now)
             self._send_parked()
         try:  # an event reported already but still with the router counts as reported (``has_events``)
-            in_transit = self._raw.unfinished_tasks > 0
+            in_transit = self._router is not None and self._raw.unfinished_tasks > 0
             ev = self.events.get(timeout=timeout or ROUTER_S) if timeout > 0 or in_transit else self.events.get_nowait()
         except queue.Empty:
             return
@@ -239,49 +256,5 @@ class EnginePump:
 
     def close(self) -> None:
         """Stop the router (events still queued are dropped)."""
-        self._raw.put(None)
-
-
-class WaitNotes:
-    """A wait for step ``step``'s rollouts, one ``pump`` at a time: ``check()`` first (it raises an interrupt or a
-    failure kept for the next wait), then a note every ``WAIT_NOTE_S`` without a result (``waiting_note``)."""
-
-    def __init__(self, pump: EnginePump, step: int, check: Callable[[], None]):
-        self.engine_pump, self.step, self.check = pump, step, check
-        self.start = self.noted = time.monotonic()
-
-    def pump(self) -> None:
-        self.check()
-        p = self.engine_pump
-        p.pump(0.05)
-        now = time.monotonic()
-        if now - max(p.last_result, self.start) >= WAIT_NOTE_S and now - self.noted >= WAIT_NOTE_S:
-            logger.warning(waiting_note(self.step, now - self.start, p.engines, p.in_flight(), p.last_result))
-            self.noted = now
-
-
-def interrupted_wait(step: int) -> RolloutWaitInterrupted:
-    return RolloutWaitInterrupted(f"interrupted while waiting for the rollouts of step {step}")
-
-
-def waiting_note(step: int, waited: float, engines: list[EngineHandler], in_flight: list[InFlight],
-                 last_result: float) -> str:
-    """One line: how long step ``step`` has waited, and what each engine holds of the requests in flight."""
-    now = time.monotonic()
-    held = []
-    for e in engines:
-        mine = [f for f in in_flight if f.engine is e]
-        state = "alive" if e.alive() else "dead"
-        if not mine:
-            held.append(f"{e.name} ({state}): nothing in flight")
-            continue
-        steps = sorted({f.request.step for f in mine})
-        n = sum(len(f.request.prompt_ids) * f.request.group_size for f in mine)
-        versions = sorted({str(r.pin_version) if r.pin_version >= 0 else f">= {r.min_version}"
-                           for r in (f.request for f in mine)})
-        turns = sum(f.turn is not None for f in mine)
-        held.append(f"{e.name} ({state}): {len(mine)} requests{f' ({turns} episode turns)' if turns else ''}, {n} "
-                    f"completions of steps {', '.join(map(str, steps))} on weight version {', '.join(versions)}, the "
-                    f"oldest sent {now - min(f.sent for f in mine):.0f} s ago")
-    return (f"step {step}: waiting {waited:.0f} s for rollouts, none arrived for {now - last_result:.0f} s; "
-            + "; ".join(held))
+        if self._router is not None:
+            self._raw.put(None)

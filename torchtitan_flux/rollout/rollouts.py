@@ -39,9 +39,10 @@ from torchtitan_flux.rollout.dispatch import Dispatcher
 from torchtitan_flux.rollout.engines import EngineFleet
 from torchtitan_flux.rollout.episode_groups import EpisodeGroups, GroupEnded, TurnSender, episode_groups, group_result
 from torchtitan_flux.rollout.groups import GroupState, GroupTable, eval_step
-from torchtitan_flux.rollout.pump import EnginePump, InFlight, WaitNotes, interrupted_wait
+from torchtitan_flux.rollout.pump import EnginePump, InFlight
 from torchtitan_flux.rollout.requests import Sampling, Versions
 from torchtitan_flux.rollout.split import SpeedSplit
+from torchtitan_flux.rollout.waiting import WaitNotes, interrupted_wait
 from torchtitan_flux.sync.syncer import WeightSyncer
 
 logger = logging.getLogger("torchtitan_flux")
@@ -56,10 +57,10 @@ class Rollouts:
                  dead_zone: float = 0.1, max_share: float = 0.75, reward_workers: int = 1,
                  reward_timeout_s: float = 300.0, task_timeout_s: float = 300.0, stall_s: float = 600.0,
                  streaming: bool = False, carry_over: bool = True,
-                 episodes: Callable[[queue.Queue, TurnSender], EpisodeGroups | None] = lambda raw, sender: None,
+                 episodes: Callable[[queue.Queue, TurnSender], EpisodeGroups] | None = None,
                  fleet: EngineFleet | None = None):
         """``raw``: the queue every engine reports to; ``streaming``, ``carry_over``: ``rollout.streaming_admission``
-        and ``rollout.streaming_carry_over``; ``episodes(raw, sender)``: the multi-turn groups
+        and ``rollout.streaming_carry_over``; ``episodes(raw, sender)``: builds the multi-turn groups
         (``rollout.environment``), None: single-turn."""
         self.task, self.tokenizer, self.fleet = task, tokenizer, fleet
         self.group_size, self.prompts_per_step, self.temperature = group_size, prompts_per_step, temperature
@@ -69,11 +70,13 @@ class Rollouts:
         self.episode_failure: BaseException | None = None  # the first group that failed (an environment's error)
         self.syncer: WeightSyncer | None = None  # ``start``'s
         self.table = GroupTable()
+        multi_turn = episodes is not None
         self.pump = EnginePump(engines, raw, split=SpeedSplit([e.name for e in engines], dead_zone, max_share),
                                stall_s=stall_s, replace=self._replace, handlers={
                                    GenerationResult: self._on_result, GroupEnded: self._on_group_ended,
-                                   WeightAck: self._on_weight_event, EngineError: self._on_weight_event})
-        self.episodes = episodes(raw, self.pump)
+                                   WeightAck: self._on_weight_event, EngineError: self._on_weight_event},
+                               turns=multi_turn)
+        self.episodes = episodes(raw, self.pump) if multi_turn else None
         self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
         self.dispatcher = Dispatcher(self.table, self.pump, self.episodes, task, tokenizer, sampling=self.sampling,
                                      group_size=group_size, prompts_per_step=prompts_per_step, temperature=temperature,
@@ -105,11 +108,13 @@ class Rollouts:
                 max_share=r.dispatch_max_share, reward_workers=r.reward_workers,
                 reward_timeout_s=r.reward_timeout_seconds, task_timeout_s=r.task_timeout_seconds,
                 stall_s=r.engine_stall_seconds, streaming=r.streaming_admission, carry_over=r.streaming_carry_over,
-                episodes=lambda raw, sender: episode_groups(job_config, tokenizer, raw, sender), fleet=fleet,
+                episodes=(lambda raw, sender: episode_groups(jc, tokenizer, raw, sender)) if r.environment else None,
+                fleet=fleet,
             )
-            rollouts.syncer = WeightSyncer(jc.weight_sync, model, rollouts.engines, device=device, is_sender=True,
-                                           backend="nccl" if device.type == "cuda" else "gloo",
-                                           pump=rollouts.pump.pump, layout=HFLayout.from_hf_dir(jc.model.hf_assets_path))
+            rollouts.syncer = WeightSyncer(
+                jc.weight_sync, model, rollouts.engines, device=device, is_sender=True,
+                backend="nccl" if device.type == "cuda" else "gloo", pump=rollouts.pump.pump,
+                layout=HFLayout.from_hf_dir(jc.model.hf_assets_path))
         except BaseException:
             if rollouts is not None:
                 rollouts.close()
