@@ -124,8 +124,7 @@ class Rollouts:
         return rollouts
 
     @property
-    def engines(self) -> list[EngineHandler]:
-        """The engines now (replacements included)."""
+    def engines(self) -> list[EngineHandler]:  # now: replacements included
         return self.pump.engines
 
     def metrics(self) -> dict[str, float]:
@@ -157,7 +156,9 @@ class Rollouts:
         if ev.error is not None:
             self.episode_failure = self.episode_failure or ev.error
             return
-        group = next(g for g in self.table.in_state(GroupState.RUNNING) if g.request.req_id == ev.group)
+        group = next((g for g in self.table.in_state(GroupState.RUNNING) if g.request.req_id == ev.group), None)
+        if group is None:  # dropped meanwhile (a discarded step)
+            return
         opening, result = group_result(ev.group, ev.episodes, ev.newest_seen, ev.gen_time_s)
         self.table.finish(group, result, ev.episodes, opening)
         if group.step >= 0:
