@@ -10,6 +10,7 @@ import random
 import torch
 
 from torchtitan_flux.engine.base import GenerationResult
+from torchtitan_flux.rollout.seeds import group_seed
 
 
 class FakeEngineBase:
@@ -56,6 +57,11 @@ class FakeEngine(FakeEngineBase):
                                          torch.zeros(n, T), torch.ones(n, dtype=torch.int64), 0, 0, n / rate))
 
 
+def prompt_of(req) -> int:
+    """The index of a one-group request's prompt in its step, from its seed (``rollout.seeds``; run seed 0)."""
+    return req.seed - group_seed(0, req.step, 0)
+
+
 class HeldEngine(FakeEngineBase):
     """Holds every request until the test finishes it (``finish``), in any order and with any version: for tests
     of streaming admission."""
@@ -71,7 +77,7 @@ class HeldEngine(FakeEngineBase):
 
     def held_for(self, step: int, prompt: int):
         """The request held for prompt ``prompt`` of ``step`` (streaming: one prompt per request)."""
-        return next(r for r in self.held.values() if r.step == step and r.seed % 131 == prompt)
+        return next(r for r in self.held.values() if r.step == step and prompt_of(r) == prompt)
 
     def finish(self, req, length: int, version: int = 0, token_versions: list[int] | None = None) -> None:
         """Answer ``req``: every completion ``length`` tokens of id 5, generated on ``version`` (or per token)."""

@@ -268,9 +268,12 @@ def test_episodes_run_their_turns_while_nobody_pumps_and_groups_wait_for_pump(to
             time.sleep(0.01)
         assert len(engine.requests) == P * G * 3  # three turns of each episode, with no pump
         deadline = time.monotonic() + 10
-        while sched.pump.events.qsize() < 1 + P and time.monotonic() < deadline:
-            time.sleep(0.01)  # the groups' ends reach the main queue
-        assert [type(ev).__name__ for ev in list(sched.pump.events.queue)] == ["EngineError"] + ["GroupEnded"] * P
+        def main():  # the main queue's events but the turns' speeds
+            return [type(ev).__name__ for ev in list(sched.pump.events.queue) if type(ev).__name__ != "TurnTimed"]
+
+        while len(main()) < 1 + P and time.monotonic() < deadline:
+            time.sleep(0.01)  # the groups' ends reach the main queue (beside the turns' speeds)
+        assert main() == ["EngineError"] + ["GroupEnded"] * P
         assert all(g.state is GroupState.RUNNING for g in sched.table.of_step(1))  # nothing finished without pump
         batch = sched.collect(1, 0)
     finally:
@@ -296,6 +299,34 @@ def test_a_turn_sent_while_no_engine_is_alive_is_parked_until_pump_sees_one(tok,
     finally:
         sched.drain(0)
     assert batch.tokens.shape[0] == P * G
+
+
+def test_turns_waiting_for_an_engine_that_never_comes_back_end_the_wait(tok, monkeypatch):
+    """No engine alive and none restarted: the parked turns end the wait with ``NoEngineLeft`` after
+    ``DEATH_NOTICE_S``, as a dispatch would (the run checkpoints and stops), not a silent wait forever; and an
+    engine's death that leaves none stops it at once. Mutation: parked turns never given up (the wait hangs)."""
+    from torchtitan_flux.errors import NoEngineLeft
+    from torchtitan_flux.rollout import pump
+
+    monkeypatch.setattr(pump, "DEATH_NOTICE_S", 0.5)
+    sched, (engine,) = make(tok, monkeypatch)
+    try:
+        engine.is_alive = False  # stopped answering, no death reported (nor a restart)
+        sched.dispatch(1, 0)
+        t0 = time.monotonic()
+        with pytest.raises(NoEngineLeft, match="no rollout engine is alive"):
+            sched.collect(1, 0)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        sched.drain(0)
+    sched, (engine,) = make(tok, monkeypatch)
+    try:
+        engine.is_alive = False
+        engine.events.put(EngineError(engine.name, "killed", fatal=True))  # the last engine, not replaced
+        with pytest.raises(NoEngineLeft, match="every rollout engine died"):
+            sched.collect(1, 0)
+    finally:
+        sched.drain(0)
 
 
 def test_episodes_in_flight_are_capped(tok, monkeypatch):

@@ -11,7 +11,7 @@ import queue
 
 import pytest
 import torch
-from fakes.engines import HeldEngine
+from fakes.engines import HeldEngine, prompt_of
 from fakes.stub_tokenizers import FakeTokenizer
 
 from torchtitan_flux.data.rewards import RewardFunc
@@ -115,11 +115,11 @@ def test_without_carry_over_a_steps_unfinished_groups_restart_and_with_it_they_s
         sched, engine = make(carry_over)
         sched.dispatch(1, 0)
         sched.dispatch(2, 0)
-        first = {(r.step, r.seed % 131): r.req_id for r in engine.requests}
+        first = {(r.step, prompt_of(r)): r.req_id for r in engine.requests}
         for step, i in [(1, 0), (1, 1), (2, 0), (2, 1)]:
             engine.finish(engine.held_for(step, i), 2)
         sched.collect(1, 0)
-        now = {(r.step, r.seed % 131): r.req_id for r in engine.held.values()}
+        now = {(r.step, prompt_of(r)): r.req_id for r in engine.held.values()}
         restarted = {k for k in now if now[k] != first[k]}
         if carry_over:
             assert not restarted and sched.policy.restarted_groups == 0
@@ -140,7 +140,7 @@ def test_a_checkpoint_keeps_the_taken_prompts_and_the_finished_groups_not_traine
     resumed.load_state_dict(state)
     resumed.dispatch(1, 1)  # a restored step older than admission: its prompts neither taken nor finished
     resumed.dispatch(2, 1)
-    sent = sorted((r.step, r.seed % 131) for r in engine2.requests)
+    sent = sorted((r.step, prompt_of(r)) for r in engine2.requests)
     assert sent == [(1, 2), (1, 3), (2, 3)]  # p2_2 is restored finished; the taken ones are never sent again
     for r in list(engine2.held.values()):
         engine2.finish(r, 1)

@@ -53,6 +53,8 @@ class PipeSender:
 
     def _run(self) -> None:
         while (buf := self._queue.get()) is not None:
+            if self._dropping:  # stopped: what was queued before is dropped too
+                return
             try:
                 self.conn.send_bytes(buf)
             except (OSError, EOFError) as e:

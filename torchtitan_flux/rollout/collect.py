@@ -113,8 +113,9 @@ class Streaming:
             self._regenerate(group, versions)
         if not self.carry_over:
             for g in [g for g in self.table.of_step(step) if g.state is GroupState.RUNNING]:
-                self.restarted_groups += 1
-                self._regenerate(g, versions)
+                if g.state is GroupState.RUNNING:  # (a dispatch above may pump it to FINISHED meanwhile)
+                    self.restarted_groups += 1
+                    self._regenerate(g, versions)
         chosen.sort(key=lambda g: (g.step, g.index))
         scores = []
         for g in chosen:

@@ -13,7 +13,8 @@ Threads, and who waits for whom:
   turn's result, which it hands straight to the episode waiting for it (``TurnRequest.resolve``), so episodes go on
   while nobody pumps (a step training, a checkpoint); single-turn runs have no router (the main queue is ``raw``);
 * the episodes' thread ("flux-episodes") sends turns (``send_turn``): never blocks, never waits for an engine
-  (a turn while no engine is alive is parked until ``pump`` sees one);
+  (a turn while no engine is alive is parked: ``pump``'s once-a-second check sends it once one is, or raises
+  ``NoEngineLeft`` after ``DEATH_NOTICE_S`` with none);
 * the main thread sends single-turn and evaluation requests (``send``) and runs ``pump``: the handlers, stall
   kills, deaths and re-dispatch run there only. The registry of requests in flight is shared with the first two
   threads under ``_lock``, held only for bookkeeping (engine submits never block: ``EngineHandler.submit``).
@@ -39,6 +40,15 @@ logger = logging.getLogger("torchtitan_flux")
 DEATH_NOTICE_S = 10.0  # how long a dispatch with no engine alive waits for a queued death (and its restart)
 ROUTER_S = 0.1  # ``pump(0)`` waits this long at most for an event the router is moving
 UNPUMPED_S = 5.0  # nobody pumped for this long (training, a save): queued results are no evidence of a stall
+
+
+@dataclass
+class TurnTimed:
+    """A turn's result went to its episode: its engine's speed, for ``SpeedSplit`` on the main thread."""
+
+    engine: str
+    completions: int
+    gen_time_s: float
 
 
 @runtime_checkable
@@ -118,7 +128,7 @@ class EnginePump:
         with self._lock:
             alive = [e for e in self.engines if e.alive()]
             if not alive:
-                self._parked.append((request, turn))
+                self._parked.append((request, turn, time.monotonic()))
                 return
             held = collections.Counter(f.engine.name for f in self._in_flight.values())
             engine = min(alive, key=lambda e: held[e.name])
@@ -131,7 +141,7 @@ class EnginePump:
         with self._lock:
             for req_id in [k for k, f in self._in_flight.items() if not keep(f.request, f.turn)]:
                 del self._in_flight[req_id]
-            self._parked = collections.deque(p for p in self._parked if keep(*p))
+            self._parked = collections.deque(p for p in self._parked if keep(p[0], p[1]))
 
     def in_flight(self) -> list[InFlight]:
         with self._lock:
@@ -164,14 +174,20 @@ class EnginePump:
                         del self._in_flight[ev.req_id]
                         self.last_result = self._last_from[ev.engine] = time.monotonic()
             if f is not None and f.turn is not None:
-                f.turn.resolve(ev)
+                try:
+                    f.turn.resolve(ev)
+                except RuntimeError as e:  # its episodes' loop closed meanwhile (shutdown)
+                    logger.debug(f"dropped a turn's result (request {ev.req_id}): {e}")
+                self.events.put(TurnTimed(ev.engine, ev.tokens.shape[0], ev.gen_time_s))  # for the speed split
             else:
                 self.events.put(ev)
             self._raw.task_done()  # after the put: an event is always counted in one of the two queues
+        self._raw.task_done()  # the sentinel
 
     def has_events(self) -> bool:
         """Whether ``pump`` has an event to handle now, or the router one still to move."""
-        return not self.events.empty() or (self._router is not None and self._raw.unfinished_tasks > 0)
+        # raw first: the router puts an event on the main queue before it marks it done on raw
+        return (self._router is not None and self._raw.unfinished_tasks > 0) or not self.events.empty()
 
     def pump(self, timeout: float) -> None:
         """Handle at most one event, waiting up to ``timeout`` seconds; once a second, kill stuck engines and send
@@ -199,6 +215,9 @@ class EnginePump:
             self.split.observe(ev.engine, ev.tokens.shape[0], ev.gen_time_s)
             self._handlers[GenerationResult](f, ev)
             return
+        if isinstance(ev, TurnTimed):  # a turn's speed, measured on this thread only (``SpeedSplit``)
+            self.split.observe(ev.engine, ev.completions, ev.gen_time_s)
+            return
         handler = self._handlers.get(type(ev))
         if handler is not None:
             handler(ev)
@@ -209,9 +228,17 @@ class EnginePump:
                 logger.warning(f"engine {ev.engine}: {ev.message}")
 
     def _send_parked(self) -> None:
+        """Send the parked turns to an engine alive; none alive for ``DEATH_NOTICE_S`` since a turn was parked (no
+        restart came): ``NoEngineLeft``, as a dispatch would."""
         with self._lock:
+            if not self._parked:
+                return
+            if not any(e.alive() for e in self.engines):
+                if time.monotonic() - self._parked[0][2] > DEATH_NOTICE_S:
+                    raise NoEngineLeft("no rollout engine is alive (episodes' turns waited for one)")
+                return
             parked, self._parked = self._parked, collections.deque()
-        for request, turn in parked:
+        for request, turn, _ in parked:
             self.send_turn(request, turn)
 
     def _kill_stuck(self, now: float) -> None:
@@ -241,13 +268,16 @@ class EnginePump:
                 self.engines[self.engines.index(dead)] = replacement
                 self.split.replace(name, replacement.name)
             orphans = [f for f in self._in_flight.values() if f.engine is dead]
+        if not self.engines:
+            raise NoEngineLeft("every rollout engine died (and none could be restarted or reconnected)")
         for f in orphans:
             alive = [e for e in self.engines if e.alive()]
             if not alive:
                 raise NoEngineLeft("every rollout engine died (and none could be restarted or reconnected)")
             target = self.fastest(alive)
             with self._lock:
-                del self._in_flight[f.request.req_id]
+                if self._in_flight.pop(f.request.req_id, None) is not f:  # answered meanwhile (the router)
+                    continue
                 f.request.req_id = next(self._ids)
                 f.engine, f.sent = target, time.monotonic()
                 self._in_flight[f.request.req_id] = f

@@ -56,10 +56,9 @@ def request(req_id: int, groups: list[Group], n: int, temperature: float, versio
             seed_step: int) -> GenerationRequest:
     """``n`` samples of each of ``groups`` (one step's, consecutive, in order), seeded by the first group (its
     ``seed_step``: the step, or the version an evaluation samples), with their largest budget
-    (``Prompt.max_new_tokens``; evaluation's: ``rollout.max_new_tokens``; a multi-turn group's turns have their own,
+    (``Prompt.max_new_tokens``, else ``rollout.max_new_tokens``; a multi-turn group's turns have their own,
     ``EpisodeLimits``)."""
-    budget = sampling.max_new_tokens if groups[0].step < 0 else max(
-        g.prompt.max_new_tokens or sampling.max_new_tokens for g in groups)
+    budget = max(g.prompt.max_new_tokens or sampling.max_new_tokens for g in groups)
     return GenerationRequest(
         req_id=req_id, step=max(groups[0].step, 0), prompt_ids=[g.prompt_ids for g in groups], group_size=n,
         max_new_tokens=budget, temperature=temperature, top_k=sampling.top_k,

@@ -4,11 +4,9 @@ the reward pool, the multi-turn episodes (``EpisodeGroups``, with ``rollout.envi
 that sends to the engines. The trainer, the batch feed and the evaluator use its public methods only.
 
 One life for every group, single- or multi-turn (``groups.py``): ``dispatch`` draws a step's prompts into the table
-(QUEUED) and starts them (RUNNING): a single-turn group on an engine request (per step: the step's groups split
-over the engines alive by measured speed, one request per engine; streaming and evaluation: one request per group),
-a multi-turn group as G episodes on the episodes' thread, which send their turns themselves. Its result (a request's
-rows, or the episodes' ``GroupEnded``) finishes it (FINISHED) and the policy scores it; ``collect`` takes a step's
-batch as the policy says (TAKEN).
+(QUEUED) and starts them (RUNNING, ``dispatch.py``: on engine requests, or as G episodes that send their own
+turns). Its result (a request's rows, or the episodes' ``GroupEnded``) finishes it (FINISHED) and the policy scores
+it; ``collect`` takes a step's batch as the policy says (TAKEN).
 
 Direction: ``Rollouts`` builds rank 0's ``WeightSyncer`` with the pump's ``pump`` (the syncer waits by pumping); the
 pump hands acks and engine errors to the syncer (``on_event``) and a dead engine to ``_replace`` (which restarts it
@@ -236,7 +234,8 @@ class Rollouts:
     # -- checkpoint and shutdown
     def state_dict(self, timeout: float) -> dict:
         """The finished groups of training steps, for a checkpoint, after waiting up to ``timeout`` seconds for
-        those in flight (``GroupTable.state_dict``): per step, only steps whose every group finished."""
+        those in flight (``GroupTable.state_dict``): per-step collection saves only steps whose every group
+        finished; streaming saves every finished group and the taken ones."""
         deadline = time.monotonic() + timeout
         while self._generating() and time.monotonic() < deadline:
             waiting = any(e.alive() for e in self.engines)  # else: only take the results already queued
@@ -277,9 +276,9 @@ class Rollouts:
                 self.pump.pump(0.05)
         except NoEngineLeft:  # shutting down anyway: not the run's outcome (which the caller is reporting)
             pass
+        self.pump.forget(lambda r, turn: False)  # before the episodes' loop closes: no result goes to it
         if self.episodes is not None:
             self.episodes.close()
-        self.pump.forget(lambda r, turn: False)
         for step in self.table.steps():
             for g in self.table.of_step(step):
                 self.table.drop(g)
