@@ -50,7 +50,7 @@ def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout
         job=SimpleNamespace(dump_folder=""), training=SimpleNamespace(steps=0),
     )
     # no generation here, so no tokenizer
-    r = Rollouts(jc, DigitsTask(), SimpleNamespace(), model, device=device, stops=SimpleNamespace(signal=None))
+    r = Rollouts.start(jc, DigitsTask(), SimpleNamespace(), model, device=device, stops=SimpleNamespace(signal=None))
     try:
         for e in r.engines:
             e.checksum(timeout=120)  # serving its pipe
@@ -85,7 +85,7 @@ def pump_until(r, cond, timeout_s: float, what: str) -> bool:
         if time.monotonic() > deadline:
             check(False, f"{what} within {timeout_s:g} s")
             return False
-        r.pump(0.02)
+        r.pump.pump(0.02)
     return True
 
 

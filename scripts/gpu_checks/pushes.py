@@ -130,7 +130,7 @@ def stream(out: Path, device: torch.device) -> None:
             if push_s is None and not s.busy():
                 push_s = time.monotonic() - t0
                 main_done_at_push = bool(main[1].query()) if gpu else False
-            r.pump(0.001)
+            r.pump.pump(0.001)
         pump_until(r, lambda: s.links[0].acked >= 1, 30.0, "the engine acked push 1")
         check(push_s is not None, "the async push completed")
         report("push_s", round(push_s or -1, 4))

@@ -58,7 +58,9 @@ def test_async_run_is_one_step_off_policy(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timing  # borrowing needs an idle machine: alone, as CI's timing stage runs it
 def test_an_idle_engines_core_is_borrowed_on_an_idle_machine(tiny_model_dir, tmp_path):
-    run_train(tmp_path, "--training.steps", "12", "--weight_sync.async_weight_update", "true",
+    # 40 steps: nothing is borrowed before the first 0.5 s window of other load is measured (OtherLoad), and on a
+    # fast machine 12 async steps ended inside it (~26 steps/s here: every row said "contended")
+    run_train(tmp_path, "--training.steps", "40", "--weight_sync.async_weight_update", "true",
               "--rollout.borrow_idle_engine_cores", "true")
     rows = read_metrics(tmp_path)
     own = max(1, (os.cpu_count() or 1) - 1)

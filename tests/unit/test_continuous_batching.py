@@ -432,3 +432,7 @@ def test_the_fields_parse_and_a_batch_without_rows_is_refused(tiny_model_dir):
     assert cfg.rollout.continuous_batching and cfg.rollout.max_batch_sequences == 8
     with pytest.raises(ConfigError, match=r"rollout\.max_batch_sequences = 0 is out of"):
         validate_config(parse("--rollout.max_batch_sequences", "0"))
+    # rows set without continuous batching were silently ignored (the fifth sweep): refused, naming the field
+    with pytest.raises(ConfigError, match=r"^rollout\.max_batch_sequences = 8 is out of range; allowed: 256 \(the "
+                                          r"default\) unless rollout\.continuous_batching = true"):
+        validate_config(parse("--rollout.max_batch_sequences", "8"))

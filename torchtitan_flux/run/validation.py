@@ -297,6 +297,11 @@ def validate_config(job_config: Any) -> None:
                               "engine (it serves one request at a time otherwise); allowed: false without it")
     _require(r.streaming_admission or r.streaming_carry_over, "rollout.streaming_carry_over", r.streaming_carry_over,
              "true (the default) unless rollout.streaming_admission = true: only streaming admission reads it")
+    from torchtitan_flux.config import Rollout
+
+    _require(r.continuous_batching or r.max_batch_sequences == Rollout.max_batch_sequences,
+             "rollout.max_batch_sequences", r.max_batch_sequences, f"{Rollout.max_batch_sequences} (the default) "
+             "unless rollout.continuous_batching = true: only continuous batching reads it")
     if r.colocated and w.method == "sparse":
         raise ConfigError("weight_sync.method = 'sparse' patches what travels on a wire, but rollout.colocated = true "
                           "engines copy staging in place (no wire); allowed with colocated: 'dense'")
