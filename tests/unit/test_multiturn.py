@@ -354,6 +354,35 @@ def test_environment_args_set_the_config_and_are_checked(monkeypatch):
         configure_environment(env, ["turns=many"], "rollout.environment_args")
 
 
+class Optionals(Guess):
+    """A ``Config`` typed as torchtitan 0.3.0's configs are: ``X | None`` fields."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        limit: int | None = None
+        label: str | None = "x"
+        scale: float | None = None
+
+
+def test_environment_args_set_fields_typed_x_or_none(monkeypatch):
+    """``X | None`` fields (``types.UnionType``) could not be set, with a message that allowed only what was refused
+    (the fifth sweep). Mutations: a union's arms not tried (every value refused), or ``None`` accepted for a plain
+    field."""
+    monkeypatch.setitem(sys.modules, "_mt_envs", types.SimpleNamespace(Optionals=Optionals))
+    env = load_environment("_mt_envs:Optionals", "rollout.environment", 1.0, "rollout.environment_timeout_seconds")
+    config = configure_environment(env, ["limit=3", "label=null", "scale=2"], "rollout.environment_args").config
+    assert (config.limit, config.label, config.scale) == (3, None, 2.0) and isinstance(config.scale, float)
+    with pytest.raises(ConfigError, match=r"rollout.environment_args sets limit = 'many' \(str\); allowed: "
+                                          r"int \| None \(the type of _mt_envs:Optionals's Config.limit\)"):
+        configure_environment(env, ["limit=many"], "rollout.environment_args")
+    with pytest.raises(ConfigError, match=r"sets limit = True \(bool\); allowed: int \| None"):
+        configure_environment(env, ["limit=true"], "rollout.environment_args")
+    monkeypatch.setitem(sys.modules, "_mt_envs", types.SimpleNamespace(Guess=Guess))
+    guess = load_environment("_mt_envs:Guess", "rollout.environment", 1.0, "rollout.environment_timeout_seconds")
+    with pytest.raises(ConfigError, match=r"sets turns = None \(NoneType\); allowed: int "):
+        configure_environment(guess, ["turns=null"], "rollout.environment_args")
+
+
 CALCULATOR = "examples.environments.calculator:CalculatorEnv"
 
 

@@ -31,6 +31,7 @@ import inspect
 import json
 import math
 import threading
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -227,14 +228,11 @@ def configure_environment(env_class: EnvironmentClass, args: list[str], field_na
         except ValueError:
             value = text
         want = hints.get(name)
-        plain = typing.get_origin(want) or want
-        if isinstance(plain, type) and plain is not Any:
-            ok = isinstance(value, plain) and not (isinstance(value, bool) and plain is not bool)
-            if plain is float and isinstance(value, int) and not isinstance(value, bool):
-                value, ok = float(value), True
-            if not ok:
-                raise ConfigError(f"{field_name} sets {name} = {value!r} ({type(value).__name__}); allowed: "
-                                  f"{getattr(want, '__name__', want)} (the type of {env_class.spec}'s Config.{name})")
+        ok, value = _fits(value, want)
+        if not ok:
+            allowed = want.__name__ if isinstance(want, type) else str(want).replace("typing.", "")
+            raise ConfigError(f"{field_name} sets {name} = {value!r} ({type(value).__name__}); allowed: {allowed} "
+                              f"(the type of {env_class.spec}'s Config.{name})")
         values[name] = value
     try:
         config = dataclasses.replace(env_class.config, **values)
@@ -242,6 +240,26 @@ def configure_environment(env_class: EnvironmentClass, args: list[str], field_na
         raise ConfigError(f"{field_name}: {env_class.spec}'s Config({', '.join(values)}) raised "
                           f"{describe_exception(e)}") from e
     return dataclasses.replace(env_class, config=config)
+
+
+def _fits(value: Any, want: Any) -> tuple[bool, Any]:
+    """Whether ``value`` (read from ``environment_args``) is of type ``want``, and the value to set: an int for a
+    float field becomes a float; a union (``X | None``, ``Optional[X]``) takes a value any of its arms takes; a bool is
+    no int; a generic (``list[int]``) is checked by its origin; what is not a plain type (``Any``) takes anything."""
+    if typing.get_origin(want) in (typing.Union, types.UnionType):
+        for arm in typing.get_args(want):
+            ok, fitted = _fits(value, arm)
+            if ok:
+                return True, fitted
+        return False, value
+    if want is type(None):
+        return value is None, value
+    plain = typing.get_origin(want) or want
+    if not isinstance(plain, type) or plain is Any:
+        return True, value
+    if plain is float and isinstance(value, int) and not isinstance(value, bool):
+        return True, float(value)
+    return isinstance(value, plain) and not (isinstance(value, bool) and plain is not bool), value
 
 
 def loop_thread(name: str) -> asyncio.AbstractEventLoop:
