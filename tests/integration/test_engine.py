@@ -250,6 +250,17 @@ def test_in_flight_updates_apply_a_push_mid_request_and_report_each_tokens_versi
         assert (ref[:switch] - first.logprobs[0, :switch]).abs().max() < 1e-4
 
 
+def test_continuous_batching_with_fewer_rows_than_sequences_serves_every_one(tiny_model_dir):
+    """The engine process's own loop: 2 rows, a greedy request of 4 copies whose rows all end in the same decode
+    step while 2 copies still wait for a row (before: the engine then waited on its pipe for a message that never
+    came, and the run never trained a step). Every copy comes back, alike."""
+    with serving(tiny_model_dir, continuous_batching=True, max_batch_sequences=2) as rig:
+        rig.syncer.after_optimizer_step(1)
+        rig.engine.submit(GenerationRequest(7, 1, [[1, 40, 41]], 4, 3, 0.0, 0, seed=1, dispatch_version=1))
+        res = wait_result(rig, 7, timeout=30.0)
+        assert res.tokens.shape == (4, 3) and all(torch.equal(res.tokens[0], row) for row in res.tokens)
+
+
 def test_in_flight_updates_without_continuous_batching_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"in_flight_weight_updates = true needs continuous_batching = true"):
         EmbeddedEngine("engine0", str(tiny_model_dir), 1, queue.Queue(), in_flight_weight_updates=True)

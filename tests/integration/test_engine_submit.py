@@ -44,7 +44,7 @@ def test_submit_from_two_threads_to_a_stopped_engine_never_blocks_and_kill_ends_
         submit_many(0)
         other.join(5.0)
         took = time.monotonic() - t0
-        assert not other.is_alive() and took < 1.0, f"300 submits took {took:.2f} s"
+        assert not other.is_alive() and took < 3.0, f"300 submits took {took:.2f} s"  # blocked: forever
         assert not engine.idle() and engine.alive()
         assert any(t.name == "engine0-sender" for t in threading.enumerate())  # blocked in its send
 
@@ -74,7 +74,7 @@ def test_a_full_sender_queue_drops_messages_logging_once_and_a_closed_pipe_ends_
     with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
         for i in range(50):
             sender.send(("pad", i, bytes(1 << 20)))  # 1 MiB each: the first fills the pipe, 4 queue, the rest drop
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # blocked: forever
     assert [r.getMessage() for r in caplog.records].count(
         "engine engine9: 4 messages queued that it does not read (stopped or hung): its messages are dropped until it "
         "is declared stuck and killed (rollout.engine_stall_seconds)") == 1

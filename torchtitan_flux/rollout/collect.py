@@ -96,13 +96,12 @@ class Streaming:
         chosen: list[Group] = []
         waiting = self.wait(step)
         while len(chosen) < self.prompts_per_step:
+            while self.has_events():  # every group finished by now is a candidate
+                self.pump(0)
             ready = [g for g in self.table.in_state(GroupState.FINISHED) if g not in chosen and g.step >= 0]
             if not ready:
                 waiting.pump()
                 continue
-            while self.has_events():  # every group finished by now is a candidate
-                self.pump(0)
-            ready = [g for g in self.table.in_state(GroupState.FINISHED) if g not in chosen and g.step >= 0]
             group = min(ready, key=lambda g: (g.result.version, g.finished_order))  # the oldest first
             if group.result.version >= versions.min:  # the bound is on the oldest token (GenerationResult.version)
                 chosen.append(group)

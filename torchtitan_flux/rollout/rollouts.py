@@ -60,10 +60,8 @@ class Rollouts:
         """``raw``: the queue every engine reports to; ``streaming``, ``carry_over``: ``rollout.streaming_admission``
         and ``rollout.streaming_carry_over``; ``episodes(raw, sender)``: builds the multi-turn groups
         (``rollout.environment``), None: single-turn."""
-        self.task, self.tokenizer, self.fleet = task, tokenizer, fleet
-        self.group_size, self.prompts_per_step, self.temperature = group_size, prompts_per_step, temperature
-        self.sampling = Sampling(seed, top_k, max_new_tokens)
-        self.max_new_tokens, self.task_timeout_s, self.streaming = max_new_tokens, task_timeout_s, streaming
+        self.task, self.fleet, self.streaming = task, fleet, streaming
+        self.max_new_tokens, self.task_timeout_s = max_new_tokens, task_timeout_s  # read by the feed and evaluation
         self.interrupted = False  # set by ``interrupt`` (a signal handler may call it: a plain flag, no lock)
         self.episode_failure: BaseException | None = None  # the first group that failed (an environment's error)
         self.syncer: WeightSyncer | None = None  # ``start``'s
@@ -76,7 +74,8 @@ class Rollouts:
                                turns=multi_turn)
         self.episodes = episodes(raw, self.pump) if multi_turn else None
         self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
-        self.dispatcher = Dispatcher(self.table, self.pump, self.episodes, task, tokenizer, sampling=self.sampling,
+        self.dispatcher = Dispatcher(self.table, self.pump, self.episodes, task, tokenizer,
+                                     sampling=Sampling(seed, top_k, max_new_tokens),
                                      group_size=group_size, prompts_per_step=prompts_per_step, temperature=temperature,
                                      streaming=streaming, task_timeout_s=task_timeout_s,
                                      interrupted=lambda: self.interrupted)
@@ -127,7 +126,8 @@ class Rollouts:
 
     def metrics(self) -> dict[str, float]:
         """Per-step counters of the rollout side (``metrics.jsonl``)."""
-        return {"engine_restarts": self.fleet.restarts, "redispatched_requests": self.pump.redispatched,
+        return {"engine_restarts": self.fleet.restarts if self.fleet else 0,
+                "redispatched_requests": self.pump.redispatched,
                 **self.policy.metrics()}
 
     # -- dispatch
