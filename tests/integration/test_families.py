@@ -108,8 +108,9 @@ def _generate_and_score(weights, shape, prompts, seed: int, tokens: list[int]):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = inference.generate(weights, shape, prompts, max_new_tokens=12, temperature=1.0, eos_id=[2], pad_id=0,
-                                 generator=torch.Generator().manual_seed(seed))
+        model = inference.prepare(inference.Model.of(weights, shape))  # as the engine generates
+        out = inference.generate_on(model, prompts, max_new_tokens=12, temperature=1.0, eos_id=[2], pad_id=0,
+                                    generator=torch.Generator().manual_seed(seed))
         return (*out, inference.score(weights, shape, torch.tensor([tokens]))[0].tolist())
     finally:
         torch.set_num_threads(threads)
@@ -184,6 +185,22 @@ def test_the_embedded_engine_is_pushed_hf_names_and_computes_what_the_folder_giv
     finally:
         syncer.close()
         engine.close()
+
+
+@pytest.mark.parametrize("family,tied", CASES)
+def test_prepared_model_packs_every_projection_and_keeps_the_logits(family_dirs, family, tied):
+    """``inference.prepare`` (what an embedded engine generates with): on this CPU every projection is one packed
+    oneDNN weight (q/k/v stacked, gate/up stacked, biases too), and the logits are the folder's to rounding."""
+    weights, shape = weight_dict.load_hf_weights_dict(family_dirs[(family, tied)])
+    model = inference.Model.of(weights, shape)
+    prepared = inference.prepare(model)
+    layer = prepared.layers[0]
+    assert [len(layer.qkv.weights), len(layer.gate_up.weights)] == [1, 1]
+    assert all(w.is_mkldnn for w in (layer.qkv.weights[0], layer.gate_up.weights[0], layer.wo, layer.down,
+                                     prepared.output))
+    assert (layer.qkv.biases[0] is not None) == shape.qkv_bias
+    got, want = (inference.causal_logits(m, _tokens()) for m in (prepared, model))
+    assert (got - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("family,tied", CASES)

