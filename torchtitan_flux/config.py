@@ -190,16 +190,19 @@ class Rollout:
     decode step and leave it when they end, and several steps' requests are in flight at once, each result sent as
     soon as its sequences end (``engine/batcher.py``). Each request runs on exactly its pinned version (unless
     ``in_flight_weight_updates``): it joins a running batch only on the live version, else waits for the batch to
-    drain (so requests pinned to different versions do not overlap). Each sequence samples from its own
-    generator, so its tokens do not depend on its batch; they differ from those of false (one generator per
-    request). Runs are bit-reproducible only as
+    drain (so requests pinned to different versions do not overlap). Each sequence samples from its own draws
+    (a hash of its key and the token's position), so its tokens do not depend on its batch; they differ from those
+    of false (one generator per request). A multi-turn turn prefills only its new tokens: the engine keeps the K/V
+    of its episode's previous turn (``engine/kept.py``). Runs are bit-reproducible only as
     far as requests interleave alike: which sequences share a decode step depends on when requests arrive, and
     with it the last bits of the forward (steps pinned alike, such as the first two of an async run, do share
     steps). Lifts the serial engine's auto ``off_policy.max_pipeline_depth`` of 1. False: one request at a time."""
 
     max_batch_sequences: Annotated[int, Range(ge=1, le=65536)] = 256
     """With ``continuous_batching``: the most sequences one embedded engine decodes at once (the rows of its KV
-    cache, allocated as they are first used); further sequences wait for a row. 256: eight steps of the CPU configs
+    pool, each of ``training.seq_len`` slots, allocated at its first request and fixed from then on; refused at
+    start where the pools cannot fit: in half the memory available on a CPU, in the colocated formula on a GPU);
+    further sequences wait for a row. 256: eight steps of the CPU configs
     (32 sequences each), one of the 8-GPU examples (256)."""
 
     in_flight_weight_updates: Bool = False

@@ -33,7 +33,7 @@ from torchtitan_flux.sync.syncer import WeightSyncer  # noqa: E402
 
 @pytest.fixture(scope="module", params=[False, True], ids=["serial", "continuous"])
 def rig(tiny_model_dir, request):
-    with serving(tiny_model_dir, continuous_batching=request.param) as r:
+    with serving(tiny_model_dir, continuous_batching=request.param, kv_slots=128) as r:
         yield r
 
 
@@ -223,7 +223,7 @@ def test_in_flight_updates_apply_a_push_mid_request_and_report_each_tokens_versi
     main thread 1.5 s (fault injection) while version 2 lands, so request 1 is mid-generation when it does: its
     tokens switch from 1 to 2 once, those of version 1 have the trainer's version-1 logprobs, and its ``version``
     is 1."""
-    with serving(tiny_model_dir, continuous_batching=True, in_flight_weight_updates=True) as rig:
+    with serving(tiny_model_dir, continuous_batching=True, kv_slots=128, in_flight_weight_updates=True) as rig:
         rig.syncer.after_optimizer_step(1)
         prompts = [[1, 40, 41, 42]]
         rig.engine.submit(GenerationRequest(1, 1, prompts, 1, 120, 0.0, 0, seed=1, dispatch_version=1,
@@ -255,7 +255,7 @@ def test_continuous_batching_with_fewer_rows_than_sequences_serves_every_one(tin
     """The engine process's own loop: 2 rows, a greedy request of 4 copies whose rows all end in the same decode
     step while 2 copies still wait for a row (before: the engine then waited on its pipe for a message that never
     came, and the run never trained a step). Every copy comes back, alike."""
-    with serving(tiny_model_dir, continuous_batching=True, max_batch_sequences=2) as rig:
+    with serving(tiny_model_dir, continuous_batching=True, max_batch_sequences=2, kv_slots=128) as rig:
         rig.syncer.after_optimizer_step(1)
         rig.engine.submit(GenerationRequest(7, 1, [[1, 40, 41]], 4, 3, 0.0, 0, seed=1, dispatch_version=1))
         res = wait_result(rig, 7, timeout=30.0)

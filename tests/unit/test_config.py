@@ -788,11 +788,34 @@ def test_colocated_engines_that_cannot_fit_beside_training_are_refused_by_the_fo
     assert 8.0e9 < big < 8.1e9 and 0.59e9 < small < 0.61e9, (big, small)
     gpu = 80 * 2**30
     why = colocated_memory_problem(big, 2, engines=2, copies=2, device_bytes=gpu)
-    assert why is not None and why.startswith("rollout.colocated = true needs 74.8 GiB for 2 engine(s) x 2 weight")
+    assert why is not None and why.startswith("rollout.colocated = true needs 74.8 GiB for 2 engine(s) x (2 weight")
     assert "allowed: fewer rollout.num_engines" in why and "\n" not in why
     assert colocated_memory_problem(small, 2, engines=2, copies=2, device_bytes=gpu) is None
     # the engines' copies alone can tip it: 0.6B in float32, 8 engines, gap 7 (8 copies each) on a 24 GiB device
     assert colocated_memory_problem(small, 4, engines=8, copies=8, device_bytes=24 * 2**30) is not None
+
+
+def test_kv_pools_are_counted_colocated_and_refused_on_a_cpu_that_cannot_hold_them(monkeypatch):
+    """Continuous batching's KV pool (max_batch_sequences x training.seq_len slots per engine, fixed at its first
+    request) is in the colocated formula, and CPU engines' pools must fit in half the memory available: else one
+    line naming both fields and the most rows that fit."""
+    from torchtitan_flux.run import validation
+
+    gpu, small = 24 * 2**30, 600_000_000
+    assert validation.colocated_memory_problem(small, 2, engines=2, copies=2, device_bytes=gpu) is None
+    why = validation.colocated_memory_problem(small, 2, engines=2, copies=2, device_bytes=gpu,
+                                              kv_pool_bytes=6 * 2**30)
+    assert why is not None and "a KV pool of 6.0 GiB" in why and "rollout.max_batch_sequences" in why
+    cfg = parse("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "64")
+    pool = validation.kv_pool_bytes(cfg)
+    assert pool > 0 and validation.kv_pool_bytes(parse()) == 0  # the serial engine has none
+    monkeypatch.setattr(validation.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(validation, "_memory_available", lambda: pool // 64 * 43)  # half of it: 21.5 rows
+    with pytest.raises(ConfigError, match=r"^rollout.max_batch_sequences = 64 rows x training.seq_len = 64 slots: "
+                                          r".* allowed: rollout.max_batch_sequences <= 21 here"):
+        validate_config(cfg)
+    monkeypatch.setattr(validation, "_memory_available", lambda: 2 * pool)
+    validate_config(cfg)
 
 
 def test_validation_checks_colocated_memory_when_cuda_is_available(monkeypatch):
@@ -805,7 +828,7 @@ def test_validation_checks_colocated_memory_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     total = {"bytes": 2**20}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total["bytes"]))
-    with pytest.raises(ConfigError, match=r"^rollout.colocated = true needs .* GiB for 2 engine\(s\) x 2 weight"):
+    with pytest.raises(ConfigError, match=r"^rollout.colocated = true needs .* GiB for 2 engine\(s\) x \(2 weight"):
         validate_config(cfg)  # the tiny model does not fit on a 1 MiB device
     total["bytes"] = 80 * 2**30
     validate_config(cfg)

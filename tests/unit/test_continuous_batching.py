@@ -68,7 +68,7 @@ class FakeEngine(EngineIO):
 
     def __init__(self, weights: dict[int, dict], shape, in_flight: bool = False):
         self.rule, self.receiver, self.shape = InFlight() if in_flight else Pinned(), FakeReceiver(weights), shape
-        self.eos_id, self.pad_id, self.stall_s = [assets.EOS_ID], assets.PAD_ID, 0.0
+        self.eos_id, self.pad_id, self.stall_s, self.kv_slots = [assets.EOS_ID], assets.PAD_ID, 0.0, 64
         self.results: list[SimpleNamespace] = []
 
     def live_model(self):
@@ -261,7 +261,7 @@ def mixed_logprobs(weights_of: dict, shape, prompt, tokens, versions) -> torch.T
     """Each token's logprob (temperature 1) the way in-flight updates compute it, one row alone: the hidden state
     it is sampled from is decoded by its own version, over the K/V the earlier tokens' versions wrote, kept."""
     models = {v: inference.Model.of(weights_of[v], shape) for v in set(versions)}
-    cache = inference.SlotCache.empty(models[versions[0]])
+    cache = inference.SlotCache.allocate(models[versions[0]], 1, len(prompt) + len(tokens))
     h = inference.join_rows(models[versions[0]], cache, [prompt], assets.PAD_ID, len(prompt) + len(tokens))
     out = []
     for k, (t, v) in enumerate(zip(tokens, versions)):
@@ -388,8 +388,8 @@ def test_slot_cache_decode_matches_the_padded_batch_path(weights_and_shape):
     with torch.no_grad():
         _, padded = inference.prefill(model, prompts, assets.PAD_ID, 32, freqs)
         expected = [inference.decode_step(model, padded, t, freqs) for t in tokens]
-    cache = inference.SlotCache.empty(model)
-    inference.join_rows(model, cache, prompts[:1], assets.PAD_ID, 16)  # grows later: rows and capacity
+    cache = inference.SlotCache.allocate(model, 5, 32)
+    inference.join_rows(model, cache, prompts[:1], assets.PAD_ID, 16)
     inference.join_rows(model, cache, [[1, 2, 3]] + prompts[1:], assets.PAD_ID, 32)
     order = inference.drop_rows(cache, [False, True, False, False, False])  # the last row moves into row 1
     assert order == [0, 4, 2, 3]
@@ -563,3 +563,22 @@ def test_host_sync_one_read_per_decode_step(weights_and_shape):
         steps += 1
         b._fill_rows()
     assert steps >= 6 and len(b.engine.results) == 2
+
+
+def test_kv_pool_is_allocated_once_and_never_grows_or_moves(weights_and_shape):
+    """The KV pool (rows x slots) is allocated at the first request and is the same tensors, of the same size,
+    after sequences joined, ended, moved and joined again; a request longer than its rows is refused in one line
+    naming training.seq_len, and so is a join past the free rows."""
+    b = batcher(weights_and_shape, max_sequences=3)
+    submit(b, request(1, PROMPTS + [[1, 33]], max_new=10, seed=4))
+    pool = [(k.data_ptr(), v.data_ptr(), tuple(k.shape)) for k, v in b.cache.layers]
+    assert pool[0][2][0] == 3 and pool[0][2][2] == b.engine.kv_slots
+    run_until_idle(b)
+    submit(b, request(2, PROMPTS, max_new=20, seed=5))
+    run_until_idle(b)
+    assert [(k.data_ptr(), v.data_ptr(), tuple(k.shape)) for k, v in b.cache.layers] == pool
+    with pytest.raises(ValueError, match=r"request 3 needs 66 KV slots .* have 64 \(training.seq_len\)"):
+        submit(b, request(3, [[1, 2]], max_new=64))
+    model = inference.Model.of(*weights_and_shape)
+    with pytest.raises(ValueError, match="do not fit in the KV pool's free rows"):
+        inference.join_rows(model, inference.SlotCache.allocate(model, 1, 8), [[1, 2], [1, 3]], assets.PAD_ID, 4)

@@ -4,8 +4,9 @@ Sequences (a request's prompts x group) join the running batch at any decode ste
 then decode with the rest) and leave it when they end (a stop token or the request's ``max_new_tokens``). Several
 requests are in flight at once; a request's ``GenerationResult`` is sent as soon as its last sequence ends. Between
 decode steps the loop reads the control pipe without blocking, so requests, joins, checksums and probes are served
-while a batch decodes. At most ``max_sequences`` sequences decode at once (the rows of the ``SlotCache``); the
-others of an admitted request queue in order and take the rows the finished ones free.
+while a batch decodes. At most ``max_sequences`` sequences decode at once (the rows of the ``SlotCache``, a pool of
+``max_sequences`` x ``kv_slots`` allocated at the first request); the others of an admitted request queue in order
+and take the rows the finished ones free.
 
 Weights: the engine's ``versions.VersionRule`` (``engine/versions.py`` states both rules) says when a waiting
 request is admitted (in arrival order: the head is ready, and may join what is in flight), which version a swap makes
@@ -70,6 +71,10 @@ class EngineIO(Protocol):
 
     pad_id: int
     """Written after a sequence's end (as the serial engine does)."""
+
+    kv_slots: int
+    """Slots of each row of the KV pool (``inference.SlotCache``, allocated at the first request): the longest
+    prompt plus completion a sequence may have (``training.seq_len``)."""
 
     stall_s: float
     """Fault injection: seconds to sleep before admitting each request."""
@@ -179,9 +184,14 @@ class ContinuousBatcher:
             time.sleep(self.engine.stall_s)
         if req.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {req.temperature}")
+        longest = max((len(p) for p in req.prompt_ids), default=0) + req.max_new_tokens
+        if longest > self.engine.kv_slots:
+            raise ValueError(f"request {req.req_id} needs {longest} KV slots (prompt + max_new_tokens), the KV pool's "
+                             f"rows have {self.engine.kv_slots} (training.seq_len)")
         if not self.in_flight:
             self._swap(self.rule.swap_target(req))
-            self.cache = self.cache or inference.SlotCache.empty(self.model)
+            self.cache = self.cache or inference.SlotCache.allocate(self.model, self.max_sequences,
+                                                                    self.engine.kv_slots)
         request = _Request(req, self.engine.receiver.live_version, time.perf_counter())
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         request.sequences = [_Sequence(request, p, sequence_key(req.seed, i)) for i, p in enumerate(prompts)]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torchtitan_flux.models.weight_dict import EMBEDDING, FINAL_NORM, ModelShape, layer_param_names, output_weight
 
 __all__ = ["generate", "generate_on", "prepare", "logits", "score", "forward_logits", "causal_logits", "prefill",
-           "decode_step", "sample", "sample_with", "counter_uniforms", "SlotCache", "kept_rows", "join_rows",
+           "decode_step", "sample", "sample_with", "counter_uniforms", "SlotCache", "kv_pool_bytes", "kept_rows", "join_rows",
            "decode_rows", "drop_rows"]
 
 
@@ -524,39 +524,35 @@ def generate_on(model: Model, prompts: list[list[int]], *, max_new_tokens: int, 
 
 @dataclass
 class SlotCache:
-    """The decode state of continuous batching: rows of sequences, each at its own length. Per layer K and V
-    [rows allocated, n_kv, capacity, hd]; ``lengths`` [rows allocated]: each row's filled slots, which is also its
-    next token's RoPE position (a row's prompt starts at slot 0: no padding). The rows in use are the prefix
-    ``[:rows]`` (``drop_rows`` keeps it so). Slots past a row's length hold finite values (zeros, an earlier
-    sequence's K/V, copies of its prompt's) and are masked. Rows and capacity grow on demand (``_reserve``); the
-    caller bounds the rows."""
+    """The decode state of continuous batching: rows of sequences, each at its own length, in a pool allocated once
+    (``allocate``: its memory is fixed from then on). Per layer K and V [rows, n_kv, slots, hd]; ``lengths``
+    [rows]: each row's filled slots, which is also its next token's RoPE position (a row's prompt starts at slot 0:
+    no padding). The rows in use are the prefix ``[:rows]`` (``drop_rows`` keeps it so, moving one row into each
+    freed one). Slots past a row's length hold finite values (zeros, an earlier sequence's K/V) and are masked."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     lengths: torch.Tensor
     rows: int
 
     @classmethod
-    def empty(cls, model: Model) -> "SlotCache":
-        return cls(_empty_cache(model.shape, 0, 0, model.embedding.dtype, model.device),
-                   torch.zeros(0, dtype=torch.long, device=model.device), 0)
+    def allocate(cls, model: Model, rows: int, slots: int) -> "SlotCache":
+        """A pool of ``rows`` rows of ``slots`` slots (``kv_pool_bytes``), zeros."""
+        return cls(_empty_cache(model.shape, rows, slots, model.embedding.dtype, model.device, zeros=True),
+                   torch.zeros(rows, dtype=torch.long, device=model.device), 0)
+
+    @property
+    def slots(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """Rows in the pool."""
+        return self.layers[0][0].shape[0]
 
 
-def _reserve(cache: SlotCache, rows: int, capacity: int) -> None:
-    """Grow ``cache`` to at least ``rows`` rows of ``capacity`` slots (capacity to a power of two), keeping its
-    contents; new slots are zeros."""
-    kc = cache.layers[0][0]
-    have_rows, have_capacity = kc.shape[0], kc.shape[2]
-    if rows <= have_rows and capacity <= have_capacity:
-        return
-    rows, capacity = max(rows, have_rows), max(1 << (capacity - 1).bit_length(), have_capacity)
-    grown = []
-    for old_k, old_v in cache.layers:
-        size = (rows, old_k.shape[1], capacity, old_k.shape[3])
-        new_k, new_v = (torch.zeros(size, dtype=old_k.dtype, device=old_k.device) for _ in range(2))
-        new_k[:have_rows, :, :have_capacity], new_v[:have_rows, :, :have_capacity] = old_k, old_v
-        grown.append((new_k, new_v))
-    cache.layers = grown
-    cache.lengths = torch.cat([cache.lengths, cache.lengths.new_zeros(rows - have_rows)])
+def kv_pool_bytes(shape: ModelShape, rows: int, slots: int, itemsize: int) -> int:
+    """Bytes of a ``SlotCache`` of ``rows`` x ``slots`` in a dtype of ``itemsize`` bytes."""
+    return 2 * shape.n_layers * rows * shape.n_kv_heads * slots * shape.head_dim * itemsize
 
 
 KeptRows = list[tuple[torch.Tensor, torch.Tensor]]
@@ -571,8 +567,8 @@ def kept_rows(cache: SlotCache, row: int, slots: int) -> KeptRows:
 @torch.no_grad()
 def join_rows(model: Model, cache: SlotCache, prompts: list[list[int]], pad_id: int, capacity: int,
               kept: list[KeptRows | None] | None = None) -> torch.Tensor:
-    """Prefill ``prompts`` into the rows ``[rows, rows + len(prompts))`` of ``cache``, which grows to ``capacity``
-    slots if shorter; returns their last prompt token's hidden state [len(prompts), dim]. ``kept[i]``: the K/V of
+    """Prefill ``prompts`` into the rows ``[rows, rows + len(prompts))`` of ``cache``, each to be decoded up to
+    ``capacity`` slots (ValueError past the pool's rows or slots); returns their last prompt token's hidden state [len(prompts), dim]. ``kept[i]``: the K/V of
     the first tokens of prompt ``i`` (``kept_rows``, fewer slots than the prompt has tokens), which are not run
     again: the prompt's other tokens are, at their positions, attending to them. Prompts with the same tokens and
     nothing kept (a group's) run once, and their K/V is copied to each of their rows."""
@@ -588,7 +584,9 @@ def join_rows(model: Model, cache: SlotCache, prompts: list[list[int]], pad_id: 
                for i, (p, k) in enumerate(zip(prompts, kept))]
     first_of = {u: inverse.index(u) for u in range(len(runs))}  # a prompt of each run
     width = max(len(p) for p in prompts)
-    _reserve(cache, cache.rows + n, max(capacity, width))
+    if cache.rows + n > cache.capacity or max(capacity, width) > cache.slots:
+        raise ValueError(f"{n} sequences of up to {max(capacity, width)} tokens do not fit in the KV pool's free "
+                         f"rows ({cache.capacity - cache.rows} of {cache.slots} slots)")
     device, shape = model.device, model.shape
     # each run's tokens after what is kept, right-padded to S; its K/V written at slots start + j
     S = max(len(prompts[first_of[u]]) - starts[first_of[u]] for u in first_of)

@@ -124,7 +124,8 @@ class EngineFleet:
                 f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self.events,
                 self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
                 auth_token=token, colocated=r.colocated, continuous_batching=r.continuous_batching,
-                max_batch_sequences=r.max_batch_sequences, in_flight_weight_updates=r.in_flight_weight_updates,
+                max_batch_sequences=r.max_batch_sequences, kv_slots=self.job_config.training.seq_len,
+                in_flight_weight_updates=r.in_flight_weight_updates,
             )
         e.start()
         return e

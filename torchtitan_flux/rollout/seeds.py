@@ -2,8 +2,8 @@
 
 A group's seed follows from the run's seed, its step and its prompt's index. A request of several groups (per-step
 dispatch) carries its first group's seed, and the engine derives each sequence's stream from the request's (the
-serial engine: one generator per request; ``engine.batcher.sequence_generator``: the request's seed and the
-sequence's index), so a group's samples depend on how its step is split over the engines: the same split (one
+serial engine: one generator per request; ``engine.batcher.sequence_key``: the request's seed and the
+sequence's index, hashed with each token's position), so a group's samples depend on how its step is split over the engines: the same split (one
 engine, or the same measured speeds), the same samples. Streaming and multi-turn groups have a request of their own:
 sampled alike whichever engine generates them. An evaluation group's "step" is the policy version it evaluates. A
 multi-turn turn's seed follows from its group's, the episode and the turn.

@@ -374,6 +374,9 @@ def validate_config(job_config: Any) -> None:
     _check_model_folder(job_config)
     if r.colocated and torch.cuda.is_available():
         _check_colocated_memory(job_config)
+    elif r.continuous_batching and engine_kind(r.engine).name == "embedded" and (
+            not torch.cuda.is_available() or all(d == "cpu" for d in r.engine_devices) and r.engine_devices):
+        _check_kv_pools_in_memory(job_config)
 
 
 TRAIN_BYTES_PER_PARAM = 16  # float32 parameter + gradient + AdamW's two moments
@@ -383,25 +386,28 @@ CUDA_CONTEXT_BYTES = 2**30
 
 
 def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies: int, device_bytes: int,
-                             shards: int = 1) -> str | None:
+                             shards: int = 1, kv_pool_bytes: int = 0) -> str | None:
     """Why colocated engines cannot fit beside training on one device, else None. Formula (docs/gpu.md, review 4
-    finding 6): ``engines x copies x P x w + P x w`` (each engine's weight copies and rank 0's device staging) must
+    finding 6): ``engines x (copies x P x w + K) + P x w`` (each engine's weight copies and KV pool ``K``,
+    ``kv_pool_bytes``, and rank 0's device staging) must
     fit in ``device - (16 P / shards + 10% of the device + 1 GiB x (engines + 1))`` (training state: float32
     parameters, gradients and AdamW's moments, sharded over ``shards`` ranks; the margin: activations, allocator
     slack and a CUDA context per process)."""
     model = params * wire_bytes
-    need = engines * copies * model + model
+    need = engines * (copies * model + kv_pool_bytes) + model
     margin = device_bytes // 10 + CUDA_CONTEXT_BYTES * (engines + 1)
     free = device_bytes - (TRAIN_BYTES_PER_PARAM * params // max(1, shards) + margin)
     if need <= free:
         return None
     gib = 2**30
-    return (f"rollout.colocated = true needs {need / gib:.1f} GiB for {engines} engine(s) x {copies} weight copies "
-            f"(max(2, off_policy.max_version_gap + 1)) x {model / gib:.1f} GiB + staging {model / gib:.1f} GiB, but "
+    return (f"rollout.colocated = true needs {need / gib:.1f} GiB for {engines} engine(s) x ({copies} weight copies "
+            f"(max(2, off_policy.max_version_gap + 1)) x {model / gib:.1f} GiB + a KV pool of "
+            f"{kv_pool_bytes / gib:.1f} GiB) + staging {model / gib:.1f} GiB, but "
             f"the {device_bytes / gib:.1f} GiB device leaves {max(free, 0) / gib:.1f} GiB beside training "
             f"({TRAIN_BYTES_PER_PARAM} B x {params / 1e9:.2f}B parameters / {shards} FSDP shard(s) + a margin of 10% "
             f"and 1 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
             + ("weight_sync.wire_dtype = 'bfloat16', " if wire_bytes > 2 else "")
+            + ("a smaller rollout.max_batch_sequences or training.seq_len, " if kv_pool_bytes else "")
             + "or engines on their own GPUs (rollout.colocated = false)")
 
 
@@ -412,6 +418,44 @@ def hf_param_count(shape: Any) -> int:
     layer = d * q + 2 * d * kv + q * d + 3 * d * shape.intermediate_size + 2 * d
     layer += (2 * hd if shape.qk_norm else 0) + (q + 2 * kv if shape.qkv_bias else 0)
     return shape.vocab_size * d * (1 if shape.tied else 2) + shape.n_layers * layer + d
+
+
+def kv_pool_bytes(job_config: Any) -> int:
+    """One embedded engine's KV pool with continuous batching (``inference.SlotCache``): ``max_batch_sequences`` rows
+    of ``training.seq_len`` slots, in the wire dtype (an embedded engine computes in it); 0 without."""
+    from torchtitan_flux.models import inference
+    from torchtitan_flux.models.weight_dict import ModelShape
+
+    r, w = job_config.rollout, job_config.weight_sync
+    if not r.continuous_batching or engine_kind(r.engine).name != "embedded":
+        return 0
+    shape = ModelShape.from_hf_dir(job_config.model.hf_assets_path)
+    wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize  # "auto": float32 parameters
+    return inference.kv_pool_bytes(shape, r.max_batch_sequences, job_config.training.seq_len, wire)
+
+
+def _memory_available() -> int | None:
+    """This machine's ``MemAvailable`` (bytes), None where /proc/meminfo has none."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _check_kv_pools_in_memory(job_config: Any) -> None:
+    """CPU engines' KV pools (``kv_pool_bytes`` each) fit in half the memory available now (the rest: the trainer
+    and the engines' weight copies)."""
+    r = job_config.rollout
+    pool, available = kv_pool_bytes(job_config), _memory_available()
+    if available is None or r.num_engines * pool <= available // 2:
+        return
+    gib, rows = 2**30, max(0, available // 2 // max(1, r.num_engines) * r.max_batch_sequences // max(1, pool))
+    raise ConfigError(f"rollout.max_batch_sequences = {r.max_batch_sequences} rows x training.seq_len = "
+                      f"{job_config.training.seq_len} slots: each embedded engine's KV pool takes {pool / gib:.1f} GiB, "
+                      f"{r.num_engines} engine(s) {r.num_engines * pool / gib:.1f} GiB, more than half the "
+                      f"{available / gib:.1f} GiB this machine has available; allowed: rollout.max_batch_sequences "
+                      f"<= {rows} here, or a shorter training.seq_len")
 
 
 def _check_colocated_memory(job_config: Any) -> None:
@@ -427,7 +471,8 @@ def _check_colocated_memory(job_config: Any) -> None:
     shards = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else \
         int(os.environ.get("WORLD_SIZE", "1")) // max(1, p.data_parallel_replicate_degree)
     why = colocated_memory_problem(hf_param_count(shape), wire, r.num_engines,
-                                   max(2, job_config.off_policy.max_version_gap + 1), device, shards=max(1, shards))
+                                   max(2, job_config.off_policy.max_version_gap + 1), device, shards=max(1, shards),
+                                   kv_pool_bytes=kv_pool_bytes(job_config))
     if why:
         raise ConfigError(why)
 
