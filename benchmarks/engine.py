@@ -37,13 +37,12 @@ import collections
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import ROOT, ArgumentParser, count, pair_efficiency, pair_lines  # noqa: E402
+from common import ROOT, ArgumentParser, count, pair_efficiency, pair_lines, run_child  # noqa: E402
 
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
@@ -81,9 +80,9 @@ class LocalEngine:
         def swap(self, upto: int) -> int:
             return 0
 
-    def __init__(self, weights, shape):
+    def __init__(self, weights, shape, rows: int, kv_slots: int):
         self.rule, self.receiver, self.shape = Pinned(), self._Receiver(weights), shape
-        self.eos_id, self.pad_id, self.stall_s = NEVER, 0, 0.0
+        self.eos_id, self.pad_id, self.stall_s, self.rows, self.kv_slots = NEVER, 0, 0.0, rows, kv_slots
         self.model = inference.prepare(inference.Model.of(weights, shape))
         self.results: list = []
 
@@ -98,7 +97,7 @@ class LocalEngine:
 
 
 def new_batcher(engine: LocalEngine) -> ContinuousBatcher:
-    b = ContinuousBatcher(engine, 256)
+    b = ContinuousBatcher(engine, engine.rows)
     b.eos = set()
     return b
 
@@ -118,13 +117,20 @@ def request(req_id: int, prompts, group: int, new_tokens: int, keep_kv: bool = F
                              keep_kv=keep_kv)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_generate(side: str, models: dict, prompts, n: int) -> float:
     """Seconds to generate ``n`` new tokens for every prompt on one side (in this process)."""
+    device = models["engine"].model.device
+    synchronize(device)
     t = time.perf_counter()
     if side == "hf":
         hf = models["hf"]
         batch = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1]) for p in prompts], batch_first=True,
-                                                padding_value=0).flip(1)  # left-padded
+                                                padding_value=0).flip(1).to(device)  # left-padded
         with torch.no_grad():  # prompts hold no 0: it marks the padding
             hf.generate(batch, attention_mask=(batch != 0).long(), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, pad_token_id=0)
@@ -132,6 +138,7 @@ def time_generate(side: str, models: dict, prompts, n: int) -> float:
         serve(new_batcher(models["engine"]), request(0, prompts, 1, n))
     else:
         inference.generate_on(models[side], prompts, max_new_tokens=n, temperature=0.0, eos_id=NEVER, pad_id=0)
+    synchronize(device)
     return time.perf_counter() - t
 
 
@@ -161,8 +168,8 @@ def vllm_step_s(model_dir: str, prompts_of: dict, n: int, repeats: int) -> dict[
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
            "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     arg = json.dumps([[rows, p] for rows, p in prompts_of.items()])
-    out = subprocess.run([VLLM_PYTHON, "-c", _VLLM_SIDE, model_dir, arg, str(n), str(repeats)], env=env,
-                         capture_output=True, text=True, timeout=1800)
+    out = run_child([VLLM_PYTHON, "-c", _VLLM_SIDE, model_dir, arg, str(n), str(repeats)], env=env,
+                    capture_output=True, text=True, timeout=1800)
     line = next((x for x in out.stdout.splitlines() if x.startswith("VLLM ")), None)
     if line is None:
         raise RuntimeError(f"vLLM side failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}")
@@ -181,6 +188,46 @@ class SyncCount(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.reads += getattr(func, "__name__", "") in self.READS
         return func(*args, **(kwargs or {}))
+
+
+def gpu_counts(engine: LocalEngine, rows: int, steps: int = 5) -> dict[str, float]:
+    """The batcher's decode step on a GPU, over ``steps`` steps of ``rows`` rows: kernel launches per step (the
+    profiler's ``cudaLaunchKernel`` calls), the GPU-busy fraction (kernel time over wall time) and host
+    synchronisations per step (``torch.cuda.set_sync_debug_mode``'s warnings), and the peak memory allocated."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    device = engine.model.device
+    b = new_batcher(engine)
+    b.waiting.append((request(0, prompts_for(rows, engine.shape.vocab_size), 1, steps + 8), 0.0))
+    b._admit()
+    b._fill_rows()
+    for _ in range(3):  # warm-up
+        b._step()
+    torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                b._step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(min(steps, 3)):
+            b._step()
+        synchronize(device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
+                    if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    return {"launches": launches / min(steps, 3), "busy": kernel_us / 1e6 / wall, "syncs": syncs / steps,
+            "peak_bytes": torch.cuda.max_memory_allocated(device)}
 
 
 def prefill_counts(engine: LocalEngine, group: int, turns: int) -> dict[str, float]:
@@ -227,23 +274,36 @@ def main() -> None:
     p.add_argument("--threads", type=count(), default=1)
     p.add_argument("--group-size", type=count(), default=8)
     p.add_argument("--turns", type=count(), default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: every side on GPU 0 in the folder's dtype, and the batcher's kernel launches, "
+                        "GPU-busy fraction and host synchronisations per decode step")
+    p.add_argument("--model-dir", help="a HF folder of a supported family instead of --real's or the tiny model")
     args = p.parse_args()
     if args.quick:
         args.rows, args.new_tokens, args.repeats, args.real = [1, 8], 4, 1, False
-    model_dir = REAL_MODEL if args.real else TINY_MODEL
+    model_dir = args.model_dir or (REAL_MODEL if args.real else TINY_MODEL)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         sys.exit(f"error: {model_dir} is missing: run scripts/{'get_real_model' if args.real else 'setup'}.sh")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: this machine has no CUDA device; allowed here: --device cpu")
     torch.set_num_threads(args.threads)
-    weights, shape = weight_dict.load_hf_weights_dict(model_dir)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    # CPU: float32 on every side (bfloat16: serial_bf16); GPU: the folder's dtype
+    weights, shape = weight_dict.load_hf_weights_dict(model_dir, dtype=None if gpu else torch.float32, device=device)
+    dtype = next(iter(weights.values())).dtype
     plain = inference.Model.of(weights, shape)
-    bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
-    models = {"serial": inference.prepare(plain), "serial_unprepared": plain, "engine": LocalEngine(weights, shape),
-              "serial_bf16": inference.prepare(inference.Model.of(bf16, shape))}
-    sides = ["serial", "serial_unprepared", "batcher", "serial_bf16"]
+    models = {"serial": inference.prepare(plain), "serial_unprepared": plain, "engine": LocalEngine(
+        weights, shape, rows=max(*args.rows, args.group_size), kv_slots=64 + args.new_tokens + 24 * args.turns)}
+    sides = ["serial", "serial_unprepared", "batcher"]
+    if not gpu:
+        bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+        models["serial_bf16"] = inference.prepare(inference.Model.of(bf16, shape))
+        sides.append("serial_bf16")
     try:
         from transformers import AutoModelForCausalLM
 
-        models["hf"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        models["hf"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         sides.append("hf")
     except ImportError:
         pass
@@ -259,12 +319,14 @@ def main() -> None:
                                       - time_generate(side, models, prompts, 1)) / (args.new_tokens - 1))
         for side in sides:
             step_s[side, rows] = statistics.median(samples[side])
-    vllm = None if args.quick else vllm_step_s(model_dir, prompts_of, args.new_tokens, args.repeats)
+    vllm = None if args.quick or gpu else vllm_step_s(model_dir, prompts_of, args.new_tokens, args.repeats)
     counts = prefill_counts(models["engine"], args.group_size, args.turns)
+    on_gpu = {rows: gpu_counts(models["engine"], rows) for rows in args.rows} if gpu else {}
     efficiency = pair_efficiency()
 
-    print(f"model={os.path.basename(model_dir)} threads={args.threads} new_tokens={args.new_tokens} "
-          f"repeats={args.repeats} float32 (bf16: serial_bf16)")
+    print(f"model={os.path.basename(model_dir)} device={device} threads={args.threads} new_tokens="
+          f"{args.new_tokens} repeats={args.repeats} dtype={str(dtype).split('.')[-1]}"
+          + ("" if gpu else " (serial_bf16: bfloat16)"))
     header = ["rows"] + sides + (["vllm"] if vllm else [])
     print(" | ".join(f"{h:>17}" for h in header) + "   (ms per decode step)")
     for rows in args.rows:
@@ -275,7 +337,16 @@ def main() -> None:
         if "hf" in sides:
             print(f"engine_vs_hf_rows{rows}={ratio('serial', 'hf', rows)}")
             print(f"batcher_vs_hf_rows{rows}={ratio('batcher', 'hf', rows)}")
-            print(f"engine_bf16_vs_hf_rows{rows}={ratio('serial_bf16', 'hf', rows)}")
+            if not gpu:
+                print(f"engine_bf16_vs_hf_rows{rows}={ratio('serial_bf16', 'hf', rows)}")
+        for side in sides:
+            print(f"decode_ms_{side}_rows{rows}={step_s[side, rows] * 1e3:.2f}")
+        if rows in on_gpu:
+            c = on_gpu[rows]
+            print(f"launches_per_decode_step_rows{rows}={c['launches']:.0f}")
+            print(f"gpu_busy_fraction_rows{rows}={c['busy']:.2f}")
+            print(f"cuda_syncs_per_decode_step_rows{rows}={c['syncs']:.1f}")
+            print(f"peak_allocated_bytes_rows{rows}={c['peak_bytes']}")
         print(f"prepared_vs_unprepared_rows{rows}={ratio('serial', 'serial_unprepared', rows)}")
         print(f"engine_vs_vllm_rows{rows}=" + (f"{vllm[rows] / step_s['serial', rows]:.2f}" if vllm else "na"))
     print(f"prefill_tokens_per_group_ratio={counts['group']:.3f}")

@@ -9,7 +9,7 @@
 #   bash scripts/bench_quick.sh weight_sync controller   # some of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
-all=(weight_sync controller sync_memory train_step startup vs_trl vllm_async streaming environments)
+all=(weight_sync controller sync_memory train_step startup vs_trl vllm_async streaming environments engine)
 names=("${@:-${all[@]}}")
 need() { [ -x "$1/bin/python" ] || { echo "bench_quick: $1 is missing: run $2" >&2; exit 1; }; }
 need .venv scripts/setup.sh

@@ -136,6 +136,8 @@ BAD_ARGUMENTS = [
     ("benchmarks/environments.py", ["--delay-ms", "0"], "--delay-ms"),
     ("benchmarks/environments.py", ["--steps", "3"], "--steps"),
     ("benchmarks/environments.py", ["--seeds", "-1"], "--seeds"),
+    ("benchmarks/engine.py", ["--rows", "0"], "--rows"),
+    ("benchmarks/engine.py", ["--new-tokens", "1"], "--new-tokens"),
     ("scripts/verify_grpo.py", ["--steps", "0"], "--steps"),
 ]
 
@@ -289,7 +291,7 @@ def test_overlap_limit_at_pair_efficiency():
 
 
 @pytest.mark.parametrize("bench", ["weight_sync", "controller", "vs_trl", "vllm_async", "startup", "streaming",
-                                   "environments"])
+                                   "environments", "engine"])
 def test_every_benchmark_with_a_speedup_prints_the_pair_efficiency(bench):
     src = (ROOT / "benchmarks" / f"{bench}.py").read_text()
     assert "pair_efficiency()" in src and "pair_lines(" in src
