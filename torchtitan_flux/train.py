@@ -60,7 +60,7 @@ def _field_type(path: str):
 def emptied_lists(argv: list[str]) -> list[str]:
     """The list fields of ours given ``""`` on the command line (``--rollout.environment_args ""``): each is the
     empty list, clearing what the TOML file set. tyro reads ``""`` as ``[""]`` and has no form for zero values, so
-    ``main`` sets them after parsing."""
+    ``main`` sets them after parsing, and hands that config to the trainer."""
     import typing
 
     out = []
@@ -366,7 +366,8 @@ def main() -> None:
             check_room_for_a_checkpoint(config)
             set_aside_previous_outputs(config)
             check_outputs(config)
-        titan_main(GRPOTrainer)
+        # torchtitan's main parses sys.argv again, which would undo the emptied lists: the trainer gets this config
+        titan_main(lambda _reparsed: GRPOTrainer(config))
         code = 0
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("why") during the start-up

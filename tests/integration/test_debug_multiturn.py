@@ -1,0 +1,60 @@
+"""``train_configs/debug_multiturn_cpu.toml`` through the real command (the tiny model's chat variant, as
+``scripts/setup.sh`` builds it, the calculator environment): it trains and reports its episodes; a list the TOML
+sets and the command line clears (``--rollout.environment_args ""``) is empty in the trainer's config too; an
+opening longer than ``training.seq_len`` stops the run in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from model_assets import build_chat_model_dir
+
+from conftest import ROOT, read_metrics, torchrun_cmd
+
+CONFIG = ROOT / "train_configs" / "debug_multiturn_cpu.toml"
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    return build_chat_model_dir(ROOT / "assets" / "tiny-llama", tmp_path_factory.mktemp("assets") / "tiny-chat")
+
+
+def _run(dump, model, *overrides):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(torchrun_cmd(dump, "--model.hf_assets_path", str(model), "--training.steps", "2",
+                                       *overrides, config=CONFIG),
+                          cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+
+
+@pytest.mark.parametrize("cleared", ["environment_args", pytest.param("reward_funcs", marks=pytest.mark.slow)])
+def test_the_multi_turn_debug_config_trains_with_a_list_cleared_on_the_command_line(tmp_path, tiny_chat, cleared):
+    """Lists cleared with ``""`` passed validation, then torchtitan's main parsed sys.argv again and the trainer got
+    [""] (environment_args: refused after the model was built; reward_funcs: an import of ''). Mutation: the trainer
+    given a re-parsed config."""
+    dump = tmp_path / "run"
+    p = _run(dump, tiny_chat, f"--rollout.{cleared}", "", "--metrics.log_completions_every", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert ("rewards/digits/mean" in rows[0]) == (cleared != "reward_funcs")
+    for r in rows:
+        assert 1 <= r["episode/turns_mean"] <= 3 and r["episode/env_steps_mean"] > 0
+        ends = sum(r[f"episode/end_{e}_frac"] for e in ("done", "max_turns", "max_tokens", "opening_too_long"))
+        assert abs(ends - 1.0) < 1e-9
+    assert "turns " in p.stdout + p.stderr and "env steps " in p.stdout + p.stderr  # the step line
+    done = [json.loads(line) for line in (dump / "completions.jsonl").read_text().splitlines()]
+    assert done[0]["prompt"].startswith("[system] You solve arithmetic problems with a calculator.")  # the opening
+
+
+def test_an_opening_longer_than_seq_len_stops_the_run_in_one_line(tmp_path, tiny_chat):
+    """The fifth sweep's item 2: the shipped config with --training.seq_len 128 failed its first forward with a bare
+    AssertionError in RoPE."""
+    p = _run(tmp_path / "run", tiny_chat, "--training.seq_len", "128")
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1, p.stderr[-3000:]
+    assert errors[0].startswith("error: every episode of step 1 opens with more tokens than training.seq_len = 128 "
+                                "(the shortest opening: ")
+    assert "AssertionError" not in p.stderr and "exitcode  : 2" in p.stderr
