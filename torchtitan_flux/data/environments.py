@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 import json
 import math
+import pickle
 import threading
 import types
 import typing
@@ -376,6 +377,12 @@ class RunningEnvironment:
     def _check_message(self, method: str, where: str, m: Any) -> None:
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             self._wrong(method, m, "a message dict {'role': str, 'content': str} (text only)", f"{where} =")
+        for key, value in m.items():  # episodes are checkpointed with their messages: refused here, not at the save
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - whatever pickling raises, the value cannot be kept
+                self._wrong(method, value, "message values a checkpoint can keep (plain data: str, numbers, lists, "
+                                           "dicts)", f"{where}[{key!r}] =")
 
     def _wrong(self, method: str, value: Any, expected: str, what: str = "") -> None:
         text = repr(value)

@@ -24,7 +24,8 @@ Limits (``EpisodeLimits``; the episode says which ended it, ``Episode.end``):
 * ``max_turns``: the environment was stepped on the ``max_turns``-th turn and did not end the episode.
 * ``max_tokens``: a turn was cut at its budget (``max_new_tokens``, or what ``max_total_tokens`` left): its tokens
   are kept (mask 1) and the environment is not stepped on it; or the environment's reply would leave no room for
-  one generated token within ``max_total_tokens``; or the opening prompt alone leaves no room for one (no turn is
+  one generated token within ``max_total_tokens`` (a reply whose text alone cannot fit is known from a prefix of it,
+  never rendered whole: ``ChatFormat.cannot_fit``); or the opening prompt alone leaves no room for one (no turn is
   generated).
 * ``opening_too_long``: the opening prompt alone is longer than ``max_total_tokens``: no turn is generated, the
   environment is not stepped, and the episode's tokens are the opening cut at ``max_total_tokens`` (no loss on
@@ -57,6 +58,7 @@ from torchtitan_flux.models.hf import tokenizer_settings
 Generate = Callable[[list[int], int], Any]  # (prompt_token_ids, max_new_tokens) -> (token_ids, logprobs, version)
 
 _SENTINEL = "FLUXSENTINEL7F3A"  # an assistant content no template rewrites: where the turn's close starts
+PREFIX_CHARS_PER_TOKEN = 16  # more characters than any tokenizer's tokens hold on average (English: about 4)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 
 
@@ -148,6 +150,13 @@ class ChatFormat:
             return {"role": "assistant", "content": text}
         calls = [_tool_call(m.group(0), m.group(1), bool(m.group(2))) for m in _TOOL_CALL.finditer(text)]
         return {"role": "assistant", "content": _TOOL_CALL.sub("", text).strip(), "tool_calls": calls}
+
+    def cannot_fit(self, messages: list[Message], room: int) -> bool:
+        """Whether the contents of ``messages`` alone take more than ``room`` tokens, read from a prefix of each
+        (``PREFIX_CHARS_PER_TOKEN`` characters per token of room), so that a reply of megabytes is never rendered
+        or tokenized whole; one token per message is allowed for a prefix's cut merging differently."""
+        chars = room * PREFIX_CHARS_PER_TOKEN
+        return sum(len(self._encode(m["content"][:chars])) for m in messages) > room + len(messages)
 
     def bridge(self, before: list[Message], assistant: Message, env_messages: list[Message],
                tools: list[ToolSpec], last_token: int) -> list[int]:
@@ -259,6 +268,9 @@ async def _run(env: Any, generate: Generate, chat: ChatFormat, limits: EpisodeLi
             return episode
         if episode.turns >= limits.max_turns:
             episode.end = EpisodeEnd.MAX_TURNS
+            return episode
+        if chat.cannot_fit(reply.env_messages, limits.max_total_tokens - len(episode.token_ids)):
+            episode.end = EpisodeEnd.MAX_TOKENS  # known from a prefix: a huge reply is never rendered whole
             return episode
         bridge = chat.bridge(before, assistant, reply.env_messages, tools, ids[-1])
         if len(episode.token_ids) + len(bridge) >= limits.max_total_tokens:
