@@ -4,8 +4,9 @@ Applies the patches torchtitan needs, registers our model spec and config sectio
 torchtitan starts, and runs ``torchtitan.train.main(GRPOTrainer)``. How a run ends (``_report``): bad input is one
 line, ``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync
 probe one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their
-traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Then ``os._exit``: the interpreter's
-finalisation could abort the process (docs/reliability.md).
+traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Processes user code left running are stopped,
+with one line naming them (``run/leftovers.py``). Then ``os._exit``: the interpreter's finalisation could abort the
+process (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -322,6 +323,9 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # run.stops.STOP_SIGNALS, not imported
         if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: the user asked to go on
             signal.signal(sig, _stop_while_starting)
+    from torchtitan_flux.run.leftovers import adopt_orphans, stop_leftovers
+
+    adopt_orphans()  # what user code starts and abandons stays findable: stopped below, at exit
     files = [a for a in sys.argv[1:] if a.split("=")[0] in ("--job.config_file", "--job.config-file")]
     if len(files) > 1:  # torchtitan would silently take the first
         print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
@@ -375,6 +379,11 @@ def main() -> None:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException as e:  # noqa: BLE001 - reported here, then the same non-zero exit as an uncaught error
         code = _report(e)
+    leftovers = stop_leftovers()
+    if leftovers:
+        more = f", and {len(leftovers) - 8} more" if len(leftovers) > 8 else ""
+        print(f"stopped {len(leftovers)} process(es) the run's user code left running: {', '.join(leftovers[:8])}"
+              f"{more}", file=sys.stderr, flush=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 
 import pytest
 from model_assets import build_chat_model_dir
 
-from conftest import ROOT, read_metrics, torchrun_cmd
+from conftest import ROOT, TESTS, read_metrics, torchrun_cmd
 
 CONFIG = ROOT / "train_configs" / "debug_multiturn_cpu.toml"
 
@@ -22,8 +23,9 @@ def tiny_chat(tmp_path_factory):
     return build_chat_model_dir(ROOT / "assets" / "tiny-llama", tmp_path_factory.mktemp("assets") / "tiny-chat")
 
 
-def _run(dump, model, *overrides):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def _run(dump, model, *overrides, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           **(env_extra or {})}
     return subprocess.run(torchrun_cmd(dump, "--model.hf_assets_path", str(model), "--training.steps", "2",
                                        *overrides, config=CONFIG),
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
@@ -45,6 +47,7 @@ def test_the_multi_turn_debug_config_trains_with_a_list_cleared_on_the_command_l
         ends = sum(r[f"episode/end_{e}_frac"] for e in ("done", "max_turns", "max_tokens", "opening_too_long"))
         assert abs(ends - 1.0) < 1e-9
     assert "turns " in p.stdout + p.stderr and "env steps " in p.stdout + p.stderr  # the step line
+    assert "left running" not in p.stderr  # our own processes are no leftovers
     done = [json.loads(line) for line in (dump / "completions.jsonl").read_text().splitlines()]
     assert done[0]["prompt"].startswith("[system] You solve arithmetic problems with a calculator.")  # the opening
 
@@ -58,3 +61,30 @@ def test_an_opening_longer_than_seq_len_stops_the_run_in_one_line(tmp_path, tiny
     assert errors[0].startswith("error: every episode of step 1 opens with more tokens than training.seq_len = 128 "
                                 "(the shortest opening: ")
     assert "AssertionError" not in p.stderr and "exitcode  : 2" in p.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_processes_an_environment_leaves_running_are_stopped_at_exit_in_one_line(tmp_path, tiny_chat):
+    """The fifth sweep's item 7: a process an environment started per step (and one it orphaned) outlived the run,
+    which exited 0 saying nothing. Mutations: no subreaper (the orphan is missed), nothing stopped at exit."""
+    pids = tmp_path / "pids"
+    p = _run(tmp_path / "run", tiny_chat, "--rollout.environment", "fakes.environments:SpawningEnv",
+             "--rollout.environment_args", "", env_extra={"FLUX_TEST_PIDS": str(pids)})
+    started = [int(x) for x in pids.read_text().split()]
+    try:
+        assert p.returncode == 0, p.stderr[-3000:]
+        lines = [x for x in p.stderr.splitlines() if "the run's user code left running" in x]
+        assert len(lines) == 1 and lines[0].startswith(f"stopped {len(started)} process(es) "), p.stderr[-3000:]
+        assert "(sleep 300)" in lines[0]
+        assert [pid for pid in started if _alive(pid)] == []
+    finally:
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
