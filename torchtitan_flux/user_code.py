@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sysconfig
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,14 +77,38 @@ def call_with_deadline(what: str, fn: Callable, *args: Any, timeout_s: float, fi
     return outcome["value"]
 
 
-def describe_exception(e: BaseException) -> str:
-    """``Type: message`` of ``e`` on one line, also when its ``str()`` raises (user code's exceptions may)."""
+def describe_exception(e: BaseException, hint: str = "") -> str:
+    """``Type: message`` of ``e`` on one line, also when its ``str()`` raises (user code's exceptions may), then
+    ``; hint`` when given, then the innermost frame of its traceback in a user's file, ``(my_env.py:74)``
+    (``user_frame``)."""
     try:
         text = str(e)
     except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure it describes
         text = "(its message cannot be read)"
     first = text.strip().splitlines()[0][:300] if text.strip() else ""
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    out = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    where = user_frame(e)
+    return out + (f"; {hint}" if hint else "") + (f" ({where})" if where else "")
+
+
+_PACKAGE = os.path.dirname(os.path.realpath(__file__))
+_LIBRARIES = tuple({os.path.realpath(p) for k, p in sysconfig.get_paths().items()
+                    if k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def user_frame(e: BaseException) -> str | None:
+    """``file.py:line`` of the innermost frame of ``e``'s traceback in a user's file: not this package's, the
+    standard library's or an installed package's (their frames are below the user's call); None without one."""
+    found = None
+    for frame, line in traceback.walk_tb(e.__traceback__):
+        path = frame.f_code.co_filename
+        if path.startswith("<"):  # <frozen ...>, <string>
+            continue
+        path = os.path.realpath(path)
+        if path.startswith(_PACKAGE + os.sep) or path.startswith(tuple(lib + os.sep for lib in _LIBRARIES)):
+            continue
+        found = f"{os.path.basename(path)}:{line}"
+    return found
 
 
 def _two_argument_form(fn: Any, name: str) -> Any:

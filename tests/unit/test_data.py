@@ -408,7 +408,7 @@ def _values(*vs):
      r"float32"),
     ([("f", _values(1.0, 0.0), 1e308)], r"^the weighted reward of sample 0 is 1e\+308 \('f' 1.0 x weight 1e\+308\)"),
     ([("f", lambda completions, **_: (_ for _ in ()).throw(_Unprintable()), 1.0)],
-     r"^reward function 'f' raised _Unprintable: \(its message cannot be read\)$"),
+     r"^reward function 'f' raised _Unprintable: \(its message cannot be read\) \(test_data\.py:410\)$"),
 ])
 def test_reward_values_beyond_float32_and_broken_exceptions_are_one_line(funcs, match):
     """Before 2026-11-27: +-1e308 and 10**400 were OverflowError tracebacks, a weight of 1e308 a non-finite loss
@@ -502,10 +502,11 @@ async def async_interrupts(completions, **kwargs):
 @pytest.mark.parametrize("fn, match", [
     (non_scalar_at_one, r"reward function 'f' returned tensor\(\[1\., 2\.\]\) for sample 1; allowed: a finite number"),
     (numpy_nan_at_one, r"reward function 'f' returned nan for sample 1"),
-    (exits, r"reward function 'f' raised SystemExit: 3$"),
-    (async_exits, r"reward function 'f' raised SystemExit: bye$"),
-    (interrupts, r"reward function 'f' raised KeyboardInterrupt: from the function$"),  # before (issue 27's second
-    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt$"),  # sweep): a traceback
+    (exits, r"reward function 'f' raised SystemExit: 3 \(test_data\.py:487\)$"),  # the user's frame ends it
+    (async_exits, r"reward function 'f' raised SystemExit: bye \(test_data\.py:491\)$"),
+    (interrupts, r"reward function 'f' raised KeyboardInterrupt: from the function \(test_data\.py:495\)$"),  # before
+    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt \(test_data\.py:499\)$"),  # (issue 27's
+    # second sweep): a traceback
 ])
 def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
     """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""

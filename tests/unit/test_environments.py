@@ -538,3 +538,53 @@ def test_a_message_value_a_checkpoint_cannot_keep_is_one_line_naming_the_environ
                                      "<unlocked _thread.lock object at ")
     assert str(err.value).endswith("(lock); expected message values a checkpoint can keep (plain data: str, "
                                    "numbers, lists, dicts)")
+
+
+class _NeedsPrompt(Echo):
+    def __init__(self, config: Echo.Config, *, env_input: dict) -> None:
+        self.prompt = env_input["prompt"]  # the record has no such column
+
+
+class _FailsDeep(Echo):
+    async def step(self, completion_message):
+        return json.loads("{not json")  # raised inside the standard library, called from this file
+
+
+def test_user_code_errors_end_with_the_users_frame_and_a_keyerror_lists_the_records_keys(monkeypatch, tok, chat):
+    """Mutations: the frame left out, or the innermost frame taken (json's, not the user's); a KeyError without the
+    record's keys."""
+    _envs(monkeypatch, NeedsPrompt=_NeedsPrompt, FailsDeep=_FailsDeep)
+    generate, _ = _scripted(tok, ["hi"])
+    with pytest.raises(UserCodeError) as err:
+        _episode(_load("_envs:NeedsPrompt"), QUESTION, generate, chat)
+    line = _NeedsPrompt.__init__.__code__.co_firstlineno + 1
+    assert str(err.value) == ("environment '_envs:NeedsPrompt': __init__ raised KeyError: 'prompt'; the record's keys: "
+                              f"['answer', 'question'] (test_environments.py:{line})")
+    generate, _ = _scripted(tok, ["hi"])
+    with pytest.raises(UserCodeError) as err:
+        _episode(_load("_envs:FailsDeep"), QUESTION, generate, chat)
+    line = _FailsDeep.step.__code__.co_firstlineno + 1
+    assert str(err.value).startswith("environment '_envs:FailsDeep': step() raised JSONDecodeError: ")
+    assert str(err.value).endswith(f" (test_environments.py:{line})")
+
+
+class _UndecoratedConfig(MessageEnv):
+    class Config(MessageEnv.Config):  # inherits MessageEnv.Config's dataclass-ness, not a dataclass of its own
+        turns: int = 2
+
+    async def init(self):
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "user", "content": "hi"}])
+
+    async def step(self, completion_message):
+        return MessageEnvStepOutput(done=True)
+
+
+def test_an_environment_config_that_is_not_a_dataclass_is_refused_in_one_line(monkeypatch):
+    """Mutation: only dataclasses.is_dataclass checked (true for a subclass of one): environment_args then said the
+    class has no Config fields."""
+    _envs(monkeypatch, Undecorated=_UndecoratedConfig)
+    with pytest.raises(ConfigError) as err:
+        _load("_envs:Undecorated")
+    assert str(err.value) == ("rollout.environment = '_envs:Undecorated': its Config is not a dataclass (it only "
+                              "inherits from one), so its fields ['turns'] cannot be set; allowed: decorate it with "
+                              "@dataclass(kw_only=True, slots=True)")

@@ -194,6 +194,11 @@ def load_environment(spec: str, field_name: str, timeout_s: float, timeout_field
     if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
         raise ConfigError(f"{where} has no nested dataclass Config; allowed: {shape} (an empty "
                           "'@dataclass(kw_only=True, slots=True) class Config(MessageEnv.Config): pass' will do)")
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    own = [n for n in vars(config_cls).get("__annotations__", {}) if n not in fields]
+    if own:  # a subclass of a dataclass without @dataclass: its own fields are plain class attributes
+        raise ConfigError(f"{where}: its Config is not a dataclass (it only inherits from one), so its fields "
+                          f"{own} cannot be set; allowed: decorate it with @dataclass(kw_only=True, slots=True)")
     try:
         config = config_cls()
     except Exception as e:  # noqa: BLE001 - user code: reported naming it
@@ -292,6 +297,7 @@ class RunningEnvironment:
         self.env_class = env_class
         self.name = f"environment {env_class.spec!r}"
         self._env: Any = None
+        self._record: Any = None  # the episode's env_input (its keys name a KeyError's choices)
         self._stuck = False  # a call missed its deadline: the loop may be blocked, close() is not attempted
         self._loop = loop_thread("flux-env")
 
@@ -317,12 +323,15 @@ class RunningEnvironment:
             raise UserCodeError(f"{self.name}: {method} did not return within {self.env_class.timeout_field} = "
                                 f"{timeout:g} s; the run stops (its thread cannot be stopped)") from None
         if not ok:
-            raise UserCodeError(f"{self.name}: {method} raised {describe_exception(value)}") from value
+            hint = (f"the record's keys: {sorted(map(str, self._record))}"
+                    if isinstance(value, KeyError) and isinstance(self._record, Mapping) else "")
+            raise UserCodeError(f"{self.name}: {method} raised {describe_exception(value, hint)}") from value
         return value
 
     async def construct(self, record: Any) -> None:
         """Builds the instance: ``Class(copy of Config(), env_input=record)``."""
         config = dataclasses.replace(self.env_class.config)
+        self._record = record
         self._env = await self._call("__init__", self.env_class.cls, config, env_input=record)
 
     async def init(self) -> MessageEnvInitOutput:
