@@ -867,3 +867,23 @@ def test_reward_values_of_every_wrong_shape_are_one_line(values, match):
         scorer.score(["a", "b"], ["", ""], [[], []], {})
     with pytest.raises(R.RewardError, match=r"^reward function 'f' returned 1 values for 2 completions$"):
         R.RewardScorer([R.RewardFunc("f", _one_value)]).score(["a", "b"], ["", ""], [[], []], {})
+
+
+def test_an_environments_dataset_needs_no_prompt_column(tmp_path):
+    """With rollout.environment a record is the environment's input and its init() writes the opening: a dataset of
+    such records was refused for having no prompt column. Mutation: the prompt column required, or the record's
+    columns not passed whole."""
+    from torchtitan_flux.rollout.episode_groups import env_input
+
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} * 3?", "answer": str(3 * i)}) + "\n"
+                            for i in range(5)))
+    with pytest.raises(ValueError, match=r"it needs a text column .* \(or rollout.environment: its records need none\)"):
+        build_task(job(tmp_path, path), ByteTokenizer())
+    task = build_task(job(tmp_path, path, environment="examples.environments.calculator:CalculatorEnv",
+                          environment_reward_weight=1.0),
+                      ByteTokenizer())
+    prompts = task.prompts(0, 1, 5)
+    assert sorted(p.answer for p in prompts) == ["0", "12", "3", "6", "9"]
+    record = env_input(prompts[0])
+    assert record["question"] == f"What is {int(record['answer']) // 3} * 3?" and record["answer"] == prompts[0].answer
