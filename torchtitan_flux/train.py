@@ -385,8 +385,9 @@ def main() -> None:
         print(f"stopped {len(leftovers)} process(es) the run's user code left running: {', '.join(leftovers[:8])}"
               f"{more}", file=sys.stderr, flush=True)
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError, OSError):  # closed by user code: what it held is lost either way
+            stream.flush()
     os._exit(code)
 
 

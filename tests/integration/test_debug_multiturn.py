@@ -88,3 +88,12 @@ def test_processes_an_environment_leaves_running_are_stopped_at_exit_in_one_line
         for pid in started:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_reward_that_closes_stdout_stops_the_run_with_our_line_and_no_logging_traceback(tmp_path, tiny_chat):
+    """The fifth sweep's item 8: a traceback came with our line (here: the exit's flush of the closed stdout raised
+    ValueError after it). Mutation: the exit's flush unguarded."""
+    p = _run(tmp_path / "run", tiny_chat, "--rollout.reward_funcs", "fakes.rewards:closes_stdout")
+    assert "error: reward function 'closes_stdout' closed sys.stdout" in p.stderr, p.stderr[-3000:]
+    assert "Logging error" not in p.stderr and "I/O operation on closed file" not in p.stderr, p.stderr[-3000:]
+    assert 'torchtitan_flux/train.py", line' not in p.stderr  # no traceback of ours (torchrun's own follows)

@@ -588,3 +588,42 @@ def test_an_environment_config_that_is_not_a_dataclass_is_refused_in_one_line(mo
     assert str(err.value) == ("rollout.environment = '_envs:Undecorated': its Config is not a dataclass (it only "
                               "inherits from one), so its fields ['turns'] cannot be set; allowed: decorate it with "
                               "@dataclass(kw_only=True, slots=True)")
+
+
+class _OddValues(Echo):
+    """``Config.kind``: "numpy" and "tensor" rewards (accepted, as reward functions' are), "surrogate" text."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        kind: str = "numpy"
+
+    def __init__(self, config: Config, *, env_input: dict) -> None:
+        super().__init__(Echo.Config(), env_input=env_input)
+        self.kind = config.kind
+
+    async def step(self, completion_message):
+        import numpy as np
+        import torch
+
+        if self.kind == "surrogate":
+            return MessageEnvStepOutput(env_messages=[{"role": "user", "content": "bad \udcff byte"}])
+        value = np.float32(0.5) if self.kind == "numpy" else torch.tensor(0.25)
+        return MessageEnvStepOutput(done=True, env_rewards={"r": value, "n": np.int64(2)})
+
+
+def test_numpy_and_tensor_rewards_are_taken_and_unencodable_text_is_one_line_naming_the_call(monkeypatch, tok, chat):
+    """The fifth sweep's item 8: env_rewards refused the 0-d tensors and numpy scalars reward functions accept; text
+    with a lone surrogate failed in the tokenizer, naming neither the method nor the message. Mutations: the
+    scalars refused or kept as they are (not floats); the text let through."""
+    _envs(monkeypatch, Odd=_OddValues)
+    for kind, want in (("numpy", 0.5), ("tensor", 0.25)):
+        generate, _ = _scripted(tok, ["hi"])
+        env = configure_environment(_load("_envs:Odd"), [f"kind={kind}"], FIELD)
+        ep = _episode(env, QUESTION, generate, chat)
+        assert ep.env_rewards == [{"r": want, "n": 2.0}] and all(type(v) is float for v in ep.env_rewards[0].values())
+    generate, _ = _scripted(tok, ["hi"])
+    with pytest.raises(UserCodeError) as err:
+        _episode(configure_environment(_load("_envs:Odd"), ["kind=surrogate"], FIELD), QUESTION, generate, chat)
+    assert str(err.value) == ("environment '_envs:Odd': step() returned env_messages[0]['content'] has 'bad \\udcff "
+                              "byte' (str); expected text that encodes as UTF-8 (the tokenizer's input); character 4 "
+                              "is '\\udcff'")

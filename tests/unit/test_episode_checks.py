@@ -106,3 +106,22 @@ def test_openings_too_long_are_warned_once(caplog, steps):
             warnings.check(step, eps, episode_metrics(eps))
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("step 1: 50% of the episodes opened with more tokens than training.seq_len = 128")
+
+
+def test_the_waiting_note_says_how_many_episodes_wait_on_their_environment():
+    """The fifth sweep's item 8: with every episode inside its environment the note said only 'nothing in flight'.
+    Mutation: episodes with a turn at an engine counted as waiting on the environment."""
+    import time
+    from types import SimpleNamespace
+
+    from torchtitan_flux.rollout.pump import InFlight
+    from torchtitan_flux.rollout.waiting import waiting_note
+
+    engine = SimpleNamespace(name="engine0", alive=lambda: True)
+    request = GenerationRequest(req_id=1, step=4, prompt_ids=[[1, 2]], group_size=1, max_new_tokens=8,
+                                temperature=1.0, top_k=0, seed=0, dispatch_version=0)
+    turn = InFlight(request, engine, turn=object())
+    note = waiting_note(4, 31.0, [engine], [turn], time.monotonic() - 31.0, episodes_running=5)
+    assert note.endswith("; 4 of 5 episodes waiting on their environment (each call bounded by "
+                         "rollout.environment_timeout_seconds)")
+    assert "waiting on their environment" not in waiting_note(4, 31.0, [engine], [], time.monotonic() - 31.0)

@@ -369,9 +369,15 @@ class RunningEnvironment:
             self._wrong("step()", out.done, "done, a bool", "done =")
         if not isinstance(out.env_rewards, dict):
             self._wrong("step()", out.env_rewards, "env_rewards, a dict of str to float", "env_rewards =")
+        rewards = {}
         for k, v in out.env_rewards.items():
+            if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars, as reward functions may
+                v = v.item()
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                self._wrong("step()", {k: v}, "env_rewards of str keys and finite numbers", "env_rewards has")
+                self._wrong("step()", {k: v}, "env_rewards of str keys and finite numbers (float, int, numpy scalar, "
+                                              "0-d tensor)", "env_rewards has")
+            rewards[k] = float(v)
+        out.env_rewards = rewards  # plain floats: episodes are checkpointed and logged with them
         return out
 
     async def close(self) -> None:
@@ -386,6 +392,11 @@ class RunningEnvironment:
     def _check_message(self, method: str, where: str, m: Any) -> None:
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             self._wrong(method, m, "a message dict {'role': str, 'content': str} (text only)", f"{where} =")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (text decoded with errors="surrogateescape", say)
+            self._wrong(method, m["content"][max(0, e.start - 20): e.end + 20], "text that encodes as UTF-8 (the "
+                        f"tokenizer's input); character {e.start} is {m['content'][e.start]!r}", f"{where}['content'] has")
         for key, value in m.items():  # episodes are checkpointed with their messages: refused here, not at the save
             try:
                 pickle.dumps(value)
