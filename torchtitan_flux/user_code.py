@@ -7,6 +7,7 @@ with that one line, after checkpointing the step).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -125,15 +126,43 @@ def _two_argument_form(fn: Any, name: str) -> Any:
     raise ConfigError(f"{name} takes {len(required)} required arguments; allowed: fn(result) or fn(step, metrics)")
 
 
+class _ExitCalled(BaseException):
+    """``os._exit(code)`` called while a user module was imported."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _exit_refused():
+    """``os._exit`` raises ``_ExitCalled`` instead of ending the process, while a user module is imported (at
+    validation, on the main thread, before any thread of ours runs): an exit there would end the run with no line."""
+    real = os._exit
+
+    def refuse(code: int) -> None:
+        raise _ExitCalled(code)
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
     """The object ``spec`` names (``attribute`` may be dotted), or a ``ConfigError`` naming the field ``name``."""
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
         raise ConfigError(f"{name} = {spec!r} must be of the form 'package.module:attribute'")
     try:
-        obj = importlib.import_module(mod)
+        with _exit_refused():
+            obj = importlib.import_module(mod)
         for part in attr.split("."):
             obj = getattr(obj, part)
+    except _ExitCalled as e:
+        raise ConfigError(f"{name} = {spec!r} cannot be imported: it called os._exit({e.code}) at import (the run "
+                          "would end silently); allowed: a module that only defines things when imported") from None
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
     except (Exception, SystemExit) as e:  # the module itself failed (sys.exit("reason") at import included)
