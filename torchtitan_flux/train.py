@@ -60,8 +60,9 @@ def _field_type(path: str):
 
 def emptied_lists(argv: list[str]) -> list[str]:
     """The list fields of ours given ``""`` on the command line (``--rollout.environment_args ""``): each is the
-    empty list, clearing what the TOML file set. tyro reads ``""`` as ``[""]`` and has no form for zero values, so
-    ``main`` sets them after parsing, and hands that config to the trainer."""
+    empty list, clearing what the TOML file set. tyro reads ``""`` as ``[""]`` for a list of strings, refuses it for
+    a list of numbers, and has no form for zero values, so ``_normalise_argv`` leaves them out, ``main`` sets them
+    after parsing, and hands that config to the trainer."""
     import typing
 
     out = []
@@ -89,6 +90,9 @@ def _normalise_argv(argv: list[str]) -> list[str]:
             key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
         step = 1 if eq else 2
         kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
+        if val == "" and typing.get_origin(kind) is list:  # cleared: left to main (emptied_lists)
+            i += step
+            continue
         if val.lower() in ("true", "false") and kind in ("torchtitan_bool", bool):
             if kind == "torchtitan_bool":
                 section, _, name = key[2:].rpartition(".")
@@ -330,6 +334,7 @@ def main() -> None:
     if len(files) > 1:  # torchtitan would silently take the first
         print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
         os._exit(2)
+    emptied = emptied_lists(sys.argv[1:])  # before normalising, which leaves them out
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
     sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
     sys.argv += _absolute_paths(sys.argv[1:])
@@ -358,7 +363,7 @@ def main() -> None:
             config = ConfigManager().parse_args()
         except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
             raise unknown_fields_error(e, config_file) or e from None
-        for path in emptied_lists(sys.argv[1:]):
+        for path in emptied:
             section, _, name = path.partition(".")
             setattr(getattr(config, section), name, [])
         validate_config(config)  # bad input: one line, before torchtitan's start-up

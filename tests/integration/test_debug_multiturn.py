@@ -31,11 +31,12 @@ def _run(dump, model, *overrides, env_extra=None):
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
 
 
-@pytest.mark.parametrize("cleared", ["environment_args", pytest.param("reward_funcs", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cleared", ["environment_args", pytest.param("reward_funcs", marks=pytest.mark.slow),
+                                     "reward_weights"])  # a list of strings, another, a list of numbers
 def test_the_multi_turn_debug_config_trains_with_a_list_cleared_on_the_command_line(tmp_path, tiny_chat, cleared):
     """Lists cleared with ``""`` passed validation, then torchtitan's main parsed sys.argv again and the trainer got
-    [""] (environment_args: refused after the model was built; reward_funcs: an import of ''). Mutation: the trainer
-    given a re-parsed config."""
+    [""] (environment_args: refused after the model was built; reward_funcs: an import of ''); a list of numbers
+    given ``""`` was refused by tyro's parser. Mutations: the trainer given a re-parsed config; "" passed to tyro."""
     dump = tmp_path / "run"
     p = _run(dump, tiny_chat, f"--rollout.{cleared}", "", "--metrics.log_completions_every", "1")
     assert p.returncode == 0, p.stderr[-3000:]

@@ -831,10 +831,11 @@ def test_validation_checks_colocated_memory_when_cuda_is_available(monkeypatch):
 
 
 def test_an_empty_value_clears_a_list_field_the_toml_set():
-    """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") and has no form for
-    zero values: ``main`` sets each list given "" to [] after parsing. Mutation: the check on the field's type (a
-    string field given "" would become a list)."""
+    """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") or refuses it (a list
+    of numbers) and has no form for zero values: ``_normalise_argv`` leaves each list given "" out and ``main`` sets
+    it to [] after parsing. Mutation: the check on the field's type (a string field given "" would become a list)."""
     argv = ["--rollout.environment_args", "", "--rollout.reward_funcs=", "--rollout.task", "", "--job.description",
-            "", "--rollout.reward_weights", "1.0"]
-    assert emptied_lists(argv) == ["rollout.environment_args", "rollout.reward_funcs"]
-    assert parse("--rollout.environment_args", "").rollout.environment_args == [""]  # what main then clears
+            "", "--rollout.reward_weights", "1.0", "--rollout.engine_devices", ""]
+    assert emptied_lists(argv) == ["rollout.environment_args", "rollout.reward_funcs", "rollout.engine_devices"]
+    assert _normalise_argv(argv)[:7] == ["--rollout.task", "", "--job.description", "", "--rollout.reward_weights",
+                                         "1.0", "--job.custom_config_module"]
