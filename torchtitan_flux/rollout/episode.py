@@ -32,7 +32,7 @@ Limits (``EpisodeLimits``; the episode says which ended it, ``Episode.end``):
   them: they are the prompt); ``Episode.opening_tokens`` is its full length. A step whose every episode ends so
   stops the run (``openings_too_long``).
 
-At ``max_turns`` and ``max_tokens`` the episode is truncated. The tokens end with the last generated token: an
+At ``max_turns``, ``max_tokens`` and ``opening_too_long`` the episode is truncated. The tokens end with the last generated token: an
 environment reply that no turn follows (at ``done``, ``max_turns``, or one that does not fit) is in ``messages``
 and ``env_rewards`` only. ``token_ids`` never exceed ``max_total_tokens``.
 
@@ -238,12 +238,12 @@ async def _run(env: Any, generate: Generate, chat: ChatFormat, limits: EpisodeLi
     opening = await env.init()
     messages, tools = list(opening.init_prompt_messages), list(opening.tools)
     episode = Episode([], [], [], [], messages)
-    opening = chat.opening(messages, tools)
-    episode.opening_tokens, episode.prompt_messages = len(opening), len(messages)
-    if len(opening) > limits.max_total_tokens:
-        opening, episode.end = opening[: limits.max_total_tokens], EpisodeEnd.OPENING_TOO_LONG
-    episode.add(opening)
-    episode.prompt_tokens = len(opening)
+    opening_ids = chat.opening(messages, tools)
+    episode.opening_tokens, episode.prompt_messages = len(opening_ids), len(messages)
+    if len(opening_ids) > limits.max_total_tokens:
+        opening_ids, episode.end = opening_ids[: limits.max_total_tokens], EpisodeEnd.OPENING_TOO_LONG
+    episode.add(opening_ids)
+    episode.prompt_tokens = len(opening_ids)
     if episode.end is EpisodeEnd.OPENING_TOO_LONG:
         return episode
     while True:
