@@ -31,8 +31,9 @@ def _run(dump, model, *overrides, env_extra=None):
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
 
 
-@pytest.mark.parametrize("cleared", ["environment_args", pytest.param("reward_funcs", marks=pytest.mark.slow),
-                                     "reward_weights"])  # a list of strings, another, a list of numbers
+@pytest.mark.parametrize("cleared", [  # a list of strings, another, a list of numbers; ~20 s each: one by default
+    "environment_args", pytest.param("reward_funcs", marks=pytest.mark.slow),
+    pytest.param("reward_weights", marks=pytest.mark.slow)])
 def test_the_multi_turn_debug_config_trains_with_a_list_cleared_on_the_command_line(tmp_path, tiny_chat, cleared):
     """Lists cleared with ``""`` passed validation, then torchtitan's main parsed sys.argv again and the trainer got
     [""] (environment_args: refused after the model was built; reward_funcs: an import of ''); a list of numbers
