@@ -49,29 +49,12 @@ QUICK_STEPS = 4
 TURNS = 3
 
 
-STOP_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEF"  # an eighth of the bytes: stop tokens besides EOS (below)
-
-
 def chat_model(out: str) -> str:
-    """The tiny model's folder copied with a chat template (``model_assets.TINY_CHAT_TEMPLATE``) and with 32 byte tokens
-    as stop tokens besides its EOS (``eos_token_id``, which the engine and the episodes both stop on): its random
-    weights spread a turn's tokens over all 256 bytes and almost never sample EOS, so every turn would run to its
-    budget, where an episode ends without stepping its environment (docs/environments.md, limits); with an eighth
-    of the bytes stopping it, a turn is ~8 tokens and an episode has its three turns."""
-    from model_assets import BYTE_OFFSET, EOS_ID, TINY_CHAT_TEMPLATE
+    """The tiny model's chat variant (``model_assets.build_chat_model_dir``: a chat template, and stop tokens that
+    end its turns at ~8 tokens, so an episode has its three turns)."""
+    from model_assets import build_chat_model_dir
 
-    folder = os.path.join(out, "tiny-chat")
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(TINY_MODEL, folder)
-    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
-        f.write(TINY_CHAT_TEMPLATE)
-    stops = [EOS_ID, *(BYTE_OFFSET + b for b in STOP_BYTES)]
-    for name in ("config.json", "generation_config.json"):
-        with open(os.path.join(folder, name)) as f:
-            cfg = json.load(f)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump({**cfg, "eos_token_id": stops}, f, indent=2)
-    return folder
+    return str(build_chat_model_dir(TINY_MODEL, os.path.join(out, "tiny-chat")))
 
 
 def overrides(model: str, delay_ms: float) -> list[str]:

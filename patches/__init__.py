@@ -10,7 +10,7 @@ is in effect.
 import importlib.metadata
 import logging
 
-from . import cpu_device, cpu_profiler, cpu_quiet, gloo_fsdp_sum, triton_stub
+from . import cpu_device, cpu_profiler, cpu_quiet, gloo_fsdp_sum, list_str_quotes, triton_stub
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -24,6 +24,7 @@ PATCHES = {
     "cpu_profiler": cpu_profiler,
     "cpu_quiet": cpu_quiet,
     "gloo_fsdp_sum": gloo_fsdp_sum,
+    "list_str_quotes": list_str_quotes,
 }
 
 

@@ -34,11 +34,16 @@ BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
 BYTE_OFFSET = len(SPECIAL_TOKENS)  # byte b has token id BYTE_OFFSET + b
-# A chat template for the tiny model, which has none (tests and benchmarks copy the model with it, for multi-turn
-# episodes): one message per block, <|bos|> role, newline, content, <|eos|> (the EOS, where a turn stops).
+# A chat template for the tiny model, which has none (``build_chat_model_dir`` writes the chat variant with it, for
+# multi-turn episodes): one message per block, <|bos|> role, newline, content, <|eos|> (the EOS, where a turn stops).
 TINY_CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|bos|>' + m['role'] + '\\n' + m['content'] + '<|eos|>' }}"
                       "{%- endfor %}{%- if add_generation_prompt %}{{ '<|bos|>assistant\\n' }}{%- endif %}")
 VOCAB_SIZE = BYTE_OFFSET + 256  # 259
+# The chat variant's stop tokens besides EOS: an eighth of the bytes. The random weights spread a turn's tokens over
+# all 256 bytes and almost never sample EOS, so every turn would run to its budget, where an episode ends without
+# stepping its environment (docs/environments.md, limits); with these, a turn is ~8 tokens.
+CHAT_STOP_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEF"
+CHAT_STOP_IDS = [EOS_ID, *(BYTE_OFFSET + b for b in CHAT_STOP_BYTES)]
 
 # RoPE scaling written to config.json: exactly torchtitan's RoPEScalingArgs defaults (llama3 scaling).
 ROPE_SCALING = {
@@ -324,3 +329,27 @@ def count_parameters(model_dir: str | os.PathLike) -> int:
                     n *= s
                 total += n
     return total
+
+
+def build_chat_model_dir(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """``model_dir`` (a tiny model folder) copied to ``out_dir`` as its chat variant, for multi-turn episodes:
+    ``chat_template.jinja`` (``TINY_CHAT_TEMPLATE``) and ``CHAT_STOP_IDS`` as ``eos_token_id`` (the ids the engine
+    and the episodes stop a turn on). Rewritten every call (a copy of a ~1 MB folder), replaced in one rename."""
+    import shutil
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    shutil.copytree(src, tmp, dirs_exist_ok=True)
+    (tmp / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE)
+    for name in ("config.json", "generation_config.json"):
+        with open(tmp / name) as f:
+            cfg = json.load(f)
+        _write_json(tmp / name, {**cfg, "eos_token_id": CHAT_STOP_IDS})
+    os.chmod(tmp, 0o755)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:  # concurrent builders: one rename at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    return out

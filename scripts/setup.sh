@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: creates .venv (if missing), installs torchtitan_flux with its dev extras, and builds the
-# tiny local model the debug config uses. On a machine without CUDA it installs the CPU torch build.
+# tiny local model the debug configs use (and its chat variant, for train_configs/debug_multiturn_cpu.toml). On a
+# machine without CUDA it installs the CPU torch build.
 # Re-running is cheap: the install step is skipped while pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +21,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   flock "${TMPDIR:-/tmp}/flux-editable-install.lock" "$VPY" -m pip install -q -e ".[dev]"
   echo "$want" > "$stamp"
 fi
-"$VPY" scripts/build_tiny_model.py --out assets/tiny-llama --flavor tiny
+"$VPY" scripts/build_tiny_model.py --out assets/tiny-llama --flavor tiny --chat-out assets/tiny-chat

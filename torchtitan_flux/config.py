@@ -106,7 +106,8 @@ class Rollout:
 
     # -- Sampling: how each completion is sampled (its temperature is ``grpo.temperature``).
     max_new_tokens: Annotated[int, Range(ge=1)] = 16
-    """Maximum completion length in tokens."""
+    """Maximum completion length in tokens; with ``environment``, per assistant turn (the whole episode, its opening
+    included, within ``training.seq_len``)."""
 
     top_k: Annotated[int, Range(ge=0)] = 0
     """Sample only from the top-k tokens (slightly off-policy: logprobs stay the full distribution's); 0 disables."""
@@ -236,8 +237,9 @@ class Rollout:
     Empty: one completion per sample, as without environments. Every engine kind (embedded, vLLM, SGLang)."""
 
     environment_args: list[str] = field(default_factory=list)
-    """The environment's own ``Config`` fields, as "name=value" (the value read as JSON when it parses, e.g.
-    ``["max_value=100", 'mode="hard"']``, else as the plain string); each is checked against the field's type."""
+    """The environment's own ``Config`` fields, as "name=value", the value read as JSON when it parses, else as the
+    plain string; each is checked against the field's type. In TOML ``["max_value=100", 'mode="hard"']``, on the
+    command line ``--rollout.environment_args 'max_value=100,mode="hard"'``."""
 
     max_turns: Annotated[int, Range(ge=1, le=1024)] = 4
     """Multi-turn: assistant turns per episode at most; the environment is stepped on the last one and the episode
@@ -446,8 +448,8 @@ class Eval:
     """Also evaluate the initial policy (version 0) before the first step."""
 
     dataset_path: str = ""
-    """Held-out dataset (formats of ``rollout.dataset_path``); empty: ``rollout.dataset_path``'s ``split``.
-    Generated tasks draw their own held-out prompts."""
+    """Held-out dataset (formats of ``rollout.dataset_path``); empty: the ``eval.split`` split of
+    ``rollout.dataset_path``. Generated tasks draw their own held-out prompts."""
 
     split: str = "test"
     """Split of the held-out dataset (a folder or a saved ``DatasetDict``)."""

@@ -4,8 +4,9 @@ Applies the patches torchtitan needs, registers our model spec and config sectio
 torchtitan starts, and runs ``torchtitan.train.main(GRPOTrainer)``. How a run ends (``_report``): bad input is one
 line, ``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync
 probe one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their
-traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Then ``os._exit``: the interpreter's
-finalisation could abort the process (docs/reliability.md).
+traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Processes user code left running are stopped,
+with one line naming them (``run/leftovers.py``). Then ``os._exit``: the interpreter's finalisation could abort the
+process (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def _field_type(path: str):
 
 def emptied_lists(argv: list[str]) -> list[str]:
     """The list fields of ours given ``""`` on the command line (``--rollout.environment_args ""``): each is the
-    empty list, clearing what the TOML file set. tyro reads ``""`` as ``[""]`` and has no form for zero values, so
-    ``main`` sets them after parsing."""
+    empty list, clearing what the TOML file set. tyro reads ``""`` as ``[""]`` for a list of strings, refuses it for
+    a list of numbers, and has no form for zero values, so ``_normalise_argv`` leaves them out, ``main`` sets them
+    after parsing, and hands that config to the trainer."""
     import typing
 
     out = []
@@ -88,6 +90,9 @@ def _normalise_argv(argv: list[str]) -> list[str]:
             key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
         step = 1 if eq else 2
         kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
+        if val == "" and typing.get_origin(kind) is list:  # cleared: left to main (emptied_lists)
+            i += step
+            continue
         if val.lower() in ("true", "false") and kind in ("torchtitan_bool", bool):
             if kind == "torchtitan_bool":
                 section, _, name = key[2:].rpartition(".")
@@ -322,10 +327,14 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # run.stops.STOP_SIGNALS, not imported
         if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: the user asked to go on
             signal.signal(sig, _stop_while_starting)
+    from torchtitan_flux.run.leftovers import adopt_orphans, stop_leftovers
+
+    adopt_orphans()  # what user code starts and abandons stays findable: stopped below, at exit
     files = [a for a in sys.argv[1:] if a.split("=")[0] in ("--job.config_file", "--job.config-file")]
     if len(files) > 1:  # torchtitan would silently take the first
         print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
         os._exit(2)
+    emptied = emptied_lists(sys.argv[1:])  # before normalising, which leaves them out
     # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
     sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
     sys.argv += _absolute_paths(sys.argv[1:])
@@ -354,7 +363,7 @@ def main() -> None:
             config = ConfigManager().parse_args()
         except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
             raise unknown_fields_error(e, config_file) or e from None
-        for path in emptied_lists(sys.argv[1:]):
+        for path in emptied:
             section, _, name = path.partition(".")
             setattr(getattr(config, section), name, [])
         validate_config(config)  # bad input: one line, before torchtitan's start-up
@@ -366,7 +375,8 @@ def main() -> None:
             check_room_for_a_checkpoint(config)
             set_aside_previous_outputs(config)
             check_outputs(config)
-        titan_main(GRPOTrainer)
+        # torchtitan's main parses sys.argv again, which would undo the emptied lists: the trainer gets this config
+        titan_main(lambda _reparsed: GRPOTrainer(config))
         code = 0
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("why") during the start-up
@@ -374,9 +384,15 @@ def main() -> None:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException as e:  # noqa: BLE001 - reported here, then the same non-zero exit as an uncaught error
         code = _report(e)
+    leftovers = stop_leftovers()
+    if leftovers:
+        more = f", and {len(leftovers) - 8} more" if len(leftovers) > 8 else ""
+        print(f"stopped {len(leftovers)} process(es) the run's user code left running: {', '.join(leftovers[:8])}"
+              f"{more}", file=sys.stderr, flush=True)
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError, OSError):  # closed by user code: what it held is lost either way
+            stream.flush()
     os._exit(code)
 
 

@@ -7,10 +7,14 @@ with that one line, after checkpointing the step).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import os
+import sysconfig
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,14 +78,38 @@ def call_with_deadline(what: str, fn: Callable, *args: Any, timeout_s: float, fi
     return outcome["value"]
 
 
-def describe_exception(e: BaseException) -> str:
-    """``Type: message`` of ``e`` on one line, also when its ``str()`` raises (user code's exceptions may)."""
+def describe_exception(e: BaseException, hint: str = "") -> str:
+    """``Type: message`` of ``e`` on one line, also when its ``str()`` raises (user code's exceptions may), then
+    ``; hint`` when given, then the innermost frame of its traceback in a user's file, ``(my_env.py:74)``
+    (``user_frame``)."""
     try:
         text = str(e)
     except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure it describes
         text = "(its message cannot be read)"
     first = text.strip().splitlines()[0][:300] if text.strip() else ""
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    out = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    where = user_frame(e)
+    return out + (f"; {hint}" if hint else "") + (f" ({where})" if where else "")
+
+
+_PACKAGE = os.path.dirname(os.path.realpath(__file__))
+_LIBRARIES = tuple({os.path.realpath(p) for k, p in sysconfig.get_paths().items()
+                    if k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def user_frame(e: BaseException) -> str | None:
+    """``file.py:line`` of the innermost frame of ``e``'s traceback in a user's file: not this package's, the
+    standard library's or an installed package's (their frames are below the user's call); None without one."""
+    found = None
+    for frame, line in traceback.walk_tb(e.__traceback__):
+        path = frame.f_code.co_filename
+        if path.startswith("<"):  # <frozen ...>, <string>
+            continue
+        path = os.path.realpath(path)
+        if path.startswith(_PACKAGE + os.sep) or path.startswith(tuple(lib + os.sep for lib in _LIBRARIES)):
+            continue
+        found = f"{os.path.basename(path)}:{line}"
+    return found
 
 
 def _two_argument_form(fn: Any, name: str) -> Any:
@@ -98,15 +126,43 @@ def _two_argument_form(fn: Any, name: str) -> Any:
     raise ConfigError(f"{name} takes {len(required)} required arguments; allowed: fn(result) or fn(step, metrics)")
 
 
+class _ExitCalled(BaseException):
+    """``os._exit(code)`` called while a user module was imported."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _exit_refused():
+    """``os._exit`` raises ``_ExitCalled`` instead of ending the process, while a user module is imported (at
+    validation, on the main thread, before any thread of ours runs): an exit there would end the run with no line."""
+    real = os._exit
+
+    def refuse(code: int) -> None:
+        raise _ExitCalled(code)
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def import_spec(name: str, spec: str, callable_: bool = True) -> Any:
     """The object ``spec`` names (``attribute`` may be dotted), or a ``ConfigError`` naming the field ``name``."""
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
         raise ConfigError(f"{name} = {spec!r} must be of the form 'package.module:attribute'")
     try:
-        obj = importlib.import_module(mod)
+        with _exit_refused():
+            obj = importlib.import_module(mod)
         for part in attr.split("."):
             obj = getattr(obj, part)
+    except _ExitCalled as e:
+        raise ConfigError(f"{name} = {spec!r} cannot be imported: it called os._exit({e.code}) at import (the run "
+                          "would end silently); allowed: a module that only defines things when imported") from None
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{name} = {spec!r} cannot be imported: {e}") from e
     except (Exception, SystemExit) as e:  # the module itself failed (sys.exit("reason") at import included)

@@ -66,12 +66,13 @@ def test_ci_runs_the_vllm_stage_with_the_requirement_and_checks_the_import_first
 
 
 def test_the_default_suite_reads_only_what_setup_builds():
-    """CI runs the default suite after scripts/setup.sh alone (which builds assets/tiny-llama); the real model
+    """CI runs the default suite after scripts/setup.sh alone (which builds assets/tiny-llama and its chat variant,
+    assets/tiny-chat); the real model
     (scripts/get_real_model.sh) comes later, for the slow and vLLM stages. A unit test that read it passed on a
     machine that had it and failed in CI (2026-11-27): the unit tests' ChatML tokenizer is tests/fakes/'s."""
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     built = set(re.findall(r"assets/([\w.-]+)", setup))
-    assert built == {"tiny-llama"}, built
+    assert built == {"tiny-llama", "tiny-chat"}, built
     for path in sorted([*(ROOT / "tests" / "unit").glob("*.py"), ROOT / "tests" / "conftest.py"]):
         for name in re.findall(r'ROOT\s*/\s*"assets"\s*/\s*"([^"]+)"', path.read_text()):
             assert name in built, f"{path.name} reads assets/{name}, which scripts/setup.sh does not build"

@@ -282,8 +282,27 @@ def test_a_module_that_exits_at_import_is_one_line_with_its_reason():
         import_spec("rollout.reward_funcs", "fakes.exits_at_import:f")
 
 
-def test_debug_config_is_valid(tiny_model_dir):
-    validate_config(parse())
+
+def test_a_module_that_calls_os_exit_at_import_is_one_line():
+    """The fifth sweep's item 8: ``os._exit(0)`` at an environment's import ended the run with exit code 0 and an
+    empty log. In a child process: on the old code the import ends the process. Mutations: os._exit left alone, or
+    not restored after the import."""
+    import os
+    import subprocess
+
+    code = ("import os\n"
+            "real = os._exit\n"
+            "from torchtitan_flux.user_code import import_spec\n"
+            "try:\n"
+            "    import_spec('rollout.environment', 'fakes.os_exits_at_import:Env')\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n"
+            "print(os._exit is real)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert p.stdout.splitlines() == [
+        "ConfigError rollout.environment = 'fakes.os_exits_at_import:Env' cannot be imported: it called os._exit(0) at "
+        "import (the run would end silently); allowed: a module that only defines things when imported", "True"], p
 
 
 def _range_fields(prefix: str, cls) -> list:
@@ -835,10 +854,11 @@ def test_validation_checks_colocated_memory_when_cuda_is_available(monkeypatch):
 
 
 def test_an_empty_value_clears_a_list_field_the_toml_set():
-    """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") and has no form for
-    zero values: ``main`` sets each list given "" to [] after parsing. Mutation: the check on the field's type (a
-    string field given "" would become a list)."""
+    """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") or refuses it (a list
+    of numbers) and has no form for zero values: ``_normalise_argv`` leaves each list given "" out and ``main`` sets
+    it to [] after parsing. Mutation: the check on the field's type (a string field given "" would become a list)."""
     argv = ["--rollout.environment_args", "", "--rollout.reward_funcs=", "--rollout.task", "", "--job.description",
-            "", "--rollout.reward_weights", "1.0"]
-    assert emptied_lists(argv) == ["rollout.environment_args", "rollout.reward_funcs"]
-    assert parse("--rollout.environment_args", "").rollout.environment_args == [""]  # what main then clears
+            "", "--rollout.reward_weights", "1.0", "--rollout.engine_devices", ""]
+    assert emptied_lists(argv) == ["rollout.environment_args", "rollout.reward_funcs", "rollout.engine_devices"]
+    assert _normalise_argv(argv)[:7] == ["--rollout.task", "", "--job.description", "", "--rollout.reward_weights",
+                                         "1.0", "--job.custom_config_module"]

@@ -408,7 +408,7 @@ def _values(*vs):
      r"float32"),
     ([("f", _values(1.0, 0.0), 1e308)], r"^the weighted reward of sample 0 is 1e\+308 \('f' 1.0 x weight 1e\+308\)"),
     ([("f", lambda completions, **_: (_ for _ in ()).throw(_Unprintable()), 1.0)],
-     r"^reward function 'f' raised _Unprintable: \(its message cannot be read\)$"),
+     r"^reward function 'f' raised _Unprintable: \(its message cannot be read\) \(test_data\.py:410\)$"),
 ])
 def test_reward_values_beyond_float32_and_broken_exceptions_are_one_line(funcs, match):
     """Before 2026-11-27: +-1e308 and 10**400 were OverflowError tracebacks, a weight of 1e308 a non-finite loss
@@ -502,10 +502,11 @@ async def async_interrupts(completions, **kwargs):
 @pytest.mark.parametrize("fn, match", [
     (non_scalar_at_one, r"reward function 'f' returned tensor\(\[1\., 2\.\]\) for sample 1; allowed: a finite number"),
     (numpy_nan_at_one, r"reward function 'f' returned nan for sample 1"),
-    (exits, r"reward function 'f' raised SystemExit: 3$"),
-    (async_exits, r"reward function 'f' raised SystemExit: bye$"),
-    (interrupts, r"reward function 'f' raised KeyboardInterrupt: from the function$"),  # before (issue 27's second
-    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt$"),  # sweep): a traceback
+    (exits, r"reward function 'f' raised SystemExit: 3 \(test_data\.py:487\)$"),  # the user's frame ends it
+    (async_exits, r"reward function 'f' raised SystemExit: bye \(test_data\.py:491\)$"),
+    (interrupts, r"reward function 'f' raised KeyboardInterrupt: from the function \(test_data\.py:495\)$"),  # before
+    (async_interrupts, r"reward function 'f' raised KeyboardInterrupt \(test_data\.py:499\)$"),  # (issue 27's
+    # second sweep): a traceback
 ])
 def test_bad_scalars_and_sys_exit_in_a_reward_fail_with_one_line(fn, match):
     """Before: ``sys.exit()`` in a reward escaped the thread pool as SystemExit and ended the run silently."""
@@ -866,3 +867,23 @@ def test_reward_values_of_every_wrong_shape_are_one_line(values, match):
         scorer.score(["a", "b"], ["", ""], [[], []], {})
     with pytest.raises(R.RewardError, match=r"^reward function 'f' returned 1 values for 2 completions$"):
         R.RewardScorer([R.RewardFunc("f", _one_value)]).score(["a", "b"], ["", ""], [[], []], {})
+
+
+def test_an_environments_dataset_needs_no_prompt_column(tmp_path):
+    """With rollout.environment a record is the environment's input and its init() writes the opening: a dataset of
+    such records was refused for having no prompt column. Mutation: the prompt column required, or the record's
+    columns not passed whole."""
+    from torchtitan_flux.rollout.episode_groups import env_input
+
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} * 3?", "answer": str(3 * i)}) + "\n"
+                            for i in range(5)))
+    with pytest.raises(ValueError, match=r"it needs a text column .* \(or rollout.environment: its records need none\)"):
+        build_task(job(tmp_path, path), ByteTokenizer())
+    task = build_task(job(tmp_path, path, environment="examples.environments.calculator:CalculatorEnv",
+                          environment_reward_weight=1.0),
+                      ByteTokenizer())
+    prompts = task.prompts(0, 1, 5)
+    assert sorted(p.answer for p in prompts) == ["0", "12", "3", "6", "9"]
+    record = env_input(prompts[0])
+    assert record["question"] == f"What is {int(record['answer']) // 3} * 3?" and record["answer"] == prompts[0].answer

@@ -19,7 +19,7 @@ import tokenizers
 from examples.environments import alphabet_sort, calculator
 from fakes.chatml_tokenizer import IM_END  # <|im_end|>, the EOS, as in SmolLM2
 from torchtitan_flux.data.environments import (MessageEnv, MessageEnvInitOutput, MessageEnvStepOutput, ParsedToolCall,
-                                               ToolCallParseStatus, load_environment)
+                                               ToolCallParseStatus, configure_environment, load_environment)
 from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.rollout.episode import ChatFormat, EpisodeEnd, EpisodeLimits, run_episode
 
@@ -482,3 +482,148 @@ def test_the_alphabet_sort_port_asks_turn_by_turn_and_scores_like_torchtitan():
     assert alphabet_sort.score_sorted_list("no block", expected_names=["A"], xml_tag="alphabetical_sorted",
                                            similarity_power=4) == 0.0
     assert alphabet_sort.records(5, seed=3) == rows[:5]
+
+
+class _Flood(Echo):
+    """Replies with ``Config.reply_chars`` characters (a tool that dumps a whole file)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        reply_chars: int = 2_000_000
+
+    def __init__(self, config: Config, *, env_input: dict) -> None:
+        super().__init__(Echo.Config(), env_input=env_input)
+        self.reply_chars = config.reply_chars
+
+    async def step(self, completion_message):
+        return MessageEnvStepOutput(env_messages=[{"role": "user", "content": "word " * (self.reply_chars // 5)}])
+
+
+def test_a_reply_of_megabytes_ends_the_episode_without_being_rendered_whole(monkeypatch, tok, chatml_dir):
+    """The fifth sweep's item 6: a 2 MB reply was rendered and tokenized in full before the length check (a step
+    ~100x slower). Mutation: the length known only from the whole reply's tokens."""
+    longest = [0]
+
+    class Recording(HFTokenizer):
+        def encode(self, text, add_bos=True, add_eos=False):
+            longest[0] = max(longest[0], len(text))
+            return super().encode(text, add_bos, add_eos)
+
+    chat = ChatFormat.from_model_dir(str(chatml_dir), Recording(chatml_dir))
+    _envs(monkeypatch, Flood=_Flood)
+    generate, calls = _scripted(tok, ["hi", "again"])
+    ep = _episode(_load("_envs:Flood"), QUESTION, generate, chat, max_total_tokens=400)
+    assert (ep.end, ep.turns, len(ep.messages[-1]["content"])) == (EpisodeEnd.MAX_TOKENS, 1, 2_000_000)
+    assert longest[0] < 10_000, longest[0]
+    generate, calls = _scripted(tok, ["hi", "again"])  # a reply that fits is still appended as rendered
+    short = configure_environment(_load("_envs:Flood"), ["reply_chars=50"], FIELD)
+    ep = _episode(short, QUESTION, generate, chat, max_total_tokens=400, max_turns=2)
+    assert ep.turns == 2 and "word word" in chat.tokenizer.decode(ep.token_ids)
+
+
+class _Unpicklable(Echo):
+    async def step(self, completion_message):
+        return MessageEnvStepOutput(env_messages=[{"role": "user", "content": "ok", "handle": threading.Lock()}])
+
+
+def test_a_message_value_a_checkpoint_cannot_keep_is_one_line_naming_the_environment_and_key(monkeypatch, tok,
+                                                                                              chat):
+    """The fifth sweep's item 3: an extra key that cannot be pickled crashed the checkpoint save and left a torn
+    step folder. Mutation: messages checked for their role and content only."""
+    _envs(monkeypatch, Unpicklable=_Unpicklable)
+    generate, _ = _scripted(tok, ["hi"])
+    with pytest.raises(UserCodeError) as err:
+        _episode(_load("_envs:Unpicklable"), QUESTION, generate, chat)
+    assert str(err.value).startswith("environment '_envs:Unpicklable': step() returned env_messages[0]['handle'] = "
+                                     "<unlocked _thread.lock object at ")
+    assert str(err.value).endswith("(lock); expected message values a checkpoint can keep (plain data: str, "
+                                   "numbers, lists, dicts)")
+
+
+class _NeedsPrompt(Echo):
+    def __init__(self, config: Echo.Config, *, env_input: dict) -> None:
+        self.prompt = env_input["prompt"]  # the record has no such column
+
+
+class _FailsDeep(Echo):
+    async def step(self, completion_message):
+        return json.loads("{not json")  # raised inside the standard library, called from this file
+
+
+def test_user_code_errors_end_with_the_users_frame_and_a_keyerror_lists_the_records_keys(monkeypatch, tok, chat):
+    """Mutations: the frame left out, or the innermost frame taken (json's, not the user's); a KeyError without the
+    record's keys."""
+    _envs(monkeypatch, NeedsPrompt=_NeedsPrompt, FailsDeep=_FailsDeep)
+    generate, _ = _scripted(tok, ["hi"])
+    with pytest.raises(UserCodeError) as err:
+        _episode(_load("_envs:NeedsPrompt"), QUESTION, generate, chat)
+    line = _NeedsPrompt.__init__.__code__.co_firstlineno + 1
+    assert str(err.value) == ("environment '_envs:NeedsPrompt': __init__ raised KeyError: 'prompt'; the record's keys: "
+                              f"['answer', 'question'] (test_environments.py:{line})")
+    generate, _ = _scripted(tok, ["hi"])
+    with pytest.raises(UserCodeError) as err:
+        _episode(_load("_envs:FailsDeep"), QUESTION, generate, chat)
+    line = _FailsDeep.step.__code__.co_firstlineno + 1
+    assert str(err.value).startswith("environment '_envs:FailsDeep': step() raised JSONDecodeError: ")
+    assert str(err.value).endswith(f" (test_environments.py:{line})")
+
+
+class _UndecoratedConfig(MessageEnv):
+    class Config(MessageEnv.Config):  # inherits MessageEnv.Config's dataclass-ness, not a dataclass of its own
+        turns: int = 2
+
+    async def init(self):
+        return MessageEnvInitOutput(init_prompt_messages=[{"role": "user", "content": "hi"}])
+
+    async def step(self, completion_message):
+        return MessageEnvStepOutput(done=True)
+
+
+def test_an_environment_config_that_is_not_a_dataclass_is_refused_in_one_line(monkeypatch):
+    """Mutation: only dataclasses.is_dataclass checked (true for a subclass of one): environment_args then said the
+    class has no Config fields."""
+    _envs(monkeypatch, Undecorated=_UndecoratedConfig)
+    with pytest.raises(ConfigError) as err:
+        _load("_envs:Undecorated")
+    assert str(err.value) == ("rollout.environment = '_envs:Undecorated': its Config is not a dataclass (it only "
+                              "inherits from one), so its fields ['turns'] cannot be set; allowed: decorate it with "
+                              "@dataclass(kw_only=True, slots=True)")
+
+
+class _OddValues(Echo):
+    """``Config.kind``: "numpy" and "tensor" rewards (accepted, as reward functions' are), "surrogate" text."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MessageEnv.Config):
+        kind: str = "numpy"
+
+    def __init__(self, config: Config, *, env_input: dict) -> None:
+        super().__init__(Echo.Config(), env_input=env_input)
+        self.kind = config.kind
+
+    async def step(self, completion_message):
+        import numpy as np
+        import torch
+
+        if self.kind == "surrogate":
+            return MessageEnvStepOutput(env_messages=[{"role": "user", "content": "bad \udcff byte"}])
+        value = np.float32(0.5) if self.kind == "numpy" else torch.tensor(0.25)
+        return MessageEnvStepOutput(done=True, env_rewards={"r": value, "n": np.int64(2)})
+
+
+def test_numpy_and_tensor_rewards_are_taken_and_unencodable_text_is_one_line_naming_the_call(monkeypatch, tok, chat):
+    """The fifth sweep's item 8: env_rewards refused the 0-d tensors and numpy scalars reward functions accept; text
+    with a lone surrogate failed in the tokenizer, naming neither the method nor the message. Mutations: the
+    scalars refused or kept as they are (not floats); the text let through."""
+    _envs(monkeypatch, Odd=_OddValues)
+    for kind, want in (("numpy", 0.5), ("tensor", 0.25)):
+        generate, _ = _scripted(tok, ["hi"])
+        env = configure_environment(_load("_envs:Odd"), [f"kind={kind}"], FIELD)
+        ep = _episode(env, QUESTION, generate, chat)
+        assert ep.env_rewards == [{"r": want, "n": 2.0}] and all(type(v) is float for v in ep.env_rewards[0].values())
+    generate, _ = _scripted(tok, ["hi"])
+    with pytest.raises(UserCodeError) as err:
+        _episode(configure_environment(_load("_envs:Odd"), ["kind=surrogate"], FIELD), QUESTION, generate, chat)
+    assert str(err.value) == ("environment '_envs:Odd': step() returned env_messages[0]['content'] has 'bad \\udcff "
+                              "byte' (str); expected text that encodes as UTF-8 (the tokenizer's input); character 4 "
+                              "is '\\udcff'")

@@ -395,7 +395,11 @@ CALCULATOR = "examples.environments.calculator:CalculatorEnv"
     (("--rollout.environment_reward_weight", "nan"), "rollout.environment_reward_weight = nan is out of range; "
                                                      "allowed: a finite number"),
     (("--rollout.environment", CALCULATOR), "renders conversations with the model's chat template: "
-                                            "model.hf_assets_path = './assets/tiny-llama' has no chat_template"),
+                                            "model.hf_assets_path = './assets/tiny-llama' has no chat_template (in "
+                                            "tokenizer_config.json or chat_template.jinja); a 'messages' dataset or "
+                                            "rollout.apply_chat_template = true needs one; for the tiny debug model "
+                                            "use its chat variant, which scripts/setup.sh builds "
+                                            "(--model.hf_assets_path ./assets/tiny-chat)"),
 ])
 def test_multi_turn_config_errors_name_the_field(overrides, fragment):
     """Mutations: a multi-turn field read silently without an environment; an environment loaded unchecked; a

@@ -70,7 +70,8 @@ def test_cpu_device_patch_points_torchtitan_at_cpu():
 
 
 def test_registry_lists_every_patch_module():
-    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_profiler", "cpu_quiet", "gloo_fsdp_sum"]
+    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_profiler", "cpu_quiet", "gloo_fsdp_sum",
+                                     "list_str_quotes"]
     for module in patches.PATCHES.values():
         doc = module.__doc__
         assert "What:" in doc and "Versions:" in doc and "Why:" in doc
@@ -269,7 +270,8 @@ def _worker(rank: int, port: int) -> None:
     with pytest.raises(RuntimeError, match="PREMUL_SUM"):
         _fsdp_train_step(parallel_dims, job_config, tokens, rank)
 
-    assert patches.apply_patches() == ["triton_stub", "cpu_device", "cpu_profiler", "cpu_quiet", "gloo_fsdp_sum"]
+    assert patches.apply_patches() == ["triton_stub", "cpu_device", "cpu_profiler", "cpu_quiet", "gloo_fsdp_sum",
+                                       "list_str_quotes"]
     _fsdp_train_step(parallel_dims, job_config, tokens, rank)
     dist.destroy_process_group()
     # Skip the interpreter's finalisation (as torchtitan_flux/train.py does): torch's gloo teardown racing its own
@@ -280,3 +282,21 @@ def _worker(rank: int, port: int) -> None:
 @requires_no_accelerator
 def test_fsdp_over_gloo_two_processes():
     mp.spawn(_worker, args=(_free_port(),), nprocs=2, join=True)
+
+
+def test_a_comma_inside_a_quoted_value_does_not_split_a_list():
+    """The fifth sweep: ``--rollout.environment_args 'fault="a,b",fault_after=10'`` gave ['fault="a', 'b"', ...].
+    Mutation: the patch's rule registered before torchtitan's (tyro takes the last)."""
+    from conftest import DEBUG_TOML
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_flux.train import _normalise_argv
+
+    assert patches.list_str_quotes.apply() and patches.list_str_quotes.apply()  # idempotent
+    argv = ["--job.config_file", str(DEBUG_TOML), "--rollout.environment_args", 'fault="a,b",fault_after=10',
+            "--rollout.reward_funcs", "a:b,c:d"]
+    jc = ConfigManager().parse_args(_normalise_argv(argv))
+    assert jc.rollout.environment_args == ['fault="a,b"', "fault_after=10"]
+    assert jc.rollout.reward_funcs == ["a:b", "c:d"]
+    assert patches.list_str_quotes.split_outside_quotes('x="a\\",b",,y') == ['x="a\\",b"', "", "y"]
+    assert patches.list_str_quotes.split_outside_quotes("") == [""]

@@ -134,7 +134,7 @@ def test_a_step_callback_that_never_returns_stops_at_its_deadline():
                                             r"metrics.step_callback_timeout_seconds = 0.3 s"):
         guarded(1, {})
     release.set()
-    with pytest.raises(UserCodeError, match=r"^step callback 'mine:cb' raised KeyboardInterrupt$"):
+    with pytest.raises(UserCodeError, match=r"^step callback 'mine:cb' raised KeyboardInterrupt \(test_task_user_code.py:40\)$"):
         step_callback(lambda step, metrics: _raise(KeyboardInterrupt()), "step callback 'mine:cb'")(1, {})
 
 

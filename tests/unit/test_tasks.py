@@ -61,5 +61,6 @@ def test_user_task_factories_are_called_as_documented_and_their_failures_named()
     with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:not_a_task' returned list; allowed: a "
                                           r"torchtitan_flux.data.tasks.Task"):
         build_task(job("test_tasks:not_a_task"), None)
-    with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:exits' raised SystemExit: no data today$"):
+    with pytest.raises(ConfigError, match=r"^rollout.task = 'test_tasks:exits' raised SystemExit: no data today "
+                                           r"\(test_tasks\.py:42\)$"):
         build_task(job("test_tasks:exits"), None)

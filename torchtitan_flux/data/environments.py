@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 import json
 import math
+import pickle
 import threading
 import types
 import typing
@@ -193,6 +194,11 @@ def load_environment(spec: str, field_name: str, timeout_s: float, timeout_field
     if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
         raise ConfigError(f"{where} has no nested dataclass Config; allowed: {shape} (an empty "
                           "'@dataclass(kw_only=True, slots=True) class Config(MessageEnv.Config): pass' will do)")
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    own = [n for n in vars(config_cls).get("__annotations__", {}) if n not in fields]
+    if own:  # a subclass of a dataclass without @dataclass: its own fields are plain class attributes
+        raise ConfigError(f"{where}: its Config is not a dataclass (it only inherits from one), so its fields "
+                          f"{own} cannot be set; allowed: decorate it with @dataclass(kw_only=True, slots=True)")
     try:
         config = config_cls()
     except Exception as e:  # noqa: BLE001 - user code: reported naming it
@@ -291,6 +297,7 @@ class RunningEnvironment:
         self.env_class = env_class
         self.name = f"environment {env_class.spec!r}"
         self._env: Any = None
+        self._record: Any = None  # the episode's env_input (its keys name a KeyError's choices)
         self._stuck = False  # a call missed its deadline: the loop may be blocked, close() is not attempted
         self._loop = loop_thread("flux-env")
 
@@ -316,12 +323,15 @@ class RunningEnvironment:
             raise UserCodeError(f"{self.name}: {method} did not return within {self.env_class.timeout_field} = "
                                 f"{timeout:g} s; the run stops (its thread cannot be stopped)") from None
         if not ok:
-            raise UserCodeError(f"{self.name}: {method} raised {describe_exception(value)}") from value
+            hint = (f"the record's keys: {sorted(map(str, self._record))}"
+                    if isinstance(value, KeyError) and isinstance(self._record, Mapping) else "")
+            raise UserCodeError(f"{self.name}: {method} raised {describe_exception(value, hint)}") from value
         return value
 
     async def construct(self, record: Any) -> None:
         """Builds the instance: ``Class(copy of Config(), env_input=record)``."""
         config = dataclasses.replace(self.env_class.config)
+        self._record = record
         self._env = await self._call("__init__", self.env_class.cls, config, env_input=record)
 
     async def init(self) -> MessageEnvInitOutput:
@@ -359,9 +369,15 @@ class RunningEnvironment:
             self._wrong("step()", out.done, "done, a bool", "done =")
         if not isinstance(out.env_rewards, dict):
             self._wrong("step()", out.env_rewards, "env_rewards, a dict of str to float", "env_rewards =")
+        rewards = {}
         for k, v in out.env_rewards.items():
+            if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars, as reward functions may
+                v = v.item()
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                self._wrong("step()", {k: v}, "env_rewards of str keys and finite numbers", "env_rewards has")
+                self._wrong("step()", {k: v}, "env_rewards of str keys and finite numbers (float, int, numpy scalar, "
+                                              "0-d tensor)", "env_rewards has")
+            rewards[k] = float(v)
+        out.env_rewards = rewards  # plain floats: episodes are checkpointed and logged with them
         return out
 
     async def close(self) -> None:
@@ -376,6 +392,17 @@ class RunningEnvironment:
     def _check_message(self, method: str, where: str, m: Any) -> None:
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             self._wrong(method, m, "a message dict {'role': str, 'content': str} (text only)", f"{where} =")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (text decoded with errors="surrogateescape", say)
+            self._wrong(method, m["content"][max(0, e.start - 20): e.end + 20], "text that encodes as UTF-8 (the "
+                        f"tokenizer's input); character {e.start} is {m['content'][e.start]!r}", f"{where}['content'] has")
+        for key, value in m.items():  # episodes are checkpointed with their messages: refused here, not at the save
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - whatever pickling raises, the value cannot be kept
+                self._wrong(method, value, "message values a checkpoint can keep (plain data: str, numbers, lists, "
+                                           "dicts)", f"{where}[{key!r}] =")
 
     def _wrong(self, method: str, value: Any, expected: str, what: str = "") -> None:
         text = repr(value)

@@ -274,7 +274,10 @@ def environment_reward(completions, env_rewards=None, **_) -> list[float | None]
 
 
 def _text(completion: Any) -> str:
-    return completion[-1]["content"] if isinstance(completion, list) else completion
+    """A completion's text: a conversation's last message (none: an episode that generated no turn), or the text."""
+    if isinstance(completion, list):
+        return completion[-1]["content"] if completion else ""
+    return completion
 
 
 def answer_match_reward(completions, answer, **_) -> list[float]:

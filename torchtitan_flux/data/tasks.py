@@ -171,10 +171,14 @@ class DatasetTask(Task):
         cols = table.column_names
         text_col = next((c for c in (r.prompt_column, *self.default_prompt_columns) if c in cols), None)
         self.chat = text_col is None and r.messages_column in cols
-        if text_col is None and not self.chat:
+        if text_col is None and not self.chat and not r.environment:
             raise ConfigError(f"{where} has columns {cols}; it needs a text column named by "
                              f"rollout.prompt_column ({r.prompt_column!r}) or a chat column named by "
-                             f"rollout.messages_column ({r.messages_column!r})")
+                             f"rollout.messages_column ({r.messages_column!r}) (or rollout.environment: its records "
+                             "need none)")
+        if text_col is None and not self.chat:  # an environment's records: its init() writes the opening
+            self._records_only(table, r, where)
+            return
         prompt_col = r.messages_column if self.chat else text_col
         reserved = sorted(set(cols) & RESERVED_COLUMNS - {prompt_col})
         if reserved:  # else the column would replace what every reward function receives under that name
@@ -204,6 +208,18 @@ class DatasetTask(Task):
             lengths.append(len(tokenizer.encode(p.text, add_bos=p.add_bos, add_eos=False)))
         self.records = filter_long(records, lengths, max_prompt_tokens(job_config), r.long_prompts, where,
                                    *prompt_budget(job_config, max(lengths)))
+        self.sampler = EpochSampler(len(self.records), r.seed)
+
+    def _records_only(self, table, r, where: str) -> None:
+        """Records without a prompt column, for ``rollout.environment``: each prompt's text is its record as JSON (no
+        length filter: an episode's opening is bounded by ``training.seq_len``), its columns the record."""
+        reserved = sorted(set(table.column_names) & RESERVED_COLUMNS)
+        if reserved:
+            raise ConfigError(f"{where} has a column named {reserved[0]!r}, which reward functions receive as their "
+                              f"own argument; allowed: any other name (reserved: {', '.join(sorted(RESERVED_COLUMNS))})")
+        self.records = [Prompt(json.dumps(row, sort_keys=True, default=str), "" if row.get(r.answer_column) is None
+                               else str(row[r.answer_column]), {"answer": row.get(r.answer_column), **row})
+                        for row in table.to_list()]
         self.sampler = EpochSampler(len(self.records), r.seed)
 
     def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:

@@ -70,7 +70,7 @@ def release_server_liveness() -> None:
         os.close(fd)
 
 
-def _prctl(option: int, arg) -> bool:
+def prctl(option: int, arg) -> bool:
     """Linux ``prctl(option, arg)``; False where there is no libc.so.6 (not Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
@@ -82,9 +82,9 @@ def _prctl(option: int, arg) -> bool:
 def die_with_parent() -> bool:
     """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); False off Linux
     (engines still end when their control pipe closes)."""
-    return _prctl(1, signal.SIGKILL)
+    return prctl(1, signal.SIGKILL)
 
 
 def name_process(name: str) -> None:
     """``PR_SET_NAME``: the name ``ps -o comm``, ``top`` and psutil's ``name()`` show (15 bytes kept)."""
-    _prctl(15, name.encode()[:15])
+    prctl(15, name.encode()[:15])

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from torchtitan_flux.auth import MIDDLEWARE, TOKEN_ENV
 from torchtitan_flux.engine.forkserver import die_with_parent
+from torchtitan_flux.engine.group_watchdog import GroupWatchdog
 from torchtitan_flux.errors import EngineStartError
 
 logger = logging.getLogger("torchtitan_flux")
@@ -132,6 +133,8 @@ class LaunchedServer:
 
     def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, log_file):
         self.proc, self.url, self.log_path, self._log = proc, url, log_path, log_file
+        # the server's engine core and workers have no parent-death signal: its whole group dies with the trainer
+        self._watchdog = GroupWatchdog(proc.pid)
         atexit.register(self.stop)
 
     @property
@@ -166,6 +169,7 @@ class LaunchedServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.returncode is None:
             self.proc.wait(timeout=30)
+        self._watchdog.close()
         if not self._log.closed:
             self._log.close()
         atexit.unregister(self.stop)

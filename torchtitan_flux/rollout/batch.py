@@ -51,6 +51,11 @@ class RolloutBatch:
         return (trainer_version - self.token_versions[tokens]).float()
 
 
+def conversation_text(messages: list[dict]) -> str:
+    """Messages as text, one ``[role] content`` line each (``completions.jsonl``, the reward functions' texts)."""
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
+
+
 class CompletionScorer:
     """Decodes finished results and scores them with the training task's reward functions on a pool of
     ``reward_workers`` threads (the training step's rollouts and the held-out evaluation's alike)."""
@@ -84,7 +89,7 @@ class CompletionScorer:
         columns[ENV_REWARDS_COLUMN] = [ep.env_rewards for ep in episodes]
         columns[EPISODE_END_COLUMN] = [ep.end.value for ep in episodes]
         ids = [ep.token_ids[ep.prompt_tokens:] for ep in episodes]
-        texts = ["\n".join(f"[{m['role']}] {m['content']}" for m in c) for c in c_in]  # the conversation as text
+        texts = [conversation_text(c) for c in c_in]
         return texts, self.pool.submit(p_in, c_in, ids, columns)
 
     def close(self) -> None:
@@ -119,12 +124,16 @@ def layout_batch(step: int, prompts: list, prompt_ids: list[list[int]],
     by_token = torch.full((B, L - 1), -1, dtype=torch.int64)
     for i in range(B):
         p, c = len(prompt_ids[i]), int(lengths[i])
-        seq[i, :p] = torch.tensor(prompt_ids[i])
+        seq[i, :p] = torch.tensor(prompt_ids[i], dtype=torch.int64)
         seq[i, p : p + c] = tokens[i, :c]
         mine = model[i, :c]  # the model's tokens: all of them, but for a multi-turn episode's environment tokens
-        mask[i, p - 1 : p - 1 + c] = mine.float()
-        behaviour[i, p - 1 : p - 1 + c] = torch.where(mine, logprobs[i, :c], 0.0)
-        by_token[i, p - 1 : p - 1 + c] = torch.where(mine, token_versions[i, :c], -1)
+        # no prompt (a multi-turn group whose openings share no token): the first token, an opening's, is predicted
+        # from nothing, so no position predicts it
+        first = 1 if p == 0 else 0
+        at = slice(p - 1 + first, p - 1 + c)
+        mask[i, at] = mine[first:].float()
+        behaviour[i, at] = torch.where(mine, logprobs[i, :c], 0.0)[first:]
+        by_token[i, at] = torch.where(mine, token_versions[i, :c], -1)[first:]
         if mine.any():  # a sample's version is its oldest token's (the request's own may be older: its other samples')
             versions[i] = token_versions[i, :c][mine].min()
     return RolloutBatch(

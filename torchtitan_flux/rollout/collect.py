@@ -24,7 +24,8 @@ from typing import Callable
 from torchtitan_flux.data.rewards import Scores
 from torchtitan_flux.engine.base import GenerationResult
 from torchtitan_flux.errors import RolloutWaitInterrupted
-from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, layout_batch
+from torchtitan_flux.rollout.batch import CompletionScorer, RolloutBatch, conversation_text, layout_batch
+from torchtitan_flux.rollout.episode import openings_too_long
 from torchtitan_flux.rollout.episode_groups import episode_record
 from torchtitan_flux.rollout.groups import Group, GroupState, GroupTable
 from torchtitan_flux.rollout.waiting import WaitNotes
@@ -52,6 +53,9 @@ class PerStep:
         waiting = self.wait(step)
         while any(g.state is not GroupState.FINISHED for g in groups):
             waiting.pump()
+        stop = openings_too_long([ep for g in groups for ep in g.episodes or ()], step)
+        if stop is not None:  # before the rewards: nothing was generated to score
+            raise stop
         if groups[0].scores is None:  # restored finished from a checkpoint: scored here
             score(self.scoring, self.table, self.task, groups, self.group_size)
         for g in groups:  # the step is done with (interrupted below: generated afresh, nothing was trained)
@@ -116,6 +120,9 @@ class Streaming:
                     self.restarted_groups += 1
                     self._regenerate(g, versions)
         chosen.sort(key=lambda g: (g.step, g.index))
+        stop = openings_too_long([ep for g in chosen for ep in g.episodes or ()], step)
+        if stop is not None:
+            raise stop
         scores = []
         for g in chosen:
             got = self.scoring.wait(g.scores, self.interrupted)
@@ -168,12 +175,14 @@ def score(scoring: CompletionScorer, table: GroupTable, task, groups: list[Group
 
 def build(step: int, groups: list[Group], scores: Scores, n: int, pad_id: int) -> RolloutBatch:
     """Step ``step``'s batch of ``groups`` (FINISHED, in order) and their ``scores``, laid out for training, with
-    their episodes (``completions.jsonl``) where they have some."""
+    their episodes (``completions.jsonl``; their prompt: the first episode's opening messages) where they have
+    some."""
     batch = layout_batch(step, [g.prompt for g in groups], [g.trained_prompt_ids for g in groups],
                          [(g.request, g.result) for g in groups], scores, [c for g in groups for c in g.completions],
                          n, pad_id)
     if groups[0].episodes is not None:
         batch.episodes = [episode_record(ep) for g in groups for ep in g.episodes]
+        batch.prompts = [conversation_text(g.episodes[0].messages[: g.episodes[0].prompt_messages]) for g in groups]
     return batch
 
 

@@ -24,9 +24,15 @@ Limits (``EpisodeLimits``; the episode says which ended it, ``Episode.end``):
 * ``max_turns``: the environment was stepped on the ``max_turns``-th turn and did not end the episode.
 * ``max_tokens``: a turn was cut at its budget (``max_new_tokens``, or what ``max_total_tokens`` left): its tokens
   are kept (mask 1) and the environment is not stepped on it; or the environment's reply would leave no room for
-  one generated token within ``max_total_tokens``; or the opening prompt alone does (no turn is generated).
+  one generated token within ``max_total_tokens`` (a reply whose text alone cannot fit is known from a prefix of it,
+  never rendered whole: ``ChatFormat.cannot_fit``); or the opening prompt alone leaves no room for one (no turn is
+  generated).
+* ``opening_too_long``: the opening prompt alone is longer than ``max_total_tokens``: no turn is generated, the
+  environment is not stepped, and the episode's tokens are the opening cut at ``max_total_tokens`` (no loss on
+  them: they are the prompt); ``Episode.opening_tokens`` is its full length. A step whose every episode ends so
+  stops the run (``openings_too_long``).
 
-At ``max_turns`` and ``max_tokens`` the episode is truncated. The tokens end with the last generated token: an
+At ``max_turns``, ``max_tokens`` and ``opening_too_long`` the episode is truncated. The tokens end with the last generated token: an
 environment reply that no turn follows (at ``done``, ``max_turns``, or one that does not fit) is in ``messages``
 and ``env_rewards`` only. ``token_ids`` never exceed ``max_total_tokens``.
 
@@ -46,11 +52,13 @@ from typing import Any, Callable, Sequence
 from torchtitan_flux.data.datasets import ChatTemplate
 from torchtitan_flux.data.environments import (EnvironmentClass, Message, ParsedToolCall, ToolCallParseStatus,
                                                ToolSpec)
+from torchtitan_flux.errors import UserCodeError
 from torchtitan_flux.models.hf import tokenizer_settings
 
 Generate = Callable[[list[int], int], Any]  # (prompt_token_ids, max_new_tokens) -> (token_ids, logprobs, version)
 
 _SENTINEL = "FLUXSENTINEL7F3A"  # an assistant content no template rewrites: where the turn's close starts
+PREFIX_CHARS_PER_TOKEN = 16  # more characters than any tokenizer's tokens hold on average (English: about 4)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 
 
@@ -74,6 +82,7 @@ class EpisodeEnd(str, Enum):
     DONE = "done"
     MAX_TURNS = "max_turns"
     MAX_TOKENS = "max_tokens"
+    OPENING_TOO_LONG = "opening_too_long"
 
 
 @dataclass
@@ -91,6 +100,7 @@ class Episode:
     end: EpisodeEnd = EpisodeEnd.DONE
     prompt_tokens: int = 0  # the opening prompt's tokens (the first of ``token_ids``)
     prompt_messages: int = 0  # the opening messages (the first of ``messages``)
+    opening_tokens: int = 0  # the opening prompt as rendered: ``prompt_tokens``, but where it was cut (too long)
 
     @property
     def truncated(self) -> bool:
@@ -140,6 +150,13 @@ class ChatFormat:
             return {"role": "assistant", "content": text}
         calls = [_tool_call(m.group(0), m.group(1), bool(m.group(2))) for m in _TOOL_CALL.finditer(text)]
         return {"role": "assistant", "content": _TOOL_CALL.sub("", text).strip(), "tool_calls": calls}
+
+    def cannot_fit(self, messages: list[Message], room: int) -> bool:
+        """Whether the contents of ``messages`` alone take more than ``room`` tokens, read from a prefix of each
+        (``PREFIX_CHARS_PER_TOKEN`` characters per token of room), so that a reply of megabytes is never rendered
+        or tokenized whole; one token per message is allowed for a prefix's cut merging differently."""
+        chars = room * PREFIX_CHARS_PER_TOKEN
+        return sum(len(self._encode(m["content"][:chars])) for m in messages) > room + len(messages)
 
     def bridge(self, before: list[Message], assistant: Message, env_messages: list[Message],
                tools: list[ToolSpec], last_token: int) -> list[int]:
@@ -221,8 +238,14 @@ async def _run(env: Any, generate: Generate, chat: ChatFormat, limits: EpisodeLi
     opening = await env.init()
     messages, tools = list(opening.init_prompt_messages), list(opening.tools)
     episode = Episode([], [], [], [], messages)
-    episode.add(chat.opening(messages, tools))
-    episode.prompt_tokens, episode.prompt_messages = len(episode.token_ids), len(messages)
+    opening_ids = chat.opening(messages, tools)
+    episode.opening_tokens, episode.prompt_messages = len(opening_ids), len(messages)
+    if len(opening_ids) > limits.max_total_tokens:
+        opening_ids, episode.end = opening_ids[: limits.max_total_tokens], EpisodeEnd.OPENING_TOO_LONG
+    episode.add(opening_ids)
+    episode.prompt_tokens = len(opening_ids)
+    if episode.end is EpisodeEnd.OPENING_TOO_LONG:
+        return episode
     while True:
         budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode.token_ids))
         if budget < 1:
@@ -246,8 +269,24 @@ async def _run(env: Any, generate: Generate, chat: ChatFormat, limits: EpisodeLi
         if episode.turns >= limits.max_turns:
             episode.end = EpisodeEnd.MAX_TURNS
             return episode
+        if chat.cannot_fit(reply.env_messages, limits.max_total_tokens - len(episode.token_ids)):
+            episode.end = EpisodeEnd.MAX_TOKENS  # known from a prefix: a huge reply is never rendered whole
+            return episode
         bridge = chat.bridge(before, assistant, reply.env_messages, tools, ids[-1])
         if len(episode.token_ids) + len(bridge) >= limits.max_total_tokens:
             episode.end = EpisodeEnd.MAX_TOKENS
             return episode
         episode.add(bridge)
+
+
+def openings_too_long(episodes: list[Episode], step: int) -> UserCodeError | None:
+    """The error that stops the run when every one of ``episodes`` (step ``step``'s) opened with more tokens than
+    ``max_total_tokens`` (``training.seq_len``; such an episode's tokens are its opening cut at that limit, so their
+    count is the limit): nothing of the step could be trained on. Else None."""
+    if not episodes or any(ep.end is not EpisodeEnd.OPENING_TOO_LONG for ep in episodes):
+        return None
+    shortest = min(ep.opening_tokens for ep in episodes)
+    return UserCodeError(f"every episode of step {step} opens with more tokens than training.seq_len = "
+                         f"{len(episodes[0].token_ids)} (the shortest opening: {shortest} tokens, rendered from the "
+                         f"environment's init()); raise training.seq_len above {shortest} + rollout.max_new_tokens, "
+                         "or shorten the opening")

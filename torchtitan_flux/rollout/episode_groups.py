@@ -99,6 +99,7 @@ class EpisodeGroups:
         self.sender = sender
         self._slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self._groups: dict[int, Future] = {}  # group id -> its coroutine's future (main thread only)
+        self.running = 0  # episodes holding a slot, not ended (written on the episodes' loop; read for notes)
         self._loop = loop_thread("flux-episodes")  # until ``close``; then what still runs is cancelled
 
     def start(self, group: GenerationRequest, record: dict) -> None:
@@ -164,7 +165,11 @@ class EpisodeGroups:
             return ids, logprobs, versions
 
         async with self._slots or contextlib.nullcontext():
-            return await run_episode(self.env_class, record, generate, self.chat, self.limits)
+            self.running += 1
+            try:
+                return await run_episode(self.env_class, record, generate, self.chat, self.limits)
+            finally:
+                self.running -= 1
 
 
 def load_configured_environment(rollout_cfg) -> EnvironmentClass:

@@ -186,7 +186,7 @@ class Rollouts:
         return self.policy.collect(step, versions)
 
     def _wait(self, step: int) -> WaitNotes:
-        return WaitNotes(self.pump, step, lambda: self._check(step))
+        return WaitNotes(self.pump, step, lambda: self._check(step), self.episodes)
 
     def _check(self, step: int = 0) -> None:
         """Raise what ends a wait for rollouts: a signal's interrupt, an environment's failure."""

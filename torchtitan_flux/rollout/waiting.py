@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from torchtitan_flux.errors import RolloutWaitInterrupted
 from torchtitan_flux.rollout.pump import EnginePump, InFlight, RolloutEngine
@@ -15,12 +15,19 @@ logger = logging.getLogger("torchtitan_flux")
 WAIT_NOTE_S = 30.0  # a wait with no result for this long logs who holds what
 
 
+class Episodes(Protocol):
+    """What the note reads of ``episode_groups.EpisodeGroups``."""
+
+    running: int  # episodes started and not ended
+
+
 class WaitNotes:
     """A wait for step ``step``'s rollouts, one ``pump`` at a time: ``check()`` first (it raises an interrupt or a
     failure kept for the next wait), then a note every ``WAIT_NOTE_S`` without a result (``waiting_note``)."""
 
-    def __init__(self, pump: EnginePump, step: int, check: Callable[[], None]):
-        self.engine_pump, self.step, self.check = pump, step, check
+    def __init__(self, pump: EnginePump, step: int, check: Callable[[], None], episodes: Episodes | None = None):
+        """``episodes``: the multi-turn episodes (``rollout.environment``), whose count the note gives."""
+        self.engine_pump, self.step, self.check, self.episodes = pump, step, check, episodes
         self.start = self.noted = time.monotonic()
 
     def pump(self) -> None:
@@ -29,7 +36,8 @@ class WaitNotes:
         p.pump(0.05)
         now = time.monotonic()
         if now - max(p.last_result, self.start) >= WAIT_NOTE_S and now - self.noted >= WAIT_NOTE_S:
-            logger.warning(waiting_note(self.step, now - self.start, p.engines, p.in_flight(), p.last_result))
+            logger.warning(waiting_note(self.step, now - self.start, p.engines, p.in_flight(), p.last_result,
+                                        self.episodes.running if self.episodes is not None else 0))
             self.noted = now
 
 
@@ -38,8 +46,9 @@ def interrupted_wait(step: int) -> RolloutWaitInterrupted:
 
 
 def waiting_note(step: int, waited: float, engines: list[RolloutEngine], in_flight: list[InFlight],
-                 last_result: float) -> str:
-    """One line: how long step ``step`` has waited, and what each engine holds of the requests in flight."""
+                 last_result: float, episodes_running: int = 0) -> str:
+    """One line: how long step ``step`` has waited, what each engine holds of the requests in flight, and how many
+    of the ``episodes_running`` have no turn at an engine: they wait on their environment."""
     now = time.monotonic()
     held = []
     for e in engines:
@@ -56,5 +65,9 @@ def waiting_note(step: int, waited: float, engines: list[RolloutEngine], in_flig
         held.append(f"{e.name} ({state}): {len(mine)} requests{f' ({turns} episode turns)' if turns else ''}, {n} "
                     f"completions of steps {', '.join(map(str, steps))} on weight version {', '.join(versions)}, the "
                     f"oldest sent {now - min(f.sent for f in mine):.0f} s ago")
+    on_environment = episodes_running - sum(f.turn is not None for f in in_flight)
+    if on_environment > 0:
+        held.append(f"{on_environment} of {episodes_running} episodes waiting on their environment (each call "
+                    "bounded by rollout.environment_timeout_seconds)")
     return (f"step {step}: waiting {waited:.0f} s for rollouts, none arrived for {now - last_result:.0f} s; "
             + "; ".join(held))

@@ -66,7 +66,8 @@ class MetricsWriter:
             self._wandb.log({"completions": self._wandb.Table(columns=columns, data=rows)}, step=step)
 
     def progress_line(self, step: int, m: dict) -> str:
-        """step, reward, staleness, async ratio, steps/s and ETA, on one line."""
+        """step, reward, staleness, async ratio, (multi-turn) turns and environment steps per episode, steps/s and
+        ETA, on one line."""
         if self._first_step is None:
             self._first_step, self._t0 = step, time.perf_counter() - m.get("step_time_s", 0.0)
         done = step - self._first_step + 1
@@ -82,6 +83,8 @@ class MetricsWriter:
             f"loss {num('loss'):+.4f}",
             f"staleness {num('staleness'):.3f}" if "staleness" in m else f"gap {num('version_gap_mean'):.2f}",
             f"async {num('async_ratio'):.2f}" if "async_ratio" in m else None,
+            f"turns {num('episode/turns_mean'):.2f}" if "episode/turns_mean" in m else None,
+            f"env steps {num('episode/env_steps_mean'):.2f}" if "episode/env_steps_mean" in m else None,
             f"{rate:.2f} steps/s",
             f"eta {eta:.0f}s",
         ]

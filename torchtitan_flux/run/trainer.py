@@ -44,6 +44,8 @@ from torchtitan_flux.errors import RewardError
 from torchtitan_flux.errors import NoEngineLeft, RolloutWaitInterrupted
 from torchtitan_flux.rollout.batch import RolloutBatch
 from torchtitan_flux.run.checkpoint_state import CheckpointState
+from torchtitan_flux.run.episode_checks import EpisodeWarnings, episode_metrics
+from torchtitan_flux.models.hf import tokenizer_settings
 from torchtitan_flux.errors import LossNotFinite, TrainingInterrupted
 from torchtitan_flux.run.stops import StopRequests, die_with_launcher, settle_and_checkpoint
 from torchtitan_flux.rl.controller import StalenessSample
@@ -116,6 +118,9 @@ class GRPOTrainer(Trainer):
                 job_config.job.dump_folder, job_config.training.steps,
                 loggers=self.metrics_processor.logger, log_every=job_config.metrics.log_freq,
             )
+            self.episode_warnings = EpisodeWarnings(
+                job_config.rollout.max_new_tokens, job_config.training.seq_len,
+                tokenizer_settings(job_config.model.hf_assets_path)["eos_token_ids"])
             if pre.eval_task is not None:
                 self.evaluator = Evaluator(
                     job_config.eval, pre.eval_task, self.rollouts, self.tokenizer, job_config.rollout.seed,
@@ -290,6 +295,10 @@ class GRPOTrainer(Trainer):
     def _log(self, batch: RolloutBatch, m: dict, times: report.StepTimes) -> None:
         counters = dict(discarded_rollouts=self.off_policy.discarded_rollouts, **self.rollouts.metrics(),
                         **self.syncer.metrics())
+        if batch.episodes:
+            episodes = episode_metrics(batch.episodes)
+            self.episode_warnings.check(self.step, batch.episodes, episodes)
+            m = {**m, **episodes}
         m = report.step_row(self.step, batch, times, counters, m)
         self.metrics_writer.log(self.step, m)
         every = self.job_config.metrics.log_completions_every

@@ -549,7 +549,8 @@ def _check_environment(job_config: Any) -> None:
         ChatTemplate(job_config.model.hf_assets_path)
     except ConfigError as e:
         raise ConfigError(f"rollout.environment = {r.environment!r} renders conversations with the model's chat "
-                          f"template: {e}") from None
+                          f"template: {e}; for the tiny debug model use its chat variant, which scripts/setup.sh "
+                          "builds (--model.hf_assets_path ./assets/tiny-chat)") from None
 
 
 def _check_data(job_config: Any) -> None:
