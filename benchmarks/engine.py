@@ -4,14 +4,16 @@
     .venv/bin/python benchmarks/engine.py --real      # SmolLM2-135M-Instruct (scripts/get_real_model.sh)
     .venv/bin/python benchmarks/engine.py             # the tiny debug model
     .venv/bin/python benchmarks/engine.py --quick     # CI's smoke run: tiny model, 1 and 8 rows, no measurement
+    python benchmarks/engine.py --device cuda --model-dir DIR   # on a GPU (scripts/gpu_smoke.sh --only decode)
 
 Decode: ``rows`` sequences of distinct ~15-token prompts, greedy, no stop token (every side runs its budget), one
 thread per side (``torch.set_num_threads``; vLLM: one OpenMP thread). A side's decode step is
 ``(t(N) - t(1)) / (N - 1)`` with ``t(n)`` the wall time to generate ``n`` new tokens for the batch (prefill included in
 both, so it cancels), the median of ``--repeats`` runs interleaved across sides. Sides:
 
-- ``serial``: the embedded engine's serial loop (``inference.generate_on`` of ``inference.prepare``'s model: packed
-  projections, as the engine runs it); ``serial_unprepared``: the same loop on the weights as pushed;
+- ``serial``: the embedded engine's serial loop (``inference.generate_on`` of ``inference.prepare``'s model: stacked
+  projections and a packed vocabulary head, as the engine runs it); ``serial_unprepared``: the same loop on the
+  weights as pushed;
 - ``batcher``: continuous batching (``engine/batcher.py``'s ``ContinuousBatcher``, driven in this process);
 - ``serial_bf16``: ``serial`` with the weights in bfloat16 (an embedded engine computes in
   ``weight_sync.wire_dtype``);
@@ -25,10 +27,16 @@ against one prompt per sequence; a ``--turns``-turn episode (an opening, then pe
 prefilled every turn. Host synchronisations per decode step: device-to-host reads (``tolist``, ``item``, ``int``,
 ``bool``, ...) in the batcher's step, counted with a ``TorchFunctionMode``.
 
+With ``--device cuda`` every side runs on GPU 0 in the folder's dtype (no ``serial_bf16``, no vLLM), and the
+batcher's decode step is profiled too: kernel launches (``cudaLaunchKernel`` calls), the GPU-busy fraction (kernel
+time over wall time), CUDA synchronisations (``torch.cuda.set_sync_debug_mode`` warnings) per step, peak memory.
+
 Key=value lines: ``engine_vs_hf_rows<R>`` (``serial``'s tokens/s over ``hf``'s), ``batcher_vs_hf_rows<R>``,
 ``prepared_vs_unprepared_rows<R>``, ``engine_bf16_vs_hf_rows<R>``, ``engine_vs_vllm_rows<R>`` (``na`` without vLLM),
-``prefill_tokens_per_group_ratio``, ``multiturn_prefill_tokens_ratio``, ``host_syncs_per_decode_step``,
-``threads``, ``pair_efficiency`` (``benchmarks/common.py``).
+``decode_ms_<side>_rows<R>``, ``prefill_tokens_per_group_ratio``, ``multiturn_prefill_tokens_ratio``,
+``host_syncs_per_decode_step``, on a GPU ``launches_per_decode_step_rows<R>``, ``gpu_busy_fraction_rows<R>``,
+``cuda_syncs_per_decode_step_rows<R>``, ``peak_allocated_bytes_rows<R>``; ``threads``, ``pair_efficiency``
+(``benchmarks/common.py``).
 """
 
 from __future__ import annotations
@@ -223,7 +231,7 @@ def gpu_counts(engine: LocalEngine, rows: int, steps: int = 5) -> dict[str, floa
         synchronize(device)
         wall = time.perf_counter() - t
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"))
     kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
                     if str(getattr(e, "device_type", "")).endswith("CUDA"))
     return {"launches": launches / min(steps, 3), "busy": kernel_us / 1e6 / wall, "syncs": syncs / steps,
@@ -278,6 +286,7 @@ def main() -> None:
                    help="cuda: every side on GPU 0 in the folder's dtype, and the batcher's kernel launches, "
                         "GPU-busy fraction and host synchronisations per decode step")
     p.add_argument("--model-dir", help="a HF folder of a supported family instead of --real's or the tiny model")
+    p.add_argument("--no-vllm", action="store_true", help="leave out the vLLM side")
     args = p.parse_args()
     if args.quick:
         args.rows, args.new_tokens, args.repeats, args.real = [1, 8], 4, 1, False
@@ -319,7 +328,7 @@ def main() -> None:
                                       - time_generate(side, models, prompts, 1)) / (args.new_tokens - 1))
         for side in sides:
             step_s[side, rows] = statistics.median(samples[side])
-    vllm = None if args.quick or gpu else vllm_step_s(model_dir, prompts_of, args.new_tokens, args.repeats)
+    vllm = None if args.quick or gpu or args.no_vllm else vllm_step_s(model_dir, prompts_of, args.new_tokens, args.repeats)
     counts = prefill_counts(models["engine"], args.group_size, args.turns)
     on_gpu = {rows: gpu_counts(models["engine"], rows) for rows in args.rows} if gpu else {}
     efficiency = pair_efficiency()

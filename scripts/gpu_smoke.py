@@ -25,6 +25,10 @@ ran past its own limit, a failure; ``not_run``: the budget was spent before it s
   0); ``train_cpu_engine`` (``cpu_engine_*``): the training of ``train`` (10 steps) with the engine on the CPU, over
   gloo from pinned staging; ``train_medium_bf16`` (``medium_bf16_*``): 20 steps of the 24M-parameter model with
   bf16 mixed precision and a bf16 wire (checksums only: its learning rate is the tiny model's).
+* ``decode``: the embedded engine's decode step on Qwen3-0.6B's shape (``gpu_checks/decode.py``:
+  ``benchmarks/engine.py --device cuda``): ms per step for the serial loop, the batcher and HF ``generate``, the
+  batcher's kernel launches, GPU-busy fraction and CUDA synchronisations per step (run it alone first:
+  ``--only decode``).
 The last line is ``smoke_ok=1`` when every part that ran held. Simplification: one device, rank 0 only (FSDP and
 NCCL between GPUs are ``scripts/verify_grpo_2gpu.sh``'s).
 """
@@ -202,7 +206,7 @@ def profile(out: Path, device: torch.device) -> None:
 
 def _parts(args, out: Path, device: torch.device) -> dict:
     """name -> (limit on GPU s, limit on CPU s, the least time worth starting it with s, the part)."""
-    from gpu_checks import colocated, fsdp, pushes, seqlock
+    from gpu_checks import colocated, decode, fsdp, pushes, seqlock
 
     inner = max(30.0, args.limit - 15)  # a torchrun child ends (and says why) before its part is killed
     return {
@@ -225,6 +229,8 @@ def _parts(args, out: Path, device: torch.device) -> dict:
             "bfloat16", "--weight_sync.wire_dtype", "bfloat16", "--training.seq_len", "64",
             prefix="medium_bf16_", learns=False)),
         "colocated": (100, 60, 40, lambda: colocated.part(out, device)),
+        # the embedded engine's decode step (last: cut first; docs/gpu.md runs it first, with --only decode)
+        "decode": (240, 90, 120, lambda: decode.part(out, device, inner)),
     }
 
 

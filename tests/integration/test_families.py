@@ -188,16 +188,19 @@ def test_the_embedded_engine_is_pushed_hf_names_and_computes_what_the_folder_giv
 
 
 @pytest.mark.parametrize("family,tied", CASES)
-def test_prepared_model_packs_every_projection_and_keeps_the_logits(family_dirs, family, tied):
-    """``inference.prepare`` (what an embedded engine generates with): on this CPU every projection is one packed
-    oneDNN weight (q/k/v stacked, gate/up stacked, biases too), and the logits are the folder's to rounding."""
+def test_prepared_model_stacks_the_projections_packs_a_large_head_and_keeps_the_logits(family_dirs, family, tied,
+                                                                                      monkeypatch):
+    """``inference.prepare`` (what an embedded engine generates with): on a CPU q/k/v (biases too) and gate/up are
+    one weight each, an output projection of ``PACKED_OUTPUT_ELEMENTS`` or more is packed for oneDNN (here every
+    one: the threshold lowered), and the logits are the folder's to rounding."""
     weights, shape = weight_dict.load_hf_weights_dict(family_dirs[(family, tied)])
     model = inference.Model.of(weights, shape)
+    assert not inference.prepare(model).output.is_mkldnn  # these models' heads are below the threshold
+    monkeypatch.setattr(inference, "PACKED_OUTPUT_ELEMENTS", 1)
     prepared = inference.prepare(model)
     layer = prepared.layers[0]
     assert [len(layer.qkv.weights), len(layer.gate_up.weights)] == [1, 1]
-    assert all(w.is_mkldnn for w in (layer.qkv.weights[0], layer.gate_up.weights[0], layer.wo, layer.down,
-                                     prepared.output))
+    assert layer.qkv.weights[0].shape[0] == sum(layer.qkv.sizes) and prepared.output.is_mkldnn
     assert (layer.qkv.biases[0] is not None) == shape.qkv_bias
     got, want = (inference.causal_logits(m, _tokens()) for m in (prepared, model))
     assert (got - want).abs().max().item() < 1e-4

@@ -6,7 +6,8 @@ The math is copied from torchtitan's ``models/llama3/model/model.py`` and ``mode
 
 Weights are a plain ``dict[str, Tensor]`` in HF names and layout (``weight_dict``), looked up into a ``Model`` per
 call (``Model.of``: views, no copy), so an engine can swap the whole dict atomically between requests. An engine
-generates with ``prepare``'s model instead, made once per weight version (on a CPU: stacked and packed projections).
+generates with ``prepare``'s model instead, made once per weight version (on a CPU: stacked projections, a
+packed vocabulary head).
 
 Generation is split as gpt-fast's ``generate.py``: ``prefill`` runs the prompts into a ``KVCache``, ``decode_step``
 runs one token per sequence of that batch, ``sample`` draws the next tokens from the logits, and ``Completions``
@@ -194,25 +195,30 @@ class Model:
         return self.embedding.device
 
 
-def prepare(model: Model) -> Model:
-    """The model an engine generates with, made once per weight version: on a CPU with oneDNN, each block's
-    q/k/v and gate/up weights stacked into one weight each, and every projection packed for oneDNN's linear (measured
-    1.3-2.5x faster than ``F.linear`` at 8-32 rows: docs/benchmarks.md); a copy of the projections, which no longer
-    share the version's buffer. Elsewhere ``model`` itself (a GPU engine keeps its weights where the memory ledger
-    counts them). Logits differ from ``model``'s by rounding only (another summation order)."""
-    if model.device.type != "cpu" or not _PACKABLE or model.embedding.dtype not in (torch.float32, torch.bfloat16):
-        return model
+PACKED_OUTPUT_ELEMENTS = 1 << 22
+"""The smallest output projection ``prepare`` packs for oneDNN: below it the packed call's fixed cost (~30 us a
+call) outweighs its gain; the gain is the vocabulary head's at few rows (SmolLM2's 49,152 x 576 at 8 rows: 2.3x
+faster than ``F.linear``, measured 2026-11-29; q/k/v, o, gate/up and down measured no faster packed)."""
 
-    def pack(w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+
+def prepare(model: Model) -> Model:
+    """The model an engine generates with, made once per weight version: on a CPU, each block's q/k/v and
+    gate/up weights stacked into one weight each (one GEMM instead of three and two), and a large output projection
+    packed for oneDNN's linear (``PACKED_OUTPUT_ELEMENTS``): copies, which no longer share the version's buffer.
+    Elsewhere ``model`` itself (a GPU engine keeps its weights where the memory ledger counts them). Logits differ
+    from ``model``'s by rounding only (another summation order)."""
+    if model.device.type != "cpu":
+        return model
 
     def stacked(p: Projections) -> Projections:
         bias = None if p.biases[0] is None else torch.cat(p.biases)
-        return Projections((pack(torch.cat(p.weights)),), (bias,), p.sizes)
+        return Projections((torch.cat(p.weights),), (bias,), p.sizes)
 
-    layers = [w._replace(qkv=stacked(w.qkv), wo=pack(w.wo), gate_up=stacked(w.gate_up), down=pack(w.down))
-              for w in model.layers]
-    return Model(model.shape, model.embedding, layers, model.norm, pack(model.output))
+    output = model.output
+    if _PACKABLE and output.numel() >= PACKED_OUTPUT_ELEMENTS and output.dtype in (torch.float32, torch.bfloat16):
+        output = torch.ops.mkldnn._reorder_linear_weight(output.contiguous(), 1)
+    layers = [w._replace(qkv=stacked(w.qkv), gate_up=stacked(w.gate_up)) for w in model.layers]
+    return Model(model.shape, model.embedding, layers, model.norm, output)
 
 
 def _attention(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
