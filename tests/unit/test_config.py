@@ -828,6 +828,9 @@ def test_kv_pools_are_counted_colocated_and_refused_on_a_cpu_that_cannot_hold_th
     cfg = parse("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "64")
     pool = validation.kv_pool_bytes(cfg)
     assert pool > 0 and validation.kv_pool_bytes(parse()) == 0  # the serial engine has none
+    with_turns = parse("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "64",
+                       "--rollout.environment", "examples.environments.calculator:CalculatorEnv")
+    assert validation.kv_pool_bytes(with_turns) == 2 * pool  # and at most as much kept for next turns
     monkeypatch.setattr(validation.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(validation, "_memory_available", lambda: pool // 64 * 43)  # half of it: 21.5 rows
     with pytest.raises(ConfigError, match=r"^rollout.max_batch_sequences = 64 rows x training.seq_len = 64 slots: "

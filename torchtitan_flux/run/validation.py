@@ -421,8 +421,10 @@ def hf_param_count(shape: Any) -> int:
 
 
 def kv_pool_bytes(job_config: Any) -> int:
-    """One embedded engine's KV pool with continuous batching (``inference.SlotCache``): ``max_batch_sequences`` rows
-    of ``training.seq_len`` slots, in the wire dtype (an embedded engine computes in it); 0 without."""
+    """One embedded engine's K/V with continuous batching: its pool (``inference.SlotCache``), ``max_batch_sequences``
+    rows of ``training.seq_len`` slots in the wire dtype (an embedded engine computes in it), twice that with
+    ``rollout.environment`` (ended turns' K/V kept for the next turns, ``engine/kept.py``: at most as many rows
+    again); 0 without."""
     from torchtitan_flux.models import inference
     from torchtitan_flux.models.weight_dict import ModelShape
 
@@ -431,7 +433,8 @@ def kv_pool_bytes(job_config: Any) -> int:
         return 0
     shape = ModelShape.from_hf_dir(job_config.model.hf_assets_path)
     wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize  # "auto": float32 parameters
-    return inference.kv_pool_bytes(shape, r.max_batch_sequences, job_config.training.seq_len, wire)
+    pool = inference.kv_pool_bytes(shape, r.max_batch_sequences, job_config.training.seq_len, wire)
+    return pool * (2 if r.environment else 1)
 
 
 def _memory_available() -> int | None:
