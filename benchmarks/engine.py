@@ -185,7 +185,7 @@ def vllm_step_s(model_dir: str, prompts_of: dict, n: int, repeats: int) -> dict[
 
 
 class SyncCount(TorchFunctionMode):
-    """Device-to-host reads made while active."""
+    """Host synchronisations made while active: device-to-host reads, and ``torch.tensor(..., device=...)``."""
 
     READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"}
 
@@ -195,46 +195,66 @@ class SyncCount(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.reads += getattr(func, "__name__", "") in self.READS
+        self.reads += func is torch.tensor and (kwargs or {}).get("device") is not None  # a synchronous copy on a GPU
         return func(*args, **(kwargs or {}))
 
 
-def gpu_counts(engine: LocalEngine, rows: int, steps: int = 5) -> dict[str, float]:
-    """The batcher's decode step on a GPU, over ``steps`` steps of ``rows`` rows: kernel launches per step (the
-    profiler's ``cudaLaunchKernel`` calls), the GPU-busy fraction (kernel time over wall time) and host
-    synchronisations per step (``torch.cuda.set_sync_debug_mode``'s warnings), and the peak memory allocated."""
+def gpu_counts(engine: LocalEngine, rows: int, steps: int = 6) -> dict[str, float]:
+    """The batcher's decode step on a GPU, ``steps`` steps of ``rows`` rows in which rows end and others join
+    (budgets staggered over the steps, more sequences than rows): kernel launches per step (the profiler's launch
+    calls), the GPU-busy fraction (kernel time per step over the unprofiled wall time per step) and CUDA
+    synchronisations per step (``torch.cuda.set_sync_debug_mode``'s warnings: reads and synchronous copies), and
+    the peak memory allocated (the KV pool of ``engine.rows`` rows included)."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
 
     device = engine.model.device
-    b = new_batcher(engine)
-    b.waiting.append((request(0, prompts_for(rows, engine.shape.vocab_size), 1, steps + 8), 0.0))
-    b._admit()
-    b._fill_rows()
-    for _ in range(3):  # warm-up
-        b._step()
+    prompts = prompts_for(rows, engine.shape.vocab_size)
+
+    def batch() -> ContinuousBatcher:  # rows end at steps 3.. and queued sequences take their rows
+        b = ContinuousBatcher(engine, rows)
+        b.eos = set()
+        for i in range(2):
+            b.waiting.append((request(i, prompts, 1, 4 + (i + 1) * steps), 0.0))
+        b._admit()
+        b._fill_rows()
+        for _ in range(3):  # warm-up
+            b._step()
+            b._fill_rows()
+        return b
+
+    def run(b: ContinuousBatcher, n: int) -> None:
+        for _ in range(n):
+            b._step()
+            b._fill_rows()
+
+    b = batch()
     torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
+    t = time.perf_counter()
+    run(b, steps)
+    synchronize(device)
+    wall = (time.perf_counter() - t) / steps
+    b = batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            for _ in range(steps):
-                b._step()
+            run(b, steps)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     syncs = sum("synchroniz" in str(w.message) for w in caught)
+    b = batch()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        for _ in range(min(steps, 3)):
-            b._step()
+        run(b, steps)
         synchronize(device)
-        wall = time.perf_counter() - t
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"))
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                                                         "cuLaunchKernelEx"))
     kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
                     if str(getattr(e, "device_type", "")).endswith("CUDA"))
-    return {"launches": launches / min(steps, 3), "busy": kernel_us / 1e6 / wall, "syncs": syncs / steps,
+    return {"launches": launches / steps, "busy": kernel_us / 1e6 / steps / wall, "syncs": syncs / steps,
             "peak_bytes": torch.cuda.max_memory_allocated(device)}
 
 
@@ -354,13 +374,13 @@ def main() -> None:
             c = on_gpu[rows]
             print(f"launches_per_decode_step_rows{rows}={c['launches']:.0f}")
             print(f"gpu_busy_fraction_rows{rows}={c['busy']:.2f}")
-            print(f"cuda_syncs_per_decode_step_rows{rows}={c['syncs']:.1f}")
+            print(f"cuda_syncs_per_decode_step_rows{rows}={c['syncs']:.2f}")
             print(f"peak_allocated_bytes_rows{rows}={c['peak_bytes']}")
         print(f"prepared_vs_unprepared_rows{rows}={ratio('serial', 'serial_unprepared', rows)}")
         print(f"engine_vs_vllm_rows{rows}=" + (f"{vllm[rows] / step_s['serial', rows]:.2f}" if vllm else "na"))
     print(f"prefill_tokens_per_group_ratio={counts['group']:.3f}")
     print(f"multiturn_prefill_tokens_ratio={counts['multiturn']:.3f}")
-    print(f"host_syncs_per_decode_step={counts['syncs']:.0f}")
+    print(f"host_syncs_per_decode_step={counts['syncs']:.2f}")
     print(f"threads={args.threads}")
     print("\n".join(pair_lines(efficiency)))
 

@@ -204,6 +204,10 @@ def test_prepared_model_stacks_the_projections_packs_a_large_head_and_keeps_the_
     assert (layer.qkv.biases[0] is not None) == shape.qkv_bias
     got, want = (inference.causal_logits(m, _tokens()) for m in (prepared, model))
     assert (got - want).abs().max().item() < 1e-4
+    # a dtype oneDNN cannot pack on this CPU (bfloat16 without AVX-512 BF16 support) stays dense
+    monkeypatch.setattr(inference, "PACKED_DTYPES", {torch.float32})
+    bf16 = inference.Model.of({k: v.bfloat16() for k, v in weights.items()}, shape)
+    assert not inference.prepare(bf16).output.is_mkldnn and inference.prepare(model).output.is_mkldnn
 
 
 @pytest.mark.parametrize("family,tied", CASES)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 
 import sys
+import types
 import typing
 
 import pytest
@@ -831,12 +832,27 @@ def test_kv_pools_are_counted_colocated_and_refused_on_a_cpu_that_cannot_hold_th
     with_turns = parse("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "64",
                        "--rollout.environment", "examples.environments.calculator:CalculatorEnv")
     assert validation.kv_pool_bytes(with_turns) == 2 * pool  # and at most as much kept for next turns
+    from torchtitan_flux.models.weight_dict import ModelShape
+
+    model = validation.hf_param_count(ModelShape.from_hf_dir(cfg.model.hf_assets_path)) * 4
     monkeypatch.setattr(validation.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(validation, "_memory_available", lambda: pool // 64 * 43)  # half of it: 21.5 rows
+    monkeypatch.setattr(validation, "_memory_available", lambda: 2 * model + pool // 64 * 43)  # half: 21.5 rows
     with pytest.raises(ConfigError, match=r"^rollout.max_batch_sequences = 64 rows x training.seq_len = 64 slots: "
                                           r".* allowed: rollout.max_batch_sequences <= 21 here"):
         validate_config(cfg)
-    monkeypatch.setattr(validation, "_memory_available", lambda: 2 * pool)
+    monkeypatch.setattr(validation, "_memory_available", lambda: 2 * (pool + model))
+    validate_config(cfg)
+    # engines on GPUs: each pool beside its weight versions in the smallest device
+    monkeypatch.setattr(validation.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(validation.torch.cuda, "device_count", lambda: 2)
+    small = (2**30 + 2 * model + pool // 2) * 10 // 9  # 10% and 1 GiB less: room for half the rows
+    sizes = [80 * 2**30, small]
+    monkeypatch.setattr(validation.torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=sizes[i]))
+    with pytest.raises(ConfigError, match=r"more than its .* GiB GPU holds; allowed: rollout.max_batch_sequences "
+                                          r"<= 3[12] here"):
+        validate_config(cfg)
+    sizes[1] = 80 * 2**30
     validate_config(cfg)
 
 

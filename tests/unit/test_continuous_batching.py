@@ -538,7 +538,8 @@ def test_kept_sequences_take_the_longest_proper_prefix_once_and_drop_the_oldest(
 
 def test_host_sync_one_read_per_decode_step(weights_and_shape):
     """The batcher's decode step reads the device once (every row's token and logprob in one copy), also in steps
-    where rows end, move and newcomers wait: every device-to-host read a ``TorchFunctionMode`` sees is counted."""
+    where rows end, move and newcomers join: every device-to-host read a ``TorchFunctionMode`` sees is counted, and
+    no ``torch.tensor(..., device=...)`` is made (on a GPU a synchronous copy: ``inference.to_device`` instead)."""
     from torch.overrides import TorchFunctionMode
 
     class Reads(TorchFunctionMode):
@@ -550,6 +551,7 @@ def test_host_sync_one_read_per_decode_step(weights_and_shape):
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             self.count += getattr(func, "__name__", "") in self.names
+            self.count += func is torch.tensor and (kwargs or {}).get("device") is not None
             return func(*args, **(kwargs or {}))
 
     b = batcher(weights_and_shape, max_sequences=3)
@@ -559,9 +561,9 @@ def test_host_sync_one_read_per_decode_step(weights_and_shape):
         reads = Reads()
         with reads:
             b._step()
+            b._fill_rows()
         assert reads.count == 1, steps
         steps += 1
-        b._fill_rows()
     assert steps >= 6 and len(b.engine.results) == 2
 
 
@@ -582,3 +584,24 @@ def test_kv_pool_is_allocated_once_and_never_grows_or_moves(weights_and_shape):
     model = inference.Model.of(*weights_and_shape)
     with pytest.raises(ValueError, match="do not fit in the KV pool's free rows"):
         inference.join_rows(model, inference.SlotCache.allocate(model, 1, 8), [[1, 2], [1, 3]], assets.PAD_ID, 4)
+
+
+def test_one_join_of_kept_fresh_and_repeated_prompts_equals_each_prefilled_alone(weights_and_shape):
+    """``join_rows`` with rows that start after kept K/V, fresh rows and a repeated prompt in one call (different
+    offsets, right-padded): each row's hidden state and K/V equal its prompt prefilled alone, to rounding."""
+    model = inference.Model.of(*weights_and_shape)
+    long, short = [1, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59], [1, 40, 41]
+    alone = inference.SlotCache.allocate(model, 1, 32)
+    inference.join_rows(model, alone, [long[:7]], assets.PAD_ID, 16)
+    kept = inference.kept_rows(alone, 0, 7)
+    prompts = [long, short, short, [1, 60, 61, 62, 63, 64]]
+    cache = inference.SlotCache.allocate(model, 4, 32)
+    h = inference.join_rows(model, cache, prompts, assets.PAD_ID, 16, [kept, None, None, None])
+    for row, prompt in enumerate(prompts):
+        one = inference.SlotCache.allocate(model, 1, 32)
+        want = inference.join_rows(model, one, [prompt], assets.PAD_ID, 16)
+        torch.testing.assert_close(h[row], want[0], atol=1e-5, rtol=0)
+        n = len(prompt)
+        assert int(cache.lengths[row]) == n
+        for (k, _), (k1, _) in zip(cache.layers, one.layers):
+            torch.testing.assert_close(k[row, :, :n], k1[0, :, :n], atol=1e-5, rtol=0)

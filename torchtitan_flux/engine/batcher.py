@@ -21,7 +21,8 @@ depend on the batch's size), which can flip a token only where two tokens' cumul
 with the same schedule, bit for bit. What is not: the tokens of ``continuous_batching = false`` (one generator per
 request, drawn row after row), though logprobs are those of the same model and weights.
 
-Host reads: one per decode step (each row's token and logprob, in one copy); the rows' widths are known here.
+Host synchronisations: one read per decode step (each row's token and logprob, in one copy); the rows' widths are
+known here, and index lists go to the device from pinned memory without a synchronisation (``inference.to_device``).
 
 Threads: everything here runs on the engine's main thread; the receiver thread only publishes versions (and wakes
 the loop through the engine's wake pipe).
@@ -205,6 +206,7 @@ class ContinuousBatcher:
         """``WeightReceiver.swap(upto)``, and the live version's model (main thread; engine/versions.py says when
         the old live buffer may be freed)."""
         self.engine.receiver.swap(upto)
+        self.model = None  # the old version's prepared copies go before the new ones are made
         self.model = self.engine.live_model()
 
     def _fill_rows(self) -> None:
@@ -223,7 +225,7 @@ class ContinuousBatcher:
         capacity = max(len(s.prompt) + s.request.req.max_new_tokens for s in newcomers)
         h = inference.join_rows(self.model, self.cache, [s.prompt for s in newcomers], self.engine.pad_id, capacity,
                                 [k.kv if k is not None else None for k in kept])
-        keys = torch.tensor([s.key for s in newcomers], dtype=torch.long, device=h.device)
+        keys = inference.to_device([s.key for s in newcomers], h.device)
         self.hidden = h if self.hidden is None else torch.cat([self.hidden, h])
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
         self.rows += newcomers
@@ -241,7 +243,7 @@ class ContinuousBatcher:
         tok = torch.empty(len(settings), dtype=torch.long, device=logits.device)
         logp = torch.empty(len(settings), dtype=torch.float32, device=logits.device)
         for setting in dict.fromkeys(settings):
-            index = torch.tensor([i for i, k in enumerate(settings) if k == setting], device=logits.device)
+            index = inference.to_device([i for i, k in enumerate(settings) if k == setting], logits.device)
             t, lp = inference.sample_with(logits[index], *setting, uniforms[index])
             tok[index], logp[index] = t.view(-1), lp.view(-1)
         return tok, logp
@@ -265,7 +267,7 @@ class ContinuousBatcher:
         if ended:
             order = inference.drop_rows(self.cache, done)
             self.rows = [self.rows[i] for i in order]
-            moved = torch.tensor(order, dtype=torch.long, device=tok.device)
+            moved = inference.to_device(order, tok.device)
             tok, self.keys = tok[moved], self.keys[moved]
         for seq in ended:
             seq.request.unfinished -= 1

@@ -50,8 +50,8 @@ class KeptSequences:
         best = None
         for tokens, kept in self._kept.items():
             n = len(tokens)
-            if n < len(prompt) and (best is None or n > len(best.tokens)) and usable(kept.version) \
-                    and tuple(prompt[:n]) == tokens:
+            if n < len(prompt) and (best is None or n > len(best.tokens)) and tokens[-1] == prompt[n - 1] \
+                    and usable(kept.version) and tuple(prompt[:n]) == tokens:  # the cheap tests first
                 best = kept
         if best is not None:
             del self._kept[best.tokens]

@@ -374,9 +374,8 @@ def validate_config(job_config: Any) -> None:
     _check_model_folder(job_config)
     if r.colocated and torch.cuda.is_available():
         _check_colocated_memory(job_config)
-    elif r.continuous_batching and engine_kind(r.engine).name == "embedded" and (
-            not torch.cuda.is_available() or all(d == "cpu" for d in r.engine_devices) and r.engine_devices):
-        _check_kv_pools_in_memory(job_config)
+    elif kv_pool_bytes(job_config):
+        _check_kv_pools_fit(job_config)
 
 
 TRAIN_BYTES_PER_PARAM = 16  # float32 parameter + gradient + AdamW's two moments
@@ -446,17 +445,36 @@ def _memory_available() -> int | None:
         return None
 
 
-def _check_kv_pools_in_memory(job_config: Any) -> None:
-    """CPU engines' KV pools (``kv_pool_bytes`` each) fit in half the memory available now (the rest: the trainer
-    and the engines' weight copies)."""
-    r = job_config.rollout
-    pool, available = kv_pool_bytes(job_config), _memory_available()
-    if available is None or r.num_engines * pool <= available // 2:
+def _check_kv_pools_fit(job_config: Any) -> None:
+    """Engines not colocated: on a CPU their KV pools (``kv_pool_bytes`` each) and their prepared copies of the model
+    (``inference.prepare``: about one model each) fit in half the memory available now (the rest: the trainer and
+    the engines' weight versions); on GPUs each engine's pool and weight versions
+    (``max(2, off_policy.max_version_gap + 1)``) fit in the smallest visible device less 10 % and 1 GiB."""
+    from torchtitan_flux.models.weight_dict import ModelShape
+
+    r, w = job_config.rollout, job_config.weight_sync
+    pool = kv_pool_bytes(job_config)
+    wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize
+    model = hf_param_count(ModelShape.from_hf_dir(job_config.model.hf_assets_path)) * wire
+    gib = 2**30
+    fields = (f"rollout.max_batch_sequences = {r.max_batch_sequences} rows x training.seq_len = "
+              f"{job_config.training.seq_len} slots: each embedded engine's KV pool takes {pool / gib:.1f} GiB")
+    on_gpu = torch.cuda.is_available() and not (r.engine_devices and all(d == "cpu" for d in r.engine_devices))
+    if on_gpu:
+        device = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        room = device - device // 10 - CUDA_CONTEXT_BYTES - max(2, job_config.off_policy.max_version_gap + 1) * model
+        if pool <= room:
+            return
+        rows = max(0, room * r.max_batch_sequences // max(1, pool))
+        raise ConfigError(f"{fields}, beside its weight versions more than its {device / gib:.1f} GiB GPU holds; "
+                          f"allowed: rollout.max_batch_sequences <= {rows} here, or a shorter training.seq_len")
+    available = _memory_available()
+    if available is None or r.num_engines * (pool + model) <= available // 2:
         return
-    gib, rows = 2**30, max(0, available // 2 // max(1, r.num_engines) * r.max_batch_sequences // max(1, pool))
-    raise ConfigError(f"rollout.max_batch_sequences = {r.max_batch_sequences} rows x training.seq_len = "
-                      f"{job_config.training.seq_len} slots: each embedded engine's KV pool takes {pool / gib:.1f} GiB, "
-                      f"{r.num_engines} engine(s) {r.num_engines * pool / gib:.1f} GiB, more than half the "
+    room = available // 2 // max(1, r.num_engines) - model
+    rows = max(0, room * r.max_batch_sequences // max(1, pool))
+    raise ConfigError(f"{fields}, {r.num_engines} engine(s) {r.num_engines * pool / gib:.1f} GiB and their prepared "
+                      f"copies of the model {r.num_engines * model / gib:.1f} GiB, more than half the "
                       f"{available / gib:.1f} GiB this machine has available; allowed: rollout.max_batch_sequences "
                       f"<= {rows} here, or a shorter training.seq_len")
 
