@@ -484,14 +484,14 @@ def reasoning_gym_config(task: str, task_args: list[str]) -> tuple[str, Any, Rea
                               f"{sorted(dataset_names)} (reasoning-gym's {config_cls.__name__}; seed comes from "
                               f"rollout.seed) or {sorted(prompting_names)}")
     mine = [a for a in task_args if a.partition("=")[0].strip() in prompting_names]
-    prompting = ReasoningGymPrompting(**config_args(ReasoningGymPrompting, mine, TASK_ARGS_FIELD, "the task"))
+    prompting = ReasoningGymPrompting(**config_args(ReasoningGymPrompting, mine, TASK_ARGS_FIELD, "the reasoning-gym task"))
     if prompting.system_prompt not in SYSTEM_PROMPTS:
         raise ConfigError(f"{TASK_ARGS_FIELD} sets system_prompt = {prompting.system_prompt!r}; allowed: one of "
                           f"{sorted(SYSTEM_PROMPTS)} (reasoning_gym.utils.SYSTEM_PROMPTS)")
     if prompting.examples < 0:
         raise ConfigError(f"{TASK_ARGS_FIELD} sets examples = {prompting.examples}; allowed: 0 or more")
     values = config_args(config_cls, [a for a in task_args if a not in mine], TASK_ARGS_FIELD,
-                         f"reasoning-gym's {name!r}")
+                         f"reasoning-gym dataset {name}")
     try:
         config = config_cls(**values)
         if hasattr(config, "validate"):
