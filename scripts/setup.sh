@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: creates .venv (if missing), installs torchtitan_flux with its dev extras, and builds the
+# Idempotent setup: creates .venv (if missing), installs torchtitan_flux with its dev and tasks extras, and builds the
 # tiny local model the debug configs use (and its chat variant, for train_configs/debug_multiturn_cpu.toml). On a
 # machine without CUDA it installs the CPU torch build.
 # Re-running is cheap: the install step is skipped while pyproject.toml is unchanged.
@@ -18,7 +18,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   # one editable install at a time on this machine: setuptools writes torchtitan_flux.egg-info into the tree, and CI
   # runs scripts/setup_vllm.sh (which installs this package too) beside this script
-  flock "${TMPDIR:-/tmp}/flux-editable-install.lock" "$VPY" -m pip install -q -e ".[dev]"
+  flock "${TMPDIR:-/tmp}/flux-editable-install.lock" "$VPY" -m pip install -q -e ".[dev,tasks]"
   echo "$want" > "$stamp"
 fi
 "$VPY" scripts/build_tiny_model.py --out assets/tiny-llama --flavor tiny --chat-out assets/tiny-chat

@@ -119,7 +119,14 @@ class Rollout:
     # -- Tasks and prompts: what the prompts are, how many a step takes, and how a dataset is read and filtered.
     task: str = "digits"
     """Task: "digits" (fraction of digit characters), "arithmetic" (exact-match sums), "dataset" (``dataset_path``
-    scored by ``reward_funcs``), "gsm8k" (scored by the final answer), or "package.module:name" (docs/data.md)."""
+    scored by ``reward_funcs``), "gsm8k" (scored by the final answer), "reasoning_gym:<name>" (a reasoning-gym
+    dataset scored by its own ``score_answer``; ``pip install '.[tasks]'``) or "package.module:name" (docs/data.md)."""
+
+    task_args: list[str] = field(default_factory=list)
+    """With ``task = "reasoning_gym:<name>"``: the dataset's config fields as "name=value" (the value read as JSON
+    when it parses, e.g. ``["max_terms=2", "max_digits=1"]``, else as the plain string), each checked against the
+    field's type (``seed`` comes from ``seed``), and ``system_prompt``: which of reasoning-gym's system prompts
+    (``reasoning_gym.utils.SYSTEM_PROMPTS``; default "default") precedes each question. Other tasks take none."""
 
     prompts_per_step: Annotated[int, Range(ge=1, le=65536)] = 4
     """Prompts per training step; the batch holds prompts_per_step * grpo.group_size completions."""

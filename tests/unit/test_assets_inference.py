@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,8 +212,11 @@ def test_export_hf_weights_roundtrip(model_dir, tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    out = export_hf_weights(model, tmp_path / "export", args, model_dir)
-    for n in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    src = tmp_path / "src"  # a folder whose chat template is its own file, as transformers 5 saves it
+    shutil.copytree(model_dir, src)
+    (src / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    out = export_hf_weights(model, tmp_path / "export", args, src)
+    for n in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / n).is_file(), n
     fresh = Transformer(FluxLlamaArgs.from_hf_dir(out, max_seq_len=32))
     load_hf_weights(fresh, out, args)

@@ -91,7 +91,7 @@ CASES = [
     (("--rollout.max_new_tokens", "0"), "rollout.max_new_tokens"),
     (("--rollout.num_engines", "0"), "rollout.num_engines"),
     (("--rollout.task", "poetry"), "rollout.task = 'poetry' is out of range; allowed: digits | arithmetic | dataset | "
-                                   "gsm8k or 'package.module:name'"),
+                                   "gsm8k, 'reasoning_gym:<name>' or 'package.module:name'"),
     (("--rollout.task", "jsonl"), "rollout.task = 'jsonl' was renamed: use 'dataset'"),
     (("--model.name", "flux"), "model.name = 'flux' is not allowed; allowed: 'hf_auto'"),  # torchtitan's FLUX
     (("--model.name", "llama3"), "model.name = 'llama3' is not allowed; allowed: 'hf_auto'"),

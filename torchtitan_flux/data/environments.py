@@ -214,10 +214,23 @@ def load_environment(spec: str, field_name: str, timeout_s: float, timeout_field
 
 
 def configure_environment(env_class: EnvironmentClass, args: list[str], field_name: str) -> EnvironmentClass:
-    """``env_class`` with its ``Config`` fields set from ``args`` ("name=value", the value read as JSON when it parses,
-    else as the plain string), each checked against the field's type; ``ConfigError`` naming ``field_name``."""
-    config_cls = type(env_class.config)
-    fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    """``env_class`` with its ``Config`` fields set from ``args`` (``config_args``); ``ConfigError`` naming
+    ``field_name``."""
+    values = config_args(type(env_class.config), args, field_name, env_class.spec)
+    try:
+        config = dataclasses.replace(env_class.config, **values)
+    except Exception as e:  # noqa: BLE001 - user code (a __post_init__): reported naming the field
+        raise ConfigError(f"{field_name}: {env_class.spec}'s Config({', '.join(values)}) raised "
+                          f"{describe_exception(e)}") from e
+    return dataclasses.replace(env_class, config=config)
+
+
+def config_args(config_cls: type, args: list[str], field_name: str, owner: str,
+                exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The values ``args`` ("name=value", the value read as JSON when it parses, else as the plain string) give the
+    dataclass ``config_cls``'s fields (of ``owner``; those in ``exclude`` not settable), each checked against the
+    field's type; ``ConfigError`` naming ``field_name`` and the allowed names or type."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init and f.name not in exclude}
     try:
         hints = typing.get_type_hints(config_cls)
     except Exception:  # noqa: BLE001 - an annotation that does not resolve: its values are not type-checked
@@ -228,7 +241,7 @@ def configure_environment(env_class: EnvironmentClass, args: list[str], field_na
         name = name.strip()
         if not eq or name not in fields:
             raise ConfigError(f"{field_name} has {arg!r}; allowed: 'name=value' with name one of "
-                              f"{sorted(fields) or '(none: ' + env_class.spec + ' has no Config fields)'}")
+                              f"{sorted(fields) or '(none: ' + owner + ' has no Config fields)'}")
         try:
             value = json.loads(text)
         except ValueError:
@@ -238,20 +251,18 @@ def configure_environment(env_class: EnvironmentClass, args: list[str], field_na
         if not ok:
             allowed = want.__name__ if isinstance(want, type) else str(want).replace("typing.", "")
             raise ConfigError(f"{field_name} sets {name} = {value!r} ({type(value).__name__}); allowed: {allowed} "
-                              f"(the type of {env_class.spec}'s Config.{name})")
+                              f"(the type of {owner}'s Config.{name})")
         values[name] = value
-    try:
-        config = dataclasses.replace(env_class.config, **values)
-    except Exception as e:  # noqa: BLE001 - user code (a __post_init__): reported naming the field
-        raise ConfigError(f"{field_name}: {env_class.spec}'s Config({', '.join(values)}) raised "
-                          f"{describe_exception(e)}") from e
-    return dataclasses.replace(env_class, config=config)
+    return values
 
 
 def _fits(value: Any, want: Any) -> tuple[bool, Any]:
     """Whether ``value`` (read from ``environment_args``) is of type ``want``, and the value to set: an int for a
     float field becomes a float; a union (``X | None``, ``Optional[X]``) takes a value any of its arms takes; a bool is
-    no int; a generic (``list[int]``) is checked by its origin; what is not a plain type (``Any``) takes anything."""
+    no int; a ``Literal`` takes one of its values; a generic (``list[int]``) is checked by its origin; what is not a
+    plain type (``Any``) takes anything."""
+    if typing.get_origin(want) is typing.Literal:
+        return value in typing.get_args(want), value
     if typing.get_origin(want) in (typing.Union, types.UnionType):
         for arm in typing.get_args(want):
             ok, fitted = _fits(value, arm)

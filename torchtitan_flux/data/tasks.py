@@ -3,7 +3,8 @@
 A task yields the ``Prompt`` records of a training step as a pure function of (seed, step), so the prompts of
 every step are reproducible after a resume without any dataloader state. Its rewards are ``RewardFunc``s with
 TRL's batched signature (``rewards.py``); ``rollout.reward_funcs`` replace a task's own. Besides ``TASKS``,
-``rollout.task`` may name ``"package.module:name"``: a callable ``(job_config, tokenizer, dataset_path,
+``rollout.task`` may name ``"reasoning_gym:<name>"`` (a reasoning-gym dataset, ``ReasoningGymTask``; recognised
+before the next form) or ``"package.module:name"``: a callable ``(job_config, tokenizer, dataset_path,
 dataset_split, field_name) -> Task``, ``field_name`` being the config field its errors name.
 
 A dataset record whose prompt is null, empty or an empty message list refuses the dataset: training on the text
@@ -13,6 +14,7 @@ A dataset record whose prompt is null, empty or an empty message list refuses th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,6 +26,7 @@ from typing import Any, Callable
 
 from torchtitan_flux.data import rewards as R
 from torchtitan_flux.data.datasets import ChatTemplate, EpochSampler, filter_long, load_table
+from torchtitan_flux.data.environments import config_args
 from torchtitan_flux.errors import ConfigError, UserCodeError
 from torchtitan_flux.user_code import call_with_deadline, import_spec
 
@@ -282,15 +285,18 @@ DATASET_TASKS = ("dataset", "gsm8k")
 
 
 def task_factory(name: str) -> Callable[..., Task]:
-    """A built-in task's factory, or a user's (``"package.module:name"``, called without ``reward_funcs``)."""
+    """A built-in task's factory (``reasoning_gym:<name>`` too), or a user's (``"package.module:name"``, called
+    without ``reward_funcs``)."""
     if name in TASKS:
         return TASKS[name]
+    if name.startswith(REASONING_GYM):
+        return lambda job_config, tokenizer, *_, reward_funcs: ReasoningGymTask(job_config, tokenizer, reward_funcs)
     if ":" in name:
         return import_spec("rollout.task", name)
     if name == "jsonl":
         raise ValueError("rollout.task = 'jsonl' was renamed: use 'dataset'")
-    raise ValueError(f"rollout.task = {name!r} is not allowed; allowed: {' | '.join(TASKS)} or "
-                     "'package.module:name'")
+    raise ValueError(f"rollout.task = {name!r} is not allowed; allowed: {' | '.join(TASKS)}, "
+                     "'reasoning_gym:<name>' or 'package.module:name'")
 
 
 RESERVED_COLUMNS = {"prompts", "completions", "completion_ids"}  # reward functions' own arguments (rewards.py)
@@ -368,7 +374,7 @@ def build_task(job_config, tokenizer, dataset_path: str | None = None, dataset_s
 
     factory, rewards = task_factory(r.task), reward_funcs(r)
     args = (job_config, tokenizer, path, split, field_name)
-    if r.task in TASKS:
+    if r.task in TASKS or r.task.startswith(REASONING_GYM):
         task = factory(*args, reward_funcs=rewards)
     else:  # a user's factory (rollout.task = 'package.module:name'): its failure or hang names it, before any work
         try:
@@ -438,3 +444,190 @@ def prompt_tokenizer(job_config):
     except Exception as e:  # the tokenizers library raises a plain Exception for a tokenizer.json it cannot parse
         raise ConfigError(f"model.hf_assets_path = {hf!r}: tokenizer.json cannot be loaded ({e}); allowed: a "
                           "tokenizers file as published (re-download it)") from None
+
+
+# -- reasoning-gym's procedurally generated tasks (rollout.task = "reasoning_gym:<name>"; docs/data.md): the dataset
+# named <name>, its config set from rollout.task_args and seeded from rollout.seed (ReasoningGymTask says how it draws,
+# holds out and scores).
+
+REASONING_GYM = "reasoning_gym:"
+TASK_ARGS_FIELD = "rollout.task_args"
+MAX_REDRAWS = 100  # a training slot whose draws are all held out or too long refuses the task
+
+
+@dataclass
+class ReasoningGymPrompting:
+    """The ``rollout.task_args`` entries every reasoning-gym task takes beside its dataset's config fields."""
+
+    system_prompt: str = "default"
+    """Which of reasoning-gym's system prompts (``reasoning_gym.utils.SYSTEM_PROMPTS``) opens each prompt; each
+    asks for the answer between ``<answer>`` and ``</answer>``."""
+
+    examples: int = 0
+    """Solved items of the dataset (of a seed of their own) put before the question as earlier user / assistant
+    turns, each answer written ``<answer>...</answer>``: they show a small model the answer format."""
+
+
+def reasoning_gym():
+    """The ``reasoning_gym`` package, or a one-line ``ConfigError`` naming the extra that installs it."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ConfigError("rollout.task = 'reasoning_gym:...' needs the reasoning-gym package; install the extra: "
+                          "pip install '.[tasks]' (or pip install reasoning-gym)") from None
+    return reasoning_gym
+
+
+def reasoning_gym_config(task: str, task_args: list[str]) -> tuple[str, Any, ReasoningGymPrompting]:
+    """The dataset name of ``rollout.task = task``, its config set from ``task_args`` (checked; ``seed`` comes from
+    ``rollout.seed``) and the prompting ``task_args`` set; ``ConfigError`` naming ``rollout.task`` or
+    ``rollout.task_args`` with the allowed values."""
+    reasoning_gym()
+    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    name = task.removeprefix(REASONING_GYM)
+    if name not in DATASETS:
+        raise ConfigError(f"rollout.task = {task!r}: reasoning-gym has no dataset {name!r}; allowed: "
+                          f"'reasoning_gym:<name>' with name one of {sorted(DATASETS)}")
+    config_cls = DATASETS[name][1]
+    prompting_names = {f.name for f in dataclasses.fields(ReasoningGymPrompting)}
+    dataset_names = {f.name for f in dataclasses.fields(config_cls) if f.init} - {"seed"}
+    for arg in task_args:
+        key, eq, _ = arg.partition("=")
+        if not eq or key.strip() not in prompting_names | dataset_names:
+            raise ConfigError(f"{TASK_ARGS_FIELD} has {arg!r}; allowed: 'name=value' with name one of "
+                              f"{sorted(dataset_names)} (reasoning-gym's {config_cls.__name__}; seed comes from "
+                              f"rollout.seed) or {sorted(prompting_names)}")
+    mine = [a for a in task_args if a.partition("=")[0].strip() in prompting_names]
+    prompting = ReasoningGymPrompting(**config_args(ReasoningGymPrompting, mine, TASK_ARGS_FIELD,
+                                                    "the reasoning-gym task"))
+    if prompting.system_prompt not in SYSTEM_PROMPTS:
+        raise ConfigError(f"{TASK_ARGS_FIELD} sets system_prompt = {prompting.system_prompt!r}; allowed: one of "
+                          f"{sorted(SYSTEM_PROMPTS)} (reasoning_gym.utils.SYSTEM_PROMPTS)")
+    if prompting.examples < 0:
+        raise ConfigError(f"{TASK_ARGS_FIELD} sets examples = {prompting.examples}; allowed: 0 or more")
+    values = config_args(config_cls, [a for a in task_args if a not in mine], TASK_ARGS_FIELD,
+                         f"reasoning-gym dataset {name}")
+    try:
+        config = config_cls(**values)
+        if hasattr(config, "validate"):
+            config.validate()
+    except Exception as e:  # noqa: BLE001 - reasoning-gym's validate() asserts: its message names the rule
+        raise ConfigError(f"{TASK_ARGS_FIELD} = {task_args}: reasoning-gym's {config_cls.__name__} refuses it "
+                          f"({type(e).__name__}: {e})") from None
+    return name, config, prompting
+
+
+class ReasoningGymTask(Task):
+    """A reasoning-gym dataset as a task. Training draws the ``size`` items of the training seed (``rollout.seed``)
+    in seeded epochs, as a local dataset's records, redrawing any whose question is held out or whose prompt does not
+    fit ``training.seq_len``; each draw is a function of (seed, step), so a resumed run draws what the uninterrupted
+    one would have. The held-out set is the first ``eval.num_prompts`` items (64 when 0) of a second seed, the
+    examples (``task_args`` ``examples``) those of a third (most reasoning-gym datasets seed item ``i`` with
+    ``seed + i``: each seed starts past the items of the one before). A prompt is reasoning-gym's system prompt, the
+    examples, then the question (chat-templated with ``rollout.apply_chat_template``, else as plain text); the reward
+    (``score_answer``) is the dataset's own ``score_answer`` of what ``reasoning_gym.utils.extract_answer`` finds in
+    the completion: the text of its last ``<answer>...</answer>`` element, or None without one (which scores 0 on
+    most datasets, 0.01 on a few: ``countdown``, ``puzzle24``, ``fraction_simplification``)."""
+
+    def __init__(self, job_config, tokenizer, reward_funcs: list[R.RewardFunc] | None = None):
+        r = job_config.rollout
+        self.dataset_name, self.config, self.prompting = reasoning_gym_config(r.task, list(r.task_args))
+        from reasoning_gym.factory import DATASETS
+        from reasoning_gym.utils import SYSTEM_PROMPTS
+
+        self.name = r.task
+        self.dataset_cls = DATASETS[self.dataset_name][0]
+        self.system_prompt = SYSTEM_PROMPTS[self.prompting.system_prompt]
+        self.chat = bool(r.apply_chat_template)  # chat-templated prompts: rewards get TRL's conversational format
+        self.template = ChatTemplate(job_config.model.hf_assets_path) if self.chat else None
+        self.tokenizer, self.max_prompt_tokens = tokenizer, max_prompt_tokens(job_config)
+        self.budget = prompt_budget(job_config, 0)[0]
+        self.held_out_count = job_config.eval.num_prompts or 64
+        self._seeded(r.seed)
+        super().__init__(reward_funcs or [R.RewardFunc("score_answer", self.score_answer)])
+        longest = max(self.eval_prompts(r.seed, 0), key=self._tokens)
+        if self._tokens(longest) > self.max_prompt_tokens:
+            raise ConfigError(f"rollout.task = {self.name!r}: the held-out prompt of "
+                              f"{longest.columns['question']!r:.60} has {self._tokens(longest)} tokens, more than "
+                              f"{self.budget}; allowed: an easier {TASK_ARGS_FIELD} setting, fewer examples, a "
+                              "shorter system_prompt, or a larger training.seq_len")
+
+    def _seeded(self, seed: int) -> None:
+        """The training, held-out and example datasets of ``seed`` (the class docstring)."""
+        self.seed, size = seed, self.config.size
+        held_size = max(size, self.held_out_count)
+        self.train = self.dataset_cls(config=dataclasses.replace(self.config, seed=seed))
+        self.held_out = self.dataset_cls(config=dataclasses.replace(self.config, seed=seed + size, size=held_size))
+        shown = self.dataset_cls(config=dataclasses.replace(self.config, seed=seed + size + held_size,
+                                                            size=max(size, self.prompting.examples)))
+        self.examples = [shown[i] for i in range(self.prompting.examples)]
+        self.held_out_questions = {self.held_out[i]["question"] for i in range(self.held_out_count)}
+        self.sampler = EpochSampler(size, seed)
+
+    def _prompt(self, entry: dict) -> Prompt:
+        messages = [{"role": "system", "content": self.system_prompt}]
+        for e in self.examples:
+            messages += [{"role": "user", "content": e["question"]},
+                         {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"}]
+        messages.append({"role": "user", "content": entry["question"]})
+        columns = {"question": entry["question"], "entry": entry}
+        if self.template is None:
+            text = "\n\n".join(m["content"] for m in messages) + "\n"
+            return Prompt(text, str(entry["answer"]), columns)
+        return Prompt(self.template.render(messages, add_generation_prompt=True), str(entry["answer"]), columns,
+                      messages, add_bos=False)
+
+    def _tokens(self, prompt: Prompt) -> int:
+        return len(self.tokenizer.encode(prompt.text, add_bos=prompt.add_bos, add_eos=False))
+
+    def prompts(self, seed: int, step: int, n: int) -> list[Prompt]:
+        if seed != self.seed:
+            self._seeded(seed)
+        out = []
+        for position in range((step - 1) * n, step * n):
+            index = self.sampler.indices(position, 1)[0]
+            redraw = random.Random(f"{seed}:{position}")  # a function of the slot: a resume redraws alike
+            for _ in range(MAX_REDRAWS):
+                entry = self.train[index]
+                prompt = self._prompt(entry)
+                fits = self._tokens(prompt) <= self.max_prompt_tokens
+                if fits and entry["question"] not in self.held_out_questions:
+                    break
+                index = redraw.randrange(self.config.size)
+            else:
+                raise ConfigError(f"rollout.task = {self.name!r}: {MAX_REDRAWS} draws for training prompt {position} "
+                                  f"were all held out or longer than {self.budget}; allowed: {TASK_ARGS_FIELD} with "
+                                  "a larger size or an easier setting, or a larger training.seq_len")
+            out.append(prompt)
+        return out
+
+    def eval_prompts(self, seed: int, n: int) -> list[Prompt]:
+        if seed != self.seed:
+            self._seeded(seed)
+        return [self._prompt(self.held_out[i]) for i in range(min(n or self.held_out_count, self.held_out_count))]
+
+    def score_answer(self, prompts: list, completions: list, entry: list[dict], **_: Any) -> list[float]:
+        """reasoning-gym's scoring: the dataset's ``score_answer`` of the completion's last ``<answer>`` element."""
+        from reasoning_gym.utils import extract_answer
+
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(self.train.score_answer(extract_answer(t), e)) for t, e in zip(texts, entry)]
+
+    def data_state(self, step: int, prompts_per_step: int) -> dict:
+        """What a checkpoint records of the draw after ``step``: the dataset, its config, the prompting, a hash of the
+        held-out prompts (another reasoning-gym version may generate others) and the draw's position."""
+        held = "\x00".join(json.dumps([p.text, p.answer]) for p in self.eval_prompts(self.seed, 0))
+        config = json.dumps(dataclasses.asdict(self.config), sort_keys=True, default=str)
+        return {"task": self.name, "config": config, "prompting": dataclasses.asdict(self.prompting),
+                "held_out_sha1": hashlib.sha1(held.encode()).hexdigest(), "position": step * prompts_per_step}
+
+    def check_resume(self, saved: dict, step: int, prompts_per_step: int) -> str | None:
+        """Why a resume from ``saved`` (a ``data_state``) would not continue the same draw; None if it does."""
+        now = self.data_state(step, prompts_per_step)
+        diff = [k for k in now if saved.get(k) != now[k]]
+        if not diff:
+            return None
+        return (f"the reasoning-gym draw differs from the checkpoint's ({', '.join(diff)} changed: saved {saved}, "
+                f"now {now}); training goes on from position {now['position']} of the current one")

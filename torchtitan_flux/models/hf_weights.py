@@ -28,7 +28,7 @@ from torchtitan_flux.models import hf
 
 # Non-weight files copied by export_hf_weights so the exported folder is itself a loadable model dir.
 ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 class HFLayout:

@@ -33,8 +33,8 @@ def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
     something else) and ``tokenizer.json`` (the token ids of the checkpointed rollouts and prompt stream), by
     content hash so that a moved folder still matches; ``optimizer.name`` (the optimizer state);
     ``rollout.prompts_per_step`` and ``grpo.group_size`` (the shape of an async checkpoint's rollouts, the prompt
-    stream position); ``rollout.task``, the dataset's records (content hash, after length filtering) and
-    ``rollout.seed`` (which prompts come next); ``rollout.environment`` (an async checkpoint's rollouts are its
+    stream position); ``rollout.task``, ``rollout.task_args``, the dataset's records (content hash, after length
+    filtering) and ``rollout.seed`` (which prompts come next); ``rollout.environment`` (an async checkpoint's rollouts are its
     episodes; a checkpoint from before the field has no such key, and is not compared on it).
 
     Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
@@ -48,11 +48,12 @@ def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
         "rollout.prompts_per_step": r.prompts_per_step,
         "grpo.group_size": job_config.grpo.group_size,
         "rollout.task": r.task,
+        "rollout.task_args": list(r.task_args),
         "rollout.seed": r.seed,
         "rollout.environment": r.environment,
     }
-    if hasattr(task, "data_state"):  # dataset tasks; generated ones are a function of (task, seed, step)
-        data = task.data_state(0, r.prompts_per_step)
+    data = task.data_state(0, r.prompts_per_step) if hasattr(task, "data_state") else {}
+    if "records" in data:  # dataset tasks; generated ones are a function of (task, task_args, seed, step)
         fp["rollout.dataset_path"] = f"{data['records']} records, sha1 {data['sha1'][:12]}"
     return fp
 

@@ -583,6 +583,11 @@ def _check_data(job_config: Any) -> None:
         tasks.task_factory(r.task)
     except ValueError as e:
         raise ConfigError(str(e).replace("is not allowed", "is out of range")) from None
+    if r.task.startswith(tasks.REASONING_GYM):
+        tasks.reasoning_gym_config(r.task, list(r.task_args))
+    elif r.task_args:
+        raise ConfigError(f"rollout.task_args = {list(r.task_args)} with rollout.task = {r.task!r}; allowed: [] (only "
+                          "rollout.task = 'reasoning_gym:<name>' takes task_args)")
     if r.task in tasks.DATASET_TASKS and not os.path.exists(r.dataset_path):
         raise ConfigError(f"rollout.dataset_path = {r.dataset_path!r} does not exist; task {r.task!r} needs a dataset "
                           "file or folder")
