@@ -11,9 +11,7 @@ thread per side (``torch.set_num_threads``; vLLM: one OpenMP thread). A side's d
 ``(t(N) - t(1)) / (N - 1)`` with ``t(n)`` the wall time to generate ``n`` new tokens for the batch (prefill included in
 both, so it cancels), the median of ``--repeats`` runs interleaved across sides. Sides:
 
-- ``serial``: the embedded engine's serial loop (``inference.generate_on`` of ``inference.prepare``'s model: stacked
-  projections and a packed vocabulary head, as the engine runs it); ``serial_unprepared``: the same loop on the
-  weights as pushed;
+- ``serial``: the embedded engine's serial loop (``inference.generate_on``);
 - ``batcher``: continuous batching (``engine/batcher.py``'s ``ContinuousBatcher``, driven in this process);
 - ``serial_bf16``: ``serial`` with the weights in bfloat16 (an embedded engine computes in
   ``weight_sync.wire_dtype``);
@@ -32,7 +30,7 @@ batcher's decode step is profiled too: kernel launches (``cudaLaunchKernel`` cal
 time over wall time), CUDA synchronisations (``torch.cuda.set_sync_debug_mode`` warnings) per step, peak memory.
 
 Key=value lines: ``engine_vs_hf_rows<R>`` (``serial``'s tokens/s over ``hf``'s), ``batcher_vs_hf_rows<R>``,
-``prepared_vs_unprepared_rows<R>``, ``engine_bf16_vs_hf_rows<R>``, ``engine_vs_vllm_rows<R>`` (``na`` without vLLM),
+``engine_bf16_vs_hf_rows<R>``, ``engine_vs_vllm_rows<R>`` (``na`` without vLLM),
 ``decode_ms_<side>_rows<R>``, ``prefill_tokens_per_group_ratio``, ``multiturn_prefill_tokens_ratio``,
 ``host_syncs_per_decode_step``, on a GPU ``launches_per_decode_step_rows<R>``, ``gpu_busy_fraction_rows<R>``,
 ``cuda_syncs_per_decode_step_rows<R>``, ``peak_allocated_bytes_rows<R>``; ``threads``, ``pair_efficiency``
@@ -91,7 +89,7 @@ class LocalEngine:
     def __init__(self, weights, shape, rows: int, kv_slots: int):
         self.rule, self.receiver, self.shape = Pinned(), self._Receiver(weights), shape
         self.eos_id, self.pad_id, self.stall_s, self.rows, self.kv_slots = NEVER, 0, 0.0, rows, kv_slots
-        self.model = inference.prepare(inference.Model.of(weights, shape))
+        self.model = inference.Model.of(weights, shape)
         self.results: list = []
 
     def live_model(self):
@@ -322,12 +320,12 @@ def main() -> None:
     weights, shape = weight_dict.load_hf_weights_dict(model_dir, dtype=None if gpu else torch.float32, device=device)
     dtype = next(iter(weights.values())).dtype
     plain = inference.Model.of(weights, shape)
-    models = {"serial": inference.prepare(plain), "serial_unprepared": plain, "engine": LocalEngine(
+    models = {"serial": plain, "engine": LocalEngine(
         weights, shape, rows=max(*args.rows, args.group_size), kv_slots=64 + args.new_tokens + 24 * args.turns)}
-    sides = ["serial", "serial_unprepared", "batcher"]
+    sides = ["serial", "batcher"]
     if not gpu:
         bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
-        models["serial_bf16"] = inference.prepare(inference.Model.of(bf16, shape))
+        models["serial_bf16"] = inference.Model.of(bf16, shape)
         sides.append("serial_bf16")
     try:
         from transformers import AutoModelForCausalLM
@@ -376,7 +374,6 @@ def main() -> None:
             print(f"gpu_busy_fraction_rows{rows}={c['busy']:.2f}")
             print(f"cuda_syncs_per_decode_step_rows{rows}={c['syncs']:.2f}")
             print(f"peak_allocated_bytes_rows{rows}={c['peak_bytes']}")
-        print(f"prepared_vs_unprepared_rows{rows}={ratio('serial', 'serial_unprepared', rows)}")
         print(f"engine_vs_vllm_rows{rows}=" + (f"{vllm[rows] / step_s['serial', rows]:.2f}" if vllm else "na"))
     print(f"prefill_tokens_per_group_ratio={counts['group']:.3f}")
     print(f"multiturn_prefill_tokens_ratio={counts['multiturn']:.3f}")

@@ -107,8 +107,8 @@ def test_push_then_generate_matches_trainer_logprobs(rig):
 
 
 def test_serial_engine_generates_what_inference_generate_does_bit_for_bit(rig):
-    """``continuous_batching = false`` is ``inference.generate_on`` of the pushed version's prepared model (here, the
-    HF folder's weights) with the request's seeded generator, bit for bit."""
+    """``continuous_batching = false`` is ``inference.generate`` on the pushed version (here, the HF folder's
+    weights) with the request's seeded generator, bit for bit."""
     if rig.continuous:
         pytest.skip("continuous batching samples per sequence (engine/batcher.py)")
     prompts = [[1, 40, 41, 42], [1, 60]]
@@ -118,9 +118,8 @@ def test_serial_engine_generates_what_inference_generate_does_bit_for_bit(rig):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine's
     try:
-        tokens, logprobs, lengths = inference.generate_on(
-            inference.prepare(inference.Model.of(weights, shape)), [p for p in prompts for _ in range(4)],
-            max_new_tokens=12, temperature=1.0,
+        tokens, logprobs, lengths = inference.generate(
+            weights, shape, [p for p in prompts for _ in range(4)], max_new_tokens=12, temperature=1.0,
             eos_id=hf.eos_token_ids(cfg), pad_id=int(cfg.get("pad_token_id") or 0),
             generator=torch.Generator().manual_seed(123))
     finally:

@@ -108,9 +108,8 @@ def _generate_and_score(weights, shape, prompts, seed: int, tokens: list[int]):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = inference.prepare(inference.Model.of(weights, shape))  # as the engine generates
-        out = inference.generate_on(model, prompts, max_new_tokens=12, temperature=1.0, eos_id=[2], pad_id=0,
-                                    generator=torch.Generator().manual_seed(seed))
+        out = inference.generate(weights, shape, prompts, max_new_tokens=12, temperature=1.0, eos_id=[2], pad_id=0,
+                                 generator=torch.Generator().manual_seed(seed))
         return (*out, inference.score(weights, shape, torch.tensor([tokens]))[0].tolist())
     finally:
         torch.set_num_threads(threads)
@@ -185,29 +184,6 @@ def test_the_embedded_engine_is_pushed_hf_names_and_computes_what_the_folder_giv
     finally:
         syncer.close()
         engine.close()
-
-
-@pytest.mark.parametrize("family,tied", CASES)
-def test_prepared_model_stacks_the_projections_packs_a_large_head_and_keeps_the_logits(family_dirs, family, tied,
-                                                                                      monkeypatch):
-    """``inference.prepare`` (what an embedded engine generates with): on a CPU q/k/v (biases too) and gate/up are
-    one weight each, an output projection of ``PACKED_OUTPUT_ELEMENTS`` or more is packed for oneDNN (here every
-    one: the threshold lowered), and the logits are the folder's to rounding."""
-    weights, shape = weight_dict.load_hf_weights_dict(family_dirs[(family, tied)])
-    model = inference.Model.of(weights, shape)
-    assert not inference.prepare(model).output.is_mkldnn  # these models' heads are below the threshold
-    monkeypatch.setattr(inference, "PACKED_OUTPUT_ELEMENTS", 1)
-    prepared = inference.prepare(model)
-    layer = prepared.layers[0]
-    assert [len(layer.qkv.weights), len(layer.gate_up.weights)] == [1, 1]
-    assert layer.qkv.weights[0].shape[0] == sum(layer.qkv.sizes) and prepared.output.is_mkldnn
-    assert (layer.qkv.biases[0] is not None) == shape.qkv_bias
-    got, want = (inference.causal_logits(m, _tokens()) for m in (prepared, model))
-    assert (got - want).abs().max().item() < 1e-4
-    # a dtype oneDNN cannot pack on this CPU (bfloat16 without AVX-512 BF16 support) stays dense
-    monkeypatch.setattr(inference, "PACKED_DTYPES", {torch.float32})
-    bf16 = inference.Model.of({k: v.bfloat16() for k, v in weights.items()}, shape)
-    assert not inference.prepare(bf16).output.is_mkldnn and inference.prepare(model).output.is_mkldnn
 
 
 @pytest.mark.parametrize("family,tied", CASES)

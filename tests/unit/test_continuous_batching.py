@@ -72,7 +72,7 @@ class FakeEngine(EngineIO):
         self.results: list[SimpleNamespace] = []
 
     def live_model(self):
-        return inference.prepare(inference.Model.of(self.receiver.live.views, self.shape))
+        return inference.Model.of(self.receiver.live.views, self.shape)
 
     def send_result(self, req_id, tokens, logprobs, lengths, version, gen_time_s, token_versions=None):
         self.results.append(SimpleNamespace(req_id=req_id, tokens=tokens, logprobs=logprobs, lengths=lengths,
@@ -483,7 +483,9 @@ def test_a_turn_prefills_only_the_tokens_after_its_episodes_kept_kv(weights_and_
     second = next_turn(prompt, b.engine.results[0])
     count = PrefillCount(monkeypatch)
     submit(b, request(2, [second], max_new=6, group=1, seed=4, keep_kv=True))
-    assert count.tokens == 1 + 4 and len(b.kept) == 0  # the first turn's last token and the reply
+    assert count.tokens == 1 + 4  # the first turn's last token and the reply
+    submit(b, request(3, [second], max_new=6, group=1, seed=4, keep_kv=True))  # another episode, the same turn
+    assert count.tokens == 2 * (1 + 4)
     run_until_idle(b)
     fresh = batcher(weights_and_shape)
     fresh.eos = set()
@@ -493,6 +495,7 @@ def test_a_turn_prefills_only_the_tokens_after_its_episodes_kept_kv(weights_and_
     run_until_idle(fresh)
     assert len(fresh.kept) == 0
     kept, again = b.engine.results[1], fresh.engine.results[0]
+    assert torch.equal(b.engine.results[2].tokens, kept.tokens)
     assert torch.equal(kept.tokens, again.tokens)
     torch.testing.assert_close(kept.logprobs, again.logprobs, atol=1e-5, rtol=0)
     assert recomputed_logprobs(weights_and_shape, [second], 1, kept) < 1e-4
@@ -520,10 +523,11 @@ def test_kept_kv_of_an_older_version_is_used_only_with_in_flight_updates_and_sta
     if in_flight:
         assert result.version == 0 and (result.token_versions[0] == 0).all()
     else:
-        assert result.version == 1 and len(b.kept) == 2  # both turns kept; neither taken
+        assert result.version == 1 and len(b.kept) == 2  # both turns kept
 
 
-def test_kept_sequences_take_the_longest_proper_prefix_once_and_drop_the_oldest():
+def test_kept_sequences_give_the_longest_proper_prefix_to_every_taker_and_drop_the_least_recent():
+    """Episodes that sampled the same turn share its K/V (a group's episodes often do): each taker gets it."""
     from torchtitan_flux.engine.kept import Kept, KeptSequences
 
     store = KeptSequences(capacity=2)
@@ -531,9 +535,12 @@ def test_kept_sequences_take_the_longest_proper_prefix_once_and_drop_the_oldest(
         store.keep(Kept(tokens, 0, []))
     assert len(store) == 2  # (1, 2) dropped
     assert store.take([1, 2, 3, 4, 5], lambda v: True).tokens == (1, 2, 3)  # a proper prefix only
-    assert store.take([1, 2, 3, 9], lambda v: True) is None  # taken once
+    assert store.take([1, 2, 3, 9], lambda v: True).tokens == (1, 2, 3)  # shared: taken again
     assert store.take([1, 2, 3, 4, 5, 6], lambda v: v == 1) is None  # not a usable version
     assert store.take([1, 2, 3, 4, 5, 6], lambda v: v == 0).tokens == (1, 2, 3, 4, 5)
+    store.take([1, 2, 3, 9], lambda v: True)  # (1, 2, 3) used last: (1, 2, 3, 4, 5) goes first
+    store.keep(Kept((7, 8), 0, []))
+    assert store.take([1, 2, 3, 4, 5, 6], lambda v: True).tokens == (1, 2, 3)
 
 
 def test_host_sync_one_read_per_decode_step(weights_and_shape):

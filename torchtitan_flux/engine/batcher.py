@@ -81,7 +81,7 @@ class EngineIO(Protocol):
     """Fault injection: seconds to sleep before admitting each request."""
 
     def live_model(self) -> inference.Model:
-        """The live version's model (``inference.prepare``d once per version)."""
+        """The live version's model (``inference.Model.of`` its views, once per version)."""
 
     def serve_messages(self, waiting: collections.deque, timeout: float | None) -> bool:
         """Wait up to ``timeout`` for a message or a landed push, then serve every message already in the control
@@ -206,7 +206,6 @@ class ContinuousBatcher:
         """``WeightReceiver.swap(upto)``, and the live version's model (main thread; engine/versions.py says when
         the old live buffer may be freed)."""
         self.engine.receiver.swap(upto)
-        self.model = None  # the old version's prepared copies go before the new ones are made
         self.model = self.engine.live_model()
 
     def _fill_rows(self) -> None:

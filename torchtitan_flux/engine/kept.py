@@ -28,8 +28,9 @@ class Kept:
 
 
 class KeptSequences:
-    """At most ``capacity`` kept sequences (the batch's rows: a turn's K/V is at most a row's), the oldest dropped
-    first. Each is taken once: by the first prompt it is a proper prefix of."""
+    """At most ``capacity`` kept sequences (the batch's rows: a turn's K/V is at most a row's), the least recently
+    kept or used dropped first. One per token sequence: episodes whose turns sampled the same tokens (common: a group
+    shares its opening) share it, each copying it into its own row (``inference.join_rows``)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -45,8 +46,8 @@ class KeptSequences:
             self._kept.popitem(last=False)
 
     def take(self, prompt: list[int], usable: Callable[[int], bool]) -> Kept | None:
-        """The longest kept sequence that is a proper prefix of ``prompt`` and whose version is ``usable``,
-        removed from the store; None if there is none."""
+        """The longest kept sequence that is a proper prefix of ``prompt`` and whose version is ``usable`` (kept, as
+        the most recently used); None if there is none."""
         best = None
         for tokens, kept in self._kept.items():
             n = len(tokens)
@@ -54,5 +55,5 @@ class KeptSequences:
                     and usable(kept.version) and tuple(prompt[:n]) == tokens:  # the cheap tests first
                 best = kept
         if best is not None:
-            del self._kept[best.tokens]
+            self._kept.move_to_end(best.tokens)
         return best

@@ -4,10 +4,9 @@ rollout engines. Must NOT import torchtitan (engine environments pin their own t
 The math is copied from torchtitan's ``models/llama3/model/model.py`` and ``models/qwen3/model/model.py``
 (Copyright (c) Meta Platforms, Inc. and affiliates, BSD-3-Clause license): logits match torchtitan's to rounding.
 
-Weights are a plain ``dict[str, Tensor]`` in HF names and layout (``weight_dict``), looked up into a ``Model`` per
-call (``Model.of``: views, no copy), so an engine can swap the whole dict atomically between requests. An engine
-generates with ``prepare``'s model instead, made once per weight version (on a CPU: stacked projections, a
-packed vocabulary head).
+Weights are a plain ``dict[str, Tensor]`` in HF names and layout (``weight_dict``), looked up into a ``Model``
+(``Model.of``: views, no copy) that keeps no reference to the dict, so an engine can swap the whole dict atomically
+between requests (an engine looks its live version up once per version).
 
 Generation is split as gpt-fast's ``generate.py``: ``prefill`` runs the prompts into a ``KVCache``, ``decode_step``
 runs one token per sequence of that batch, ``sample`` draws the next tokens from the logits, and ``Completions``
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 from torchtitan_flux.models.weight_dict import EMBEDDING, FINAL_NORM, ModelShape, layer_param_names, output_weight
 
-__all__ = ["generate", "generate_on", "prepare", "logits", "score", "forward_logits", "causal_logits", "prefill",
+__all__ = ["generate", "generate_on", "logits", "score", "forward_logits", "causal_logits", "prefill",
            "decode_step", "sample", "sample_with", "counter_uniforms", "SlotCache", "kv_pool_bytes", "kept_rows", "join_rows",
            "decode_rows", "drop_rows"]
 
@@ -114,13 +113,6 @@ def _rope(x: torch.Tensor, fc: torch.Tensor | tuple[torch.Tensor, torch.Tensor])
     return torch.view_as_real(xc * fc).flatten(3).type_as(x)
 
 
-_PACKABLE = (hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-             and torch.backends.mkldnn.is_available())
-# the dtypes oneDNN packs on this CPU (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: the reorder raises without)
-PACKED_DTYPES = ({torch.float32} | ({torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())
-                 if _PACKABLE else set())
-
-
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """A host list as a tensor on ``device`` without a synchronisation: on a GPU, from pinned memory, copied
     asynchronously (the caching host allocator keeps the pinned block until the copy is done)."""
@@ -129,56 +121,32 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.lon
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or oneDNN's linear on a weight ``prepare`` packed for it."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-class Projections(NamedTuple):
-    """Linear maps of one input, HF's tensors one per output (views of the weights), or ``prepare``'s one weight
-    with the outputs stacked (packed for oneDNN), whose output is split into them."""
-
-    weights: tuple[torch.Tensor, ...]
-    biases: tuple[torch.Tensor | None, ...]
-    sizes: tuple[int, ...]
-    """Each output's features."""
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(self.weights) == 1 and len(self.sizes) > 1:
-            return _linear(x, self.weights[0], self.biases[0]).split(self.sizes, dim=-1)
-        return tuple(_linear(x, w, b) for w, b in zip(self.weights, self.biases))
-
-    @classmethod
-    def of(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> "Projections":
-        return cls(tuple(weights), tuple(biases), tuple(w.shape[0] for w in weights))
-
-
 class LayerWeights(NamedTuple):
-    """One transformer block's tensors (None where the family has none: q/k norms)."""
+    """One transformer block's tensors (None where the family has none: q/k/v biases, q/k norms)."""
 
-    qkv: Projections
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
     wo: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    gate_up: Projections
+    gate: torch.Tensor
     down: torch.Tensor
+    up: torch.Tensor
     attention_norm: torch.Tensor
     ffn_norm: torch.Tensor
 
 
-def _layer_weights(weights: Mapping[str, torch.Tensor], present: set[str], i: int) -> LayerWeights:
-    """Block ``i``'s tensors, looked up by HF name (KeyError: a missing one)."""
-    def get(name: str) -> torch.Tensor | None:
-        return weights[f"model.layers.{i}.{name}"] if name in present else None
-
-    qkv = [f"self_attn.{p}_proj" for p in "qkv"]
-    return LayerWeights(
-        Projections.of([get(f"{n}.weight") for n in qkv], [get(f"{n}.bias") for n in qkv]),
-        get("self_attn.o_proj.weight"), get("self_attn.q_norm.weight"), get("self_attn.k_norm.weight"),
-        Projections.of([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], [None, None]),
-        get("mlp.down_proj.weight"), get("input_layernorm.weight"), get("post_attention_layernorm.weight"))
+_LAYER_NAMES = LayerWeights(  # each field's HF name after ``model.layers.{i}.``
+    "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.up_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -196,7 +164,8 @@ class Model:
         """Look up ``weights`` (HF names); ValueError naming a missing one."""
         present = set(layer_param_names(shape))
         try:
-            layers = [_layer_weights(weights, present, i) for i in range(shape.n_layers)]
+            layers = [LayerWeights(*(weights[f"model.layers.{i}.{n}"] if n in present else None for n in _LAYER_NAMES))
+                      for i in range(shape.n_layers)]
             return cls(shape, weights[EMBEDDING], layers, weights[FINAL_NORM], output_weight(weights, shape))
         except KeyError as e:
             raise ValueError(f"weights are missing {e.args[0]!r}") from None
@@ -204,32 +173,6 @@ class Model:
     @property
     def device(self) -> torch.device:
         return self.embedding.device
-
-
-PACKED_OUTPUT_ELEMENTS = 1 << 22
-"""The smallest output projection ``prepare`` packs for oneDNN: below it the packed call's fixed cost (~30 us a
-call) outweighs its gain; the gain is the vocabulary head's at few rows (SmolLM2's 49,152 x 576 at 8 rows: 2.3x
-faster than ``F.linear``, measured 2026-11-29; q/k/v, o, gate/up and down measured no faster packed)."""
-
-
-def prepare(model: Model) -> Model:
-    """The model an engine generates with, made once per weight version: on a CPU, each block's q/k/v and
-    gate/up weights stacked into one weight each (one GEMM instead of three and two), and a large output projection
-    packed for oneDNN's linear (``PACKED_OUTPUT_ELEMENTS``): copies, which no longer share the version's buffer.
-    Elsewhere ``model`` itself (a GPU engine keeps its weights where the memory ledger counts them). Logits differ
-    from ``model``'s by rounding only (another summation order)."""
-    if model.device.type != "cpu":
-        return model
-
-    def stacked(p: Projections) -> Projections:
-        bias = None if p.biases[0] is None else torch.cat(p.biases)
-        return Projections((torch.cat(p.weights),), (bias,), p.sizes)
-
-    output = model.output
-    if output.numel() >= PACKED_OUTPUT_ELEMENTS and output.dtype in PACKED_DTYPES:
-        output = torch.ops.mkldnn._reorder_linear_weight(output.contiguous(), 1)
-    layers = [w._replace(qkv=stacked(w.qkv), gate_up=stacked(w.gate_up)) for w in model.layers]
-    return Model(model.shape, model.embedding, layers, model.norm, output)
 
 
 def _attention(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -260,10 +203,9 @@ def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor
     B, S = x.shape[:2]
     eps = shape.norm_eps
     h = _rms_norm(x, w.attention_norm, eps)
-    q, k, v = w.qkv(h)
-    q = q.reshape(B, S, shape.n_heads, shape.head_dim)
-    k = k.reshape(B, S, shape.n_kv_heads, shape.head_dim)
-    v = v.reshape(B, S, shape.n_kv_heads, shape.head_dim)
+    q = F.linear(h, w.wq, w.bq).view(B, S, shape.n_heads, shape.head_dim)
+    k = F.linear(h, w.wk, w.bk).view(B, S, shape.n_kv_heads, shape.head_dim)
+    v = F.linear(h, w.wv, w.bv).view(B, S, shape.n_kv_heads, shape.head_dim)
     if w.q_norm is not None:
         q, k = _rms_norm(q, w.q_norm, eps), _rms_norm(k, w.k_norm, eps)
     q, k = _rope(q, fc), _rope(k, fc)
@@ -279,10 +221,9 @@ def _block(shape: ModelShape, w: LayerWeights, x: torch.Tensor, fc: torch.Tensor
             kc[:, :, start:start + S] = k.transpose(1, 2)
             vc[:, :, start:start + S] = v.transpose(1, 2)
         k, v = kc[:, :, : mask.shape[-1]], vc[:, :, : mask.shape[-1]]
-    x = x + _linear(_attention(shape, q, k, v, mask), w.wo)
+    x = x + F.linear(_attention(shape, q, k, v, mask), w.wo)
     h = _rms_norm(x, w.ffn_norm, eps)
-    gate, up = w.gate_up(h)
-    return x + _linear(F.silu(gate) * up, w.down)
+    return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
 
 
 def _forward_hidden(model: Model, tokens: torch.Tensor, fc: torch.Tensor, mask: torch.Tensor,
@@ -300,7 +241,7 @@ def _forward_hidden(model: Model, tokens: torch.Tensor, fc: torch.Tensor, mask: 
 
 def logits(model: Model, hidden: torch.Tensor) -> torch.Tensor:
     """The next-token logits (float32) of final hidden states [..., dim]."""
-    return _linear(hidden, model.output).float()
+    return F.linear(hidden, model.output).float()
 
 
 def forward_logits(weights: Mapping[str, torch.Tensor], shape: ModelShape, tokens: torch.Tensor) -> torch.Tensor:
