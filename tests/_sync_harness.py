@@ -94,7 +94,7 @@ class Harness:
             off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2)
             model=SimpleNamespace(hf_assets_path=self.model_dir),
             job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
-            training=SimpleNamespace(steps=0),  # final version of vLLM checksums: no vLLM here
+            training=SimpleNamespace(steps=0, seq_len=128),  # steps: final version of vLLM checksums (no vLLM here)
         )
         self.rollouts = Rollouts.start(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),
                                   stops=SimpleNamespace(signal=None))  # no signal handlers in the test process

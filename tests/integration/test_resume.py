@@ -23,7 +23,7 @@ from torchtitan_flux.errors import ConfigError
 def _config(model_dir, **over) -> SimpleNamespace:
     ck = dict(enable=True, load_step=-1, on_config_mismatch="error")
     ck.update({k: over.pop(k) for k in list(over) if k in ck})
-    r = dict(prompts_per_step=4, task="digits", seed=0, environment="")
+    r = dict(prompts_per_step=4, task="digits", seed=0, environment="", task_args=[])
     r.update({k: over.pop(k) for k in list(over) if k in r})
     return SimpleNamespace(
         model=SimpleNamespace(hf_assets_path=str(over.pop("model_dir", model_dir))),
@@ -61,7 +61,7 @@ def test_fingerprint_holds_the_fields_that_shape_a_resume(tiny_model_dir):
     fp = resume.fingerprint(_config(tiny_model_dir), None)
     assert set(fp) == {"model.hf_assets_path config.json", "model.hf_assets_path tokenizer.json", "optimizer.name",
                        "rollout.prompts_per_step", "grpo.group_size", "rollout.task", "rollout.seed",
-                       "rollout.environment"}
+                       "rollout.environment", "rollout.task_args"}
     assert fp["rollout.prompts_per_step"] == 4 and fp["grpo.group_size"] == 8
     with_data = resume.fingerprint(_config(tiny_model_dir, task="dataset"), _DataTask(["a", "b"]))
     assert with_data["rollout.task"] == "dataset"

@@ -30,6 +30,14 @@ _reward_calls = itertools.count()
 SANE_CALLS = 1 + 2 * 32  # the start-up probe, then two steps of the debug config (4 prompts x group 8)
 
 
+
+_USER_FRAME = re.compile(r" \((\w+\.py):\d+\)$")
+
+
+def error_lines(text: str) -> list[str]:
+    """The ``error: `` lines of ``text``, the user's frame they end with (``my_env.py:74``) without its line number."""
+    return [_USER_FRAME.sub(r" (\1)", x) for x in text.splitlines() if x.startswith("error: ")]
+
 def huge_reward_after_two_steps(completions, **_):
     """Ordinary rewards for the first two steps, then finite but absurd ones: without std normalisation the loss
     overflows fp32 at a step > 1, so there is a good step before it to keep (and checkpoint)."""
@@ -215,8 +223,8 @@ def test_sys_exit_in_a_reward_mid_run_ends_the_run_with_one_error_line(tmp_path,
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), str(TESTS),  # test_stops, _procs
                                                       os.environ.get("PYTHONPATH", "")]))
     p = _run(tmp_path / "run", "--rollout.reward_funcs", "test_stops:exit_on_a_completion", "--training.steps", "3")
-    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
-    assert lines == ["error: reward function 'exit_on_a_completion' raised SystemExit: 3"], \
+    lines = error_lines(p.stderr)
+    assert lines == ["error: reward function 'exit_on_a_completion' raised SystemExit: 3 (test_stops.py)"], \
         p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
     assert "Training starts" in p.stdout + p.stderr  # it failed mid-run, not at the start-up probe
@@ -289,7 +297,7 @@ def test_a_reward_that_hangs_in_the_start_up_check_is_refused_before_engines_sta
 
 
 @pytest.mark.parametrize("factory,line,kept", [
-    ("finished_exits_0_at_step_1", "error: task 'digits': finished(1) raised SystemExit: 0", []),  # asked before
+    ("finished_exits_0_at_step_1", "error: task 'digits': finished(1) raised SystemExit: 0 (test_stops.py)", []),  # asked before
     ("prompts_returns_text_at_step_2", "error: task 'digits': prompts(seed=0, step=2, n=4) returned str 'oops'; "
                                        "allowed: a list of 4 Prompt objects", [1]),
 ])
@@ -300,7 +308,7 @@ def test_a_task_failing_mid_run_stops_the_run_in_one_line_naming_it(tmp_path, mo
                                                       os.environ.get("PYTHONPATH", "")]))
     p = _run(tmp_path / "run", "--rollout.task", f"test_stops:{factory}", "--training.steps", "5",
              "--checkpoint.enable", "true", "--checkpoint.interval", "100")
-    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    lines = error_lines(p.stderr)
     assert lines == [line], p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
     assert complete_ckpts(tmp_path / "run") == kept  # the steps trained before it (finished(k) is asked before k is)
@@ -330,8 +338,9 @@ def test_sys_exit_in_a_step_callback_stops_the_run_with_its_reason_and_a_checkpo
     dump = tmp_path / "run"
     p = _run(dump, "--metrics.step_callbacks", "_step_callbacks:exits_at_step_2", "--checkpoint.enable", "true",
              "--checkpoint.interval", "100", "--training.steps", "5", timeout=120)
-    lines = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
-    assert lines == ["error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough for today"], \
+    lines = error_lines(p.stderr)
+    assert lines == ["error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough for today "
+                     "(_step_callbacks.py)"], \
         p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr and not _our_traceback_frames(p.stderr)
     assert complete_ckpts(dump) == [2] and [r["step"] for r in read_metrics(dump)] == [1, 2]
@@ -353,9 +362,9 @@ def test_with_two_trainer_processes_a_failure_on_rank_0_stops_every_rank_at_once
             "reward": ("--rollout.reward_funcs", "test_stops:exit_on_a_completion"),
             "task_finished": ("--rollout.task", "test_stops:finished_raises_at_step_2")}[fails]
     expected = {"step_callback": "error: step callback '_step_callbacks:exits_at_step_2' raised SystemExit: enough "
-                                 "for today",
-                "reward": "error: reward function 'exit_on_a_completion' raised SystemExit: 3",
-                "task_finished": "error: task 'digits': finished(2) raised RuntimeError: no idea"}[fails]
+                                 "for today (_step_callbacks.py)",
+                "reward": "error: reward function 'exit_on_a_completion' raised SystemExit: 3 (test_stops.py)",
+                "task_finished": "error: task 'digits': finished(2) raised RuntimeError: no idea (test_stops.py)"}[fails]
     run = Run(tmp_path / "run", tmp_path / "run.log", *args, "--training.steps", "6", nproc=2)
     deadline = time.monotonic() + 90
     while run.proc.poll() is None and time.monotonic() < deadline:
@@ -366,7 +375,7 @@ def test_with_two_trainer_processes_a_failure_on_rank_0_stops_every_rank_at_once
         pytest.fail(f"the run did not stop within 90 s: {run.log.read_text()[-3000:]}")
     log = run.log.read_text()
     assert run.proc.returncode != 0
-    lines = {x for x in log.splitlines() if x.startswith("error: ")}
+    lines = set(error_lines(log))
     assert lines == {expected}, log[-3000:]  # one line, the same on both ranks
     assert "exitcode  : 2" in log and not _our_traceback_frames(log), log[-3000:]
     assert not wait_gone(run.seen, 10.0), "processes outlived the run"

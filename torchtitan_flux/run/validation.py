@@ -428,7 +428,7 @@ def kv_pool_bytes(job_config: Any) -> int:
     from torchtitan_flux.models.weight_dict import ModelShape
 
     r, w = job_config.rollout, job_config.weight_sync
-    if not r.continuous_batching or engine_kind(r.engine).name != "embedded":
+    if not r.continuous_batching or engine_kind(r.engine).server:  # servers keep their own caches
         return 0
     shape = ModelShape.from_hf_dir(job_config.model.hf_assets_path)
     wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize  # "auto": float32 parameters
