@@ -42,9 +42,9 @@ def test_submit_from_two_threads_to_a_stopped_engine_never_blocks_and_kill_ends_
         other = threading.Thread(target=submit_many, args=(1000,), name="flux-episodes", daemon=True)
         other.start()
         submit_many(0)
-        other.join(5.0)
+        other.join(30.0)
         took = time.monotonic() - t0
-        assert not other.is_alive() and took < 3.0, f"300 submits took {took:.2f} s"  # blocked: forever
+        assert not other.is_alive() and took < 30.0, f"300 submits took {took:.2f} s"  # blocked: forever
         assert not engine.idle() and engine.alive()
         assert any(t.name == "engine0-sender" for t in threading.enumerate())  # blocked in its send
 
@@ -53,7 +53,7 @@ def test_submit_from_two_threads_to_a_stopped_engine_never_blocks_and_kill_ends_
         assert isinstance(ev, EngineError) and ev.fatal and ev.message == "test: declared stuck"
         t0 = time.monotonic()
         engine.close()
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 15.0  # close joins a killed process: at once; blocked: forever
         assert not any(t.name == "engine0-sender" for t in threading.enumerate())
         time.sleep(0.2)
         assert events.empty(), "the engine's death was reported twice"
@@ -74,7 +74,7 @@ def test_a_full_sender_queue_drops_messages_logging_once_and_a_closed_pipe_ends_
     with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
         for i in range(50):
             sender.send(("pad", i, bytes(1 << 20)))  # 1 MiB each: the first fills the pipe, 4 queue, the rest drop
-    assert time.monotonic() - t0 < 3.0  # blocked: forever
+    assert time.monotonic() - t0 < 30.0  # blocked: forever (far above the ms it takes)
     assert [r.getMessage() for r in caplog.records].count(
         "engine engine9: 4 messages queued that it does not read (stopped or hung): its messages are dropped until it "
         "is declared stuck and killed (rollout.engine_stall_seconds)") == 1

@@ -8,6 +8,7 @@ real one."""
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEBUG_TOML
+from conftest import DEBUG_TOML, ROOT
 
 from torchtitan_flux.patches import apply_patches
 
@@ -547,29 +548,18 @@ def test_host_sync_one_read_per_decode_step(weights_and_shape):
     """The batcher's decode step reads the device once (every row's token and logprob in one copy), also in steps
     where rows end, move and newcomers join: every device-to-host read a ``TorchFunctionMode`` sees is counted, and
     no ``torch.tensor(..., device=...)`` is made (on a GPU a synchronous copy: ``inference.to_device`` instead)."""
-    from torch.overrides import TorchFunctionMode
-
-    class Reads(TorchFunctionMode):
-        names = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"}
-
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.count += getattr(func, "__name__", "") in self.names
-            self.count += func is torch.tensor and (kwargs or {}).get("device") is not None
-            return func(*args, **(kwargs or {}))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from engine import SyncCount  # benchmarks/engine.py's counter: what its host_syncs_per_decode_step counts
 
     b = batcher(weights_and_shape, max_sequences=3)
     submit(b, request(1, PROMPTS, max_new=6, seed=4), request(2, [[1, 33]], max_new=3, seed=5))
     steps = 0
     while b.rows:
-        reads = Reads()
+        reads = SyncCount()
         with reads:
             b._step()
             b._fill_rows()
-        assert reads.count == 1, steps
+        assert reads.reads == 1, steps
         steps += 1
     assert steps >= 6 and len(b.engine.results) == 2
 
