@@ -602,3 +602,27 @@ def test_one_join_of_kept_fresh_and_repeated_prompts_equals_each_prefilled_alone
         assert int(cache.lengths[row]) == n
         for (k, _), (k1, _) in zip(cache.layers, one.layers):
             torch.testing.assert_close(k[row, :, :n], k1[0, :, :n], atol=1e-5, rtol=0)
+
+
+def test_run_gives_an_episodes_next_turn_the_kept_kv_of_its_last(weights_and_shape, monkeypatch):
+    """Through ``run()``, the engine's serving loop: an episode's first turn ends, its result goes out, the next turn
+    (its prompt, tokens and a reply) comes back through the pipe, and only the tokens after the kept K/V run again:
+    the opening once, then the first turn's last token and the reply."""
+    weights, shape = weights_and_shape
+    opening = [1, 50, 51, 52, 53, 54, 55, 56, 57]
+
+    class Episode(PipedEngine):
+        def send_result(self, req_id, tokens, *rest, **kw):
+            super().send_result(req_id, tokens, *rest, **kw)
+            if req_id == 1:  # the episode answers, and sends its next turn
+                second = opening + tokens[0].tolist() + [3, 77, 78, 79]
+                self.messages.append(("generate", request(2, [second], max_new=4, group=1, seed=4, keep_kv=True)))
+
+    engine = Episode({0: weights}, shape, ("generate", request(1, [opening], max_new=5, group=1, seed=3,
+                                                                keep_kv=True)))
+    b = engine.batcher = ContinuousBatcher(engine, max_sequences=4)
+    b.eos = set()  # every turn runs its budget
+    count = PrefillCount(monkeypatch)
+    b.run()
+    assert [r.req_id for r in engine.results] == [1, 2]
+    assert count.tokens == len(opening) + 1 + 4
