@@ -81,7 +81,7 @@ class EngineIO(Protocol):
     """Fault injection: seconds to sleep before admitting each request."""
 
     def live_model(self) -> inference.Model:
-        """The live version's model (``inference.Model.of`` its views, once per version)."""
+        """The live buffer's model (``inference.Model.of`` its views); the batcher asks at each swap."""
 
     def serve_messages(self, waiting: collections.deque, timeout: float | None) -> bool:
         """Wait up to ``timeout`` for a message or a landed push, then serve every message already in the control

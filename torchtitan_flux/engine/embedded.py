@@ -70,7 +70,6 @@ class _EngineProcess:
         self.max_batch_sequences, self.kv_slots = max_batch_sequences, kv_slots
         self.rule = InFlight() if in_flight_updates else Pinned()  # which version each request runs on
         self.stall_s = 0.0  # fault injection: sleep before each generation
-        self._live_model: tuple[int, inference.Model | None] = (-1, None)  # (version, its model): ``live_model``
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
 
@@ -113,11 +112,9 @@ class _EngineProcess:
             self.receiver.start(make_group, patches=info.patches)
 
     def live_model(self):
-        """The live version's model, looked up once per version (main thread)."""
-        version = self.receiver.live_version
-        if self._live_model[0] != version:
-            self._live_model = (version, self.inference.Model.of(self.receiver.live.views, self.shape))
-        return self._live_model[1]
+        """The live buffer's model (``inference.Model.of`` its views: a lookup, no copy), main thread. Not cached: a
+        re-join may land the same version number in another buffer."""
+        return self.inference.Model.of(self.receiver.live.views, self.shape)
 
     def generate(self, req: GenerationRequest) -> None:
         if self.stall_s:
