@@ -24,7 +24,7 @@ for b in "${names[@]}"; do
   modes=("")
   [ "$b" = weight_sync ] && modes=("" "--colocated" "--sparse")
   [ "$b" = vs_trl ] && modes=("" "--workloads real")  # real: needs assets/smollm2-135m-instruct (get_real_model.sh)
-  [ "$b" = controller ] && modes=("" "--workload growing")  # the curriculum: Task.finished ends each run
+  [ "$b" = controller ] && modes=("" "--suite")  # every workload, curricula included (Task.finished ends them)
   [ "$b" = streaming ] && modes=("--carry-over off")  # async and streaming without carry-over (the slow test:
   # test_streaming_bench.py runs async and streaming with it)
   for mode in "${modes[@]}"; do runs+=("$b $mode"); done

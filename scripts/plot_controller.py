@@ -13,6 +13,15 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per training step, with ``step`
    the measured sync overhead against ``sync_overhead_target`` (dashed), the self-tuning cadence of
    ``torchtitan_flux/rl/off_policy.py``.
 
+A run of the throughput law (``adaptive_async.controller = "throughput"``: ``lookahead_target`` and
+``rollout_starved`` logged) gets its own three panels instead:
+
+1. the lookahead the law set (steps), Little's-law depth, and each trained batch's mean version gap (dots);
+2. the trainer's starvation (smoothed wait on the engines over the step) against ``starve_fraction`` (dashed), and
+   each step's wait on the engines in seconds (``engine_wait_s``, faint, second axis);
+3. the smoothed ESS fraction against ``ess_floor`` (dashed), steps where the guard held marked; ``reward_mean`` on a
+   second axis.
+
 Keys are matched exactly or as the last ``/``-separated component (``controller/staleness`` works too).
 Lines that are not JSON objects (a half-written last line of a running job, say) are skipped with a note.
 
@@ -29,6 +38,7 @@ import sys
 from typing import NoReturn
 
 REQUIRED = ("staleness", "target_staleness", "async_ratio", "pid_error")
+THROUGHPUT = ("lookahead_target", "rollout_starved")  # the throughput law's rows
 
 
 def _fail(msg: str) -> NoReturn:
@@ -71,14 +81,15 @@ def load_rows(path: str) -> list[dict]:
             if not isinstance(row, dict) or _get(row, "step") is None:
                 skipped += 1
                 continue
-            if any(_get(row, k) is None for k in REQUIRED):
+            if any(_get(row, k) is None for k in REQUIRED) and any(_get(row, k) is None for k in THROUGHPUT):
                 continue
             rows[int(_num(_get(row, "step")))] = row
     if skipped:
         print(f"plot_controller: note: skipped {skipped} line(s) of {path} that are not step records", file=sys.stderr)
     if not rows:
         _fail(
-            f"{path} has no controller metrics (no line has all of {', '.join(REQUIRED)}); "
+            f"{path} has no controller metrics (no line has all of {', '.join(REQUIRED)}, or of "
+            f"{', '.join(THROUGHPUT)}); "
             "was adaptive_async.enabled on?"
         )
     return [rows[s] for s in sorted(rows)]
@@ -98,6 +109,10 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
             return None
         return [_num(v) for v in vals]
 
+    if series("lookahead_target") is not None and series("pid_error") is None:
+        fig = plot_throughput(plt, steps, series)
+        finish(plt, fig, out, title)
+        return
     cadence = series("sync_interval") is not None
     fig, axes = plt.subplots(4 if cadence else 3, 1, figsize=(10, 10.5 if cadence else 8), sharex=True)
 
@@ -161,7 +176,68 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
             handles, labels = handles + h2, labels + l2
         ax.legend(handles, labels, loc="upper right", fontsize="small")
     axes[-1].set_xlabel("Step")
+    finish(plt, fig, out, title)
 
+
+def plot_throughput(plt, steps: list[int], series):
+    """The throughput law's three panels (module docstring)."""
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    ax = axes[0]
+    ax.step(steps, series("lookahead_target"), where="post", color="tab:green", label="lookahead (steps)")
+    little = series("little_depth")
+    if little is not None:
+        ax.plot(steps, little, color="tab:gray", linewidth=0.9, label="Little's-law depth")
+    gap = series("version_gap_mean")
+    if gap is not None:
+        ax.plot(steps, gap, ".", color="tab:blue", markersize=3, label="trained batch's mean gap")
+    ax.set_ylabel("Steps / versions")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    ax.plot(steps, series("rollout_starved"), color="tab:orange", label="starvation (EMA)")
+    limit = series("starve_fraction")
+    if limit is not None:
+        ax.plot(steps, limit, color="tab:red", linestyle="--", linewidth=1, label="starve_fraction")
+    ax.set_ylabel("Wait / step")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    wait = series("engine_wait_s")
+    if wait is not None:
+        ax2 = ax.twinx()
+        ax2.plot(steps, wait, color="tab:brown", alpha=0.3, linewidth=0.8, label="wait on the engines (s)")
+        ax2.set_ylabel("Seconds")
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="upper right", fontsize="small")
+
+    ax = axes[2]
+    ax.plot(steps, series("ess_smoothed"), color="tab:blue", label="ESS fraction (EMA)")
+    floor = series("ess_floor")
+    if floor is not None:
+        ax.plot(steps, floor, color="tab:red", linestyle="--", linewidth=1, label="ess_floor")
+    guard = series("ess_guard")
+    if guard is not None:
+        held = [s for s, v in zip(steps, guard) if v > 0.5]
+        if held:
+            ax.scatter(held, [0.0] * len(held), marker="|", color="black", s=60, label=f"guard ({len(held)})")
+    ax.set_ylabel("ESS / N")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    reward = series("reward_mean")
+    if reward is not None:
+        ax2 = ax.twinx()
+        ax2.plot(steps, reward, color="tab:purple", alpha=0.6, linewidth=0.9, label="reward_mean")
+        ax2.set_ylabel("Reward (mean)")
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="upper right", fontsize="small")
+    axes[-1].set_xlabel("Step")
+    return fig
+
+
+def finish(plt, fig, out: str, title: str) -> None:
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -438,7 +438,17 @@ class AdaptiveAsync:
     """Version gap at which that term saturates."""
 
     controller: str = "pid"
-    """"pid", or "package.module:Class": a ``rl.controller.ControlLaw`` built as ``Class(adaptive_async)``."""
+    """"pid" (steers the staleness to ``target_staleness``), "throughput" (runs as far ahead as keeps the trainer fed,
+    bounded by ``ess_floor``: ``rl/throughput.py``), or "package.module:Class": a ``rl.controller.ControlLaw`` built
+    as ``Class(adaptive_async)``. Measured against fixed gaps in docs/controller.md."""
+
+    starve_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.1
+    """"throughput": the smoothed rollout wait, as a fraction of the step, above which the lookahead rises a step
+    (below half of it, and with Little's law asking for fewer, it falls one)."""
+
+    ess_floor: Annotated[float, Range(ge=0, le=1)] = 0.5
+    """"throughput": the learning-quality guard: while the smoothed effective sample size fraction of the importance
+    weights is below this, the lookahead falls a step at a time and may not rise (0: no guard)."""
 
     phase_schedule: PhaseSchedule = field(default_factory=PhaseSchedule)
     """Per-phase targets: ``[adaptive_async.phase_schedule.warmup]`` etc."""

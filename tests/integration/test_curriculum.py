@@ -6,10 +6,12 @@ last phase, long before ``training.steps``, with its summary, final checkpoint a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from _procs import complete_ckpts
-from conftest import read_metrics, run_train
+from conftest import ROOT, read_metrics, run_train
 
 CURRICULUM = ("--rollout.task", "examples.length_curriculum:growing", "--rollout.max_new_tokens", "128",
               "--training.seq_len", "144", "--optimizer.lr", "1e-2", "--training.steps", "300")
@@ -40,3 +42,25 @@ def test_a_finished_curriculum_ends_the_run_at_its_last_phase(tmp_path, mode):
     assert max(r["completion_len_mean"] for r in rows) > 48
     if mode == "async":  # the final checkpoint is the last step's, as at training.steps
         assert complete_ckpts(tmp_path) == [last]
+
+
+def test_the_throughput_law_sees_a_longer_budget_coming_and_plots(tmp_path):
+    """``adaptive_async.controller = "throughput"`` on the batching engine: the lookahead stays within [1,
+    max_version_gap], the budget ratio the feed measures exceeds 1 while the next phase's longer prompts are admitted
+    ahead of the steps trained (and only then), and ``scripts/plot_controller.py``
+    draws the law's panels from the run."""
+    run_train(tmp_path, *CURRICULUM, "--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
+              "--adaptive_async.controller", "throughput", "--off_policy.max_version_gap", "4",
+              "--rollout.continuous_batching", "true", "--rollout.in_flight_weight_updates", "true", timeout=300)
+    rows = read_metrics(tmp_path)
+    assert all(1 <= r["lookahead_target"] <= 4 for r in rows)
+    ends = [json.loads(x)["end_step"] for x in (tmp_path / "curriculum.jsonl").read_text().splitlines()]
+    ahead = [r["step"] for r in rows if r["budget_ratio"] > 1.0]
+    # a phase ends on a step's reward; the steps admitted after it draw the longer budget while the steps trained
+    # next were drawn before it: the ratio shows within max_version_gap steps after each of the first two ends
+    assert ahead and all(any(0 < s - end <= 4 for end in ends[:2]) for s in ahead), (ahead, ends)
+    assert all(r["budget_ratio"] == 1.0 for r in rows if r["step"] <= ends[0])
+    out = tmp_path / "law.png"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_controller.py"), str(tmp_path), "-o", str(out)],
+                   check=True, capture_output=True)
+    assert out.stat().st_size > 10_000

@@ -75,7 +75,7 @@ def test_state_round_trips_in_one_dict():
     a.async_ratio, a.force_sync, a.carry, a.discarded_rollouts = 0.35, True, -0.25, 12
     state = a.state_dict()
     assert set(state) == {"async_ratio", "force_sync", "admit_carry", "discarded_rollouts", "controller", "cadence",
-                          "pipeline_depth"}
+                          "pipeline_depth", "throughput"}
     b = admission(1.0, async_weight_update=True)
     b.load_state_dict(state)
     assert (b.async_ratio, b.force_sync, b.carry, b.discarded_rollouts) == (0.35, True, -0.25, 12)

@@ -122,6 +122,8 @@ BAD_ARGUMENTS = [
     ("benchmarks/controller.py", ["--seeds", "0"], "--seeds"),
     ("benchmarks/controller.py", ["--gaps", "1", "two"], "--gaps"),
     ("benchmarks/controller.py", ["--variant", "no-equals-sign"], "--variant"),
+    ("benchmarks/controller.py", ["--suite", "--gaps", "1"], "--suite"),
+    ("benchmarks/controller.py", ["--law", "bang-bang"], "--law"),
     ("benchmarks/startup.py", ["--reps", "-1"], "--reps"),
     ("benchmarks/startup.py", ["--config", "no/such.toml"], "--config"),
     ("benchmarks/train_step.py", ["--reps", "abc"], "--reps"),

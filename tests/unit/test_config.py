@@ -167,6 +167,10 @@ CASES = [
     (("--off_policy.max_pipeline_depth", "-1"),
      "off_policy.max_pipeline_depth = -1 is out of range; allowed: an integer >= 0"),
     (("--adaptive_async.kp", "-1"), "adaptive_async.kp"),
+    (("--adaptive_async.enabled", "true", "--adaptive_async.controller", "throughput", "--off_policy.feedforward",
+      "true"), "off_policy.feedforward = True is out of range; allowed: false with adaptive_async.controller = "
+               "\"throughput\": that law holds its own Little's-law depth"),
+    (("--adaptive_async.starve_fraction", "1"), "adaptive_async.starve_fraction"),
     (("--adaptive_async.controller", "no_such_module:Cls"), "adaptive_async.controller"),
     (("--adaptive_async.controller", "nocolon"), "adaptive_async.controller"),
     (("--model.hf_assets_path", "/nonexistent/model"), "model.hf_assets_path = '/nonexistent/model' has no "

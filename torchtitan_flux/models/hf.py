@@ -74,6 +74,12 @@ def _token_text(tok: Any) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
+def pad_id(tokenizer, hf_dir: str | os.PathLike) -> int:
+    """The padding id: the tokenizer's ``<|pad|>`` token, else ``tokenizer_settings``' ``pad_token_id``."""
+    pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
+    return tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
+
+
 def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
     """What the data layer needs from the folder: special tokens, ``add_bos_token`` (None: tokenizer.json decides),
     ``chat_template`` (``chat_template.jinja`` wins), ``eos_token_ids`` (config.json's, then generation_config's),

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchtitan_flux.data.tasks import task_finished
 from torchtitan_flux.errors import NoEngineLeft, RewardError, UserCodeError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
+from torchtitan_flux.rl.throughput import budget_ratio
 from torchtitan_flux.rollout.batch import RolloutBatch
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
@@ -39,6 +40,8 @@ class RolloutSource(Protocol):
     def collect(self, step: int, trainer_version: int, pin_version: int = -1,
                 min_version: int = 0) -> RolloutBatch: ...
 
+    def shape(self, step: int) -> tuple[float, int]: ...
+
 
 @dataclass
 class StepInput:
@@ -47,6 +50,8 @@ class StepInput:
     flush_s: float  # of which the on-policy flush (or the catch-up staging) of the newest weights
     push_due: bool  # this step's weights are pushed after its optimizer step
     last: bool  # the run ends after this step: training.steps, or the task finished (``Task.finished``)
+    budget_ratio: float = 1.0  # rank 0: Little's depth at the newest admitted step's budget over this step's
+    # (``rl.throughput.budget_ratio``): what the throughput law anticipates
 
 
 class BatchFeed:
@@ -64,10 +69,11 @@ class BatchFeed:
             self.syncer.catch_up(version, oldest=self.off_policy.oldest(version))
         flush_s = time.perf_counter() - t0
         batch = stop = None
+        ratio = 1.0
         last = step >= self.last_step
         if self.rank == 0:
             try:
-                batch = self._collect(step, version)
+                batch, ratio = self._collect(step, version)
                 last = last or self._task_finished(step)
             except (RewardError, NoEngineLeft, UserCodeError) as e:
                 if self.world == 1:
@@ -79,30 +85,35 @@ class BatchFeed:
             batch, due, last, stop = self._broadcast(batch, due, last, stop)
             if stop is not None:
                 raise stop
-        return StepInput(batch, wait_s, flush_s, due, last)
+        return StepInput(batch, wait_s, flush_s, due, last, ratio)
 
     def _task_finished(self, step: int) -> bool:
         """The task's ``finished(step)`` (user code: its failure names it, and every rank stops on it)."""
         r = self.rollouts
         return task_finished(r.task, step, r.task_timeout_s, interrupted=lambda: r.interrupted)
 
-    def _collect(self, step: int, version: int) -> RolloutBatch:
+    def _collect(self, step: int, version: int) -> tuple[RolloutBatch, float]:
+        """Admit the steps ahead, then wait for ``step``'s batch: (the batch, the budget ratio of the newest
+        admitted step to it)."""
         policy = self.off_policy
         ahead = policy.admit()
         pin = self.syncer.version  # newest staged: every engine gets it, so requests can run on exactly it
         if pin < policy.oldest(version):  # next() staged the newest weights: cannot happen
             raise RuntimeError(f"step {step}: staged weight version {pin} is older than max_version_gap allows "
                                f"(trainer at {version}); its rollouts would be discarded forever")
-        for k in range(step, min(step + ahead, self.last_step) + 1):
+        newest = min(step + ahead, self.last_step)
+        for k in range(step, newest + 1):
             # born fresh enough: step k is trained at version k - 1, so the engine waits for oldest(k - 1)
             self.rollouts.dispatch(k, version, pin_version=pin, min_version=max(0, policy.oldest(k - 1)))
+        (prompt_tokens, budget), (_, newest_budget) = self.rollouts.shape(step), self.rollouts.shape(newest)
+        ratio = budget_ratio(prompt_tokens, budget, newest_budget)
         while True:
             self.syncer.deliver_staged()  # the pin reaches every engine, broken groups included
             batch = self.rollouts.collect(step, version, pin_version=pin, min_version=max(0, policy.oldest(version)))
             if policy.accept(step, version, batch):
                 break
         self.syncer.check_timeouts()
-        return batch
+        return batch, ratio
 
     def _broadcast(self, batch: RolloutBatch | None, due: bool, last: bool, stop: Exception | None):
         obj = [batch, due, last, self.off_policy.decision(), stop]

@@ -4,13 +4,14 @@ which samples are too stale to train on, which steps push weights, and the pipel
 * ``async_ratio``: ``off_policy.async_ratio``, or the controller's output (``control``; it may force a sync step);
 * ``lookahead = async_ratio * max_version_gap`` steps, at most ``max_version_gap - (interval - 1)`` (engines may
   hold weights ``interval - 1`` steps old) and, with ``feedforward``, the ``PipelineDepth``; ``admit`` makes whole
-  steps of it;
+  steps of it. With ``adaptive_async.controller = "throughput"`` the ``ThroughputLaw`` sets the lookahead (whole
+  steps, under the same cap) and the async ratio is 1;
 * staleness: a step trained at ``version`` takes samples of ``oldest(version)`` or newer; the engines wait for it
   (``GenerationRequest.min_version``) and ``accept`` discards, and counts, a batch with an older sample;
 * the push cadence: every ``weight_sync.interval`` steps, or ``SyncCadence`` with ``interval = "auto"``.
 
 Concurrency: main thread only; every trainer rank holds one. Rank 0 decides what depends on its measurements
-(cadence, depth); the feed broadcasts ``decision()`` and the other ranks ``adopt`` it. The controller's inputs are
+(cadence, depth, the throughput law's lookahead); the feed broadcasts ``decision()`` and the other ranks ``adopt`` it. The controller's inputs are
 all-reduced, so its state is the same on every rank.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_flux.rl.controller import AdaptiveAsyncController, StalenessSample
+from torchtitan_flux.rl.throughput import ThroughputLaw
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -74,8 +76,12 @@ class OffPolicyControl:
         op, aa, ws = off_policy, adaptive_async, weight_sync
         self.max_version_gap, self.async_push = op.max_version_gap, ws.async_weight_update
         self.fixed_interval = ws.interval
-        self.controller = AdaptiveAsyncController(aa, total_steps) if aa.enabled else None
-        self.async_ratio = aa.initial_async_ratio if aa.enabled else fixed_async_ratio(op, ws)  # the one copy
+        by_throughput = aa.enabled and aa.controller == "throughput"
+        self.throughput = ThroughputLaw(aa, op.max_version_gap) if by_throughput else None
+        self.controller = AdaptiveAsyncController(aa, total_steps) if aa.enabled and not by_throughput else None
+        self.ess_fraction = math.nan  # the trained batch's, for the throughput law's guard (``control``)
+        # the one copy
+        self.async_ratio = 1.0 if by_throughput else aa.initial_async_ratio if aa.enabled else fixed_async_ratio(op, ws)
         self.force_sync = False
         self.stale = False  # the controller's staleness is above its target by more than STALE_BAND (``control``)
         self.carry = 0.0  # error-diffusion residual of the fractional lookahead, in [-0.5, 0.5)
@@ -100,6 +106,8 @@ class OffPolicyControl:
         cap = gap - (self.sync_interval - 1)
         if self.depth is not None:
             cap = min(cap, self.depth.depth)
+        if self.throughput is not None:
+            return float(max(1, min(self.throughput.lookahead, cap)))
         return min(self.async_ratio * gap, cap)
 
     @property
@@ -137,7 +145,8 @@ class OffPolicyControl:
 
     def decision(self) -> tuple[int, int]:
         """Rank 0's measured choices, broadcast with each batch: the push interval and the pipeline depth."""
-        return self.sync_interval, self.depth.depth if self.depth is not None else 0
+        depth = self.throughput.lookahead if self.throughput is not None else self.depth.depth if self.depth else 0
+        return self.sync_interval, depth
 
     def adopt(self, decision: tuple[int, int]) -> None:
         """Ranks > 0: take rank 0's ``decision()`` and replay its admission (so every rank has the same carry)."""
@@ -146,12 +155,15 @@ class OffPolicyControl:
             self.cadence.interval = interval
         if self.depth is not None:
             self.depth.depth = depth
+        if self.throughput is not None:
+            self.throughput.lookahead = depth
         self.admit()
 
     def control(self, step: int, sample: StalenessSample) -> dict[str, float]:
         """The staleness ``sample`` of the batch step ``step`` just trained -> the controller -> ``async_ratio`` of the
         next admission, and whether the staleness is out of band (``stale``). Returns the controller's metrics."""
         out = {"async_ratio": self.async_ratio}
+        self.ess_fraction = sample.ess_fraction
         if self.controller is None:
             return out
         decision = self.controller.step(step, sample)
@@ -164,6 +176,10 @@ class OffPolicyControl:
         out: dict[str, Any] = {}
         if self.depth is not None:
             out.update(self.observe_times(fed.batch.gen_time_s, compute_s))
+        if self.throughput is not None:
+            self.throughput.observe(fed.batch.gen_time_s, compute_s, fed.batch.generation_wait_s, self.ess_fraction,
+                                    fed.budget_ratio)
+            out.update(self.throughput.metrics())
         if self.cadence is not None:
             out.update(self.tune_cadence(fed.push_due, compute_s, sync_s, fed.wait_s, fed.flush_s, push_s_total))
         return out
@@ -195,7 +211,8 @@ class OffPolicyControl:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything above, in one dict (a part switched off is None)."""
-        parts = {"controller": self.controller, "cadence": self.cadence, "pipeline_depth": self.depth}
+        parts = {"controller": self.controller, "cadence": self.cadence, "pipeline_depth": self.depth,
+                 "throughput": self.throughput}
         return {"async_ratio": self.async_ratio, "force_sync": self.force_sync, "admit_carry": self.carry,
                 "discarded_rollouts": self.discarded_rollouts,
                 **{k: p.state_dict() if p is not None else None for k, p in parts.items()}}
@@ -203,7 +220,9 @@ class OffPolicyControl:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.async_ratio, self.force_sync = float(state["async_ratio"]), bool(state["force_sync"])
         self.carry, self.discarded_rollouts = float(state["admit_carry"]), int(state["discarded_rollouts"])
-        for part, key in ((self.controller, "controller"), (self.cadence, "cadence"), (self.depth, "pipeline_depth")):
+        parts = ((self.controller, "controller"), (self.cadence, "cadence"), (self.depth, "pipeline_depth"),
+                 (self.throughput, "throughput"))
+        for part, key in parts:
             if part is not None and state[key] is not None:  # None: saved with that part off
                 part.load_state_dict(state[key])
 

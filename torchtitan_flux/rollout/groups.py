@@ -107,6 +107,15 @@ class GroupTable:
         """The step's groups (any state but DROPPED), in prompt order."""
         return sorted((g for (s, _), g in self._groups.items() if s == step), key=lambda g: g.index)
 
+    def shape(self, step: int, default_budget: int) -> tuple[float, int]:
+        """``step``'s prompts: their mean length in tokens and their largest generation budget
+        (``Prompt.max_new_tokens``, else ``default_budget``); (0, 0) when none is drawn."""
+        groups = self.of_step(step)
+        if not groups:
+            return 0.0, 0
+        return (sum(len(g.prompt_ids) for g in groups) / len(groups),
+                max(g.prompt.max_new_tokens or default_budget for g in groups))
+
     def steps(self) -> list[int]:
         return sorted({s for s, _ in self._groups})
 

@@ -101,7 +101,7 @@ class Rollouts:
             rollouts = cls(
                 engines, raw, task, tokenizer, group_size=jc.grpo.group_size, prompts_per_step=r.prompts_per_step,
                 max_new_tokens=r.max_new_tokens, temperature=jc.grpo.temperature, top_k=r.top_k, seed=r.seed,
-                pad_id=_pad_id(tokenizer, jc.model.hf_assets_path), dead_zone=r.dispatch_dead_zone,
+                pad_id=hf.pad_id(tokenizer, jc.model.hf_assets_path), dead_zone=r.dispatch_dead_zone,
                 max_share=r.dispatch_max_share, reward_workers=r.reward_workers,
                 reward_timeout_s=r.reward_timeout_seconds, task_timeout_s=r.task_timeout_seconds,
                 stall_s=r.engine_stall_seconds, streaming=r.streaming_admission, carry_over=r.streaming_carry_over,
@@ -135,6 +135,10 @@ class Rollouts:
         """Start ``step``'s groups not started yet (once each; later calls for the step do nothing more), pinned to
         ``pin_version``, generated on ``min_version`` or newer (see ``GenerationRequest``)."""
         self.dispatcher.dispatch(step, Versions(trainer_version, pin_version, min_version))
+
+    def shape(self, step: int) -> tuple[float, int]:
+        """``GroupTable.shape`` of ``step``'s drawn prompts."""
+        return self.table.shape(step, self.max_new_tokens)
 
     # -- events (``EnginePump.pump``, main thread)
     def _on_result(self, in_flight: InFlight, result: GenerationResult) -> None:
@@ -183,7 +187,10 @@ class Rollouts:
             raise self.episode_failure
         versions = Versions(trainer_version, pin_version, min_version)
         self.dispatcher.dispatch(step, versions)
-        return self.policy.collect(step, versions)
+        blocked = self.pump.blocked_s
+        batch = self.policy.collect(step, versions)
+        batch.generation_wait_s = self.pump.blocked_s - blocked  # a batch nobody else holds yet
+        return batch
 
     def _wait(self, step: int) -> WaitNotes:
         return WaitNotes(self.pump, step, lambda: self._check(step), self.episodes)
@@ -291,9 +298,3 @@ class Rollouts:
         if self.fleet is not None:
             self.fleet.close(self.engines)
         self.pump.close()
-
-
-def _pad_id(tokenizer, hf_dir: str) -> int:
-    pad = tokenizer.tokenizer.token_to_id("<|pad|>") if hasattr(tokenizer, "tokenizer") else None
-    return hf.tokenizer_settings(hf_dir)["pad_token_id"] if pad is None else pad
-

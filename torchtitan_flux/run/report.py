@@ -45,6 +45,7 @@ def step_row(step: int, batch: RolloutBatch, t: StepTimes, counters: dict[str, i
         "policy_version": step,
         "step_time_s": step_time,
         "rollout_time_s": t.rollout_wait,
+        "engine_wait_s": batch.generation_wait_s,  # of which on the engines (not rewards, not bookkeeping)
         "gen_time_s": batch.gen_time_s,
         "train_time_s": t.trained - t.batch,
         "weight_sync_s": t.synced - t.trained,

@@ -258,6 +258,9 @@ def validate_config(job_config: Any) -> None:
              "unset (the default) or 0 with adaptive_async.enabled = true: the controller sets the ratio")
     _require(o.feedforward or o.max_pipeline_depth == 0, "off_policy.max_pipeline_depth", o.max_pipeline_depth,
              "0 (the default) unless off_policy.feedforward = true: it caps the feedforward's depth")
+    by_throughput = a.enabled and a.controller == "throughput"
+    _require(not (by_throughput and o.feedforward), "off_policy.feedforward", o.feedforward,
+             "false with adaptive_async.controller = \"throughput\": that law holds its own Little's-law depth")
     ws_default = dataclasses.fields(type(w))  # a field that only one method reads must not be set for the other
     ratio_default = next(f.default for f in ws_default if f.name == "sparse_max_bytes_ratio")
     _require(w.method == "sparse" or w.sparse_max_bytes_ratio == ratio_default, "weight_sync.sparse_max_bytes_ratio",
@@ -358,13 +361,13 @@ def validate_config(job_config: Any) -> None:
     if a.kl_weight + a.iw_var_weight + a.version_gap_weight <= 0:
         raise ConfigError("adaptive_async.kl_weight + iw_var_weight + version_gap_weight must be > 0")
     _validate_torchtitan_fields(job_config)
-    if a.enabled and (hint := staleness_out_of_reach(a, job_config.off_policy.max_version_gap)):
+    if a.enabled and not by_throughput and (hint := staleness_out_of_reach(a, o.max_version_gap)):
         logger.warning(hint)
     if w.async_weight_update and o.async_ratio == 0 and not a.enabled:
         logger.warning("weight_sync.async_weight_update = true with off_policy.async_ratio = 0: weights are pushed in "
                        "the background, but every step waits for the newest ones (on-policy); set "
                        "off_policy.async_ratio = 1 (or leave it unset) to let generation run ahead")
-    if a.controller != "pid":
+    if a.controller not in ("pid", "throughput"):
         from torchtitan_flux.rl.controller import ControlLaw
 
         law = import_spec("adaptive_async.controller", a.controller)
