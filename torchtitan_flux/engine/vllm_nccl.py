@@ -17,9 +17,12 @@ engine that missed it, ``cuda_rules`` rule 3):
   "running" that sent nothing, nor holds up another server's push;
 * a push still queued at its deadline is cancelled (it read and sent nothing): the engine is not killed, it
   rejoins as usual (once its generation ends it resumes with its old weights);
-* a push already sending cannot be cancelled (vLLM's producer keeps reading staging, and only its communicator
-  can be aborted): the engine is declared dead (``kill``: reconnected, resynced in full) and its completion is
-  never acked (``_Push.finish``). Rule: no uncancellable push is ever acked.
+* a push already sending cannot be cancelled on the server (only its communicator can be aborted): the engine is
+  declared dead (``kill``: reconnected, resynced in full) and its completion is never acked (``_Push.finish``).
+  Rule: no uncancellable push is ever acked. Our producer stops at once: the push is marked abandoned before the
+  abort's ``shutdown()``, and the staging iterator raises at its next tensor, so vLLM's ``send_weights`` never
+  broadcasts on the communicator being torn down, reads no more staging, does not wait for ``/update_weights``,
+  and releases ``_SENDING`` (fifth review, finding 17).
 """
 
 from __future__ import annotations
@@ -79,10 +82,13 @@ def staging_source(engine: "VllmNcclEngine", device: torch.device):
                     for names, dtypes, shapes in engine._bucket_meta for n, d, s in zip(names, dtypes, shapes)]
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            plan = engine._plan
+            plan, push = engine._plan, engine._push
             for (names, _, _), b, flat in zip(engine._bucket_meta, plan.buckets, engine._flats):
                 off = 0
                 for name, spec in zip(names, plan.specs[b.start : b.end]):
+                    if push.state != "running":  # abandoned (before the abort's shutdown): the producer stops here
+                        raise RuntimeError(f"weight push {push.version} was abandoned at its deadline; vLLM's "
+                                           "producer stops before its next broadcast")
                     view = flat[off : off + spec.numel].view(spec.shape)
                     off += spec.numel
                     yield name, view.to(device, non_blocking=True)  # on vLLM's producer stream
