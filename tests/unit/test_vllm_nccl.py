@@ -268,3 +268,23 @@ def test_an_abandoned_push_stops_its_producer_and_frees_the_send_lock_at_once(en
     with pytest.raises(RuntimeError, match="abandoned"):
         push.wait()
     assert not any(isinstance(ev, WeightAck) for ev in _events(events))
+
+
+def test_with_in_flight_updates_a_server_is_paused_only_once_its_push_can_send(engines):
+    """Fifth review, finding 18: ``/pause?mode=keep`` freezes a server's running requests at once, so it was posted
+    before the push waited for ``_SENDING``: b's requests stayed frozen through a's whole push. With in-flight
+    updates b now takes ``_SENDING`` first; without them ``mode=wait`` still comes first (review 4, finding 3)."""
+    make, events = engines
+    a, b = make("a"), make("b")
+    b.in_flight = True
+    ta, tb = FakeTransfer.made
+    pa = a.self_push(6, [])
+    assert ta.sending.wait(5)  # a holds _SENDING
+    assert "/pause" in a.posts
+    pb = b.self_push(6, [])
+    time.sleep(0.3)
+    assert "/pause" not in b.posts and not tb.sending.is_set()  # b's requests still run
+    ta.go.set()
+    assert tb.sending.wait(5) and "/pause" in b.posts
+    tb.go.set()
+    assert cuda_rules.wait_works([pa, pb], deadline=time.monotonic() + 5)

@@ -282,8 +282,7 @@ class HttpEngine(EngineHandler, abc.ABC):
         try:
             if not self._bucket_meta:
                 raise RuntimeError("begin_update before join_weight_group")
-            self._pause()
-            with self._sending(version):
+            with self._sending(version):  # pauses the server
                 self._open(version)
                 opened = True
                 n = len(self._bucket_meta)
@@ -348,10 +347,13 @@ class HttpEngine(EngineHandler, abc.ABC):
         """Stop the server's generation before a push: once the requests in flight ended, or, with ``in_flight``,
         at once, freezing them with their KV cache until ``_resume``."""
 
+    @contextlib.contextmanager
     def _sending(self, version: int):
-        """Entered after the gate wait and ``pause``, around open .. close: where a push starts sending. One that
-        raises on entry (e.g. cancelled meanwhile) leaves the weights untouched: a non-fatal failure."""
-        return contextlib.nullcontext()
+        """Entered after the gate wait, around open .. close: pauses the server (``_pause``) and is where a push
+        starts sending. One that raises on entry (e.g. cancelled meanwhile) leaves the weights untouched: a
+        non-fatal failure."""
+        self._pause()
+        yield
 
     @abc.abstractmethod
     def _open(self, version: int) -> None:

@@ -13,8 +13,9 @@ engine that missed it, ``cuda_rules`` rule 3):
   ``weight_sync.bucket_size_mb``, passed to vLLM at ``trainer_init``) and per-tensor copies on the trainer GPU;
 * rule (review 4, finding 3): a push is queued until it sends. It takes ``_SENDING`` and becomes running only
   after its gate wait (generations in flight, unless in-flight updates: ``engine/http.py``) and ``/pause``
-  (``_sending``), right before ``send_weights()``, so a long generation on one server never makes a push
-  "running" that sent nothing, nor holds up another server's push;
+  (``_sending``; with in-flight updates the pause comes after ``_SENDING``), right before ``send_weights()``, so
+  a long generation on one server never makes a push "running" that sent nothing, nor holds up another server's
+  push;
 * a push still queued at its deadline is cancelled (it read and sent nothing): the engine is not killed, it
   rejoins as usual (once its generation ends it resumes with its old weights);
 * a push already sending cannot be cancelled on the server (only its communicator can be aborted): the engine is
@@ -233,9 +234,17 @@ class VllmNcclEngine(VllmEngine):
 
     @contextlib.contextmanager
     def _sending(self, version: int):
-        """Control thread, after the gate wait and pause: take ``_SENDING``, then start the push (queued -> running)
-        unless its deadline cancelled it meanwhile (then nothing was sent: a non-fatal failure, the engine rejoins)."""
+        """Control thread, after the gate wait: pause, take ``_SENDING``, then start the push (queued -> running)
+        unless its deadline cancelled it meanwhile (then nothing was sent: a non-fatal failure, the engine rejoins).
+        ``/pause?mode=wait`` waits for the generations in flight, so it comes before ``_SENDING`` (review 4,
+        finding 3); ``mode=keep`` (in-flight updates) freezes the running requests at once, so it comes after: a
+        server's requests are frozen only once its push can send, not through the pushes ahead of it (fifth
+        review, finding 18)."""
+        if not self.in_flight:
+            self._pause()
         with _SENDING:
+            if self.in_flight:
+                self._pause()
             push = self._push  # the newest push: a task of an older, cancelled one must not start it
             if push is None or push.version != version or not push.start():
                 raise RuntimeError(f"weight push {version} was cancelled at its deadline before it sent anything")
