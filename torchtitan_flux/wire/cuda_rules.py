@@ -29,11 +29,17 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
    (vLLM's NCCL engine: ``require_same_nccl``): a mismatch is one error line, not a rejoin loop.
 8. The trainer joins eagerly in the joiner thread, never inside a broadcast holding the claim, wherever the engine
    connects eagerly too (``EngineHandler.eager_connect``; SGLang does not, see docs/gpu.md).
+9. Colocated engines map the trainer's device staging by CUDA IPC. Memory from the allocator's expandable
+   segments is exported as a file descriptor the importer takes with ``pidfd_getfd`` (ptrace rights, which some
+   containers refuse), legacy segments as ``cudaIpcMemHandle``: validation warns when the allocator config enables
+   them for a colocated GPU run (``expandable_segments_setting``; torchtitan's ``run_train.sh`` exports it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import threading
 import time
 from datetime import timedelta
@@ -49,6 +55,16 @@ GROUP_TIMEOUT = timedelta(days=7)  # rule 4: far beyond any push deadline; our p
 SPIN_S = 0.003
 POLL_S = (0.0001, 0.002)
 ABORT_S = 10.0  # rule 3: an abort not returned by then hangs; its engine is killed (``abort_group``)
+
+
+def expandable_segments_setting(env: dict[str, str] | None = None) -> str | None:
+    """Rule 9: the allocator-config variable that enables expandable segments (``NAME=value``), else None."""
+    env = os.environ if env is None else env
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        value = env.get(name, "")
+        if re.search(r"expandable_segments\s*:\s*true", value, re.IGNORECASE):
+            return f"{name}={value}"
+    return None
 
 
 def header_device(backend: str, device: torch.device | str) -> torch.device:
