@@ -288,3 +288,34 @@ def test_with_in_flight_updates_a_server_is_paused_only_once_its_push_can_send(e
     assert tb.sending.wait(5) and "/pause" in b.posts
     tb.go.set()
     assert cuda_rules.wait_works([pa, pb], deadline=time.monotonic() + 5)
+
+
+def test_a_join_whose_server_never_connects_fails_at_our_deadline_not_vllms_store_wait(engines, monkeypatch):
+    """Fourth review's finding 2, its remainder (fifth review, section 1): vLLM's ``trainer_init`` waits up to 300 s
+    in its TCPStore for a server that never connects (a wedged one), and the joiner thread waited with it, so 8
+    failed joins took 40 minutes. The rendezvous now runs on a helper thread bounded by the join's
+    ``timeout_seconds``; one that completes later is shut down at once."""
+    make, _ = engines
+    a = make("a")
+    connects = threading.Event()
+    late: list = []
+
+    class NeverConnects(FakeTransfer):
+        @classmethod
+        def trainer_init(cls, init, *, client, source):
+            assert connects.wait(10)  # vLLM: the master TCPStore waiting for its worker
+            late.append(cls(init, client))
+            return late[-1]
+
+    monkeypatch.setattr(sys.modules["vllm.distributed.weight_transfer.nccl_engine"],
+                        "NCCLTrainerWeightTransferEngine", NeverConnects)
+    info = a._info  # timeout_s = 5.0
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rendezvous with a .* did not complete within 5 s"):
+        a.own_group(None, info, torch.device("cpu"))
+    assert 4.5 < time.monotonic() - t0 < 8.0
+    connects.set()  # it connects after all: nobody uses that communicator
+    deadline = time.monotonic() + 5
+    while not (late and late[0].shut):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)

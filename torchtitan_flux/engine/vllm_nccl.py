@@ -32,7 +32,7 @@ import concurrent.futures
 import contextlib
 import socket
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -95,6 +95,40 @@ def staging_source(engine: "VllmNcclEngine", device: torch.device):
                     yield name, view.to(device, non_blocking=True)  # on vLLM's producer stream
 
     return StagingSource()
+
+
+def bounded_rendezvous(trainer_init: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """vLLM's ``trainer_init`` on a helper thread, waited for ``timeout_s`` (``weight_sync.timeout_seconds``): its
+    TCPStore waits up to 300 s for a server that never connects (a wedged one), and the joiner thread would wait
+    with it. Past the bound the join fails like any other (counted, backed off, the engine killed after
+    ``links.JOIN_ATTEMPTS``); a rendezvous that completes later is shut down at once (nobody will use it)."""
+    outcome: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            transfer = trainer_init()
+        except BaseException as e:  # noqa: BLE001 - raised by the joiner, or dropped once abandoned
+            with lock:
+                outcome["error"] = e
+            return
+        with lock:
+            if "abandoned" not in outcome:
+                outcome["transfer"] = transfer
+                return
+        transfer.shutdown()
+
+    helper = threading.Thread(target=run, name="flux-vllm-rendezvous", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    with lock:
+        if "transfer" in outcome:
+            return outcome["transfer"]
+        if "error" in outcome:
+            raise outcome["error"]
+        outcome["abandoned"] = True
+    raise TimeoutError(f"vLLM's weight-transfer rendezvous with {what} did not complete within {timeout_s:g} s "
+                       "(weight_sync.timeout_seconds); the server never connected")
 
 
 class _Push:
@@ -189,9 +223,14 @@ class VllmNcclEngine(VllmEngine):
                                    packed_buffer_size_bytes=info.bucket_bytes)
         self._device = device or torch.device("cuda", torch.cuda.current_device())
         self._stream = self._stream or cuda_rules.group_stream(self._device)
-        with cuda_rules.on_stream(self._stream):  # rule 1: its warm-up all_reduce runs on the current stream
-            self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
-                init, client=self._client, source=staging_source(self, self._device))
+
+        def trainer_init():
+            cuda_rules.bind_thread(self._device)  # rule 6, on the rendezvous thread
+            with cuda_rules.on_stream(self._stream):  # rule 1: its warm-up all_reduce runs on the current stream
+                return NCCLTrainerWeightTransferEngine.trainer_init(
+                    init, client=self._client, source=staging_source(self, self._device))
+
+        self._transfer = bounded_rendezvous(trainer_init, info.timeout_s, f"{self.name} ({self.url})")
         return _TransferGroup(self, self._transfer)
 
     def _release_communicators(self) -> None:
