@@ -147,3 +147,35 @@ def test_a_wedged_server_we_launched_is_relaunched_and_the_request_it_held_goes_
     new = pump.engines[0]
     assert new.alive() and new.url == fresh.url and fleet.servers[0].url == fresh.url
     assert results[0].engine == "vllm0" and results[0].tokens.shape[0] == 2
+
+
+def test_a_server_relaunched_after_the_run_ended_is_stopped_and_never_reported(fleet, serve, monkeypatch):
+    """The run closes its fleet while a wedged server is relaunched (a launch takes minutes): the new server is
+    stopped once it is up, and no replacement reaches the events queue."""
+    fresh = serve()
+    stopped, started = [], threading.Event()
+
+    class Launched:
+        def __init__(self, url):
+            self.url = url
+
+        def stop(self, grace_s=20.0):
+            stopped.append(self.url)
+
+    def launch_servers(n, model_dir, **kw):
+        assert started.wait(10)
+        return [Launched(fresh.url)]
+
+    monkeypatch.setattr(vllm_launch, "launch_servers", launch_servers)
+    fleet.servers = [Launched(fleet.wedged.url)]
+    handler = fleet._new_engine(0)
+    placeholder = fleet.replace(handler, 0)
+    assert isinstance(placeholder, Reconnecting)
+    fleet.close([placeholder])
+    started.set()
+    deadline = time.monotonic() + 10
+    while fresh.url not in stopped:
+        assert time.monotonic() < deadline, stopped
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert fleet.events.empty()

@@ -21,6 +21,7 @@ import torch
 from torchtitan_flux.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
 from torchtitan_flux.engine.kinds import engine_kind
+from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
 from torchtitan_flux.rollout.reconnect import Reconnecting
 
@@ -41,6 +42,7 @@ class EngineFleet:
         self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of recent restarts
         self._urls: list[str] = []
         self._devices: list[str] = []
+        self._closed = False  # ``close`` ran: a relaunch that ends later stops its server (``_reconnect``)
 
     def start(self) -> list[EngineHandler]:
         """Launch servers (``rollout.launch``), then start or connect every engine (``EngineStartError``)."""
@@ -114,10 +116,14 @@ class EngineFleet:
         logger.warning(f"{dead.name}: relaunching the vLLM server we launched at {self._urls[index]}")
         [server] = self._launch([self._devices[index]], [f"vllm_server{index}.relaunch{nth}.log"])
         self.servers[index], self._urls[index] = server, server.url
+        if self._closed:  # the run ended while it started
+            server.stop(grace_s=5.0)
+            raise EngineStartError(f"{dead.name}: the run ended while its server was relaunched")
         return self._new_engine(index)
 
     def close(self, engines: list[EngineHandler]) -> None:
         """Stop ``engines``, then the servers we launched."""
+        self._closed = True
         for e in engines:
             e.close()
         for s in self.servers:

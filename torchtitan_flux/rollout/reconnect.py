@@ -62,13 +62,15 @@ class Reconnecting:
             self._closed = True
 
     def _run(self, connect: Callable[[], EngineHandler], events: queue.Queue) -> None:
+        engine, why = None, None
         try:
             engine = connect()
         except Exception as e:  # noqa: BLE001 - a server that is not back is given up, the run goes on
-            logger.error(f"{self.name}: server gone ({e}); going on without it")
-            engine = None
+            why = e
         with self._lock:
             if not self._closed:
+                if engine is None:
+                    logger.error(f"{self.name}: server gone ({why}); going on without it")
                 events.put(Reconnected(self, engine))
                 return
         if engine is not None:
