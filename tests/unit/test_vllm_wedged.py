@@ -45,10 +45,10 @@ def serve(tiny_model_dir):
 
 @pytest.fixture
 def fleet(serve, tiny_model_dir, tmp_path, monkeypatch):
-    """A fleet of one vLLM server (``fleet.wedged``, at ``rollout.urls``), with 1 s start-up checks."""
+    """A fleet of one vLLM server (``fleet.wedged``, at ``rollout.urls``), with 2 s start-up checks."""
     import queue
 
-    monkeypatch.setattr(http, "STARTUP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(http, "STARTUP_TIMEOUT_S", 2.0)
     jc = SimpleNamespace(
         rollout=SimpleNamespace(engine="vllm", in_flight_weight_updates=False, max_engine_restarts=3,
                                 launch_python="python", launch_timeout_s=60.0, engine_threads=1),
