@@ -135,7 +135,12 @@ class VllmFake(ThreadingHTTPServer):
     With ``hold_after`` set, a running request stops after that many tokens (``held`` is set) until ``release()``.
     Stricter than vLLM: a weight update outside a pause is answered 400. ``calls``: every other request, (path,
     query); ``bodies``: every completion request; ``version``: what ``/weight_info`` reports (a test may change it
-    behind the handler's back)."""
+    behind the handler's back).
+
+    ``wedged`` (the fifth GPU review's finding 14): the first ``/update_weights`` never ends, as vLLM's does when the
+    trainer abandons its NCCL broadcast (the worker stays in ``synchronize()``, and vLLM runs utility calls in the
+    engine core's busy loop); from then on every call that reaches the engine core blocks (counted in ``blocked``)
+    while ``/health``, ``/v1/models`` and ``/tokenize`` (the API server's own) still answer. ``release()`` ends it."""
 
     daemon_threads = True
 
@@ -157,6 +162,9 @@ class VllmFake(ThreadingHTTPServer):
         self._released = False
         self.calls: list[tuple[str, dict]] = []
         self.bodies: list[dict] = []
+        self.wedged = False
+        self.stuck = False  # wedged, and an /update_weights was left unfinished
+        self.blocked: list[str] = []
         super().__init__(("127.0.0.1", 0), _VllmFakeHandler)
 
     @property
@@ -166,7 +174,19 @@ class VllmFake(ThreadingHTTPServer):
     def release(self) -> None:
         with self.cv:
             self._released = True
+            self.stuck = False
             self.cv.notify_all()
+
+    def engine_core(self, path: str) -> None:
+        """Where a call reaches the engine core: a wedged server's first ``/update_weights`` and every call after it
+        block until ``release()``, then answer 500."""
+        with self.cv:
+            self.stuck = self.stuck or (self.wedged and path == "/update_weights")
+            if not self.stuck:
+                return
+            self.blocked.append(path)
+            self.cv.wait_for(lambda: not self.stuck, timeout=60)
+        raise RuntimeError(f"fake vLLM: {path} on a wedged engine core")
 
     def _wait(self, ready, what: str) -> None:
         if not self.cv.wait_for(ready, timeout=30):
@@ -236,6 +256,12 @@ class _VllmFakeHandler(_JsonHandler):
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
         size = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(size)) if size else None
+        if url.path not in ("/health", "/v1/models", "/tokenize"):
+            try:
+                srv.engine_core(url.path)
+            except RuntimeError as e:
+                self._reply(500, {"error": str(e)})
+                return
         if url.path == "/health":
             status, out = 200, None
         elif url.path == "/v1/models":

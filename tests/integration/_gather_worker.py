@@ -1,5 +1,6 @@
 """Run by tests/integration/test_cuda_rules.py as 2 gloo processes: ``_gather_bucket`` on FSDP2 shards (uneven rows
-too) equals ``full_tensor()`` per parameter, in ONE all_gather per bucket, and its temporaries go through the ledger."""
+too) equals ``full_tensor()`` per parameter, in ONE all_gather per bucket on the snapshot's own group over the FSDP
+ranks (``gather_groups``, not FSDP's), and its temporaries go through the ledger."""
 
 import os
 import sys
@@ -21,14 +22,18 @@ def main() -> None:
     compat.fully_shard(model, mesh=mesh)
     params = list(model.parameters())
     assert all(compat.is_dtensor(p) for p in params)
+    groups = snapshot.gather_groups(params)
     calls = []
     real = dist.all_gather_into_tensor
-    dist.all_gather_into_tensor = lambda *a, **k: calls.append(1) or real(*a, **k)
+    dist.all_gather_into_tensor = lambda *a, **k: calls.append(k["group"]) or real(*a, **k)
     memory = SyncMemory(0, ring=0)
-    got = snapshot._gather_bucket(params, torch.bfloat16, memory)
+    got = snapshot._gather_bucket(params, torch.bfloat16, groups, memory)
     dist.all_gather_into_tensor = real
     want = [p.full_tensor().to(torch.bfloat16) for p in params]
     assert len(calls) == 1, calls
+    # fifth review, finding 15: on a group of the snapshot's own over the FSDP ranks, not FSDP's communicator
+    assert list(groups) == [id(mesh)] and calls[0] is groups[id(mesh)] and calls[0] is not mesh.get_group()
+    assert dist.get_process_group_ranks(calls[0]) == list(range(dist.get_world_size()))
     # the ledger held the gather's temporaries while the collective ran: the bfloat16 shards and the padded send
     # buffer (each sum(ceil(rows / world) x columns) x 2 bytes) and the output (world x that), then let them go
     world = dist.get_world_size()

@@ -194,6 +194,32 @@ def _filled(seed: int):
     return w
 
 
+def test_a_buffer_read_by_a_probe_or_checksum_is_never_taken_to_receive_into():
+    """Fifth review, finding 25: a probe or checksum on the engine's main thread reads the newest complete buffer
+    while the receiver may take that same buffer (the newest pending one, with nothing free) to receive the next
+    push into: on a GPU a write on the receiver's stream racing the read, a torn probe or checksum. The reader holds
+    it pinned (``reading_newest``); the receiver takes no pinned buffer and waits while it is the only one."""
+    plan = plan_buckets([TensorSpec("w", (4,), "float32")], 2**20)
+    rx = transport.WeightReceiver(plan, "cpu", lambda v: None, lambda e: None, buffers=2)
+    stop = threading.Event()
+    for v in (1, 2):
+        buf = rx._take_buffer(stop)
+        buf.flats[0].fill_(v)
+        assert rx._publish(v, buf, stop)
+    assert rx.swap(1) == 1  # live: 1; pending: 2; nothing free
+    taken: list = []
+    with rx.reading_newest() as (version, weights):
+        assert version == 2
+        receiver = threading.Thread(target=lambda: taken.append(rx._take_buffer(stop)), daemon=True)
+        receiver.start()
+        receiver.join(0.5)
+        assert not taken  # waits while the one buffer it could take is read
+        assert weights.flats[0].eq(2).all()
+    receiver.join(5)
+    assert taken and taken[0] is weights  # then takes it
+    assert rx.newest() == (1, rx.live)  # version 2 is being overwritten: the newest complete one is the live one
+
+
 def test_checksum_is_bitwise():
     w, same = _filled(0), _filled(0)
     ref = w.checksum()

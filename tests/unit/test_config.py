@@ -876,6 +876,29 @@ def test_validation_checks_colocated_memory_when_cuda_is_available(monkeypatch):
     validate_config(cfg)
 
 
+def test_a_colocated_gpu_run_with_expandable_segments_is_warned(monkeypatch, caplog):
+    """Fifth review, finding 22 (rule 9): colocated engines map the trainer's device staging by CUDA IPC, which for
+    expandable segments (torchtitan's ``run_train.sh`` exports ``PYTORCH_ALLOC_CONF=expandable_segments:True``)
+    needs ptrace rights between the processes; validation says so in one line, and only for a colocated GPU run."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True")
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        validate_config(parse("--rollout.colocated", "true"))
+        validate_config(parse())  # engines of their own: no CUDA IPC
+    warned = [r.getMessage() for r in caplog.records if "expandable_segments" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(
+        "PYTORCH_ALLOC_CONF=max_split_size_mb:64,expandable_segments:True with rollout.colocated = true"), warned
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+        validate_config(parse("--rollout.colocated", "true"))
+    assert not any("expandable_segments" in r.getMessage() for r in caplog.records)
+
+
 def test_an_empty_value_clears_a_list_field_the_toml_set():
     """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") or refuses it (a list
     of numbers) and has no form for zero values: ``_normalise_argv`` leaves each list given "" out and ``main`` sets

@@ -258,12 +258,15 @@ def test_reconnects_to_a_dying_server_are_capped_like_restarts(caplog):
         def reconnect(self):
             return Server()
 
-    fleet = SimpleNamespace(stops=SimpleNamespace(signal=None), _restart_times={}, restarts=0,
+    events: queue.Queue = queue.Queue()
+    fleet = SimpleNamespace(stops=SimpleNamespace(signal=None), _restart_times={}, restarts=0, events=events,
+                            _reconnect=lambda dead, index, nth: dead.reconnect(),
                             job_config=SimpleNamespace(rollout=SimpleNamespace(max_engine_restarts=3)))
     engine = Server()
     for _ in range(3):
-        engine = EngineFleet.replace(fleet, engine, 0)
-        assert engine is not None
+        placeholder = EngineFleet.replace(fleet, engine, 0)  # reconnected on a thread of its own
+        engine = events.get(timeout=5).engine
+        assert engine is not None and placeholder.dead is not engine
     with caplog.at_level("ERROR", logger="torchtitan_flux"):
         assert EngineFleet.replace(fleet, engine, 0) is None
     assert fleet.restarts == 3 and "not reconnected again" in caplog.text
@@ -279,12 +282,13 @@ def test_the_fakes_and_every_engine_kinds_handler_have_the_rollout_face():
 
     from torchtitan_flux.engine.kinds import ENGINE_KINDS
     from torchtitan_flux.rollout.pump import RolloutEngine
+    from torchtitan_flux.rollout.reconnect import Reconnecting
 
     face = set(typing.get_type_hints(RolloutEngine)) | {
         n for n, v in vars(RolloutEngine).items() if callable(v) and not n.startswith("_")}
     assert face == {"name", "reconnects", "alive", "submit", "kill"}
     handlers = {kind.handler_class(gpu) for kind in ENGINE_KINDS.values() for gpu in (False, True)}
-    for cls in [FakeEngineBase, FakeEngine, HeldEngine, *handlers]:
+    for cls in [FakeEngineBase, FakeEngine, HeldEngine, Reconnecting, *handlers]:
         missing = {m for m in face - {"name"} if not hasattr(cls, m)}
         assert not missing, (cls.__name__, missing)
     assert isinstance(FakeEngine("e", 1.0, queue.Queue()), RolloutEngine)

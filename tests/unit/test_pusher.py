@@ -6,6 +6,7 @@ stream wait it would queue on a GPU."""
 from __future__ import annotations
 from _streams import StreamRecorder
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -128,6 +129,50 @@ def test_a_push_that_fails_midway_on_an_nccl_group_aborts_it_and_the_ring_forget
         pusher.close()
     assert group.aborted and table.links[0].state is LinkState.BROKEN
     assert all(g is not group for slot in pusher.rings["A"].readers for g, _ in slot)
+
+
+class HungAbortGroup(Group):
+    """A group whose ``abort`` never returns (a hung ``ncclCommAbort``; here it gives up after 10 s)."""
+
+    def __init__(self, name: str):
+        super().__init__(name, stalled=True)
+        self.release = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.release.wait(10)
+
+
+def test_a_hung_abort_is_left_on_its_helper_thread_and_kills_the_engine(monkeypatch):
+    """Fifth review, finding 24: torch bounds ``ProcessGroupNCCL.abort()`` only by the group's own timeout (7 days,
+    rule 4), and the pusher aborted on its own thread, so a hanging ``ncclCommAbort`` wedged every later push. The
+    abort now runs on a helper thread joined for ``cuda_rules.ABORT_S``; past it the engine is killed (restarted
+    or reconnected, resynced) and the push ends."""
+    from torchtitan_flux.wire import cuda_rules
+
+    log: list = []
+    monkeypatch.setattr(compat, "broadcast", lambda pg, t: log.append(("broadcast", pg.name)) or Work(pg, log))
+    monkeypatch.setattr(cuda_rules, "ABORT_S", 0.3)
+    model = nn.Sequential(nn.Linear(16, 16, bias=False))
+    snap = Snapshot(model, device=torch.device("cpu"), is_sender=True, bucket_bytes=1024, wire_dtype=None,
+                    ring_engines=1)
+    snap.take(1)
+    group = HungAbortGroup("A")
+    engine = Killable("A", log, group)
+    table = LinkTable([engine], timeout_s=0.5)
+    assert table.joined(table.begin_join(table.links[0]), group, "nccl")
+    pusher = Pusher(table, snap, WeightSync(timeout_seconds=0.5), backend="gloo", device=torch.device("cpu"),
+                    store=None, token=None, engine_specs=[])
+    try:
+        t0 = time.monotonic()
+        pusher.push(1)
+        took = time.monotonic() - t0
+    finally:
+        group.release.set()
+        pusher.close()
+    assert group.aborted and took < 4.0, took  # the deadline (0.5 s) + ABORT_S (0.3 s), not the abort's 10 s
+    assert len(engine.killed) == 1 and "did not return within 0.3 s" in engine.killed[0], engine.killed
+    assert table.links[0].state is LinkState.BROKEN
 
 
 class Unjoinable(Engine):

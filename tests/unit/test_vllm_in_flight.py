@@ -91,7 +91,18 @@ def test_without_the_flag_a_push_still_drains_the_server(fake, handler):
     res = wait_event(events, GenerationResult, timeout=30)
     assert wait_event(events, WeightAck, timeout=30).version == 2
     assert res.version == 1 and torch.equal(res.tokens, torch.full((4, 6), 101))  # every token of v1
-    assert ("/pause", {"mode": "wait"}) in fake.calls and "cache_salt" not in fake.bodies[-1]
+    assert ("/pause", {"mode": "wait"}) in fake.calls
+
+
+def test_without_the_flag_every_request_still_salts_the_prefix_cache_with_its_version(fake, handler):
+    """Fifth review, finding 19: vLLM answers ``/reset_prefix_cache`` with ``{"success": false}`` while any block is
+    held, and the handler never read it, so after a failed reset a request stamped with the new version could reuse
+    prefix KV computed by the old weights. Every request is salted with its stamp now, in-flight updates or not."""
+    h, events = handler(in_flight=False)
+    push(h, events, 1)
+    h.submit(GenerationRequest(0, 1, [[1, 2, 3]], 1, 2, 1.0, 0, 7, dispatch_version=1))
+    assert wait_event(events, GenerationResult, timeout=30).version == 1
+    assert fake.bodies[-1]["cache_salt"] == "flux-v1"
 
 
 @pytest.mark.parametrize("behind_our_back", ["default", "7"])  # restarted; weights replaced by another trainer

@@ -21,6 +21,8 @@ from torchtitan_flux.engine.base import EngineError, WeightAck, WeightGroupInfo
 from torchtitan_flux.engine.threads import Workers
 from torchtitan_flux.wire import cuda_rules, transport
 
+REAL_STAGING_SOURCE = vllm_nccl.staging_source  # the fixture replaces it; the producer test needs the real one
+
 
 class FakeTransfer:
     made: list = []
@@ -208,3 +210,112 @@ def test_vllm_runs_its_trainer_init_and_sends_with_a_side_stream_current(engines
     assert cuda_rules.wait_works([push], time.monotonic() + 5)
     assert [k for k, _ in seen] == ["init", "send"] and all(s is side for _, s in seen), seen
     assert [ev.engine for ev in _events(events) if isinstance(ev, WeightAck)] == ["a"]
+
+
+class ProducerTransfer(FakeTransfer):
+    """vLLM's sender as far as its producer goes: ``send_weights`` iterates the real ``StagingSource`` and
+    broadcasts each tensor; the first broadcast blocks until ``shutdown()`` (the abort ends its kernel), the later
+    ones are counted (after a shutdown: a call on a communicator being torn down); then, as vLLM does, it waits for
+    the server's ``/update_weights``, which a wedged server never answers (here: 3 s)."""
+
+    def __init__(self, init, client, source):
+        super().__init__(init, client)
+        self.source, self.broadcasts, self.after_shutdown = source, 0, 0
+        self.torn_down = threading.Event()
+
+    @classmethod
+    def trainer_init(cls, init, *, client, source):
+        return cls(init, client, source)
+
+    def send_weights(self):
+        for _name, _tensor in self.source:
+            self.broadcasts += 1
+            self.after_shutdown += self.torn_down.is_set()
+            self.sending.set()
+            assert self.torn_down.wait(10)
+        time.sleep(3)  # ``future.result()`` on /update_weights
+
+    def shutdown(self):
+        super().shutdown()
+        self.torn_down.set()
+
+
+def test_an_abandoned_push_stops_its_producer_and_frees_the_send_lock_at_once(engines, monkeypatch):
+    """Fifth review, finding 17: once a running push is abandoned at its deadline, vLLM's producer, on the control
+    thread, stops at its next tensor: it never broadcasts on the communicator the abort tears down, and the
+    process-wide ``_SENDING`` is free within 1 s (before: the producer ran on and held it through a wait on the
+    wedged server's /update_weights, cancelling every other server's push meanwhile)."""
+    make, events = engines
+    base = types.ModuleType("vllm.distributed.weight_transfer.base")
+    base.ParamMeta = lambda name, dtype, shape: (name, dtype, shape)
+    base.WeightSource = object
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    monkeypatch.setattr(vllm_nccl, "staging_source", REAL_STAGING_SOURCE)
+    monkeypatch.setattr(sys.modules["vllm.distributed.weight_transfer.nccl_engine"],
+                        "NCCLTrainerWeightTransferEngine", ProducerTransfer)
+    a = make("a")
+    specs = [transport.TensorSpec(n, (4,), "float32") for n in ("x", "y", "z")]
+    a._plan = transport.plan_buckets(specs, 2**20)
+    a._bucket_meta = [([s.name for s in specs], ["float32"] * 3, [[4]] * 3)]
+    t = a.group.transfer
+    push = a.self_push(5, [torch.arange(12.0)])
+    assert t.sending.wait(5) and t.broadcasts == 1
+    cuda_rules.abort_group(a.group)  # the pusher, at the missed deadline
+    assert vllm_nccl._SENDING.acquire(timeout=1.0), "the abandoned push still holds the send lock"
+    vllm_nccl._SENDING.release()
+    assert cuda_rules.wait_works([push], time.monotonic() + 5)
+    assert t.after_shutdown == 0 and t.broadcasts == 1, (t.broadcasts, t.after_shutdown)
+    with pytest.raises(RuntimeError, match="abandoned"):
+        push.wait()
+    assert not any(isinstance(ev, WeightAck) for ev in _events(events))
+
+
+def test_with_in_flight_updates_a_server_is_paused_only_once_its_push_can_send(engines):
+    """Fifth review, finding 18: ``/pause?mode=keep`` freezes a server's running requests at once, so it was posted
+    before the push waited for ``_SENDING``: b's requests stayed frozen through a's whole push. With in-flight
+    updates b now takes ``_SENDING`` first; without them ``mode=wait`` still comes first (review 4, finding 3)."""
+    make, events = engines
+    a, b = make("a"), make("b")
+    b.in_flight = True
+    ta, tb = FakeTransfer.made
+    pa = a.self_push(6, [])
+    assert ta.sending.wait(5)  # a holds _SENDING
+    assert "/pause" in a.posts
+    pb = b.self_push(6, [])
+    time.sleep(0.3)
+    assert "/pause" not in b.posts and not tb.sending.is_set()  # b's requests still run
+    ta.go.set()
+    assert tb.sending.wait(5) and "/pause" in b.posts
+    tb.go.set()
+    assert cuda_rules.wait_works([pa, pb], deadline=time.monotonic() + 5)
+
+
+def test_a_join_whose_server_never_connects_fails_at_our_deadline_not_vllms_store_wait(engines, monkeypatch):
+    """Fourth review's finding 2, its remainder (fifth review, section 1): vLLM's ``trainer_init`` waits up to 300 s
+    in its TCPStore for a server that never connects (a wedged one), and the joiner thread waited with it, so 8
+    failed joins took 40 minutes. The rendezvous now runs on a helper thread bounded by the join's
+    ``timeout_seconds``; one that completes later is shut down at once."""
+    make, _ = engines
+    a = make("a")
+    connects = threading.Event()
+    late: list = []
+
+    class NeverConnects(FakeTransfer):
+        @classmethod
+        def trainer_init(cls, init, *, client, source):
+            assert connects.wait(10)  # vLLM: the master TCPStore waiting for its worker
+            late.append(cls(init, client))
+            return late[-1]
+
+    monkeypatch.setattr(sys.modules["vllm.distributed.weight_transfer.nccl_engine"],
+                        "NCCLTrainerWeightTransferEngine", NeverConnects)
+    info = a._info  # timeout_s = 5.0
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rendezvous with a .* did not complete within 5 s"):
+        a.own_group(None, info, torch.device("cpu"))
+    assert 4.5 < time.monotonic() - t0 < 8.0
+    connects.set()  # it connects after all: nobody uses that communicator
+    deadline = time.monotonic() + 5
+    while not (late and late[0].shut):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)

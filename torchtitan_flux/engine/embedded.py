@@ -21,6 +21,7 @@ module states what may be dropped, and why nothing is lost).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -188,8 +189,9 @@ class _EngineProcess:
         elif kind == "join":
             self.join(msg[1])
         elif kind == "checksum":
-            version, weights = self.receiver.newest() if self.receiver else (-1, None)
-            self._send(("checksum", version, weights.checksum() if weights is not None else ""))
+            with self._reading_newest() as (version, weights):
+                digest = weights.checksum() if weights is not None else ""
+            self._send(("checksum", version, digest))
         elif kind == "score":
             self._send(("score", *self.score(msg[1])))
         elif kind == "fault":
@@ -200,11 +202,15 @@ class _EngineProcess:
 
     def score(self, tokens: list[int]) -> tuple[int, list[float]]:
         """(newest received version, logprobs of ``tokens[1:]`` under it); (-1, []) before the first push."""
-        version, weights = self.receiver.newest() if self.receiver else (-1, None)
-        if weights is None:
-            return -1, []
-        seq = torch.tensor([tokens], dtype=torch.long)
-        return version, self.inference.score(weights.views, self.shape, seq)[0].cpu().tolist()
+        with self._reading_newest() as (version, weights):
+            if weights is None:
+                return -1, []
+            seq = torch.tensor([tokens], dtype=torch.long)
+            return version, self.inference.score(weights.views, self.shape, seq)[0].cpu().tolist()
+
+    def _reading_newest(self):
+        """The newest received version and its buffer, pinned against the receiver while read (``WeightReceiver``)."""
+        return self.receiver.reading_newest() if self.receiver else contextlib.nullcontext((-1, None))
 
     def fault(self, what: str, arg: float) -> None:
         """Fault injection for the fault tests: stall generation or weight receipt, or die."""

@@ -42,7 +42,6 @@ import torch
 
 from torchtitan_flux.engine.base import (EngineError, EngineHandler, GenerationRequest, GenerationResult, WeightAck,
                                          WeightGroupInfo)
-from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.engine.http_client import HttpClient
 from torchtitan_flux.engine.server_checks import HealthMonitor, StartupChecks
 from torchtitan_flux.engine.threads import Gate, Workers
@@ -50,6 +49,10 @@ from torchtitan_flux.models import hf
 from torchtitan_flux.wire import transport
 
 logger = logging.getLogger("torchtitan_flux")
+
+# read timeout of each start-up check, never retried: a vLLM server wedged by an abandoned push answers /health but
+# blocks every call that reaches its engine core (a reconnect's /weight_info), so a reconnect gives up this soon
+STARTUP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -67,11 +70,13 @@ class HttpOptions:
     transport: httpx.BaseTransport | None = None  # tests: an in-process server
     auth_token: str | None = None
 
-    def client(self, url: str, label: str) -> HttpClient:
-        """The pooled client for the server at ``url``: a connection per worker thread and a few to spare."""
-        return HttpClient(url, label=label, timeout_s=self.request_timeout_s, connect_timeout_s=self.connect_timeout_s,
-                          max_connections=self.max_inflight + 4, retries=self.retries, backoff_s=self.backoff_s,
-                          transport=self.transport, auth_token=self.auth_token)
+    def client(self, url: str, label: str, startup: bool = False) -> HttpClient:
+        """The pooled client for the server at ``url``: a connection per worker thread and a few to spare;
+        ``startup``: the start-up checks' (``STARTUP_TIMEOUT_S``, a read timeout not retried)."""
+        return HttpClient(url, label=label, timeout_s=STARTUP_TIMEOUT_S if startup else self.request_timeout_s,
+                          connect_timeout_s=self.connect_timeout_s, max_connections=self.max_inflight + 4,
+                          retries=self.retries, backoff_s=self.backoff_s, transport=self.transport,
+                          auth_token=self.auth_token, retry_timeouts=not startup)
 
 
 def pack_completions(completions: list[tuple[list[int], list[float]]], req: GenerationRequest, pad_id: int):
@@ -129,14 +134,15 @@ class HttpEngine(EngineHandler, abc.ABC):
 
     def start(self) -> None:
         o = self.options
-        self.client = o.client(self.url, f"{self.kind} server {self.url}")
+        label = f"{self.kind} server {self.url}"
+        self.client = o.client(self.url, label, startup=True)
         self.checks = StartupChecks(self.client, self.name, self.kind, self.model_dir, self.hf_config,
                                     self.launch_hint)
         try:
             self.checks.run(self._check_server)
-        except EngineStartError:
+        finally:
             self.client.close()
-            raise
+        self.client = o.client(self.url, label)
         self._gen = Workers(o.max_inflight, f"{self.name}-gen")
         self._ctl = Workers(1, f"{self.name}-ctl")
         if o.health_interval_s > 0:
@@ -276,8 +282,7 @@ class HttpEngine(EngineHandler, abc.ABC):
         try:
             if not self._bucket_meta:
                 raise RuntimeError("begin_update before join_weight_group")
-            self._pause()
-            with self._sending(version):
+            with self._sending(version):  # pauses the server
                 self._open(version)
                 opened = True
                 n = len(self._bucket_meta)
@@ -342,10 +347,13 @@ class HttpEngine(EngineHandler, abc.ABC):
         """Stop the server's generation before a push: once the requests in flight ended, or, with ``in_flight``,
         at once, freezing them with their KV cache until ``_resume``."""
 
+    @contextlib.contextmanager
     def _sending(self, version: int):
-        """Entered after the gate wait and ``pause``, around open .. close: where a push starts sending. One that
-        raises on entry (e.g. cancelled meanwhile) leaves the weights untouched: a non-fatal failure."""
-        return contextlib.nullcontext()
+        """Entered after the gate wait, around open .. close: pauses the server (``_pause``) and is where a push
+        starts sending. One that raises on entry (e.g. cancelled meanwhile) leaves the weights untouched: a
+        non-fatal failure."""
+        self._pause()
+        yield
 
     @abc.abstractmethod
     def _open(self, version: int) -> None:

@@ -1,7 +1,9 @@
 """``HttpClient``: the pooled, retrying JSON client of the HTTP rollout engines (one ``httpx.Client`` per server,
 shared by a handler's threads: it is thread-safe). A request that never reached the server is always retried; one
-that may have reached it (5xx, dropped or timed-out response) only when marked ``idempotent``. Weight-update calls
-never are: each consumes a broadcast, and repeating it would desynchronise the weight-sync group.
+that may have reached it (5xx, dropped or timed-out response) only when marked ``idempotent``, and a read timeout
+not at all on a client built with ``retry_timeouts=False`` (start-up checks: a server that took a request and never
+answered is wedged, and asking again only multiplies the wait). Weight-update calls are never idempotent: each
+consumes a broadcast, and repeating it would desynchronise the weight-sync group.
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ class HttpClient:
     def __init__(self, base_url: str, *, label: str = "server", timeout_s: float = 600.0,
                  connect_timeout_s: float = 5.0, max_connections: int = 16, retries: int = 3, backoff_s: float = 0.25,
                  backoff_max_s: float = 4.0, transport: httpx.BaseTransport | None = None,
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, retry_timeouts: bool = True):
         self.base_url = base_url.rstrip("/")
         self.label = label
         if _HTTPX_LOG.level == logging.NOTSET:  # httpx logs every request at INFO; keep trainer logs readable
             _HTTPX_LOG.setLevel(logging.WARNING)
         self.retries, self.backoff_s, self.backoff_max_s = retries, backoff_s, backoff_max_s
+        self.retry_timeouts = retry_timeouts
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=connect_timeout_s)
         self._client = httpx.Client(
             base_url=self.base_url, timeout=self.timeout, transport=transport,
@@ -87,6 +90,9 @@ class HttpClient:
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
                 err: HttpError = HttpError(self.label, method, path, None, f"{type(e).__name__}: {e}")
                 retry = True  # never reached the server
+            except httpx.TimeoutException as e:  # read or write timeout: taken by the server, never answered
+                err = HttpError(self.label, method, path, None, f"{type(e).__name__}: {e}")
+                retry = idempotent and self.retry_timeouts
             except httpx.TransportError as e:  # read/write error or timeout, dropped connection
                 err = HttpError(self.label, method, path, None, f"{type(e).__name__}: {e}")
                 retry = idempotent

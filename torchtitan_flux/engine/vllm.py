@@ -10,9 +10,14 @@ engine reports.
 In-flight updates (``in_flight``, ``rollout.in_flight_weight_updates``): a push pauses with ``mode=keep`` and
 ``clear_cache=false`` (vLLM 0.32: the scheduler stops stepping, running requests stay scheduled with their KV
 cache, new ones queue; ``clear_cache`` would preempt the running requests and drop their KV), updates, and
-``/resume`` lets them continue on the new weights (their earlier tokens' KV stays the old weights'). The
-``/reset_prefix_cache`` after the push then fails while requests hold blocks, so each request salts the prefix
-cache with its stamp (``cache_salt``): a request never reuses blocks computed on weights older than its own stamp.
+``/resume`` lets them continue on the new weights (their earlier tokens' KV stays the old weights').
+
+Prefix cache: every request salts it with its version stamp (``cache_salt``, in-flight updates or not), so a request
+never reuses blocks computed on other weights. The ``/reset_prefix_cache`` after a push only frees the old blocks
+early: vLLM answers ``{"success": false}`` while any block is held (requests frozen by an in-flight push; async KV
+offload after a drain), and its result is not needed (fifth review, finding 19: the salt was chosen over
+retrying the reset, which could wait without bound on blocks someone else holds, and costs nothing: after a push
+no block of the old weights may be reused anyway).
 """
 
 from __future__ import annotations
@@ -105,8 +110,7 @@ class VllmEngine(HttpEngine):
         }
         if req.top_k > 0:
             body["top_k"] = req.top_k
-        if self.in_flight:  # blocks of older weights are never reused (the module docstring)
-            body["cache_salt"] = f"flux-v{version}"
+        body["cache_salt"] = f"flux-v{version}"  # blocks of other weights are never reused (the module docstring)
         out = self.client.post("/v1/completions", body, idempotent=True)  # generation has no side effects
         choices = sorted(out["choices"], key=lambda c: c["index"])
         completions = []
@@ -121,7 +125,7 @@ class VllmEngine(HttpEngine):
     def _score(self, tokens: list[int]) -> list[float]:
         """Prompt logprobs (each prompt token's own; temperature 1, so processed == raw)."""
         body = {"model": self.served_model, "prompt": [tokens], "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0}
+                "prompt_logprobs": 0, "cache_salt": f"flux-v{self._gate.version}"}
         rows = self.client.post("/v1/completions", body, idempotent=True)["choices"][0]["prompt_logprobs"]
         return [float(row[str(t)]["logprob"]) for row, t in zip(rows[1:], tokens[1:])]
 

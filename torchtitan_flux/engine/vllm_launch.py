@@ -1,8 +1,8 @@
 """Launching local vLLM servers for ``rollout.launch = true`` (the handler that talks to them is ``engine/vllm.py``).
 
 ``launch_command`` builds a server's command as ``scripts/launch_vllm.sh`` does (keep the two in step);
-``launch_servers`` starts them, each in its own process group and dying with the trainer. A launched server that
-dies is not relaunched (its handler reconnects if it comes back). The server runs in another Python environment
+``launch_servers`` starts them, each in its own process group and dying with the trainer. A launched server whose
+handler dies is stopped and launched again (``rollout.engines.EngineFleet``, off the main thread). The server runs in another Python environment
 (``rollout.launch_python``) with this package's parent directory on its ``PYTHONPATH``.
 """
 
@@ -177,9 +177,10 @@ class LaunchedServer:
 
 def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.PathLike, log_dir: str | os.PathLike,
                    timeout_s: float = 600.0, extra_args: tuple[str, ...] = (), threads: int | None = None,
-                   auth_token: str | None = None, envs: list[dict[str, str]] | None = None) -> list[LaunchedServer]:
-    """Start ``n`` local vLLM servers of ``model_dir`` on free ports (logs: ``log_dir/vllm_server{i}.log``;
-    ``envs[i]`` added to server i's environment) and wait until each answers ``/health``. On failure every server
+                   auth_token: str | None = None, envs: list[dict[str, str]] | None = None,
+                   log_names: list[str] | None = None) -> list[LaunchedServer]:
+    """Start ``n`` local vLLM servers of ``model_dir`` on free ports (logs: ``log_dir/log_names[i]``, default
+    ``vllm_server{i}.log``; ``envs[i]`` added to server i's environment) and wait until each answers ``/health``. On failure every server
     started here is stopped and ``EngineStartError`` names the server's log."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +192,7 @@ def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.Pat
             if threads is not None:  # CPU: the server's share of the cores (the trainer takes the rest)
                 env["OMP_NUM_THREADS"] = str(threads)
             env.update(envs[i] if envs else {})
-            log_path = log_dir / f"vllm_server{i}.log"
+            log_path = log_dir / (log_names[i] if log_names else f"vllm_server{i}.log")
             log = open(log_path, "w")  # noqa: SIM115 (owned and closed by the LaunchedServer)
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True,

@@ -13,13 +13,17 @@ engine that missed it, ``cuda_rules`` rule 3):
   ``weight_sync.bucket_size_mb``, passed to vLLM at ``trainer_init``) and per-tensor copies on the trainer GPU;
 * rule (review 4, finding 3): a push is queued until it sends. It takes ``_SENDING`` and becomes running only
   after its gate wait (generations in flight, unless in-flight updates: ``engine/http.py``) and ``/pause``
-  (``_sending``), right before ``send_weights()``, so a long generation on one server never makes a push
-  "running" that sent nothing, nor holds up another server's push;
+  (``_sending``; with in-flight updates the pause comes after ``_SENDING``), right before ``send_weights()``, so
+  a long generation on one server never makes a push "running" that sent nothing, nor holds up another server's
+  push;
 * a push still queued at its deadline is cancelled (it read and sent nothing): the engine is not killed, it
   rejoins as usual (once its generation ends it resumes with its old weights);
-* a push already sending cannot be cancelled (vLLM's producer keeps reading staging, and only its communicator
-  can be aborted): the engine is declared dead (``kill``: reconnected, resynced in full) and its completion is
-  never acked (``_Push.finish``). Rule: no uncancellable push is ever acked.
+* a push already sending cannot be cancelled on the server (only its communicator can be aborted): the engine is
+  declared dead (``kill``: reconnected, resynced in full) and its completion is never acked (``_Push.finish``).
+  Rule: no uncancellable push is ever acked. Our producer stops at once: the push is marked abandoned before the
+  abort's ``shutdown()``, and the staging iterator raises at its next tensor, so vLLM's ``send_weights`` never
+  broadcasts on the communicator being torn down, reads no more staging, does not wait for ``/update_weights``,
+  and releases ``_SENDING`` (fifth review, finding 17).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import concurrent.futures
 import contextlib
 import socket
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -79,15 +83,52 @@ def staging_source(engine: "VllmNcclEngine", device: torch.device):
                     for names, dtypes, shapes in engine._bucket_meta for n, d, s in zip(names, dtypes, shapes)]
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            plan = engine._plan
+            plan, push = engine._plan, engine._push
             for (names, _, _), b, flat in zip(engine._bucket_meta, plan.buckets, engine._flats):
                 off = 0
                 for name, spec in zip(names, plan.specs[b.start : b.end]):
+                    if push.state != "running":  # abandoned (before the abort's shutdown): the producer stops here
+                        raise RuntimeError(f"weight push {push.version} was abandoned at its deadline; vLLM's "
+                                           "producer stops before its next broadcast")
                     view = flat[off : off + spec.numel].view(spec.shape)
                     off += spec.numel
                     yield name, view.to(device, non_blocking=True)  # on vLLM's producer stream
 
     return StagingSource()
+
+
+def bounded_rendezvous(trainer_init: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """vLLM's ``trainer_init`` on a helper thread, waited for ``timeout_s`` (``weight_sync.timeout_seconds``): its
+    TCPStore waits up to 300 s for a server that never connects (a wedged one), and the joiner thread would wait
+    with it. Past the bound the join fails like any other (counted, backed off, the engine killed after
+    ``links.JOIN_ATTEMPTS``); a rendezvous that completes later is shut down at once (nobody will use it)."""
+    outcome: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            transfer = trainer_init()
+        except BaseException as e:  # noqa: BLE001 - raised by the joiner, or dropped once abandoned
+            with lock:
+                outcome["error"] = e
+            return
+        with lock:
+            if "abandoned" not in outcome:
+                outcome["transfer"] = transfer
+                return
+        transfer.shutdown()
+
+    helper = threading.Thread(target=run, name="flux-vllm-rendezvous", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    with lock:
+        if "transfer" in outcome:
+            return outcome["transfer"]
+        if "error" in outcome:
+            raise outcome["error"]
+        outcome["abandoned"] = True
+    raise TimeoutError(f"vLLM's weight-transfer rendezvous with {what} did not complete within {timeout_s:g} s "
+                       "(weight_sync.timeout_seconds); the server never connected")
 
 
 class _Push:
@@ -182,9 +223,14 @@ class VllmNcclEngine(VllmEngine):
                                    packed_buffer_size_bytes=info.bucket_bytes)
         self._device = device or torch.device("cuda", torch.cuda.current_device())
         self._stream = self._stream or cuda_rules.group_stream(self._device)
-        with cuda_rules.on_stream(self._stream):  # rule 1: its warm-up all_reduce runs on the current stream
-            self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
-                init, client=self._client, source=staging_source(self, self._device))
+
+        def trainer_init():
+            cuda_rules.bind_thread(self._device)  # rule 6, on the rendezvous thread
+            with cuda_rules.on_stream(self._stream):  # rule 1: its warm-up all_reduce runs on the current stream
+                return NCCLTrainerWeightTransferEngine.trainer_init(
+                    init, client=self._client, source=staging_source(self, self._device))
+
+        self._transfer = bounded_rendezvous(trainer_init, info.timeout_s, f"{self.name} ({self.url})")
         return _TransferGroup(self, self._transfer)
 
     def _release_communicators(self) -> None:
@@ -227,9 +273,17 @@ class VllmNcclEngine(VllmEngine):
 
     @contextlib.contextmanager
     def _sending(self, version: int):
-        """Control thread, after the gate wait and pause: take ``_SENDING``, then start the push (queued -> running)
-        unless its deadline cancelled it meanwhile (then nothing was sent: a non-fatal failure, the engine rejoins)."""
+        """Control thread, after the gate wait: pause, take ``_SENDING``, then start the push (queued -> running)
+        unless its deadline cancelled it meanwhile (then nothing was sent: a non-fatal failure, the engine rejoins).
+        ``/pause?mode=wait`` waits for the generations in flight, so it comes before ``_SENDING`` (review 4,
+        finding 3); ``mode=keep`` (in-flight updates) freezes the running requests at once, so it comes after: a
+        server's requests are frozen only once its push can send, not through the pushes ahead of it (fifth
+        review, finding 18)."""
+        if not self.in_flight:
+            self._pause()
         with _SENDING:
+            if self.in_flight:
+                self._pause()
             push = self._push  # the newest push: a task of an older, cancelled one must not start it
             if push is None or push.version != version or not push.start():
                 raise RuntimeError(f"weight push {version} was cancelled at its deadline before it sent anything")

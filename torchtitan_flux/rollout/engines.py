@@ -2,9 +2,11 @@
 
 Which engines (``rollout.engine``): embedded engine processes (placed on ``rollout.engine_devices``), vLLM servers
 we launch (``rollout.launch``) or servers someone else runs (``rollout.urls``: vLLM or SGLang). A dead engine is
-replaced (an embedded one by a fresh process, a server by a reconnect) at most ``rollout.max_engine_restarts`` times
-per engine within ``RESTART_WINDOW_S``, and not at all while the run stops on a signal. Every handler reports to the
-one ``events`` queue given here. Concurrency: main thread only.
+replaced (an embedded one by a fresh process; a server off the main thread, ``rollout/reconnect.py``: one we
+launched is stopped and launched again, since it may be wedged; another is reconnected if it is back) at most
+``rollout.max_engine_restarts`` times per engine within ``RESTART_WINDOW_S``, and not at all while the run stops on
+a signal. Every handler reports to the one ``events`` queue given here. Concurrency: the main thread; a server's
+relaunch on its reconnect thread (``_reconnect``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 from torchtitan_flux.auth import read_token
 from torchtitan_flux.engine.base import EngineHandler
 from torchtitan_flux.engine.kinds import engine_kind
+from torchtitan_flux.errors import EngineStartError
 from torchtitan_flux.rollout.placement import engine_devices, visible_devices_env
+from torchtitan_flux.rollout.reconnect import Reconnecting
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -38,6 +42,7 @@ class EngineFleet:
         self._restart_times: dict[int, list[float]] = {}  # engine index -> monotonic times of recent restarts
         self._urls: list[str] = []
         self._devices: list[str] = []
+        self._closed = False  # ``close`` ran: a relaunch that ends later stops its server (``_reconnect``)
 
     def start(self) -> list[EngineHandler]:
         """Launch servers (``rollout.launch``), then start or connect every engine (``EngineStartError``)."""
@@ -50,15 +55,7 @@ class EngineFleet:
             visible=torch.cuda.device_count(), local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         ) if kind.local(r.launch) else []
         if r.launch:
-            from torchtitan_flux.engine.vllm_launch import launch_servers, resolve_launch_python
-
-            self.servers = launch_servers(
-                r.num_engines, self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
-                log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
-                threads=None if torch.cuda.is_available() else r.engine_threads,
-                auth_token=read_token(self.job_config.weight_sync.auth_token_env),
-                envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in self._devices],
-            )
+            self.servers = self._launch(self._devices, [f"vllm_server{i}.log" for i in range(r.num_engines)])
             self._urls = [s.url for s in self.servers]
         n = len(self._urls) if kind.server else r.num_engines
         engines: list[EngineHandler] = []
@@ -71,11 +68,24 @@ class EngineFleet:
             raise
         return engines
 
-    def replace(self, dead: EngineHandler, index: int) -> EngineHandler | None:
-        """Engine ``index``'s replacement, started; None when it is given up: while the run stops on a signal, past
+    def _launch(self, devices: list[str], log_names: list[str]) -> list:
+        """vLLM servers, one per device in ``devices`` (``launch_servers``), healthy."""
+        from torchtitan_flux.engine.vllm_launch import launch_servers, resolve_launch_python
+
+        r = self.job_config.rollout
+        return launch_servers(
+            len(devices), self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
+            log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
+            threads=None if torch.cuda.is_available() else r.engine_threads,
+            auth_token=read_token(self.job_config.weight_sync.auth_token_env), log_names=log_names,
+            envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in devices],
+        )
+
+    def replace(self, dead: EngineHandler, index: int) -> EngineHandler | Reconnecting | None:
+        """Engine ``index``'s replacement, started, or for a server a ``Reconnecting`` placeholder (its thread
+        reconnects); None when it is given up: while the run stops on a signal, or past
         ``rollout.max_engine_restarts`` deaths within ``RESTART_WINDOW_S`` (restarts of our engines and reconnects
-        to servers alike: a server wedged after an aborted push took joins and died again, forever), or a server
-        that is not back."""
+        to servers alike: a server wedged after an aborted push took joins and died again, forever)."""
         dead.close()
         if self.stops.signal is not None:
             logger.warning(f"{dead.name}: not restarted: the run is stopping ({self.stops.signal})")
@@ -91,16 +101,29 @@ class EngineFleet:
             return None
         self._restart_times[index] = recent + [now]
         self.restarts += 1
-        if dead.reconnects:  # an HTTP server is not ours to restart: reconnect if it is back
-            try:
-                return dead.reconnect()
-            except Exception as e:  # noqa: BLE001
-                logger.error(f"{dead.name}: server gone ({e}); going on without it")
-                return None
+        if dead.reconnects:  # off the main thread: a wedged server blocks its start-up checks
+            nth = self.restarts
+            return Reconnecting(dead, lambda: self._reconnect(dead, index, nth), self.events)
+        return self._new_engine(index)
+
+    def _reconnect(self, dead: EngineHandler, index: int, nth: int) -> EngineHandler:
+        """Reconnect thread: a server we launched is stopped and launched again (a dead handler's server may be
+        wedged by an abandoned push: only a new process is sure to serve), then connected; another server is
+        reconnected if it is back. Raises when it cannot be."""
+        if not self.servers:
+            return dead.reconnect()
+        self.servers[index].stop(grace_s=5.0)
+        logger.warning(f"{dead.name}: relaunching the vLLM server we launched at {self._urls[index]}")
+        [server] = self._launch([self._devices[index]], [f"vllm_server{index}.relaunch{nth}.log"])
+        self.servers[index], self._urls[index] = server, server.url
+        if self._closed:  # the run ended while it started
+            server.stop(grace_s=5.0)
+            raise EngineStartError(f"{dead.name}: the run ended while its server was relaunched")
         return self._new_engine(index)
 
     def close(self, engines: list[EngineHandler]) -> None:
         """Stop ``engines``, then the servers we launched."""
+        self._closed = True
         for e in engines:
             e.close()
         for s in self.servers:

@@ -33,6 +33,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from torchtitan_flux.engine.base import EngineError, GenerationRequest, GenerationResult
 from torchtitan_flux.errors import NoEngineLeft
+from torchtitan_flux.rollout.reconnect import Reconnected, Reconnecting
 from torchtitan_flux.rollout.split import SpeedSplit
 
 logger = logging.getLogger("torchtitan_flux")
@@ -156,7 +157,7 @@ class EnginePump:
             alive = [e for e in self.engines if e.alive()]
             if alive:
                 return alive
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not self._reconnecting():
                 raise NoEngineLeft("no rollout engine is alive")
             self.pump(0.05)
 
@@ -224,7 +225,9 @@ class EnginePump:
         handler = self._handlers.get(type(ev))
         if handler is not None:
             handler(ev)
-        if isinstance(ev, EngineError):
+        if isinstance(ev, Reconnected):
+            self._swap(ev.placeholder, ev.engine)
+        elif isinstance(ev, EngineError):
             if ev.fatal:
                 self._engine_died(ev.engine, ev.message)
             else:
@@ -237,7 +240,7 @@ class EnginePump:
             if not self._parked:
                 return
             if not any(e.alive() for e in self.engines):
-                if time.monotonic() - self._parked[0][2] > DEATH_NOTICE_S:
+                if time.monotonic() - self._parked[0][2] > DEATH_NOTICE_S and not self._reconnecting():
                     raise NoEngineLeft("no rollout engine is alive (episodes' turns waited for one)")
                 return
             parked, self._parked = self._parked, collections.deque()
@@ -263,18 +266,25 @@ class EnginePump:
             return
         self.engine_deaths += 1
         logger.error(f"rollout engine {name} died: {message.strip().splitlines()[-1] if message else ''}")
-        replacement = self._replace(dead)
+        self._swap(dead, self._replace(dead))
+
+    def _reconnecting(self) -> bool:
+        return any(isinstance(e, Reconnecting) for e in self.engines)
+
+    def _swap(self, old: RolloutEngine, new: RolloutEngine | None) -> None:
+        """``new`` takes ``old``'s place (None: dropped); ``old``'s requests go to the fastest engine alive, or, with
+        none alive, to a server being reconnected (re-dispatched again once its reconnect ends)."""
         with self._lock:
-            if replacement is None:
-                self.engines.remove(dead)
+            if new is None:
+                self.engines.remove(old)
             else:
-                self.engines[self.engines.index(dead)] = replacement
-                self.split.replace(name, replacement.name)
-            orphans = [f for f in self._in_flight.values() if f.engine is dead]
+                self.engines[self.engines.index(old)] = new
+                self.split.replace(old.name, new.name)
+            orphans = [f for f in self._in_flight.values() if f.engine is old]
         if not self.engines:
             raise NoEngineLeft("every rollout engine died (and none could be restarted or reconnected)")
         for f in orphans:
-            alive = [e for e in self.engines if e.alive()]
+            alive = [e for e in self.engines if e.alive()] or [e for e in self.engines if isinstance(e, Reconnecting)]
             if not alive:
                 raise NoEngineLeft("every rollout engine died (and none could be restarted or reconnected)")
             target = self.fastest(alive)

@@ -9,11 +9,11 @@ turns). Its result (a request's rows, or the episodes' ``GroupEnded``) finishes 
 it; ``collect`` takes a step's batch as the policy says (TAKEN).
 
 Direction: ``Rollouts`` builds rank 0's ``WeightSyncer`` with the pump's ``pump`` (the syncer waits by pumping); the
-pump hands acks and engine errors to the syncer (``on_event``) and a dead engine to ``_replace`` (which restarts it
-through the fleet and has the syncer rejoin it: ``replace_engine``); the syncer calls nothing else here. Ranks > 0
-have no rollout side. Concurrency: the main thread; the pump's router and the episodes' thread only as the pump's
-docstring says. An environment's failure is kept (``episode_failure``) and raised by the next wait for rollouts, so
-a checkpoint's pumping never raises it.
+pump hands acks and engine errors to the syncer (``on_event``), a dead engine to ``_replace`` (which restarts it
+through the fleet and has the syncer rejoin it, a server once reconnected: ``_on_reconnected``). Ranks > 0 have no
+rollout side. Concurrency: the main thread; the pump's router and the episodes' thread only as the pump's docstring
+says. An environment's failure is kept (``episode_failure``) and raised by the next wait for rollouts, so a
+checkpoint's pumping never raises it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torchtitan_flux.rollout.engines import EngineFleet
 from torchtitan_flux.rollout.episode_groups import EpisodeGroups, GroupEnded, TurnSender, episode_groups, group_result
 from torchtitan_flux.rollout.groups import GroupState, GroupTable, eval_step
 from torchtitan_flux.rollout.pump import EnginePump, InFlight
+from torchtitan_flux.rollout.reconnect import Reconnected, Reconnecting
 from torchtitan_flux.rollout.requests import Sampling, Versions
 from torchtitan_flux.rollout.split import SpeedSplit
 from torchtitan_flux.rollout.waiting import WaitNotes, interrupted_wait
@@ -70,8 +71,8 @@ class Rollouts:
         self.pump = EnginePump(engines, raw, split=SpeedSplit([e.name for e in engines], dead_zone, max_share),
                                stall_s=stall_s, replace=self._replace, handlers={
                                    GenerationResult: self._on_result, GroupEnded: self._on_group_ended,
-                                   WeightAck: self._on_weight_event, EngineError: self._on_weight_event},
-                               turns=multi_turn)
+                                   WeightAck: self._on_weight_event, EngineError: self._on_weight_event,
+                                   Reconnected: self._on_reconnected}, turns=multi_turn)
         self.episodes = episodes(raw, self.pump) if multi_turn else None
         self.scoring = CompletionScorer(task, tokenizer, reward_workers, reward_timeout_s)
         self.dispatcher = Dispatcher(self.table, self.pump, self.episodes, task, tokenizer,
@@ -170,14 +171,18 @@ class Rollouts:
         if self.syncer is not None:
             self.syncer.on_event(ev)
 
-    def _replace(self, dead: EngineHandler) -> EngineHandler | None:
-        """A dead engine's replacement, rejoined by the syncer; None: it is dropped."""
+    def _replace(self, dead: EngineHandler) -> EngineHandler | Reconnecting | None:
+        """A dead engine's replacement, rejoined by the syncer (a server's once reconnected); None: dropped."""
         if self.fleet is None:
             return None
         new = self.fleet.replace(dead, self.pump.engines.index(dead))
-        if new is not None:
+        if new is not None and not isinstance(new, Reconnecting):
             self.syncer.replace_engine(dead, new)
         return new
+
+    def _on_reconnected(self, ev: Reconnected) -> None:  # the pump then puts ev.engine in the placeholder's place
+        if ev.engine is not None:
+            self.syncer.replace_engine(ev.placeholder.dead, ev.engine)
 
     # -- collection
     def collect(self, step: int, trainer_version: int, pin_version: int = -1, min_version: int = 0) -> RolloutBatch:
@@ -244,7 +249,8 @@ class Rollouts:
         those in flight (``GroupTable.state_dict``): per-step collection saves only steps whose every group
         finished; streaming saves every finished group and the taken ones."""
         deadline = time.monotonic() + timeout
-        while self._generating() and time.monotonic() < deadline:
+        while (any(g.step >= 0 for g in self.table.in_state(GroupState.RUNNING))  # training steps generating
+               and time.monotonic() < deadline):
             waiting = any(e.alive() for e in self.engines)  # else: only take the results already queued
             try:
                 self.pump.pump(0.05 if waiting else 0)
@@ -254,21 +260,16 @@ class Rollouts:
                 break
         return {"streaming": self.streaming, "groups": self.table.state_dict(whole_steps_only=not self.streaming)}
 
-    def _generating(self) -> bool:
-        return any(g.step >= 0 for g in self.table.in_state(GroupState.RUNNING))
-
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict``'s groups; they are trained on as they are, never regenerated. Groups saved with
         the other ``rollout.streaming_admission`` are generated afresh (nothing trained is lost)."""
         if "groups" not in state:  # written before the group table (2026-11-29)
-            logger.warning("the checkpoint's rollouts were saved by an earlier torchtitan_flux; they are generated "
-                           "afresh")
+            logger.warning("the checkpoint's rollouts were saved by an earlier torchtitan_flux; generated afresh")
             return
         groups = state["groups"]
         if state["streaming"] != self.streaming and (groups["finished"] or groups["taken"]):
-            logger.warning(
-                "the checkpoint's rollouts were saved with rollout.streaming_admission = "
-                f"{state['streaming']}; they are generated afresh")
+            logger.warning(f"the checkpoint's rollouts were saved with rollout.streaming_admission = "
+                           f"{state['streaming']}; they are generated afresh")
             return
         self.table.load_state_dict(groups)
         if self.streaming:

@@ -27,6 +27,7 @@ from torchtitan_flux.errors import ConfigError
 from torchtitan_flux.auth import is_loopback, read_token
 from torchtitan_flux.ranges import field_ranges
 from torchtitan_flux.user_code import import_spec, step_callback
+from torchtitan_flux.wire import cuda_rules
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -377,6 +378,11 @@ def validate_config(job_config: Any) -> None:
     _check_model_folder(job_config)
     if r.colocated and torch.cuda.is_available():
         _check_colocated_memory(job_config)
+        if setting := cuda_rules.expandable_segments_setting():
+            logger.warning(f"{setting} with rollout.colocated = true: the engines map the trainer's staging by CUDA "
+                           "IPC, which for expandable segments needs ptrace rights between the processes (some "
+                           "containers refuse them: the engines' joins would fail); unset it or set "
+                           "expandable_segments:False for colocated runs")
     elif kv_pool_bytes(job_config):
         _check_kv_pools_fit(job_config)
 

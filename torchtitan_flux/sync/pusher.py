@@ -407,8 +407,7 @@ class Pusher:
                 in_flight.append(InFlight(target, works, tensors, patched, own is not None))
             except Exception as e:  # noqa: BLE001
                 if target.backend == "nccl" and own is None and works:  # part of it issued: nothing may stay queued
-                    cuda_rules.abort_group(target.pg)  # on its ring's stream behind receives never posted
-                    self._ring(handler.name).forget(target.pg)
+                    self._abort(target)  # on its ring's stream behind receives never posted
                 elif own is None:  # gloo: what was issued may still read staging, until its group's timeout
                     self._abandon(handler, version, works, time.monotonic() + self.cfg.timeout_seconds)
                 self.table.push_failed(target.link, target.epoch, version, str(e))
@@ -423,10 +422,7 @@ class Pusher:
             try:
                 if not cuda_rules.wait_works(sent.works, deadline):
                     if target.backend == "nccl":
-                        cuda_rules.abort_group(target.pg)
-                        ring = self.rings.get(target.handler.name)
-                        if ring is not None:
-                            ring.forget(target.pg)
+                        self._abort(target)
                     elif not sent.own:  # gloo: cannot be cancelled, may still read staging
                         self._abandon(target.handler, version, sent.works, deadline)
                     raise TimeoutError(f"not complete within weight_sync.timeout_seconds = "
@@ -439,6 +435,17 @@ class Pusher:
             except Exception as e:  # noqa: BLE001 - a slow or dead engine: mark and go on
                 self.table.push_incomplete(target.link, target.epoch, version, str(e))
         return sent_bytes, patched
+
+    def _abort(self, target: PushTarget) -> None:
+        """Rule 3: abort ``target``'s NCCL group (vLLM's: its transfer engine) and forget its Works on its ring. An
+        abort that hangs past ``cuda_rules.ABORT_S`` (left on its helper thread) kills the engine: restarted or
+        reconnected and resynced, never waited for on this thread (fifth review, finding 24)."""
+        if not cuda_rules.abort_group(target.pg):
+            target.handler.kill(f"aborting its weight-sync group after a missed deadline did not return within "
+                                f"{cuda_rules.ABORT_S:g} s")
+        ring = self.rings.get(target.handler.name)
+        if ring is not None:
+            ring.forget(target.pg)
 
     def _host(self, header: torch.Tensor) -> torch.Tensor:
         """A push header as the rings take it: pinned on a GPU trainer (its copy to the device never blocks the host

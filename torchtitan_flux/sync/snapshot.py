@@ -6,7 +6,8 @@ right after ``optimizer.step()`` (``compat.SideStream``), so no weight-sync kern
 the next ``optimizer.step()`` waits for it (``WeightSyncer.before_optimizer_step``). Per bucket:
 
   1. gather: the bucket's FSDP2 shards (``Shard(0)`` on a 1-D mesh) are cast to the wire dtype and all-gathered
-     with ONE collective (``_gather_bucket``); other DTensors use ``full_tensor()``; plain tensors as they are;
+     with ONE collective (``_gather_bucket``) on a process group of the snapshot's own over the mesh's ranks
+     (``gather_groups``, never FSDP's communicator); other DTensors use ``full_tensor()``; plain tensors as they are;
   2. the engines' wire layout (``wire_tensor``) is applied and the bucket copied into staging (the copy casts).
 A bucket's temporaries are freed once the next bucket's exist: on one stream the allocator reuses them in stream
 order, so the sync path holds about two buckets (``memory.SyncMemory`` counts them). Only rank 0 owns staging:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -99,6 +101,7 @@ class Snapshot:
         self.version = -1  # newest version snapshotted
         self.last_s = 0.0
         control_group()  # collective creation: every rank, here
+        self.gather_groups = gather_groups(self.params.values())
 
     def agree(self, flag: bool) -> bool:
         """Rank 0's decision, seen by every rank (one tiny CPU broadcast on the control group; no device sync)."""
@@ -121,7 +124,7 @@ class Snapshot:
         with self.side.copy_context(), torch.profiler.record_function("flux_weight_sync.snapshot"):
             for i, bucket in enumerate(self.plan.buckets):
                 params = [self.params[s.name] for s in self.plan.specs[bucket.start : bucket.end]]
-                srcs = _gather_bucket(params, self.wire_dtype, self.memory)
+                srcs = _gather_bucket(params, self.wire_dtype, self.gather_groups, self.memory)
                 if self.is_sender and self._wire is not None:
                     srcs = [self._wire(s.name, t, self.wire_dtype)
                             for s, t in zip(self.plan.specs[bucket.start : bucket.end], srcs)]
@@ -149,6 +152,24 @@ def _gathered(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     return sharded, sharded[0].device_mesh.size()
 
 
+def gather_groups(params: Iterable[torch.Tensor]) -> dict[int, object]:
+    """The process groups the snapshot gathers on, by ``id(device_mesh)`` of each 1-D FSDP mesh of ``params``: one
+    per mesh, over its ranks, built once (every rank: the ranks' meshes are agreed on the control group, and every
+    rank creates every group, in the same order). Never FSDP's own communicator: NCCL runs one communicator's kernels
+    in launch order, and gather k+1 is issued after the copy of bucket k to pinned staging, so on FSDP's
+    communicator the next step's first FSDP all-gather queued behind rank 0's whole device-to-host snapshot copy
+    (fifth review, finding 15)."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if compat.is_dtensor(p) and _row_sharded(p)}
+    ranks_of = {key: tuple(mesh.mesh.flatten().tolist()) for key, mesh in meshes.items()}
+    every = [set(ranks_of.values())]
+    if control_group() is not None:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, set(ranks_of.values()), group=control_group())
+    backend = dist.get_backend(next(iter(meshes.values())).get_group()) if meshes else None
+    groups = {ranks: dist.new_group(list(ranks), backend=backend) for ranks in sorted(set().union(*every))}
+    return {key: groups[ranks] for key, ranks in ranks_of.items()}
+
+
 def gather_bytes(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> tuple[int, int]:
     """(padded send buffer, gathered output) bytes of a bucket's gather in ``_gather_bucket``; (0, 0) without one."""
     sharded, world = _gathered(params)
@@ -156,10 +177,11 @@ def gather_bytes(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> 
     return send, world * send
 
 
-def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None,
+def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None, groups: dict[int, object],
                    memory: SyncMemory | None = None) -> list[torch.Tensor]:
     """Full tensors of ``params``: one ``all_gather_into_tensor`` for every ``Shard(0)`` DTensor of the bucket on a
-    shared 1-D mesh, cast to ``wire_dtype`` first (the gather moves wire bytes), as are other DTensors; plain tensors as
+    shared 1-D mesh, on that mesh's group in ``groups`` (``gather_groups``), cast to ``wire_dtype`` first (the gather
+    moves wire bytes), as are other DTensors; plain tensors as
     they are (the copy into staging casts them: into device or CPU staging with no temporary, into pinned host staging
     through one transient device copy of that tensor, docs/gpu.md, "Memory"). ``memory`` holds the gather's temporaries
     while they live: the cast shards, the padded send buffer and the output, alive together (the caller then holds the
@@ -168,7 +190,7 @@ def _gather_bucket(params: list[torch.Tensor], wire_dtype: torch.dtype | None,
     sharded, world = _gathered(params)
     if not sharded:
         return [cast(p.full_tensor()) if compat.is_dtensor(p) else p.detach() for p in params]
-    group = sharded[0].device_mesh.get_group()
+    group = groups[id(sharded[0].device_mesh)]
     parts, layout = [], []
     for p in sharded:
         rows, rest = p.shape[0], tuple(p.shape[1:])

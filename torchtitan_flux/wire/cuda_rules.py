@@ -18,7 +18,8 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
    one deadline per push, never by ``Work.wait(timeout)`` (counted from enqueue, and under
    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` a timed-out Work tears the whole process down). A push that misses
    its deadline has its NCCL group aborted (``abort_group``; a gloo group is dropped) and the engine rejoins on a
-   fresh one.
+   fresh one. The abort runs on a helper thread bounded by ``ABORT_S``; one that hangs gets its engine killed
+   (fifth review, finding 24).
 4. Groups get a long timeout (``GROUP_TIMEOUT``) so the NCCL watchdog never fires before our deadline does.
 5. The receiver acks only after the bytes landed: ``landed(works, stream)`` waits on the Works on the receiver's
    stream and synchronizes an event recorded after them (on CPU: ``Work.wait()``, which blocks the host). The event
@@ -28,11 +29,18 @@ engines); CPU tests: ``tests/integration/test_cuda_rules.py``; what CPU cannot t
    (vLLM's NCCL engine: ``require_same_nccl``): a mismatch is one error line, not a rejoin loop.
 8. The trainer joins eagerly in the joiner thread, never inside a broadcast holding the claim, wherever the engine
    connects eagerly too (``EngineHandler.eager_connect``; SGLang does not, see docs/gpu.md).
+9. Colocated engines map the trainer's device staging by CUDA IPC. Memory from the allocator's expandable
+   segments is exported as a file descriptor the importer takes with ``pidfd_getfd`` (ptrace rights, which some
+   containers refuse), legacy segments as ``cudaIpcMemHandle``: validation warns when the allocator config enables
+   them for a colocated GPU run (``expandable_segments_setting``; torchtitan's ``run_train.sh`` exports it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Iterable
@@ -46,6 +54,17 @@ GROUP_TIMEOUT = timedelta(days=7)  # rule 4: far beyond any push deadline; our p
 # rule 3: ``wait_works`` yields for the first SPIN_S, then sleeps POLL_S[0], doubling up to POLL_S[1]
 SPIN_S = 0.003
 POLL_S = (0.0001, 0.002)
+ABORT_S = 10.0  # rule 3: an abort not returned by then hangs; its engine is killed (``abort_group``)
+
+
+def expandable_segments_setting(env: dict[str, str] | None = None) -> str | None:
+    """Rule 9: the allocator-config variable that enables expandable segments (``NAME=value``), else None."""
+    env = os.environ if env is None else env
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        value = env.get(name, "")
+        if re.search(r"expandable_segments\s*:\s*true", value, re.IGNORECASE):
+            return f"{name}={value}"
+    return None
 
 
 def header_device(backend: str, device: torch.device | str) -> torch.device:
@@ -106,16 +125,25 @@ def raise_failed(works: Iterable[Any]) -> None:
         w.wait()
 
 
-def abort_group(pg: Any) -> None:
-    """Rule 3: abandon a group after a missed deadline (NCCL: ``abort`` frees the communicator; gloo: closes)."""
-    for name in ("abort", "shutdown"):
-        fn = getattr(pg, name, None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped either way
-                pass
-            return
+def abort_group(pg: Any) -> bool:
+    """Rule 3: abandon a group after a missed deadline (NCCL: ``abort`` frees the communicator; gloo: closes), on a
+    helper thread joined for at most ``ABORT_S``. False: it has not returned (torch waits for NCCL's
+    ``abortComms`` up to the group's own timeout, 7 days by rule 4, and ``ncclCommAbort`` can hang): the caller
+    kills the engine, and the helper thread is left to it."""
+    fn = next((f for f in (getattr(pg, name, None) for name in ("abort", "shutdown")) if f is not None), None)
+    if fn is None:
+        return True
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped either way
+            pass
+
+    helper = threading.Thread(target=run, name="flux-abort", daemon=True)
+    helper.start()
+    helper.join(ABORT_S)
+    return not helper.is_alive()
 
 
 def landed(works: list[Any], stream: Any) -> None:

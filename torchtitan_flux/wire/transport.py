@@ -22,6 +22,7 @@ Simplification: a tensor is never split across buckets; one larger than ``bucket
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -299,7 +300,9 @@ class WeightReceiver:
         the old live buffer and older pending ones, so a request always runs on one complete version.
       * live + pending + free + the one being received are the allocated buffers (+ those abandoned loops hold).
       * ``newest()`` names a complete version whose buffer nobody writes: when the receiver takes the newest
-        pending buffer to overwrite, the newest becomes the next pending one, else the live one.
+        pending buffer to overwrite, the newest becomes the next pending one, else the live one. A reader of that
+        buffer on another thread (a probe, a checksum) holds it pinned (``reading_newest``): the receiver takes no
+        pinned buffer, and waits for one while every buffer it could take is pinned (fifth review, finding 25).
     ``max_version_gap + 1`` buffers keep every version a queued pinned request can ask for. Only the receiver
     thread issues collectives on the group, in push order; the wait for a header has no deadline.
     """
@@ -309,6 +312,8 @@ class WeightReceiver:
         self.plan = plan
         self._on_received, self._on_error = on_received, on_error
         self._lock = threading.Lock()
+        self._unpinned = threading.Condition(self._lock)  # notified when a reader's pin ends
+        self._pins: list[FlatWeights] = []  # buffers read through ``reading_newest`` now
         self.live: FlatWeights | None = None
         self.live_version = -1
         self._pending: list[tuple[int, FlatWeights]] = []  # complete, not yet live; oldest first
@@ -343,19 +348,25 @@ class WeightReceiver:
     def _take_buffer(self, stop: threading.Event) -> FlatWeights | None:
         """A buffer to receive into, or None if this loop was superseded (it must not touch any buffer then)."""
         with self._lock:
-            if stop.is_set():
-                return None
-            if self._free:
-                return self._free.pop()
-            if self._pending:
-                buf = self._pending.pop(0)[1]
-                if self._base is not None and self._base[1] is buf:
-                    self._base = None
-                if self._newest is not None and self._newest[1] is buf:  # about to be overwritten: the newest
-                    # complete version is now the newest pending one, else the live one
-                    live = (self.live_version, self.live) if self.live is not None else None
-                    self._newest = self._pending[-1] if self._pending else live
-                return buf
+            while True:
+                if stop.is_set():
+                    return None
+                free = [i for i, b in enumerate(self._free) if not self._pinned(b)]
+                if free:
+                    return self._free.pop(free[-1])
+                pending = [i for i, (_, b) in enumerate(self._pending) if not self._pinned(b)]
+                if pending:
+                    buf = self._pending.pop(pending[0])[1]
+                    if self._base is not None and self._base[1] is buf:
+                        self._base = None
+                    if self._newest is not None and self._newest[1] is buf:  # about to be overwritten: the newest
+                        # complete version is now the newest pending one, else the live one
+                        live = (self.live_version, self.live) if self.live is not None else None
+                        self._newest = self._pending[-1] if self._pending else live
+                    return buf
+                if not self._pins:
+                    break
+                self._unpinned.wait(0.1)  # a probe or checksum reads the one buffer to take: it ends soon
         # only after a restart whose predecessor still holds a buffer in a dead collective
         logger.warning("weight receiver: allocating a replacement buffer (previous receive was abandoned)")
         return self.plan.allocate(self.device)
@@ -487,9 +498,29 @@ class WeightReceiver:
         return self.live_version
 
     def newest(self) -> tuple[int, FlatWeights | None]:
-        """(version, buffer) of the newest complete push, live or pending; (-1, None) before the first."""
+        """(version, buffer) of the newest complete push, live or pending; (-1, None) before the first. The buffer
+        may be taken to receive into at any time: read it through ``reading_newest``."""
         with self._lock:
             return self._newest if self._newest is not None else (-1, None)
+
+    @contextlib.contextmanager
+    def reading_newest(self):
+        """``newest()``, its buffer pinned until the block ends: the receiver never takes it to write into
+        meanwhile. The block must end with its reads complete (a probe and a checksum end in a copy to the host)."""
+        with self._lock:
+            version, buf = self._newest if self._newest is not None else (-1, None)
+            if buf is not None:
+                self._pins.append(buf)
+        try:
+            yield version, buf
+        finally:
+            if buf is not None:
+                with self._lock:
+                    del self._pins[next(i for i, b in enumerate(self._pins) if b is buf)]
+                    self._unpinned.notify_all()
+
+    def _pinned(self, buf: FlatWeights) -> bool:
+        return any(b is buf for b in self._pins)
 
     def stop(self) -> None:
         self._stop.set()
