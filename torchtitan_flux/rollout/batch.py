@@ -33,7 +33,7 @@ class RolloutBatch:
     newest_seen: int  # newest version any engine had received when its part finished
     gen_time_s: float  # max engine-side generation time over the step's parts
     generation_wait_s: float = 0.0  # how long the trainer's collection of it waited on the engines (the
-    # throughput law's starvation; ``Rollouts.collect``)
+    # throughput law's starvation; ``WaitNotes.waited_s``)
     completions: list[str] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)  # one per prompt (not per completion)
     reward_values: dict[str, list] = field(default_factory=dict)  # reward function -> value per completion

@@ -64,7 +64,7 @@ class PerStep:
         scores = self.scoring.wait(groups[0].scores, self.interrupted)
         if scores is None:
             raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {step}")
-        return build(step, groups, scores, self.group_size, self.pad_id)
+        return build(step, groups, scores, self.group_size, self.pad_id, waiting.waited_s)
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -129,7 +129,7 @@ class Streaming:
             if got is None:
                 raise RolloutWaitInterrupted(f"interrupted while waiting for the rewards of step {step}")
             scores.append(got)
-        batch = build(step, chosen, Scores.concat(scores), self.group_size, self.pad_id)
+        batch = build(step, chosen, Scores.concat(scores), self.group_size, self.pad_id, waiting.waited_s)
         for g in chosen:
             self.table.take(g)
         self.generated = self._generated_stats()
@@ -173,13 +173,14 @@ def score(scoring: CompletionScorer, table: GroupTable, task, groups: list[Group
         table.scored(g, completions[i * n: (i + 1) * n], future)
 
 
-def build(step: int, groups: list[Group], scores: Scores, n: int, pad_id: int) -> RolloutBatch:
+def build(step: int, groups: list[Group], scores: Scores, n: int, pad_id: int, waited_s: float) -> RolloutBatch:
     """Step ``step``'s batch of ``groups`` (FINISHED, in order) and their ``scores``, laid out for training, with
     their episodes (``completions.jsonl``; their prompt: the first episode's opening messages) where they have
-    some."""
+    some, and the time its collection waited on the engines (``waited_s``)."""
     batch = layout_batch(step, [g.prompt for g in groups], [g.trained_prompt_ids for g in groups],
                          [(g.request, g.result) for g in groups], scores, [c for g in groups for c in g.completions],
                          n, pad_id)
+    batch.generation_wait_s = waited_s
     if groups[0].episodes is not None:
         batch.episodes = [episode_record(ep) for g in groups for ep in g.episodes]
         batch.prompts = [conversation_text(g.episodes[0].messages[: g.episodes[0].prompt_messages]) for g in groups]

@@ -110,7 +110,6 @@ class EnginePump:
         self._last_from: dict[str, float] = {}  # engine name -> when its newest result arrived
         self._stall_checked = 0.0
         self._last_pump = self._stall_clock_from = time.monotonic()
-        self.blocked_s = 0.0  # seconds ``pump`` has spent (waiting for an event, mostly)
         self._router = threading.Thread(target=self._route, name="flux-router", daemon=True) if turns else None
         if self._router is not None:
             self._router.start()
@@ -193,7 +192,7 @@ class EnginePump:
 
     def pump(self, timeout: float) -> None:
         """Handle at most one event, waiting up to ``timeout`` seconds; once a second, kill stuck engines and send
-        parked turns (main thread). ``blocked_s`` adds up the time spent here (the trainer's wait on the engines)."""
+        parked turns (main thread)."""
         now = time.monotonic()
         if now - self._last_pump > UNPUMPED_S:
             self._stall_clock_from = now
@@ -207,8 +206,6 @@ class EnginePump:
             ev = self.events.get(timeout=timeout or ROUTER_S) if timeout > 0 or in_transit else self.events.get_nowait()
         except queue.Empty:
             return
-        finally:
-            self.blocked_s += time.monotonic() - now
         if isinstance(ev, GenerationResult):
             with self._lock:
                 f = self._in_flight.pop(ev.req_id, None)

@@ -192,10 +192,7 @@ class Rollouts:
             raise self.episode_failure
         versions = Versions(trainer_version, pin_version, min_version)
         self.dispatcher.dispatch(step, versions)
-        blocked = self.pump.blocked_s
-        batch = self.policy.collect(step, versions)
-        batch.generation_wait_s = self.pump.blocked_s - blocked  # a batch nobody else holds yet
-        return batch
+        return self.policy.collect(step, versions)
 
     def _wait(self, step: int) -> WaitNotes:
         return WaitNotes(self.pump, step, lambda: self._check(step), self.episodes)

@@ -23,18 +23,21 @@ class Episodes(Protocol):
 
 class WaitNotes:
     """A wait for step ``step``'s rollouts, one ``pump`` at a time: ``check()`` first (it raises an interrupt or a
-    failure kept for the next wait), then a note every ``WAIT_NOTE_S`` without a result (``waiting_note``)."""
+    failure kept for the next wait), then a note every ``WAIT_NOTE_S`` without a result (``waiting_note``).
+    ``waited_s``: the time spent in ``pump``, waiting on the engines (the batch's ``generation_wait_s``)."""
 
     def __init__(self, pump: EnginePump, step: int, check: Callable[[], None], episodes: Episodes | None = None):
         """``episodes``: the multi-turn episodes (``rollout.environment``), whose count the note gives."""
         self.engine_pump, self.step, self.check, self.episodes = pump, step, check, episodes
         self.start = self.noted = time.monotonic()
+        self.waited_s = 0.0
 
     def pump(self) -> None:
         self.check()
-        p = self.engine_pump
+        p, start = self.engine_pump, time.monotonic()
         p.pump(0.05)
         now = time.monotonic()
+        self.waited_s += now - start
         if now - max(p.last_result, self.start) >= WAIT_NOTE_S and now - self.noted >= WAIT_NOTE_S:
             logger.warning(waiting_note(self.step, now - self.start, p.engines, p.in_flight(), p.last_result,
                                         self.episodes.running if self.episodes is not None else 0))
