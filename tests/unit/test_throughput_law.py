@@ -1,7 +1,7 @@
 """The throughput law (``rl/throughput.py``) on a simulated plant: it raises the lookahead while the trainer starves
 and stops where it is fed, lowers it when the learning-quality guard trips (and does not rise while it holds),
-lowers it when fed with room, anticipates a known longer budget before its batches arrive, and counts neither a
-one-step spike nor the first step's wait. Each rule's mutation fails one of these scenarios
+lowers it when fed with room, anticipates a known longer budget before its batches arrive, counts neither a one-step
+spike nor the first step's wait, and takes a trainer that waits every other step for a starved one. Each rule's mutation fails one of these scenarios
 (``test_each_rule_is_needed``). Then its place in ``OffPolicyControl``: the lookahead it sets, rank 0's decision
 adopted by the other
 ranks, and the checkpointed state (the config's refusals: ``test_config.py``)."""
@@ -84,8 +84,15 @@ def a_spike_raises_nothing(make) -> tuple[bool, list[int]]:
     return seen == [1] * 40, seen
 
 
+def alternating_starvation_raises(make) -> tuple[bool, list[int]]:
+    """Generation 0.5x training, but every other step waits 0.15 s (60 % of it: steps admitted in pairs, seen on the
+    batching engine at lookahead 1): that is starvation, and the lookahead rises within a few steps."""
+    seen = plant(make(), 12, lambda s: 0.5 * TRAIN_S, spike=lambda s: 0.15 if s % 2 == 0 else 0.0)
+    return max(seen[:8]) >= 2, seen
+
+
 SCENARIOS = [raises_while_starved, guard_lowers_and_blocks_the_rise, lowers_when_fed_with_room,
-             anticipates_a_longer_budget, a_spike_raises_nothing]
+             anticipates_a_longer_budget, a_spike_raises_nothing, alternating_starvation_raises]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
@@ -111,8 +118,18 @@ class NoAnticipation(ThroughputLaw):
 
 class RaisesOnTheEMA(ThroughputLaw):  # the smoothed starvation alone
     def _move(self):
-        self.starved_last = (1.0, 1.0)
+        self.starved_last = (1.0, 1.0, 1.0)
         return super()._move()
+
+
+class RaisesOnTwoInARow(ThroughputLaw):  # the last two steps both starved (the rule before 2026-11-29's suite)
+    def _move(self):
+        last = self.starved_last
+        if not (last[1] > self.starve_fraction and last[2] > self.starve_fraction):
+            self.starved_last = (0.0, 0.0, 0.0)
+        move = super()._move()
+        self.starved_last = last
+        return move
 
 
 class NoLowering(ThroughputLaw):
@@ -135,6 +152,7 @@ class RaisesOnLittleAlone(ThroughputLaw):  # Little's law as the depth itself (o
 
 MUTANTS = {NoGuard: guard_lowers_and_blocks_the_rise, NoStarvation: raises_while_starved,
            NoAnticipation: anticipates_a_longer_budget, RaisesOnTheEMA: a_spike_raises_nothing,
+           RaisesOnTwoInARow: alternating_starvation_raises,
            NoLowering: lowers_when_fed_with_room, RaisesOnLittleAlone: raises_while_starved}
 
 

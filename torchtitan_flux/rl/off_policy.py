@@ -11,8 +11,8 @@ which samples are too stale to train on, which steps push weights, and the pipel
 * the push cadence: every ``weight_sync.interval`` steps, or ``SyncCadence`` with ``interval = "auto"``.
 
 Concurrency: main thread only; every trainer rank holds one. Rank 0 decides what depends on its measurements
-(cadence, depth, the throughput law's lookahead); the feed broadcasts ``decision()`` and the other ranks ``adopt`` it. The controller's inputs are
-all-reduced, so its state is the same on every rank.
+(cadence, depth, the throughput law's lookahead); the feed broadcasts ``decision()`` and the other ranks ``adopt``
+it. The controller's inputs are all-reduced, so its state is the same on every rank.
 """
 
 from __future__ import annotations

@@ -11,15 +11,17 @@ setpoint. Once per step, on rank 0 (its decision travels with the batch, ``OffPo
     guard   = ESS fraction (EMA) < ess_floor                # learning quality: the importance weights' sample size
     after a change, hold for ``lookahead`` steps (the batches admitted before it are still being trained), then:
       guard                                                  -> lookahead - 1 (and no rise while it holds)
-      starved and the last two steps' own fractions > starve_fraction, or
+      starved and two of the last three steps' own fractions > starve_fraction, or
         nearest(little x budget ratio) > nearest(little)     -> lookahead + 1 (the trainer waits, or a longer
                                                                                budget is on its way)
       starved < starve_fraction / 2 and nearest(little) < lookahead -> lookahead - 1 (fed, with room)
 
 Little's law sets no depth by itself: on engines that share cores with the trainer the measured latency grows with
 the steps in flight, so the law moves one step at a time on the measured wait and uses Little's law to lower only
-with room to spare and to anticipate. A spike of one step (another process's burst on shared cores) raises nothing: the EMA may stay above the threshold
-for steps after it, the steps' own fractions do not. The first step's wait is not starvation (nothing could run ahead of it).
+with room to spare and to anticipate. A spike of one step (another process's burst on shared cores) raises nothing:
+the EMA may stay above the threshold for steps after it, the steps' own fractions do not; a trainer that waits
+every other step (steps admitted in pairs, seen on the batching engine at lookahead 1) is starved. The first step's wait is
+not starvation (nothing could run ahead of it).
 ``budget ratio`` anticipates a known budget (``Prompt.max_new_tokens``): generation time scales with the decode
 steps ``b``, training time with the sequence ``p + b`` (``p`` prompt tokens), so Little's depth at budget ``b`` scales
 with ``b / (p + b)``; the ratio of that at the newest dispatched step's budget to the trained batch's
@@ -42,7 +44,7 @@ TIME_EMA = 0.3  # EMA weight of the newest step's generation, training and wait 
 
 
 def budget_ratio(prompt_tokens: float, budget_now: int, budget_next: int) -> float:
-    """Little's depth at ``budget_next`` over that at ``budget_now`` (module docstring); 1 when either is unknown (0)."""
+    """Little's depth at ``budget_next`` over that at ``budget_now`` (module docstring); 1 if either is unknown (0)."""
     if budget_now <= 0 or budget_next <= 0:
         return 1.0
     return (budget_next / (prompt_tokens + budget_next)) / (budget_now / (prompt_tokens + budget_now))
@@ -70,7 +72,7 @@ class ThroughputLaw:
         self.gen_s: float | None = None
         self.train_s: float | None = None
         self.starved: float | None = None
-        self.starved_last = (0.0, 0.0)  # the last two steps' own fractions
+        self.starved_last = (0.0, 0.0, 0.0)  # the last three steps' own fractions
         self.ess: float | None = None
         self.hold = 0  # steps left before the next change may be made
         self.budget_ratio = 1.0
@@ -91,14 +93,14 @@ class ThroughputLaw:
     def observe(self, gen_s: float, train_s: float, wait_s: float, ess_fraction: float,
                 budget_ratio: float = 1.0) -> int:
         """One trained step: its batch's generation latency, the trainer's compute, its wait on the engines, the
-        batch's ESS fraction, and the budget ratio of the newest dispatched step to the trained one -> the new lookahead."""
+        batch's ESS fraction, and the budget ratio of the newest admitted step to the trained one -> the lookahead."""
         times = (gen_s, train_s, wait_s)
         if all(math.isfinite(x) and x >= 0 for x in times) and train_s > 0:
             self.gen_s = _ema(self.gen_s, gen_s, TIME_EMA)
             self.train_s = _ema(self.train_s, train_s, TIME_EMA)
             if self.steps > 0:  # the first step's wait is structural
                 now = wait_s / (wait_s + train_s)
-                self.starved_last = (self.starved_last[1], now)
+                self.starved_last = (*self.starved_last[1:], now)
                 self.starved = _ema(self.starved, now, TIME_EMA)
         self.steps += 1
         if math.isfinite(ess_fraction):
@@ -113,7 +115,8 @@ class ThroughputLaw:
             self.hold -= 1
             return "hold"
         before, depth = self.lookahead, max(1, nearest(self.little))
-        starved = self.starved is not None and min(self.starved, *self.starved_last) > self.starve_fraction
+        often = sum(x > self.starve_fraction for x in self.starved_last) >= 2
+        starved = self.starved is not None and self.starved > self.starve_fraction and often
         fed = self.starved is not None and self.starved < self.starve_fraction / 2
         if self.guarded:
             self.lookahead, move = max(1, before - 1), "guard"
