@@ -1,14 +1,15 @@
 """The throughput law (``rl/throughput.py``) on a simulated plant: it raises the lookahead while the trainer starves
 and stops where it is fed, lowers it when the learning-quality guard trips (and does not rise while it holds),
-lowers it when fed with room, anticipates a known longer budget before its batches arrive, counts neither a one-step
-spike nor the first step's wait, and takes a trainer that waits every other step for a starved one. Each rule's mutation fails one of these scenarios
-(``test_each_rule_is_needed``). Then its place in ``OffPolicyControl``: the lookahead it sets, rank 0's decision
-adopted by the other
-ranks, and the checkpointed state (the config's refusals: ``test_config.py``)."""
+lowers it when fed with room, anticipates a known longer budget before its batches arrive (and not a heavy tail's
+longest prompt), counts neither a one-step spike nor the first step's wait, and takes a trainer that waits every other step for a starved one. Each rule's
+mutation fails one of these scenarios (``test_each_rule_is_needed``). Then its place in ``OffPolicyControl``: the
+lookahead it sets, rank 0's decision adopted by the other ranks, and the checkpointed state (the config's refusals:
+``test_config.py``)."""
 
 from __future__ import annotations
 
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +22,8 @@ from torchtitan_flux.rl.throughput import ThroughputLaw, budget_ratio, nearest
 TRAIN_S = 0.1
 
 
-def plant(law: ThroughputLaw, steps: int, gen_s, ess=lambda lookahead, step: 1.0, ratio=lambda step: 1.0,
-          spike=lambda step: 0.0) -> list[int]:
+def plant(law: ThroughputLaw, steps: int, gen_s, ess=lambda lookahead, step: 1.0,
+          budgets=lambda step: (0.0, 0, 0), spike=lambda step: 0.0) -> list[int]:
     """A trainer that trains ``TRAIN_S`` a step and an engine whose batches take ``gen_s(step)`` each, in flight
     side by side: at lookahead ``L`` a batch had ``L`` training steps to be generated, so the trainer waits
     ``max(0, gen - L * TRAIN_S)`` on the engines (the first step waits for its whole batch), plus ``spike(step)``
@@ -33,7 +34,7 @@ def plant(law: ThroughputLaw, steps: int, gen_s, ess=lambda lookahead, step: 1.0
         seen.append(lookahead)
         g = gen_s(step)
         wait = g if step == 1 else max(0.0, g - lookahead * TRAIN_S) + spike(step)
-        law.observe(g, TRAIN_S, wait, ess(lookahead, step), ratio(step))
+        law.observe(g, TRAIN_S, wait, ess(lookahead, step), budgets(step))
     return seen
 
 
@@ -68,13 +69,22 @@ def lowers_when_fed_with_room(make) -> tuple[bool, list[int]]:
 
 
 def anticipates_a_longer_budget(make) -> tuple[bool, list[int]]:
-    """Generation 0.8x training (lookahead 1) until step 30, when batches of a budget whose Little's depth is 2.5x
-    start arriving; they were admitted from step 29 on (one step ahead), so the ratio shows at step 29. The law
-    must raise the lookahead at step 30, before any starvation could be measured."""
+    """Generation 0.8x training (lookahead 1) with budgets of 8 tokens until step 30, then 128 (30-token prompts:
+    Little's depth 3.85x); the longer ones are admitted from step 29 on (one step ahead). The law must raise the
+    lookahead at step 30, before any starvation could be measured."""
     gen = lambda s: (0.8 if s < 31 else 2.0) * TRAIN_S  # noqa: E731
-    ratio = lambda s: 2.5 if s in (29, 30) else 1.0  # noqa: E731
-    seen = plant(make(), 40, gen, ratio=ratio)
+    budgets = lambda s: (30.0, 8 if s < 31 else 128, 8 if s < 29 else 128)  # noqa: E731
+    seen = plant(make(), 40, gen, budgets=budgets)
     return seen[28] == 1 and seen[29] == 2, seen
+
+
+def heavy_tailed_budgets_anticipate_nothing(make) -> tuple[bool, list[int]]:
+    """Generation 0.5x training, each step's longest prompt drawn from a heavy tail (4 to 96 tokens): one step's
+    budget above the last's is no change of workload, and the lookahead stays 1."""
+    rng = random.Random(0)
+    draws = [min(96, int(4 / rng.random() ** 0.8)) for _ in range(80)]
+    seen = plant(make(), 60, lambda s: 0.5 * TRAIN_S, budgets=lambda s: (12.0, draws[s], draws[s + 1]))
+    return seen == [1] * 60, seen
 
 
 def a_spike_raises_nothing(make) -> tuple[bool, list[int]]:
@@ -92,7 +102,8 @@ def alternating_starvation_raises(make) -> tuple[bool, list[int]]:
 
 
 SCENARIOS = [raises_while_starved, guard_lowers_and_blocks_the_rise, lowers_when_fed_with_room,
-             anticipates_a_longer_budget, a_spike_raises_nothing, alternating_starvation_raises]
+             anticipates_a_longer_budget, heavy_tailed_budgets_anticipate_nothing, a_spike_raises_nothing,
+             alternating_starvation_raises]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
@@ -112,8 +123,14 @@ class NoStarvation(ThroughputLaw):
 
 
 class NoAnticipation(ThroughputLaw):
-    def observe(self, gen_s, train_s, wait_s, ess_fraction, budget_ratio=1.0):
-        return super().observe(gen_s, train_s, wait_s, ess_fraction, 1.0)
+    def observe(self, gen_s, train_s, wait_s, ess_fraction, budgets=(0.0, 0, 0)):
+        return super().observe(gen_s, train_s, wait_s, ess_fraction, (0.0, 0, 0))
+
+
+class AnticipatesFromTheTrainedStep(ThroughputLaw):  # its own budget the baseline (the rule before the suite)
+    def observe(self, gen_s, train_s, wait_s, ess_fraction, budgets=(0.0, 0, 0)):
+        self.budgets = []
+        return super().observe(gen_s, train_s, wait_s, ess_fraction, budgets)
 
 
 class RaisesOnTheEMA(ThroughputLaw):  # the smoothed starvation alone
@@ -151,7 +168,8 @@ class RaisesOnLittleAlone(ThroughputLaw):  # Little's law as the depth itself (o
 
 
 MUTANTS = {NoGuard: guard_lowers_and_blocks_the_rise, NoStarvation: raises_while_starved,
-           NoAnticipation: anticipates_a_longer_budget, RaisesOnTheEMA: a_spike_raises_nothing,
+           NoAnticipation: anticipates_a_longer_budget,
+           AnticipatesFromTheTrainedStep: heavy_tailed_budgets_anticipate_nothing, RaisesOnTheEMA: a_spike_raises_nothing,
            RaisesOnTwoInARow: alternating_starvation_raises,
            NoLowering: lowers_when_fed_with_room, RaisesOnLittleAlone: raises_while_starved}
 
@@ -186,9 +204,9 @@ def control(**aa) -> OffPolicyControl:
                             WeightSync(async_weight_update=True), total_steps=100)
 
 
-def fed(gen_s: float, wait_s: float, ratio: float = 1.0):
+def fed(gen_s: float, wait_s: float):
     return SimpleNamespace(batch=SimpleNamespace(gen_time_s=gen_s, generation_wait_s=wait_s), wait_s=wait_s + 0.01,
-                           flush_s=0.0, push_due=True, budget_ratio=ratio)
+                           flush_s=0.0, push_due=True, budgets=(10.0, 16, 16))
 
 
 def test_the_law_sets_the_lookahead_and_its_decision_travels_to_the_other_ranks():

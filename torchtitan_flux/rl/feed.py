@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torchtitan_flux.data.tasks import task_finished
 from torchtitan_flux.errors import NoEngineLeft, RewardError, UserCodeError
 from torchtitan_flux.rl.off_policy import OffPolicyControl
-from torchtitan_flux.rl.throughput import budget_ratio
 from torchtitan_flux.rollout.batch import RolloutBatch
 from torchtitan_flux.sync.syncer import WeightSyncer, control_group
 
@@ -50,8 +49,8 @@ class StepInput:
     flush_s: float  # of which the on-policy flush (or the catch-up staging) of the newest weights
     push_due: bool  # this step's weights are pushed after its optimizer step
     last: bool  # the run ends after this step: training.steps, or the task finished (``Task.finished``)
-    budget_ratio: float = 1.0  # rank 0: Little's depth at the newest admitted step's budget over this step's
-    # (``rl.throughput.budget_ratio``): what the throughput law anticipates
+    budgets: tuple[float, int, int] = (0.0, 0, 0)  # rank 0: this step's mean prompt tokens and generation budget,
+    # and the newest admitted step's budget (``Rollouts.shape``): what the throughput law anticipates
 
 
 class BatchFeed:
@@ -69,11 +68,11 @@ class BatchFeed:
             self.syncer.catch_up(version, oldest=self.off_policy.oldest(version))
         flush_s = time.perf_counter() - t0
         batch = stop = None
-        ratio = 1.0
+        budgets = (0.0, 0, 0)
         last = step >= self.last_step
         if self.rank == 0:
             try:
-                batch, ratio = self._collect(step, version)
+                batch, budgets = self._collect(step, version)
                 last = last or self._task_finished(step)
             except (RewardError, NoEngineLeft, UserCodeError) as e:
                 if self.world == 1:
@@ -85,16 +84,15 @@ class BatchFeed:
             batch, due, last, stop = self._broadcast(batch, due, last, stop)
             if stop is not None:
                 raise stop
-        return StepInput(batch, wait_s, flush_s, due, last, ratio)
+        return StepInput(batch, wait_s, flush_s, due, last, budgets)
 
     def _task_finished(self, step: int) -> bool:
         """The task's ``finished(step)`` (user code: its failure names it, and every rank stops on it)."""
         r = self.rollouts
         return task_finished(r.task, step, r.task_timeout_s, interrupted=lambda: r.interrupted)
 
-    def _collect(self, step: int, version: int) -> tuple[RolloutBatch, float]:
-        """Admit the steps ahead, then wait for ``step``'s batch: (the batch, the budget ratio of the newest
-        admitted step to it)."""
+    def _collect(self, step: int, version: int) -> tuple[RolloutBatch, tuple[float, int, int]]:
+        """Admit the steps ahead, then wait for ``step``'s batch: (the batch, ``StepInput.budgets``)."""
         policy = self.off_policy
         ahead = policy.admit()
         pin = self.syncer.version  # newest staged: every engine gets it, so requests can run on exactly it
@@ -105,15 +103,14 @@ class BatchFeed:
         for k in range(step, newest + 1):
             # born fresh enough: step k is trained at version k - 1, so the engine waits for oldest(k - 1)
             self.rollouts.dispatch(k, version, pin_version=pin, min_version=max(0, policy.oldest(k - 1)))
-        (prompt_tokens, budget), (_, newest_budget) = self.rollouts.shape(step), self.rollouts.shape(newest)
-        ratio = budget_ratio(prompt_tokens, budget, newest_budget)
+        budgets = (*self.rollouts.shape(step), self.rollouts.shape(newest)[1])
         while True:
             self.syncer.deliver_staged()  # the pin reaches every engine, broken groups included
             batch = self.rollouts.collect(step, version, pin_version=pin, min_version=max(0, policy.oldest(version)))
             if policy.accept(step, version, batch):
                 break
         self.syncer.check_timeouts()
-        return batch, ratio
+        return batch, budgets
 
     def _broadcast(self, batch: RolloutBatch | None, due: bool, last: bool, stop: Exception | None):
         obj = [batch, due, last, self.off_policy.decision(), stop]

@@ -178,7 +178,7 @@ class OffPolicyControl:
             out.update(self.observe_times(fed.batch.gen_time_s, compute_s))
         if self.throughput is not None:
             self.throughput.observe(fed.batch.gen_time_s, compute_s, fed.batch.generation_wait_s, self.ess_fraction,
-                                    fed.budget_ratio)
+                                    fed.budgets)
             out.update(self.throughput.metrics())
         if self.cadence is not None:
             out.update(self.tune_cadence(fed.push_due, compute_s, sync_s, fed.wait_s, fed.flush_s, push_s_total))

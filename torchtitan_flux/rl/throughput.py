@@ -24,8 +24,10 @@ every other step (steps admitted in pairs, seen on the batching engine at lookah
 not starvation (nothing could run ahead of it).
 ``budget ratio`` anticipates a known budget (``Prompt.max_new_tokens``): generation time scales with the decode
 steps ``b``, training time with the sequence ``p + b`` (``p`` prompt tokens), so Little's depth at budget ``b`` scales
-with ``b / (p + b)``; the ratio of that at the newest dispatched step's budget to the trained batch's
-(``budget_ratio``) raises the depth before a longer budget's batches arrive.
+with ``b / (p + b)``; the ratio of that at the newest admitted step's budget to the largest of the last
+``BUDGET_WINDOW`` trained steps' (``budget_ratio``) raises the depth before a longer budget's batches arrive. The
+largest, not the trained step's own: with heavy-tailed budgets one step's longest prompt varies by 10x from step to
+step, which is no change of workload (seen on ``heavy_tail``: the step's own budget ratcheted the lookahead to 6).
 
 Anchors (docs/controller.md): verl's starvation-driven scheduling (the trainer's wait), Little's law (in flight =
 latency x rate, our ``PipelineDepth``), VCPO (the effective sample size as the measure of what a stale batch is
@@ -41,6 +43,7 @@ from typing import Any
 from torchtitan_flux.config import AdaptiveAsync
 
 TIME_EMA = 0.3  # EMA weight of the newest step's generation, training and wait times
+BUDGET_WINDOW = 10  # trained steps whose largest budget is the baseline of ``budget_ratio``
 
 
 def budget_ratio(prompt_tokens: float, budget_now: int, budget_next: int) -> float:
@@ -63,7 +66,7 @@ class ThroughputLaw:
     """The law of the module docstring: ``observe`` once per step (rank 0), ``lookahead`` the whole steps to admit."""
 
     STATE = ("lookahead", "gen_s", "train_s", "starved", "starved_last", "ess", "hold", "budget_ratio", "last_move",
-             "steps")
+             "steps", "budgets")
 
     def __init__(self, cfg: AdaptiveAsync, max_lookahead: int) -> None:
         self.starve_fraction, self.ess_floor, self.ess_alpha = cfg.starve_fraction, cfg.ess_floor, cfg.ema_alpha
@@ -78,6 +81,7 @@ class ThroughputLaw:
         self.budget_ratio = 1.0
         self.last_move = "hold"
         self.steps = 0  # observed
+        self.budgets: list[int] = []  # the last BUDGET_WINDOW trained steps' budgets
 
     @property
     def little(self) -> float:
@@ -91,9 +95,10 @@ class ThroughputLaw:
         return self.ess is not None and self.ess < self.ess_floor
 
     def observe(self, gen_s: float, train_s: float, wait_s: float, ess_fraction: float,
-                budget_ratio: float = 1.0) -> int:
+                budgets: tuple[float, int, int] = (0.0, 0, 0)) -> int:
         """One trained step: its batch's generation latency, the trainer's compute, its wait on the engines, the
-        batch's ESS fraction, and the budget ratio of the newest admitted step to the trained one -> the lookahead."""
+        batch's ESS fraction, and ``budgets`` (``StepInput.budgets``: its mean prompt tokens and budget, the newest
+        admitted step's budget; 0: unknown) -> the lookahead."""
         times = (gen_s, train_s, wait_s)
         if all(math.isfinite(x) and x >= 0 for x in times) and train_s > 0:
             self.gen_s = _ema(self.gen_s, gen_s, TIME_EMA)
@@ -105,8 +110,10 @@ class ThroughputLaw:
         self.steps += 1
         if math.isfinite(ess_fraction):
             self.ess = _ema(self.ess, ess_fraction, self.ess_alpha)
-        if math.isfinite(budget_ratio) and budget_ratio > 0:
-            self.budget_ratio = budget_ratio
+        prompt_tokens, budget, newest = budgets
+        if budget > 0:
+            self.budgets = [*self.budgets, budget][-BUDGET_WINDOW:]
+        self.budget_ratio = budget_ratio(prompt_tokens, max(self.budgets, default=0), newest)
         self.last_move = self._move()
         return self.lookahead
 
