@@ -47,7 +47,7 @@ def test_a_finished_curriculum_ends_the_run_at_its_last_phase(tmp_path, mode):
 def test_the_throughput_law_sees_a_longer_budget_coming_and_plots(tmp_path):
     """``adaptive_async.controller = "throughput"`` on the batching engine: the lookahead stays within [1,
     max_version_gap], the budget ratio the feed measures exceeds 1 while the next phase's longer prompts are admitted
-    ahead of the steps trained (and only then), and ``scripts/plot_controller.py``
+    ahead of the steps trained (and not before the first phase ends), and ``scripts/plot_controller.py``
     draws the law's panels from the run."""
     run_train(tmp_path, *CURRICULUM, "--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
               "--adaptive_async.controller", "throughput", "--off_policy.max_version_gap", "4",
@@ -58,8 +58,9 @@ def test_the_throughput_law_sees_a_longer_budget_coming_and_plots(tmp_path):
     ahead = [r["step"] for r in rows if r["budget_ratio"] > 1.0]
     # a phase ends on a step's reward; the steps admitted after it draw the longer budget while the steps trained
     # next were drawn before it: the ratio shows within max_version_gap steps after each of the first two ends
-    assert ahead and all(any(0 < s - end <= 4 for end in ends[:2]) for s in ahead), (ahead, ends)
-    assert all(r["budget_ratio"] == 1.0 for r in rows if r["step"] <= ends[0])
+    trace = [(r["step"], r["budget_ratio"], r["lookahead_target"]) for r in rows]
+    assert any(0 < s - ends[0] <= 4 for s in ahead) and any(0 < s - ends[1] <= 4 for s in ahead), (ends, trace)
+    assert all(r["budget_ratio"] == 1.0 for r in rows if r["step"] <= ends[0]), (ends, trace)
     out = tmp_path / "law.png"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_controller.py"), str(tmp_path), "-o", str(out)],
                    check=True, capture_output=True)
