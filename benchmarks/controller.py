@@ -324,8 +324,9 @@ def in_sync_spread(fin: dict[str, list[float]]) -> bool:
 def suite_lines(measured: dict[str, Measured], gaps: list[int], variants: list[str], seeds: int,
                 seconds: float) -> list[str]:
     """The suite's key=value lines (module docstring) from each workload's ``Measured``."""
-    def worst(mode: str) -> float:  # over the workloads where some fixed mode reached the target
-        ratios = [m.fixed[m.best] / m.ttt[mode] for m in measured.values() if math.isfinite(m.fixed[m.best])]
+    def worst(mode: str) -> float:  # over the workloads that run it, where some fixed mode reached the target
+        ratios = [m.fixed[m.best] / m.ttt[mode] for m in measured.values()
+                  if mode in m.ttt and math.isfinite(m.fixed[m.best])]
         return min(ratios, default=math.nan)
 
     lines = [f"seeds={seeds}", f"adaptive_worst_vs_best_fixed={worst('adaptive'):.3f}"]
@@ -342,6 +343,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=count(), default=None,
                     help="default: 3, and 10 with --suite (fewer with --suite: exploration only)")
     ap.add_argument("--suite", action="store_true", help="every workload of SUITE, paired seeds (module docstring)")
+    ap.add_argument("--reread", action="store_true",
+                    help="run nothing: report on the finished seeds under --out (a suite stopped early, say)")
     ap.add_argument("--law", type=law, default=None, metavar="{" + ",".join(LAWS) + "}",
                     help="adaptive_async.controller of the adaptive mode; default: throughput with --suite, else pid")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="debug")
@@ -380,11 +383,33 @@ def main() -> None:
         runs[name] = (w, steps, modes, adaptive_modes)
     pair = pair_efficiency()  # before any run of ours: what this machine allows two processes side by side
     results = {name: {m: [] for m in runs[name][2]} for name in names}
-    for seed in range(args.seeds):  # seeds outermost: every mode of every workload sees the same machine drift
-        for name, (w, steps, modes, _) in runs.items():
+
+    def folder(name: str, mode: str, seed: int) -> str:
+        return os.path.join(args.out, *([name] if args.suite else []), mode, f"seed{seed}")
+
+    if args.reread:  # the seeds whose every run finished (``summary.json`` written), in order
+        done = [s for s in range(args.seeds) if all(os.path.exists(os.path.join(folder(n, m, s), "summary.json"))
+                                                     for n in names for m in runs[n][2])]
+        for seed in done:
+            for name, (_, _, modes, _) in runs.items():
+                for mode in modes:
+                    with open(os.path.join(folder(name, mode, seed), "metrics.jsonl")) as f:
+                        rows = [json.loads(x) for x in f]
+                    with open(os.path.join(folder(name, mode, seed), "summary.json")) as f:
+                        results[name][mode].append((rows, json.load(f)))
+        if not done:
+            ap.error(f"argument --reread: got {args.out} with no seed whose every run finished; allowed: the --out "
+                     "of a suite that finished at least one seed")
+        print(f"reread {len(done)} finished seeds of {args.out}; pair efficiency measured now, not during those runs")
+        args.seeds = len(done)
+        firsts = [os.path.getctime(folder(n, m, s)) for n in names for m in runs[n][2] for s in done]
+        lasts = [os.path.getmtime(os.path.join(folder(n, m, s), "summary.json")) for n in names for m in runs[n][2]
+                 for s in done]
+        t_start -= max(lasts) - min(firsts)  # suite_seconds: the finished seeds' span
+    for seed in range(0 if args.reread else args.seeds):  # seeds outermost: every mode of every workload sees
+        for name, (w, steps, modes, _) in runs.items():  # the same machine drift
             for mode, overrides in modes.items():
-                out = os.path.join(args.out, name, mode, f"seed{seed}") if args.suite else \
-                    os.path.join(args.out, mode, f"seed{seed}")
+                out = folder(name, mode, seed)
                 shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends
                 extra = [*w.overrides, *(SUITE_ENGINE if args.suite else []), *args.extra]
                 results[name][mode].append(run_training(out, "--training.steps", str(steps), "--rollout.seed",
