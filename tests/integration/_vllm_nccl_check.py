@@ -13,7 +13,9 @@ for i, f in enumerate(staging.flats):
     f.copy_(torch.arange(f.numel()) + 10 * i)
 meta = [([s.name.upper() for s in plan.specs[b.start:b.end]], [s.dtype for s in plan.specs[b.start:b.end]],
          [list(s.shape) for s in plan.specs[b.start:b.end]]) for b in plan.buckets]
-fake = types.SimpleNamespace(_bucket_meta=meta, _plan=plan, _flats=staging.flats)
+running = vllm_nccl._Push(1)
+assert running.start()  # the push the source serves: running (an abandoned one stops the producer: unit-tested)
+fake = types.SimpleNamespace(_bucket_meta=meta, _plan=plan, _flats=staging.flats, _push=running)
 src = vllm_nccl.staging_source(fake, torch.device("cpu"))
 pairs = list(NCCLTrainerWeightTransferEngine._checked_iter(src, src.metadata()))
 assert [n for n, _ in pairs] == ["A.W", "A.B", "C.W"], pairs
