@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -113,9 +114,12 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _preexec(parent: int) -> None:
-    """In the forked child, before exec: die with the trainer (exit now if it died before the prctl took effect)."""
-    if die_with_parent() and os.getppid() != parent:
+def _preexec(parent: int, with_thread: bool) -> None:
+    """In the forked child, before exec: die with the trainer (exit now if it died before the prctl took effect).
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends, so only a launch from the main thread
+    sets it (``with_thread``); a relaunch on a reconnect thread, which ends once the server is up, relies on the
+    server's ``GroupWatchdog`` alone (it watches this process, not a thread)."""
+    if with_thread and die_with_parent() and os.getppid() != parent:
         os._exit(1)
 
 
@@ -185,6 +189,7 @@ def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.Pat
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: list[LaunchedServer] = []
+    main = threading.current_thread() is threading.main_thread()  # _preexec: PDEATHSIG follows the forking thread
     try:
         for i, port in enumerate(_free_ports(n)):
             argv, env = launch_command(os.path.abspath(model_dir), port, python=python, extra_args=extra_args,
@@ -197,7 +202,7 @@ def launch_servers(n: int, model_dir: str | os.PathLike, *, python: str | os.Pat
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True,
                                     # only a prctl between fork and exec, before any engine thread starts
-                                    preexec_fn=functools.partial(_preexec, os.getpid()))  # noqa: PLW1509
+                                    preexec_fn=functools.partial(_preexec, os.getpid(), main))  # noqa: PLW1509
             servers.append(LaunchedServer(proc, f"http://127.0.0.1:{port}", log_path, log))
             logger.info(f"launched vLLM server {i} (pid {proc.pid}) at {servers[-1].url}; log {log_path}")
         t0 = time.monotonic()
