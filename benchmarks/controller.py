@@ -25,7 +25,7 @@ at the measured pipeline depth). Compare with ``--variant "no-ff=--off_policy.fe
 controller alone) and ``--variant "ff-discount=--grpo.staleness_discount 1"`` (the step of each sample scaled by
 1 / (1 + its version gap), the seeds' staleness-adaptive learning rate).
 
-``--suite`` (issue: a controller that reads throughput) runs every workload of ``SUITE`` -- ``sensitive``,
+``--suite`` runs every workload of ``SUITE`` -- ``sensitive``,
 ``growing``, ``shifting``, ``heavy_tail`` (``benchmarks/streaming.py``'s Pareto-distributed budgets, 40 steps),
 ``environment`` (``benchmarks/environments.py``'s three-turn episodes with a 50 ms environment, the chat model, 40
 steps, reward target 0.4: its asynchronous runs learn slower than sync) and ``debug`` (the debug config, 40 steps; ``sensitive`` 40 too) -- with sync, fixed gaps 1 2 4 8 (debug: 1 2

@@ -141,15 +141,7 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
     ax.set_ylabel("Async Ratio")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    reward = series("reward_mean")
-    if reward is not None:
-        ax2 = ax.twinx()
-        ax2.plot(steps, reward, color="tab:purple", alpha=0.6, linewidth=0.9, label="reward_mean")
-        ax2.set_ylabel("Reward (mean)")
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="upper right", fontsize="small")
+    twin_legend(ax, steps, "Reward (mean)", [(series("reward_mean"), REWARD)])
 
     ax = axes[2]
     ax.plot(steps, series("pid_error"), color="tab:orange", label="error = target - staleness")
@@ -163,18 +155,11 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
         ax.step(steps, series("sync_interval"), where="post", color="tab:brown", label="push interval (steps)")
         ax.set_ylabel("Sync interval")
         ax.grid(alpha=0.3)
-        handles, labels = ax.get_legend_handles_labels()
         overhead = series("sync_overhead")
-        if overhead is not None:
-            ax2 = ax.twinx()
-            ax2.plot(steps, overhead, color="tab:gray", linewidth=0.9, label="sync overhead")
-            target = series("sync_overhead_target")
-            if target is not None:
-                ax2.plot(steps, target, color="tab:red", linestyle="--", linewidth=1, label="overhead target")
-            ax2.set_ylabel("Overhead (lost / compute)")
-            h2, l2 = ax2.get_legend_handles_labels()
-            handles, labels = handles + h2, labels + l2
-        ax.legend(handles, labels, loc="upper right", fontsize="small")
+        twin_legend(ax, steps, "Overhead (lost / compute)", [
+            (overhead, dict(color="tab:gray", linewidth=0.9, label="sync overhead")),
+            (series("sync_overhead_target") if overhead is not None else None,
+             dict(color="tab:red", linestyle="--", linewidth=1, label="overhead target"))])
     axes[-1].set_xlabel("Step")
     finish(plt, fig, out, title)
 
@@ -201,15 +186,8 @@ def plot_throughput(plt, steps: list[int], series):
         ax.plot(steps, limit, color="tab:red", linestyle="--", linewidth=1, label="starve_fraction")
     ax.set_ylabel("Wait / step")
     ax.grid(alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    wait = series("engine_wait_s")
-    if wait is not None:
-        ax2 = ax.twinx()
-        ax2.plot(steps, wait, color="tab:brown", alpha=0.3, linewidth=0.8, label="wait on the engines (s)")
-        ax2.set_ylabel("Seconds")
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="upper right", fontsize="small")
+    twin_legend(ax, steps, "Seconds", [(series("engine_wait_s"), dict(color="tab:brown", alpha=0.3, linewidth=0.8,
+                                                                       label="wait on the engines (s)"))])
 
     ax = axes[2]
     ax.plot(steps, series("ess_smoothed"), color="tab:blue", label="ESS fraction (EMA)")
@@ -224,17 +202,27 @@ def plot_throughput(plt, steps: list[int], series):
     ax.set_ylabel("ESS / N")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
+    twin_legend(ax, steps, "Reward (mean)", [(series("reward_mean"), REWARD)])
+    axes[-1].set_xlabel("Step")
+    return fig
+
+
+REWARD = dict(color="tab:purple", alpha=0.6, linewidth=0.9, label="reward_mean")
+
+
+def twin_legend(ax, steps: list[int], ylabel: str, lines: list) -> None:
+    """Draw ``lines`` ((values or None, plot style) pairs; None ones skipped) on a second y axis of ``ax`` when any
+    has values, then one legend for both axes."""
     handles, labels = ax.get_legend_handles_labels()
-    reward = series("reward_mean")
-    if reward is not None:
+    drawn = [(v, style) for v, style in lines if v is not None]
+    if drawn:
         ax2 = ax.twinx()
-        ax2.plot(steps, reward, color="tab:purple", alpha=0.6, linewidth=0.9, label="reward_mean")
-        ax2.set_ylabel("Reward (mean)")
+        for values, style in drawn:
+            ax2.plot(steps, values, **style)
+        ax2.set_ylabel(ylabel)
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     ax.legend(handles, labels, loc="upper right", fontsize="small")
-    axes[-1].set_xlabel("Step")
-    return fig
 
 
 def finish(plt, fig, out: str, title: str) -> None:

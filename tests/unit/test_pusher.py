@@ -170,7 +170,8 @@ def test_a_hung_abort_is_left_on_its_helper_thread_and_kills_the_engine(monkeypa
     finally:
         group.release.set()
         pusher.close()
-    assert group.aborted and took < 4.0, took  # the deadline (0.5 s) + ABORT_S (0.3 s), not the abort's 10 s
+    # the deadline (0.5 s) + ABORT_S (0.3 s), not the abort's 10 s: 8 s leaves a loaded machine room
+    assert group.aborted and took < 8.0, took
     assert len(engine.killed) == 1 and "did not return within 0.3 s" in engine.killed[0], engine.killed
     assert table.links[0].state is LinkState.BROKEN
 

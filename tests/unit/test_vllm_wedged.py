@@ -91,9 +91,9 @@ def pump_returns_at_once(pump: EnginePump) -> None:
     t = threading.Thread(target=pump.pump, args=(5.0,), daemon=True)
     t0 = time.monotonic()
     t.start()
-    t.join(10)
+    t.join(30)  # the old code: ~240 s; 30 s leaves room for a loaded machine
     assert not t.is_alive(), "pump() blocked on the reconnect of a wedged server"
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30
     assert isinstance(pump.engines[0], Reconnecting)
 
 
@@ -119,24 +119,27 @@ def test_a_wedged_server_is_given_up_off_the_main_thread_at_its_start_up_timeout
     assert "vllm0: server gone" in caplog.text
 
 
+class Launched:
+    """A server ``vllm_launch.launch_servers`` started, as the fleet sees it: its URL; ``stop`` is recorded."""
+
+    def __init__(self, url: str, stopped: list):
+        self.url, self.stopped = url, stopped
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        self.stopped.append(self.url)
+
+
 def test_a_wedged_server_we_launched_is_relaunched_and_the_request_it_held_goes_to_the_new_one(
         fleet, serve, monkeypatch):
     fresh = serve()
     stopped, launched = [], []
 
-    class Launched:
-        def __init__(self, url):
-            self.url = url
-
-        def stop(self, grace_s=20.0):
-            stopped.append(self.url)
-
     def launch_servers(n, model_dir, **kw):
         launched.append(kw["log_names"])
-        return [Launched(fresh.url)]
+        return [Launched(fresh.url, stopped)]
 
     monkeypatch.setattr(vllm_launch, "launch_servers", launch_servers)
-    fleet.servers = [Launched(fleet.wedged.url)]
+    fleet.servers = [Launched(fleet.wedged.url, stopped)]
     handler = fleet._new_engine(0)
     results: list = []
     pump = pump_of([handler], fleet, results)
@@ -155,19 +158,12 @@ def test_a_server_relaunched_after_the_run_ended_is_stopped_and_never_reported(f
     fresh = serve()
     stopped, started = [], threading.Event()
 
-    class Launched:
-        def __init__(self, url):
-            self.url = url
-
-        def stop(self, grace_s=20.0):
-            stopped.append(self.url)
-
     def launch_servers(n, model_dir, **kw):
         assert started.wait(10)
-        return [Launched(fresh.url)]
+        return [Launched(fresh.url, stopped)]
 
     monkeypatch.setattr(vllm_launch, "launch_servers", launch_servers)
-    fleet.servers = [Launched(fleet.wedged.url)]
+    fleet.servers = [Launched(fleet.wedged.url, stopped)]
     handler = fleet._new_engine(0)
     placeholder = fleet.replace(handler, 0)
     assert isinstance(placeholder, Reconnecting)
