@@ -1,7 +1,7 @@
 """Every monkey-patch torchtitan_flux applies to torchtitan or torch.
 
 Call :func:`apply_patches` first thing, before anything imports ``torchtitan``: the
-``triton_stub`` patch has to run before ``import torchtitan`` can succeed without triton.
+``triton_stub`` patch has to run before torchtitan's models can be imported without triton.
 Each patch module documents what it replaces, for which versions, why, and when it applies;
 each has an ``apply() -> bool`` that is safe to call repeatedly and returns whether the patch
 is in effect.
@@ -10,18 +10,17 @@ is in effect.
 import importlib.metadata
 import logging
 
-from . import cpu_device, cpu_profiler, cpu_quiet, gloo_fsdp_sum, list_str_quotes, triton_stub
+from . import cpu_device, cpu_quiet, gloo_fsdp_sum, list_str_quotes, triton_stub
 
 logger = logging.getLogger("torchtitan_flux")
 
 # The torchtitan release these patches were written and checked against.
-TORCHTITAN_VERSION = "0.2.2"
+TORCHTITAN_VERSION = "0.3.0"
 
 # In application order: triton_stub must come before anything imports torchtitan.
 PATCHES = {
     "triton_stub": triton_stub,
     "cpu_device": cpu_device,
-    "cpu_profiler": cpu_profiler,
     "cpu_quiet": cpu_quiet,
     "gloo_fsdp_sum": gloo_fsdp_sum,
     "list_str_quotes": list_str_quotes,

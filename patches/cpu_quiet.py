@@ -3,7 +3,8 @@
 What: a ``logging.Filter`` on the root logger (torchtitan logs through it) dropping the records that start with
 ``QUIET_LOGS``, and a ``warnings`` filter for ``QUIET_WARNINGS``. Nothing else is touched.
 
-Versions: torchtitan 0.2.2; torch versions checked: 2.13.0.
+Versions: torchtitan 0.3.0 (the three log lines are in ``tools/utils.py`` and ``distributed/utils.py``); torch
+versions checked: 2.15.0.
 
 Why: every CPU run printed, before its first step, "Error running lspci ... fallback to use device_name" and
 "Peak flops undefined for: CPU, fallback to A100" (twice each: torchtitan's MFU estimate looks for a GPU; MFU is

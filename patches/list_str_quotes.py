@@ -5,7 +5,7 @@ What: ``ConfigManager.register_tyro_rules`` wrapped: after torchtitan's rule for
 parts, so ``--rollout.environment_args 'name="a,b",n=1'`` is ``['name="a,b"', 'n=1']``. Otherwise as torchtitan's:
 one argument, ``""`` is ``[""]``, the list written back joined with commas.
 
-Versions: torchtitan 0.2.2 (``torchtitan/config/manager.py``'s ``list_str_rule``); tyro 0.9/1.0's
+Versions: torchtitan 0.3.0 (``torchtitan/config/manager.py``'s ``list_str_rule``, unchanged since 0.2.2); tyro 0.9/1.0's
 ``ConstructorRegistry.primitive_rule``.
 
 Why: ``rollout.environment_args`` values are JSON, and a JSON string may hold a comma: the environment got half a
