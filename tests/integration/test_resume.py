@@ -165,6 +165,30 @@ def test_a_model_only_checkpoint_is_refused_naming_the_newest_full_one(tiny_mode
     assert (tmp_path / "step-4" / ".metadata").exists()  # nothing set aside
 
 
+def test_a_torchtitan_0_2_2_checkpoint_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """The fixture is a full one-step checkpoint of the debug config written by torchtitan 0.2.2 (its README): its
+    parameter names do not load on 0.3.0, so the resume is refused before anything starts, naming the version and
+    the two ways on. A 0.3.0 checkpoint of the same shape is not refused (the model-only test's, then this one)."""
+    fixture = ROOT / "tests" / "fixtures" / "checkpoint_torchtitan_0_2_2" / "checkpoint"
+    shutil.copytree(fixture, tmp_path / "checkpoint")
+    folder = tmp_path / "checkpoint"
+    assert resume.written_by_torchtitan_022(str(folder / "step-1"))
+    with pytest.raises(ConfigError, match=rf"^checkpoint {folder}/step-1 was written by torchtitan 0.2.2, whose "
+                                          r"parameter names torchtitan 0.3.0 does not load; allowed: another "
+                                          r"--job.dump_folder .* hf_final .* commit 1def605 \(torchtitan 0.2.2\) "
+                                          r"to resume it$") as e:
+        _check(_config(tiny_model_dir), None, folder)
+    assert "\n" not in str(e.value)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    renamed = {"lm_head.weight": torch.zeros(2, 2), "layers.0.attention.qkv_linear.wq.weight": torch.zeros(2, 2),
+               "optimizer.state.lm_head.weight.step": torch.zeros(())}
+    dcp.save(renamed, checkpoint_id=str(tmp_path / "new" / "step-2"))
+    assert not resume.written_by_torchtitan_022(str(tmp_path / "new" / "step-2"))
+    assert _check(_config(tiny_model_dir), None, tmp_path / "new") == []
+
+
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_and_is_set_aside(tmp_path, caplog):
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step, None)

@@ -169,6 +169,24 @@ def model_only(step_dir: str) -> bool:
     return not any(k.startswith("optimizer.") for k in keys)
 
 
+# model keys only torchtitan 0.2.2 writes: 0.3.0 names them ``lm_head.weight`` and ``...attention.qkv_linear.wq.weight``
+TORCHTITAN_022_KEY = re.compile(r"output\.weight|layers\.\d+\.attention\.w[qkv]\.weight")
+# the last torchtitan_flux commit on torchtitan 0.2.2 (tests/fixtures/checkpoint_torchtitan_0_2_2/README.md)
+LAST_TORCHTITAN_022_COMMIT = "1def605"
+
+
+def written_by_torchtitan_022(step_dir: str) -> bool:
+    """Whether a complete checkpoint was written by torchtitan 0.2.2 (its parameter names). False when the metadata
+    cannot be read (the load's fallback handles it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable: not this check's business
+        return False
+    return any(TORCHTITAN_022_KEY.fullmatch(k) for k in keys)
+
+
 def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     """Before anything starts: refuse (``ConfigError``, one line) a resume from ``folder`` that cannot continue
     the run. A fingerprint field that differs is a warning instead with ``checkpoint.on_config_mismatch = "warn"``;
@@ -182,6 +200,12 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     step_dir = os.path.join(folder, f"step-{step}")
     if not ck.enable or step <= 0 or not os.path.isdir(step_dir):  # step 0 is a seed checkpoint (weights only)
         return []
+    if written_by_torchtitan_022(step_dir):  # its parameters have other names: nothing of it would load
+        raise ConfigError(
+            f"checkpoint {step_dir} was written by torchtitan 0.2.2, whose parameter names torchtitan 0.3.0 does not "
+            "load; allowed: another --job.dump_folder to start a new run (with model.hf_assets_path = the old run's "
+            f"hf_final folder to keep its weights), or torchtitan_flux at commit {LAST_TORCHTITAN_022_COMMIT} "
+            "(torchtitan 0.2.2) to resume it")
     if model_only(step_dir):  # else reported unreadable and set aside, and the run fell back to an older one
         full = [s for s in steps if s < step and not model_only(os.path.join(folder, f"step-{s}"))]
         raise ConfigError(
