@@ -34,11 +34,11 @@ def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout
     from torchtitan_flux.models import families, hf_weights
     from torchtitan_flux.rollout.rollouts import Rollouts
 
-    args = families.args_from_hf_dir(model_dir)  # the trainer's model: torchtitan names, pushed as HF's
-    model = (families.FluxQwenModel if isinstance(args, families.Qwen3ModelArgs) else families.FluxLlamaModel)(args)
+    config = families.config_from_hf_dir(model_dir)  # the trainer's model: torchtitan names, pushed as HF's
+    model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    hf_weights.load_hf_weights(model, model_dir, args)
+    hf_weights.load_hf_weights(model, model_dir, config)
     model.to(device)
     jc = SimpleNamespace(
         rollout=Rollout(num_engines=num_engines, engine_threads=1, colocated=colocated, prompts_per_step=2,

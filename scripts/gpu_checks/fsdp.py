@@ -39,12 +39,11 @@ def part(out: Path, device: torch.device) -> None:
         dist.init_process_group("gloo")
     try:
         model_dir = tiny_model_dir(out)
-        args = families.args_from_hf_dir(model_dir)
-        cls = families.FluxQwenModel if isinstance(args, families.Qwen3ModelArgs) else families.FluxLlamaModel
-        model = cls(args)
+        config = families.config_from_hf_dir(model_dir)
+        model = config.build()
         with torch.no_grad():
             model.init_weights(buffer_device=None)
-        hf_weights.load_hf_weights(model, model_dir, args)
+        hf_weights.load_hf_weights(model, model_dir, config)
         model.to(device)
         mesh = init_device_mesh(device.type, (1,))
         for block in model.layers.values():
