@@ -162,9 +162,9 @@ def _modified(weights: dict) -> dict:
     g = torch.Generator().manual_seed(1)
     new = {k: v.clone() for k, v in weights.items()}
     for k in new:
-        if k.endswith(("attention.wq.weight", "attention.wk.weight")):  # the layouts HF permutes
+        if k.endswith(("attention.qkv_linear.wq.weight", "attention.qkv_linear.wk.weight")):  # the layouts HF permutes
             new[k] += 0.1 * torch.randn(new[k].shape, generator=g)
-    new["output.weight"] *= 1.5
+    new["lm_head.weight"] *= 1.5
     new["layers.0.feed_forward.w2.weight"].zero_()
     new["norm.weight"] *= 0.5
     new["tok_embeddings.weight"] *= 2.0
