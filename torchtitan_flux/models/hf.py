@@ -106,7 +106,7 @@ def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _rope_scaling(cfg: dict[str, Any], fam: str, where: str) -> dict[str, float]:
-    """llama3 RoPE scaling knobs (factor 1 == none), as torchtitan's ``RoPEScalingArgs``."""
+    """llama3 RoPE scaling knobs (factor 1 == none), as torchtitan's ``RoPE.Config`` llama scaling fields."""
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 4 / 5 spelling
     rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rope_type == "default":

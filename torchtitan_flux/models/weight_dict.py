@@ -30,7 +30,7 @@ class ModelShape:
     intermediate_size: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # llama3 RoPE scaling (factor 1.0 == no scaling), as torchtitan's RoPEScalingArgs.
+    # llama3 RoPE scaling (factor 1.0 == no scaling), as torchtitan's RoPE.Config llama scaling fields.
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
