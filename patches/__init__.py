@@ -10,12 +10,16 @@ is in effect.
 import importlib.metadata
 import logging
 
+from torchtitan_flux.errors import TorchtitanVersionError
+
 from . import cpu_device, cpu_quiet, gloo_fsdp_sum, list_str_quotes, triton_stub
 
 logger = logging.getLogger("torchtitan_flux")
 
-# The torchtitan release these patches were written and checked against.
+# The torchtitan release torchtitan_flux and these patches are written and checked against (and the only one it runs
+# on: "switch, do not support both"); the last torchtitan_flux commit on torchtitan 0.2.2 is named in the refusal.
 TORCHTITAN_VERSION = "0.3.0"
+LAST_TORCHTITAN_022_COMMIT = "1def605"
 
 # In application order: triton_stub must come before anything imports torchtitan.
 PATCHES = {
@@ -28,17 +32,18 @@ PATCHES = {
 
 
 def apply_patches() -> list[str]:
-    """Apply every patch this machine needs; idempotent.
+    """Apply every patch this machine needs; idempotent. ``TorchtitanVersionError`` (one line) for any torchtitan
+    but ``TORCHTITAN_VERSION``.
 
     Returns:
         The names (keys of :data:`PATCHES`) of the patches now in effect.
     """
     installed = importlib.metadata.version("torchtitan")
     if installed != TORCHTITAN_VERSION:
-        logger.warning(
-            f"torchtitan {installed} is installed but the patches in "
-            f"torchtitan_flux.patches were written for torchtitan {TORCHTITAN_VERSION}"
-        )
+        raise TorchtitanVersionError(
+            f"torchtitan {installed} is installed; torchtitan_flux runs on torchtitan {TORCHTITAN_VERSION} only: "
+            f"pip install torchtitan=={TORCHTITAN_VERSION} (scripts/setup.sh), or torchtitan_flux at commit "
+            f"{LAST_TORCHTITAN_022_COMMIT} for torchtitan 0.2.2")
     applied = [name for name, patch in PATCHES.items() if patch.apply()]
     logger.info(f"Applied patches: {', '.join(applied) or 'none'}")
     return applied

@@ -293,11 +293,11 @@ def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.errors import (CheckpointWriteError, ConfigError, EngineStartError, LossNotFinite,
                                         MetricsWriteError, NcclVersionMismatch, NoEngineLeft, ProbeMismatch,
-                                        RewardError, TrainingInterrupted, UserCodeError)
+                                        RewardError, TorchtitanVersionError, TrainingInterrupted, UserCodeError)
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
-    elif isinstance(e, (EngineStartError, ProbeMismatch, NcclVersionMismatch)):
+    elif isinstance(e, (EngineStartError, ProbeMismatch, NcclVersionMismatch, TorchtitanVersionError)):
         code, line = 1, f"error: {e}"
     elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError, MetricsWriteError)):
         code, line = 1, f"stopped: {e}"

@@ -114,11 +114,22 @@ def test_cpu_quiet_drops_only_the_gpu_probing_warnings(capsys):
     assert [str(w.message) for w in seen] == ["another warning"]
 
 
-def test_version_mismatch_warns(monkeypatch, caplog):
-    monkeypatch.setattr(patches.importlib.metadata, "version", lambda _: "9.9.9")
-    with caplog.at_level("WARNING", logger="torchtitan_flux"):
+def test_another_torchtitan_is_refused_in_one_line(monkeypatch, capsys):
+    """Switch, do not support both: 0.2.2 (or any other release) is refused before anything is patched, naming
+    what to install and the last commit for 0.2.2."""
+    from torchtitan_flux.errors import TorchtitanVersionError
+
+    assert patches.importlib.metadata.version("torchtitan") == "0.3.0"
+    monkeypatch.setattr(patches.importlib.metadata, "version", lambda _: "0.2.2")
+    with pytest.raises(TorchtitanVersionError) as e:
         patches.apply_patches()
-    assert "torchtitan 9.9.9" in caplog.text and "torchtitan 0.3.0" in caplog.text
+    assert str(e.value) == ("torchtitan 0.2.2 is installed; torchtitan_flux runs on torchtitan 0.3.0 only: pip install "
+                            "torchtitan==0.3.0 (scripts/setup.sh), or torchtitan_flux at commit 1def605 for "
+                            "torchtitan 0.2.2")
+    from torchtitan_flux.train import _report
+
+    assert _report(e.value) == 1  # how the run ends: that line, no traceback
+    assert capsys.readouterr().err == f"error: {e.value}\n"
 
 
 def test_triton_stub_is_a_no_op_when_triton_imports(monkeypatch):

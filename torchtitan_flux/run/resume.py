@@ -171,8 +171,6 @@ def model_only(step_dir: str) -> bool:
 
 # model keys only torchtitan 0.2.2 writes: 0.3.0 names them ``lm_head.weight`` and ``...attention.qkv_linear.wq.weight``
 TORCHTITAN_022_KEY = re.compile(r"output\.weight|layers\.\d+\.attention\.w[qkv]\.weight")
-# the last torchtitan_flux commit on torchtitan 0.2.2 (tests/fixtures/checkpoint_torchtitan_0_2_2/README.md)
-LAST_TORCHTITAN_022_COMMIT = "1def605"
 
 
 def written_by_torchtitan_022(step_dir: str) -> bool:
@@ -201,6 +199,8 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     if not ck.enable or step <= 0 or not os.path.isdir(step_dir):  # step 0 is a seed checkpoint (weights only)
         return []
     if written_by_torchtitan_022(step_dir):  # its parameters have other names: nothing of it would load
+        from torchtitan_flux.patches import LAST_TORCHTITAN_022_COMMIT
+
         raise ConfigError(
             f"checkpoint {step_dir} was written by torchtitan 0.2.2, whose parameter names torchtitan 0.3.0 does not "
             "load; allowed: another --job.dump_folder to start a new run (with model.hf_assets_path = the old run's "
