@@ -114,7 +114,7 @@ def build_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 2048) ->
 
     Ids: ``<|pad|>``=0, ``<|bos|>``=1, ``<|eos|>``=2, then byte ``b`` -> ``3 + b``. A BPE model without
     merges over the 256 ByteLevel symbols, so every byte of the input (every ASCII character) is one
-    token. Loadable by ``torchtitan.components.tokenizer.HuggingFaceTokenizer(out_dir)`` and by
+    token. Loadable by ``torchtitan.components.tokenizer.HuggingFaceTokenizer(tokenizer_path=out_dir)`` and by
     ``transformers.PreTrainedTokenizerFast.from_pretrained(out_dir)``. No BOS/EOS is added by the
     tokenizer.json itself; ``add_bos_token: true`` in the config makes torchtitan's ``encode`` prepend BOS
     by default (``encode(text, add_bos=..., add_eos=...)`` controls it explicitly).

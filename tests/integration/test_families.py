@@ -452,7 +452,7 @@ def test_a_batch_gradient_with_logits_from_the_first_completion_position_is_the_
     assert first_loss_position(mask[:2]) == 19 and first_loss_position(mask) == 17
 
     out = backward_on_batch(model, None, batch, g, trained_steps=0, rank=0, world=1, micro_batch=2,
-                            device=torch.device("cpu"), train_context=nullcontext, amp=nullcontext())
+                            device=torch.device("cpu"), train_context=nullcontext)
     windowed = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 

@@ -40,7 +40,7 @@ def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
     Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
     checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch; the prompt
     limit acts through the filtered records) and ``debug.seed`` (the RNG state is in the checkpoint)."""
-    r, hf = job_config.rollout, job_config.model.hf_assets_path
+    r, hf = job_config.rollout, job_config.hf_assets_path
     fp: dict[str, Any] = {
         "model.hf_assets_path config.json": _json_sha(os.path.join(hf, "config.json")),
         "model.hf_assets_path tokenizer.json": _file_sha(os.path.join(hf, "tokenizer.json")),
@@ -86,12 +86,12 @@ def check_room_for_a_checkpoint(job_config: Any) -> None:
 
     from torchtitan_flux.models import hf
 
-    ck, dump = job_config.checkpoint, job_config.job.dump_folder
+    ck, dump = job_config.checkpoint, job_config.dump_folder
     if not ck.enable:
         return
     params = 0
     try:
-        for path in hf.weight_files(job_config.model.hf_assets_path):
+        for path in hf.weight_files(job_config.hf_assets_path):
             with safe_open(str(path), "pt") as f:
                 params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     except Exception:  # noqa: BLE001 - missing or damaged weights: the trainer's load names them in one line
@@ -113,7 +113,7 @@ def set_aside_previous_outputs(job_config: Any) -> str | None:
     """Rank 0, before the trainer is built: if this run starts afresh (nothing to resume) and ``job.dump_folder``
     holds a previous run's outputs, move them into ``previous_runs/<UTC time>/`` and say so. Returns the folder
     they went to, or None."""
-    dump, ck = job_config.job.dump_folder, job_config.checkpoint
+    dump, ck = job_config.dump_folder, job_config.checkpoint
     if ck.enable and any(s > 0 for s in complete_steps(os.path.join(dump, ck.folder))):
         return None  # a resume: its rows continue the same metrics.jsonl (a seed checkpoint, step 0, is no progress)
     found = [n for n in RUN_OUTPUTS if os.path.exists(p := os.path.join(dump, n))
@@ -138,7 +138,7 @@ def check_outputs(job_config: Any) -> None:
     """Rank 0, after ``set_aside_previous_outputs``: ``ConfigError`` naming the path unless every output the run
     writes in ``job.dump_folder`` is absent or of its kind (a folder named ``metrics.jsonl`` or a file named
     ``hf_final`` failed only when first written, the export after the whole training)."""
-    dump, m = job_config.job.dump_folder, job_config.metrics
+    dump, m = job_config.dump_folder, job_config.metrics
     for name, kind in {**RUN_OUTPUTS, **({m.save_tb_folder: "folder"} if m.enable_tensorboard else {})}.items():
         path = os.path.join(dump, name)
         if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchtitan_flux.config import ADDED_TO_TORCHTITAN, MODEL_NAME, SECTIONS, AdaptiveAsync, CheckpointAdditions
+from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, AdaptiveAsync, CheckpointAdditions
 from torchtitan_flux.engine.kinds import engine_kind, kind_names
 from torchtitan_flux.engine.vllm_launch import resolve_launch_python
 from torchtitan_flux.errors import ConfigError
@@ -151,10 +151,6 @@ def _url_problem(url: str) -> str | None:
 def _validate_torchtitan_fields(job_config: Any) -> None:
     """The torchtitan fields whose bad values would fail late (a bare assert, a NaN loss) or pass silently."""
     tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
-    name = job_config.model.name
-    if name != MODEL_NAME:
-        raise ConfigError(f"model.name = {name!r} is not allowed; allowed: {MODEL_NAME!r} (the family is read from "
-                          "model.hf_assets_path/config.json)")
     for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
         _check_type(f"training.{name}", getattr(tr, name), int)
     for name in ("steps", "local_batch_size", "seq_len"):
@@ -194,7 +190,7 @@ def _check_parallelism(p: Any) -> None:
     """The trainer shards data-parallel only (FSDP, optionally HSDP): every rank trains on its own slice of the
     batch, so a tensor, pipeline, context or expert parallel degree would train on the wrong data."""
     for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                 "expert_parallel_degree", "expert_tensor_parallel_degree"):
+                 "expert_parallel_degree"):
         _require(getattr(p, name) == 1, f"parallelism.{name}", getattr(p, name),
                  "1 (the trainer is data-parallel only: FSDP, or HSDP with data_parallel_replicate_degree)")
     world, rep = int(os.environ.get("WORLD_SIZE", 1)), p.data_parallel_replicate_degree
@@ -220,33 +216,6 @@ def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | No
             f"only if the KL / importance-weight terms make up the rest; {fix} (or lower the target to {reach:.2f})")
 
 
-def unknown_fields_error(e: ValueError, config_file: str) -> ConfigError | None:
-    """torchtitan's "Invalid field names in <class ...> data: {...}" (an unknown TOML key or section) as one line
-    naming the file, the section, the keys and the allowed fields; None for any other error."""
-    m = re.match(r"Invalid field names in <class '([\w.]+)'> data: (\{.*?\})", str(e))
-    if m is None:
-        return None
-    from torchtitan.config import JobConfig
-
-    path, names = m.group(1), m.group(2)
-    mod, _, cls = path.rpartition(".")
-    if cls in ("JobConfig", "MergedJobConfig"):  # an unknown section (torchtitan's and ours merged)
-        allowed = sorted({f.name for f in dataclasses.fields(JobConfig)} | set(SECTIONS))
-        return ConfigError(f"job.config_file = {config_file!r}: unknown section(s) {names}; allowed: "
-                           + ", ".join(allowed))
-    section = next((k for k, v in SECTIONS.items() if f"{v.__module__}.{v.__qualname__}" == path), None)
-    if section is None:  # one of torchtitan's sections
-        section = next((f.name for f in dataclasses.fields(JobConfig)
-                        if getattr(f.type, "__name__", str(f.type)) == cls), None)
-    try:
-        fields = sorted(f.name for f in dataclasses.fields(getattr(importlib.import_module(mod), cls)))
-    except (ImportError, AttributeError, TypeError):
-        fields = []
-    where = f"[{section}]" if section else f"the section of type {cls}"
-    allowed = ", ".join(fields) if fields else "see docs/configuration.md"
-    return ConfigError(f"job.config_file = {config_file!r}: unknown key(s) {names} in {where}; allowed: {allowed}")
-
-
 def validate_config(job_config: Any) -> None:
     """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
     o = job_config.off_policy
@@ -268,7 +237,7 @@ def validate_config(job_config: Any) -> None:
              w.sparse_max_bytes_ratio, f"{ratio_default:g} (the default) unless weight_sync.method = \"sparse\": "
              "dense pushes send every bucket whole")
 
-    prof = job_config.profiling
+    prof = job_config.profiler
     _require(not prof.enable_memory_snapshot or torch.cuda.is_available(), "profiling.enable_memory_snapshot",
              prof.enable_memory_snapshot, "false on a machine without CUDA (the snapshot records the CUDA caching "
              "allocator's history; profiling.enable_profiling works on CPU)")
@@ -439,7 +408,7 @@ def kv_pool_bytes(job_config: Any) -> int:
     r, w = job_config.rollout, job_config.weight_sync
     if not r.continuous_batching or engine_kind(r.engine).server:  # servers keep their own caches
         return 0
-    shape = ModelShape.from_hf_dir(job_config.model.hf_assets_path)
+    shape = ModelShape.from_hf_dir(job_config.hf_assets_path)
     wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize  # "auto": float32 parameters
     pool = inference.kv_pool_bytes(shape, r.max_batch_sequences, job_config.training.seq_len, wire)
     return pool * (2 if r.environment else 1)
@@ -464,7 +433,7 @@ def _check_kv_pools_fit(job_config: Any) -> None:
     r, w = job_config.rollout, job_config.weight_sync
     pool = kv_pool_bytes(job_config)
     wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize
-    model = hf_param_count(ModelShape.from_hf_dir(job_config.model.hf_assets_path)) * wire
+    model = hf_param_count(ModelShape.from_hf_dir(job_config.hf_assets_path)) * wire
     gib = 2**30
     fields = (f"rollout.max_batch_sequences = {r.max_batch_sequences} rows x training.seq_len = "
               f"{job_config.training.seq_len} slots: each embedded engine's KV pool takes {pool / gib:.1f} GiB")
@@ -494,7 +463,7 @@ def _check_colocated_memory(job_config: Any) -> None:
     from torchtitan_flux.models.weight_dict import ModelShape
 
     r, w = job_config.rollout, job_config.weight_sync
-    shape = ModelShape.from_hf_dir(job_config.model.hf_assets_path)
+    shape = ModelShape.from_hf_dir(job_config.hf_assets_path)
     wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize  # "auto": float32 parameters
     device = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
     p = job_config.parallelism
@@ -513,7 +482,7 @@ def _check_model_folder(job_config: Any) -> None:
     from torchtitan_flux.models import hf as hf_folder
     from torchtitan_flux.data.tasks import max_prompt_tokens
 
-    hf, r = job_config.model.hf_assets_path, job_config.rollout
+    hf, r = job_config.hf_assets_path, job_config.rollout
     for fname in ("tokenizer.json", "config.json"):
         if not os.path.isfile(os.path.join(hf, fname)):
             raise ConfigError(f"model.hf_assets_path = {hf!r} has no {fname}; point it at a HF model folder (the "
@@ -576,7 +545,7 @@ def _check_environment(job_config: Any) -> None:
     from torchtitan_flux.data.datasets import ChatTemplate
 
     try:
-        ChatTemplate(job_config.model.hf_assets_path)
+        ChatTemplate(job_config.hf_assets_path)
     except ConfigError as e:
         raise ConfigError(f"rollout.environment = {r.environment!r} renders conversations with the model's chat "
                           f"template: {e}; for the tiny debug model use its chat variant, which scripts/setup.sh "
