@@ -82,7 +82,7 @@ def test_cpu_device_is_still_needed():
 
 
 def test_registry_lists_every_patch_module():
-    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_quiet", "gloo_fsdp_sum", "list_str_quotes"]
+    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_quiet", "gloo_fsdp_sum"]
     for module in patches.PATCHES.values():
         doc = module.__doc__
         assert "What:" in doc and "Versions:" in doc and "Why:" in doc
@@ -285,7 +285,7 @@ def _worker(rank: int, port: int, spmd_backend: str, model_dir: str) -> None:
     with pytest.raises(RuntimeError, match="PREMUL_SUM"):
         _fsdp_train_step(parallel_dims, parallelism, model_dir, tokens, rank)
 
-    assert patches.apply_patches() == ["triton_stub", "cpu_device", "cpu_quiet", "gloo_fsdp_sum", "list_str_quotes"]
+    assert patches.apply_patches() == ["triton_stub", "cpu_device", "cpu_quiet", "gloo_fsdp_sum"]
     _fsdp_train_step(parallel_dims, parallelism, model_dir, tokens, rank)
     dist.destroy_process_group()
     # Skip the interpreter's finalisation (as torchtitan_flux/train.py does): torch's gloo teardown racing its own
@@ -299,33 +299,3 @@ def test_fsdp_over_gloo_two_processes(spmd_backend, tiny_model_dir):
     """Both of 0.3.0's FSDP backends train over gloo on torch 2.15 with the patch (on torch 2.13, ``spmd_types``
     failed: "parameters must be DTensors"), and neither does without it."""
     mp.spawn(_worker, args=(_free_port(), spmd_backend, str(tiny_model_dir)), nprocs=2, join=True)
-
-
-def test_a_comma_inside_a_quoted_value_does_not_split_a_list():
-    """The fifth sweep: ``--rollout.environment_args 'fault="a,b",fault_after=10'`` gave ['fault="a', 'b"', ...]:
-    torchtitan 0.3.0's own ``list[str]`` rule still splits inside quotes; with the patch's rule a quoted comma stays.
-    Mutation: the patch's rule registered before torchtitan's (tyro takes the last)."""
-    import dataclasses
-
-    import tyro
-    from torchtitan.config.manager import ConfigManager
-
-    @dataclasses.dataclass
-    class Rollout:
-        environment_args: list[str] = dataclasses.field(default_factory=list)
-        reward_funcs: list[str] = dataclasses.field(default_factory=list)
-
-    def parse(register_rules, args: list[str]) -> Rollout:
-        registry = tyro.constructors.ConstructorRegistry()
-        register_rules(registry)
-        return tyro.cli(Rollout, args=args, registry=registry)
-
-    stock = getattr(ConfigManager.register_tyro_rules, "__wrapped__", ConfigManager.register_tyro_rules)
-    assert patches.list_str_quotes.apply() and patches.list_str_quotes.apply()  # idempotent
-    argv = ["--environment_args", 'fault="a,b",fault_after=10', "--reward_funcs", "a:b,c:d"]
-    assert parse(stock, argv).environment_args == ['fault="a', 'b"', "fault_after=10"]  # still needed
-    parsed = parse(ConfigManager.register_tyro_rules, argv)
-    assert parsed.environment_args == ['fault="a,b"', "fault_after=10"]
-    assert parsed.reward_funcs == ["a:b", "c:d"]
-    assert patches.list_str_quotes.split_outside_quotes('x="a\\",b",,y') == ['x="a\\",b"', "", "y"]
-    assert patches.list_str_quotes.split_outside_quotes("") == [""]

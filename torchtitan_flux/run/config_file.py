@@ -4,8 +4,9 @@ torchtitan 0.3.0 has no TOML: its configs are Python registries parsed by tyro. 
 instead, with no tyro in between: the TOML's keys, then the command line's, are set one by one on a default
 ``GRPOTrainer.Config`` (torchtitan's ``Trainer.Config`` with our sections), each value converted to the field's
 declared type. So every field of the tree is settable the same way, ours and 0.3.0's (``--parallelism.spmd_backend
-partial_dtensor``, ``--compile.enable true``): booleans take ``true|false``, lists take ``a,b`` or ``a b`` (``""``
-clears one), and bad input is one ``ConfigError`` line naming the field and what is allowed.
+partial_dtensor``, ``--compile.enable true``): booleans take ``true|false`` (bare: true), lists ``a,b`` or ``a b``
+(a comma inside double quotes stays), ``""`` clears a list. An unknown key is one ``ConfigError`` line naming it and the allowed names; a value of the
+wrong type or out of range is ``validate_config``'s (run/validation.py), in the same one-line form.
 
 Keys of torchtitan 0.2.2's TOML layout that 0.3.0 moved are translated (``LEGACY``); ``[activation_checkpoint]
 mode`` picks the config class (``AC_MODES``).
@@ -13,6 +14,7 @@ mode`` picks the config class (``AC_MODES``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tomllib
 import types
@@ -45,10 +47,16 @@ def load_config(argv: list[str]) -> GRPOTrainer.Config:
     files = [v for k, v in overrides if k == "job.config_file"]
     if len(files) > 1:
         raise ConfigError(f"job.config_file is given {len(files)} times; allowed: once")
-    settings = _read_toml(files[0][0]) if files else []
     config = GRPOTrainer.Config()
-    for key, value in settings + [(k, v) for k, v in overrides if k != "job.config_file"]:
-        _set(config, key, value)
+    if files:
+        (path,) = files[0] if len(files[0]) == 1 else (None,)
+        if path is None:
+            raise ConfigError(f"--job.config_file takes one value, given {len(files[0])}; allowed: a TOML file")
+        for key, value in _read_toml(path):
+            _set(config, key, value, path)
+    for key, value in overrides:
+        if key != "job.config_file":
+            _set(config, key, value, None)
     return config
 
 
@@ -107,119 +115,116 @@ def _read_toml(path: str) -> list[tuple[str, Any]]:
 def _is_dict_field(key: str) -> bool:
     """Whether ``key`` names a field whose value is a dict (a TOML table sets it whole)."""
     try:
-        _, _, hint = _resolve(_DEFAULTS, key)
+        _, _, hint = _resolve(_DEFAULTS, key, key, None)
     except ConfigError:
         return False
     return typing.get_origin(hint) is dict or hint is dict
 
 
-def _set(config: GRPOTrainer.Config, key: str, value: Any) -> None:
-    """Set ``key`` (a 0.2.2 or 0.3.0 ``section.field``) to ``value`` (TOML-typed, or the command line's strings)."""
+def _set(config: GRPOTrainer.Config, key: str, value: Any, source: str | None) -> None:
+    """Set ``key`` (a 0.2.2 or 0.3.0 ``section.field``) to ``value``: a TOML value from file ``source`` as it is, or
+    the command line's strings (``source`` None) read as the field's type. Types and ranges are
+    ``validate_config``'s to check, with the messages of every other bad value."""
     if key in FIXED:
         allowed = FIXED[key]
-        given = value[0] if isinstance(value, list) and len(value) == 1 else value
+        given = value[0] if source is None and len(value) == 1 else value
         if allowed is not None and given != allowed:
-            raise ConfigError(f"{key} = {given!r}; allowed: {allowed!r} (the model is read from "
-                              "hf_assets_path/config.json)")
+            raise ConfigError(f"{key} = {given!r} is not allowed; allowed: {allowed!r} (the model is read from "
+                              "model.hf_assets_path/config.json)")
         return
     if key == "activation_checkpoint.mode":
-        mode = value[0] if isinstance(value, list) and len(value) == 1 else value
+        mode = value[0] if source is None and len(value) == 1 else value
         if mode not in AC_MODES:
-            raise ConfigError(f"{key} = {mode!r}; allowed: {' | '.join(AC_MODES)}")
+            raise ConfigError(f"{key} = {mode!r} is not allowed; allowed values: "
+                              f"{' | '.join(repr(m) for m in AC_MODES)}")
         config.activation_checkpoint = AC_MODES[mode]() if AC_MODES[mode] else None
         return
-    key = LEGACY.get(key, "profiler." + key.removeprefix("profiling.") if key.startswith("profiling.") else key)
-    parent, name, hint = _resolve(config, key)
-    setattr(parent, name, _convert(key, value, hint))
+    target = LEGACY.get(key, "profiler." + key.removeprefix("profiling.") if key.startswith("profiling.") else key)
+    parent, name, hint = _resolve(config, target, key, source)
+    setattr(parent, name, value if source is not None else _from_cli(key, value, hint))
 
 
-def _resolve(config: Any, key: str) -> tuple[Any, str, Any]:
-    """The object holding ``key``'s field, the field's name and its declared type."""
+def _resolve(config: Any, key: str, given: str, source: str | None) -> tuple[Any, str, Any]:
+    """The object holding ``key``'s field, the field's name and its declared type; a ``ConfigError`` naming
+    ``given`` (the key as written) and the allowed names when there is no such field."""
     obj, parts = config, key.split(".")
     for i, part in enumerate(parts):
-        hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
-        hints = {f.name: hints[f.name] for f in dataclasses.fields(obj) if not f.name.startswith("_")} if hints \
-            else {}
-        if part not in hints:
-            where = ".".join(parts[:i]) or "the top level"
-            allowed = ", ".join(sorted(hints)) or "none (it is not a section)"
-            raise ConfigError(f"{key}: no field {part!r} in {where}; allowed: {allowed}")
+        names = ({f.name for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+                 if dataclasses.is_dataclass(obj) else set())
+        if part not in names:
+            section = ".".join(given.split(".")[:i]) if i else ""
+            names = (names | {"job", "model", "profiling"}) - {"model_spec"} if not i else names  # 0.2.2's too
+            allowed = ", ".join(sorted(names)) or "none (it is a single value)"
+            where = f"job.config_file = {source!r}: " if source is not None else f"--{given}: "
+            if not i and source is not None:
+                raise ConfigError(f"{where}unknown section(s) {{{part!r}}}; allowed: {allowed}")
+            raise ConfigError(f"{where}unknown key(s) {{{part!r}}} in [{section or 'the top level'}]; allowed: "
+                              f"{allowed}")
         if i == len(parts) - 1:
-            return obj, part, hints[part]
+            return obj, part, typing.get_type_hints(type(obj))[part]
         obj = getattr(obj, part)
     raise AssertionError(key)
 
 
-def _convert(key: str, value: Any, hint: Any) -> Any:
-    """``value`` as ``hint``: a TOML value checked, or the command line's strings parsed."""
-    cli = isinstance(value, list) and all(isinstance(v, str) for v in value) and not _is_list(hint)
-    if cli:
-        if len(value) != 1:
-            raise ConfigError(f"{key} takes one value, given {len(value)}: {' '.join(value)!r}")
-        value = value[0]
+def _from_cli(key: str, values: list[str], hint: Any) -> Any:
+    """The command line's strings as ``hint``'s type where they read as one, else as given (validation then names
+    a value of the wrong type): ``true|false`` for booleans, ``a,b`` or ``a b`` for lists of numbers, ``""`` for
+    the empty list."""
+    if _list_item(hint) is not None:
+        item = _list_item(hint)
+        if values == [""]:
+            return []
+        if len(values) == 1 and item in (int, float):
+            values = [v.strip() for v in values[0].split(",") if v.strip()]
+        elif len(values) == 1:  # JSON values (environment_args) may hold a quoted comma
+            values = split_outside_quotes(values[0])
+        return [_scalar(v, item) for v in values]
+    if not values and bool in (typing.get_args(hint) or (hint,)):  # a bare boolean, as torchtitan's flags
+        return True
+    if len(values) != 1:
+        raise ConfigError(f"--{key} takes one value, given {len(values)} ({' '.join(values) or 'none'}); allowed: "
+                          "--section.field value")
+    return _scalar(values[0], hint)
+
+
+def _list_item(hint: Any) -> Any:
+    """The item type of a list field (through ``X | None``), else None."""
+    for t in typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,):
+        if typing.get_origin(t) is list:
+            return (typing.get_args(t) or (Any,))[0]
+    return None
+
+
+def _scalar(text: str, hint: Any) -> Any:
+    """``text`` as the first of ``hint``'s types it reads as (a string last), else ``text``."""
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    errors = []
-    for option in sorted(options, key=lambda t: t is str):  # a string last: "3" is a number where one is allowed
-        try:
-            return _as(value, option, cli)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
-    raise ConfigError(f"{key} = {value!r}; allowed: {' or '.join(errors)}")
-
-
-def _is_list(hint: Any) -> bool:
-    origins = [typing.get_origin(t) for t in (typing.get_args(hint) or (hint,))] + [typing.get_origin(hint)]
-    return list in origins or hint is list
-
-
-def _as(value: Any, t: Any, cli: bool) -> Any:
-    """``value`` as type ``t``; ValueError saying what ``t`` allows."""
-    origin = typing.get_origin(t)
-    if t is type(None):
-        if value is None or (cli and value in ("None", "none")):
+    for t in sorted(options, key=lambda t: t is str):
+        if t is bool and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if t is type(None) and text in ("None", "none"):
             return None
-        raise ValueError("none")
-    if origin is typing.Literal:
-        choices = typing.get_args(t)
-        if value in choices:
-            return value
-        raise ValueError(" | ".join(str(c) for c in choices))
-    if t is bool:
-        if isinstance(value, bool):
-            return value
-        if cli and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError("true | false")
-    if t in (int, float):
-        if isinstance(value, bool):
-            raise ValueError(f"a{'n integer' if t is int else ' number'}")
-        if isinstance(value, (int, float)) and not cli:
-            if t is int and not float(value).is_integer():
-                raise ValueError("an integer")
-            return t(value)
-        try:
-            return t(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"a{'n integer' if t is int else ' number'}") from None
-    if t is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError("a string")
-    if origin is list or t is list:
-        (item,) = typing.get_args(t) or (Any,)
-        if isinstance(value, list) and value == [""]:
-            return []  # --x.y "": the empty list
-        if isinstance(value, list) and cli is False and all(isinstance(v, str) for v in value) and len(value) == 1:
-            value = [v.strip() for v in value[0].split(",") if v.strip()] if "," in value[0] and item in (
-                int, float) else value
-        if not isinstance(value, list):
-            raise ValueError(f"a list of {getattr(item, '__name__', item)}")
-        strings = all(isinstance(v, str) for v in value)
-        return [v if item is Any else _as(v, item, strings and item is not str) for v in value]
-    if origin is dict or t is dict:
-        if isinstance(value, dict):
-            return value
-        raise ValueError("a table")
-    if t is Any:
-        return value
-    raise ValueError(f"a {getattr(t, '__name__', t)} (not settable from a TOML file)")
+        if t in (int, float):
+            with contextlib.suppress(ValueError):
+                return t(text)
+        if t is str or typing.get_origin(t) is typing.Literal:
+            return text
+    return text
+
+
+def split_outside_quotes(text: str) -> list[str]:
+    """``text`` split at each comma outside a double-quoted part (``\\"`` inside one escapes the quote)."""
+    parts, current, quoted, escaped = [], [], False, False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quoted:
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "," and not quoted:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(ch)
+    parts.append("".join(current))
+    return parts
