@@ -708,14 +708,12 @@ def test_pinned_async_checkpoints_without_cuda_are_refused():
 
 def test_a_toml_with_a_byte_order_mark_is_one_line(tmp_path):
     """Before 2026-11-27: "Invalid statement (at line 1, column 1)", naming nothing a user could see."""
-    from torchtitan_flux.train import _check_config_file
-
     bom = tmp_path / "bom.toml"
     bom.write_bytes(b"\xef\xbb\xbf" + DEBUG_TOML.read_bytes())
     with pytest.raises(ConfigError, match=rf"^job.config_file = '{re.escape(str(bom))}' starts with a UTF-8 "
                                           r"byte-order mark; allowed: UTF-8 without one"):
-        _check_config_file(["--job.config_file", str(bom)])
-    assert _check_config_file(["--job.config_file", str(DEBUG_TOML)]) == str(DEBUG_TOML)
+        parse(toml=str(bom))
+    assert parse().training.steps == 60
 
 
 @pytest.mark.parametrize("folder", ["", ".", "./"])
@@ -725,7 +723,7 @@ def test_a_checkpoint_folder_that_is_the_dump_folder_is_refused(tmp_path, folder
 
     from torchtitan_flux import train
 
-    config = types.SimpleNamespace(job=types.SimpleNamespace(dump_folder=str(tmp_path / "run")),
+    config = types.SimpleNamespace(dump_folder=str(tmp_path / "run"),
                                    checkpoint=types.SimpleNamespace(enable=True, folder=folder))
     with pytest.raises(ConfigError, match=rf"^checkpoint.folder = '{re.escape(folder)}' is the dump folder itself; "
                                           r"allowed: a folder of its own, e.g. 'checkpoint'"):
@@ -789,21 +787,24 @@ def test_start_up_compares_the_resumed_checkpoints_fingerprint(tiny_model_dir, t
     assert preflight(cfg).config_changes == []
 
 
-def test_path_fields_are_made_absolute_before_torchtitan_parses(tmp_path, monkeypatch):
+def test_path_fields_are_made_absolute(tmp_path, monkeypatch):
     """``train._absolute_paths``: relative and ``~`` paths from the command line, the TOML or torchtitan's default
-    become absolute overrides (torchtitan's parser binds ``sys.argv`` at import, so this runs before it)."""
-    from torchtitan.config.job_config import Job
-
+    become absolute, resolved once against the directory the run starts in."""
+    from torchtitan_flux.run.trainer import GRPOTrainer
     from torchtitan_flux.train import PATH_FIELDS, _absolute_paths
 
-    assert PATH_FIELDS["job.dump_folder"] == Job().dump_folder  # torchtitan's default, resolved too
+    assert PATH_FIELDS["job.dump_folder"] == GRPOTrainer.Config().dump_folder  # torchtitan's default, resolved too
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", "/home/someone")
     toml = tmp_path / "c.toml"
     toml.write_text("[model]\nhf_assets_path = \"assets/m\"\n[rollout]\ndataset_path = \"/abs/data\"\n")
-    out = _absolute_paths(["--job.config_file", str(toml), "--job.dump_folder", "~/x"])
-    assert out == ["--job.dump_folder", "/home/someone/x", "--model.hf_assets_path", str(tmp_path / "assets/m")]
-    assert _absolute_paths(["--job.config_file", str(toml)])[:2] == ["--job.dump_folder", str(tmp_path / "outputs")]
+    cfg = load_config(["--job.config_file", str(toml), "--job.dump_folder", "~/x"])
+    _absolute_paths(cfg)
+    assert (cfg.dump_folder, cfg.hf_assets_path) == ("/home/someone/x", str(tmp_path / "assets/m"))
+    assert (cfg.rollout.dataset_path, cfg.eval.dataset_path) == ("/abs/data", "")
+    cfg = load_config(["--job.config_file", str(toml)])
+    _absolute_paths(cfg)
+    assert cfg.dump_folder == str(tmp_path / "outputs")
 
 
 def test_colocated_engines_that_cannot_fit_beside_training_are_refused_by_the_formula():
@@ -848,7 +849,7 @@ def test_kv_pools_are_counted_colocated_and_refused_on_a_cpu_that_cannot_hold_th
     assert validation.kv_pool_bytes(with_turns) == 2 * pool  # and at most as much kept for next turns
     from torchtitan_flux.models.weight_dict import ModelShape
 
-    model = validation.hf_param_count(ModelShape.from_hf_dir(cfg.model.hf_assets_path)) * 4
+    model = validation.hf_param_count(ModelShape.from_hf_dir(cfg.hf_assets_path)) * 4
     monkeypatch.setattr(validation.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(validation, "_memory_available", lambda: 2 * model + pool // 64 * 43)  # half: 21.5 rows
     with pytest.raises(ConfigError, match=r"^rollout.max_batch_sequences = 64 rows x training.seq_len = 64 slots: "
@@ -909,12 +910,14 @@ def test_a_colocated_gpu_run_with_expandable_segments_is_warned(monkeypatch, cap
     assert not any("expandable_segments" in r.getMessage() for r in caplog.records)
 
 
-def test_an_empty_value_clears_a_list_field_the_toml_set():
-    """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") or refuses it (a list
-    of numbers) and has no form for zero values: ``_normalise_argv`` leaves each list given "" out and ``main`` sets
-    it to [] after parsing. Mutation: the check on the field's type (a string field given "" would become a list)."""
-    argv = ["--rollout.environment_args", "", "--rollout.reward_funcs=", "--rollout.task", "", "--job.description",
-            "", "--rollout.reward_weights", "1.0", "--rollout.engine_devices", ""]
-    assert emptied_lists(argv) == ["rollout.environment_args", "rollout.reward_funcs", "rollout.engine_devices"]
-    assert _normalise_argv(argv)[:7] == ["--rollout.task", "", "--job.description", "", "--rollout.reward_weights",
-                                         "1.0", "--job.custom_config_module"]
+def test_an_empty_value_clears_a_list_field_the_toml_set(tmp_path):
+    """``--x.list ""`` is the empty list, clearing what the TOML set (tyro read it as ``[""]``: a reward named "").
+    Mutation: the check on the field's type (a string field given "" would become a list)."""
+    toml = _write(tmp_path, "").replace("bad.toml", "bad.toml")
+    text = DEBUG_TOML.read_text().replace('task = "digits"', 'task = "digits"\nreward_funcs = ["a"]\n'
+                                          'environment_args = ["n=1"]\nengine_devices = ["cpu"]')
+    (tmp_path / "bad.toml").write_text(text)
+    cfg = parse("--rollout.environment_args", "", "--rollout.reward_funcs=", "--rollout.task", "",
+                "--rollout.reward_weights", "1.0", "--rollout.engine_devices", "", toml=toml)
+    assert (cfg.rollout.environment_args, cfg.rollout.reward_funcs, cfg.rollout.engine_devices) == ([], [], [])
+    assert (cfg.rollout.task, cfg.rollout.reward_weights) == ("", [1.0])
