@@ -13,11 +13,10 @@ from torchtitan_flux.patches import apply_patches
 
 apply_patches()
 
-from torchtitan.config import ConfigManager  # noqa: E402
 
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
 from torchtitan_flux.models.families import model_spec as model_spec_of  # noqa: E402
-from torchtitan_flux.train import _normalise_argv  # noqa: E402
+from torchtitan_flux.run.config_file import load_config  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 
@@ -47,6 +46,7 @@ def test_example_config_parses_and_validates(toml, fixture, tmp_path):
     import shutil
 
     from model_assets import build_tokenizer
+    from torchtitan.distributed.activation_checkpoint import FullAC
 
     shutil.copy(FIXTURES / fixture / "config.json", tmp_path / "config.json")
     build_tokenizer(tmp_path)  # validation wants a tokenizer; the real one is not needed to build the model
@@ -54,7 +54,7 @@ def test_example_config_parses_and_validates(toml, fixture, tmp_path):
     # path check (that the launch Python exists is tested in test_config.py).
     args = ["--job.config_file", str(ROOT / "train_configs" / toml), "--model.hf_assets_path", str(tmp_path),
             "--rollout.launch_python", sys.executable]
-    job = ConfigManager().parse_args(_normalise_argv(args))
+    job = load_config(args)
     validate_config(job)
-    assert job.training.mixed_precision_param == "bfloat16" and job.activation_checkpoint.mode == "full"
+    assert job.training.mixed_precision_param == "bfloat16" and isinstance(job.activation_checkpoint, FullAC.Config)
     assert job.rollout.engine == "vllm" and job.weight_sync.probe_every > 0
