@@ -46,8 +46,8 @@ def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout
         grpo=SimpleNamespace(group_size=2, temperature=1.0),
         weight_sync=WeightSync(async_weight_update=async_mode, timeout_seconds=timeout_s,
                                bucket_size_mb=bucket_size_mb, master_port=0, wire_dtype=wire_dtype, method=method),
-        off_policy=OffPolicy(max_version_gap=max_version_gap), model=SimpleNamespace(hf_assets_path=str(model_dir)),
-        job=SimpleNamespace(dump_folder=""), training=SimpleNamespace(steps=0, seq_len=128),
+        off_policy=OffPolicy(max_version_gap=max_version_gap), hf_assets_path=str(model_dir),
+        dump_folder="", training=SimpleNamespace(steps=0, seq_len=128),
     )
     # no generation here, so no tokenizer
     r = Rollouts.start(jc, DigitsTask(), SimpleNamespace(), model, device=device, stops=SimpleNamespace(signal=None))

@@ -48,7 +48,7 @@ def test_a_reasoning_gym_task_trains_evaluates_and_resumes_its_draw(tiny_model_d
         assert cut[step] == full[step], step
     # the prompts are the task's draw, never a held-out question; every reward is score_answer's (0 .. 1)
     config = ConfigManager().parse_args(_normalise_argv(["--job.config_file", str(DEBUG_TOML), *args]))
-    config.model.hf_assets_path = str(tiny_model_dir)
+    config.hf_assets_path = str(tiny_model_dir)
     task = build_task(config, prompt_tokenizer(config))
     held_out = {p.text for p in task.eval_prompts(0, 4)}
     for step in (1, 2, 3, 4):

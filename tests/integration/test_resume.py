@@ -26,7 +26,7 @@ def _config(model_dir, **over) -> SimpleNamespace:
     r = dict(prompts_per_step=4, task="digits", seed=0, environment="", task_args=[])
     r.update({k: over.pop(k) for k in list(over) if k in r})
     return SimpleNamespace(
-        model=SimpleNamespace(hf_assets_path=str(over.pop("model_dir", model_dir))),
+        hf_assets_path=str(over.pop("model_dir", model_dir)),
         optimizer=SimpleNamespace(name=over.pop("optimizer", "AdamW")),
         grpo=SimpleNamespace(group_size=over.pop("group_size", 8)),
         training=SimpleNamespace(steps=over.pop("steps", 10)),
@@ -283,8 +283,8 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_at_start(tiny_model_dir
     from collections import namedtuple
 
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
-                          job=SimpleNamespace(dump_folder=str(tmp_path)),
-                          model=SimpleNamespace(hf_assets_path=str(tiny_model_dir)))
+                          dump_folder=str(tmp_path),
+                          hf_assets_path=str(tiny_model_dir))
     (tmp_path / "checkpoint").mkdir()
     resume.check_room_for_a_checkpoint(cfg)  # this disk has room
     usage = namedtuple("usage", "total used free")
@@ -304,7 +304,7 @@ def test_a_seed_checkpoint_is_not_a_run_to_resume(tmp_path):
     aside like any new run's; a checkpoint of a trained step still makes it a resume. An empty file (a seed
     run's metrics.jsonl) is no run's output."""
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
-                          job=SimpleNamespace(dump_folder=str(tmp_path)))
+                          dump_folder=str(tmp_path))
     _checkpoint(tmp_path / "checkpoint", 0, None)
     (tmp_path / "metrics.jsonl").write_text("")
     assert resume.set_aside_previous_outputs(cfg) is None and (tmp_path / "metrics.jsonl").exists()
@@ -324,7 +324,7 @@ def test_an_output_path_of_the_wrong_kind_is_refused_at_start(tmp_path, name, ma
     summary.json / metrics.jsonl a folder) trained every step, then ended with an IsADirectoryError /
     FileExistsError traceback: no export, no summary. A new run moves the earlier outputs aside first."""
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
-                          job=SimpleNamespace(dump_folder=str(tmp_path)),
+                          dump_folder=str(tmp_path),
                           metrics=SimpleNamespace(save_tb_folder="tb", enable_tensorboard=True))
     _checkpoint(tmp_path / "checkpoint", 2, None)  # a resume: nothing is set aside
     (tmp_path / name).mkdir() if make == "folder" else (tmp_path / name).write_text("x")

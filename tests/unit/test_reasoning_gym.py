@@ -40,7 +40,7 @@ def job(task_args=EASY, seq_len=2048, num_prompts=16, chat_dir=None, **rollout):
              reward_weights=[], environment="")
     r.update(rollout)
     return SimpleNamespace(rollout=SimpleNamespace(**r), training=SimpleNamespace(seq_len=seq_len),
-                           model=SimpleNamespace(hf_assets_path=str(chat_dir)),
+                           hf_assets_path=str(chat_dir),
                            eval=SimpleNamespace(num_prompts=num_prompts, every_steps=0, at_start=False))
 
 
