@@ -46,7 +46,7 @@ def load_config(argv: list[str]) -> GRPOTrainer.Config:
     overrides = _parse_argv(argv)
     files = [v for k, v in overrides if k == "job.config_file"]
     if len(files) > 1:
-        raise ConfigError(f"job.config_file is given {len(files)} times; allowed: once")
+        raise ConfigError(f"--job.config_file is given {len(files)} times; allowed: once")
     config = GRPOTrainer.Config()
     if files:
         (path,) = files[0] if len(files[0]) == 1 else (None,)
