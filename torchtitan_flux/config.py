@@ -1,7 +1,8 @@
-"""Job-config sections torchtitan_flux adds to torchtitan's ``JobConfig`` (merged through ``[job]
-custom_config_module``, which ``torchtitan_flux.train`` sets). Every field has a docstring (docs/configuration.md is
-generated from them); a numeric field's range is declared on its type (``Range``, ``ranges.py``), and
-``run/validation.py`` checks it and every other rule, raising ``ConfigError``.
+"""Config sections torchtitan_flux adds to torchtitan's ``Trainer.Config`` (``run/trainer.GRPOTrainer.Config``
+holds them; ``run/config_file.py`` reads them from the TOML). Torch-free, so the entry point can read them before
+torch is imported. Every field has a docstring (docs/configuration.md is generated from them); a numeric field's
+range is declared on its type (``Range``, ``ranges.py``), and ``run/validation.py`` checks it and every other rule,
+raising ``ConfigError``.
 """
 
 from dataclasses import dataclass, field
@@ -509,21 +510,7 @@ class CheckpointAdditions:
     task, dataset records, rollout.seed) differ from the checkpoint's: "error" refuses, "warn" logs and resumes."""
 
 
-@dataclass
-class JobConfig:
-    """The sections merged into torchtitan's JobConfig."""
-
-    grpo: Grpo = field(default_factory=Grpo)
-    rollout: Rollout = field(default_factory=Rollout)
-    weight_sync: WeightSync = field(default_factory=WeightSync)
-    off_policy: OffPolicy = field(default_factory=OffPolicy)
-    adaptive_async: AdaptiveAsync = field(default_factory=AdaptiveAsync)
-    eval: Eval = field(default_factory=Eval)
-    metrics: MetricsAdditions = field(default_factory=MetricsAdditions)
-    checkpoint: CheckpointAdditions = field(default_factory=CheckpointAdditions)
-
-
 SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "off_policy": OffPolicy,
             "adaptive_async": AdaptiveAsync, "eval": Eval}
-# fields merged into torchtitan's own sections (their booleans are its)
+# fields added to torchtitan's own sections (run/trainer.py: MetricsConfig, CheckpointConfig)
 ADDED_TO_TORCHTITAN = {"metrics": MetricsAdditions, "checkpoint": CheckpointAdditions}
