@@ -215,3 +215,75 @@ def test_captured_steps_are_refused_off_a_cuda_device(weights_and_shape):
     model = inference.Model.of(*weights_and_shape)
     with pytest.raises(ValueError, match="captured decode steps need a CUDA device, the KV pool is on cpu"):
         decoding.GraphDecode(model, inference.SlotCache.allocate(model, 2, 8), capture=True)
+
+
+class FakeCuda:
+    """The ``torch.cuda`` calls ``engine/graphs.py`` may make, recorded in order (no GPU here); any other
+    attribute (``synchronize``, ``empty_cache``, ``graph``) raises."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.on = "engine"  # the current stream
+        cuda = self
+
+        class Stream:
+            def __init__(self, device=None, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                cuda.log.append(("wait", self.name, other.name))
+
+        class CUDAGraph:
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                cuda.log.append(("capture_begin", cuda.on, pool, capture_error_mode))
+
+            def capture_end(self):
+                cuda.log.append(("capture_end", cuda.on))
+
+            def replay(self):
+                cuda.log.append(("replay", cuda.on, id(self)))
+
+        self.Stream, self.CUDAGraph = Stream, CUDAGraph
+        self.engine_stream = Stream(name="engine")
+
+    def graph_pool_handle(self):
+        return "pool"
+
+    def current_stream(self, device=None):
+        return self.engine_stream
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            before, self.on = self.on, s.name
+            yield
+            self.on = before
+
+        return on()
+
+
+def test_captured_steps_warm_up_and_capture_on_a_side_stream_without_a_device_wide_wait(monkeypatch):
+    """docs/gpu.md's graph rules, on ``CapturedSteps`` against a recording ``torch.cuda``: a bucket's first step
+    runs once eagerly on the side stream after it waited for the engine's stream, is then captured on that stream
+    into the one shared pool in ``thread_local`` mode (run nowhere), and the engine's stream waits for the side
+    stream; later steps of that bucket only replay, on the engine's stream. Nothing synchronises the device or
+    empties the cache (``torch.cuda.graph`` would: a hang behind the receiver's pending NCCL receive)."""
+    from torchtitan_flux.engine import graphs
+
+    fake = FakeCuda()
+    monkeypatch.setattr(graphs.torch, "cuda", fake)
+    steps = graphs.CapturedSteps("cuda:0")
+    ran = []
+    step = lambda: ran.append(fake.on)  # noqa: E731
+    steps.run((8, 64, 0), step)
+    assert ran == ["side", "side"] and fake.log == [
+        ("wait", "side", "engine"), ("capture_begin", "side", "pool", "thread_local"), ("capture_end", "side"),
+        ("wait", "engine", "side")]
+    fake.log.clear()
+    steps.run((8, 64, 0), step)
+    steps.run((8, 64, 0), step)
+    assert ran == ["side", "side"] and [e[:2] for e in fake.log] == [("replay", "engine")] * 2
+    steps.run((4, 64, 0), step)
+    assert len(steps.graphs) == 2 and fake.log[3][2] == "pool"  # the same pool for every graph

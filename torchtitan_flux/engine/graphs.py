@@ -10,6 +10,11 @@ the receiver thread's own CUDA calls, its NCCL receives and copies on its stream
 steps of the bucket replay the graph on the engine's stream. Graphs share the pool: they replay one at a time on
 one stream, never concurrently, and every tensor a graph reads or writes between steps is allocated outside it.
 
+Capture calls ``CUDAGraph.capture_begin``/``capture_end`` itself, not the ``torch.cuda.graph`` context: that one
+synchronises the whole device and empties the allocator's cache first, which would wait on the receiver thread's
+NCCL receive of the next push's header (posted with no deadline): the engine would hang until the trainer pushes.
+Nothing here synchronises; the batcher's one read a step is the only wait.
+
 Threads: the engine's main thread only.
 """
 
@@ -40,7 +45,11 @@ class CapturedSteps:
         with torch.cuda.stream(self.stream):
             step()  # this step's run, and the bucket's warm-up
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            step()  # recorded, not run
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                step()  # recorded, not run
+            finally:
+                graph.capture_end()
         current.wait_stream(self.stream)  # the batcher's read and next writes come after the step
         self.graphs[key] = graph
