@@ -324,6 +324,7 @@ def main() -> None:
                         "GPU-busy fraction and host synchronisations per decode step")
     p.add_argument("--model-dir", help="a HF folder of a supported family instead of --real's or the tiny model")
     p.add_argument("--no-vllm", action="store_true", help="leave out the vLLM side")
+    p.add_argument("--no-graphs", action="store_true", help="leave out the graphs side (rollout.decode_graphs)")
     args = p.parse_args()
     if args.quick:
         args.rows, args.new_tokens, args.repeats, args.real = [1, 8], 4, 1, False
@@ -341,9 +342,10 @@ def main() -> None:
     plain = inference.Model.of(weights, shape)
     models = {"serial": plain, "engine": LocalEngine(
         weights, shape, rows=max(*args.rows, args.group_size), kv_slots=64 + args.new_tokens + 24 * args.turns)}
-    sides = ["serial", "batcher", "graphs"]
-    models["graphs"] = new_batcher(LocalEngine(weights, shape, models["engine"].rows, models["engine"].kv_slots),
-                                   "captured" if gpu else "twin")
+    sides = ["serial", "batcher"] + ([] if args.no_graphs else ["graphs"])
+    if not args.no_graphs:
+        models["graphs"] = new_batcher(LocalEngine(weights, shape, models["engine"].rows, models["engine"].kv_slots),
+                                       "captured" if gpu else "twin")
     if not gpu:
         bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         models["serial_bf16"] = inference.Model.of(bf16, shape)
@@ -369,8 +371,8 @@ def main() -> None:
             step_s[side, rows] = statistics.median(samples[side])
     vllm = None if args.quick or gpu or args.no_vllm else vllm_step_s(model_dir, prompts_of, args.new_tokens, args.repeats)
     counts = prefill_counts(models["engine"], args.group_size, args.turns)
-    on_gpu = {(rows, g): gpu_counts(models["engine"], rows, g) for rows in args.rows for g in ("", "captured")} \
-        if gpu else {}
+    graphs = ("", "captured") if not args.no_graphs else ("",)
+    on_gpu = {(rows, g): gpu_counts(models["engine"], rows, g) for rows in args.rows for g in graphs} if gpu else {}
     efficiency = pair_efficiency()
 
     print(f"model={os.path.basename(model_dir)} device={device} threads={args.threads} new_tokens="
@@ -388,7 +390,8 @@ def main() -> None:
             print(f"batcher_vs_hf_rows{rows}={ratio('batcher', 'hf', rows)}")
             if not gpu:
                 print(f"engine_bf16_vs_hf_rows{rows}={ratio('serial_bf16', 'hf', rows)}")
-        print(f"graph_vs_eager_rows{rows}={ratio('graphs', 'batcher', rows)}")
+        if "graphs" in sides:
+            print(f"graph_vs_eager_rows{rows}={ratio('graphs', 'batcher', rows)}")
         for side in sides:
             print(f"decode_ms_{side}_rows{rows}={step_s[side, rows] * 1e3:.2f}")
         for graphs, suffix in (("", ""), ("captured", "_graphs")):

@@ -26,9 +26,9 @@ ran past its own limit, a failure; ``not_run``: the budget was spent before it s
   gloo from pinned staging; ``train_medium_bf16`` (``medium_bf16_*``): 20 steps of the 24M-parameter model with
   bf16 mixed precision and a bf16 wire (checksums only: its learning rate is the tiny model's).
 * ``decode``: the embedded engine's decode step on Qwen3-0.6B's shape (``gpu_checks/decode.py``:
-  ``benchmarks/engine.py --device cuda``): ms per step for the serial loop, the batcher and HF ``generate``, the
-  batcher's kernel launches, GPU-busy fraction and CUDA synchronisations per step (run it alone first:
-  ``--only decode``).
+  ``benchmarks/engine.py --device cuda``): ms per step for the serial loop, the batcher (eager and with CUDA graphs:
+  ``graph_vs_eager_rows<R>``) and HF ``generate``, the batcher's kernel launches, GPU-busy fraction and CUDA
+  synchronisations per step, each eager and with graphs (run it alone first: ``--only decode``).
 The last line is ``smoke_ok=1`` when every part that ran held. Simplification: one device, rank 0 only (FSDP and
 NCCL between GPUs are ``scripts/verify_grpo_2gpu.sh``'s).
 """
@@ -230,7 +230,7 @@ def _parts(args, out: Path, device: torch.device) -> dict:
             prefix="medium_bf16_", learns=False)),
         "colocated": (100, 60, 40, lambda: colocated.part(out, device)),
         # the embedded engine's decode step (last: cut first; docs/gpu.md runs it first, with --only decode)
-        "decode": (240, 90, 120, lambda: decode.part(out, device, inner)),
+        "decode": (300, 90, 120, lambda: decode.part(out, device, inner)),
     }
 
 

@@ -21,6 +21,9 @@ depend on the batch's size), which can flip a token only where two tokens' cumul
 with the same schedule, bit for bit. What is not: the tokens of ``continuous_batching = false`` (one generator per
 request, drawn row after row), though logprobs are those of the same model and weights.
 
+The step's sampling and decoding are ``engine/decoding.py``'s ``Decoder``: ``EagerDecode``, or with
+``rollout.decode_graphs`` ``GraphDecode`` (the whole step replayed from CUDA graphs; the same draws).
+
 Host synchronisations: one read per decode step (each row's token and logprob, in one copy); the rows' widths are
 known here, and index lists go to the device from pinned memory without a synchronisation (``inference.to_device``).
 

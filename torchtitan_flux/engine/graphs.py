@@ -1,6 +1,6 @@
 """CUDA graphs of the continuous batcher's decode step (``rollout.decode_graphs``): the only GPU-only code of it.
 Everything else (buckets, static buffers, padded rows, the weight copy at a swap, sampling) is
-``engine/decoding.GraphDecode``, which CPU tests run as its eager twin. docs/gpu.md's rules 15-20 say what this
+``engine/decoding.GraphDecode``, which CPU tests run as its eager twin. docs/gpu.md's rules 10-15 say what this
 follows, and what only a GPU run confirms (unmeasured so far).
 
 A bucket's first step runs the step eagerly on a side stream (that run is the step, and the warm-up: lazy
