@@ -36,7 +36,7 @@ class StepCalls:
         step = inference.decode_and_sample
 
         def recording(model, cache, freqs, rows, width, k_max, *buffers):
-            tensors = [t for _, t in decoding._tensors_of(model)] + [t for kv in cache.layers for t in kv]
+            tensors = decoding._tensors_of(model) + [t for kv in cache.layers for t in kv]
             tensors += [cache.lengths, freqs, *buffers]
             self.calls.append(((rows, width, k_max), cache.rows, tuple(t.data_ptr() for t in tensors)))
             return step(model, cache, freqs, rows, width, k_max, *buffers)
@@ -115,8 +115,7 @@ def test_graph_twin_reads_the_swapped_version_from_its_static_copy_in_flight(wei
     torch.testing.assert_close(twin.logprobs, eager.logprobs, atol=1e-5, rtol=0)
     assert len({addresses for _, _, addresses in calls.calls}) == 1  # every step, before and after the swap
     live = b.engine.live_model()
-    assert all(torch.equal(s, t) for (_, s), (_, t) in zip(decoding._tensors_of(b.decoder.weights),
-                                                          decoding._tensors_of(live)))
+    assert all(torch.equal(s, t) for s, t in zip(decoding._tensors_of(b.decoder.weights), decoding._tensors_of(live)))
 
 
 def test_graph_step_reads_only_static_addresses_and_no_shared_table_or_host(weights_and_shape, monkeypatch):

@@ -173,7 +173,7 @@ class GraphDecode:
 
     def decode(self, model, cache, width):
         if model is not self._source:  # a swap: its version into the static set (queued, no host read)
-            torch._foreach_copy_(self._static, [t for _, t in _tensors_of(model)])
+            torch._foreach_copy_(self._static, _tensors_of(model))
             self._source = model
         rows, width = rows_bucket(cache.rows, cache.capacity), width_bucket(width, cache.slots)
         k_max = max(self.top_ks)
@@ -185,21 +185,20 @@ class GraphDecode:
             self.graphs.run((rows, width, k_max), lambda: inference.decode_and_sample(*args))
 
 
-def _tensors_of(model: inference.Model) -> list[tuple[str, torch.Tensor]]:
-    """Every weight tensor ``model`` reads, named by its place, each distinct tensor once (a tied output is the
+def _tensors_of(model: inference.Model) -> list[torch.Tensor]:
+    """Every weight tensor ``model`` reads, in a fixed order, each distinct tensor once (a tied output is the
     embedding)."""
-    named = [("embedding", model.embedding), ("norm", model.norm), ("output", model.output)]
-    named += [(f"{i}.{f}", t) for i, layer in enumerate(model.layers) for f, t in layer._asdict().items()
-              if t is not None]
+    tensors = [model.embedding, model.norm, model.output]
+    tensors += [t for layer in model.layers for t in layer if t is not None]
     seen: set[int] = set()
-    return [(n, t) for n, t in named if not (id(t) in seen or seen.add(id(t)))]
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
 
 
 def _static_copy(model: inference.Model) -> tuple[inference.Model, list[torch.Tensor]]:
     """A ``Model`` of fresh tensors shaped as ``model``'s (one model of memory; filled by ``GraphDecode.decode``),
     and its tensors in ``_tensors_of``'s order."""
-    static = {id(t): torch.empty_like(t) for _, t in _tensors_of(model)}
+    static = {id(t): torch.empty_like(t) for t in _tensors_of(model)}
     layers = [type(layer)(*(static[id(t)] if t is not None else None for t in layer)) for layer in model.layers]
     copy = inference.Model(model.shape, static[id(model.embedding)], layers, static[id(model.norm)],
                            static[id(model.output)])
-    return copy, [static[id(t)] for _, t in _tensors_of(model)]
+    return copy, [static[id(t)] for t in _tensors_of(model)]
