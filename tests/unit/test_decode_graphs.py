@@ -118,7 +118,7 @@ def test_graph_twin_reads_the_swapped_version_from_its_static_copy_in_flight(wei
     assert all(torch.equal(s, t) for s, t in zip(decoding._tensors_of(b.decoder.weights), decoding._tensors_of(live)))
 
 
-def test_graph_step_reads_only_static_addresses_and_no_shared_table_or_host(weights_and_shape, monkeypatch):
+def test_host_sync_graph_twin_one_read_a_step_and_only_static_addresses(weights_and_shape, monkeypatch):
     """docs/gpu.md's graph rules, on the twin: every tensor the step reads keeps its address over joins, drops,
     bucket changes and a new request; the step takes no RoPE table from the shared cache (a longer request may
     replace it) and reads nothing back to the host."""
