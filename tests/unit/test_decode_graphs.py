@@ -12,13 +12,18 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
-from test_continuous_batching import (PROMPTS, FakeEngine, perturbed, recomputed_logprobs, request,  # noqa: F401
-                                      run_until_idle, submit, weights_and_shape)
+from test_continuous_batching import (PROMPTS, FakeEngine, perturbed, recomputed_logprobs, request, run_until_idle,
+                                      submit)
 
 import model_assets as assets
 from torchtitan_flux.engine import decoding
 from torchtitan_flux.engine.batcher import ContinuousBatcher
-from torchtitan_flux.models import inference
+from torchtitan_flux.models import inference, weight_dict
+
+
+@pytest.fixture(scope="module")
+def weights_and_shape(tmp_path_factory):
+    return weight_dict.load_hf_weights_dict(assets.build_model_dir(tmp_path_factory.mktemp("tiny"), "tiny", seed=0))
 
 
 def batcher(weights_and_shape, graphs: str, max_sequences: int = 8, versions=(0,), in_flight=False):

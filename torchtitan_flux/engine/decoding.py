@@ -19,9 +19,11 @@ graph and replayed (``engine/graphs.py``); elsewhere run eagerly on the same buf
     Why one copy rather than a set of graphs per receiver buffer: graphs per buffer multiply captures by the
     buffers held (``off_policy.max_version_gap + 1``) and miss a buffer the receiver allocates later (after an
     abandoned receive); a copy costs one model of memory (counted: ``inference.decode_graph_bytes``) and one
-    device copy per swap (about 0.4 ms at 0.6B on an H200), none per step. The copy is queued on the engine's
-    stream before the step that reads it, and the step's host read completes it before the batcher's next swap
-    can free its source (``engine/versions.py``'s rule for the live buffer).
+    device copy per swap (GPU review 5 estimates 0.4 ms at 0.6B on an H200), none per step. The copy is queued on
+    the engine's stream before the step that reads it, and the step's host read completes it before the batcher's
+    next swap can free its source (``engine/versions.py``'s rule for the live buffer).
+Also a key of a graph: the largest top_k among the rows (``inference.sample_rows`` needs it static), so a run whose
+requests use k distinct top_k values captures up to k graphs per (rows, width).
 Padded rows (rows past those in use, up to the bucket) run at position 0 of their own free row and change nothing
 a row in use reads. Host reads: none here; the batcher reads ``sampled`` once a step.
 

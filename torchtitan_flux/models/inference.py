@@ -659,7 +659,7 @@ def decode_graph_bytes(shape: ModelShape, rows: int, slots: int, itemsize: int) 
     q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
     layer = d * q + 2 * d * kv + q * d + 3 * d * ffn + 2 * d + 2 * hd + q + 2 * kv
     weights = (shape.vocab_size * d * (1 if shape.tied else 2) + shape.n_layers * layer + d) * itemsize
-    per_row = 8 * 4 + 1
+    per_row = 8 + 4 + 8 + 4 + 8 + 1  # tokens, logprobs, keys, temperature, top_k, in use
     scratch = rows * (6 * shape.vocab_size * 4 + 4 * shape.n_heads * slots * 4 + 8 * (d + ffn + q) * itemsize)
     return weights + rows * per_row + 2 * scratch
 
