@@ -8,8 +8,9 @@ Keys (``decode_`` + the benchmark's): ``decode_decode_ms_<side>_rows<R>``, ``dec
 ``decode_gpu_busy_fraction_rows<R>``, ``decode_cuda_syncs_per_decode_step_rows<R>``,
 ``decode_peak_allocated_bytes_rows<R>``, ``decode_engine_vs_hf_rows<R>``, ``decode_graph_vs_eager_rows<R>`` (the
 graphs' tokens/s over eager's; the goal: >= 5 at <= 64 rows; on the CPU twin printed, not a speed), the same four
-counts with ``_graphs`` for the graphs side, ``decode_host_syncs_per_decode_step`` (checked: 1.00). What only a GPU shows: everything but the host reads; the CPU twin (the twin's small shape, rows 1 and
-8, 8 tokens) runs the same script on CPU, so a change that breaks it fails CI.
+counts with ``_graphs`` for the graphs side, ``decode_host_syncs_per_decode_step`` (checked: 1.00). What only a
+GPU shows: everything but the host reads; the CPU twin (the twin's small shape, rows 1 and 8, 8 tokens) runs the
+same script on CPU, so a change that breaks it fails CI.
 """
 
 from __future__ import annotations
