@@ -307,7 +307,9 @@ class WeightSync:
     ``master_addr`` or a ``rollout.urls`` host is not loopback. Servers read ``TORCHTITAN_FLUX_TOKEN``; see README."""
 
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype of the weights on the wire and in the staging buffer; "auto": the parameters' own dtype."""
+    """dtype of the weights on the wire and in the staging buffer, and the one an embedded engine computes in;
+    "auto": the parameters' own dtype. A bfloat16 engine needs a larger ``probe_tolerance`` (docs/running.md, "An
+    engine in bfloat16")."""
 
     probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Post-sync logprob probe every N steps (and after the last): each engine scores a fixed sequence; a difference
