@@ -207,13 +207,14 @@ class Rollout:
     steps). Lifts the serial engine's auto ``off_policy.max_pipeline_depth`` of 1. False: one request at a time."""
 
     decode_graphs: Bool = False
-    """With ``continuous_batching``, embedded engines on GPUs: each decode step (decode, logits and sampling) is
+    """With ``continuous_batching``, colocated embedded engines (``colocated``) on GPUs: each decode step (decode, logits and sampling) is
     replayed from a CUDA graph, captured at a bucket's first step (rows and width: powers of two), instead of
     launching its ~1,000 kernels one by one; a swap copies the new version into one static copy of the weights
     (``engine/decoding.py``). Costs one more model copy, per-row buffers and the graphs' memory pool per engine,
     counted with the KV pool in the memory checks. Each row samples from its own draws as without it, so tokens and
-    logprobs are the same up to the last bits of the forward (a padded batch). Unmeasured on a GPU so far (docs/gpu.md, "Run this first"), so false by default; refused on CPU
-    engines and without ``continuous_batching``."""
+    logprobs are the same up to the last bits of the forward (a padded batch). Unmeasured on a GPU so far
+    (docs/gpu.md, "Run this first"), so false by default; refused on CPU engines, without ``continuous_batching``
+    and on engines on GPUs of their own (a capture waits for every pending NCCL receive: docs/gpu.md, rule 16)."""
 
     max_batch_sequences: Annotated[int, Range(ge=1, le=65536)] = 256
     """With ``continuous_batching``: the most sequences one embedded engine decodes at once (the rows of its KV

@@ -238,8 +238,8 @@ class FakeCuda:
         cuda = self
 
         class Stream:
-            def __init__(self, device=None, name="side"):
-                self.name = name
+            def __init__(self, device=None, priority=0, name="side"):
+                self.name, self.priority = name, priority
 
             def wait_stream(self, other):
                 cuda.log.append(("wait", self.name, other.name))
@@ -277,7 +277,8 @@ class FakeCuda:
 
 def test_captured_steps_warm_up_and_capture_on_a_side_stream_without_a_device_wide_wait(monkeypatch):
     """docs/gpu.md's graph rules, on ``CapturedSteps`` against a recording ``torch.cuda``: a bucket's first step
-    runs once eagerly on the side stream after it waited for the engine's stream, is then captured on that stream
+    runs once eagerly on the side stream (a high-priority one: never a normal-priority pool stream that a receiver or
+    NCCL draws, rule 16) after it waited for the engine's stream, is then captured on that stream
     into the one shared pool in ``thread_local`` mode (run nowhere), and the engine's stream waits for the side
     stream; later steps of that bucket only replay, on the engine's stream. Nothing synchronises the device or
     empties the cache (``torch.cuda.graph`` would: a hang behind the receiver's pending NCCL receive)."""
@@ -286,6 +287,7 @@ def test_captured_steps_warm_up_and_capture_on_a_side_stream_without_a_device_wi
     fake = FakeCuda()
     monkeypatch.setattr(graphs.torch, "cuda", fake)
     steps = graphs.CapturedSteps("cuda:0")
+    assert steps.stream.priority < 0
     ran = []
     step = lambda: ran.append(fake.on)  # noqa: E731
     steps.run((8, 64, 0), step)

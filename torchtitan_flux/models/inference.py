@@ -650,8 +650,10 @@ def decode_and_sample(model: Model, cache: SlotCache, freqs: torch.Tensor, rows:
 
 def decode_graph_bytes(shape: ModelShape, rows: int, slots: int, itemsize: int) -> int:
     """An estimate of what captured decode steps hold beyond the KV pool (``engine/decoding.py``): one static copy
-    of the weights, the per-row buffers, and the graphs' private pool: twice the scratch of the largest bucket
-    (``rows`` x ``slots``; the smaller buckets, powers of two, together need less than it again), that scratch
+    of the weights, the per-row buffers, the graphs' private pool: twice the scratch of the largest bucket
+    (``rows`` x ``slots``; the smaller buckets, powers of two, together need less than it again), and as much again
+    cached on the capture stream by the buckets' eager warm-ups (its blocks fit no larger bucket, and none can be
+    released while a capture runs: docs/gpu.md, rule 15), that scratch
     being the sampling's float32 [rows, vocab] tensors (logits, scaled, logprobs, their cumulative sum, top-k
     scratch: 6), attention's [rows, heads, slots] scores (4, float32 at most) and a block's activations. What a
     GPU run's peak shows against it: docs/gpu.md, rule 15."""
@@ -661,7 +663,7 @@ def decode_graph_bytes(shape: ModelShape, rows: int, slots: int, itemsize: int) 
     weights = (shape.vocab_size * d * (1 if shape.tied else 2) + shape.n_layers * layer + d) * itemsize
     per_row = 8 + 4 + 8 + 4 + 8 + 1  # tokens, logprobs, keys, temperature, top_k, in use
     scratch = rows * (6 * shape.vocab_size * 4 + 4 * shape.n_heads * slots * 4 + 8 * (d + ffn + q) * itemsize)
-    return weights + rows * per_row + 2 * scratch
+    return weights + rows * per_row + 4 * scratch
 
 
 def drop_rows(cache: SlotCache, done: list[bool]) -> list[int]:

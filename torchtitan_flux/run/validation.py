@@ -303,8 +303,10 @@ def validate_config(job_config: Any) -> None:
         on_cpu = not torch.cuda.is_available() or "cpu" in r.engine_devices
         why = ("needs rollout.continuous_batching = true (it captures the continuous batcher's step)"
                if not r.continuous_batching else f"is the embedded engine's (rollout.engine = {r.engine!r} captures "
-               "its own)" if kind.server else "needs engines on GPUs (CUDA graphs), these run on a CPU" if on_cpu
-               else "")
+               "its own)" if kind.server else "needs rollout.colocated = true (an engine on a GPU of its own receives "
+               "weights over NCCL, and a CUDA graph's capture waits for every NCCL receive pending in its process, "
+               "which its receiver always has: docs/gpu.md, rule 16)" if not r.colocated
+               else "needs engines on GPUs (CUDA graphs), these run on a CPU" if on_cpu else "")
         if why:
             raise ConfigError(f"rollout.decode_graphs = true {why}; allowed: false (the default)")
     _require(r.streaming_admission or r.streaming_carry_over, "rollout.streaming_carry_over", r.streaming_carry_over,
@@ -402,7 +404,7 @@ CUDA_CONTEXT_BYTES = 2**30
 
 
 def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies: int, device_bytes: int,
-                             shards: int = 1, pool_bytes: int = 0) -> str | None:
+                             shards: int = 1, pool_bytes: int = 0, graphs: bool = False) -> str | None:
     """Why colocated engines cannot fit beside training on one device, else None. Formula (docs/gpu.md, review 4
     finding 6): ``engines x (copies x P x w + K) + P x w`` (each engine's weight copies and KV pool ``K``,
     ``engine_pool_bytes``, and rank 0's device staging) must
@@ -424,6 +426,7 @@ def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies:
             f"and 1 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
             + ("weight_sync.wire_dtype = 'bfloat16', " if wire_bytes > 2 else "")
             + ("a smaller rollout.max_batch_sequences or training.seq_len, " if pool_bytes else "")
+            + ("rollout.decode_graphs = false, " if graphs else "")
             + "or engines on their own GPUs (rollout.colocated = false)")
 
 
@@ -501,8 +504,7 @@ def _check_kv_pools_fit(job_config: Any) -> None:
             return
         rows = max(0, room * r.max_batch_sequences // max(1, pool))
         raise ConfigError(f"{fields}, beside its weight versions more than its {device / gib:.1f} GiB GPU holds; "
-                          f"allowed: rollout.max_batch_sequences <= {rows} here, or a shorter training.seq_len"
-                          + (", or rollout.decode_graphs = false" if r.decode_graphs else ""))
+                          f"allowed: rollout.max_batch_sequences <= {rows} here, or a shorter training.seq_len")
     available = _memory_available()
     if available is None or r.num_engines * (pool + model) <= available // 2:
         return
@@ -528,7 +530,7 @@ def _check_colocated_memory(job_config: Any) -> None:
         int(os.environ.get("WORLD_SIZE", "1")) // max(1, p.data_parallel_replicate_degree)
     why = colocated_memory_problem(hf_param_count(shape), wire, r.num_engines,
                                    max(2, job_config.off_policy.max_version_gap + 1), device, shards=max(1, shards),
-                                   pool_bytes=engine_pool_bytes(job_config))
+                                   pool_bytes=engine_pool_bytes(job_config), graphs=r.decode_graphs)
     if why:
         raise ConfigError(why)
 
