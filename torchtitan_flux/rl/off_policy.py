@@ -6,8 +6,7 @@ which samples are too stale to train on, which steps push weights, and the pipel
   hold weights ``interval - 1`` steps old) and, with ``feedforward``, the ``PipelineDepth``; ``admit`` makes whole
   steps of it. With ``adaptive_async.controller = "throughput"`` the ``ThroughputLaw`` sets the lookahead (whole
   steps, under the same cap) and the async ratio is 1;
-* staleness: a step trained at ``version`` takes samples of ``oldest(version)`` or newer (``version_gap`` versions
-  old at most: ``max_version_gap``, or the throughput law's lookahead); the engines wait for it
+* staleness: a step trained at ``version`` takes samples of ``oldest(version)`` or newer; the engines wait for it
   (``GenerationRequest.min_version``) and ``accept`` discards, and counts, a batch with an older sample;
 * the push cadence: every ``weight_sync.interval`` steps, or ``SyncCadence`` with ``interval = "auto"``.
 
@@ -116,29 +115,17 @@ class OffPolicyControl:
         """The next step is synchronous: in async mode the engines must first get the newest weights."""
         return self.force_sync or self.async_ratio == 0
 
-    @property
-    def version_gap(self) -> int:
-        """How many versions older than the trainer's a sample may be: ``max_version_gap``; with the throughput law,
-        the lookahead it sets plus the versions an engine may lag (``interval - 1``), at most ``max_version_gap``: the
-        bound a fixed gap has, so a rise admits no sample older than the new lookahead and a fall leaves none
-        older than the lower one (docs/controller.md measured a law bounded by ``max_version_gap`` alone training on
-        samples a version older than its lookahead, in a learning spike)."""
-        if self.throughput is None:
-            return self.max_version_gap
-        return min(self.max_version_gap, int(self.lookahead) + self.sync_interval - 1)
-
     def oldest(self, version: int) -> int:
         """The oldest policy version a step trained at ``version`` may take samples from."""
-        return version - self.version_gap
+        return version - self.max_version_gap
 
     def accept(self, step: int, version: int, batch) -> bool:
         """Whether step ``step``'s ``batch`` may be trained on at policy ``version``; a stale one is counted."""
         gap = version - int(batch.versions.min())
-        if gap <= self.version_gap:
+        if gap <= self.max_version_gap:
             return True
         self.discarded_rollouts += batch.tokens.shape[0]
-        bound = "max_version_gap" if self.throughput is None else "the throughput law's lookahead"
-        logger.warning(f"step {step}: rollouts {gap} versions old exceed {bound}; regenerating")
+        logger.warning(f"step {step}: rollouts {gap} versions old exceed max_version_gap; regenerating")
         return False
 
     def push_due(self, step: int) -> bool:

@@ -8,11 +8,9 @@ setpoint. Once per step, on rank 0 (its decision travels with the batch, ``OffPo
     little  = generation latency / training time (EMAs)     # Little's law: batches in flight that hide generation
     starved = wait on the engines / (that wait + training time) (EMA)  # the trainer's starvation (not its
               wait for rewards or bookkeeping, which no lookahead hides: ``RolloutBatch.generation_wait_s``)
-    guard   = ESS fraction (EMA) < ess_floor, or the last step's own < ess_floor / 2   # learning quality: the
-              importance weights' sample size; a collapse acts on the step it shows in, before the EMA sees it
-      guard                                                  -> lookahead - 1, every step while it holds (a
-                                                                guard's fall waits for no hold; a rise after it does)
+    guard   = ESS fraction (EMA) < ess_floor                # learning quality: the importance weights' sample size
     after a change, hold for ``lookahead`` steps (the batches admitted before it are still being trained), then:
+      guard                                                  -> lookahead - 1 (and no rise while it holds)
       starved and two of the last three steps' own fractions > starve_fraction, or
         nearest(little x budget ratio) > nearest(little)     -> lookahead + 1 (the trainer waits, or a longer
                                                                                budget is on its way)
@@ -34,10 +32,7 @@ step, which is no change of workload (seen on ``heavy_tail``: the step's own bud
 Anchors (docs/controller.md): verl's starvation-driven scheduling (the trainer's wait), Little's law (in flight =
 latency x rate, our ``PipelineDepth``), VCPO (the effective sample size as the measure of what a stale batch is
 worth). The lookahead is whole steps in ``[1, max_version_gap]``; the law never forces a synchronous step (a
-learning spike lowers the lookahead by one step a step). It is also the staleness bound
-(``OffPolicyControl.version_gap``): a fall leaves no sample older than the new lookahead in the batches trained
-after it, which is why the guard need not wait for the batches admitted before it. Main thread, rank 0; the state
-is plain numbers.
+learning spike lowers the lookahead by one step at a time). Main thread, rank 0; the state is plain numbers.
 """
 
 from __future__ import annotations
@@ -70,8 +65,8 @@ def _ema(old: float | None, new: float, alpha: float) -> float:
 class ThroughputLaw:
     """The law of the module docstring: ``observe`` once per step (rank 0), ``lookahead`` the whole steps to admit."""
 
-    STATE = ("lookahead", "gen_s", "train_s", "starved", "starved_last", "ess", "ess_last", "hold", "budget_ratio",
-             "last_move", "steps", "budgets")
+    STATE = ("lookahead", "gen_s", "train_s", "starved", "starved_last", "ess", "hold", "budget_ratio", "last_move",
+             "steps", "budgets")
 
     def __init__(self, cfg: AdaptiveAsync, max_lookahead: int) -> None:
         self.starve_fraction, self.ess_floor, self.ess_alpha = cfg.starve_fraction, cfg.ess_floor, cfg.ema_alpha
@@ -82,7 +77,6 @@ class ThroughputLaw:
         self.starved: float | None = None
         self.starved_last = (0.0, 0.0, 0.0)  # the last three steps' own fractions
         self.ess: float | None = None
-        self.ess_last: float | None = None  # the last step's own ESS fraction
         self.hold = 0  # steps left before the next change may be made
         self.budget_ratio = 1.0
         self.last_move = "hold"
@@ -98,9 +92,7 @@ class ThroughputLaw:
 
     @property
     def guarded(self) -> bool:
-        """The learning-quality guard: the ESS fraction's EMA below ``ess_floor``, or the last step's below half of it."""
-        smoothed = self.ess is not None and self.ess < self.ess_floor
-        return smoothed or (self.ess_last is not None and self.ess_last < self.ess_floor / 2)
+        return self.ess is not None and self.ess < self.ess_floor
 
     def observe(self, gen_s: float, train_s: float, wait_s: float, ess_fraction: float,
                 budgets: tuple[float, int, int] = (0.0, 0, 0)) -> int:
@@ -118,7 +110,6 @@ class ThroughputLaw:
         self.steps += 1
         if math.isfinite(ess_fraction):
             self.ess = _ema(self.ess, ess_fraction, self.ess_alpha)
-            self.ess_last = ess_fraction
         prompt_tokens, budget, newest = budgets
         if budget > 0:
             self.budgets = [*self.budgets, budget][-BUDGET_WINDOW:]
@@ -127,18 +118,16 @@ class ThroughputLaw:
         return self.lookahead
 
     def _move(self) -> str:
-        before, depth = self.lookahead, max(1, nearest(self.little))
-        if self.guarded:  # never held (the lower bound applies to the batches trained from now on); holds a rise
-            self.lookahead = max(1, before - 1)
-            self.hold = self.lookahead
-            return "hold" if self.lookahead == before else "guard"
         if self.hold > 0:
             self.hold -= 1
             return "hold"
+        before, depth = self.lookahead, max(1, nearest(self.little))
         often = sum(x > self.starve_fraction for x in self.starved_last) >= 2
         starved = self.starved is not None and self.starved > self.starve_fraction and often
         fed = self.starved is not None and self.starved < self.starve_fraction / 2
-        if starved:
+        if self.guarded:
+            self.lookahead, move = max(1, before - 1), "guard"
+        elif starved:
             self.lookahead, move = min(self.max_lookahead, before + 1), "starved"
         elif depth > max(1, nearest(self.little / self.budget_ratio)):
             self.lookahead, move = min(self.max_lookahead, before + 1), "anticipate"
