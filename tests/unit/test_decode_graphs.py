@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT
 from test_continuous_batching import (PROMPTS, FakeEngine, perturbed, recomputed_logprobs, request, run_until_idle,
-                                      submit)
+                                      steps_reading_the_host_once, submit)
 
 import model_assets as assets
 from torchtitan_flux.engine import decoding
@@ -145,15 +145,7 @@ def test_host_sync_graph_twin_one_read_a_step_and_only_static_addresses(weights_
         assert reads.reads == 0
 
     monkeypatch.setattr(inference, "decode_and_sample", guarded)
-    steps = 0
-    while b.rows:
-        reads = SyncCount()
-        with reads:
-            b._step()
-            b._fill_rows()
-        assert reads.reads == 1  # the batcher's one read a step (test_host_sync's, with the twin)
-        steps += 1
-    assert steps >= 10 and len(b.engine.results) == 2
+    assert steps_reading_the_host_once(b) >= 10 and len(b.engine.results) == 2  # test_host_sync's, with the twin
     assert len({addresses for _, _, addresses in calls.calls}) == 1
 
 
