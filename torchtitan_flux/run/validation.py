@@ -427,7 +427,8 @@ def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies:
             + ("weight_sync.wire_dtype = 'bfloat16', " if wire_bytes > 2 else "")
             + ("a smaller rollout.max_batch_sequences or training.seq_len, " if pool_bytes else "")
             + ("rollout.decode_graphs = false, " if graphs else "")
-            + "or engines on their own GPUs (rollout.colocated = false)")
+            + "or engines on their own GPUs (rollout.colocated = false"
+            + (", with rollout.decode_graphs = false)" if graphs else ")"))
 
 
 def hf_param_count(shape: Any) -> int:
@@ -494,7 +495,7 @@ def _check_kv_pools_fit(job_config: Any) -> None:
     model = hf_param_count(ModelShape.from_hf_dir(job_config.model.hf_assets_path)) * wire
     gib = 2**30
     fields = (f"rollout.max_batch_sequences = {r.max_batch_sequences} rows x training.seq_len = "
-              f"{job_config.training.seq_len} slots: each embedded engine's KV pool (with decode graphs, if on) takes "
+              f"{job_config.training.seq_len} slots: each embedded engine's KV pool takes "
               f"{pool / gib:.1f} GiB")
     on_gpu = torch.cuda.is_available() and not (r.engine_devices and all(d == "cpu" for d in r.engine_devices))
     if on_gpu:
