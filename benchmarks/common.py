@@ -1,7 +1,7 @@
-"""Shared by the benchmarks (and ``scripts/verify_grpo.py``, ``scripts/gpu_smoke.py``): run one training job as a
-user would (torchrun) and read what it wrote; child processes that stop with their starter (``run_child``);
-argument types whose errors are one line (``ArgumentParser``, ``count``, ``number``, ``numbers``); what the
-machine allows (``busy_cores``, ``pair_efficiency``)."""
+"""Shared by the benchmarks (and ``scripts/verify_grpo.py``, ``scripts/gpu_smoke.py``): run one training job (one
+process as torchrun starts a worker, or torchrun for several) and read what it wrote; child processes that stop
+with their starter (``run_child``); argument types whose errors are one line (``ArgumentParser``, ``count``,
+``number``, ``numbers``); what the machine allows (``busy_cores``, ``pair_efficiency``)."""
 
 from __future__ import annotations
 
@@ -113,12 +113,18 @@ def run_child(cmd: list[str], *, timeout: float | None = None, check: bool = Fal
 def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: int = 1,
                  env: dict[str, str] | None = None) -> tuple[list[dict], dict]:
     """Train with ``--job.dump_folder out`` plus overrides (and extra environment ``env``); returns
-    (metrics.jsonl rows, summary.json)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "torchtitan_flux.train", "--job.config_file", config,
-        "--job.dump_folder", out, *overrides,
-    ]
+    (metrics.jsonl rows, summary.json). One process is launched as the single worker torchrun would start (its
+    rendezvous variables set here): the same trainer, without the agent's 2-3 s of start and exit per run, which
+    were more than half of a short run's wall time (the controller suite's 360 runs); several go through torchrun."""
+    train = ["-m", "torchtitan_flux.train", "--job.config_file", config, "--job.dump_folder", out, *overrides]
+    port = str(free_port())
+    if nproc == 1:
+        cmd = [sys.executable, *train]
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", *train]
     p = run_child(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-6000:])

@@ -13,6 +13,10 @@ both, so it cancels), the median of ``--repeats`` runs interleaved across sides.
 
 - ``serial``: the embedded engine's serial loop (``inference.generate_on``);
 - ``batcher``: continuous batching (``engine/batcher.py``'s ``ContinuousBatcher``, driven in this process);
+- ``graphs``: ``batcher`` with ``rollout.decode_graphs`` (``engine/decoding.GraphDecode``): on a GPU its decode
+  steps replayed from CUDA graphs, on a CPU its twin (the captured function run eagerly on the same padded
+  buffers: what it costs there, no speed-up expected); one batcher across the runs, so a bucket is captured once
+  (in the warm-up run of the full budget);
 - ``serial_bf16``: ``serial`` with the weights in bfloat16 (an embedded engine computes in
   ``weight_sync.wire_dtype``);
 - ``hf``: transformers' ``generate`` on the same folder (float32, eager, ``min_new_tokens = max_new_tokens``);
@@ -26,15 +30,17 @@ prefilled every turn. Host synchronisations per decode step: device-to-host read
 ``bool``, ...) in the batcher's step, counted with a ``TorchFunctionMode``.
 
 With ``--device cuda`` every side runs on GPU 0 in the folder's dtype (no ``serial_bf16``, no vLLM), and the
-batcher's decode step is profiled too: kernel launches (``cudaLaunchKernel`` calls), the GPU-busy fraction (kernel
-time over wall time), CUDA synchronisations (``torch.cuda.set_sync_debug_mode`` warnings) per step, peak memory.
+batcher's decode step is profiled too, eager and with graphs: kernel launches (``cudaLaunchKernel`` calls; a graph
+replay is one ``cudaGraphLaunch``, counted as launches too), the GPU-busy fraction (kernel time over wall time), CUDA
+synchronisations (``torch.cuda.set_sync_debug_mode`` warnings) per step, peak memory.
 
 Key=value lines: ``engine_vs_hf_rows<R>`` (``serial``'s tokens/s over ``hf``'s), ``batcher_vs_hf_rows<R>``,
-``engine_bf16_vs_hf_rows<R>``, ``engine_vs_vllm_rows<R>`` (``na`` without vLLM),
-``decode_ms_<side>_rows<R>``, ``prefill_tokens_per_group_ratio``, ``multiturn_prefill_tokens_ratio``,
-``host_syncs_per_decode_step``, on a GPU ``launches_per_decode_step_rows<R>``, ``gpu_busy_fraction_rows<R>``,
-``cuda_syncs_per_decode_step_rows<R>``, ``peak_allocated_bytes_rows<R>``; ``threads``, ``pair_efficiency``
-(``benchmarks/common.py``).
+``engine_bf16_vs_hf_rows<R>``, ``engine_vs_vllm_rows<R>`` (``na`` without vLLM), ``graph_vs_eager_rows<R>``
+(``graphs``' tokens/s over ``batcher``'s), ``decode_ms_<side>_rows<R>``, ``prefill_tokens_per_group_ratio``,
+``multiturn_prefill_tokens_ratio``, ``host_syncs_per_decode_step``, on a GPU ``launches_per_decode_step_rows<R>``,
+``gpu_busy_fraction_rows<R>``, ``cuda_syncs_per_decode_step_rows<R>``, ``peak_allocated_bytes_rows<R>`` (and each
+with ``_graphs`` after ``decode_step``/``fraction``/``bytes``: the ``graphs`` side's); ``threads``,
+``pair_efficiency`` (``benchmarks/common.py``).
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ class LocalEngine:
     def __init__(self, weights, shape, rows: int, kv_slots: int):
         self.rule, self.receiver, self.shape = Pinned(), self._Receiver(weights), shape
         self.eos_id, self.pad_id, self.stall_s, self.rows, self.kv_slots = NEVER, 0, 0.0, rows, kv_slots
+        self.decode_graphs = ""
         self.model = inference.Model.of(weights, shape)
         self.results: list = []
 
@@ -102,7 +109,9 @@ class LocalEngine:
         self.results.append(tokens)
 
 
-def new_batcher(engine: LocalEngine) -> ContinuousBatcher:
+def new_batcher(engine: LocalEngine, graphs: str = "") -> ContinuousBatcher:
+    """A batcher of ``engine.rows`` rows; ``graphs``: its ``decode_graphs`` ("captured" on a GPU, "twin")."""
+    engine.decode_graphs = graphs
     b = ContinuousBatcher(engine, engine.rows)
     b.eos = set()
     return b
@@ -142,6 +151,8 @@ def time_generate(side: str, models: dict, prompts, n: int) -> float:
                         do_sample=False, pad_token_id=0)
     elif side == "batcher":
         serve(new_batcher(models["engine"]), request(0, prompts, 1, n))
+    elif side == "graphs":
+        serve(models["graphs"], request(0, prompts, 1, n))
     else:
         inference.generate_on(models[side], prompts, max_new_tokens=n, temperature=0.0, eos_id=NEVER, pad_id=0)
     synchronize(device)
@@ -197,12 +208,13 @@ class SyncCount(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def gpu_counts(engine: LocalEngine, rows: int, steps: int = 6) -> dict[str, float]:
+def gpu_counts(engine: LocalEngine, rows: int, graphs: str, steps: int = 6) -> dict[str, float]:
     """The batcher's decode step on a GPU, ``steps`` steps of ``rows`` rows in which rows end and others join
     (budgets staggered over the steps, more sequences than rows): kernel launches per step (the profiler's launch
     calls), the GPU-busy fraction (kernel time per step over the unprofiled wall time per step) and CUDA
     synchronisations per step (``torch.cuda.set_sync_debug_mode``'s warnings: reads and synchronous copies), and
-    the peak memory allocated (the KV pool of ``engine.rows`` rows included)."""
+    the peak memory allocated (the KV pool of ``engine.rows`` rows included). ``graphs``: ``new_batcher``'s; one
+    batcher serves every measured batch (drained in between), so each bucket is captured in the first."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -210,9 +222,15 @@ def gpu_counts(engine: LocalEngine, rows: int, steps: int = 6) -> dict[str, floa
     device = engine.model.device
     prompts = prompts_for(rows, engine.shape.vocab_size)
 
+    engine.decode_graphs = graphs
+    reused = ContinuousBatcher(engine, rows)
+    reused.eos = set()
+
     def batch() -> ContinuousBatcher:  # rows end at steps 3.. and queued sequences take their rows
-        b = ContinuousBatcher(engine, rows)
-        b.eos = set()
+        b = reused
+        while b.rows:  # the previous batch, drained
+            b._step()
+            b._fill_rows()
         for i in range(2):
             b.waiting.append((request(i, prompts, 1, 4 + (i + 1) * steps), 0.0))
         b._admit()
@@ -227,6 +245,7 @@ def gpu_counts(engine: LocalEngine, rows: int, steps: int = 6) -> dict[str, floa
             b._step()
             b._fill_rows()
 
+    run(batch(), 2 * steps)  # every bucket of the measured batches, captured
     b = batch()
     torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
@@ -249,7 +268,7 @@ def gpu_counts(engine: LocalEngine, rows: int, steps: int = 6) -> dict[str, floa
         synchronize(device)
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                                                         "cuLaunchKernelEx"))
+                                                         "cuLaunchKernelEx", "cudaGraphLaunch"))
     kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
                     if str(getattr(e, "device_type", "")).endswith("CUDA"))
     return {"launches": launches / steps, "busy": kernel_us / 1e6 / steps / wall, "syncs": syncs / steps,
@@ -305,6 +324,7 @@ def main() -> None:
                         "GPU-busy fraction and host synchronisations per decode step")
     p.add_argument("--model-dir", help="a HF folder of a supported family instead of --real's or the tiny model")
     p.add_argument("--no-vllm", action="store_true", help="leave out the vLLM side")
+    p.add_argument("--no-graphs", action="store_true", help="leave out the graphs side (rollout.decode_graphs)")
     args = p.parse_args()
     if args.quick:
         args.rows, args.new_tokens, args.repeats, args.real = [1, 8], 4, 1, False
@@ -322,7 +342,10 @@ def main() -> None:
     plain = inference.Model.of(weights, shape)
     models = {"serial": plain, "engine": LocalEngine(
         weights, shape, rows=max(*args.rows, args.group_size), kv_slots=64 + args.new_tokens + 24 * args.turns)}
-    sides = ["serial", "batcher"]
+    sides = ["serial", "batcher"] + ([] if args.no_graphs else ["graphs"])
+    if not args.no_graphs:
+        models["graphs"] = new_batcher(LocalEngine(weights, shape, models["engine"].rows, models["engine"].kv_slots),
+                                       "captured" if gpu else "twin")
     if not gpu:
         bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         models["serial_bf16"] = inference.Model.of(bf16, shape)
@@ -338,7 +361,7 @@ def main() -> None:
     step_s: dict[tuple[str, int], float] = {}
     for rows, prompts in prompts_of.items():
         for side in sides:
-            time_generate(side, models, prompts, 2)  # warm-up
+            time_generate(side, models, prompts, args.new_tokens)  # warm-up (and every bucket of graphs, captured)
         samples = collections.defaultdict(list)
         for _ in range(args.repeats):
             for side in sides:
@@ -348,7 +371,8 @@ def main() -> None:
             step_s[side, rows] = statistics.median(samples[side])
     vllm = None if args.quick or gpu or args.no_vllm else vllm_step_s(model_dir, prompts_of, args.new_tokens, args.repeats)
     counts = prefill_counts(models["engine"], args.group_size, args.turns)
-    on_gpu = {rows: gpu_counts(models["engine"], rows) for rows in args.rows} if gpu else {}
+    graphs = ("", "captured") if not args.no_graphs else ("",)
+    on_gpu = {(rows, g): gpu_counts(models["engine"], rows, g) for rows in args.rows for g in graphs} if gpu else {}
     efficiency = pair_efficiency()
 
     print(f"model={os.path.basename(model_dir)} device={device} threads={args.threads} new_tokens="
@@ -366,14 +390,17 @@ def main() -> None:
             print(f"batcher_vs_hf_rows{rows}={ratio('batcher', 'hf', rows)}")
             if not gpu:
                 print(f"engine_bf16_vs_hf_rows{rows}={ratio('serial_bf16', 'hf', rows)}")
+        if "graphs" in sides:
+            print(f"graph_vs_eager_rows{rows}={ratio('graphs', 'batcher', rows)}")
         for side in sides:
             print(f"decode_ms_{side}_rows{rows}={step_s[side, rows] * 1e3:.2f}")
-        if rows in on_gpu:
-            c = on_gpu[rows]
-            print(f"launches_per_decode_step_rows{rows}={c['launches']:.0f}")
-            print(f"gpu_busy_fraction_rows{rows}={c['busy']:.2f}")
-            print(f"cuda_syncs_per_decode_step_rows{rows}={c['syncs']:.2f}")
-            print(f"peak_allocated_bytes_rows{rows}={c['peak_bytes']}")
+        for graphs, suffix in (("", ""), ("captured", "_graphs")):
+            if (rows, graphs) in on_gpu:
+                c = on_gpu[rows, graphs]
+                print(f"launches_per_decode_step{suffix}_rows{rows}={c['launches']:.0f}")
+                print(f"gpu_busy_fraction{suffix}_rows{rows}={c['busy']:.2f}")
+                print(f"cuda_syncs_per_decode_step{suffix}_rows{rows}={c['syncs']:.2f}")
+                print(f"peak_allocated_bytes{suffix}_rows{rows}={c['peak_bytes']}")
         print(f"engine_vs_vllm_rows{rows}=" + (f"{vllm[rows] / step_s['serial', rows]:.2f}" if vllm else "na"))
     print(f"prefill_tokens_per_group_ratio={counts['group']:.3f}")
     print(f"multiturn_prefill_tokens_ratio={counts['multiturn']:.3f}")

@@ -26,9 +26,11 @@ ran past its own limit, a failure; ``not_run``: the budget was spent before it s
   gloo from pinned staging; ``train_medium_bf16`` (``medium_bf16_*``): 20 steps of the 24M-parameter model with
   bf16 mixed precision and a bf16 wire (checksums only: its learning rate is the tiny model's).
 * ``decode``: the embedded engine's decode step on Qwen3-0.6B's shape (``gpu_checks/decode.py``:
-  ``benchmarks/engine.py --device cuda``): ms per step for the serial loop, the batcher and HF ``generate``, the
-  batcher's kernel launches, GPU-busy fraction and CUDA synchronisations per step (run it alone first:
-  ``--only decode``).
+  ``benchmarks/engine.py --device cuda``): ms per step for the serial loop, the batcher (eager and with CUDA graphs:
+  ``graph_vs_eager_rows<R>``) and HF ``generate``, the batcher's kernel launches, GPU-busy fraction and CUDA
+  synchronisations per step, each eager and with graphs (run it alone first: ``--only decode``).
+* GPU only: ``train_graphs`` (``graphs_*``): ``train``'s run with ``rollout.decode_graphs`` and in-flight weight
+  updates (the engine process's captured steps beside its receiver thread, a swap's copy into the static weights).
 The last line is ``smoke_ok=1`` when every part that ran held. Simplification: one device, rank 0 only (FSDP and
 NCCL between GPUs are ``scripts/verify_grpo_2gpu.sh``'s).
 """
@@ -229,8 +231,13 @@ def _parts(args, out: Path, device: torch.device) -> dict:
             "bfloat16", "--weight_sync.wire_dtype", "bfloat16", "--training.seq_len", "64",
             prefix="medium_bf16_", learns=False)),
         "colocated": (100, 60, 40, lambda: colocated.part(out, device)),
+        # train's run with the engine's decode steps replayed from CUDA graphs, pushes landing mid-generation (a
+        # static weight copy at each swap, captures while the receiver thread copies staging): never run yet
+        "train_graphs": (90, 0, 35, lambda: train(out, 20, inner, "--rollout.continuous_batching", "true",
+                                                  "--rollout.decode_graphs", "true",
+                                                  "--rollout.in_flight_weight_updates", "true", prefix="graphs_")),
         # the embedded engine's decode step (last: cut first; docs/gpu.md runs it first, with --only decode)
-        "decode": (240, 90, 120, lambda: decode.part(out, device, inner)),
+        "decode": (300, 90, 120, lambda: decode.part(out, device, inner)),
     }
 
 

@@ -207,6 +207,16 @@ class Rollout:
     with it the last bits of the forward (steps pinned alike, such as the first two of an async run, do share
     steps). Lifts the serial engine's auto ``off_policy.max_pipeline_depth`` of 1. False: one request at a time."""
 
+    decode_graphs: Bool = False
+    """With ``continuous_batching``, colocated embedded engines (``colocated``) on GPUs: each decode step (decode, logits and sampling) is
+    replayed from a CUDA graph, captured at a bucket's first step (rows and width: powers of two), instead of
+    launching its ~1,000 kernels one by one; a swap copies the new version into one static copy of the weights
+    (``engine/decoding.py``). Costs one more model copy, per-row buffers and the graphs' memory pool per engine,
+    counted with the KV pool in the memory checks. Each row samples from its own draws as without it, so tokens and
+    logprobs are the same up to the last bits of the forward (a padded batch). Unmeasured on a GPU so far
+    (docs/gpu.md, "Run this first"), so false by default; refused on CPU engines, without ``continuous_batching``
+    and on engines on GPUs of their own (a capture waits for every pending NCCL receive: docs/gpu.md, rule 16)."""
+
     max_batch_sequences: Annotated[int, Range(ge=1, le=65536)] = 256
     """With ``continuous_batching``: the most sequences one embedded engine decodes at once (the rows of its KV
     pool, each of ``training.seq_len`` slots, allocated at its first request and fixed from then on; refused at
@@ -299,7 +309,9 @@ class WeightSync:
     ``master_addr`` or a ``rollout.urls`` host is not loopback. Servers read ``TORCHTITAN_FLUX_TOKEN``; see README."""
 
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype of the weights on the wire and in the staging buffer; "auto": the parameters' own dtype."""
+    """dtype of the weights on the wire and in the staging buffer, and the one an embedded engine computes in;
+    "auto": the parameters' own dtype. A bfloat16 engine needs a larger ``probe_tolerance`` (docs/running.md, "An
+    engine in bfloat16")."""
 
     probe_every: Annotated[int, Range(ge=0, note="0 disables")] = 10
     """Post-sync logprob probe every N steps (and after the last): each engine scores a fixed sequence; a difference

@@ -263,3 +263,11 @@ def test_continuous_batching_with_fewer_rows_than_sequences_serves_every_one(tin
 def test_in_flight_updates_without_continuous_batching_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"in_flight_weight_updates = true needs continuous_batching = true"):
         EmbeddedEngine("engine0", str(tiny_model_dir), 1, queue.Queue(), in_flight_weight_updates=True)
+
+
+@pytest.mark.parametrize("batching,device", [(False, "cuda:0"), (True, "cpu")], ids=["serial", "cpu"])
+def test_decode_graphs_without_continuous_batching_or_a_gpu_are_refused(tiny_model_dir, batching, device):
+    with pytest.raises(ValueError, match=r"decode_graphs needs continuous_batching on a CUDA device, got "
+                                         rf"{batching} on {device} \(rollout.decode_graphs\)"):
+        EmbeddedEngine("engine0", str(tiny_model_dir), 1, queue.Queue(), device=device, decode_graphs=True,
+                       continuous_batching=batching, kv_slots=64)

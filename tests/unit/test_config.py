@@ -208,6 +208,17 @@ CASES = [
     (("--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree = 2 is out of range"),
     (("--parallelism.data_parallel_replicate_degree", "0"),
      "parallelism.data_parallel_replicate_degree = 0 is out of range; allowed: a divisor of the number of trainer"),
+    # captured decode steps (rollout.decode_graphs) where they cannot apply
+    (("--rollout.decode_graphs", "true"), "rollout.decode_graphs = true needs rollout.continuous_batching = true (it "
+                                          "captures the continuous batcher's step); allowed: false (the default)"),
+    (("--rollout.decode_graphs", "true", "--rollout.continuous_batching", "true", "--rollout.colocated", "true"),
+     "rollout.decode_graphs = true needs engines on GPUs (CUDA graphs), these run on a CPU; allowed: false"),
+    (("--rollout.decode_graphs", "true", "--rollout.continuous_batching", "true"),
+     "rollout.decode_graphs = true needs rollout.colocated = true (an engine on a GPU of its own receives weights "
+     "over NCCL, and a CUDA graph's capture waits for every NCCL receive pending in its process"),
+    (("--rollout.decode_graphs", "true", "--rollout.continuous_batching", "true", "--rollout.engine", "vllm",
+      "--rollout.urls", "http://127.0.0.1:8000"),
+     "rollout.decode_graphs = true is the embedded engine's (rollout.engine = 'vllm' captures its own); allowed"),
     (("--training.seq_len", "4096"),  # the tiny model's config.json: max_position_embeddings 2048
      "rollout.max_prompt_tokens (auto: training.seq_len - max_new_tokens = 4080) + rollout.max_new_tokens (16) = 4096 "
      "tokens exceeds max_position_embeddings = 2048 of "),
@@ -839,8 +850,8 @@ def test_kv_pools_are_counted_colocated_and_refused_on_a_cpu_that_cannot_hold_th
     gpu, small = 24 * 2**30, 600_000_000
     assert validation.colocated_memory_problem(small, 2, engines=2, copies=2, device_bytes=gpu) is None
     why = validation.colocated_memory_problem(small, 2, engines=2, copies=2, device_bytes=gpu,
-                                              kv_pool_bytes=6 * 2**30)
-    assert why is not None and "a KV pool of 6.0 GiB" in why and "rollout.max_batch_sequences" in why
+                                              pool_bytes=6 * 2**30)
+    assert why is not None and "a KV pool (with decode graphs, if on) of 6.0 GiB" in why and "rollout.max_batch_sequences" in why
     cfg = parse("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "64")
     pool = validation.kv_pool_bytes(cfg)
     assert pool > 0 and validation.kv_pool_bytes(parse()) == 0  # the serial engine has none
@@ -921,3 +932,34 @@ def test_an_empty_value_clears_a_list_field_the_toml_set(tmp_path):
                 "--rollout.reward_weights", "1.0", "--rollout.engine_devices", "", toml=toml)
     assert (cfg.rollout.environment_args, cfg.rollout.reward_funcs, cfg.rollout.engine_devices) == ([], [], [])
     assert (cfg.rollout.task, cfg.rollout.reward_weights) == ("", [1.0])
+
+
+def test_decode_graphs_memory_is_counted_with_the_kv_pool_and_refused_where_it_cannot_fit(monkeypatch):
+    """``rollout.decode_graphs``' static weight copy, per-row buffers and graph pool go through the one count of an
+    engine's memory (``engine_pool_bytes``): a GPU that holds colocated engines' KV pools beside training and the
+    weight versions but not the graphs too is refused at start in one line naming the field."""
+    from torchtitan_flux.models import inference
+    from torchtitan_flux.models.weight_dict import ModelShape
+    from torchtitan_flux.run import validation
+
+    monkeypatch.setattr(validation.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(validation.torch.cuda, "device_count", lambda: 1)
+    common = ("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "64", "--rollout.colocated",
+              "true", "--weight_sync.async_weight_update", "true")
+    eager, graphs = parse(*common), parse(*common, "--rollout.decode_graphs", "true")
+    shape = ModelShape.from_hf_dir(graphs.hf_assets_path)
+    extra = validation.engine_pool_bytes(graphs) - validation.engine_pool_bytes(eager)
+    assert extra == inference.decode_graph_bytes(shape, 64, graphs.training.seq_len, 4)
+    assert extra > validation.hf_param_count(shape) * 4  # a static copy of the weights, and more
+    assert validation.engine_pool_bytes(eager) == validation.kv_pool_bytes(eager)
+    params = validation.hf_param_count(shape)
+    copies = max(2, eager.off_policy.max_version_gap + 1)
+    need = copies * params * 4 + validation.kv_pool_bytes(eager) + params * 4  # weight versions, pool, staging
+    beside = validation.TRAIN_BYTES_PER_PARAM * params + 2 * validation.CUDA_CONTEXT_BYTES  # training, 2 processes
+    fits = (need + extra // 2 + beside) * 10 // 9 + 100  # a device that holds the pool and half the graphs
+    monkeypatch.setattr(validation.torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=fits))
+    validate_config(eager)
+    with pytest.raises(ConfigError, match=r"^rollout.colocated = true needs .* a KV pool \(with decode graphs, if on\) "
+                                          r"of .*, rollout.decode_graphs = false, or engines on their own GPUs"):
+        validate_config(graphs)

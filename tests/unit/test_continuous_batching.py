@@ -547,11 +547,18 @@ def test_host_sync_one_read_per_decode_step(weights_and_shape):
     """The batcher's decode step reads the device once (every row's token and logprob in one copy), also in steps
     where rows end, move and newcomers join: every device-to-host read a ``TorchFunctionMode`` sees is counted, and
     no ``torch.tensor(..., device=...)`` is made (on a GPU a synchronous copy: ``inference.to_device`` instead)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from engine import SyncCount  # benchmarks/engine.py's counter: what its host_syncs_per_decode_step counts
-
     b = batcher(weights_and_shape, max_sequences=3)
     submit(b, request(1, PROMPTS, max_new=6, seed=4), request(2, [[1, 33]], max_new=3, seed=5))
+    assert steps_reading_the_host_once(b) >= 6 and len(b.engine.results) == 2
+
+
+def steps_reading_the_host_once(b: ContinuousBatcher) -> int:
+    """Run ``b``'s serving steps (``_step``, then ``_fill_rows``) until no row is in use, asserting each reads the
+    host once (``benchmarks/engine.py``'s ``SyncCount``: what its ``host_syncs_per_decode_step`` counts); returns
+    the steps run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from engine import SyncCount
+
     steps = 0
     while b.rows:
         reads = SyncCount()
@@ -560,7 +567,7 @@ def test_host_sync_one_read_per_decode_step(weights_and_shape):
             b._fill_rows()
         assert reads.reads == 1, steps
         steps += 1
-    assert steps >= 6 and len(b.engine.results) == 2
+    return steps
 
 
 def test_kv_pool_is_allocated_once_and_never_grows_or_moves(weights_and_shape):

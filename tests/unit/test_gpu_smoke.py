@@ -39,7 +39,7 @@ def test_the_parts_run_in_priority_order_with_cpu_twins_and_are_documented():
     names = list(table)
     assert names[:6] == ["train", "seqlock", "sparse", "stream", "ipc", "fsdp"]  # docs/gpu.md's order
     assert all(gpu > 0 and least <= gpu for gpu, _, least, _ in table.values())
-    gpu_only = {"profile", "train_cpu_engine", "train_medium_bf16"}
+    gpu_only = {"profile", "train_cpu_engine", "train_medium_bf16", "train_graphs"}
     assert {n for n, (_, cpu, _, _) in table.items() if cpu == 0} == gpu_only
     assert set(gpu_smoke.ENGINE_PARTS) <= set(names)
     doc = (ROOT / "docs" / "gpu.md").read_text()

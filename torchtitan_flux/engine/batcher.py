@@ -21,6 +21,9 @@ depend on the batch's size), which can flip a token only where two tokens' cumul
 with the same schedule, bit for bit. What is not: the tokens of ``continuous_batching = false`` (one generator per
 request, drawn row after row), though logprobs are those of the same model and weights.
 
+The step's sampling and decoding are ``engine/decoding.py``'s ``Decoder``: ``EagerDecode``, or with
+``rollout.decode_graphs`` ``GraphDecode`` (the whole step replayed from CUDA graphs; the same draws).
+
 Host synchronisations: one read per decode step (each row's token and logprob, in one copy); the rows' widths are
 known here, and index lists go to the device from pinned memory without a synchronisation (``inference.to_device``).
 
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from torchtitan_flux.engine.base import GenerationRequest
+from torchtitan_flux.engine.decoding import Decoder, EagerDecode, GraphDecode
 from torchtitan_flux.engine.kept import Kept, KeptSequences
 from torchtitan_flux.engine.versions import VersionRule
 from torchtitan_flux.models import inference
@@ -76,6 +80,10 @@ class EngineIO(Protocol):
     kv_slots: int
     """Slots of each row of the KV pool (``inference.SlotCache``, allocated at the first request): the longest
     prompt plus completion a sequence may have (``training.seq_len``)."""
+
+    decode_graphs: str = ""
+    """The decode step (``engine/decoding.py``): "" eager (``EagerDecode``); "captured" CUDA graphs
+    (``rollout.decode_graphs``); "twin" the graphs' step run eagerly (tests, benchmarks/engine.py on a CPU)."""
 
     stall_s: float
     """Fault injection: seconds to sleep before admitting each request."""
@@ -151,8 +159,7 @@ class ContinuousBatcher:
         self.in_flight = 0  # admitted requests whose result is not sent yet
         self.model: inference.Model | None = None  # the live weights, looked up at each swap
         self.cache: inference.SlotCache | None = None
-        self.hidden: torch.Tensor | None = None  # [rows, dim]: each row's last hidden state, to sample from
-        self.keys: torch.Tensor | None = None  # [rows] int64: each row's sequence key, on the model's device
+        self.decoder: Decoder | None = None  # samples and decodes the rows (``engine/decoding.py``), with the cache
         self.kept = KeptSequences(max_sequences)  # ended turns' K/V, for their episodes' next turns
 
     def run(self) -> None:
@@ -191,8 +198,10 @@ class ContinuousBatcher:
                              f"rows have {self.engine.kv_slots} (training.seq_len)")
         if not self.in_flight:
             self._swap(self.rule.swap_target(req))
-            self.cache = self.cache or inference.SlotCache.allocate(self.model, self.max_sequences,
-                                                                    self.engine.kv_slots)
+            if self.cache is None:
+                self.cache = inference.SlotCache.allocate(self.model, self.max_sequences, self.engine.kv_slots)
+                graphs = self.engine.decode_graphs
+                self.decoder = GraphDecode(self.model, self.cache, graphs == "captured") if graphs else EagerDecode()
         request = _Request(req, self.engine.receiver.live_version, time.perf_counter())
         prompts = [p for p in req.prompt_ids for _ in range(req.group_size)]
         request.sequences = [_Sequence(request, p, sequence_key(req.seed, i)) for i, p in enumerate(prompts)]
@@ -224,33 +233,15 @@ class ContinuousBatcher:
         capacity = max(len(s.prompt) + s.request.req.max_new_tokens for s in newcomers)
         h = inference.join_rows(self.model, self.cache, [s.prompt for s in newcomers], self.engine.pad_id, capacity,
                                 [k.kv if k is not None else None for k in kept])
-        keys = inference.to_device([s.key for s in newcomers], h.device)
-        self.hidden = h if self.hidden is None else torch.cat([self.hidden, h])
-        self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
+        self.decoder.join(self.model, self.cache, h, [(s.key, s.request.req.temperature, s.request.req.top_k)
+                                                      for s in newcomers])
         self.rows += newcomers
-
-    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's next token and its logprob [rows], sampled with its request's settings and its own draw."""
-        logits = inference.logits(self.model, self.hidden)
-        uniforms = inference.counter_uniforms(self.keys, self.cache.lengths[: self.cache.rows])
-        vocab = self.model.shape.vocab_size  # a top_k past it samples from the whole vocabulary, as generate does
-        settings = [(s.request.req.temperature, s.request.req.top_k if 0 < s.request.req.top_k < vocab else 0)
-                    for s in self.rows]
-        if len(set(settings)) == 1:
-            tok, logp = inference.sample_with(logits, *settings[0], uniforms)
-            return tok.view(-1), logp.view(-1)
-        tok = torch.empty(len(settings), dtype=torch.long, device=logits.device)
-        logp = torch.empty(len(settings), dtype=torch.float32, device=logits.device)
-        for setting in dict.fromkeys(settings):
-            index = inference.to_device([i for i, k in enumerate(settings) if k == setting], logits.device)
-            t, lp = inference.sample_with(logits[index], *setting, uniforms[index])
-            tok[index], logp[index] = t.view(-1), lp.view(-1)
-        return tok, logp
 
     def _step(self) -> None:
         """Sample one token per row (its one host read), send the results of requests that ended, decode the rows
-        that go on."""
-        tok, logp = self._sample()
+        that go on (``self.decoder``: each row's next token is sampled with its request's settings and its own
+        draw)."""
+        tok, logp = self.decoder.sampled(self.model, self.cache)
         version, done = self.engine.receiver.live_version, []
         sampled = torch.stack([tok.double(), logp.double()], dim=1).tolist()  # exact: ids < 2^53, float32 values
         for seq, (t, lp) in zip(self.rows, sampled):
@@ -266,8 +257,7 @@ class ContinuousBatcher:
         if ended:
             order = inference.drop_rows(self.cache, done)
             self.rows = [self.rows[i] for i in order]
-            moved = inference.to_device(order, tok.device)
-            tok, self.keys = tok[moved], self.keys[moved]
+            self.decoder.moved(order, len(done))
         for seq in ended:
             seq.request.unfinished -= 1
             if seq.request.unfinished == 0:
@@ -275,10 +265,7 @@ class ContinuousBatcher:
         if self.rule.swap_between_steps(self.engine.receiver):
             self._swap(-1)  # after the read above: no queued kernel reads the old buffer any more
         if self.rows:
-            width = max(len(s.prompt) + len(s.tokens) for s in self.rows)
-            self.hidden = inference.decode_rows(self.model, self.cache, tok, width)
-        else:
-            self.hidden = self.keys = None
+            self.decoder.decode(self.model, self.cache, max(len(s.prompt) + len(s.tokens) for s in self.rows))
 
     def _send_result(self, request: _Request) -> None:
         """The request's ``GenerationResult`` fields, laid out as the serial engine's (pad and 0 after the end)."""

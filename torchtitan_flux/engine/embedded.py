@@ -48,9 +48,10 @@ class _EngineProcess:
     """State of one engine process. Runs in the child."""
 
     def __init__(self, conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
-                 auth_token: str | None, max_batch_sequences: int, kv_slots: int, in_flight_updates: bool):
+                 auth_token: str | None, max_batch_sequences: int, kv_slots: int, in_flight_updates: bool,
+                 decode_graphs: bool):
         """``max_batch_sequences``: the continuous batch's rows; 0: one request at a time (``serve``). ``kv_slots``:
-        the slots of each of those rows (``batcher.EngineIO``).
+        the slots of each of those rows; ``decode_graphs``: its decode steps captured (``batcher.EngineIO``).
         ``in_flight_updates``: ``rollout.in_flight_weight_updates`` (continuous batching only)."""
         import json
 
@@ -69,6 +70,7 @@ class _EngineProcess:
         self.receiver = None
         self.weight_buffers = weight_buffers
         self.max_batch_sequences, self.kv_slots = max_batch_sequences, kv_slots
+        self.decode_graphs = "captured" if decode_graphs else ""
         self.rule = InFlight() if in_flight_updates else Pinned()  # which version each request runs on
         self.stall_s = 0.0  # fault injection: sleep before each generation
         self._send_lock = threading.Lock()
@@ -223,14 +225,15 @@ class _EngineProcess:
 
 
 def _engine_main(conn, name: str, model_dir: str, threads: int, device: str, weight_buffers: int,
-                 auth_token: str | None, max_batch_sequences: int, kv_slots: int, in_flight_updates: bool) -> None:
+                 auth_token: str | None, max_batch_sequences: int, kv_slots: int, in_flight_updates: bool,
+                 decode_graphs: bool) -> None:
     die_with_parent()
     release_server_liveness()
     name_process(f"flux-{name}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when engines stop
     try:
         proc = _EngineProcess(conn, name, model_dir, threads, device, weight_buffers, auth_token, max_batch_sequences,
-                              kv_slots, in_flight_updates)
+                              kv_slots, in_flight_updates, decode_graphs)
         proc.serve()
     except BaseException:
         try:
@@ -251,15 +254,19 @@ class EmbeddedEngine(EngineHandler):
     def __init__(self, name: str, model_dir: str, threads: int, events: queue.Queue, device: str = "cpu",
                  weight_buffers: int = 2, auth_token: str | None = None, colocated: bool = False,
                  continuous_batching: bool = False, max_batch_sequences: int = 256, kv_slots: int = 0,
-                 in_flight_weight_updates: bool = False):
+                 in_flight_weight_updates: bool = False, decode_graphs: bool = False):
         """``weight_buffers``: weight versions the engine holds (>= 2; ``transport.WeightReceiver.swap``).
         ``auth_token``: what its weight-sync joins prove (None: no handshake), passed through the start pipe.
         ``colocated``: on the trainer's device, copying rank 0's staging by reference (``rollout.colocated``).
         ``continuous_batching``, ``max_batch_sequences``, ``in_flight_weight_updates``: ``rollout``'s fields
         (``engine/batcher.py``); the last needs the first. ``kv_slots``: with continuous batching, the slots of each
-        KV row (the longest prompt plus completion: ``training.seq_len``)."""
+        KV row (the longest prompt plus completion: ``training.seq_len``). ``decode_graphs``: ``rollout``'s, the
+        batcher's decode steps as CUDA graphs (continuous batching on a GPU)."""
         if continuous_batching and kv_slots < 1:
             raise ValueError(f"continuous batching needs kv_slots >= 1 (training.seq_len), got {kv_slots}")
+        if decode_graphs and (not continuous_batching or not device.startswith("cuda")):
+            raise ValueError(f"decode_graphs needs continuous_batching on a CUDA device, got {continuous_batching} on "
+                             f"{device} (rollout.decode_graphs)")
         if in_flight_weight_updates and not continuous_batching:
             raise ValueError("in_flight_weight_updates = true needs continuous_batching = true on an embedded engine "
                              "(rollout.continuous_batching; the serial engine swaps only between requests)")
@@ -269,6 +276,7 @@ class EmbeddedEngine(EngineHandler):
         self.max_batch_sequences = max_batch_sequences if continuous_batching else 0  # 0: serial
         self.kv_slots = kv_slots
         self.in_flight_updates = in_flight_weight_updates
+        self.decode_graphs = decode_graphs
         self._acked = -1  # newest version the engine acked (reader thread writes, push thread reads)
         self._proc: mp.Process | None = None
         self._conn = None
@@ -285,7 +293,7 @@ class EmbeddedEngine(EngineHandler):
         ctx = engine_context()
         parent, child = ctx.Pipe(duplex=True)
         args = (child, self.name, self.model_dir, self.threads, self.device, self.weight_buffers, self._token,
-                self.max_batch_sequences, self.kv_slots, self.in_flight_updates)
+                self.max_batch_sequences, self.kv_slots, self.in_flight_updates, self.decode_graphs)
         self._proc = ctx.Process(target=_engine_main, args=args, name=self.name, daemon=True)
         self._proc.start()
         child.close()

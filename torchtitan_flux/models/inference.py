@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torchtitan_flux.models.weight_dict import EMBEDDING, FINAL_NORM, ModelShape, layer_param_names, output_weight
 
 __all__ = ["generate", "generate_on", "logits", "score", "forward_logits", "causal_logits", "prefill",
-           "decode_step", "sample", "sample_with", "counter_uniforms", "SlotCache", "kv_pool_bytes", "kept_rows", "join_rows",
-           "decode_rows", "drop_rows"]
+           "decode_step", "sample", "sample_with", "sample_rows", "counter_uniforms", "SlotCache", "kv_pool_bytes",
+           "kept_rows", "join_rows", "decode_rows", "decode_and_sample", "decode_graph_bytes", "drop_rows"]
 
 
 def precompute_freqs_cis(shape: ModelShape, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -409,6 +409,36 @@ def sample_with(logits: torch.Tensor, temperature: float, top_k: int,
     return tok, logp.gather(1, tok)
 
 
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, uniforms: torch.Tensor,
+                k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_with`` with each row's own settings, as device tensors (no branch on a value, no host read: a
+    captured decode step samples with it): ``temperature`` [B] float32 (0: greedy), ``top_k`` [B] int64 (0: the
+    whole vocabulary), ``uniforms`` [B, 1]. ``k_max``: the largest ``top_k`` among the rows that matter (0: none);
+    a row's ``top_k`` is clamped to it, so rows of any setting (a padded row's) draw a valid token. Bit-equal to
+    ``sample_with`` for rows whose ``top_k`` is 0 or ``k_max``, to rounding for the others (their softmax spans
+    ``k_max`` entries, the ones past their ``top_k`` at -inf). The temperature divides as eager ``logits / t`` does
+    on each device (CUDA multiplies by the reciprocal of a host scalar)."""
+    vocab = logits.shape[-1]
+    greedy = temperature == 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    scaled = logits * (1.0 / t) if logits.is_cuda else logits / t
+    logp = torch.log_softmax(scaled, dim=-1)
+    cdf = logp.exp().cumsum_(dim=-1)
+    tok = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+    if k_max:
+        k = top_k.clamp(min=0, max=k_max)[:, None]
+        top = torch.topk(scaled, k_max, dim=-1).indices  # largest first: a row's top k are the first k
+        index = torch.where(torch.arange(k_max, device=logits.device)[None, :] < k, top, vocab).sort(dim=-1).values
+        outside = index == vocab  # past the row's top k: sorted last, never drawn
+        cdf_k = torch.softmax(scaled.gather(1, index.clamp(max=vocab - 1)).masked_fill_(outside, float("-inf")),
+                              dim=-1).cumsum_(dim=-1)
+        j = torch.searchsorted(cdf_k, uniforms * cdf_k[:, -1:], right=True)
+        j = torch.minimum(j, (k - 1).clamp(min=0))
+        tok = torch.where(k > 0, index.gather(1, j).clamp(max=vocab - 1), tok)
+    tok = torch.where(greedy[:, None], logits.argmax(dim=-1, keepdim=True), tok)
+    return tok, logp.gather(1, tok)
+
+
 @dataclass
 class Completions:
     """What ``generate`` returns, one column per decode step: tokens and logprobs [B, N] (``pad_id`` and 0 once a row
@@ -590,6 +620,50 @@ def decode_rows(model: Model, cache: SlotCache, tokens: torch.Tensor, width: int
     h = _forward_hidden(model, tokens.view(n, 1), fc, mask, layers, positions)[:, 0]
     positions += 1
     return h
+
+
+@torch.no_grad()
+def decode_and_sample(model: Model, cache: SlotCache, freqs: torch.Tensor, rows: int, width: int, k_max: int,
+                      active: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
+                      temperature: torch.Tensor, top_k: torch.Tensor) -> None:
+    """A whole decode step on static buffers, what a CUDA graph captures (``engine/graphs.py``): ``decode_rows`` of
+    the first ``rows`` rows of the pool over ``width`` slots, then each row's next token sampled with its own
+    settings and draw (``sample_rows``, ``counter_uniforms`` of its key and new length), written in place:
+    ``tokens`` (read as this step's input first), ``logprobs``. Every argument tensor is of the pool's capacity
+    [capacity], and ``freqs`` a RoPE table of the pool's slots, so no address depends on the step. Rows
+    past those in use (``active`` False) are padding: they run at position 0 of their own (free) row, which is all
+    they write, and keep their length; no row reads another row. No host read, no host-to-device copy, no
+    allocation outside the caching allocator, no branch on a device value."""
+    live = active[:rows]
+    positions = cache.lengths[:rows] * live
+    beyond = torch.arange(width, device=positions.device)[None, :] > positions[:, None]
+    mask = torch.zeros(rows, 1, 1, width, dtype=model.embedding.dtype, device=positions.device)
+    mask.masked_fill_(beyond.view(rows, 1, 1, width), float("-inf"))
+    fc = freqs[positions].view(rows, 1, 1, -1)
+    layers = [(kc[:rows], vc[:rows]) for kc, vc in cache.layers]
+    h = _forward_hidden(model, tokens[:rows].view(rows, 1), fc, mask, layers, positions)[:, 0]
+    cache.lengths[:rows] += live
+    uniforms = counter_uniforms(keys[:rows], cache.lengths[:rows])
+    tok, logp = sample_rows(logits(model, h), temperature[:rows], top_k[:rows], uniforms, k_max)
+    tokens[:rows], logprobs[:rows] = tok.view(-1), logp.view(-1)
+
+
+def decode_graph_bytes(shape: ModelShape, rows: int, slots: int, itemsize: int) -> int:
+    """An estimate of what captured decode steps hold beyond the KV pool (``engine/decoding.py``): one static copy
+    of the weights, the per-row buffers, the graphs' private pool: twice the scratch of the largest bucket
+    (``rows`` x ``slots``; the smaller buckets, powers of two, together need less than it again), and as much again
+    cached on the capture stream by the buckets' eager warm-ups (its blocks fit no larger bucket, and none can be
+    released while a capture runs: docs/gpu.md, rule 15), that scratch
+    being the sampling's float32 [rows, vocab] tensors (logits, scaled, logprobs, their cumulative sum, top-k
+    scratch: 6), attention's [rows, heads, slots] scores (4, float32 at most) and a block's activations. What a
+    GPU run's peak shows against it: docs/gpu.md, rule 15."""
+    d, hd, ffn = shape.dim, shape.head_dim, shape.intermediate_size
+    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
+    layer = d * q + 2 * d * kv + q * d + 3 * d * ffn + 2 * d + 2 * hd + q + 2 * kv
+    weights = (shape.vocab_size * d * (1 if shape.tied else 2) + shape.n_layers * layer + d) * itemsize
+    per_row = 8 + 4 + 8 + 4 + 8 + 1  # tokens, logprobs, keys, temperature, top_k, in use
+    scratch = rows * (6 * shape.vocab_size * 4 + 4 * shape.n_heads * slots * 4 + 8 * (d + ffn + q) * itemsize)
+    return weights + rows * per_row + 4 * scratch
 
 
 def drop_rows(cache: SlotCache, done: list[bool]) -> list[int]:

@@ -148,7 +148,7 @@ class EngineFleet:
                 self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
                 auth_token=token, colocated=r.colocated, continuous_batching=r.continuous_batching,
                 max_batch_sequences=r.max_batch_sequences, kv_slots=self.job_config.training.seq_len,
-                in_flight_weight_updates=r.in_flight_weight_updates,
+                in_flight_weight_updates=r.in_flight_weight_updates, decode_graphs=r.decode_graphs,
             )
         e.start()
         return e

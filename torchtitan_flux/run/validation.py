@@ -268,6 +268,16 @@ def validate_config(job_config: Any) -> None:
         if getattr(r, name) and kind.serves_serially(r.continuous_batching):
             raise ConfigError(f"rollout.{name} = true needs rollout.continuous_batching = true on the {r.engine!r} "
                               "engine (it serves one request at a time otherwise); allowed: false without it")
+    if r.decode_graphs:
+        on_cpu = not torch.cuda.is_available() or "cpu" in r.engine_devices
+        why = ("needs rollout.continuous_batching = true (it captures the continuous batcher's step)"
+               if not r.continuous_batching else f"is the embedded engine's (rollout.engine = {r.engine!r} captures "
+               "its own)" if kind.server else "needs rollout.colocated = true (an engine on a GPU of its own receives "
+               "weights over NCCL, and a CUDA graph's capture waits for every NCCL receive pending in its process, "
+               "which its receiver always has: docs/gpu.md, rule 16)" if not r.colocated
+               else "needs engines on GPUs (CUDA graphs), these run on a CPU" if on_cpu else "")
+        if why:
+            raise ConfigError(f"rollout.decode_graphs = true {why}; allowed: false (the default)")
     _require(r.streaming_admission or r.streaming_carry_over, "rollout.streaming_carry_over", r.streaming_carry_over,
              "true (the default) unless rollout.streaming_admission = true: only streaming admission reads it")
     from torchtitan_flux.config import Rollout
@@ -352,7 +362,7 @@ def validate_config(job_config: Any) -> None:
                            "IPC, which for expandable segments needs ptrace rights between the processes (some "
                            "containers refuse them: the engines' joins would fail); unset it or set "
                            "expandable_segments:False for colocated runs")
-    elif kv_pool_bytes(job_config):
+    elif engine_pool_bytes(job_config):
         _check_kv_pools_fit(job_config)
 
 
@@ -363,29 +373,31 @@ CUDA_CONTEXT_BYTES = 2**30
 
 
 def colocated_memory_problem(params: int, wire_bytes: int, engines: int, copies: int, device_bytes: int,
-                             shards: int = 1, kv_pool_bytes: int = 0) -> str | None:
+                             shards: int = 1, pool_bytes: int = 0, graphs: bool = False) -> str | None:
     """Why colocated engines cannot fit beside training on one device, else None. Formula (docs/gpu.md, review 4
     finding 6): ``engines x (copies x P x w + K) + P x w`` (each engine's weight copies and KV pool ``K``,
-    ``kv_pool_bytes``, and rank 0's device staging) must
+    ``engine_pool_bytes``, and rank 0's device staging) must
     fit in ``device - (16 P / shards + 10% of the device + 1 GiB x (engines + 1))`` (training state: float32
     parameters, gradients and AdamW's moments, sharded over ``shards`` ranks; the margin: activations, allocator
     slack and a CUDA context per process)."""
     model = params * wire_bytes
-    need = engines * (copies * model + kv_pool_bytes) + model
+    need = engines * (copies * model + pool_bytes) + model
     margin = device_bytes // 10 + CUDA_CONTEXT_BYTES * (engines + 1)
     free = device_bytes - (TRAIN_BYTES_PER_PARAM * params // max(1, shards) + margin)
     if need <= free:
         return None
     gib = 2**30
     return (f"rollout.colocated = true needs {need / gib:.1f} GiB for {engines} engine(s) x ({copies} weight copies "
-            f"(max(2, off_policy.max_version_gap + 1)) x {model / gib:.1f} GiB + a KV pool of "
-            f"{kv_pool_bytes / gib:.1f} GiB) + staging {model / gib:.1f} GiB, but "
+            f"(max(2, off_policy.max_version_gap + 1)) x {model / gib:.1f} GiB + a KV pool (with decode graphs, if "
+            f"on) of {pool_bytes / gib:.1f} GiB) + staging {model / gib:.1f} GiB, but "
             f"the {device_bytes / gib:.1f} GiB device leaves {max(free, 0) / gib:.1f} GiB beside training "
             f"({TRAIN_BYTES_PER_PARAM} B x {params / 1e9:.2f}B parameters / {shards} FSDP shard(s) + a margin of 10% "
             f"and 1 GiB per process); allowed: fewer rollout.num_engines, a smaller off_policy.max_version_gap, "
             + ("weight_sync.wire_dtype = 'bfloat16', " if wire_bytes > 2 else "")
-            + ("a smaller rollout.max_batch_sequences or training.seq_len, " if kv_pool_bytes else "")
-            + "or engines on their own GPUs (rollout.colocated = false)")
+            + ("a smaller rollout.max_batch_sequences or training.seq_len, " if pool_bytes else "")
+            + ("rollout.decode_graphs = false, " if graphs else "")
+            + "or engines on their own GPUs (rollout.colocated = false"
+            + (", with rollout.decode_graphs = false)" if graphs else ")"))
 
 
 def hf_param_count(shape: Any) -> int:
@@ -414,6 +426,22 @@ def kv_pool_bytes(job_config: Any) -> int:
     return pool * (2 if r.environment else 1)
 
 
+def engine_pool_bytes(job_config: Any) -> int:
+    """One embedded engine's device memory beyond its weight versions, the one count of it that the memory checks
+    use: its KV pool (``kv_pool_bytes``), and with ``rollout.decode_graphs`` what its captured decode steps hold (a
+    static weight copy, per-row buffers, the graphs' private pool: ``inference.decode_graph_bytes``)."""
+    from torchtitan_flux.models import inference
+    from torchtitan_flux.models.weight_dict import ModelShape
+
+    r, w = job_config.rollout, job_config.weight_sync
+    pool = kv_pool_bytes(job_config)
+    if not (pool and r.decode_graphs):
+        return pool
+    wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize
+    shape = ModelShape.from_hf_dir(job_config.hf_assets_path)
+    return pool + inference.decode_graph_bytes(shape, r.max_batch_sequences, job_config.training.seq_len, wire)
+
+
 def _memory_available() -> int | None:
     """This machine's ``MemAvailable`` (bytes), None where /proc/meminfo has none."""
     try:
@@ -424,19 +452,20 @@ def _memory_available() -> int | None:
 
 
 def _check_kv_pools_fit(job_config: Any) -> None:
-    """Engines not colocated: on a CPU their KV pools (``kv_pool_bytes`` each) and their prepared copies of the model
+    """Engines not colocated: on a CPU their KV pools (``engine_pool_bytes`` each) and their prepared copies of the model
     (``inference.prepare``: about one model each) fit in half the memory available now (the rest: the trainer and
     the engines' weight versions); on GPUs each engine's pool and weight versions
     (``max(2, off_policy.max_version_gap + 1)``) fit in the smallest visible device less 10 % and 1 GiB."""
     from torchtitan_flux.models.weight_dict import ModelShape
 
     r, w = job_config.rollout, job_config.weight_sync
-    pool = kv_pool_bytes(job_config)
+    pool = engine_pool_bytes(job_config)
     wire = 4 if w.wire_dtype == "auto" else getattr(torch, w.wire_dtype).itemsize
     model = hf_param_count(ModelShape.from_hf_dir(job_config.hf_assets_path)) * wire
     gib = 2**30
     fields = (f"rollout.max_batch_sequences = {r.max_batch_sequences} rows x training.seq_len = "
-              f"{job_config.training.seq_len} slots: each embedded engine's KV pool takes {pool / gib:.1f} GiB")
+              f"{job_config.training.seq_len} slots: each embedded engine's KV pool takes "
+              f"{pool / gib:.1f} GiB")
     on_gpu = torch.cuda.is_available() and not (r.engine_devices and all(d == "cpu" for d in r.engine_devices))
     if on_gpu:
         device = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
@@ -471,7 +500,7 @@ def _check_colocated_memory(job_config: Any) -> None:
         int(os.environ.get("WORLD_SIZE", "1")) // max(1, p.data_parallel_replicate_degree)
     why = colocated_memory_problem(hf_param_count(shape), wire, r.num_engines,
                                    max(2, job_config.off_policy.max_version_gap + 1), device, shards=max(1, shards),
-                                   kv_pool_bytes=kv_pool_bytes(job_config))
+                                   pool_bytes=engine_pool_bytes(job_config), graphs=r.decode_graphs)
     if why:
         raise ConfigError(why)
 
