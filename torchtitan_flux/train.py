@@ -221,10 +221,11 @@ def main() -> None:
         from torchtitan.tools.logging import init_logger
 
         from torchtitan_flux.run.config_file import load_config
+        from torchtitan_flux.run.trainer import GRPOTrainer
         from torchtitan_flux.run.validation import validate_config
 
         init_logger()
-        config = load_config(argv)
+        config = load_config(argv, GRPOTrainer.Config())
         _absolute_paths(config)
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_run_folders(config)

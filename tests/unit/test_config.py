@@ -30,11 +30,12 @@ from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.ranges import field_ranges  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
 from torchtitan_flux.run.config_file import load_config  # noqa: E402
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
 from torchtitan_flux.train import _report  # noqa: E402
 
 
 def parse(*overrides: str, toml: str | None = None):
-    return load_config(["--job.config_file", toml or str(DEBUG_TOML), *overrides])
+    return load_config(["--job.config_file", toml or str(DEBUG_TOML), *overrides], GRPOTrainer.Config())
 
 
 def good_reward(completions, **_):
@@ -809,11 +810,11 @@ def test_path_fields_are_made_absolute(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", "/home/someone")
     toml = tmp_path / "c.toml"
     toml.write_text("[model]\nhf_assets_path = \"assets/m\"\n[rollout]\ndataset_path = \"/abs/data\"\n")
-    cfg = load_config(["--job.config_file", str(toml), "--job.dump_folder", "~/x"])
+    cfg = load_config(["--job.config_file", str(toml), "--job.dump_folder", "~/x"], GRPOTrainer.Config())
     _absolute_paths(cfg)
     assert (cfg.dump_folder, cfg.hf_assets_path) == ("/home/someone/x", str(tmp_path / "assets/m"))
     assert (cfg.rollout.dataset_path, cfg.eval.dataset_path) == ("/abs/data", "")
-    cfg = load_config(["--job.config_file", str(toml)])
+    cfg = load_config(["--job.config_file", str(toml)], GRPOTrainer.Config())
     _absolute_paths(cfg)
     assert cfg.dump_folder == str(tmp_path / "outputs")
 
@@ -963,3 +964,17 @@ def test_decode_graphs_memory_is_counted_with_the_kv_pool_and_refused_where_it_c
     with pytest.raises(ConfigError, match=r"^rollout.colocated = true needs .* a KV pool \(with decode graphs, if on\) "
                                           r"of .*, rollout.decode_graphs = false, or engines on their own GPUs"):
         validate_config(graphs)
+
+
+def test_the_0_2_2_sections_a_task_factory_may_read_name_their_new_place():
+    """A user's task factory or callback written for torchtitan 0.2.2 reads ``config.model.hf_assets_path`` or
+    ``config.job.dump_folder``: the AttributeError (which the factory's error line quotes) names the new field.
+    Mutation: without ``__getattr__`` the message is Python's bare "no attribute 'model'"."""
+    cfg = parse()
+    with pytest.raises(AttributeError, match=r"^config.model is gone with torchtitan 0.3.0: read config.hf_assets_path"):
+        cfg.model.hf_assets_path
+    with pytest.raises(AttributeError, match=r"^config.job is gone .* read config.dump_folder"):
+        cfg.job.dump_folder
+    with pytest.raises(AttributeError, match=r"object has no attribute 'nonsense'"):
+        cfg.nonsense
+    assert cfg.hf_assets_path and cfg.dump_folder

@@ -16,7 +16,8 @@ apply_patches()
 
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
 from torchtitan_flux.models.families import model_spec as model_spec_of  # noqa: E402
-from torchtitan_flux.run.config_file import load_config  # noqa: E402
+from torchtitan_flux.run.config_file import load_config
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 
@@ -54,7 +55,7 @@ def test_example_config_parses_and_validates(toml, fixture, tmp_path):
     # path check (that the launch Python exists is tested in test_config.py).
     args = ["--job.config_file", str(ROOT / "train_configs" / toml), "--model.hf_assets_path", str(tmp_path),
             "--rollout.launch_python", sys.executable]
-    job = load_config(args)
+    job = load_config(args, GRPOTrainer.Config())
     validate_config(job)
     assert job.training.mixed_precision_param == "bfloat16" and isinstance(job.activation_checkpoint, FullAC.Config)
     assert job.rollout.engine == "vllm" and job.weight_sync.probe_every > 0

@@ -412,8 +412,9 @@ def test_multi_turn_config_errors_name_the_field(overrides, fragment):
 
     from torchtitan_flux.run.validation import validate_config
     from torchtitan_flux.run.config_file import load_config
+    from torchtitan_flux.run.trainer import GRPOTrainer
 
-    jc = load_config(["--job.config_file", str(DEBUG_TOML), *overrides])
+    jc = load_config(["--job.config_file", str(DEBUG_TOML), *overrides], GRPOTrainer.Config())
     with pytest.raises(ConfigError) as err:
         validate_config(jc)
     assert fragment in str(err.value) and "\n" not in str(err.value)

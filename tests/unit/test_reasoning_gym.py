@@ -22,7 +22,8 @@ from torchtitan_flux.data.tasks import ReasoningGymTask, build_task, task_factor
 from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.run.resume import fingerprint  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
-from torchtitan_flux.run.config_file import load_config  # noqa: E402
+from torchtitan_flux.run.config_file import load_config
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
 
 EASY = ["min_terms=2", "max_terms=2", "max_digits=1", 'operators=["+"]', "allow_parentheses=false",
         "allow_negation=false"]
@@ -44,7 +45,7 @@ def job(task_args=EASY, seq_len=2048, num_prompts=16, chat_dir=None, **rollout):
 
 
 def parse(*overrides: str):
-    return load_config(["--job.config_file", str(DEBUG_TOML), *overrides])
+    return load_config(["--job.config_file", str(DEBUG_TOML), *overrides], GRPOTrainer.Config())
 
 
 def score(task, prompts, completions):

@@ -25,7 +25,6 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from torchtitan_flux.config import MODEL_NAME
 from torchtitan_flux.errors import ConfigError
-from torchtitan_flux.run.trainer import GRPOTrainer
 
 LEGACY = {"job.dump_folder": "dump_folder", "model.hf_assets_path": "hf_assets_path"}
 """0.2.2 keys -> the 0.3.0 field they set; every ``profiling.x`` is ``profiler.x``."""
@@ -38,21 +37,18 @@ AC_MODES = {"none": None, "full": FullAC.Config, "selective": SelectiveAC.Config
 """``activation_checkpoint.mode`` -> 0.3.0's config class (None: no activation checkpointing)."""
 
 
-_DEFAULTS = GRPOTrainer.Config()  # the tree the field types are read from
-
-
-def load_config(argv: list[str]) -> GRPOTrainer.Config:
-    """The config of ``--job.config_file`` (if given) with ``argv``'s overrides applied after it."""
+def load_config(argv: list[str], config: Any) -> Any:
+    """``config`` (a default ``GRPOTrainer.Config``, handed in so that this module does not import the trainer) with
+    the keys of ``--job.config_file`` (if given), then ``argv``'s overrides, set on it."""
     overrides = _parse_argv(argv)
     files = [v for k, v in overrides if k == "job.config_file"]
     if len(files) > 1:
         raise ConfigError(f"--job.config_file is given {len(files)} times; allowed: once")
-    config = GRPOTrainer.Config()
     if files:
         (path,) = files[0] if len(files[0]) == 1 else (None,)
         if path is None:
             raise ConfigError(f"--job.config_file takes one value, given {len(files[0])}; allowed: a TOML file")
-        for key, value in _read_toml(path):
+        for key, value in _read_toml(path, config):
             _set(config, key, value, path)
     for key, value in overrides:
         if key != "job.config_file":
@@ -84,7 +80,7 @@ def _is_number(s: str) -> bool:
     return True
 
 
-def _read_toml(path: str) -> list[tuple[str, Any]]:
+def _read_toml(path: str, defaults: Any) -> list[tuple[str, Any]]:
     """The file's ``section.field`` keys (nested tables joined with dots) and values; a ``ConfigError`` naming it
     when it cannot be read."""
     try:
@@ -103,7 +99,7 @@ def _read_toml(path: str) -> list[tuple[str, Any]]:
     def flat(d: dict, prefix: str) -> list[tuple[str, Any]]:
         out = []
         for k, v in d.items():
-            if isinstance(v, dict) and not _is_dict_field(f"{prefix}{k}"):
+            if isinstance(v, dict) and not _is_dict_field(defaults, f"{prefix}{k}"):
                 out += flat(v, f"{prefix}{k}.")
             else:
                 out.append((f"{prefix}{k}", v))
@@ -112,16 +108,16 @@ def _read_toml(path: str) -> list[tuple[str, Any]]:
     return flat(doc, "")
 
 
-def _is_dict_field(key: str) -> bool:
-    """Whether ``key`` names a field whose value is a dict (a TOML table sets it whole)."""
+def _is_dict_field(defaults: Any, key: str) -> bool:
+    """Whether ``key`` names a field of ``defaults`` whose value is a dict (a TOML table sets it whole)."""
     try:
-        _, _, hint = _resolve(_DEFAULTS, key, key, None)
+        _, _, hint = _resolve(defaults, key, key, None)
     except ConfigError:
         return False
     return typing.get_origin(hint) is dict or hint is dict
 
 
-def _set(config: GRPOTrainer.Config, key: str, value: Any, source: str | None) -> None:
+def _set(config: Any, key: str, value: Any, source: str | None) -> None:
     """Set ``key`` (a 0.2.2 or 0.3.0 ``section.field``) to ``value``: a TOML value from file ``source`` as it is, or
     the command line's strings (``source`` None) read as the field's type. Types and ranges are
     ``validate_config``'s to check, with the messages of every other bad value."""

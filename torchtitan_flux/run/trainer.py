@@ -150,6 +150,11 @@ class GRPOLossSlot(BaseLoss):
         raise RuntimeError("GRPOTrainer's loss is rl/loss.py's (backward_on_batch), not the Trainer's")
 
 
+MOVED_SECTIONS = {"job": "read config.dump_folder (was config.job.dump_folder)",
+                  "model": "read config.hf_assets_path (was config.model.hf_assets_path)"}
+"""torchtitan 0.2.2's config sections whose fields 0.3.0 moved to the top level (the TOML keys stay)."""
+
+
 class GRPOTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -170,6 +175,13 @@ class GRPOTrainer(Trainer):
         optimizer: AdamOptimizers.Config = field(default_factory=AdamOptimizers.Config)
         dataloader: RolloutFed.Config = field(default_factory=RolloutFed.Config)
         loss: GRPOLossSlot.Config = field(default_factory=GRPOLossSlot.Config)
+
+        def __getattr__(self, name: str) -> Any:
+            """Called only for a missing attribute: 0.2.2's ``job`` and ``model`` sections (read by a user's task
+            factory or callback) name where their fields went, in one line."""
+            if name in MOVED_SECTIONS:
+                raise AttributeError(f"config.{name} is gone with torchtitan 0.3.0: {MOVED_SECTIONS[name]}")
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __init__(self, config: Config):
         die_with_launcher()
