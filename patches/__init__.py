@@ -19,7 +19,7 @@ logger = logging.getLogger("torchtitan_flux")
 # The torchtitan release torchtitan_flux and these patches are written and checked against (and the only one it runs
 # on: "switch, do not support both"); the last torchtitan_flux commit on torchtitan 0.2.2 is named in the refusal.
 TORCHTITAN_VERSION = "0.3.0"
-LAST_TORCHTITAN_022_COMMIT = "1def605"
+LAST_TORCHTITAN_022_COMMIT = "420b2f0"
 
 # In application order: triton_stub must come before anything imports torchtitan.
 PATCHES = {

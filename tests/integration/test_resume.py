@@ -175,7 +175,7 @@ def test_a_torchtitan_0_2_2_checkpoint_is_refused_in_one_line(tiny_model_dir, tm
     assert resume.written_by_torchtitan_022(str(folder / "step-1"))
     with pytest.raises(ConfigError, match=rf"^checkpoint {folder}/step-1 was written by torchtitan 0.2.2, whose "
                                           r"parameter names torchtitan 0.3.0 does not load; allowed: another "
-                                          r"--job.dump_folder .* hf_final .* commit 1def605 \(torchtitan 0.2.2\) "
+                                          r"--job.dump_folder .* hf_final .* commit 420b2f0 \(torchtitan 0.2.2\) "
                                           r"to resume it$") as e:
         _check(_config(tiny_model_dir), None, folder)
     assert "\n" not in str(e.value)

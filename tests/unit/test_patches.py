@@ -123,7 +123,7 @@ def test_another_torchtitan_is_refused_in_one_line(monkeypatch, capsys):
     with pytest.raises(TorchtitanVersionError) as e:
         patches.apply_patches()
     assert str(e.value) == ("torchtitan 0.2.2 is installed; torchtitan_flux runs on torchtitan 0.3.0 only: pip install "
-                            "torchtitan==0.3.0 (scripts/setup.sh), or torchtitan_flux at commit 1def605 for "
+                            "torchtitan==0.3.0 (scripts/setup.sh), or torchtitan_flux at commit 420b2f0 for "
                             "torchtitan 0.2.2")
     from torchtitan_flux.train import _report
 
