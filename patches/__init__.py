@@ -12,7 +12,7 @@ import logging
 
 from torchtitan_flux.errors import TorchtitanVersionError
 
-from . import cpu_device, cpu_quiet, gloo_fsdp_sum, triton_stub
+from . import cpu_device, cpu_quiet, gloo_fsdp_sum, set_timeout, triton_stub
 
 logger = logging.getLogger("torchtitan_flux")
 
@@ -27,6 +27,7 @@ PATCHES = {
     "cpu_device": cpu_device,
     "cpu_quiet": cpu_quiet,
     "gloo_fsdp_sum": gloo_fsdp_sum,
+    "set_timeout": set_timeout,
 }
 
 

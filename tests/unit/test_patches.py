@@ -82,11 +82,36 @@ def test_cpu_device_is_still_needed():
 
 
 def test_registry_lists_every_patch_module():
-    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_quiet", "gloo_fsdp_sum"]
+    assert list(patches.PATCHES) == ["triton_stub", "cpu_device", "cpu_quiet", "gloo_fsdp_sum", "set_timeout"]
     for module in patches.PATCHES.values():
         doc = module.__doc__
         assert "What:" in doc and "Versions:" in doc and "Why:" in doc
         assert "When:" in doc and "torchtitan 0.3.0" in doc
+
+
+def test_set_timeout_is_given_to_a_torch_without_it(monkeypatch):
+    """torchtitan 0.3.0's ``set_pg_timeouts`` (called before our first step) needs ``torch.distributed.set_timeout``,
+    which torch 2.13 and the GPU machines' 2.11 lack: without the patch it raises, with it the timeout reaches
+    ``_set_pg_timeout`` for every group. On this torch (2.15) the patch stays out. Mutation: ``apply`` installing
+    nothing (the second call raises) or passing another group."""
+    from torch.distributed import distributed_c10d
+    from torchtitan.distributed import utils as dist_utils
+
+    assert patches.set_timeout.apply() is (not hasattr(torch.distributed, "set_timeout") or
+                                           torch.distributed.set_timeout is patches.set_timeout._set_timeout)
+    monkeypatch.delattr(torch.distributed, "set_timeout")
+    monkeypatch.setattr(torch.distributed, "barrier", lambda **_: None)
+    monkeypatch.setattr(dist_utils, "device_module", types.SimpleNamespace(current_device=lambda: 0,
+                                                                           synchronize=lambda: None))
+    calls = []
+    monkeypatch.setattr(distributed_c10d, "_set_pg_timeout", lambda timeout, group: calls.append((timeout, group)))
+    mesh = types.SimpleNamespace(get_group=lambda: "dp_group")
+    dims = types.SimpleNamespace(get_all_one_dimensional_meshes=lambda: {"dp": mesh})
+    with pytest.raises(AttributeError, match="set_timeout"):
+        dist_utils.set_pg_timeouts(timedelta(seconds=7), dims)
+    assert patches.set_timeout.apply() is True
+    dist_utils.set_pg_timeouts(timedelta(seconds=7), dims)
+    assert calls == [(timedelta(seconds=7), "dp_group"), (timedelta(seconds=7), None)]
 
 
 def test_cpu_quiet_drops_only_the_gpu_probing_warnings(capsys):
