@@ -300,8 +300,8 @@ def torch_for_torchtitan(cpu: bool) -> None:
     if cpu:
         return
     try:
-        proc = subprocess.run([sys.executable, "-c", TORCHTITAN_IMPORT], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
+        proc = run_child([sys.executable, "-c", TORCHTITAN_IMPORT], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
         state, why = ("ok", "") if proc.returncode == 0 else ("failed", (_lines(proc.stderr) or ["no output"])[-1])
     except subprocess.TimeoutExpired:
         state, why = "timeout", "no import within 120 s"
