@@ -184,7 +184,8 @@ def _stop_while_starting(signum, frame) -> None:
 
 
 def _train(config) -> None:
-    """torchtitan's ``train.main`` from its ``config.build()`` on (it parses ``sys.argv`` itself, with tyro)."""
+    """torchtitan's ``train.main`` from its ``config.build()`` on (torchtitan's parses ``sys.argv`` itself, with
+    tyro; ``load_config`` builds ours)."""
     import torch
 
     trainer = None

@@ -398,7 +398,8 @@ def test_tokenizer_settings_from_the_folder(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_two_trainer_ranks_train_a_tied_model(family_dirs, family, tmp_path):
-    """FSDP2 over 2 ranks with a tied head (one FSDP group for embedding, norm and head: ``model.fsdp_tied``):
+    """FSDP2 over 2 ranks with a tied head (one FSDP group for embedding, norm and head: torchtitan's
+    ``apply_fsdp_to_decoder``):
     the probe passes after pushes and the first steps' rewards equal a 1-rank run's (same weights, same samples)."""
     from conftest import read_metrics, run_train
 

@@ -204,7 +204,8 @@ WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_
 
 
 def clean_name(name: str) -> str:
-    """``layers.1._checkpoint_wrapped_module.attention.wq.weight`` -> ``layers.1.attention.wq.weight``."""
+    """``layers.1._checkpoint_wrapped_module.attention.qkv_linear.wq.weight`` ->
+    ``layers.1.attention.qkv_linear.wq.weight``."""
     for seg in WRAPPER_SEGMENTS:
         name = name.replace(seg, "")
     return name.removeprefix("module.") if name.startswith("module.") else name

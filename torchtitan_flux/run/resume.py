@@ -311,8 +311,9 @@ class CheckpointSaver:
         synchronously, and not at all when the step already has a complete full checkpoint (it would only repeat
         it, and a write cut short by a second signal must not tear it). Returns whether it wrote one.
 
-        Uses two of torchtitan 0.2.2's ``CheckpointManager`` internals, the same calls its own ``save`` makes for
-        a periodic checkpoint (``_flattened_model_states_sd``, ``_create_checkpoint_id``)."""
+        Uses two of torchtitan's ``CheckpointManager`` internals (0.2.2's, unchanged in 0.3.0's
+        ``components.checkpointer.dcp``), the same calls its own ``save`` makes for a periodic checkpoint
+        (``_flattened_model_states_sd``, ``_create_checkpoint_id``)."""
         from torchtitan.components.checkpoint import AsyncMode
 
         self.settle()
