@@ -978,3 +978,27 @@ def test_the_0_2_2_sections_a_task_factory_may_read_name_their_new_place():
     with pytest.raises(AttributeError, match=r"object has no attribute 'nonsense'"):
         cfg.nonsense
     assert cfg.hf_assets_path and cfg.dump_folder
+
+
+def test_spmd_types_with_a_tied_model_on_several_ranks_is_refused(tmp_path, monkeypatch):
+    """torchtitan 0.3.0's "spmd_types" trains a tied model wrong over several ranks
+    (test_patches.py::test_spmd_types_trains_a_tied_model_wrong_over_two_ranks): our default is "partial_dtensor", and
+    "spmd_types" with a tied model and WORLD_SIZE > 1 is one line naming the field. Mutation: the tie or the world
+    size left out of the check."""
+    import shutil
+
+    tied = tmp_path / "tied"
+    shutil.copytree(ROOT / "assets" / "tiny-llama", tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    default = parse("--model.hf_assets_path", str(tied))
+    assert default.parallelism.spmd_backend == "partial_dtensor"
+    validate_config(default)
+    validate_config(parse("--parallelism.spmd_backend", "spmd_types"))  # untied: both backends train it right
+    bad = parse("--model.hf_assets_path", str(tied), "--parallelism.spmd_backend", "spmd_types")
+    with pytest.raises(ConfigError, match=r"^parallelism.spmd_backend = 'spmd_types' trains a model with tied "
+                                          r"embeddings .* wrong over 2 ranks .*; allowed: 'partial_dtensor'"):
+        validate_config(bad)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    validate_config(bad)

@@ -1,5 +1,6 @@
 """Tests for ``torchtitan_flux.patches``: the CPU/gloo fixes torchtitan 0.3.0 needs, each shown still needed."""
 
+import json
 import os
 import socket
 import subprocess
@@ -323,3 +324,83 @@ def test_fsdp_over_gloo_two_processes(spmd_backend, tiny_model_dir):
     """Both of 0.3.0's FSDP backends train over gloo on torch 2.15 with the patch (on torch 2.13, ``spmd_types``
     failed: "parameters must be DTensors"), and neither does without it."""
     mp.spawn(_worker, args=(_free_port(), spmd_backend, str(tiny_model_dir)), nprocs=2, join=True)
+
+
+def _tied_worker(rank: int, port: int, spmd_backend: str, model_dir: str, out: str) -> None:
+    """Two Adam steps of a tied tiny llama under torchtitan's FSDP on 2 gloo ranks against a one-process replica
+    trained on both ranks' tokens; rank 0 writes the largest parameter difference to ``out``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    patches.apply_patches()
+    import torch.nn.functional as F
+    from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims, utils as dist_utils
+    from torchtitan.tools import utils
+
+    from torchtitan_flux.models import families
+
+    utils.device_module.set_device(utils.get_local_device())
+    world_size = dist_utils.init_distributed(CommConfig(trace_buf_size=0))
+    parallelism = ParallelismConfig(data_parallel_shard_degree=2, spmd_backend=spmd_backend)
+    parallel_dims = ParallelDims.from_config(parallelism, world_size)
+    dist_utils.set_spmd_backend(spmd_backend)
+    config = families.config_from_hf_dir(model_dir, max_seq_len=64)
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    with torch.device("meta"):
+        model = config.build()
+    model = families.model_spec(model_dir).parallelize_fn(
+        model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism, compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    assert model.lm_head.weight is model.tok_embeddings.weight
+    replica = families.config_from_hf_dir(model_dir, max_seq_len=64).build()
+    with torch.no_grad():
+        replica.init_weights(buffer_device=None)
+        sharded = dict(model.named_parameters())
+        for name, param in replica.named_parameters():
+            param.copy_(sharded[name].full_tensor())
+    opt, replica_opt = (torch.optim.Adam(m.parameters(), lr=3e-3) for m in (model, replica))
+    generator = torch.Generator().manual_seed(0)
+
+    def loss_fn(module, batch):
+        return F.cross_entropy(module(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+    for _ in range(2):
+        tokens = torch.randint(3, 259, (2, 2, 33), generator=generator)
+        with dist_utils.get_spmd_context(parallel_dims=parallel_dims)():
+            loss_fn(model, tokens[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        sum(loss_fn(replica, t) for t in tokens).backward()
+        replica_opt.step()
+        replica_opt.zero_grad()
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    diff = max((full[name] - p).abs().max().item() for name, p in replica.named_parameters())
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(repr(diff))
+    torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+@requires_no_accelerator
+def test_spmd_types_trains_a_tied_model_wrong_over_two_ranks(tiny_model_dir, tmp_path):
+    """Why ``parallelism.spmd_backend`` defaults to "partial_dtensor" and validation refuses "spmd_types" for a tied
+    model on several ranks: under torchtitan 0.3.0's default "spmd_types" (torch 2.15) a tied model's parameters
+    after two Adam steps at lr 3e-3 differ from a one-process replica's by more than the learning rate (measured
+    ~8e-3); under "partial_dtensor" by float rounding (~1e-7); an untied model is exact under both
+    (test_fsdp_over_gloo_two_processes). When this test fails on "spmd_types", upstream has fixed it: drop the
+    refusal and the default."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    diffs = {}
+    for backend in ("spmd_types", "partial_dtensor"):
+        out = tmp_path / f"{backend}.txt"
+        mp.spawn(_tied_worker, args=(_free_port(), backend, str(tied), str(out)), nprocs=2, join=True)
+        diffs[backend] = float(out.read_text())
+    assert diffs["partial_dtensor"] < 1e-5 and diffs["spmd_types"] > 1e-3, diffs

@@ -34,6 +34,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import BaseLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.config import ParallelismConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
@@ -163,6 +164,12 @@ class GRPOTrainer(Trainer):
         hf_assets_path: str = ""
         """The HF model folder (``config.json``, safetensors, tokenizer): the policy's family, shapes and initial
         weights. TOML key ``model.hf_assets_path``."""
+
+        parallelism: ParallelismConfig = field(
+            default_factory=lambda: ParallelismConfig(spmd_backend="partial_dtensor"))
+        """torchtitan's ``[parallelism]`` with ``spmd_backend = "partial_dtensor"`` by default (torchtitan 0.3.0's
+        default ``"spmd_types"`` trains a model with tied embeddings wrong over two or more ranks: measured, see
+        ``validation._check_parallelism``, which refuses that combination)."""
 
         grpo: flux_config.Grpo = field(default_factory=flux_config.Grpo)
         rollout: flux_config.Rollout = field(default_factory=flux_config.Rollout)

@@ -183,10 +183,10 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
              sched.min_lr_factor, "a number in [0, 1]")
     # clip_grad_norm_ scales the gradient by max_norm / norm: 0 trains nothing, a negative value ascends the loss
     _require(math.isfinite(tr.max_norm) and tr.max_norm > 0, "training.max_norm", tr.max_norm, "a finite number > 0")
-    _check_parallelism(job_config.parallelism)
+    _check_parallelism(job_config.parallelism, job_config.hf_assets_path)
 
 
-def _check_parallelism(p: Any) -> None:
+def _check_parallelism(p: Any, model_dir: str) -> None:
     """The trainer shards data-parallel only (FSDP, optionally HSDP): every rank trains on its own slice of the
     batch, so a tensor, pipeline, context or expert parallel degree would train on the wrong data."""
     for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
@@ -199,6 +199,23 @@ def _check_parallelism(p: Any) -> None:
     shard = p.data_parallel_shard_degree
     _require(shard in (-1, world // rep), "parallelism.data_parallel_shard_degree", shard,
              f"-1 (the rest) or {world // rep} (trainer processes {world} / data_parallel_replicate_degree {rep})")
+    if world > 1 and p.spmd_backend == "spmd_types" and _tied(model_dir):
+        # measured on torch 2.15 / torchtitan 0.3.0, 2 gloo ranks: the tied weight's update differs from a
+        # single-process replica's by more than the learning rate after one Adam step (partial_dtensor: 1e-7), and the
+        # trainer's log-probabilities drift from the engines' (tests/unit/test_patches.py::test_spmd_types_tied)
+        raise ConfigError(f"parallelism.spmd_backend = 'spmd_types' trains a model with tied embeddings ({model_dir}) "
+                          f"wrong over {world} ranks (torchtitan 0.3.0); allowed: 'partial_dtensor' (the default)")
+
+
+def _tied(model_dir: str) -> bool:
+    """Whether the model folder's ``config.json`` ties the output projection to the embedding (False if unreadable:
+    the folder's own checks name that)."""
+    from torchtitan_flux.models.weight_dict import ModelShape
+
+    try:
+        return ModelShape.from_hf_dir(model_dir).tied
+    except (OSError, ValueError, KeyError, ConfigError):
+        return False
 
 
 def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | None:
