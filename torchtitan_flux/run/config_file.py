@@ -206,8 +206,7 @@ def _table(key: str, table: dict, cls: type) -> Any:
 
 
 def _describe(hint: Any, many: bool = False) -> str:
-    """The values of type ``hint`` in words, as ``_typed``'s errors and docs/configuration.md give them (``many``:
-    the items of a list)."""
+    """The values of type ``hint`` in words, as ``_typed``'s errors give them (``many``: the items of a list)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Literal:
         return " | ".join(map(repr, args))
