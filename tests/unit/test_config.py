@@ -438,6 +438,123 @@ def test_wrong_type_list_in_toml(tiny_model_dir, tmp_path):
         validate_config(parse(toml=str(p)))
 
 
+TORCHTITAN_TYPE_CASES = [  # 0.3.0's own fields (no validate_config rule): before, each reached torchtitan as given
+    ('[compile]\nenable = "yes"', "compile.enable = 'yes' is not allowed; allowed: true | false"),
+    ("[training]\ngc_freq = true", "training.gc_freq = True is not allowed; allowed: an integer"),  # bool is no int
+    ("[metrics]\nlog_freq = 1.5", "metrics.log_freq = 1.5 is not allowed; allowed: an integer"),
+    ('[optimizer]\nlr = "1e-4"', "optimizer.lr = '1e-4' is not allowed; allowed: a number"),  # was a TypeError
+    ('[lr_scheduler]\ndecay_type = "exp"',
+     "lr_scheduler.decay_type = 'exp' is not allowed; allowed values: 'linear' | 'sqrt' | 'cosine'"),
+    ('[debug]\nseed = "x"', "debug.seed = 'x' is not allowed; allowed: an integer | unset"),
+    ('[compile]\ncomponents = ["model", 3]', "compile.components[1] = 3 is not allowed; allowed: a string"),
+    ('[checkpoint]\nexclude_from_loading = "x"',
+     "checkpoint.exclude_from_loading = 'x' is not allowed; allowed: a list of strings"),
+    ("[job]\ndump_folder = 5", "job.dump_folder = 5 is not allowed; allowed: a string"),  # a 0.2.2 key, as written
+    ('[profiling]\nenable_profiling = "on"', "profiling.enable_profiling = 'on' is not allowed; allowed: true | false"),
+    ("[parallelism]\nmodule_fqns_per_model_part = [[1]]", "parallelism.module_fqns_per_model_part = [[1]] is not "
+                                                          "allowed; allowed: a list of lists of strings | unset"),
+]
+
+
+@pytest.mark.parametrize("text,message", TORCHTITAN_TYPE_CASES, ids=[m.split(" ")[0] for _, m in TORCHTITAN_TYPE_CASES])
+def test_a_torchtitan_field_of_the_wrong_type_in_a_toml_is_one_line(tmp_path, text, message):
+    """The front end checks each 0.3.0 field it sets against the field's declared type (``config_file._typed``):
+    one line naming the key as written, the value and the allowed ones, before torchtitan sees a string. Mutations:
+    no ``_typed`` in ``_set`` (every case passes the front end); a bool accepted as an int (``gc_freq``); a list's
+    items unchecked (``components``)."""
+    (tmp_path / "t.toml").write_text(text + "\n")
+    with pytest.raises(ConfigError) as e:
+        parse(toml=str(tmp_path / "t.toml"))
+    assert str(e.value) == message
+
+
+def test_a_torchtitan_field_of_the_wrong_type_on_the_command_line_is_one_line():
+    """A command-line string that does not read as the field's type stays a string (``_from_cli``), and the same
+    check names it. Mutation: no ``_typed`` in ``_set`` (``compile.enable`` becomes the string 'yes')."""
+    for args, message in ((("--compile.enable", "yes"), "compile.enable = 'yes' is not allowed; allowed: true | false"),
+                          (("--parallelism.spmd_backend", "dtensor"), "parallelism.spmd_backend = 'dtensor' is not "
+                           "allowed; allowed values: 'partial_dtensor' | 'full_dtensor' | 'spmd_types'"),
+                          (("--training.gc_freq", "often"), "training.gc_freq = 'often' is not allowed; allowed: an "
+                           "integer")):
+        with pytest.raises(ConfigError) as e:
+            parse(*args)
+        assert str(e.value) == message
+
+
+def test_values_of_a_torchtitan_fields_type_pass_the_check(tmp_path):
+    """An int is a number (TOML writes 2 for 2.0), ``none`` unsets an optional field, a table sets a dict field.
+    Mutations: a float field requiring a float (``min_lr_factor = 0``); a union not tried option by option."""
+    (tmp_path / "t.toml").write_text("[lr_scheduler]\nmin_lr_factor = 0\n[training]\nmax_norm = 2\n"
+                                     "[optimizer.optimizer_factory_kwargs_by_name]\nAdamW = {foreach = true}\n")
+    cfg = parse("--debug.seed", "none", "--compile.enable", "true", toml=str(tmp_path / "t.toml"))
+    assert (cfg.lr_scheduler.min_lr_factor, cfg.training.max_norm, cfg.debug.seed, cfg.compile.enable) == (0, 2, None,
+                                                                                                        True)
+    assert cfg.optimizer.optimizer_factory_kwargs_by_name == {"AdamW": {"foreach": True}}
+
+
+def test_our_fields_in_torchtitans_sections_are_type_checked_by_validation(tmp_path):
+    """``[metrics] log_completions_every`` (ours, so left to ``validate_config`` by the front end) was only
+    range-checked: a string gave a ``TypeError`` traceback. Mutation: ``ADDED_TO_TORCHTITAN`` out of
+    validate_config's type-check loop."""
+    text = DEBUG_TOML.read_text().replace("[metrics]", "[metrics]\nlog_completions_every = 'x'")
+    (tmp_path / "t.toml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        validate_config(parse(toml=str(tmp_path / "t.toml")))
+    assert str(e.value) == "metrics.log_completions_every must be of type int, got str 'x'"
+
+
+PARAM_GROUPS = """[[optimizer.param_groups]]
+pattern = "norm"
+optimizer_name = "AdamW"
+optimizer_kwargs = {lr = 1e-3, weight_decay = 0.0}
+[[optimizer.param_groups]]
+pattern = ".*"
+optimizer_name = "AdamW"
+optimizer_kwargs = {lr = 1e-4}
+"""
+
+
+def test_optimizer_param_groups_from_a_toml_are_torchtitans_param_group_configs(tmp_path):
+    """0.3.0's ``optimizer.param_groups`` given as a list of TOML tables become ``ParamGroupConfig``s, which
+    ``AdamOptimizers`` builds its groups from (the ``[optimizer]`` lr is then unused). Mutation: the tables left as
+    dicts (``_table`` not called): the isinstance check fails, and torchtitan's build with ``pg.pattern``."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from torchtitan_flux.run.trainer import AdamOptimizers
+
+    (tmp_path / "t.toml").write_text(PARAM_GROUPS)
+    groups = parse(toml=str(tmp_path / "t.toml")).optimizer.param_groups
+    assert all(isinstance(g, ParamGroupConfig) for g in groups)
+    assert [(g.pattern, g.optimizer_kwargs) for g in groups] == [("norm", {"lr": 1e-3, "weight_decay": 0.0}),
+                                                                 (".*", {"lr": 1e-4})]
+    model = torch.nn.Sequential()
+    model.add_module("norm", torch.nn.LayerNorm(2))
+    model.add_module("proj", torch.nn.Linear(2, 2))
+    config = dataclasses.replace(parse(toml=str(tmp_path / "t.toml")).optimizer, implementation="for-loop")
+    lrs = sorted(g["lr"] for o in AdamOptimizers(config, model_parts=[model]).optimizers for g in o.param_groups)
+    assert lrs == [1e-4, 1e-3]
+
+
+@pytest.mark.parametrize("change,message", [
+    (("pattern = \".*\"", "patern = \".*\""), "optimizer.param_groups[1]: unknown key(s) {'patern'}; allowed: "
+     "pattern, optimizer_name, optimizer_kwargs (required: pattern, optimizer_name)"),
+    (('pattern = "norm"\n', ""), "optimizer.param_groups[0]: missing key(s) {'pattern'}; allowed: pattern, "
+     "optimizer_name, optimizer_kwargs (required: pattern, optimizer_name)"),
+    (("{lr = 1e-4}", "1e-4"), "optimizer.param_groups[1].optimizer_kwargs = 0.0001 is not allowed; allowed: a table"),
+])
+def test_a_bad_optimizer_param_group_is_one_line(tmp_path, change, message):
+    """An unknown or missing key of a ``[[optimizer.param_groups]]`` table, or a value of the wrong type, is one line
+    naming the table and the allowed keys (before: a dict reached torchtitan, which failed on ``pg.pattern``).
+    Mutations: no unknown-key check in ``_table`` (the dataclass' own TypeError); no missing-key check."""
+    (tmp_path / "t.toml").write_text(PARAM_GROUPS.replace(*change))
+    with pytest.raises(ConfigError) as e:
+        parse(toml=str(tmp_path / "t.toml"))
+    assert str(e.value) == message
+    with pytest.raises(ConfigError, match=r"^optimizer.param_groups\[0\] = 'x' is not allowed; allowed: a table "
+                                          r"\(keys: pattern, optimizer_name, optimizer_kwargs\)$"):
+        parse("--optimizer.param_groups", "x")  # tables are a TOML's only
+
+
 def test_unknown_key_in_toml(tiny_model_dir, tmp_path):
     text = DEBUG_TOML.read_text().replace("group_size = 8", "group_size = 8\ngroupsize = 4")
     p = tmp_path / "bad.toml"

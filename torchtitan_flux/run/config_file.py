@@ -5,8 +5,11 @@ instead, with no tyro in between: the TOML's keys, then the command line's, are 
 ``GRPOTrainer.Config`` (torchtitan's ``Trainer.Config`` with our sections), each value converted to the field's
 declared type. So every field of the tree is settable the same way, ours and 0.3.0's (``--parallelism.spmd_backend
 partial_dtensor``, ``--compile.enable true``): booleans take ``true|false`` (bare: true), lists ``a,b`` or ``a b``
-(a comma inside double quotes stays), ``""`` clears a list. An unknown key is one ``ConfigError`` line naming it and the allowed names; a value of the
-wrong type or out of range is ``validate_config``'s (run/validation.py), in the same one-line form.
+(a comma inside double quotes stays), ``""`` clears a list. An unknown key is one ``ConfigError`` line naming it and the
+allowed names, and so is a value that is not of its field's declared type (``_typed``; a list of TOML tables becomes
+the dataclasses it declares, ``optimizer.param_groups``' ``ParamGroupConfig``), except for the fields whose types
+``validate_config`` (run/validation.py) checks: ours and ``LEFT_TO_VALIDATION``. Ranges and cross-field rules are
+``validate_config``'s, in the same one-line form.
 
 Keys of torchtitan 0.2.2's TOML layout that 0.3.0 moved are translated (``LEGACY``); ``[activation_checkpoint]
 mode`` picks the config class (``AC_MODES``).
@@ -23,7 +26,7 @@ from typing import Any
 
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-from torchtitan_flux.config import MODEL_NAME
+from torchtitan_flux.config import ADDED_TO_TORCHTITAN, MODEL_NAME, SECTIONS
 from torchtitan_flux.errors import ConfigError
 
 LEGACY = {"job.dump_folder": "dump_folder", "model.hf_assets_path": "hf_assets_path"}
@@ -35,6 +38,11 @@ allowed is the one given here); ``job.description`` (None: any value) labels the
 
 AC_MODES = {"none": None, "full": FullAC.Config, "selective": SelectiveAC.Config}
 """``activation_checkpoint.mode`` -> 0.3.0's config class (None: no activation checkpointing)."""
+
+LEFT_TO_VALIDATION = ("training.steps", "training.local_batch_size", "training.seq_len", "optimizer.name")
+"""Fields outside our sections whose bad values ``validate_config`` names, in messages older than the front end's
+type check: ``_typed`` leaves them to it, as it leaves every field of our sections (``config.SECTIONS``,
+``config.ADDED_TO_TORCHTITAN``)."""
 
 
 def load_config(argv: list[str], config: Any) -> Any:
@@ -118,9 +126,9 @@ def _is_dict_field(defaults: Any, key: str) -> bool:
 
 
 def _set(config: Any, key: str, value: Any, source: str | None) -> None:
-    """Set ``key`` (a 0.2.2 or 0.3.0 ``section.field``) to ``value``: a TOML value from file ``source`` as it is, or
-    the command line's strings (``source`` None) read as the field's type. Types and ranges are
-    ``validate_config``'s to check, with the messages of every other bad value."""
+    """Set ``key`` (a 0.2.2 or 0.3.0 ``section.field``) to ``value``: a TOML value from file ``source``, or the
+    command line's strings (``source`` None) read as the field's type; either checked against that type (``_typed``)
+    unless ``validate_config`` checks it. Ranges are ``validate_config``'s."""
     if key in FIXED:
         allowed = FIXED[key]
         given = value[0] if source is None and len(value) == 1 else value
@@ -137,7 +145,84 @@ def _set(config: Any, key: str, value: Any, source: str | None) -> None:
         return
     target = LEGACY.get(key, "profiler." + key.removeprefix("profiling.") if key.startswith("profiling.") else key)
     parent, name, hint = _resolve(config, target, key, source)
-    setattr(parent, name, value if source is not None else _from_cli(key, value, hint))
+    value = value if source is not None else _from_cli(key, value, hint)
+    setattr(parent, name, value if _type_checked_by_validation(target) else _typed(key, value, hint))
+
+
+def _type_checked_by_validation(key: str) -> bool:
+    """Whether ``validate_config`` checks the type of field ``key``: every field of our sections and of those we add
+    to torchtitan's, and ``LEFT_TO_VALIDATION``."""
+    section, _, name = key.partition(".")
+    added = {f.name for f in dataclasses.fields(ADDED_TO_TORCHTITAN[section])} if section in ADDED_TO_TORCHTITAN else ()
+    return section in SECTIONS or name in added or key in LEFT_TO_VALIDATION
+
+
+_SCALARS = {bool: ("true | false", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+            str: ("a string", "strings"), type(None): ("unset", "unset")}
+"""The scalar types of config fields, and their allowed values in words (one, many)."""
+
+
+def _typed(key: str, value: Any, hint: Any) -> Any:
+    """``value`` if it is of type ``hint`` (an int is a number, a boolean is not an int), with a TOML table made the
+    dataclass ``hint`` names (``_table``); else a ``ConfigError`` line naming ``key`` (the item, in a list), the value
+    and the allowed values."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            with contextlib.suppress(ConfigError):
+                return _typed(key, value, option)
+    elif origin is typing.Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+    elif origin is list and isinstance(value, list):
+        return [_typed(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    elif origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
+        return tuple(_typed(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args)))
+    elif (origin is dict or hint is dict) and isinstance(value, dict):
+        return {k: _typed(f"{key}.{k}", v, (args or (str, Any))[1]) for k, v in value.items()}
+    elif dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        return _table(key, value, hint)
+    elif hint in _SCALARS and isinstance(value, (int, float) if hint is float else hint) and (
+            hint is bool or not isinstance(value, bool)):
+        return value
+    values = " values" if origin is typing.Literal else ""
+    raise ConfigError(f"{key} = {value!r} is not allowed; allowed{values}: {_describe(hint)}")
+
+
+def _table(key: str, table: dict, cls: type) -> Any:
+    """TOML table ``table`` as dataclass ``cls``, each value checked against its field's type; an unknown or a missing
+    required key is one ``ConfigError`` line naming it and the allowed keys."""
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for problem, keys in (("unknown", set(table) - set(fields)), ("missing", set(required) - set(table))):
+        if keys:
+            raise ConfigError(f"{key}: {problem} key(s) {{{', '.join(map(repr, sorted(keys)))}}}; allowed: "
+                              f"{', '.join(fields)} (required: {', '.join(required) or 'none'})")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _typed(f"{key}.{k}", v, hints[k]) for k, v in table.items()})
+
+
+def _describe(hint: Any, many: bool = False) -> str:
+    """The values of type ``hint`` in words, as ``_typed``'s errors give them (``many``: the items of a list)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return " | ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        text = " | ".join(_describe(a, many) for a in args)
+        return f"({text})" if many else text
+    if origin in (list, tuple) or dataclasses.is_dataclass(hint) or origin is dict or hint is dict:
+        noun = "lists" if origin in (list, tuple) else "tables"
+        what = (f" of {_describe(args[0], True)}" if origin is list else
+                f" [{', '.join(_describe(a) for a in args)}]" if origin is tuple else
+                f" (keys: {', '.join(f.name for f in dataclasses.fields(hint))})" if dataclasses.is_dataclass(hint)
+                else "")
+        return (noun if many else f"a {noun[:-1]}") + what
+    if hint in _SCALARS:
+        return _SCALARS[hint][many]
+    return "anything" if hint is Any else f"{getattr(hint, '__name__', hint)} (built in Python, not settable here)"
 
 
 def _resolve(config: Any, key: str, given: str, source: str | None) -> tuple[Any, str, Any]:
@@ -147,9 +232,10 @@ def _resolve(config: Any, key: str, given: str, source: str | None) -> tuple[Any
     for i, part in enumerate(parts):
         names = ({f.name for f in dataclasses.fields(obj) if not f.name.startswith("_")}
                  if dataclasses.is_dataclass(obj) else set())
+        names -= {"model_spec"} if not i else set()  # built from hf_assets_path's config.json
         if part not in names:
             section = ".".join(given.split(".")[:i]) if i else ""
-            names = (names | {"job", "model", "profiling"}) - {"model_spec"} if not i else names  # 0.2.2's too
+            names = names | {"job", "model", "profiling"} if not i else names  # 0.2.2's too
             allowed = ", ".join(sorted(names)) or "none (it is a single value)"
             where = f"job.config_file = {source!r}: " if source is not None else f"--{given}: "
             if not i and source is not None:

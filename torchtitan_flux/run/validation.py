@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, AdaptiveAsync, CheckpointAdditions
+from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS, AdaptiveAsync
 from torchtitan_flux.engine.kinds import engine_kind, kind_names
 from torchtitan_flux.engine.vllm_launch import resolve_launch_python
 from torchtitan_flux.errors import ConfigError
@@ -95,9 +95,10 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
         raise ConfigError(f"{name} must be of type {tp.__name__}, got {type(value).__name__} {value!r}")
 
 
-def _check_dataclass(prefix: str, obj: Any) -> None:
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
+def _check_dataclass(prefix: str, obj: Any, cls: type | None = None) -> None:
+    """Every field of ``cls`` (default: ``obj``'s class) on ``obj``."""
+    hints = typing.get_type_hints(cls or type(obj))
+    for f in dataclasses.fields(cls or obj):
         _check_type(f"{prefix}.{f.name}", getattr(obj, f.name), hints[f.name])
 
 
@@ -151,7 +152,7 @@ def _url_problem(url: str) -> str | None:
 def _validate_torchtitan_fields(job_config: Any) -> None:
     """The torchtitan fields whose bad values would fail late (a bare assert, a NaN loss) or pass silently."""
     tr, ck, opt = job_config.training, job_config.checkpoint, job_config.optimizer
-    for name in ("steps", "local_batch_size", "seq_len"):  # TOML values are not type-checked by torchtitan
+    for name in ("steps", "local_batch_size", "seq_len"):  # the front end leaves them to us (config_file.py)
         _check_type(f"training.{name}", getattr(tr, name), int)
     for name in ("steps", "local_batch_size", "seq_len"):
         _require(getattr(tr, name) >= 1, f"training.{name}", getattr(tr, name), "an integer >= 1")
@@ -161,8 +162,6 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
              "weights)")
     seed = job_config.debug.seed
     _require(seed is None or 0 <= seed < 2**63, "debug.seed", seed, "an integer in [0, 2**63), or unset")
-    mismatch = typing.get_type_hints(CheckpointAdditions)["on_config_mismatch"]
-    _check_type("checkpoint.on_config_mismatch", ck.on_config_mismatch, mismatch)
     if ck.enable:
         _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "an integer >= 1")
     if ck.enable:  # torchtitan: a ValueError traceback
@@ -236,8 +235,8 @@ def staleness_out_of_reach(a: "AdaptiveAsync", max_version_gap: int) -> str | No
 def validate_config(job_config: Any) -> None:
     """Raise ``ConfigError`` for the first bad value of our sections (and of the torchtitan fields we use)."""
     o = job_config.off_policy
-    for sec in SECTIONS:
-        _check_dataclass(sec, getattr(job_config, sec))
+    for sec, cls in {**SECTIONS, **ADDED_TO_TORCHTITAN}.items():  # torchtitan's other fields: the front end's
+        _check_dataclass(sec, getattr(job_config, sec), cls)
     for sec, cls in {**SECTIONS, **ADDED_TO_TORCHTITAN}.items():
         _check_ranges(sec, cls, getattr(job_config, sec))
     r, w, a = job_config.rollout, job_config.weight_sync, job_config.adaptive_async
@@ -639,6 +638,5 @@ def _check_data(job_config: Any) -> None:
              r.environment_reward_weight, "a finite number (like rollout.reward_weights)")
     if ev.dataset_path and not os.path.exists(ev.dataset_path):
         raise ConfigError(f"eval.dataset_path = {ev.dataset_path!r} does not exist")
-    _check_type("metrics.step_callbacks", job_config.metrics.step_callbacks, list[str])
     for spec in job_config.metrics.step_callbacks:
         step_callback(import_spec("metrics.step_callbacks", spec), f"metrics.step_callbacks = {spec!r}")
