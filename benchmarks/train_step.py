@@ -48,14 +48,14 @@ def build(flavor: str):
     from torchtitan_flux.patches import apply_patches
 
     apply_patches()
-    from torchtitan.models.llama3 import Transformer
+    from model_assets import flavor_hf_config
 
-    from model_assets import flavor_model_args
+    from torchtitan_flux.models import families
 
     torch.manual_seed(0)
-    model = Transformer(flavor_model_args(flavor))
+    model = families.model_config(flavor_hf_config(flavor)).build()
     with torch.no_grad():
-        model.init_weights()
+        model.init_weights(buffer_device=None)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), foreach=True)
     return model, opt
 

@@ -202,7 +202,7 @@ def step_prompts(wl: Workload, seed: int, steps: int, mdir: Path) -> list[list]:
 
     with open(REPO / "data" / "capitals" / "train.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    template, tok = ChatTemplate(str(mdir)), HuggingFaceTokenizer(str(mdir))
+    template, tok = ChatTemplate(str(mdir)), HuggingFaceTokenizer(tokenizer_path=str(mdir))
     sampler = EpochSampler(len(rows), seed)
     out = []
     for s in range(1, steps + 1):

@@ -115,7 +115,7 @@ def heavy_tail(job_config, tokenizer, dataset_path, dataset_split, field_name) -
     if job_config.rollout.apply_chat_template:
         from torchtitan_flux.data.datasets import ChatTemplate
 
-        template = ChatTemplate(job_config.model.hf_assets_path)
+        template = ChatTemplate(job_config.hf_assets_path)
     return HeavyTailTask(job_config.rollout.max_new_tokens, digit_ids(tokenizer), template=template)
 
 

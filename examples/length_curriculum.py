@@ -86,8 +86,8 @@ def _build(job_config, lengths: tuple[int, ...]) -> LengthCurriculum:
     if job_config.rollout.max_new_tokens < max(lengths):
         raise ValueError(f"rollout.max_new_tokens = {job_config.rollout.max_new_tokens} is below the curriculum's "
                          f"longest phase ({max(lengths)} tokens); allowed: >= {max(lengths)}")
-    os.makedirs(job_config.job.dump_folder, exist_ok=True)
-    log = os.path.join(job_config.job.dump_folder, "curriculum.jsonl")
+    os.makedirs(job_config.dump_folder, exist_ok=True)
+    log = os.path.join(job_config.dump_folder, "curriculum.jsonl")
     with contextlib.suppress(FileNotFoundError):  # every rank builds the task; only rank 0's scores write
         os.remove(log)  # a new run's phases (a resume starts the curriculum again)
     return LengthCurriculum(lengths, log)

@@ -2,13 +2,13 @@
 
 What: replaces ``torchtitan.tools.utils.device_type`` / ``device_module`` /
 ``get_device_info`` and the copies of ``device_type`` / ``device_module`` that other modules
-took at import time (``torchtitan.components.metrics``, ``torchtitan.distributed.utils``,
-``torchtitan.distributed.parallel_dims``, ``torchtitan.tools.profiling``,
-``torchtitan.distributed.dual_pipe_v``), plus the ``"cuda:0"`` default argument of
+took at import time (``COPYING_MODULES``), plus the ``"cuda:0"`` default argument of
 ``torchtitan.components.metrics.DeviceMemoryMonitor.__init__``. ``device_type`` becomes
 ``"cpu"`` and ``device_module`` becomes :data:`CPU_DEVICE_MODULE`.
 
-Versions: torchtitan 0.2.2; torch versions checked: 2.13.0.
+Versions: torchtitan 0.3.0; torch versions checked: 2.15.0. (0.2.2's list of copying modules had
+``tools.profiling`` and ``distributed.dual_pipe_v``; 0.3.0 has ``tools.profiler`` and
+``models.common.token_dispatcher`` instead.)
 
 Why: torchtitan computes ``device_type = _get_available_device_type() or "cuda"``, so on a
 machine without an accelerator the Trainer calls ``torch.cuda.set_device``, builds a "cuda"
@@ -33,10 +33,10 @@ from torch._utils import _get_available_device_type
 # torchtitan modules that copy ``device_type``/``device_module`` at import time.
 COPYING_MODULES = (
     "torchtitan.components.metrics",
-    "torchtitan.distributed.dual_pipe_v",
     "torchtitan.distributed.parallel_dims",
     "torchtitan.distributed.utils",
-    "torchtitan.tools.profiling",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.tools.profiler",
 )
 
 

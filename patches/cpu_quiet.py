@@ -1,22 +1,24 @@
 """Drop torchtitan's start-up warnings that say nothing on a machine without an accelerator.
 
-What: a ``logging.Filter`` on the root logger (torchtitan logs through it) dropping the records that start with
-``QUIET_LOGS``, and a ``warnings`` filter for ``QUIET_WARNINGS``. Nothing else is touched.
+What: a ``logging.Filter`` on the root logger (torchtitan logs through it) and on ``torch.utils.flop_counter``'s
+dropping the records that start with ``QUIET_LOGS``. Nothing else is touched.
 
-Versions: torchtitan 0.2.2; torch versions checked: 2.13.0.
+Versions: torchtitan 0.3.0 (the log lines are in ``tools/utils.py``, ``distributed/utils.py`` and
+``components/checkpointer/base.py``); torch 2.15.0 (``utils/flop_counter.py``).
 
 Why: every CPU run printed, before its first step, "Error running lspci ... fallback to use device_name" and
 "Peak flops undefined for: CPU, fallback to A100" (twice each: torchtitan's MFU estimate looks for a GPU; MFU is
-meaningless here), "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3" (NCCL is not used on CPU)
-and the ``UserWarning`` "In CPU autocast, but the target dtype is not supported. Disabling autocast." (float32
-training asks for no autocast). A newcomer reads them as errors (issue 27).
+meaningless here), "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3" (NCCL is not used on CPU),
+"initial_load_model_only=True has no effect without an initial_load_path" (0.3.0's checkpoint config warns about
+its own defaults, each time one is built) and torch's "triton not found; flop counting will not work for triton
+kernels" (a CUDA build of torch without triton, as PyPI's torch 2.15.0 on a CPU machine). A newcomer reads them as
+errors (issue 27). 0.2.2's autocast warning is gone with 0.3.0's AMP.
 
 When: only if ``torch._utils._get_available_device_type()`` is ``None`` (as ``cpu_device``); on a GPU machine
 every one of them may mean something and stays.
 """
 
 import logging
-import warnings
 
 from torch._utils import _get_available_device_type
 
@@ -24,8 +26,10 @@ QUIET_LOGS = (
     "Error running lspci",
     "Peak flops undefined for: CPU",
     "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]",
+    "initial_load_model_only=True has no effect without an initial_load_path",
+    "triton not found; flop counting will not work",
 )
-QUIET_WARNINGS = ("In CPU autocast, but the target dtype is not supported",)
+LOGGERS = ("", "torch.utils.flop_counter")  # the root logger (torchtitan's) and the one torch's line comes from
 
 
 class _Quiet(logging.Filter):
@@ -39,9 +43,8 @@ _FILTER = _Quiet()
 def apply() -> bool:
     if _get_available_device_type() is not None:
         return False
-    root = logging.getLogger()
-    if _FILTER not in root.filters:
-        root.addFilter(_FILTER)
-    for message in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
     return True

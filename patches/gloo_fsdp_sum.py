@@ -4,12 +4,11 @@ What: wraps ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor`` so 
 the default process group's backend is gloo, it also calls
 ``self.set_force_sum_reduction_for_comms(True)``.
 
-Versions: torchtitan 0.2.2; torch versions checked: 2.13.0.
+Versions: torchtitan 0.3.0; torch versions checked: 2.15.0.
 
-Why: torchtitan's ``disable_fsdp_gradient_division`` (in
-``torchtitan.models.llama3.infra.parallelize``, called by the FSDP setup of llama3, llama4,
-qwen3, deepseek_v3 and flux) calls ``set_gradient_divide_factor(1.0)`` on every FSDP
-module, after which FSDP2 reduce-scatters fp32/bf16 gradients with ``ReduceOp.PREMUL_SUM(1.0)``. gloo has no PREMUL_SUM, so the first
+Why: torchtitan's ``disable_fsdp_gradient_division`` (in ``torchtitan.distributed.fsdp``; 0.2.2 had it in
+``torchtitan.models.llama3.infra.parallelize``), called by the FSDP setup of every model, calls
+``set_gradient_divide_factor(1.0)`` on every FSDP module, after which FSDP2 reduce-scatters fp32/bf16 gradients with ``ReduceOp.PREMUL_SUM(1.0)``. gloo has no PREMUL_SUM, so the first
 backward fails with ``RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo``. Forcing
 sum-only reductions makes FSDP2 reduce with ``ReduceOp.SUM`` and divide by the factor
 afterwards, which for a factor of 1.0 gives the same gradients.

@@ -1,20 +1,23 @@
-"""Let ``import torchtitan`` succeed on machines without triton.
+"""Let torchtitan's models, trainer and ``train`` import on machines without triton.
 
-What: pre-loads ``torchtitan.models.moe.kernels`` (the module itself, registered in
+What: pre-loads ``torchtitan.distributed.minimal_async_ep.kernels`` (the module itself, registered in
 ``sys.modules``) with a private stub ``triton`` visible only while that one file executes.
 
-Versions: torchtitan 0.2.2; torch versions checked: 2.13.0.
+Versions: torchtitan 0.3.0; torch versions checked: 2.15.0. (torchtitan 0.2.2's triton import was
+``models.moe.kernels``; torchtitan's main after 0.3.0 deprecates ``minimal_async_ep``, so the target moves again.)
 
-Why: ``torchtitan/__init__.py`` imports ``components.quantization.float8``, which imports
-``models.moe.utils`` -> ``models.moe.kernels``, and that file does ``import triton`` at top
-level, so ``import torchtitan`` fails on CPU-only installs. Installing a fake ``triton``
-globally is not an option: ``torch._dynamo`` and ``torch.utils._triton`` probe
-``triton.language.dtype`` and friends and break on a fake. The stub only has to satisfy the
-module body (``triton.jit`` and the ``tl.constexpr`` annotations); launching the kernel raises.
-The MoE path keeps working through ``generate_permute_indices(..., use_cpu=True)``.
+Why: ``import torchtitan`` itself works without triton on 0.3.0, but every model does not:
+``models.common.decoder`` imports ``models.common.moe`` -> ``token_dispatcher`` ->
+``distributed.minimal_async_ep`` -> ``.api`` -> ``.kernels``, and that file does ``import triton`` at top level, so
+``torchtitan.models.llama3``, ``torchtitan.trainer`` and ``torchtitan.train`` fail on CPU-only installs (a CPU
+torch has no triton). Installing a fake ``triton`` globally is not an option: ``torch._dynamo`` and
+``torch.utils._triton`` probe ``triton.language.dtype`` and friends and break on a fake. The stub only has to
+satisfy the module body (``triton.jit`` bare and with keywords, the ``tl.constexpr`` / ``tl.pointer_type(...)``
+annotations and three ``tl`` dtypes); launching a kernel raises. The kernels serve MinimalAsyncEP, an expert-parallel
+token dispatcher for GPUs: no CPU path needs them.
 
-When: only if ``triton`` cannot be imported and the kernels module is not loaded yet; must run
-before anything imports ``torchtitan``.
+When: only if ``triton`` cannot be imported and the kernels module is not loaded yet; must run before anything
+imports torchtitan's models.
 """
 
 import importlib.util
@@ -24,7 +27,7 @@ import types
 
 import torch  # noqa: F401  (imported before the stub exists, so torch never sees it)
 
-KERNELS_MODULE = "torchtitan.models.moe.kernels"
+KERNELS_MODULE = "torchtitan.distributed.minimal_async_ep.kernels"
 
 
 class _TritonKernelUnavailable:
@@ -36,17 +39,27 @@ class _TritonKernelUnavailable:
     def __getitem__(self, grid):
         raise RuntimeError(
             f"{self.fn.__name__} is a triton kernel but triton is not installed; "
-            "use the CPU implementation (use_cpu=True) instead"
+            "MinimalAsyncEP (expert parallelism on GPUs) needs it"
         )
+
+
+def _jit(fn=None, **options):
+    """The stub ``triton.jit``: ``@triton.jit`` and ``@triton.jit(do_not_specialize=...)``."""
+    if fn is None:
+        return _TritonKernelUnavailable
+    return _TritonKernelUnavailable(fn)
 
 
 def _stub_triton() -> dict[str, types.ModuleType]:
     """The fake ``triton`` and ``triton.language`` modules, by name."""
     triton = types.ModuleType("triton")
     language = types.ModuleType("triton.language")
-    triton.jit = _TritonKernelUnavailable
+    triton.jit = _jit
     triton.language = language
     language.constexpr = type("constexpr", (), {})
+    language.pointer_type = lambda dtype: f"pointer_type({dtype})"
+    for dtype in ("int64", "float32", "bfloat16"):
+        setattr(language, dtype, dtype)
     return {"triton": triton, "triton.language": language}
 
 
@@ -62,14 +75,14 @@ def apply() -> bool:
     """Pre-load the kernels module if triton is missing; returns whether the stub is in use."""
     kernels = sys.modules.get(KERNELS_MODULE)
     if kernels is not None:  # loaded already: by an earlier call, or with the real triton
-        return getattr(kernels.triton, "jit", None) is _TritonKernelUnavailable
+        return getattr(kernels.triton, "jit", None) is _jit
     if _triton_importable():
         return False
 
     # find_spec of a top-level package locates it without importing it.
     package_dir = os.path.dirname(importlib.util.find_spec("torchtitan").origin)
     spec = importlib.util.spec_from_file_location(
-        KERNELS_MODULE, os.path.join(package_dir, "models", "moe", "kernels.py")
+        KERNELS_MODULE, os.path.join(package_dir, "distributed", "minimal_async_ep", "kernels.py")
     )
     kernels = importlib.util.module_from_spec(spec)
     stub = _stub_triton()
@@ -83,8 +96,9 @@ def apply() -> bool:
             del sys.modules[name]
         sys.modules.update(hidden)
     sys.modules[KERNELS_MODULE] = kernels
-    # The import system only binds a submodule on its package when it loads it itself.
-    import torchtitan.models.moe
+    # The import system only binds a submodule on its package when it loads it itself; importing the package here
+    # finds the kernels in ``sys.modules`` (its ``api`` imports them).
+    import torchtitan.distributed.minimal_async_ep as package
 
-    torchtitan.models.moe.kernels = kernels
+    package.kernels = kernels
     return True

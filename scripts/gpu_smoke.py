@@ -278,6 +278,38 @@ def run_part(args) -> int:
     os._exit(1 if FAILED else 0)  # no interpreter teardown: torch's C++ threads (gloo, NCCL, CUDA IPC) race it
 
 
+# the parts that run GRPOTrainer (torchtitan's Trainer): they need a torch torchtitan 0.3.0 runs on
+TRAINING_PARTS = ("train", "one_gpu", "train_cpu_engine", "train_medium_bf16", "train_graphs")
+# torchtitan 0.3.0 was built against torch 2.15; its set_pg_timeouts calls torch.distributed.set_timeout (not in
+# torch 2.13, in 2.15), and GRPOTrainer.train calls set_pg_timeouts before the first step
+TORCHTITAN_IMPORT = ("from torchtitan_flux.patches import apply_patches; apply_patches(); "
+                     "import torchtitan.trainer, torchtitan.models.llama3, torchtitan.models.qwen3")
+
+
+def torch_for_torchtitan(cpu: bool) -> None:
+    """Whether this torch runs torchtitan 0.3.0: ``torch_has_set_timeout``, and on a GPU ``torchtitan_import`` (ok,
+    failed or timeout: torchtitan's trainer and model modules imported in a child process, about 20 s on 2 CPU cores,
+    so not in the CPU twin). Each failure is one plain ``#`` line; neither fails the smoke (the parts that need them
+    fail on their own, with their logs)."""
+    has = hasattr(torch.distributed, "set_timeout")
+    report("torch_has_set_timeout", int(has))
+    if not has:
+        print(f"# torch {torch.__version__} is too old for torchtitan 0.3.0 (built against torch 2.15): no "
+              f"torch.distributed.set_timeout, which GRPOTrainer.train calls (torchtitan's set_pg_timeouts) before "
+              f"the first step, so {', '.join(TRAINING_PARTS)} fail there", flush=True)
+    if cpu:
+        return
+    try:
+        proc = run_child([sys.executable, "-c", TORCHTITAN_IMPORT], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+        state, why = ("ok", "") if proc.returncode == 0 else ("failed", (_lines(proc.stderr) or ["no output"])[-1])
+    except subprocess.TimeoutExpired:
+        state, why = "timeout", "no import within 120 s"
+    report("torchtitan_import", state)
+    if state != "ok":
+        print(f"# torchtitan 0.3.0 does not import on torch {torch.__version__}: {why}", flush=True)
+
+
 def _lines(text: str) -> list[str]:
     return [line for line in (text or "").splitlines() if line.strip()]
 
@@ -304,6 +336,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report("device", torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu")
     report("torch", torch.__version__)
+    torch_for_torchtitan(args.cpu)
     table = _parts(args, out, device)
     only = [n for n in args.only.split(",") if n]
     unknown = [n for n in only if n not in table]

@@ -4,9 +4,11 @@ Nothing here downloads anything. ``build_model_dir`` writes a folder laid out li
 checkpoint (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``, ...) that
 both torchtitan (``--model.hf_assets_path``) and the rollout engines load.
 
-The weights are produced by torchtitan's own llama3 ``Transformer`` (``init_weights()`` under
-``torch.manual_seed(seed)``) and converted to HF names with ``Llama3StateDictAdapter.to_hf``, so the folder
-round-trips exactly through ``torchtitan_flux.models.hf_weights.load_hf_weights``.
+The weights are produced by the trainer's own model of the folder's ``config.json`` (``families.model_config``:
+torchtitan's ``Llama3Model``; ``init_weights()`` under ``torch.manual_seed(seed)``) and converted to HF names with
+its state-dict adapter, so the folder round-trips exactly through
+``torchtitan_flux.models.hf_weights.load_hf_weights``. torchtitan 0.3.0 draws the very weights torchtitan 0.2.2's
+llama3 ``Transformer`` drew (same initialisers, same order): a folder built on either is the same, byte for byte.
 
 Layout note: the weights are one ``model.safetensors`` and there is deliberately NO
 ``model.safetensors.index.json``. torchtitan's ``StateDictAdapter.__init__`` parses the shard number out of
@@ -45,7 +47,7 @@ VOCAB_SIZE = BYTE_OFFSET + 256  # 259
 CHAT_STOP_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEF"
 CHAT_STOP_IDS = [EOS_ID, *(BYTE_OFFSET + b for b in CHAT_STOP_BYTES)]
 
-# RoPE scaling written to config.json: exactly torchtitan's RoPEScalingArgs defaults (llama3 scaling).
+# RoPE scaling written to config.json: exactly torchtitan's ``RoPE.Config`` llama defaults (llama3 scaling).
 ROPE_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -112,7 +114,7 @@ def build_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 2048) ->
 
     Ids: ``<|pad|>``=0, ``<|bos|>``=1, ``<|eos|>``=2, then byte ``b`` -> ``3 + b``. A BPE model without
     merges over the 256 ByteLevel symbols, so every byte of the input (every ASCII character) is one
-    token. Loadable by ``torchtitan.components.tokenizer.HuggingFaceTokenizer(out_dir)`` and by
+    token. Loadable by ``torchtitan.components.tokenizer.HuggingFaceTokenizer(tokenizer_path=out_dir)`` and by
     ``transformers.PreTrainedTokenizerFast.from_pretrained(out_dir)``. No BOS/EOS is added by the
     tokenizer.json itself; ``add_bos_token: true`` in the config makes torchtitan's ``encode`` prepend BOS
     by default (``encode(text, add_bos=..., add_eos=...)`` controls it explicitly).
@@ -173,65 +175,29 @@ def build_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 2048) ->
     return out
 
 
-def flavor_model_args(flavor: str):
-    """torchtitan ``TransformerModelArgs`` of a flavor (imports torchtitan)."""
+def flavor_hf_config(flavor: str) -> dict[str, Any]:
+    """The HF ``LlamaConfig`` fields (``config.json``) of a flavor (imports torchtitan)."""
     if flavor not in FLAVORS:
         raise ValueError(f"unknown flavor {flavor!r}; known: {sorted(FLAVORS)}")
     _maybe_apply_patches()
-    from torchtitan.models.llama3 import TransformerModelArgs
-
-    from torchtitan_flux.models.families import rope_scaling_args
+    from torchtitan.models.common import compute_ffn_hidden_dim
 
     f = FLAVORS[flavor]
-    return TransformerModelArgs(
-        **{k: v for k, v in f.items() if k != "max_position_embeddings"},
-        rope_scaling_args=rope_scaling_args(ROPE_SCALING),
-        max_seq_len=f["max_position_embeddings"],
-        attn_type="sdpa",
-        eos_id=EOS_ID,
-    )
-
-
-def build_torchtitan_model(flavor: str = "tiny", seed: int = 0):
-    """(model, model_args): torchtitan llama3 ``Transformer`` of ``flavor``, fp32, ``init_weights()`` seeded."""
-    import torch
-
-    model_args = flavor_model_args(flavor)
-    from torchtitan.models.llama3 import Transformer
-
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = Transformer(model_args)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights()
-    return model.float(), model_args
-
-
-def hf_config_dict(model_args, intermediate_size: int, max_position_embeddings: int) -> dict[str, Any]:
-    """HF ``LlamaConfig`` fields for torchtitan ``TransformerModelArgs``."""
-    n_kv = model_args.n_kv_heads if model_args.n_kv_heads is not None else model_args.n_heads
-    rs = model_args.rope_scaling_args
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": model_args.dim,
-        "intermediate_size": int(intermediate_size),
-        "num_hidden_layers": model_args.n_layers,
-        "num_attention_heads": model_args.n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": model_args.dim // model_args.n_heads,
-        "vocab_size": model_args.vocab_size,
-        "rms_norm_eps": model_args.norm_eps,
-        "rope_theta": float(model_args.rope_theta),
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": float(rs.scaling_factor),
-            "low_freq_factor": float(rs.low_freq_factor),
-            "high_freq_factor": float(rs.high_freq_factor),
-            "original_max_position_embeddings": int(rs.original_max_position_embeddings),
-        },
-        "max_position_embeddings": int(max_position_embeddings),
+        "hidden_size": f["dim"],
+        "intermediate_size": compute_ffn_hidden_dim(f["dim"], multiple_of=f["multiple_of"],
+                                                    ffn_dim_multiplier=f["ffn_dim_multiplier"]),
+        "num_hidden_layers": f["n_layers"],
+        "num_attention_heads": f["n_heads"],
+        "num_key_value_heads": f["n_kv_heads"],
+        "head_dim": f["dim"] // f["n_heads"],
+        "vocab_size": f["vocab_size"],
+        "rms_norm_eps": f["norm_eps"],
+        "rope_theta": float(f["rope_theta"]),
+        "rope_scaling": dict(ROPE_SCALING),
+        "max_position_embeddings": f["max_position_embeddings"],
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "bos_token_id": BOS_ID,
@@ -245,6 +211,22 @@ def hf_config_dict(model_args, intermediate_size: int, max_position_embeddings: 
         "pretraining_tp": 1,
         "use_cache": True,
     }
+
+
+def build_torchtitan_model(flavor: str = "tiny", seed: int = 0):
+    """(model, model config): the trainer's model of ``flavor`` (torchtitan's ``Llama3Model``), fp32,
+    ``init_weights()`` seeded."""
+    import torch
+
+    from torchtitan_flux.models import families
+
+    config = families.model_config(flavor_hf_config(flavor), f"flavor {flavor}")
+    torch.manual_seed(seed)
+    model = config.build()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model.float(), config
 
 
 def _is_built(out: Path, flavor: str, seed: int) -> bool:
@@ -288,17 +270,16 @@ def _build(out: Path, flavor: str, seed: int) -> None:
 
     from safetensors.torch import save_file
 
-    model, model_args = build_torchtitan_model(flavor, seed)
-    from torchtitan.models.llama3 import Llama3StateDictAdapter
+    from torchtitan_flux.models import families
 
-    intermediate = model.layers["0"].feed_forward.w1.weight.shape[0]
+    model, config = build_torchtitan_model(flavor, seed)
     max_pos = FLAVORS[flavor]["max_position_embeddings"]
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    hf_sd = Llama3StateDictAdapter(model_args, None).to_hf(sd)
+    hf_sd = families.state_dict_adapter(config).to_hf(sd)
     hf_sd = {k: v.contiguous() for k, v in hf_sd.items()}
 
     build_tokenizer(out, model_max_length=max_pos)
-    _write_json(out / "config.json", hf_config_dict(model_args, intermediate, max_pos))
+    _write_json(out / "config.json", flavor_hf_config(flavor))
     _write_json(
         out / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": True},

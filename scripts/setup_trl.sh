@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Idempotent: creates .venv-trl, a separate virtualenv holding Hugging Face TRL (GRPOTrainer) on the SAME CPU
-# torch build as .venv, for benchmarks/vs_trl.py. Nothing of torchtitan_flux is installed into it.
+# Idempotent: creates .venv-trl, a separate virtualenv holding Hugging Face TRL (GRPOTrainer) on torch 2.13.0's CPU
+# build, for benchmarks/vs_trl.py. Nothing of torchtitan_flux is installed into it. Until the move to torchtitan 0.3.0
+# that was .venv's torch too (every vs_trl figure in docs/benchmarks.md); .venv now holds torch 2.15.0, so the two
+# sides of a new comparison run different torch versions.
 #   bash scripts/setup_trl.sh            # create / update
 #   TRL_VERSION=1.16.0 bash scripts/setup_trl.sh
 # Re-running is cheap: pip is skipped while the stamp (this script's hash + TRL_VERSION) is unchanged.

@@ -22,11 +22,11 @@ from torchtitan_flux.engine.base import EngineError
 
 def trainer_model(model_dir) -> nn.Module:
     """The trainer's model of a HF folder (torchtitan names and layout; a tied head is one parameter), fp32, eval."""
-    args = families.args_from_hf_dir(model_dir)
-    model = (families.FluxQwenModel if isinstance(args, families.Qwen3ModelArgs) else families.FluxLlamaModel)(args)
+    config = families.config_from_hf_dir(model_dir)
+    model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    hf_weights.load_hf_weights(model, model_dir, args)
+    hf_weights.load_hf_weights(model, model_dir, config)
     return model.eval()
 
 

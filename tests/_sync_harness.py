@@ -92,8 +92,8 @@ class Harness:
             grpo=SimpleNamespace(group_size=group_size, temperature=1.0),
             weight_sync=cfg,
             off_policy=OffPolicy(max_version_gap=1),  # only sizes the engines' weight buffers (2)
-            model=SimpleNamespace(hf_assets_path=self.model_dir),
-            job=SimpleNamespace(dump_folder=""),  # server logs: no servers here
+            hf_assets_path=self.model_dir,
+            dump_folder="",  # server logs: no servers here
             training=SimpleNamespace(steps=0, seq_len=128),  # steps: final version of vLLM checksums (no vLLM here)
         )
         self.rollouts = Rollouts.start(job_config, DigitsTask(), ByteTokenizer(), self.model, device=torch.device("cpu"),

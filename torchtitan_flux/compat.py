@@ -1,4 +1,5 @@
-"""Version guards: every torch API we use whose location, signature or default changed between torch 2.3 and 2.13.
+"""Version guards: every torch API we use whose location, signature or default changed between torch 2.3 and 2.15
+(the trainer's torch; this list was drawn up on 2.13, and its tests and ``check_old_torch.sh`` pass on 2.15).
 
 The engine-side weight receiver (``transport.py``, ``inference.py``, ``engine/embedded.py``) runs in inference
 environments that pin their own torch, so it and this module import nothing from torchtitan and work on torch
@@ -6,11 +7,11 @@ environments that pin their own torch, so it and this module import nothing from
 ``tests/unit/test_compat.py`` simulates the older APIs; ``scripts/check_old_torch.sh`` runs the receiver's tests
 under torch 2.3.1. ``F.rms_norm`` (2.4+) is guarded in ``inference._rms_norm`` (``inference.py`` imports nothing).
 
-Checked and identical in 2.3.1 and 2.13 (no guard needed; do not add one): ``ProcessGroupGloo`` /
-``ProcessGroupNCCL`` constructors with ``Options._timeout`` (used instead of ``_new_process_group_helper``, whose
+Checked and identical in 2.3.1 and 2.13, and used unchanged on 2.15 (no guard needed; do not add one):
+``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructors with ``Options._timeout`` (used instead of ``_new_process_group_helper``, whose
 options keyword was renamed in 2.6), ``BroadcastOptions``, ``Work.wait(timeout)``, ``PrefixStore``, ``TCPStore``'s
 arguments, ``dtype.itemsize``, ``Tensor.view(dtype)``, ``Generator(device=)``, SDPA with a bool ``attn_mask``.
-A 2.3.1 ``TCPStore`` client works with a 2.13 server, not the reverse: the trainer hosts the store.
+A 2.3.1 ``TCPStore`` client works with a 2.13 or 2.15 server, not the reverse: the trainer hosts the store.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ _ENV_LOCK = threading.Lock()
 @contextlib.contextmanager
 def _no_async_error_handling():
     """``ProcessGroupNCCL``'s constructor reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (no ``Options`` field, 2.3 to
-    2.13): 3 on the trainer (torchtitan sets it), 1 under torchrun. Either makes the watchdog tear the process
+    2.15): 3 on the trainer (torchtitan sets it), 1 under torchrun. Either makes the watchdog tear the process
     down when a weight-sync peer dies mid-push; our polling decides instead (``cuda_rules`` rules 3, 4), so a
     weight-sync group is built with it at 0, then the variable is restored. The lock serializes our own group
     constructions (joiner threads); torch's other groups are built before any joiner starts."""
@@ -160,7 +161,7 @@ def device_module(device: torch.device) -> Any:
 
 
 class SideStream:
-    """A side stream for weight-sync copies (the device module's ``Stream``/``Event``, the same from 2.3 to 2.13;
+    """A side stream for weight-sync copies (the device module's ``Stream``/``Event``, the same from 2.3 to 2.15;
     ``torch.accelerator``'s stream API only exists from 2.6), or a no-op on CPU, where copies are synchronous.
 
     Ordering contract: ``record_after_main()`` right after ``optimizer.step()``; the snapshot runs inside

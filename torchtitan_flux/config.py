@@ -1,20 +1,15 @@
-"""Job-config sections torchtitan_flux adds to torchtitan's ``JobConfig`` (merged through ``[job]
-custom_config_module``, which ``torchtitan_flux.train`` sets). Every field has a docstring (docs/configuration.md is
-generated from them); a numeric field's range is declared on its type (``Range``, ``ranges.py``), and
-``run/validation.py`` checks it and every other rule, raising ``ConfigError``.
+"""Config sections torchtitan_flux adds to torchtitan's ``Trainer.Config`` (``run/trainer.GRPOTrainer.Config``
+holds them; ``run/config_file.py`` reads them from the TOML). Torch-free, so the entry point can read them before
+torch is imported. Every field has a docstring (docs/configuration.md is generated from them); a numeric field's
+range is declared on its type (``Range``, ``ranges.py``), and ``run/validation.py`` checks it and every other rule,
+raising ``ConfigError``.
 """
 
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-import tyro
-
 from torchtitan_flux.auth import TOKEN_ENV
 from torchtitan_flux.ranges import Range
-
-# CLI booleans take a value (``--weight_sync.async_weight_update true``), like every other field.
-Bool = Annotated[bool, tyro.conf.FlagConversionOff]
-
 
 MODEL_NAME = "hf_auto"  # ``model.name`` of every config: the family is read from model.hf_assets_path/config.json
 
@@ -49,7 +44,7 @@ class Grpo:
     """Truncated importance sampling: each token's loss is weighted by min(pi_trainer / pi_behaviour, tis_cap)
     (detached), the clipped ratio taken against the trainer's policy (decoupled PPO). 0: against the behaviour's."""
 
-    advantage_std_normalize: Bool = True
+    advantage_std_normalize: bool = True
     """Divide group-centred rewards by the group's standard deviation (+1e-4). Groups with equal rewards get
     advantage 0 either way (no policy gradient; counted in ``zero_variance_groups``)."""
 
@@ -74,7 +69,7 @@ class Rollout:
     num_engines: Annotated[int, Range(ge=1, le=1024)] = 1
     """Embedded engine processes, or vLLM servers started with ``launch = true`` (else ``urls`` counts them)."""
 
-    launch: Bool = False
+    launch: bool = False
     """Engine "vllm" only: the trainer starts ``num_engines`` local vLLM servers (model ``model.hf_assets_path``,
     interpreter ``launch_python``), uses them as ``urls`` (which must be empty) and stops them when it closes."""
 
@@ -88,7 +83,7 @@ class Rollout:
     """Device of each engine ("cpu" or "cuda:N"; a launched server sees only that GPU). Empty: CPU when the
     trainer is on CPU, else engine i on ``cuda:{LOCAL_WORLD_SIZE + i}``. Never a trainer GPU, never one GPU twice."""
 
-    colocated: Bool = False
+    colocated: bool = False
     """Embedded engines share the trainer's device (rank 0's GPU, or the CPU) and copy the weights from rank 0's
     staging by reference (CUDA IPC on GPU, shared memory on CPU) instead of a broadcast: the mode for one GPU, or
     one host (docs/gpu.md). Needs ``engine = "embedded"`` and an empty ``engine_devices``."""
@@ -96,7 +91,7 @@ class Rollout:
     engine_threads: Annotated[int, Range(ge=1, le=4096)] = 1
     """CPU threads of each engine (torch threads, or a launched server's OpenMP threads); the trainer gets the rest."""
 
-    borrow_idle_engine_cores: Bool = True
+    borrow_idle_engine_cores: bool = True
     """CPU, one trainer rank, embedded engines, no compiled model: the trainer also computes on the threads of every
     engine that holds no request (re-checked before every transformer block's forward and backward;
     ``run.threads.TrainerThreads``). With async rollouts the engine is idle once the next batch is generated, so its
@@ -147,7 +142,7 @@ class Rollout:
     answer_column: str = "answer"
     """Dataset column passed to the rewards as ``answer`` (every other column is passed under its own name)."""
 
-    apply_chat_template: Bool = False
+    apply_chat_template: bool = False
     """Render text prompts as a one-message user chat with the model's chat template (chat datasets always are)."""
 
     max_prompt_tokens: Annotated[int, Range(ge=0, note="0 = seq_len - max_new_tokens")] = 0
@@ -193,7 +188,7 @@ class Rollout:
     up (the run goes on with the others or, with none left, stops at the step boundary, checkpointed). 0: never."""
 
     # -- Batching: how an embedded engine batches requests, and when new weights go live in it.
-    continuous_batching: Bool = False
+    continuous_batching: bool = False
     """Embedded engines only (vLLM and SGLang batch continuously already): sequences join the running batch at any
     decode step and leave it when they end, and several steps' requests are in flight at once, each result sent as
     soon as its sequences end (``engine/batcher.py``). Each request runs on exactly its pinned version (unless
@@ -206,7 +201,7 @@ class Rollout:
     with it the last bits of the forward (steps pinned alike, such as the first two of an async run, do share
     steps). Lifts the serial engine's auto ``off_policy.max_pipeline_depth`` of 1. False: one request at a time."""
 
-    decode_graphs: Bool = False
+    decode_graphs: bool = False
     """With ``continuous_batching``, colocated embedded engines (``colocated``) on GPUs: each decode step (decode, logits and sampling) is
     replayed from a CUDA graph, captured at a bucket's first step (rows and width: powers of two), instead of
     launching its ~1,000 kernels one by one; a swap copies the new version into one static copy of the weights
@@ -223,7 +218,7 @@ class Rollout:
     further sequences wait for a row. 256: eight steps of the CPU configs
     (32 sequences each), one of the 8-GPU examples (256)."""
 
-    in_flight_weight_updates: Bool = False
+    in_flight_weight_updates: bool = False
     """Apply a landed push between two decode steps, without waiting for the running sequences to end: each token
     carries the version that generated it (``GenerationResult.token_versions``), a completion's samples count as
     its oldest token's version for the staleness bound, and the KV cache of earlier tokens is kept (as PipelineRL
@@ -232,14 +227,14 @@ class Rollout:
     sets the oldest), so runs are not bit-reproducible. False: versions change only between requests."""
 
     # -- Streaming: which finished groups a step trains on, and what becomes of the ones still generating.
-    streaming_admission: Bool = False
+    streaming_admission: bool = False
     """A step trains on the first ``prompts_per_step`` groups to finish among all those in flight (its own and the
     steps admitted ahead), each fresh enough for ``off_policy.max_version_gap`` by its oldest token, instead of
     waiting for its own prompts' slowest completion. Requests are sent one group each. Embedded engines need
     ``continuous_batching``. Biases a step toward short completions; ``streaming_carry_over`` keeps the slow ones
     for later steps (docs/benchmarks.md, "Streaming rollouts", measures both)."""
 
-    streaming_carry_over: Bool = True
+    streaming_carry_over: bool = True
     """With ``streaming_admission``: groups still generating when a step takes its batch stay in flight and serve
     later steps (Kimi k1.5's partial rollouts), regenerated only when too stale by their oldest token. False: a
     step's own groups still generating when it has its batch restart from scratch (``restarted_groups``), so a
@@ -281,7 +276,7 @@ class Rollout:
 class WeightSync:
     """``[weight_sync]``: how trained weights reach the engines."""
 
-    async_weight_update: Bool = False
+    async_weight_update: bool = False
     """false: after each optimizer step the trainer blocks until every engine holds the new weights. true: they
     are snapshotted into a staging buffer and pushed by a background thread; the trainer never waits on an engine."""
 
@@ -357,7 +352,7 @@ class OffPolicy:
     ``max_version_gap`` steps ahead (fractions: whole steps on that share of steps). Unset (the default): 1 with
     ``weight_sync.async_weight_update = true``, else 0. Leave it unset (or 0) with ``adaptive_async``."""
 
-    feedforward: Bool = False
+    feedforward: bool = False
     """Cap the lookahead at the pipeline depth that hides generation, ``ceil(generation / training time)`` (EMAs),
     at most ``max_pipeline_depth``. Runs are then no longer bit-reproducible (like ``weight_sync.interval =
     "auto"``); see docs/controller.md."""
@@ -397,7 +392,7 @@ class PhaseSchedule:
 class AdaptiveAsync:
     """``[adaptive_async]``: the controller that sets how asynchronous the run is."""
 
-    enabled: Bool = False
+    enabled: bool = False
     """Turn the controller on: it sets the async ratio every step. When off, ``off_policy.async_ratio`` does."""
 
     target_staleness: Annotated[float, Range(ge=0, le=1)] = 0.15
@@ -473,7 +468,7 @@ class Eval:
     every_steps: Annotated[int, Range(ge=0, note="0 disables")] = 0
     """Evaluate the policy after every N-th training step."""
 
-    at_start: Bool = False
+    at_start: bool = False
     """Also evaluate the initial policy (version 0) before the first step."""
 
     dataset_path: str = ""
@@ -521,21 +516,7 @@ class CheckpointAdditions:
     task, dataset records, rollout.seed) differ from the checkpoint's: "error" refuses, "warn" logs and resumes."""
 
 
-@dataclass
-class JobConfig:
-    """The sections merged into torchtitan's JobConfig."""
-
-    grpo: Grpo = field(default_factory=Grpo)
-    rollout: Rollout = field(default_factory=Rollout)
-    weight_sync: WeightSync = field(default_factory=WeightSync)
-    off_policy: OffPolicy = field(default_factory=OffPolicy)
-    adaptive_async: AdaptiveAsync = field(default_factory=AdaptiveAsync)
-    eval: Eval = field(default_factory=Eval)
-    metrics: MetricsAdditions = field(default_factory=MetricsAdditions)
-    checkpoint: CheckpointAdditions = field(default_factory=CheckpointAdditions)
-
-
 SECTIONS = {"grpo": Grpo, "rollout": Rollout, "weight_sync": WeightSync, "off_policy": OffPolicy,
             "adaptive_async": AdaptiveAsync, "eval": Eval}
-# fields merged into torchtitan's own sections (their booleans are its)
+# fields added to torchtitan's own sections (run/trainer.py: MetricsConfig, CheckpointConfig)
 ADDED_TO_TORCHTITAN = {"metrics": MetricsAdditions, "checkpoint": CheckpointAdditions}

@@ -6,6 +6,10 @@ class ConfigError(ValueError):
     """A bad config value. The message names the field (``section.field``) and the allowed values."""
 
 
+class TorchtitanVersionError(RuntimeError):
+    """The installed torchtitan is not the one torchtitan_flux is written for; the message names both and the fix."""
+
+
 class NoEngineLeft(RuntimeError):
     """Every rollout engine is gone. Raised between steps, so the trainer's state can be checkpointed."""
 

@@ -1,7 +1,8 @@
 """Entry point: ``torchrun -m torchtitan_flux.train --job.config_file train_configs/<x>.toml [--section.field v]``.
 
-Applies the patches torchtitan needs, registers our model spec and config sections, validates the config before
-torchtitan starts, and runs ``torchtitan.train.main(GRPOTrainer)``. How a run ends (``_report``): bad input is one
+Applies the patches torchtitan needs (refusing another torchtitan version in one line), builds the config from the
+TOML and the overrides (``run/config_file.py``), validates it before torchtitan starts, and builds and trains a
+``GRPOTrainer`` as torchtitan's own ``train.main`` does. How a run ends (``_report``): bad input is one
 line, ``error: <field> = <value> ...; allowed: ...``, exit code 2; an unusable engine server or a failed post-sync
 probe one ``error:`` line, exit 1; an expected stop one ``stopped: ...`` line, exit 1. Real bugs keep their
 traceback (as does everything under ``TORCHTITAN_FLUX_DEBUG=1``). Processes user code left running are stopped,
@@ -12,7 +13,6 @@ process (docs/reliability.md).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -20,96 +20,6 @@ import signal
 import sys
 import time
 import traceback
-
-
-@functools.lru_cache(maxsize=None)
-def _torchtitan_bools() -> frozenset[str]:
-    """``section.field`` of every boolean field of torchtitan's ``JobConfig``, read from its source (importing
-    torchtitan would bind ``sys.argv`` before it is normalised)."""
-    import ast
-    import importlib.util
-
-    src = os.path.join(os.path.dirname(importlib.util.find_spec("torchtitan").origin), "config", "job_config.py")
-    classes = {n.name: n for n in ast.parse(open(src).read()).body if isinstance(n, ast.ClassDef)}
-
-    def fields(cls):
-        return {a.target.id: ast.unparse(a.annotation) for a in cls.body
-                if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
-
-    return frozenset(f"{section}.{f}" for section, cls in fields(classes["JobConfig"]).items() if cls in classes
-                     for f, t in fields(classes[cls]).items() if t == "bool")
-
-
-def _field_type(path: str):
-    """The type of our ``section.field`` (None: no such field); "torchtitan_bool" / "torchtitan" in torchtitan's."""
-    import typing
-
-    from torchtitan_flux import config as flux_config
-
-    section, _, name = path.partition(".")
-    cls = flux_config.SECTIONS.get(section)
-    if cls is None:
-        return "torchtitan_bool" if path in _torchtitan_bools() else "torchtitan"
-    for part in name.split("."):
-        hints = typing.get_type_hints(cls) if isinstance(cls, type) else {}
-        if part not in hints:
-            return None
-        cls = hints[part]
-    return cls
-
-
-def emptied_lists(argv: list[str]) -> list[str]:
-    """The list fields of ours given ``""`` on the command line (``--rollout.environment_args ""``): each is the
-    empty list, clearing what the TOML file set. tyro reads ``""`` as ``[""]`` for a list of strings, refuses it for
-    a list of numbers, and has no form for zero values, so ``_normalise_argv`` leaves them out, ``main`` sets them
-    after parsing, and hands that config to the trainer."""
-    import typing
-
-    out = []
-    for i, a in enumerate(argv):
-        key, eq, val = a.partition("=")
-        if not eq:
-            key, val = a, argv[i + 1] if i + 1 < len(argv) else None
-        if key.startswith("--") and val == "" and typing.get_origin(_field_type(key[2:].replace("-", "_"))) is list:
-            out.append(key[2:].replace("-", "_"))
-    return out
-
-
-def _normalise_argv(argv: list[str]) -> list[str]:
-    """One command-line syntax for every field, whoever declares it: ``--section.field true|false`` (or ``=``) for
-    every boolean (torchtitan's are tyro flags, ``--x.y`` / ``--x.no_y``), the comma form for every list
-    (``--rollout.reward_weights 1.0,0.5``; ``1.0 0.5`` still works), and our config module unless one is named."""
-    import typing
-
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        key, eq, val = a.partition("=")
-        if not (a.startswith("--") and eq):
-            key, val = a, argv[i + 1] if i + 1 < len(argv) else ""
-        step = 1 if eq else 2
-        kind = _field_type(key[2:].replace("-", "_")) if key.startswith("--") else None
-        if val == "" and typing.get_origin(kind) is list:  # cleared: left to main (emptied_lists)
-            i += step
-            continue
-        if val.lower() in ("true", "false") and kind in ("torchtitan_bool", bool):
-            if kind == "torchtitan_bool":
-                section, _, name = key[2:].rpartition(".")
-                out.append(key if val.lower() == "true" else f"--{section}.no_{name}")
-            else:
-                out += [key, val.capitalize()]
-            i += step
-            continue
-        if typing.get_origin(kind) is list and typing.get_args(kind)[0] in (int, float) and "," in val:
-            out += [key, *(v for v in val.split(",") if v.strip())]
-            i += step
-            continue
-        out.append(a)
-        i += 1
-    if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in out):
-        return out
-    return out + ["--job.custom_config_module", "torchtitan_flux.config"]
 
 
 def _starts_embedded_engines(argv: list[str]) -> bool:
@@ -141,70 +51,20 @@ def _starts_embedded_engines(argv: list[str]) -> bool:
     return kind is not None and not kind.server
 
 
-def _check_config_file(argv: list[str]) -> str | None:
-    """The path of the ``--job.config_file`` TOML; a ``ConfigError`` naming it when it is unreadable or invalid."""
-    import tomllib
-
-    from torchtitan_flux.errors import ConfigError
-
-    path = None
-    for i, a in enumerate(argv):
-        key, eq, val = a.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            path = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-            break
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            if f.read(3) == b"\xef\xbb\xbf":  # tomllib's error would be "Invalid statement (at line 1, column 1)"
-                raise ConfigError(f"job.config_file = {path!r} starts with a UTF-8 byte-order mark; allowed: UTF-8 "
-                                  "without one (save it again without the BOM)")
-            f.seek(0)
-            tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"job.config_file = {path!r}: {e.strerror}; allowed: a readable TOML file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"job.config_file = {path!r}: TOML syntax error: {e}; allowed: valid TOML") from None
-    return path
-
-
 # path fields -> their default (torchtitan's ``job.dump_folder``: tests/unit/test_config.py checks it is the same)
 PATH_FIELDS = {"job.dump_folder": "./outputs", "model.hf_assets_path": "", "rollout.dataset_path": "",
                "eval.dataset_path": ""}
 
 
-def _absolute_paths(argv: list[str]) -> list[str]:
-    """Command-line overrides that make every path field (``PATH_FIELDS``) given as a relative or ``~`` path, on
-    the command line, in the TOML or by default, absolute: resolved once against the directory the run starts in,
-    so user code that calls ``os.chdir`` moves no input or output. Read before torchtitan is imported (its parser
-    binds ``sys.argv`` then); a TOML that cannot be read is left to the config check that names it."""
-    import tomllib
-
-    given: dict[str, str] = {}
-    config_file = None
-    for i, a in enumerate(argv):
-        key, eq, val = a.partition("=")
-        val = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        if key in ("--job.config_file", "--job.config-file"):
-            config_file = val
-        elif key[2:].replace("-", "_") in PATH_FIELDS:
-            given[key[2:].replace("-", "_")] = val
-    toml: dict = {}
-    if config_file:
-        try:
-            with open(config_file, "rb") as f:
-                toml = tomllib.load(f)
-        except (OSError, ValueError):
-            pass
-    out = []
-    for name, default in PATH_FIELDS.items():
-        section, field = name.split(".")
-        value = given.get(name, toml.get(section, {}).get(field, default) if isinstance(toml.get(section), dict)
-                          else default)
-        if isinstance(value, str) and value and (path := os.path.abspath(os.path.expanduser(value))) != value:
-            out += [f"--{name}", path]
-    return out
+def _absolute_paths(config) -> None:
+    """Make every path field (``PATH_FIELDS``) given as a relative or ``~`` path absolute: resolved once against
+    the directory the run starts in, so user code that calls ``os.chdir`` moves no input or output."""
+    for name in PATH_FIELDS:
+        section, _, field = name.rpartition(".")
+        owner = config if section in ("job", "model") else getattr(config, section)  # 0.3.0: top-level fields
+        value = getattr(owner, field)
+        if isinstance(value, str) and value:
+            setattr(owner, field, os.path.abspath(os.path.expanduser(value)))
 
 
 _LOCKS: list = []  # the open lock files of the folders this run writes (rank 0), held until the process ends
@@ -218,7 +78,7 @@ def _lock_run_folders(config) -> None:
 
     if os.environ.get("RANK", "0") != "0":
         return
-    dump = config.job.dump_folder
+    dump = config.dump_folder
     _refuse_inside_a_running_run(dump)
     _lock_folder("job.dump_folder", dump, dump)
     if config.checkpoint.enable:
@@ -293,11 +153,11 @@ def _report(e: BaseException) -> int:
     """Print how the run ended; return the exit code (see the module docstring)."""
     from torchtitan_flux.errors import (CheckpointWriteError, ConfigError, EngineStartError, LossNotFinite,
                                         MetricsWriteError, NcclVersionMismatch, NoEngineLeft, ProbeMismatch,
-                                        RewardError, TrainingInterrupted, UserCodeError)
+                                        RewardError, TorchtitanVersionError, TrainingInterrupted, UserCodeError)
 
     if isinstance(e, (ConfigError, RewardError, UserCodeError)):
         code, line = 2, f"error: {e}"
-    elif isinstance(e, (EngineStartError, ProbeMismatch, NcclVersionMismatch)):
+    elif isinstance(e, (EngineStartError, ProbeMismatch, NcclVersionMismatch, TorchtitanVersionError)):
         code, line = 1, f"error: {e}"
     elif isinstance(e, (TrainingInterrupted, NoEngineLeft, LossNotFinite, CheckpointWriteError, MetricsWriteError)):
         code, line = 1, f"stopped: {e}"
@@ -323,6 +183,22 @@ def _stop_while_starting(signum, frame) -> None:
     os._exit(1)
 
 
+def _train(config) -> None:
+    """torchtitan's ``train.main`` from its ``config.build()`` on (torchtitan's parses ``sys.argv`` itself, with
+    tyro; ``load_config`` builds ours)."""
+    import torch
+
+    trainer = None
+    try:
+        trainer = config.build()
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # run.stops.STOP_SIGNALS, not imported
         if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: the user asked to go on
@@ -330,15 +206,8 @@ def main() -> None:
     from torchtitan_flux.run.leftovers import adopt_orphans, stop_leftovers
 
     adopt_orphans()  # what user code starts and abandons stays findable: stopped below, at exit
-    files = [a for a in sys.argv[1:] if a.split("=")[0] in ("--job.config_file", "--job.config-file")]
-    if len(files) > 1:  # torchtitan would silently take the first
-        print(f"error: --job.config_file is given {len(files)} times; allowed: once", file=sys.stderr, flush=True)
-        os._exit(2)
-    emptied = emptied_lists(sys.argv[1:])  # before normalising, which leaves them out
-    # before torchtitan is imported: ConfigManager.parse_args binds sys.argv[1:] as a default argument
-    sys.argv = [sys.argv[0]] + _normalise_argv(sys.argv[1:])
-    sys.argv += _absolute_paths(sys.argv[1:])
-    if _starts_embedded_engines(sys.argv[1:]):
+    argv = sys.argv[1:]
+    if _starts_embedded_engines(argv):
         from torchtitan_flux.engine.forkserver import prestart_engine_server
 
         try:
@@ -346,26 +215,19 @@ def main() -> None:
         except ValueError as e:  # a bad TORCHTITAN_FLUX_ENGINE_START: bad input, like a bad field
             print(f"error: {e}", file=sys.stderr, flush=True)
             os._exit(2)
-    from torchtitan_flux.patches import apply_patches
-
-    apply_patches()
-    from torchtitan.config import ConfigManager
-    from torchtitan.train import main as titan_main
-
-    from torchtitan_flux.run.validation import unknown_fields_error, validate_config
-    from torchtitan_flux.models.families import register_families
-    from torchtitan_flux.run.trainer import GRPOTrainer
-
-    register_families()
     try:
-        config_file = _check_config_file(sys.argv[1:])
-        try:
-            config = ConfigManager().parse_args()
-        except ValueError as e:  # a TOML key or section that does not exist: one line, not torchtitan's traceback
-            raise unknown_fields_error(e, config_file) or e from None
-        for path in emptied:
-            section, _, name = path.partition(".")
-            setattr(getattr(config, section), name, [])
+        from torchtitan_flux.patches import apply_patches
+
+        apply_patches()  # another torchtitan version: one line (TorchtitanVersionError)
+        from torchtitan.tools.logging import init_logger
+
+        from torchtitan_flux.run.config_file import load_config
+        from torchtitan_flux.run.trainer import GRPOTrainer
+        from torchtitan_flux.run.validation import validate_config
+
+        init_logger()
+        config = load_config(argv, GRPOTrainer.Config())
+        _absolute_paths(config)
         validate_config(config)  # bad input: one line, before torchtitan's start-up
         _lock_run_folders(config)
         if os.environ.get("RANK", "0") == "0":
@@ -375,8 +237,7 @@ def main() -> None:
             check_room_for_a_checkpoint(config)
             set_aside_previous_outputs(config)
             check_outputs(config)
-        # torchtitan's main parses sys.argv again, which would undo the emptied lists: the trainer gets this config
-        titan_main(lambda _reparsed: GRPOTrainer(config))
+        _train(config)
         code = 0
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("why") during the start-up

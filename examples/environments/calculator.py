@@ -181,7 +181,7 @@ def calculator_task(job_config, tokenizer, dataset_path, dataset_split, field_na
     from torchtitan_flux.errors import ConfigError
 
     try:
-        template = ChatTemplate(job_config.model.hf_assets_path)
+        template = ChatTemplate(job_config.hf_assets_path)
     except ConfigError:  # no chat template: the question as plain text
         template = None
     return CalculatorTask(template, kind)

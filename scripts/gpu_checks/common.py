@@ -34,11 +34,11 @@ def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout
     from torchtitan_flux.models import families, hf_weights
     from torchtitan_flux.rollout.rollouts import Rollouts
 
-    args = families.args_from_hf_dir(model_dir)  # the trainer's model: torchtitan names, pushed as HF's
-    model = (families.FluxQwenModel if isinstance(args, families.Qwen3ModelArgs) else families.FluxLlamaModel)(args)
+    config = families.config_from_hf_dir(model_dir)  # the trainer's model: torchtitan names, pushed as HF's
+    model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    hf_weights.load_hf_weights(model, model_dir, args)
+    hf_weights.load_hf_weights(model, model_dir, config)
     model.to(device)
     jc = SimpleNamespace(
         rollout=Rollout(num_engines=num_engines, engine_threads=1, colocated=colocated, prompts_per_step=2,
@@ -46,8 +46,8 @@ def rollouts(model_dir: Path, device: torch.device, *, num_engines: int, timeout
         grpo=SimpleNamespace(group_size=2, temperature=1.0),
         weight_sync=WeightSync(async_weight_update=async_mode, timeout_seconds=timeout_s,
                                bucket_size_mb=bucket_size_mb, master_port=0, wire_dtype=wire_dtype, method=method),
-        off_policy=OffPolicy(max_version_gap=max_version_gap), model=SimpleNamespace(hf_assets_path=str(model_dir)),
-        job=SimpleNamespace(dump_folder=""), training=SimpleNamespace(steps=0, seq_len=128),
+        off_policy=OffPolicy(max_version_gap=max_version_gap), hf_assets_path=str(model_dir),
+        dump_folder="", training=SimpleNamespace(steps=0, seq_len=128),
     )
     # no generation here, so no tokenizer
     r = Rollouts.start(jc, DigitsTask(), SimpleNamespace(), model, device=device, stops=SimpleNamespace(signal=None))

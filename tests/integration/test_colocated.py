@@ -139,7 +139,7 @@ def test_the_sync_path_holds_two_buckets_whatever_the_model_size(tmp_path_factor
         # the only temporaries: Llama's q/k rows rewritten in the wire dtype (cast first), two buckets' at most
         plan = h.syncer.plan
         qk = [sum(math.prod(s.shape) * 2 for s in plan.specs[b.start : b.end]
-                  if s.name.endswith(("attention.wq.weight", "attention.wk.weight"))) for b in plan.buckets]
+                  if s.name.endswith(("attention.qkv_linear.wq.weight", "attention.qkv_linear.wk.weight"))) for b in plan.buckets]
         assert m["sync_peak_bytes"] == max(a + b for a, b in zip([0] + qk, qk)), (m["sync_peak_bytes"], qk)
         print(f"\n{flavor}: wire bytes {model_bytes}, sync peak {m['sync_peak_bytes']}, budget {m['sync_budget_bytes']}")
         if flavor == "medium":

@@ -19,7 +19,6 @@ from torchtitan_flux.patches import apply_patches
 
 apply_patches()
 
-from torchtitan.models.llama3 import Transformer  # noqa: E402
 
 from torchtitan_flux.rl import loss as grpo  # noqa: E402
 from torchtitan_flux.config import WeightSync  # noqa: E402
@@ -27,7 +26,7 @@ from torchtitan_flux.engine.base import GenerationRequest, GenerationResult  # n
 from torchtitan_flux.engine.embedded import EmbeddedEngine  # noqa: E402
 from torchtitan_flux.models import hf, inference, weight_dict  # noqa: E402
 from torchtitan_flux.models.hf_weights import load_hf_weights  # noqa: E402
-from torchtitan_flux.models.families import FluxLlamaArgs  # noqa: E402
+from torchtitan_flux.models.families import config_from_hf_dir  # noqa: E402
 from torchtitan_flux.sync.syncer import WeightSyncer  # noqa: E402
 
 
@@ -42,11 +41,11 @@ def serving(tiny_model_dir, **engine_kw):
     """A torchtitan model (the trainer's, seeded) pushing to one embedded engine (``engine_kw``) through a
     ``WeightSyncer``; ``results`` collects what ``pump`` reads."""
     torch.manual_seed(0)
-    args = FluxLlamaArgs.from_hf_dir(tiny_model_dir, max_seq_len=128)
-    model = Transformer(args)
+    config = config_from_hf_dir(tiny_model_dir, max_seq_len=128)
+    model = config.build()
     with torch.no_grad():
-        model.init_weights()
-    load_hf_weights(model, tiny_model_dir, args)
+        model.init_weights(buffer_device=None)
+    load_hf_weights(model, tiny_model_dir, config)
     model.eval()
     events: queue.Queue = queue.Queue()
     engine = EmbeddedEngine("engine0", str(tiny_model_dir), 1, events, **engine_kw)
@@ -59,7 +58,7 @@ def serving(tiny_model_dir, **engine_kw):
     pump.attach(syncer)
     syncer.connect()
     try:
-        yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, args=args,
+        yield SimpleNamespace(model=model, engine=engine, syncer=syncer, results=results, pump=pump, config=config,
                               continuous=engine_kw.get("continuous_batching", False), model_dir=tiny_model_dir)
     finally:
         syncer.close()
@@ -150,7 +149,7 @@ def test_new_weights_change_generation_and_version(rig):
     prompts = [[1, 70, 71]]
     before = generate(rig, 2, prompts, temperature=0.0)
     with torch.no_grad():
-        rig.model.output.weight.mul_(3.0)
+        rig.model.lm_head.weight.mul_(3.0)
         rig.model.norm.weight.mul_(0.5)
     rig.syncer.after_optimizer_step(2)
     after = generate(rig, 3, prompts, temperature=0.0)
@@ -234,7 +233,7 @@ def test_in_flight_updates_apply_a_push_mid_request_and_report_each_tokens_versi
                                             min_version=1, pin_version=5))
         v1 = {n: p.detach().clone() for n, p in rig.model.state_dict().items()}
         with torch.no_grad():
-            rig.model.output.weight.mul_(3.0)
+            rig.model.lm_head.weight.mul_(3.0)
             rig.model.norm.weight.mul_(0.5)
         rig.syncer.after_optimizer_step(2)  # blocking: the engine acked version 2
         first, second = wait_result(rig, 1), wait_result(rig, 2)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from _engine_push import layout_of
@@ -45,13 +44,12 @@ def _tokens() -> torch.Tensor:
 
 
 def _trainer_model(model_dir: Path):
-    args = flux_model.args_from_hf_dir(model_dir, max_seq_len=64)
-    with torch.device("cpu"):
-        model = (flux_model.FluxQwenModel if isinstance(args, flux_model.Qwen3ModelArgs) else flux_model.FluxLlamaModel)(args)
+    config = flux_model.config_from_hf_dir(model_dir, max_seq_len=64)
+    model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    hf_weights.load_hf_weights(model, model_dir, args)
-    return model.eval(), args
+    hf_weights.load_hf_weights(model, model_dir, config)
+    return model.eval(), config
 
 
 @pytest.mark.parametrize("family,tied", CASES)
@@ -75,9 +73,9 @@ def test_tied_is_one_parameter_and_pushed_once(family_dirs, family, tied):
     d = family_dirs[(family, tied)]
     model, _ = _trainer_model(d)
     names = [n for n, _ in model.named_parameters()]  # what WeightSyncer pushes (tensor_specs)
-    assert ("output.weight" in names) == (not tied)
+    assert ("lm_head.weight" in names) == (not tied)
     if tied:
-        assert model.output.weight is model.tok_embeddings.weight
+        assert model.lm_head.weight is model.tok_embeddings.weight
     layout = hf_weights.HFLayout.from_hf_dir(d)
     hf_names = layout.hf_names(names, [tuple(p.shape) for p in model.parameters()])
     # every engine expects exactly what is pushed, in order: HF names
@@ -205,26 +203,25 @@ def test_export_reloads_in_transformers_with_same_logits(family_dirs, family, ti
 
 def test_unsupported_family_is_refused_naming_the_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}))
-    job = SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(tmp_path), name="flux"))
     with pytest.raises(ValueError, match=r"gemma2.*supported families: llama .*qwen3 .*qwen2"):
-        flux_model.select_model(job)
+        flux_model.model_spec(tmp_path)
 
 
-def test_select_model_follows_the_folder(family_dirs):
-    from dataclasses import dataclass
+def test_model_spec_follows_the_folder(family_dirs):
+    """The folder's family picks the spec, the model class, its adapter and its FSDP setup; tying comes along."""
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.qwen3 import parallelize_qwen3
 
-    @dataclass
-    class Model:
-        hf_assets_path: str
-        name: str = "flux"
-
-    @dataclass
-    class Job:
-        model: Model
-
-    for (family, _), d in family_dirs.items():
-        job = Job(Model(str(d)))
-        assert flux_model.select_model(job).model.name == flux_model.FAMILY_SPECS[family] and job.model.name == "flux"
+    for (family, tied), d in family_dirs.items():
+        spec = flux_model.model_spec(d)
+        llama = family == "llama"
+        assert spec.name == flux_model.FAMILY_SPECS[family] and spec.flavor == "hf"
+        assert isinstance(spec.model, flux_model.FluxLlamaModel.Config if llama else flux_model.FluxQwenModel.Config)
+        assert spec.parallelize_fn is (parallelize_llama if llama else parallelize_qwen3)
+        assert spec.model.enable_weight_tying == tied
+        attention = spec.model.layers[0].attention
+        assert (attention.qk_norm is not None) == (family == "qwen3")
+        assert attention.qkv_linear.wq.bias == (family == "qwen2")
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -401,7 +398,8 @@ def test_tokenizer_settings_from_the_folder(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_two_trainer_ranks_train_a_tied_model(family_dirs, family, tmp_path):
-    """FSDP2 over 2 ranks with a tied head (one FSDP group for embedding, norm and head: ``model.fsdp_tied``):
+    """FSDP2 over 2 ranks with a tied head (one FSDP group for embedding, norm and head: torchtitan's
+    ``apply_fsdp_to_decoder``):
     the probe passes after pushes and the first steps' rewards equal a 1-rank run's (same weights, same samples)."""
     from conftest import read_metrics, run_train
 
@@ -426,7 +424,7 @@ def test_logits_from_gives_the_tail_of_the_full_logits(family_dirs, family, tied
         tail = model(tokens, logits_from=29)
     assert tail.shape == (2, 11, full.shape[-1])
     assert (tail - full[:, 29:]).abs().max().item() < 1e-5
-    assert not model.output._forward_pre_hooks
+    assert not model.lm_head._forward_pre_hooks
 
 
 def test_a_batch_gradient_with_logits_from_the_first_completion_position_is_the_full_one(family_dirs):
@@ -455,7 +453,7 @@ def test_a_batch_gradient_with_logits_from_the_first_completion_position_is_the_
     assert first_loss_position(mask[:2]) == 19 and first_loss_position(mask) == 17
 
     out = backward_on_batch(model, None, batch, g, trained_steps=0, rank=0, world=1, micro_batch=2,
-                            device=torch.device("cpu"), train_context=nullcontext, amp=nullcontext())
+                            device=torch.device("cpu"), train_context=nullcontext)
     windowed = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 

@@ -15,9 +15,9 @@ from torchtitan_flux.patches import apply_patches
 
 apply_patches()
 
-from torchtitan.config import ConfigManager  # noqa: E402
 
-from torchtitan_flux.train import _normalise_argv  # noqa: E402
+from torchtitan_flux.run.config_file import load_config
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
 
 EASY = ["min_terms=2", "max_terms=2", "max_digits=1", 'operators=["+"]', "allow_parentheses=false",
         "allow_negation=false"]
@@ -47,8 +47,8 @@ def test_a_reasoning_gym_task_trains_evaluates_and_resumes_its_draw(tiny_model_d
     for step in (3, 4):
         assert cut[step] == full[step], step
     # the prompts are the task's draw, never a held-out question; every reward is score_answer's (0 .. 1)
-    config = ConfigManager().parse_args(_normalise_argv(["--job.config_file", str(DEBUG_TOML), *args]))
-    config.model.hf_assets_path = str(tiny_model_dir)
+    config = load_config(["--job.config_file", str(DEBUG_TOML), *args], GRPOTrainer.Config())
+    config.hf_assets_path = str(tiny_model_dir)
     task = build_task(config, prompt_tokenizer(config))
     held_out = {p.text for p in task.eval_prompts(0, 4)}
     for step in (1, 2, 3, 4):

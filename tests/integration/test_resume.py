@@ -26,7 +26,7 @@ def _config(model_dir, **over) -> SimpleNamespace:
     r = dict(prompts_per_step=4, task="digits", seed=0, environment="", task_args=[])
     r.update({k: over.pop(k) for k in list(over) if k in r})
     return SimpleNamespace(
-        model=SimpleNamespace(hf_assets_path=str(over.pop("model_dir", model_dir))),
+        hf_assets_path=str(over.pop("model_dir", model_dir)),
         optimizer=SimpleNamespace(name=over.pop("optimizer", "AdamW")),
         grpo=SimpleNamespace(group_size=over.pop("group_size", 8)),
         training=SimpleNamespace(steps=over.pop("steps", 10)),
@@ -165,6 +165,30 @@ def test_a_model_only_checkpoint_is_refused_naming_the_newest_full_one(tiny_mode
     assert (tmp_path / "step-4" / ".metadata").exists()  # nothing set aside
 
 
+def test_a_torchtitan_0_2_2_checkpoint_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """The fixture is a full one-step checkpoint of the debug config written by torchtitan 0.2.2 (its README): its
+    parameter names do not load on 0.3.0, so the resume is refused before anything starts, naming the version and
+    the two ways on. A 0.3.0 checkpoint of the same shape is not refused (the model-only test's, then this one)."""
+    fixture = ROOT / "tests" / "fixtures" / "checkpoint_torchtitan_0_2_2" / "checkpoint"
+    shutil.copytree(fixture, tmp_path / "checkpoint")
+    folder = tmp_path / "checkpoint"
+    assert resume.written_by_torchtitan_022(str(folder / "step-1"))
+    with pytest.raises(ConfigError, match=rf"^checkpoint {folder}/step-1 was written by torchtitan 0.2.2, whose "
+                                          r"parameter names torchtitan 0.3.0 does not load; allowed: another "
+                                          r"--job.dump_folder .* hf_final .* commit 420b2f0 \(torchtitan 0.2.2\) "
+                                          r"to resume it$") as e:
+        _check(_config(tiny_model_dir), None, folder)
+    assert "\n" not in str(e.value)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    renamed = {"lm_head.weight": torch.zeros(2, 2), "layers.0.attention.qkv_linear.wq.weight": torch.zeros(2, 2),
+               "optimizer.state.lm_head.weight.step": torch.zeros(())}
+    dcp.save(renamed, checkpoint_id=str(tmp_path / "new" / "step-2"))
+    assert not resume.written_by_torchtitan_022(str(tmp_path / "new" / "step-2"))
+    assert _check(_config(tiny_model_dir), None, tmp_path / "new") == []
+
+
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_and_is_set_aside(tmp_path, caplog):
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step, None)
@@ -259,8 +283,8 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_at_start(tiny_model_dir
     from collections import namedtuple
 
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
-                          job=SimpleNamespace(dump_folder=str(tmp_path)),
-                          model=SimpleNamespace(hf_assets_path=str(tiny_model_dir)))
+                          dump_folder=str(tmp_path),
+                          hf_assets_path=str(tiny_model_dir))
     (tmp_path / "checkpoint").mkdir()
     resume.check_room_for_a_checkpoint(cfg)  # this disk has room
     usage = namedtuple("usage", "total used free")
@@ -280,7 +304,7 @@ def test_a_seed_checkpoint_is_not_a_run_to_resume(tmp_path):
     aside like any new run's; a checkpoint of a trained step still makes it a resume. An empty file (a seed
     run's metrics.jsonl) is no run's output."""
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
-                          job=SimpleNamespace(dump_folder=str(tmp_path)))
+                          dump_folder=str(tmp_path))
     _checkpoint(tmp_path / "checkpoint", 0, None)
     (tmp_path / "metrics.jsonl").write_text("")
     assert resume.set_aside_previous_outputs(cfg) is None and (tmp_path / "metrics.jsonl").exists()
@@ -300,7 +324,7 @@ def test_an_output_path_of_the_wrong_kind_is_refused_at_start(tmp_path, name, ma
     summary.json / metrics.jsonl a folder) trained every step, then ended with an IsADirectoryError /
     FileExistsError traceback: no export, no summary. A new run moves the earlier outputs aside first."""
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
-                          job=SimpleNamespace(dump_folder=str(tmp_path)),
+                          dump_folder=str(tmp_path),
                           metrics=SimpleNamespace(save_tb_folder="tb", enable_tensorboard=True))
     _checkpoint(tmp_path / "checkpoint", 2, None)  # a resume: nothing is set aside
     (tmp_path / name).mkdir() if make == "folder" else (tmp_path / name).write_text("x")

@@ -64,9 +64,9 @@ def modified(weights: dict, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     new = {k: v.clone() for k, v in weights.items()}
     for k in new:
-        if k.endswith(("attention.wq.weight", "attention.wk.weight", "feed_forward.w1.weight")):
+        if k.endswith(("attention.qkv_linear.wq.weight", "attention.qkv_linear.wk.weight", "feed_forward.w1.weight")):
             new[k] += 0.05 * torch.randn(new[k].shape, generator=g)
-    new["output.weight"] *= 1.5
+    new["lm_head.weight"] *= 1.5
     new["norm.weight"] *= 0.5
     return new
 
@@ -150,7 +150,7 @@ def test_full_cycle_generate_push_pause_version(server, engine, tiny):
     # the real endpoint agrees on a permuted q_proj row
     q = h.client.post("/get_weights_by_name", {"name": "model.layers.1.self_attn.q_proj.weight",
                                                 "truncate_size": 3})
-    want = layout_of(h.model_dir).wire_tensor("layers.1.attention.wq.weight", new["layers.1.attention.wq.weight"])[:3]
+    want = layout_of(h.model_dir).wire_tensor("layers.1.attention.qkv_linear.wq.weight", new["layers.1.attention.qkv_linear.wq.weight"])[:3]
     assert torch.allclose(torch.tensor(q), want)
     assert staging.checksum() != ""  # the trainer-side buffer is what went out
 

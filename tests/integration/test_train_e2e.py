@@ -80,11 +80,14 @@ def test_kl_penalty_against_the_frozen_reference_policy(tiny_model_dir, tmp_path
 
 def test_profiling_section_writes_torch_profiler_traces(tiny_model_dir, tmp_path):
     """``[profiling]`` is honoured (it was silently ignored when the trainer had its own loop without torchtitan's
-    profiler contexts): a trace of the window ending at step 4 (profile_freq 4 = warmup 3 + active 1)."""
+    profiler contexts): a trace of the window ending at step 4 (profile_freq 4 = warmup 3 + active 1), in torchtitan
+    0.3.0's default folder and format (``profiling/traces``, gzipped; 0.2.2: ``profile_traces``, plain JSON)."""
+    import gzip
+
     run_train(tmp_path, "--training.steps", "5", "--profiling.enable_profiling", "true", "--profiling.profile_freq",
               "4")
-    trace = tmp_path / "profile_traces" / "iteration_4" / "rank0_trace.json"
-    assert trace.is_file() and json.loads(trace.read_text())["traceEvents"]
+    trace = tmp_path / "profiling" / "traces" / "iteration_4" / "rank0_trace.json.gz"
+    assert trace.is_file() and json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
 
 
 @pytest.mark.slow

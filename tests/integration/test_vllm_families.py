@@ -120,9 +120,9 @@ def test_probe_catches_wrong_pushes(tied_llama_server):
 
     # the old behaviour: the trainer unties, trains a separate head and pushes it as lm_head.weight
     untied_shape = dataclasses_replace(shape, tied=False)
-    untied = {**moved, "output.weight": moved["tok_embeddings.weight"] + 0.2 * torch.randn(
+    untied = {**moved, "lm_head.weight": moved["tok_embeddings.weight"] + 0.2 * torch.randn(
         moved["tok_embeddings.weight"].shape, generator=gen)}
-    untied_specs = specs + [transport.TensorSpec("output.weight", tuple(untied["output.weight"].shape), "float32")]
+    untied_specs = specs + [transport.TensorSpec("lm_head.weight", tuple(untied["lm_head.weight"].shape), "float32")]
     untied_layout = _untied_layout(model_dir)  # the pre-fix trainer's names: lm_head.weight included
     _push(handler, events, untied_specs, untied, 3, untied_layout)
     version, got = handler.score(tokens)
@@ -139,8 +139,8 @@ def dataclasses_replace(obj, **kw):
 
 def _untied_layout(model_dir):
     from torchtitan_flux.models.hf_weights import HFLayout
-    from torchtitan_flux.models.families import FluxLlamaArgs
+    from torchtitan_flux.models.families import config_from_hf_dir
 
-    args = FluxLlamaArgs.from_hf_dir(model_dir)
-    args.tie_word_embeddings = False
-    return HFLayout(args)
+    config = config_from_hf_dir(model_dir)
+    config.enable_weight_tying = False
+    return HFLayout(config)

@@ -1,22 +1,20 @@
-"""Tiny model assets, HF weight I/O, the flux_llama TrainSpec and the torch-only KV-cache inference.
+"""Tiny model assets, HF weight I/O, the llama model config of a folder and the torch-only KV-cache inference.
 
-The torch-only forward (``torchtitan_flux.models.inference``) is checked against torchtitan's own llama3
-``Transformer`` loaded from the same folder.
+The torch-only forward (``torchtitan_flux.models.inference``) is checked against torchtitan's own
+``Llama3Model`` loaded from the same folder.
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-# torchtitan 0.2.2 imports triton at import time; the patches make it importable on CPU-only machines.
+# torchtitan's models import triton at import time; the patches make them importable on CPU-only machines.
 from torchtitan_flux.patches import apply_patches  # noqa: E402
 
 apply_patches()
@@ -29,13 +27,7 @@ from torchtitan_flux.models import weight_dict
 from torchtitan_flux.models.inference import forward_logits, generate, score  # noqa: E402
 from torchtitan_flux.models.weight_dict import ModelShape  # noqa: E402
 from torchtitan_flux.models.hf_weights import HFLayout, export_hf_weights, load_hf_weights  # noqa: E402
-from torchtitan_flux.models.families import (  # noqa: E402
-    FAMILY_SPECS,
-    FluxLlamaArgs,
-    register_families,
-    solve_ffn_args,
-    torchtitan_ffn_hidden_dim,
-)
+from torchtitan_flux.models import families  # noqa: E402
 
 FLAVOR, SEED = "tiny", 0
 EOS, PAD = assets.EOS_ID, assets.PAD_ID
@@ -48,9 +40,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference():
-    """torchtitan model exactly as build_model_dir built it (before HF conversion), fp32 eval."""
-    model, model_args = assets.build_torchtitan_model(FLAVOR, SEED)
-    return model.eval(), model_args
+    """torchtitan model exactly as build_model_dir built it (before HF conversion), fp32 eval, and its config."""
+    model, config = assets.build_torchtitan_model(FLAVOR, SEED)
+    return model.eval(), config
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +51,9 @@ def engine(model_dir):
     return weights, shape
 
 
-def _job_config(hf_dir, seq_len):
-    return SimpleNamespace(
-        model=SimpleNamespace(hf_assets_path=str(hf_dir)),
-        training=SimpleNamespace(seq_len=seq_len),
-        parallelism=SimpleNamespace(context_parallel_degree=1),
-    )
-
-
-def _assert_pushed(weights: dict, sd: dict, model_args) -> None:
+def _assert_pushed(weights: dict, sd: dict, config) -> None:
     """``weights`` (an engine's) are exactly the torchtitan state dict ``sd`` as pushed: HF names and layout."""
-    layout = HFLayout(model_args)
+    layout = HFLayout(config)
     names = layout.hf_names(list(sd), [tuple(v.shape) for v in sd.values()])
     assert list(weights) == names
     for name, (k, v) in zip(names, sd.items()):
@@ -122,7 +106,7 @@ def test_build_model_dir_files_idempotent_and_param_count(model_dir, tmp_path):
 def test_tokenizer_roundtrip_with_torchtitan(model_dir):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    tok = HuggingFaceTokenizer(str(model_dir))
+    tok = HuggingFaceTokenizer(tokenizer_path=str(model_dir))
     assert (tok.bos_id, tok.eos_id, tok.get_vocab_size()) == (1, 2, 259)
     text = "12 + 30 = 42\n"
     ids = tok.encode(text, add_bos=True, add_eos=False)
@@ -140,40 +124,24 @@ def test_tokenizer_roundtrip_with_torchtitan(model_dir):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "dim,intermediate", [(64, 256), (128, 512), (64, 100), (64, 1000), (4096, 14336), (2048, 8192),
-                         (576, 1536), (3, 1)]
-)
-def test_solve_ffn_args_reproduces_torchtitan_feedforward(dim, intermediate):
-    from torchtitan.models.llama3.model.model import FeedForward
-
-    multiple_of, mult = solve_ffn_args(dim, intermediate)
-    assert torchtitan_ffn_hidden_dim(dim, multiple_of, mult) == intermediate
-    if dim <= 128:
-        ff = FeedForward(dim=dim, hidden_dim=4 * dim, multiple_of=multiple_of, ffn_dim_multiplier=mult)
-        assert ff.w1.weight.shape == (intermediate, dim)
+@pytest.mark.parametrize("intermediate", [256, 100, 1000, 1536])
+def test_ffn_width_is_intermediate_size(model_dir, intermediate):
+    """torchtitan 0.3.0 takes the FFN width as given: any ``intermediate_size`` (0.2.2 derived it from
+    ``multiple_of`` / ``ffn_dim_multiplier``, which we had to solve for)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["intermediate_size"] = intermediate
+    with torch.device("meta"):
+        model = families.model_config(cfg).build()
+    assert model.layers["0"].feed_forward.w1.weight.shape == (intermediate, cfg["hidden_size"])
 
 
-def test_solve_ffn_args_rejects_impossible():
-    with pytest.raises(ValueError, match="intermediate_size"):
-        solve_ffn_args(64, 0)
-
-
-def test_flux_args_reproduce_build_args_and_load_weights(model_dir, reference):
-    from torchtitan.models.llama3 import Transformer
-
-    ref_model, ref_args = reference
-    args = FluxLlamaArgs()
-    args.update_from_config(_job_config(model_dir, seq_len=ref_args.max_seq_len))
-    fields = dataclasses.asdict(args)
-    assert fields.pop("tie_word_embeddings") is False  # our two extra fields: the tiny model is untied,
-    assert fields.pop("head_dim") == ref_args.dim // ref_args.n_heads  # with torchtitan's own head_dim
-    assert fields == dataclasses.asdict(ref_args)
-    args.update_from_config(_job_config(model_dir, seq_len=64))
-    assert args.max_seq_len == 64
-
-    model = Transformer(args)
-    load_hf_weights(model, model_dir, args)
+def test_model_config_of_the_folder_loads_the_built_weights(model_dir, reference):
+    ref_model, _ = reference
+    config = families.config_from_hf_dir(model_dir, max_seq_len=64)
+    assert isinstance(config, families.FluxLlamaModel.Config) and config.max_seq_len == 64
+    assert not config.enable_weight_tying and config.layers[0].attention.head_dim == 16
+    model = config.build()
+    load_hf_weights(model, model_dir, config)
     ref_sd = ref_model.state_dict()
     sd = model.state_dict()
     assert sd.keys() == ref_sd.keys()
@@ -181,50 +149,37 @@ def test_flux_args_reproduce_build_args_and_load_weights(model_dir, reference):
         assert torch.equal(v, ref_sd[k]), k
 
 
-def test_register_flux_model_idempotent():
-    spec = register_families()
-    assert register_families() is spec
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    assert get_train_spec(FAMILY_SPECS["llama"]) is spec
-    assert isinstance(spec.model_args["hf"], FluxLlamaArgs)
-    assert spec.build_dataloader_fn is None and spec.build_validator_fn is None
-    assert spec.pipelining_fn is None and spec.state_dict_adapter is not None
-
-
 def test_load_hf_weights_errors(model_dir, tmp_path):
-    from torchtitan.models.llama3 import Transformer
-
-    args = FluxLlamaArgs.from_hf_dir(model_dir, max_seq_len=32)
+    config = families.config_from_hf_dir(model_dir, max_seq_len=32)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        load_hf_weights(Transformer(args), tmp_path, args)
-    bad = dataclasses.replace(args, vocab_size=300)
+        load_hf_weights(config.build(), tmp_path, config)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    bad = families.model_config({**cfg, "vocab_size": 300}, max_seq_len=32)
     with pytest.raises(ValueError, match=r"embed_tokens.*\(259, 64\).*\(300, 64\)"):
-        load_hf_weights(Transformer(bad), model_dir, bad)
+        load_hf_weights(bad.build(), model_dir, bad)
 
 
 def test_export_hf_weights_roundtrip(model_dir, tmp_path):
-    from torchtitan.models.llama3 import Transformer
-
-    args = FluxLlamaArgs.from_hf_dir(model_dir, max_seq_len=32)
-    model = Transformer(args)
-    load_hf_weights(model, model_dir, args)
+    config = families.config_from_hf_dir(model_dir, max_seq_len=32)
+    model = config.build()
+    load_hf_weights(model, model_dir, config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     src = tmp_path / "src"  # a folder whose chat template is its own file, as transformers 5 saves it
     shutil.copytree(model_dir, src)
     (src / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    out = export_hf_weights(model, tmp_path / "export", args, src)
+    out = export_hf_weights(model, tmp_path / "export", config, src)
     for n in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / n).is_file(), n
-    fresh = Transformer(FluxLlamaArgs.from_hf_dir(out, max_seq_len=32))
-    load_hf_weights(fresh, out, args)
+    fresh_config = families.config_from_hf_dir(out, max_seq_len=32)
+    fresh = fresh_config.build()
+    load_hf_weights(fresh, out, fresh_config)
     sd = model.state_dict()
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, sd[k]), k
     # the torch-only reader of the engines gives what a push of these parameters carries (HF names and layout)
-    _assert_pushed(weight_dict.load_hf_weights_dict(out)[0], sd, args)
+    _assert_pushed(weight_dict.load_hf_weights_dict(out)[0], sd, config)
 
 
 def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
@@ -233,27 +188,26 @@ def test_load_and_export_with_fsdp2_dtensors(model_dir, reference, tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-    from torchtitan.models.llama3 import Transformer
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        args = FluxLlamaArgs.from_hf_dir(model_dir, max_seq_len=32)
-        model = Transformer(args)
+        config = families.config_from_hf_dir(model_dir, max_seq_len=32)
+        model = config.build()
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        assert isinstance(model.layers["0"].attention.wq.weight, DTensor)
-        load_hf_weights(model, model_dir, args)
+        assert isinstance(model.layers["0"].attention.qkv_linear.wq.weight, DTensor)
+        load_hf_weights(model, model_dir, config)
         ref_sd = reference[0].state_dict()
         for k, v in model.state_dict().items():
             assert torch.equal(v.full_tensor(), ref_sd[k]), k
-        out = export_hf_weights(model, tmp_path / "export", args, model_dir)
+        out = export_hf_weights(model, tmp_path / "export", config, model_dir)
     finally:
         dist.destroy_process_group()
-    _assert_pushed(weight_dict.load_hf_weights_dict(out)[0], ref_sd, args)
+    _assert_pushed(weight_dict.load_hf_weights_dict(out)[0], ref_sd, config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,14 +236,14 @@ def test_inference_module_does_not_import_torchtitan():
 
 
 def test_weight_names_and_shapes_are_what_a_push_of_torchtitans_model_carries(reference, engine, model_dir):
-    ref_model, ref_args = reference
+    ref_model, ref_config = reference
     weights, shape = engine
     assert shape == ModelShape.from_hf_dir(model_dir)
     sd = ref_model.state_dict()
-    pushed = HFLayout(ref_args).hf_names(list(sd), [tuple(v.shape) for v in sd.values()])
+    pushed = HFLayout(ref_config).hf_names(list(sd), [tuple(v.shape) for v in sd.values()])
     assert weight_dict.weight_names(shape) == pushed
     assert list(weight_dict.weight_shapes(shape).values()) == [tuple(v.shape) for v in sd.values()]
-    _assert_pushed(weights, sd, ref_args)
+    _assert_pushed(weights, sd, ref_config)
 
 
 @pytest.mark.parametrize(
@@ -298,14 +252,11 @@ def test_weight_names_and_shapes_are_what_a_push_of_torchtitans_model_carries(re
                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}],
 )
 def test_rope_table_matches_torchtitan(model_dir, rope_scaling):
-    from torchtitan.models.llama3.model.model import precompute_freqs_cis
-
     cfg = json.loads((model_dir / "config.json").read_text())
     if rope_scaling != "as_built":
         cfg["rope_scaling"] = rope_scaling  # None: no scaling (factor 1)
     shape = ModelShape.from_hf_config(cfg)
-    args = FluxLlamaArgs().apply_hf_config(cfg)
-    ref = precompute_freqs_cis(args.dim // args.n_heads, 4096, args.rope_theta, args.rope_scaling_args)
+    ref = families.model_config(cfg, max_seq_len=4096).layers[0].attention.rope.build().cache  # ComplexRoPE's
     assert torch.equal(inference.precompute_freqs_cis(shape, 4096), ref)
     # the cached table used by generate/score: positions do not depend on the table length
     for end in (10, 3000):

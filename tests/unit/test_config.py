@@ -1,5 +1,6 @@
 """Bad input: each case gets one clear error naming the field (or resource) and what is allowed, before any
-process is spawned. Table-driven over the real parse path (torchtitan's ConfigManager + our sections)."""
+process is spawned. Table-driven over the real parse path (``run/config_file.load_config``: the TOML and the
+overrides on ``GRPOTrainer.Config``, torchtitan 0.3.0's ``Trainer.Config`` with our sections)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,17 @@ from torchtitan_flux.patches import apply_patches
 
 apply_patches()
 
-from torchtitan.config import ConfigManager  # noqa: E402
-
 from torchtitan_flux.config import ADDED_TO_TORCHTITAN, SECTIONS
 from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.ranges import field_ranges  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
-from torchtitan_flux.train import _normalise_argv, _report, emptied_lists  # noqa: E402
+from torchtitan_flux.run.config_file import load_config  # noqa: E402
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
+from torchtitan_flux.train import _report  # noqa: E402
 
 
 def parse(*overrides: str, toml: str | None = None):
-    args = ["--job.config_file", toml or str(DEBUG_TOML), *overrides]
-    return ConfigManager().parse_args(_normalise_argv(args))
+    return load_config(["--job.config_file", toml or str(DEBUG_TOML), *overrides], GRPOTrainer.Config())
 
 
 def good_reward(completions, **_):
@@ -236,10 +236,9 @@ def test_bad_value_names_field_and_allowed(tiny_model_dir, overrides, needle, mo
     monkeypatch.delenv("TORCHTITAN_FLUX_TOKEN", raising=False)
     monkeypatch.delenv("TORCHTITAN_FLUX_DEBUG", raising=False)
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    cfg = parse(*overrides)
+    with pytest.raises(ConfigError) as e:  # the front end's (model.name) or validation's
+        validate_config(parse(*overrides))
     capsys.readouterr()
-    with pytest.raises(ConfigError) as e:
-        validate_config(cfg)
     assert needle in str(e.value)
     code = _report(e.value)
     out = capsys.readouterr()
@@ -261,10 +260,22 @@ def test_one_syntax_for_every_list_and_boolean():
     assert parse("--checkpoint.enable=false").checkpoint.enable is False
     for form in (("--weight_sync.async_weight_update=true",), ("--weight_sync.async_weight_update", "true")):
         assert parse(*form).weight_sync.async_weight_update is True  # one of ours
-    # a torchtitan string field whose value reads "false" stays a string (before 2026-11-25 it became the flag
-    # --job.no_description, which tyro refused)
-    assert parse("--job.description=false").job.description == "false"
-    assert parse("--job.description", "True").job.description == "True"
+    assert parse("--checkpoint.enable").checkpoint.enable is True  # bare, as torchtitan's flags were
+    # a string field whose value reads "false" stays a string (before 2026-11-25 it became a tyro flag)
+    assert parse("--rollout.task=false").rollout.task == "false"
+    assert parse("--parallelism.spmd_backend", "partial_dtensor").parallelism.spmd_backend == "partial_dtensor"
+
+
+def test_a_comma_inside_a_quoted_value_does_not_split_a_list():
+    """The fifth sweep: ``--rollout.environment_args 'fault="a,b",fault_after=10'`` gave ['fault="a', 'b"', ...]
+    (tyro's ``list[str]`` rule). Mutation: a plain ``split(",")`` in ``_from_cli``."""
+    from torchtitan_flux.run.config_file import split_outside_quotes
+
+    cfg = parse("--rollout.environment_args", 'fault="a,b",fault_after=10', "--rollout.reward_funcs", "a:b,c:d")
+    assert cfg.rollout.environment_args == ['fault="a,b"', "fault_after=10"]
+    assert cfg.rollout.reward_funcs == ["a:b", "c:d"]
+    assert split_outside_quotes('x="a\\",b",,y') == ['x="a\\",b"', "", "y"]
+    assert split_outside_quotes("") == [""]
 
 
 def test_an_explicit_ratio_0_with_the_async_push_is_named_in_a_warning(caplog):
@@ -427,6 +438,123 @@ def test_wrong_type_list_in_toml(tiny_model_dir, tmp_path):
         validate_config(parse(toml=str(p)))
 
 
+TORCHTITAN_TYPE_CASES = [  # 0.3.0's own fields (no validate_config rule): before, each reached torchtitan as given
+    ('[compile]\nenable = "yes"', "compile.enable = 'yes' is not allowed; allowed: true | false"),
+    ("[training]\ngc_freq = true", "training.gc_freq = True is not allowed; allowed: an integer"),  # bool is no int
+    ("[metrics]\nlog_freq = 1.5", "metrics.log_freq = 1.5 is not allowed; allowed: an integer"),
+    ('[optimizer]\nlr = "1e-4"', "optimizer.lr = '1e-4' is not allowed; allowed: a number"),  # was a TypeError
+    ('[lr_scheduler]\ndecay_type = "exp"',
+     "lr_scheduler.decay_type = 'exp' is not allowed; allowed values: 'linear' | 'sqrt' | 'cosine'"),
+    ('[debug]\nseed = "x"', "debug.seed = 'x' is not allowed; allowed: an integer | unset"),
+    ('[compile]\ncomponents = ["model", 3]', "compile.components[1] = 3 is not allowed; allowed: a string"),
+    ('[checkpoint]\nexclude_from_loading = "x"',
+     "checkpoint.exclude_from_loading = 'x' is not allowed; allowed: a list of strings"),
+    ("[job]\ndump_folder = 5", "job.dump_folder = 5 is not allowed; allowed: a string"),  # a 0.2.2 key, as written
+    ('[profiling]\nenable_profiling = "on"', "profiling.enable_profiling = 'on' is not allowed; allowed: true | false"),
+    ("[parallelism]\nmodule_fqns_per_model_part = [[1]]", "parallelism.module_fqns_per_model_part = [[1]] is not "
+                                                          "allowed; allowed: a list of lists of strings | unset"),
+]
+
+
+@pytest.mark.parametrize("text,message", TORCHTITAN_TYPE_CASES, ids=[m.split(" ")[0] for _, m in TORCHTITAN_TYPE_CASES])
+def test_a_torchtitan_field_of_the_wrong_type_in_a_toml_is_one_line(tmp_path, text, message):
+    """The front end checks each 0.3.0 field it sets against the field's declared type (``config_file._typed``):
+    one line naming the key as written, the value and the allowed ones, before torchtitan sees a string. Mutations:
+    no ``_typed`` in ``_set`` (every case passes the front end); a bool accepted as an int (``gc_freq``); a list's
+    items unchecked (``components``)."""
+    (tmp_path / "t.toml").write_text(text + "\n")
+    with pytest.raises(ConfigError) as e:
+        parse(toml=str(tmp_path / "t.toml"))
+    assert str(e.value) == message
+
+
+def test_a_torchtitan_field_of_the_wrong_type_on_the_command_line_is_one_line():
+    """A command-line string that does not read as the field's type stays a string (``_from_cli``), and the same
+    check names it. Mutation: no ``_typed`` in ``_set`` (``compile.enable`` becomes the string 'yes')."""
+    for args, message in ((("--compile.enable", "yes"), "compile.enable = 'yes' is not allowed; allowed: true | false"),
+                          (("--parallelism.spmd_backend", "dtensor"), "parallelism.spmd_backend = 'dtensor' is not "
+                           "allowed; allowed values: 'partial_dtensor' | 'full_dtensor' | 'spmd_types'"),
+                          (("--training.gc_freq", "often"), "training.gc_freq = 'often' is not allowed; allowed: an "
+                           "integer")):
+        with pytest.raises(ConfigError) as e:
+            parse(*args)
+        assert str(e.value) == message
+
+
+def test_values_of_a_torchtitan_fields_type_pass_the_check(tmp_path):
+    """An int is a number (TOML writes 2 for 2.0), ``none`` unsets an optional field, a table sets a dict field.
+    Mutations: a float field requiring a float (``min_lr_factor = 0``); a union not tried option by option."""
+    (tmp_path / "t.toml").write_text("[lr_scheduler]\nmin_lr_factor = 0\n[training]\nmax_norm = 2\n"
+                                     "[optimizer.optimizer_factory_kwargs_by_name]\nAdamW = {foreach = true}\n")
+    cfg = parse("--debug.seed", "none", "--compile.enable", "true", toml=str(tmp_path / "t.toml"))
+    assert (cfg.lr_scheduler.min_lr_factor, cfg.training.max_norm, cfg.debug.seed, cfg.compile.enable) == (0, 2, None,
+                                                                                                        True)
+    assert cfg.optimizer.optimizer_factory_kwargs_by_name == {"AdamW": {"foreach": True}}
+
+
+def test_our_fields_in_torchtitans_sections_are_type_checked_by_validation(tmp_path):
+    """``[metrics] log_completions_every`` (ours, so left to ``validate_config`` by the front end) was only
+    range-checked: a string gave a ``TypeError`` traceback. Mutation: ``ADDED_TO_TORCHTITAN`` out of
+    validate_config's type-check loop."""
+    text = DEBUG_TOML.read_text().replace("[metrics]", "[metrics]\nlog_completions_every = 'x'")
+    (tmp_path / "t.toml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        validate_config(parse(toml=str(tmp_path / "t.toml")))
+    assert str(e.value) == "metrics.log_completions_every must be of type int, got str 'x'"
+
+
+PARAM_GROUPS = """[[optimizer.param_groups]]
+pattern = "norm"
+optimizer_name = "AdamW"
+optimizer_kwargs = {lr = 1e-3, weight_decay = 0.0}
+[[optimizer.param_groups]]
+pattern = ".*"
+optimizer_name = "AdamW"
+optimizer_kwargs = {lr = 1e-4}
+"""
+
+
+def test_optimizer_param_groups_from_a_toml_are_torchtitans_param_group_configs(tmp_path):
+    """0.3.0's ``optimizer.param_groups`` given as a list of TOML tables become ``ParamGroupConfig``s, which
+    ``AdamOptimizers`` builds its groups from (the ``[optimizer]`` lr is then unused). Mutation: the tables left as
+    dicts (``_table`` not called): the isinstance check fails, and torchtitan's build with ``pg.pattern``."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from torchtitan_flux.run.trainer import AdamOptimizers
+
+    (tmp_path / "t.toml").write_text(PARAM_GROUPS)
+    groups = parse(toml=str(tmp_path / "t.toml")).optimizer.param_groups
+    assert all(isinstance(g, ParamGroupConfig) for g in groups)
+    assert [(g.pattern, g.optimizer_kwargs) for g in groups] == [("norm", {"lr": 1e-3, "weight_decay": 0.0}),
+                                                                 (".*", {"lr": 1e-4})]
+    model = torch.nn.Sequential()
+    model.add_module("norm", torch.nn.LayerNorm(2))
+    model.add_module("proj", torch.nn.Linear(2, 2))
+    config = dataclasses.replace(parse(toml=str(tmp_path / "t.toml")).optimizer, implementation="for-loop")
+    lrs = sorted(g["lr"] for o in AdamOptimizers(config, model_parts=[model]).optimizers for g in o.param_groups)
+    assert lrs == [1e-4, 1e-3]
+
+
+@pytest.mark.parametrize("change,message", [
+    (("pattern = \".*\"", "patern = \".*\""), "optimizer.param_groups[1]: unknown key(s) {'patern'}; allowed: "
+     "pattern, optimizer_name, optimizer_kwargs (required: pattern, optimizer_name)"),
+    (('pattern = "norm"\n', ""), "optimizer.param_groups[0]: missing key(s) {'pattern'}; allowed: pattern, "
+     "optimizer_name, optimizer_kwargs (required: pattern, optimizer_name)"),
+    (("{lr = 1e-4}", "1e-4"), "optimizer.param_groups[1].optimizer_kwargs = 0.0001 is not allowed; allowed: a table"),
+])
+def test_a_bad_optimizer_param_group_is_one_line(tmp_path, change, message):
+    """An unknown or missing key of a ``[[optimizer.param_groups]]`` table, or a value of the wrong type, is one line
+    naming the table and the allowed keys (before: a dict reached torchtitan, which failed on ``pg.pattern``).
+    Mutations: no unknown-key check in ``_table`` (the dataclass' own TypeError); no missing-key check."""
+    (tmp_path / "t.toml").write_text(PARAM_GROUPS.replace(*change))
+    with pytest.raises(ConfigError) as e:
+        parse(toml=str(tmp_path / "t.toml"))
+    assert str(e.value) == message
+    with pytest.raises(ConfigError, match=r"^optimizer.param_groups\[0\] = 'x' is not allowed; allowed: a table "
+                                          r"\(keys: pattern, optimizer_name, optimizer_kwargs\)$"):
+        parse("--optimizer.param_groups", "x")  # tables are a TOML's only
+
+
 def test_unknown_key_in_toml(tiny_model_dir, tmp_path):
     text = DEBUG_TOML.read_text().replace("group_size = 8", "group_size = 8\ngroupsize = 4")
     p = tmp_path / "bad.toml"
@@ -470,7 +598,7 @@ def test_toml_syntax_error_is_one_line_naming_file_and_line(tiny_model_dir, tmp_
 
 @pytest.mark.parametrize("text,line", [
     ("[grpoo]\ngroup_size = 4\n", "unknown section(s) {'grpoo'}; allowed: activation_checkpoint, adaptive_async,"),
-    ("[training]\nstepz = 4\n", "unknown key(s) {'stepz'} in [training]; allowed: dataloader, dataset,"),
+    ("[training]\nstepz = 4\n", "unknown key(s) {'stepz'} in [training]; allowed: disable_cuda_graphs, dtype,"),
 ])
 def test_unknown_toml_section_or_key_is_one_line_through_the_entry_point(tiny_model_dir, tmp_path, text, line):
     """Before: torchtitan's ValueError ("Invalid field names in <class ...>") with a traceback. An unknown key in
@@ -709,14 +837,12 @@ def test_pinned_async_checkpoints_without_cuda_are_refused():
 
 def test_a_toml_with_a_byte_order_mark_is_one_line(tmp_path):
     """Before 2026-11-27: "Invalid statement (at line 1, column 1)", naming nothing a user could see."""
-    from torchtitan_flux.train import _check_config_file
-
     bom = tmp_path / "bom.toml"
     bom.write_bytes(b"\xef\xbb\xbf" + DEBUG_TOML.read_bytes())
     with pytest.raises(ConfigError, match=rf"^job.config_file = '{re.escape(str(bom))}' starts with a UTF-8 "
                                           r"byte-order mark; allowed: UTF-8 without one"):
-        _check_config_file(["--job.config_file", str(bom)])
-    assert _check_config_file(["--job.config_file", str(DEBUG_TOML)]) == str(DEBUG_TOML)
+        parse(toml=str(bom))
+    assert parse().training.steps == 60
 
 
 @pytest.mark.parametrize("folder", ["", ".", "./"])
@@ -726,7 +852,7 @@ def test_a_checkpoint_folder_that_is_the_dump_folder_is_refused(tmp_path, folder
 
     from torchtitan_flux import train
 
-    config = types.SimpleNamespace(job=types.SimpleNamespace(dump_folder=str(tmp_path / "run")),
+    config = types.SimpleNamespace(dump_folder=str(tmp_path / "run"),
                                    checkpoint=types.SimpleNamespace(enable=True, folder=folder))
     with pytest.raises(ConfigError, match=rf"^checkpoint.folder = '{re.escape(folder)}' is the dump folder itself; "
                                           r"allowed: a folder of its own, e.g. 'checkpoint'"):
@@ -790,21 +916,24 @@ def test_start_up_compares_the_resumed_checkpoints_fingerprint(tiny_model_dir, t
     assert preflight(cfg).config_changes == []
 
 
-def test_path_fields_are_made_absolute_before_torchtitan_parses(tmp_path, monkeypatch):
+def test_path_fields_are_made_absolute(tmp_path, monkeypatch):
     """``train._absolute_paths``: relative and ``~`` paths from the command line, the TOML or torchtitan's default
-    become absolute overrides (torchtitan's parser binds ``sys.argv`` at import, so this runs before it)."""
-    from torchtitan.config.job_config import Job
-
+    become absolute, resolved once against the directory the run starts in."""
+    from torchtitan_flux.run.trainer import GRPOTrainer
     from torchtitan_flux.train import PATH_FIELDS, _absolute_paths
 
-    assert PATH_FIELDS["job.dump_folder"] == Job().dump_folder  # torchtitan's default, resolved too
+    assert PATH_FIELDS["job.dump_folder"] == GRPOTrainer.Config().dump_folder  # torchtitan's default, resolved too
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", "/home/someone")
     toml = tmp_path / "c.toml"
     toml.write_text("[model]\nhf_assets_path = \"assets/m\"\n[rollout]\ndataset_path = \"/abs/data\"\n")
-    out = _absolute_paths(["--job.config_file", str(toml), "--job.dump_folder", "~/x"])
-    assert out == ["--job.dump_folder", "/home/someone/x", "--model.hf_assets_path", str(tmp_path / "assets/m")]
-    assert _absolute_paths(["--job.config_file", str(toml)])[:2] == ["--job.dump_folder", str(tmp_path / "outputs")]
+    cfg = load_config(["--job.config_file", str(toml), "--job.dump_folder", "~/x"], GRPOTrainer.Config())
+    _absolute_paths(cfg)
+    assert (cfg.dump_folder, cfg.hf_assets_path) == ("/home/someone/x", str(tmp_path / "assets/m"))
+    assert (cfg.rollout.dataset_path, cfg.eval.dataset_path) == ("/abs/data", "")
+    cfg = load_config(["--job.config_file", str(toml)], GRPOTrainer.Config())
+    _absolute_paths(cfg)
+    assert cfg.dump_folder == str(tmp_path / "outputs")
 
 
 def test_colocated_engines_that_cannot_fit_beside_training_are_refused_by_the_formula():
@@ -849,7 +978,7 @@ def test_kv_pools_are_counted_colocated_and_refused_on_a_cpu_that_cannot_hold_th
     assert validation.kv_pool_bytes(with_turns) == 2 * pool  # and at most as much kept for next turns
     from torchtitan_flux.models.weight_dict import ModelShape
 
-    model = validation.hf_param_count(ModelShape.from_hf_dir(cfg.model.hf_assets_path)) * 4
+    model = validation.hf_param_count(ModelShape.from_hf_dir(cfg.hf_assets_path)) * 4
     monkeypatch.setattr(validation.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(validation, "_memory_available", lambda: 2 * model + pool // 64 * 43)  # half: 21.5 rows
     with pytest.raises(ConfigError, match=r"^rollout.max_batch_sequences = 64 rows x training.seq_len = 64 slots: "
@@ -910,15 +1039,17 @@ def test_a_colocated_gpu_run_with_expandable_segments_is_warned(monkeypatch, cap
     assert not any("expandable_segments" in r.getMessage() for r in caplog.records)
 
 
-def test_an_empty_value_clears_a_list_field_the_toml_set():
-    """tyro reads ``--x.list ""`` as ``[""]`` (a reward named "", an environment argument "") or refuses it (a list
-    of numbers) and has no form for zero values: ``_normalise_argv`` leaves each list given "" out and ``main`` sets
-    it to [] after parsing. Mutation: the check on the field's type (a string field given "" would become a list)."""
-    argv = ["--rollout.environment_args", "", "--rollout.reward_funcs=", "--rollout.task", "", "--job.description",
-            "", "--rollout.reward_weights", "1.0", "--rollout.engine_devices", ""]
-    assert emptied_lists(argv) == ["rollout.environment_args", "rollout.reward_funcs", "rollout.engine_devices"]
-    assert _normalise_argv(argv)[:7] == ["--rollout.task", "", "--job.description", "", "--rollout.reward_weights",
-                                         "1.0", "--job.custom_config_module"]
+def test_an_empty_value_clears_a_list_field_the_toml_set(tmp_path):
+    """``--x.list ""`` is the empty list, clearing what the TOML set (tyro read it as ``[""]``: a reward named "").
+    Mutation: the check on the field's type (a string field given "" would become a list)."""
+    toml = _write(tmp_path, "").replace("bad.toml", "bad.toml")
+    text = DEBUG_TOML.read_text().replace('task = "digits"', 'task = "digits"\nreward_funcs = ["a"]\n'
+                                          'environment_args = ["n=1"]\nengine_devices = ["cpu"]')
+    (tmp_path / "bad.toml").write_text(text)
+    cfg = parse("--rollout.environment_args", "", "--rollout.reward_funcs=", "--rollout.task", "",
+                "--rollout.reward_weights", "1.0", "--rollout.engine_devices", "", toml=toml)
+    assert (cfg.rollout.environment_args, cfg.rollout.reward_funcs, cfg.rollout.engine_devices) == ([], [], [])
+    assert (cfg.rollout.task, cfg.rollout.reward_weights) == ("", [1.0])
 
 
 def test_decode_graphs_memory_is_counted_with_the_kv_pool_and_refused_where_it_cannot_fit(monkeypatch):
@@ -934,7 +1065,7 @@ def test_decode_graphs_memory_is_counted_with_the_kv_pool_and_refused_where_it_c
     common = ("--rollout.continuous_batching", "true", "--rollout.max_batch_sequences", "64", "--rollout.colocated",
               "true", "--weight_sync.async_weight_update", "true")
     eager, graphs = parse(*common), parse(*common, "--rollout.decode_graphs", "true")
-    shape = ModelShape.from_hf_dir(graphs.model.hf_assets_path)
+    shape = ModelShape.from_hf_dir(graphs.hf_assets_path)
     extra = validation.engine_pool_bytes(graphs) - validation.engine_pool_bytes(eager)
     assert extra == inference.decode_graph_bytes(shape, 64, graphs.training.seq_len, 4)
     assert extra > validation.hf_param_count(shape) * 4  # a static copy of the weights, and more
@@ -950,3 +1081,41 @@ def test_decode_graphs_memory_is_counted_with_the_kv_pool_and_refused_where_it_c
     with pytest.raises(ConfigError, match=r"^rollout.colocated = true needs .* a KV pool \(with decode graphs, if on\) "
                                           r"of .*, rollout.decode_graphs = false, or engines on their own GPUs"):
         validate_config(graphs)
+
+
+def test_the_0_2_2_sections_a_task_factory_may_read_name_their_new_place():
+    """A user's task factory or callback written for torchtitan 0.2.2 reads ``config.model.hf_assets_path`` or
+    ``config.job.dump_folder``: the AttributeError (which the factory's error line quotes) names the new field.
+    Mutation: without ``__getattr__`` the message is Python's bare "no attribute 'model'"."""
+    cfg = parse()
+    with pytest.raises(AttributeError, match=r"^config.model is gone with torchtitan 0.3.0: read config.hf_assets_path"):
+        cfg.model.hf_assets_path
+    with pytest.raises(AttributeError, match=r"^config.job is gone .* read config.dump_folder"):
+        cfg.job.dump_folder
+    with pytest.raises(AttributeError, match=r"object has no attribute 'nonsense'"):
+        cfg.nonsense
+    assert cfg.hf_assets_path and cfg.dump_folder
+
+
+def test_spmd_types_with_a_tied_model_on_several_ranks_is_refused(tmp_path, monkeypatch):
+    """torchtitan 0.3.0's "spmd_types" trains a tied model wrong over several ranks
+    (test_patches.py::test_spmd_types_trains_a_tied_model_wrong_over_two_ranks): our default is "partial_dtensor", and
+    "spmd_types" with a tied model and WORLD_SIZE > 1 is one line naming the field. Mutation: the tie or the world
+    size left out of the check."""
+    import shutil
+
+    tied = tmp_path / "tied"
+    shutil.copytree(ROOT / "assets" / "tiny-llama", tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    default = parse("--model.hf_assets_path", str(tied))
+    assert default.parallelism.spmd_backend == "partial_dtensor"
+    validate_config(default)
+    validate_config(parse("--parallelism.spmd_backend", "spmd_types"))  # untied: both backends train it right
+    bad = parse("--model.hf_assets_path", str(tied), "--parallelism.spmd_backend", "spmd_types")
+    with pytest.raises(ConfigError, match=r"^parallelism.spmd_backend = 'spmd_types' trains a model with tied "
+                                          r"embeddings .* wrong over 2 ranks .*; allowed: 'partial_dtensor'"):
+        validate_config(bad)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    validate_config(bad)

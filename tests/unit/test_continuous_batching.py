@@ -23,7 +23,6 @@ from torchtitan_flux.patches import apply_patches
 apply_patches()
 
 import model_assets as assets  # noqa: E402
-from torchtitan.config import ConfigManager  # noqa: E402
 
 from torchtitan_flux.engine.base import GenerationRequest  # noqa: E402
 from torchtitan_flux.engine.batcher import ContinuousBatcher, EngineIO, sequence_key  # noqa: E402
@@ -32,7 +31,8 @@ from torchtitan_flux.engine.versions import InFlight, Pinned  # noqa: E402
 from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.models import inference, weight_dict  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
-from torchtitan_flux.train import _normalise_argv  # noqa: E402
+from torchtitan_flux.run.config_file import load_config
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +434,7 @@ def test_continuous_batching_lifts_the_serial_pipeline_depth_cap():
 
 def test_the_fields_parse_and_a_batch_without_rows_is_refused(tiny_model_dir):
     def parse(*overrides):
-        return ConfigManager().parse_args(_normalise_argv(["--job.config_file", str(DEBUG_TOML), *overrides]))
+        return load_config(["--job.config_file", str(DEBUG_TOML), *overrides], GRPOTrainer.Config())
 
     default = parse()
     assert not default.rollout.continuous_batching and default.rollout.max_batch_sequences == 256

@@ -31,7 +31,7 @@ def job(tmp_path, path, **rollout):
              max_new_tokens=8, task_timeout_seconds=60.0, environment="")
     r.update(rollout)
     return SimpleNamespace(rollout=SimpleNamespace(**r), training=SimpleNamespace(seq_len=64),
-                           model=SimpleNamespace(hf_assets_path=str(tmp_path / "model")),
+                           hf_assets_path=str(tmp_path / "model"),
                            eval=SimpleNamespace(every_steps=0, at_start=False))
 
 

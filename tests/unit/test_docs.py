@@ -29,6 +29,29 @@ def test_every_config_field_has_a_docstring():
     assert not missing, missing
 
 
+def test_the_reference_lists_torchtitans_settable_fields_and_the_0_2_2_keys():
+    """docs/configuration.md documents all of ``GRPOTrainer.Config`` a TOML sets: beside our sections, each settable
+    field of torchtitan 0.3.0's sections under its heading (type, default, its docstring from torchtitan's source),
+    every key ``config_file`` translates, and that ``--module/--config`` are not read. Mutations: the generator
+    without ``torchtitan_sections``; a field's docstring not read (``_doc`` returning "")."""
+    import re
+
+    from torchtitan_flux.run import config_file
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    head, _, torchtitan = text.partition("\n## torchtitan 0.3.0's sections\n")
+    assert "\n## `[grpo]`\n" in head and "`--module` / `--config` flags" in torchtitan
+    compile_ = torchtitan.split("\n### `[compile]`\n", 1)[1].split("\n### ", 1)[0]
+    assert re.search(r"^\| `enable` \| bool \| `false` \| Whether to apply torch.compile \|$", compile_, re.M)
+    optimizer = torchtitan.split("\n### `[optimizer]`\n", 1)[1].split("\n### ", 1)[0]
+    assert re.search(r"^\| `param_groups` \| list\[ParamGroupConfig\] \| `\[\]` \| Per-parameter-group", optimizer, re.M)
+    metrics = torchtitan.split("\n### `[metrics]`\n", 1)[1].split("\n### ", 1)[0]
+    assert "| `log_freq` |" in metrics and "log_completions_every" not in metrics  # ours: in our [metrics] above
+    legacy = torchtitan.split("\n## Keys of torchtitan 0.2.2's layout\n", 1)[1]
+    for key in [*config_file.LEGACY, *config_file.FIXED, "profiling.<field>", "activation_checkpoint.mode"]:
+        assert f"| `{key}` |" in legacy, key
+
+
 def test_every_rollout_field_is_in_exactly_one_group_under_its_heading():
     """``Rollout``'s fields are grouped by job (``# -- Title: description`` lines in config.py): every field is in
     exactly one group, and docs/configuration.md's ``[rollout]`` section has each group's heading with exactly its

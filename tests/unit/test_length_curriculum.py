@@ -14,7 +14,7 @@ from examples import length_curriculum as C
 
 def curriculum(tmp_path, lengths=(16, 48, 128), max_new_tokens=128):
     cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=max_new_tokens),
-                          job=SimpleNamespace(dump_folder=str(tmp_path)))
+                          dump_folder=str(tmp_path))
     return C._build(cfg, lengths)
 
 

@@ -409,12 +409,12 @@ def test_multi_turn_config_errors_name_the_field(overrides, fragment):
     from torchtitan_flux.patches import apply_patches
 
     apply_patches()
-    from torchtitan.config import ConfigManager
 
     from torchtitan_flux.run.validation import validate_config
-    from torchtitan_flux.train import _normalise_argv
+    from torchtitan_flux.run.config_file import load_config
+    from torchtitan_flux.run.trainer import GRPOTrainer
 
-    jc = ConfigManager().parse_args(_normalise_argv(["--job.config_file", str(DEBUG_TOML), *overrides]))
+    jc = load_config(["--job.config_file", str(DEBUG_TOML), *overrides], GRPOTrainer.Config())
     with pytest.raises(ConfigError) as err:
         validate_config(jc)
     assert fragment in str(err.value) and "\n" not in str(err.value)

@@ -16,14 +16,14 @@ from torchtitan_flux.patches import apply_patches
 
 apply_patches()
 
-from torchtitan.config import ConfigManager  # noqa: E402
 
 from torchtitan_flux.data.rewards import RewardScorer, reward_inputs  # noqa: E402
 from torchtitan_flux.data.tasks import ReasoningGymTask, build_task, task_factory  # noqa: E402
 from torchtitan_flux.errors import ConfigError  # noqa: E402
 from torchtitan_flux.run.resume import fingerprint  # noqa: E402
 from torchtitan_flux.run.validation import validate_config  # noqa: E402
-from torchtitan_flux.train import _normalise_argv  # noqa: E402
+from torchtitan_flux.run.config_file import load_config
+from torchtitan_flux.run.trainer import GRPOTrainer  # noqa: E402
 
 EASY = ["min_terms=2", "max_terms=2", "max_digits=1", 'operators=["+"]', "allow_parentheses=false",
         "allow_negation=false"]
@@ -40,12 +40,12 @@ def job(task_args=EASY, seq_len=2048, num_prompts=16, chat_dir=None, **rollout):
              reward_weights=[], environment="")
     r.update(rollout)
     return SimpleNamespace(rollout=SimpleNamespace(**r), training=SimpleNamespace(seq_len=seq_len),
-                           model=SimpleNamespace(hf_assets_path=str(chat_dir)),
+                           hf_assets_path=str(chat_dir),
                            eval=SimpleNamespace(num_prompts=num_prompts, every_steps=0, at_start=False))
 
 
 def parse(*overrides: str):
-    return ConfigManager().parse_args(_normalise_argv(["--job.config_file", str(DEBUG_TOML), *overrides]))
+    return load_config(["--job.config_file", str(DEBUG_TOML), *overrides], GRPOTrainer.Config())
 
 
 def score(task, prompts, completions):

@@ -58,7 +58,7 @@ def test_the_reward_needs_the_whole_answer_and_ignores_what_comes_after():
 
 def test_the_factory_builds_plain_and_chat_prompts(tmp_path):
     cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=32, apply_chat_template=False),
-                          model=SimpleNamespace(hf_assets_path=str(tmp_path)))
+                          hf_assets_path=str(tmp_path))
     plain = heavy_tail(cfg, ByteTokenizer(), "", "", "rollout.task")
     assert plain.max_len == 32 and re.fullmatch(r"[a-z]{3,8} \d+:", plain.prompts(0, 1, 1)[0].text)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(

@@ -3,7 +3,6 @@ never while one is in flight (on a GPU its synchronize would wait for the push's
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 from unittest import mock
 
@@ -19,8 +18,6 @@ def test_pg_timeouts_are_set_before_the_first_push_and_not_again(monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(trainer_module.resume, "load", lambda *a: None)
     monkeypatch.setattr(trainer_module.dist_utils, "set_pg_timeouts", lambda **k: calls.append("set_pg_timeouts"))
-    for name in ("maybe_enable_profiling", "maybe_enable_memory_snapshot"):
-        monkeypatch.setattr(trainer_module, name, lambda *a, **k: contextlib.nullcontext())
     steps = iter([True, True, False])
 
     def train_step():
@@ -29,9 +26,10 @@ def test_pg_timeouts_are_set_before_the_first_push_and_not_again(monkeypatch):
 
     syncer = SimpleNamespace(connect=lambda: calls.append("connect"), flush=lambda v: calls.append(f"flush {v}"),
                              after_optimizer_step=lambda v: calls.append(f"push {v}"))
-    jc = SimpleNamespace(comm=SimpleNamespace(train_timeout_seconds=100), eval=None, profiling=None,
-                         job=mock.MagicMock(), checkpoint=None)
-    t = mock.MagicMock(step=0, rank=0, job_config=jc, syncer=syncer, evaluator=None, rollouts=None,
+    profiler = SimpleNamespace(build=lambda **k: mock.MagicMock())  # a context manager with .step()
+    jc = SimpleNamespace(comm=SimpleNamespace(train_timeout_seconds=100), eval=None, profiler=profiler,
+                         dump_folder="/x", checkpoint=None)
+    t = mock.MagicMock(step=0, rank=0, config=jc, syncer=syncer, evaluator=None, rollouts=None,
                        should_continue_training=lambda: next(steps), train_step_grpo=train_step,
                        _finish=lambda: calls.append("finish"))
     GRPOTrainer.train(t)

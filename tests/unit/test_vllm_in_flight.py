@@ -38,7 +38,7 @@ def handler(fake, tiny_model_dir):
     def make(in_flight: bool):
         jc = SimpleNamespace(rollout=SimpleNamespace(engine="vllm", in_flight_weight_updates=in_flight),
                              weight_sync=SimpleNamespace(auth_token_env="FLUX_TEST_UNSET_TOKEN", verify_every=0),
-                             training=SimpleNamespace(steps=4), model=SimpleNamespace(hf_assets_path=tiny_model_dir))
+                             training=SimpleNamespace(steps=4), hf_assets_path=tiny_model_dir)
         rollouts = SimpleNamespace(job_config=jc, trainer_on_gpu=False, _urls=[fake.url], events=queue.Queue())
         h = EngineFleet._new_engine(rollouts, 0)
         made.append(h)

@@ -53,8 +53,8 @@ def fleet(serve, tiny_model_dir, tmp_path, monkeypatch):
         rollout=SimpleNamespace(engine="vllm", in_flight_weight_updates=False, max_engine_restarts=3,
                                 launch_python="python", launch_timeout_s=60.0, engine_threads=1),
         weight_sync=SimpleNamespace(auth_token_env="FLUX_TEST_UNSET_TOKEN", verify_every=0),
-        training=SimpleNamespace(steps=4), model=SimpleNamespace(hf_assets_path=tiny_model_dir),
-        job=SimpleNamespace(dump_folder=str(tmp_path)))
+        training=SimpleNamespace(steps=4), hf_assets_path=tiny_model_dir,
+        dump_folder=str(tmp_path))
     f = EngineFleet(jc, queue.Queue(), device=torch.device("cpu"), stops=SimpleNamespace(signal=None))
     f.wedged = serve(wedged=True)
     f._urls, f._devices = [f.wedged.url], ["cpu"]

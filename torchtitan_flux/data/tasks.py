@@ -191,7 +191,7 @@ class DatasetTask(Task):
         _refuse_empty_prompts(table[prompt_col], prompt_col, where)
         if not self.chat:
             _refuse_non_text_prompts(table[prompt_col], prompt_col, where)
-        template = ChatTemplate(job_config.model.hf_assets_path) if self.chat or r.apply_chat_template else None
+        template = ChatTemplate(job_config.hf_assets_path) if self.chat or r.apply_chat_template else None
         records, lengths = [], []
         for i, row in enumerate(table.to_list()):
             value = row.pop(prompt_col)
@@ -435,9 +435,9 @@ def prompt_tokenizer(job_config):
     own."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    hf = job_config.model.hf_assets_path
+    hf = job_config.hf_assets_path
     try:
-        return HuggingFaceTokenizer(hf)
+        return HuggingFaceTokenizer(tokenizer_path=hf)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:  # torchtitan's json.load of tokenizer_config.json
         raise ConfigError(f"model.hf_assets_path = {hf!r}: tokenizer_config.json is not valid JSON ({e}); allowed: "
                           "the file as published (re-download it)") from None
@@ -541,7 +541,7 @@ class ReasoningGymTask(Task):
         self.dataset_cls = DATASETS[self.dataset_name][0]
         self.system_prompt = SYSTEM_PROMPTS[self.prompting.system_prompt]
         self.chat = bool(r.apply_chat_template)  # chat-templated prompts: rewards get TRL's conversational format
-        self.template = ChatTemplate(job_config.model.hf_assets_path) if self.chat else None
+        self.template = ChatTemplate(job_config.hf_assets_path) if self.chat else None
         self.tokenizer, self.max_prompt_tokens = tokenizer, max_prompt_tokens(job_config)
         self.budget = prompt_budget(job_config, 0)[0]
         self.held_out_count = job_config.eval.num_prompts or 64

@@ -106,7 +106,7 @@ def tokenizer_settings(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _rope_scaling(cfg: dict[str, Any], fam: str, where: str) -> dict[str, float]:
-    """llama3 RoPE scaling knobs (factor 1 == none), as torchtitan's ``RoPEScalingArgs``."""
+    """llama3 RoPE scaling knobs (factor 1 == none), as torchtitan's ``RoPE.Config`` llama scaling fields."""
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 4 / 5 spelling
     rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rope_type == "default":
@@ -204,7 +204,8 @@ WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_
 
 
 def clean_name(name: str) -> str:
-    """``layers.1._checkpoint_wrapped_module.attention.wq.weight`` -> ``layers.1.attention.wq.weight``."""
+    """``layers.1._checkpoint_wrapped_module.attention.qkv_linear.wq.weight`` ->
+    ``layers.1.attention.qkv_linear.wq.weight``."""
     for seg in WRAPPER_SEGMENTS:
         name = name.replace(seg, "")
     return name.removeprefix("module.") if name.startswith("module.") else name

@@ -15,14 +15,14 @@ import shutil
 from pathlib import Path
 
 # first: importing ``families`` applies the CPU patches torchtitan needs before it is imported
-from torchtitan_flux.models.families import args_from_hf_dir, state_dict_adapter
+from torchtitan_flux.models.families import config_from_hf_dir, state_dict_adapter
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from torchtitan.models.qwen3 import Qwen3ModelArgs
+from torchtitan.models.common import ComplexRoPE
 
 from torchtitan_flux.models import hf
 
@@ -35,13 +35,16 @@ class HFLayout:
     """Names and tensor layout of torchtitan parameters as every engine loads them: HF's (the embedded engine's
     forward, vLLM, SGLang). The one place the trainer's parameter names meet the engines'."""
 
-    def __init__(self, model_args):
-        self.adapter = state_dict_adapter(model_args)
-        self.permuted = not isinstance(model_args, Qwen3ModelArgs)  # llama: q/k rows permuted by ``to_hf``
+    # the parameters whose rows ``to_hf`` permutes when RoPE is complex (interleaved): llama's q and k
+    PERMUTED = ("attention.qkv_linear.wq.weight", "attention.qkv_linear.wk.weight")
+
+    def __init__(self, model_config):
+        self.adapter = state_dict_adapter(model_config)
+        self.permuted = isinstance(model_config.layers[0].attention.rope, ComplexRoPE.Config)
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | os.PathLike) -> "HFLayout":
-        return cls(args_from_hf_dir(hf_dir))
+        return cls(config_from_hf_dir(hf_dir))
 
     def hf_names(self, names: list[str], shapes: list[tuple[int, ...]]) -> list[str]:
         """HF names of torchtitan parameter names, in order (``to_hf`` on meta tensors: no data is touched)."""
@@ -64,7 +67,7 @@ class HFLayout:
         """A torchtitan parameter in HF layout (llama: q/k rows permuted by ``to_hf``; otherwise unchanged, as is).
         ``dtype``: a tensor that is rewritten is cast to it first (the snapshot's wire dtype: its copies then hold
         wire bytes, not the parameter's)."""
-        if not self.permuted or not (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
+        if not self.permuted or not name.endswith(self.PERMUTED):
             return tensor
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
@@ -72,30 +75,33 @@ class HFLayout:
         return out
 
 
-def build_reference_model(train_spec, model_args, parallel_dims, job_config, device) -> nn.Module:
-    """A frozen copy of the initial policy (for the KL penalty): built by ``train_spec`` and parallelised like the
-    policy, then loaded from ``model.hf_assets_path``. Collective under FSDP: every rank calls it."""
+def build_reference_model(model_spec, parallel_dims, config, device) -> nn.Module:
+    """A frozen copy of the initial policy (for the KL penalty): built from ``model_spec`` and parallelised like the
+    policy (``config``: the trainer's ``Trainer.Config``), then loaded from ``config.hf_assets_path``. Collective
+    under FSDP: every rank calls it."""
     with torch.device("meta"):
-        ref = train_spec.model_cls(model_args)
-    ref = train_spec.parallelize_fn(ref, parallel_dims, job_config)
+        ref = model_spec.model.build()
+    ref = model_spec.parallelize_fn(ref, parallel_dims=parallel_dims, training=config.training,
+                                    parallelism=config.parallelism, compile_config=config.compile,
+                                    ac_config=config.activation_checkpoint, dump_folder=config.dump_folder)
     ref.to_empty(device=device)
     with torch.no_grad():
         ref.init_weights(buffer_device=None)
-    load_hf_weights(ref, job_config.model.hf_assets_path, model_args)
+    load_hf_weights(ref, config.hf_assets_path, model_spec.model)
     return ref.eval().requires_grad_(False)
 
 
-def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> None:
+def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_config) -> None:
     """Load HF safetensors from ``hf_dir`` into ``model`` (plain or FSDP2); FileNotFoundError naming a missing
     file, or ValueError listing missing / unexpected keys and shape mismatches."""
     hf_dir = Path(hf_dir)
     files = hf.weight_files(hf_dir)
     hf_sd = hf.read_state_dict(hf_dir)
-    if _tied(model_args):  # some tied checkpoints store lm_head anyway: the embedding is the projection
+    if model_config.enable_weight_tying:  # some tied checkpoints store lm_head anyway: the embedding is the projection
         hf_sd.pop("lm_head.weight", None)
 
     meta = {hf.clean_name(k): torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}  # global
-    expected = {k: tuple(v.shape) for k, v in state_dict_adapter(model_args).to_hf(meta).items()}
+    expected = {k: tuple(v.shape) for k, v in state_dict_adapter(model_config).to_hf(meta).items()}
     missing = sorted(set(expected) - set(hf_sd))
     unexpected = sorted(set(hf_sd) - set(expected))
     mismatched = [f"{k}: file {tuple(hf_sd[k].shape)} vs model {expected[k]}"
@@ -111,15 +117,11 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, model_args) -> 
             parts.append(f"shape mismatches [{'; '.join(mismatched)}]")
         raise ValueError(f"HF weights in {where} do not match the model built from config.json: " + "; ".join(parts))
 
-    sd = state_dict_adapter(model_args).from_hf(hf_sd)
+    sd = state_dict_adapter(model_config).from_hf(hf_sd)
     set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
-def _tied(model_args) -> bool:
-    return bool(getattr(model_args, "tie_word_embeddings", False) or getattr(model_args, "enable_weight_tying", False))
-
-
-def export_hf_weights(model: nn.Module, out_dir: str | os.PathLike, model_args, hf_assets_dir: str | os.PathLike,
+def export_hf_weights(model: nn.Module, out_dir: str | os.PathLike, model_config, hf_assets_dir: str | os.PathLike,
                       *, barrier: bool = True) -> Path | None:
     """Write ``model`` as a HF folder (``model.safetensors`` + config/tokenizer copied from ``hf_assets_dir``).
     Every rank calls it (gathers the full state dict); rank 0 writes and gets the folder, others None. With
@@ -132,7 +134,7 @@ def export_hf_weights(model: nn.Module, out_dir: str | os.PathLike, model_args, 
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:
         sd = {hf.clean_name(k): (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
-        hf_sd = state_dict_adapter(model_args).to_hf(sd)
+        hf_sd = state_dict_adapter(model_config).to_hf(sd)
         hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in hf_sd.items()}
         out.mkdir(parents=True, exist_ok=True)
         src = Path(hf_assets_dir)
@@ -150,7 +152,7 @@ def export_hf_weights(model: nn.Module, out_dir: str | os.PathLike, model_args, 
         if cfg_path.is_file():
             cfg = json.loads(cfg_path.read_text())
             dtypes = {v.dtype for v in hf_sd.values()}
-            cfg["tie_word_embeddings"] = _tied(model_args)  # a tied model stays tied (no lm_head written)
+            cfg["tie_word_embeddings"] = model_config.enable_weight_tying  # a tied model stays tied (no lm_head)
             if len(dtypes) == 1:
                 cfg["torch_dtype"] = str(next(iter(dtypes))).replace("torch.", "")
             cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -30,7 +30,7 @@ class ModelShape:
     intermediate_size: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # llama3 RoPE scaling (factor 1.0 == no scaling), as torchtitan's RoPEScalingArgs.
+    # llama3 RoPE scaling (factor 1.0 == no scaling), as torchtitan's RoPE.Config llama scaling fields.
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -89,13 +89,14 @@ EMBEDDING, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight
 
 
 def layer_param_names(shape: ModelShape) -> tuple[str, ...]:
-    """One layer's weight names after ``model.layers.{i}.``, in the order the trainer pushes them."""
+    """One layer's weight names after ``model.layers.{i}.``, in the order the trainer pushes them (torchtitan's
+    parameter order; an engine lays out its buffers from the join's list, so the order is not part of the wire)."""
     attn: tuple[str, ...] = ()
-    if shape.qk_norm:
-        attn = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
     for p in ("q_proj", "k_proj", "v_proj"):
         attn += (f"self_attn.{p}.weight",) + ((f"self_attn.{p}.bias",) if shape.qkv_bias else ())
     attn += ("self_attn.o_proj.weight",)
+    if shape.qk_norm:
+        attn += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
     return attn + ("mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.up_proj.weight", "input_layernorm.weight",
                    "post_attention_layernorm.weight")
 

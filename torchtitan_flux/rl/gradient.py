@@ -75,8 +75,7 @@ def first_loss_position(loss_mask: torch.Tensor) -> int:
 
 def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None, batch: RolloutBatch, g: Grpo, *,
                       trained_steps: int, rank: int, world: int, micro_batch: int, device: torch.device,
-                      train_context: Callable[[], AbstractContextManager],
-                      amp: AbstractContextManager) -> BatchGradient:
+                      train_context: Callable[[], AbstractContextManager]) -> BatchGradient:
     """Accumulate the GRPO loss's gradient of ``batch`` on this rank's slice (``trained_steps``: optimizer steps
     done before this one, for the samples' version gaps)."""
     adv, zero_groups = grpo.group_advantages(batch.rewards, g.group_size, std_normalize=g.advantage_std_normalize)
@@ -95,7 +94,7 @@ def backward_on_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None,
         tokens = batch.tokens[sl].to(device)
         mask = batch.loss_mask[sl, t0:].to(device)
         targets = tokens[:, t0 + 1 :]
-        with train_context(), amp:
+        with train_context():
             logits = model(tokens, logits_from=t0)
             logprobs = grpo.token_logprobs(logits[:, :-1].float(), targets, g.temperature)
             del logits

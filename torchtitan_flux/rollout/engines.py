@@ -74,8 +74,8 @@ class EngineFleet:
 
         r = self.job_config.rollout
         return launch_servers(
-            len(devices), self.job_config.model.hf_assets_path, python=resolve_launch_python(r.launch_python),
-            log_dir=self.job_config.job.dump_folder, timeout_s=r.launch_timeout_s,
+            len(devices), self.job_config.hf_assets_path, python=resolve_launch_python(r.launch_python),
+            log_dir=self.job_config.dump_folder, timeout_s=r.launch_timeout_s,
             threads=None if torch.cuda.is_available() else r.engine_threads,
             auth_token=read_token(self.job_config.weight_sync.auth_token_env), log_names=log_names,
             envs=[visible_devices_env(d, os.environ.get("CUDA_VISIBLE_DEVICES")) for d in devices],
@@ -141,10 +141,10 @@ class EngineFleet:
             if kind.in_flight_updates:  # pushes land while its generations run (rollout.in_flight_weight_updates)
                 kw["in_flight"] = r.in_flight_weight_updates
             e = cls(f"{kind.name}{index}", self._urls[index], self.events,
-                    model_dir=self.job_config.model.hf_assets_path, auth_token=token, **kw)
+                    model_dir=self.job_config.hf_assets_path, auth_token=token, **kw)
         else:
             e = cls(
-                f"engine{index}", self.job_config.model.hf_assets_path, r.engine_threads, self.events,
+                f"engine{index}", self.job_config.hf_assets_path, r.engine_threads, self.events,
                 self._devices[index], weight_buffers=self.job_config.off_policy.max_version_gap + 1,
                 auth_token=token, colocated=r.colocated, continuous_batching=r.continuous_batching,
                 max_batch_sequences=r.max_batch_sequences, kv_slots=self.job_config.training.seq_len,

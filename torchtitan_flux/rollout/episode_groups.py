@@ -186,7 +186,7 @@ def episode_groups(job_config, tokenizer, events: queue.Queue, sender: TurnSende
     r = job_config.rollout
     limits = EpisodeLimits(max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
                            max_total_tokens=job_config.training.seq_len)
-    chat = ChatFormat.from_model_dir(job_config.model.hf_assets_path, tokenizer)
+    chat = ChatFormat.from_model_dir(job_config.hf_assets_path, tokenizer)
     return EpisodeGroups(load_configured_environment(r), chat, limits, events, r.max_episodes_in_flight, sender)
 
 

@@ -102,7 +102,7 @@ class Rollouts:
             rollouts = cls(
                 engines, raw, task, tokenizer, group_size=jc.grpo.group_size, prompts_per_step=r.prompts_per_step,
                 max_new_tokens=r.max_new_tokens, temperature=jc.grpo.temperature, top_k=r.top_k, seed=r.seed,
-                pad_id=hf.pad_id(tokenizer, jc.model.hf_assets_path), dead_zone=r.dispatch_dead_zone,
+                pad_id=hf.pad_id(tokenizer, jc.hf_assets_path), dead_zone=r.dispatch_dead_zone,
                 max_share=r.dispatch_max_share, reward_workers=r.reward_workers,
                 reward_timeout_s=r.reward_timeout_seconds, task_timeout_s=r.task_timeout_seconds,
                 stall_s=r.engine_stall_seconds, streaming=r.streaming_admission, carry_over=r.streaming_carry_over,
@@ -112,7 +112,7 @@ class Rollouts:
             rollouts.syncer = WeightSyncer(
                 jc.weight_sync, model, rollouts.engines, device=device, is_sender=True,
                 backend="nccl" if device.type == "cuda" else "gloo", pump=rollouts.pump.pump,
-                layout=HFLayout.from_hf_dir(jc.model.hf_assets_path))
+                layout=HFLayout.from_hf_dir(jc.hf_assets_path))
         except BaseException:
             if rollouts is not None:
                 rollouts.close()

@@ -11,13 +11,12 @@ from typing import Any
 
 from torchtitan_flux.data.tasks import build_eval_task, build_task, check_rewards, prompt_tokenizer
 from torchtitan_flux.errors import ConfigError
-from torchtitan_flux.models.families import select_model
+from torchtitan_flux.models.families import model_spec
 from torchtitan_flux.run import resume
 
 
 @dataclass
 class Preflight:
-    job_config: Any  # what torchtitan builds from: model.name names the family's TrainSpec (select_model)
     task: Any
     eval_task: Any  # None without held-out evaluation
     fingerprint: dict[str, Any]
@@ -26,14 +25,15 @@ class Preflight:
 
 
 def preflight(job_config) -> Preflight:
+    """Also sets ``job_config.model_spec``: the family of ``hf_assets_path/config.json``."""
     batch, world = job_config.rollout.prompts_per_step * job_config.grpo.group_size, int(os.environ.get("WORLD_SIZE", 1))
     if batch % world:
         raise ConfigError(f"rollout.prompts_per_step * grpo.group_size = {batch} must be divisible by the number of "
                           f"trainer ranks ({world})")
-    try:  # the family in model.hf_assets_path/config.json picks the TrainSpec, or is refused here
-        titan_config = select_model(job_config)
+    try:  # the family in model.hf_assets_path/config.json picks the ModelSpec, or is refused here
+        job_config.model_spec = model_spec(job_config.hf_assets_path)
     except ValueError as e:
-        raise ConfigError(f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: {e}") from None
+        raise ConfigError(f"model.hf_assets_path = {job_config.hf_assets_path!r}: {e}") from None
     tokenizer = prompt_tokenizer(job_config)
     task = build_task(job_config, tokenizer)
     eval_task = build_eval_task(job_config, tokenizer, task)
@@ -41,5 +41,5 @@ def preflight(job_config) -> Preflight:
     check_rewards(task, r.seed, r.reward_timeout_seconds, r.max_new_tokens, r.task_timeout_seconds,
                   episodes=bool(r.environment))
     fp = resume.fingerprint(job_config, task)
-    folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-    return Preflight(titan_config, task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))
+    folder = os.path.join(job_config.dump_folder, job_config.checkpoint.folder)
+    return Preflight(task, eval_task, fp, folder, resume.check_resume(job_config, fp, folder))

@@ -40,7 +40,7 @@ def fingerprint(job_config: Any, task: Any) -> dict[str, Any]:
     Left out on purpose, since a resume may change them: learning rate and schedule, ``training.steps``, the
     checkpoint and sync cadences, async settings, ``max_new_tokens`` (rollouts are padded per batch; the prompt
     limit acts through the filtered records) and ``debug.seed`` (the RNG state is in the checkpoint)."""
-    r, hf = job_config.rollout, job_config.model.hf_assets_path
+    r, hf = job_config.rollout, job_config.hf_assets_path
     fp: dict[str, Any] = {
         "model.hf_assets_path config.json": _json_sha(os.path.join(hf, "config.json")),
         "model.hf_assets_path tokenizer.json": _file_sha(os.path.join(hf, "tokenizer.json")),
@@ -86,12 +86,12 @@ def check_room_for_a_checkpoint(job_config: Any) -> None:
 
     from torchtitan_flux.models import hf
 
-    ck, dump = job_config.checkpoint, job_config.job.dump_folder
+    ck, dump = job_config.checkpoint, job_config.dump_folder
     if not ck.enable:
         return
     params = 0
     try:
-        for path in hf.weight_files(job_config.model.hf_assets_path):
+        for path in hf.weight_files(job_config.hf_assets_path):
             with safe_open(str(path), "pt") as f:
                 params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     except Exception:  # noqa: BLE001 - missing or damaged weights: the trainer's load names them in one line
@@ -113,7 +113,7 @@ def set_aside_previous_outputs(job_config: Any) -> str | None:
     """Rank 0, before the trainer is built: if this run starts afresh (nothing to resume) and ``job.dump_folder``
     holds a previous run's outputs, move them into ``previous_runs/<UTC time>/`` and say so. Returns the folder
     they went to, or None."""
-    dump, ck = job_config.job.dump_folder, job_config.checkpoint
+    dump, ck = job_config.dump_folder, job_config.checkpoint
     if ck.enable and any(s > 0 for s in complete_steps(os.path.join(dump, ck.folder))):
         return None  # a resume: its rows continue the same metrics.jsonl (a seed checkpoint, step 0, is no progress)
     found = [n for n in RUN_OUTPUTS if os.path.exists(p := os.path.join(dump, n))
@@ -138,7 +138,7 @@ def check_outputs(job_config: Any) -> None:
     """Rank 0, after ``set_aside_previous_outputs``: ``ConfigError`` naming the path unless every output the run
     writes in ``job.dump_folder`` is absent or of its kind (a folder named ``metrics.jsonl`` or a file named
     ``hf_final`` failed only when first written, the export after the whole training)."""
-    dump, m = job_config.job.dump_folder, job_config.metrics
+    dump, m = job_config.dump_folder, job_config.metrics
     for name, kind in {**RUN_OUTPUTS, **({m.save_tb_folder: "folder"} if m.enable_tensorboard else {})}.items():
         path = os.path.join(dump, name)
         if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
@@ -169,6 +169,22 @@ def model_only(step_dir: str) -> bool:
     return not any(k.startswith("optimizer.") for k in keys)
 
 
+# model keys only torchtitan 0.2.2 writes: 0.3.0 names them ``lm_head.weight`` and ``...attention.qkv_linear.wq.weight``
+TORCHTITAN_022_KEY = re.compile(r"output\.weight|layers\.\d+\.attention\.w[qkv]\.weight")
+
+
+def written_by_torchtitan_022(step_dir: str) -> bool:
+    """Whether a complete checkpoint was written by torchtitan 0.2.2 (its parameter names). False when the metadata
+    cannot be read (the load's fallback handles it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable: not this check's business
+        return False
+    return any(TORCHTITAN_022_KEY.fullmatch(k) for k in keys)
+
+
 def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     """Before anything starts: refuse (``ConfigError``, one line) a resume from ``folder`` that cannot continue
     the run. A fingerprint field that differs is a warning instead with ``checkpoint.on_config_mismatch = "warn"``;
@@ -182,6 +198,14 @@ def check_resume(job_config: Any, fp: dict[str, Any], folder: str) -> list[str]:
     step_dir = os.path.join(folder, f"step-{step}")
     if not ck.enable or step <= 0 or not os.path.isdir(step_dir):  # step 0 is a seed checkpoint (weights only)
         return []
+    if written_by_torchtitan_022(step_dir):  # its parameters have other names: nothing of it would load
+        from torchtitan_flux.patches import LAST_TORCHTITAN_022_COMMIT
+
+        raise ConfigError(
+            f"checkpoint {step_dir} was written by torchtitan 0.2.2, whose parameter names torchtitan 0.3.0 does not "
+            "load; allowed: another --job.dump_folder to start a new run (with model.hf_assets_path = the old run's "
+            f"hf_final folder to keep its weights), or torchtitan_flux at commit {LAST_TORCHTITAN_022_COMMIT} "
+            "(torchtitan 0.2.2) to resume it")
     if model_only(step_dir):  # else reported unreadable and set aside, and the run fell back to an older one
         full = [s for s in steps if s < step and not model_only(os.path.join(folder, f"step-{s}"))]
         raise ConfigError(
@@ -287,8 +311,9 @@ class CheckpointSaver:
         synchronously, and not at all when the step already has a complete full checkpoint (it would only repeat
         it, and a write cut short by a second signal must not tear it). Returns whether it wrote one.
 
-        Uses two of torchtitan 0.2.2's ``CheckpointManager`` internals, the same calls its own ``save`` makes for
-        a periodic checkpoint (``_flattened_model_states_sd``, ``_create_checkpoint_id``)."""
+        Uses two of torchtitan's ``CheckpointManager`` internals (0.2.2's, unchanged in 0.3.0's
+        ``components.checkpointer.dcp``), the same calls its own ``save`` makes for a periodic checkpoint
+        (``_flattened_model_states_sd``, ``_create_checkpoint_id``)."""
         from torchtitan.components.checkpoint import AsyncMode
 
         self.settle()
