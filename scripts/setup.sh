@@ -43,6 +43,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # runs scripts/setup_vllm.sh (which installs this package too) beside this script
   flock "${TMPDIR:-/tmp}/flux-editable-install.lock" "$VPY" -m pip install -q -e ".[dev,tasks]"
   "$VPY" -m pip install -q datasets==5.2.0  # over torchtitan's datasets<4.8: see above
+  echo "setup.sh: datasets 5.2.0 over torchtitan 0.3.0's datasets<4.8 is deliberate (pip's conflict line above; see this script's header)"
   gpu || "$VPY" -m pip uninstall -q -y triton  # pulled back by the resolver as torch's requirement
   echo "$want" > "$stamp"
 fi
