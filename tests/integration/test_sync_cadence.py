@@ -171,14 +171,17 @@ def measured_overhead(rows: list[dict]) -> float:
 def test_slow_sync_run_raises_the_interval_until_overhead_is_under_target(tmp_path):
     """End to end: every push takes 0.03 s more on the engine (a slow link: FLUX_FAULT_PUSH_DELAY), blocking
     mode, where a training step takes ~0.06-0.08 s: at interval 1 sync costs ~30% of the step time. With
-    ``interval = "auto"`` the interval rises at the first push, and after that first window the overhead
+    ``interval = "auto"`` the interval rises at the first or second push, and after that window the overhead
     MEASURED FROM THE ROWS (sum of weight_sync_s / sum of step_time_s, not the cadence's ``sync_overhead``) is
     under 10%; the version gap stays within max_version_gap, reward still rises and the final weights match."""
     rows, summary = _slow_link_run(tmp_path, "auto", "auto")
     decisions = [(r["step"], r["sync_interval"], r["sync_overhead"], r["sync_interval_reason"])
                  for r in rows if "sync_overhead" in r]
-    assert decisions[0][3] in ("raise", "cap") and decisions[0][1] > 1, decisions
-    first_window_end = decisions[0][0]
+    # the interval rises at the first push, or at the second when step 1's start-up dilutes the first window (on
+    # torchtitan 0.3.0, whose first step is longer, step 1's overhead measured 0.088 once, under the 0.10 target)
+    first_raise = next(i for i, d in enumerate(decisions) if d[3] in ("raise", "cap") and d[1] > 1)
+    assert first_raise <= 1, decisions
+    first_window_end = decisions[first_raise][0]
     after = [r for r in rows if r["step"] > first_window_end]
     overhead = measured_overhead(after)
     # documented 0.05-0.06 (docs/benchmarks.md); a cadence that underestimates its overhead 2x measured 0.091 here
