@@ -227,12 +227,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_train_step(parallel_dims, parallelism, model_dir, tokens, rank):
-    """One SGD step of the tiny llama under torchtitan's FSDP; checks it against a local replica."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
+def _sharded_and_replica(parallel_dims, parallelism, model_dir):
+    """The tiny model of ``model_dir`` built and sharded as torchtitan's trainer does (FSDP2 on ``parallel_dims``),
+    and a one-process replica holding the same initial weights."""
     from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.distributed import utils as dist_utils
 
     from torchtitan_flux.models import families
 
@@ -251,6 +249,16 @@ def _fsdp_train_step(parallel_dims, parallelism, model_dir, tokens, rank):
         replica.init_weights(buffer_device=None)
         for name, param in replica.named_parameters():
             param.copy_(dict(model.named_parameters())[name].full_tensor())
+    return model, replica
+
+
+def _fsdp_train_step(parallel_dims, parallelism, model_dir, tokens, rank):
+    """One SGD step of the tiny llama under torchtitan's FSDP; checks it against a local replica."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torchtitan.distributed import utils as dist_utils
+
+    model, replica = _sharded_and_replica(parallel_dims, parallelism, model_dir)
 
     def loss_fn(module, batch):
         logits = module(batch[:, :-1])
@@ -334,34 +342,18 @@ def _tied_worker(rank: int, port: int, spmd_backend: str, model_dir: str, out: s
     torch.set_num_threads(1)
     patches.apply_patches()
     import torch.nn.functional as F
-    from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CommConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims, utils as dist_utils
     from torchtitan.tools import utils
-
-    from torchtitan_flux.models import families
 
     utils.device_module.set_device(utils.get_local_device())
     world_size = dist_utils.init_distributed(CommConfig(trace_buf_size=0))
     parallelism = ParallelismConfig(data_parallel_shard_degree=2, spmd_backend=spmd_backend)
     parallel_dims = ParallelDims.from_config(parallelism, world_size)
     dist_utils.set_spmd_backend(spmd_backend)
-    config = families.config_from_hf_dir(model_dir, max_seq_len=64)
-    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
-    with torch.device("meta"):
-        model = config.build()
-    model = families.model_spec(model_dir).parallelize_fn(
-        model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism, compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    model, replica = _sharded_and_replica(parallel_dims, parallelism, model_dir)
     assert model.lm_head.weight is model.tok_embeddings.weight
-    replica = families.config_from_hf_dir(model_dir, max_seq_len=64).build()
-    with torch.no_grad():
-        replica.init_weights(buffer_device=None)
-        sharded = dict(model.named_parameters())
-        for name, param in replica.named_parameters():
-            param.copy_(sharded[name].full_tensor())
+    assert replica.lm_head.weight is replica.tok_embeddings.weight
     opt, replica_opt = (torch.optim.Adam(m.parameters(), lr=3e-3) for m in (model, replica))
     generator = torch.Generator().manual_seed(0)
 
