@@ -41,6 +41,7 @@ from torchtitan.trainer import Trainer
 from torchtitan_flux import config as flux_config
 
 from torchtitan_flux.run import report, resume
+from torchtitan_flux.run.config_file import LEGACY
 from torchtitan_flux.rl.off_policy import OffPolicyControl
 from torchtitan_flux.errors import ConfigError
 from torchtitan_flux.engine.kinds import engine_kind
@@ -151,11 +152,6 @@ class GRPOLossSlot(BaseLoss):
         raise RuntimeError("GRPOTrainer's loss is rl/loss.py's (backward_on_batch), not the Trainer's")
 
 
-MOVED_SECTIONS = {"job": "read config.dump_folder (was config.job.dump_folder)",
-                  "model": "read config.hf_assets_path (was config.model.hf_assets_path)"}
-"""torchtitan 0.2.2's config sections whose fields 0.3.0 moved to the top level (the TOML keys stay)."""
-
-
 class GRPOTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -186,8 +182,10 @@ class GRPOTrainer(Trainer):
         def __getattr__(self, name: str) -> Any:
             """Called only for a missing attribute: 0.2.2's ``job`` and ``model`` sections (read by a user's task
             factory or callback) name where their fields went, in one line."""
-            if name in MOVED_SECTIONS:
-                raise AttributeError(f"config.{name} is gone with torchtitan 0.3.0: {MOVED_SECTIONS[name]}")
+            moved = [(key, field) for key, field in LEGACY.items() if key.split(".")[0] == name]
+            if moved:
+                raise AttributeError(f"config.{name} is gone with torchtitan 0.3.0: " + "; ".join(
+                    f"read config.{field} (was config.{key})" for key, field in moved))
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __init__(self, config: Config):
