@@ -6,9 +6,9 @@ read in place (``snapshot._whole``: no gather, no temporary), so the ledger's pe
 ``all_gather_into_tensor`` on NCCL needs two ranks, which one GPU does not give (it ran here on a one-rank mesh
 until torchtitan 0.3.0, 2026-11-27). bf16 wire, 64 KiB buckets: many buckets, cast by the staging copy. Keys:
 ``ledger_peak_bytes`` (``SyncMemory.peak``: must be 0) <= ``ledger_budget_bytes``, ``allocator_peak_growth_bytes``
-(the CUDA allocator's peak growth over the snapshot) and ``allocator_within_budget`` (reported, not yet a check:
-before the ledger counted the gather's own temporaries the H200 showed 3 buckets against a budget of 2, 2026-11-27;
-the budget now covers them, to be confirmed by the next GPU run), ``fsdp_staging_equal`` (staging equals every
+(the CUDA allocator's peak growth over the snapshot: with no gather, only the staging copy's one-tensor cast
+temporary) and ``allocator_within_budget`` (reported, not a check; the H200 showed 3 buckets against a budget of 2
+on 2026-11-27, when this part still gathered on a one-rank group), ``fsdp_staging_equal`` (staging equals every
 parameter's ``full_tensor()`` cast to bf16: must be 1), ``fsdp_buckets``. CPU twin: the same on a gloo group (the
 ledger and the gather's result; no allocator, no NCCL, no stream).
 """

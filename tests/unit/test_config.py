@@ -1119,3 +1119,11 @@ def test_spmd_types_with_a_tied_model_on_several_ranks_is_refused(tmp_path, monk
         validate_config(bad)
     monkeypatch.setenv("WORLD_SIZE", "1")
     validate_config(bad)
+
+
+def test_fsdp_cpu_offload_is_refused_in_one_line():
+    """torchtitan's ``training.enable_cpu_offload`` steps the optimizer on the host, where nothing orders it after the
+    snapshot's side-stream read: refused before anything starts. Mutation: the check removed."""
+    validate_config(parse())
+    with pytest.raises(ConfigError, match=r"^training.enable_cpu_offload = True is out of range; allowed: false "):
+        validate_config(parse("--training.enable_cpu_offload", "true"))

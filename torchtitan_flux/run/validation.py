@@ -182,6 +182,10 @@ def _validate_torchtitan_fields(job_config: Any) -> None:
              sched.min_lr_factor, "a number in [0, 1]")
     # clip_grad_norm_ scales the gradient by max_norm / norm: 0 trains nothing, a negative value ascends the loss
     _require(math.isfinite(tr.max_norm) and tr.max_norm > 0, "training.max_norm", tr.max_norm, "a finite number > 0")
+    # FSDP2's CPU offload steps the optimizer on the host, which waits on no stream event: the snapshot, which reads
+    # parameters on its side stream after the step's event (sync/snapshot.py), could copy them half-updated
+    _require(not tr.enable_cpu_offload, "training.enable_cpu_offload", tr.enable_cpu_offload,
+             "false (the weight snapshot reads parameters on a side stream; a host optimizer step does not wait on it)")
     _check_parallelism(job_config.parallelism, job_config.hf_assets_path)
 
 

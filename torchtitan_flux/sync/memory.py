@@ -7,8 +7,8 @@ both live on the snapshot's one stream, so the allocator reuses them in stream o
 ``DeviceRing`` slots (``Pusher``: a ring of two buckets per NCCL engine, each engine's own: review 4, finding 1).
 ``budget`` is two of the largest bucket plus the rings (``ring``: their total, from the number of NCCL engines) plus,
 with FSDP, twice the largest gather's send buffer (``snapshot._gather_bucket`` holds its cast shards, padded send buffer
-and output together while the collective runs: on a one-rank mesh 3 buckets, measured on an H200, 2026-11-27; on ``N``
-ranks ``L x (1 + 2/N)``): it grows with the largest tensor (a bucket never splits a tensor: ``transport.plan_buckets``)
+and output together while the collective runs, on meshes of ``N`` >= 2 ranks: ``L x (1 + 2/N)``; a one-rank mesh is
+read in place since torchtitan 0.3.0, with no gather: before that it held 3 buckets, measured on an H200, 2026-11-27): it grows with the largest tensor (a bucket never splits a tensor: ``transport.plan_buckets``)
 and the number of NCCL engines, not with the number of layers. ``peak`` is what was held at once; on GPU,
 ``scripts/gpu_smoke.py`` compares it with the CUDA allocator's own peak. Not counted: ``full_tensor()`` of a DTensor
 that is not row-sharded, before its cast, and the one-tensor device copy torch makes when a plain parameter is cast on
