@@ -111,28 +111,157 @@ def run_child(cmd: list[str], *, timeout: float | None = None, check: bool = Fal
 
 
 def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: int = 1,
-                 env: dict[str, str] | None = None) -> tuple[list[dict], dict]:
+                 env: dict[str, str] | None = None, warm: bool = False) -> tuple[list[dict], dict]:
     """Train with ``--job.dump_folder out`` plus overrides (and extra environment ``env``); returns
     (metrics.jsonl rows, summary.json). One process is launched as the single worker torchrun would start (its
     rendezvous variables set here): the same trainer, without the agent's 2-3 s of start and exit per run, which
-    were more than half of a short run's wall time (the controller suite's 360 runs); several go through torchrun."""
-    train = ["-m", "torchtitan_flux.train", "--job.config_file", config, "--job.dump_folder", out, *overrides]
+    were more than half of a short run's wall time (the controller suite's 360 runs); several go through torchrun.
+    ``warm``: the one process is forked from ``WARM`` (the imports done once; one process only, and ``env`` must
+    not change what torch reads when it is imported)."""
+    train = ["--job.config_file", config, "--job.dump_folder", out, *overrides]
     port = str(free_port())
     if nproc == 1:
-        cmd = [sys.executable, *train]
+        cmd = [sys.executable, "-m", "torchtitan_flux.train", *train]
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", *train]
-    p = run_child(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+               f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "torchtitan_flux.train", *train]
+    if warm and nproc == 1:
+        p = WARM.run(train, {**os.environ, **env})
+    else:
+        p = run_child(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-6000:])
-        raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")
+        raise SystemExit(f"benchmark run failed: {' '.join(cmd)}" + (" (warm start)" if warm else ""))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(x) for x in f]
     with open(os.path.join(out, "summary.json")) as f:
         return rows, json.load(f)
+
+
+# A training run forked from a process that has imported the trainer (``warm_server``): the imports (3.5 s of a
+# one-process run's 6 s of start and exit on 2 cores, beside the engines' fork server's 2.5 s on the other core)
+# are done once, not once a run: the controller suite's 400 runs. The run itself is the trainer ``python -m
+# torchtitan_flux.train`` starts (``runpy``, its own session, stdin /dev/null); ``tests/integration/
+# test_bench_warm.py`` checks it trains bit-identically. Invariant: the server forks from its only thread and runs
+# no torch op (no thread pool exists to be lost in the child: the engines' fork server's rule); it dies with its
+# starter, a run in progress with it (SIGTERM: the trainer stops its engines).
+_WARM_IMPORTS = ("torchtitan_flux.train", "torchtitan_flux.run.trainer", "torchtitan_flux.run.config_file",
+                 "torchtitan_flux.run.validation", "torchtitan_flux.run.resume", "torchtitan_flux.run.leftovers",
+                 "torchtitan.tools.logging")
+_PDEATHSIG = 1  # prctl's PR_SET_PDEATHSIG
+
+
+def _forked_run(request: dict, server: int) -> None:
+    """In the forked child: become the run ``python -m torchtitan_flux.train ARGV`` would start; never returns."""
+    import runpy
+    import traceback
+
+    from torchtitan_flux.engine.forkserver import prctl
+
+    try:
+        os.setsid()
+        prctl(_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != server:  # the server died before the line above
+            os._exit(1)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(ROOT)
+        sys.argv = ["torchtitan_flux.train", *request["argv"]]
+        runpy.run_module("torchtitan_flux.train", run_name="__main__", alter_sys=True)  # ends with os._exit
+    except BaseException:  # noqa: BLE001 - this child must never return into the server's loop
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(1)
+
+
+def warm_server() -> None:
+    """The process behind ``WarmStarter``: imports once, then per request line on stdin (JSON: argv, env, stdout,
+    stderr) forks a run and answers ``{"pid": P}``, then ``{"rc": R}`` when it ends; exits at EOF."""
+    import gc
+    import importlib
+
+    from torchtitan_flux.engine.forkserver import prctl
+
+    prctl(_PDEATHSIG, signal.SIGKILL)  # with the benchmark; its run then gets SIGTERM (``_forked_run``)
+    from torchtitan_flux.patches import apply_patches
+
+    apply_patches()
+    for name in _WARM_IMPORTS:
+        importlib.import_module(name)
+    gc.freeze()  # the imports' objects: never scanned again, so a run's collections write none of their pages
+    for line in sys.stdin:
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _forked_run(json.loads(line), os.getppid())
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def _stop_session(pgid: int, grace_s: float = STOP_GRACE_S) -> None:
+    """``stop_group`` for a process group that is not our child: SIGTERM, up to ``grace_s`` for every member to end
+    (a second signal ends the wait), then SIGKILL to what lingers."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        with contextlib.suppress(Interrupted):
+            while time.monotonic() < deadline:
+                os.killpg(pgid, 0)  # ProcessLookupError once none is left
+                time.sleep(0.05)
+        os.killpg(pgid, signal.SIGKILL)
+
+
+class WarmStarter:
+    """Starts ``warm_server`` on first use and runs trainings through it, one at a time (``run``)."""
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile()  # the server's own stderr: shown if it dies
+
+    def _server(self) -> subprocess.Popen:
+        if self.server is None or self.server.poll() is not None:
+            here = os.path.dirname(os.path.abspath(__file__))
+            code = f"import sys; sys.path.insert(0, {here!r}); import common; common.warm_server()"
+            self.server = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                           start_new_session=True)
+        return self.server
+
+    def _answer(self, key: str) -> int:
+        line = self.server.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise SystemExit("the warm starter (benchmarks/common.warm_server) died:\n"
+                             + self.log.read().decode(errors="replace")[-4000:])
+        return json.loads(line)[key]
+
+    def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        """Train ``python -m torchtitan_flux.train ARGV`` with ``env``, forked; a signal to this process stops the
+        run as ``run_child`` stops a child (``stop_group``'s SIGTERM, grace, SIGKILL)."""
+        stop_children_on_signals()
+        server = self._server()
+        with tempfile.NamedTemporaryFile() as out, tempfile.NamedTemporaryFile() as err:
+            server.stdin.write(json.dumps({"argv": argv, "env": env, "stdout": out.name, "stderr": err.name}) + "\n")
+            server.stdin.flush()
+            pid = self._answer("pid")
+            try:
+                rc = self._answer("rc")
+            except BaseException:
+                _stop_session(pid)
+                server.kill()
+                server.wait()
+                raise
+            return subprocess.CompletedProcess(argv, rc, out.read().decode(errors="replace"),
+                                               err.read().decode(errors="replace"))
+
+
+WARM = WarmStarter()
 
 
 def median(rows: list[dict], key: str) -> float:

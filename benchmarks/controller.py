@@ -37,8 +37,9 @@ workload runs under the same drift). Per workload the table above with its key l
 adaptive's), then ``seeds=``, ``adaptive_worst_vs_best_fixed=`` (the minimum over workloads),
 ``worst_fixed_gap_ratio_<g>=`` (each fixed gap's minimum over workloads against that workload's best),
 ``adaptive_final_reward_in_sync_spread=`` (1 when inside on every workload), ``suite_seconds=`` and the pair
-efficiency; each ``--variant`` adds ``<name>_worst_vs_best_fixed=``. ``--suite --quick``: every workload, one
-seed, one fixed gap, a few steps (CI's smoke run).
+efficiency; each ``--variant`` adds ``<name>_worst_vs_best_fixed=``, and ``variant_seconds=`` their runs' share of
+``suite_seconds``. Runs are forked from a process that imported the trainer once (``common.WarmStarter``).
+``--suite --quick``: every workload, one seed, one fixed gap, a few steps (CI's smoke run).
 
 ``--workload growing`` and ``--workload shifting`` are non-stationary (fixed before any measurement):
 the length curriculum of ``examples/length_curriculum.py`` at the sensitive learning rate, phases of 16, 48 and
@@ -324,8 +325,9 @@ def in_sync_spread(fin: dict[str, list[float]]) -> bool:
 
 
 def suite_lines(measured: dict[str, Measured], gaps: list[int], variants: list[str], seeds: int,
-                seconds: float) -> list[str]:
-    """The suite's key=value lines (module docstring) from each workload's ``Measured``."""
+                seconds: float, variant_seconds: float) -> list[str]:
+    """The suite's key=value lines (module docstring) from each workload's ``Measured``; ``variant_seconds``: the
+    variants' runs' share of ``seconds``."""
     def worst(mode: str) -> float:  # over the workloads that run it, where some fixed mode reached the target
         ratios = [m.fixed[m.best] / m.ttt[mode] for m in measured.values()
                   if mode in m.ttt and math.isfinite(m.fixed[m.best])]
@@ -336,6 +338,8 @@ def suite_lines(measured: dict[str, Measured], gaps: list[int], variants: list[s
     lines += [f"{v}_worst_vs_best_fixed={worst(v):.3f}" for v in variants]
     lines.append(f"adaptive_final_reward_in_sync_spread={int(all(in_sync_spread(m.final) for m in measured.values()))}")
     lines.append(f"suite_seconds={seconds:.0f}")
+    if variants:  # the suite's own time is the rest
+        lines.append(f"variant_seconds={variant_seconds:.0f}")
     return lines
 
 
@@ -408,14 +412,17 @@ def main() -> None:
         lasts = [os.path.getmtime(os.path.join(folder(n, m, s), "summary.json")) for n in names for m in runs[n][2]
                  for s in done]
         t_start -= max(lasts) - min(firsts)  # suite_seconds: the finished seeds' span
+    variant_s = 0.0  # the variants' runs' share of suite_seconds
     for seed in range(0 if args.reread else args.seeds):  # seeds outermost: every mode of every workload sees
-        for name, (w, steps, modes, _) in runs.items():  # the same machine drift
+        for name, (w, steps, modes, adaptive_modes) in runs.items():  # the same machine drift
             for mode, overrides in modes.items():
                 out = folder(name, mode, seed)
                 shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends
                 extra = [*w.overrides, *(SUITE_ENGINE if args.suite else []), *args.extra]
+                t0 = time.perf_counter()
                 results[name][mode].append(run_training(out, "--training.steps", str(steps), "--rollout.seed",
-                                                        str(seed), *overrides, *extra))
+                                                        str(seed), *overrides, *extra, warm=True))
+                variant_s += (time.perf_counter() - t0) if mode in adaptive_modes[1:] else 0.0
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; {args.seeds} seeds; "
           f"adaptive law {args.law}" + (" (suite: batching engine, in-flight updates)" if args.suite else ""))
@@ -426,7 +433,7 @@ def main() -> None:
     if args.suite:
         gaps = sorted({int(m.removeprefix("fixed-g")) for n in names for m in runs[n][2] if m.startswith("fixed")})
         variants = runs[names[0]][3][1:]
-        print("\n".join(suite_lines(measured, gaps, variants, args.seeds, time.perf_counter() - t_start)))
+        print("\n".join(suite_lines(measured, gaps, variants, args.seeds, time.perf_counter() - t_start, variant_s)))
     print("\n".join(pair_lines(pair)))
 
 
