@@ -223,7 +223,7 @@ def modes_for(w: Workload, args, law: str) -> tuple[dict[str, list[str]], list[s
     for g in (w.gaps[:1] if args.suite and args.quick else args.gaps or w.gaps):
         modes[f"fixed-g{g}"] = ["--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
                               "--off_policy.max_version_gap", str(g)]
-    own = w.adaptive if law == "pid" else ["--adaptive_async.controller", law]
+    own = [*w.adaptive, "--adaptive_async.controller", "pid"] if law == "pid" else ["--adaptive_async.controller", law]
     modes["adaptive"] = [
         "--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
         "--off_policy.max_version_gap", str(args.adaptive_gap or w.adaptive_gap), "--adaptive_async.target_staleness",

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(args.out, mode, f"seed{seed}")
             shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends
             rows, _ = run_training(out, "--training.steps", str(steps), "--rollout.seed", str(seed),
-                                   *overrides(model, delays[mode]), *args.extra)
+                                   *overrides(model, delays[mode]), *args.extra, warm=True)
             runs[mode].append(rows)
             turns[mode] += episode_turns(out)
             print(f"[{time.perf_counter() - t_start:7.1f}s] {mode:<6} seed {seed}: {len(rows)} steps, median step "

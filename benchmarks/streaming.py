@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(args.out, "real" if args.real else "debug", mode, f"seed{seed}")
             shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl and completions.jsonl append
             rows, summary = run_training(out, "--training.steps", str(steps), "--rollout.seed", str(seed),
-                                         *modes[mode], *overrides, config=w.config)
+                                         *modes[mode], *overrides, config=w.config, warm=True)
             runs[mode].append(Run(mode, seed, rows, summary, out))
             print(f"[{time.perf_counter() - t_start:7.1f}s] {mode:<14} seed {seed}: {len(rows)} steps, "
                   f"{fmt(runs[mode][-1].steps_per_s)} steps/s, final reward {fmt(runs[mode][-1].final_reward())}",

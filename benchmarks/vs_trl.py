@@ -110,7 +110,7 @@ OUR_MODES = {
     # the controller over the async push, bounded like "async" (max_version_gap 1): it decides, step by step,
     # between one-step-ahead generation and on-policy steps
     "adaptive": ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
-                 "--off_policy.max_version_gap", "1"],
+                 "--adaptive_async.controller", "pid", "--off_policy.max_version_gap", "1"],
 }
 SYSTEMS = list(OUR_MODES) + ["trl"]
 DEFAULT_SYSTEMS = ["sync", "async", "adaptive", "trl"]

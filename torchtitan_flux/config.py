@@ -393,10 +393,12 @@ class AdaptiveAsync:
     """``[adaptive_async]``: the controller that sets how asynchronous the run is."""
 
     enabled: bool = False
-    """Turn the controller on: it sets the async ratio every step. When off, ``off_policy.async_ratio`` does."""
+    """Turn the controller on: it sets how far generation runs ahead every step (``controller``). When off,
+    ``off_policy.async_ratio`` does."""
 
     target_staleness: Annotated[float, Range(ge=0, le=1)] = 0.15
-    """Staleness the controller steers to."""
+    """Staleness the "pid" law steers to (this field and the next ones up to ``version_gap_norm`` set the "pid" law
+    and its staleness signal; the "throughput" law reads only ``ema_alpha``, ``starve_fraction`` and ``ess_floor``)."""
 
     min_async_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
     """Lower bound of async_ratio; at most ``max_async_ratio``."""
@@ -421,7 +423,7 @@ class AdaptiveAsync:
     PID). Keep it wider than the P-only offset, or the integral never engages (docs/benchmarks.md)."""
 
     ema_alpha: Annotated[float, Range(gt=0, le=1)] = 0.2
-    """EMA weight of the newest staleness sample."""
+    """EMA weight of the newest staleness sample ("pid"), of the newest ESS fraction ("throughput")."""
 
     sync_threshold: Annotated[float, Range(gt=0, le=1)] = 0.5
     """When smoothed staleness exceeds this, the next step is forced synchronous."""
@@ -444,10 +446,11 @@ class AdaptiveAsync:
     version_gap_norm: Annotated[float, Range(gt=0)] = 5.0
     """Version gap at which that term saturates."""
 
-    controller: str = "pid"
-    """"pid" (steers the staleness to ``target_staleness``), "throughput" (runs as far ahead as keeps the trainer fed,
-    bounded by ``ess_floor``: ``rl/throughput.py``), or "package.module:Class": a ``rl.controller.ControlLaw`` built
-    as ``Class(adaptive_async)``. Measured against fixed gaps in docs/controller.md."""
+    controller: str = "throughput"
+    """"throughput" (runs as far ahead as keeps the trainer fed, bounded by ``ess_floor``: ``rl/throughput.py``; the
+    default: ahead of "pid" on five of six workloads side by side, docs/controller.md), "pid" (steers the staleness
+    to ``target_staleness``), or "package.module:Class": a ``rl.controller.ControlLaw`` built as
+    ``Class(adaptive_async)``."""
 
     starve_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.1
     """"throughput": the smoothed rollout wait, as a fraction of the step, above which the lookahead rises a step

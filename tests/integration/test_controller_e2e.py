@@ -28,7 +28,8 @@ WARMUP = 10
 FULL_ASYNC = ["--weight_sync.async_weight_update", "true", "--off_policy.async_ratio", "1",
               "--off_policy.max_version_gap", "4"]
 ADAPTIVE = ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
-            "--off_policy.max_version_gap", "4", "--adaptive_async.target_staleness", "0.15",
+            "--adaptive_async.controller", "pid", "--off_policy.max_version_gap", "4",
+            "--adaptive_async.target_staleness", "0.15",
             "--adaptive_async.phase_schedule.warmup.steps", str(WARMUP)]
 
 

@@ -13,7 +13,8 @@ from conftest import read_metrics, run_train
 
 WARMUP = 10
 ADAPTIVE = ["--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
-            "--off_policy.max_version_gap", "4", "--adaptive_async.target_staleness", "0.15",
+            "--adaptive_async.controller", "pid", "--off_policy.max_version_gap", "4",
+            "--adaptive_async.target_staleness", "0.15",
             "--adaptive_async.phase_schedule.warmup.steps", str(WARMUP)]
 
 

@@ -165,7 +165,8 @@ def test_async_ratio_zero_reproduces_sync_bit_for_bit(tiny_model_dir, tmp_path):
     run_train(tmp_path / "sync", "--training.steps", "6")
     run_train(
         tmp_path / "ratio0", "--training.steps", "6", "--weight_sync.async_weight_update", "true",
-        "--adaptive_async.enabled", "true", "--adaptive_async.min_async_ratio", "0",
+        "--adaptive_async.enabled", "true", "--adaptive_async.controller", "pid",
+        "--adaptive_async.min_async_ratio", "0",
         "--adaptive_async.max_async_ratio", "0", "--adaptive_async.initial_async_ratio", "0",
     )
     a, b = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "ratio0")
@@ -229,7 +230,8 @@ def test_killed_run_resumes_bit_exact(tiny_model_dir, tmp_path, mode):
     run ahead to, and requests are pinned to the version staged at dispatch, so nothing depends on timing."""
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--training.steps", "8"]
     if mode == "async_controller":
-        ckpt += ["--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "2",
+        ckpt += ["--adaptive_async.enabled", "true", "--adaptive_async.controller", "pid",
+                 "--off_policy.max_version_gap", "2",
                  "--adaptive_async.initial_async_ratio", "0.8"]
     run_train(tmp_path / "full", *ckpt)
     full = read_metrics(tmp_path / "full")

@@ -147,7 +147,7 @@ def test_the_controller_reads_a_staleness_sample_and_out_of_band_halves_the_auto
     """``control`` takes the batch's ``StalenessSample`` (the metrics dict is for the logs only); staleness above
     its target by more than ``STALE_BAND`` halves the auto push interval at the next push."""
     def control(sample: StalenessSample) -> OffPolicyControl:
-        op = OffPolicyControl(OffPolicy(max_version_gap=GAP), AdaptiveAsync(enabled=True),
+        op = OffPolicyControl(OffPolicy(max_version_gap=GAP), AdaptiveAsync(enabled=True, controller="pid"),
                               WeightSync(interval="auto"), total_steps=100)
         op.cadence.interval = 4
         m = op.control(1, sample)

@@ -763,20 +763,27 @@ def test_controller_target_out_of_reach_is_warned_with_a_fix(tiny_model_dir):
 
 def test_default_version_gap_is_real_and_the_controller_says_when_it_needs_more(tiny_model_dir, caplog):
     """``off_policy.max_version_gap`` is 1 by default, with or without the controller, and validation never writes
-    into the config; with the controller's default target (0.15) gap 1 is out of reach, which validation warns about
-    with the fix (3 reaches it)."""
+    into the config; the default (throughput) law has nothing to choose at gap 1, and with the "pid" law's default
+    target (0.15) gap 1 is out of reach: validation warns about each with the fix (pid: 3 reaches it)."""
     from torchtitan_flux.run.validation import staleness_out_of_reach
+
+    def warnings(*overrides) -> list[str]:
+        caplog.clear()
+        cfg = parse(*overrides)
+        before = dataclasses.asdict(cfg.off_policy)
+        with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
+            validate_config(cfg)
+        assert dataclasses.asdict(cfg.off_policy) == before
+        return [r.getMessage() for r in caplog.records]
 
     fixed = parse("--weight_sync.async_weight_update", "true")
     validate_config(fixed)
     assert fixed.off_policy.max_version_gap == 1 and fixed.off_policy.async_ratio is None  # unset: follows
-    adaptive = parse("--adaptive_async.enabled", "true")
-    before = dataclasses.asdict(adaptive.off_policy)
-    with caplog.at_level(logging.WARNING, logger="torchtitan_flux"):
-        validate_config(adaptive)
-    assert dataclasses.asdict(adaptive.off_policy) == before and adaptive.off_policy.max_version_gap == 1
-    assert any("raise off_policy.max_version_gap to 3" in r.getMessage() for r in caplog.records)
-    explicit = parse("--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "3")
+    assert any("has nothing to choose" in m for m in warnings("--adaptive_async.enabled", "true"))
+    assert not warnings("--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "8")
+    pid = ("--adaptive_async.enabled", "true", "--adaptive_async.controller", "pid")
+    assert any("raise off_policy.max_version_gap to 3" in m for m in warnings(*pid))
+    explicit = parse(*pid, "--off_policy.max_version_gap", "3")
     validate_config(explicit)
     assert explicit.off_policy.max_version_gap == 3 and staleness_out_of_reach(explicit.adaptive_async, 3) is None
 
@@ -805,7 +812,10 @@ def test_the_toggle_alone_makes_a_run_asynchronous_and_an_explicit_ratio_wins(tm
     for ratio in ((), ("--off_policy.async_ratio", "0")):  # the controller sets the ratio: the toggle sets nothing
         adaptive = control("--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
                            "--off_policy.max_version_gap", "3", *ratio)
-        assert adaptive.async_ratio == adaptive.controller.law_ratio == 0.5  # initial_async_ratio
+        assert adaptive.controller is None and adaptive.lookahead == adaptive.throughput.lookahead == 1  # the default
+        pid = control("--weight_sync.async_weight_update", "true", "--adaptive_async.enabled", "true",
+                      "--adaptive_async.controller", "pid", "--off_policy.max_version_gap", "3", *ratio)
+        assert pid.async_ratio == pid.controller.law_ratio == 0.5  # initial_async_ratio
     toml = DEBUG_TOML.read_text().replace("async_weight_update = false", "async_weight_update = true")
     (tmp_path / "toggle.toml").write_text(toml)
     cfg = parse(toml=str(tmp_path / "toggle.toml"))

@@ -117,7 +117,7 @@ def bound_hits(hist, n):
 
 
 def cfg_of(**kw):
-    return AdaptiveAsync(enabled=True, **kw)
+    return AdaptiveAsync(**{"enabled": True, "controller": "pid", **kw})
 
 
 # ------------------------------------------------------------------------------------------ staleness signal

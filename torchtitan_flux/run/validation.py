@@ -363,6 +363,10 @@ def validate_config(job_config: Any) -> None:
     _validate_torchtitan_fields(job_config)
     if a.enabled and not by_throughput and (hint := staleness_out_of_reach(a, o.max_version_gap)):
         logger.warning(hint)
+    if by_throughput and o.max_version_gap == 1:
+        logger.warning("adaptive_async.controller = \"throughput\" with off_policy.max_version_gap = 1 has nothing to "
+                       "choose (its lookahead is whole steps in [1, max_version_gap]); raise off_policy.max_version_gap "
+                       "(the suite in docs/controller.md uses 8)")
     if w.async_weight_update and o.async_ratio == 0 and not a.enabled:
         logger.warning("weight_sync.async_weight_update = true with off_policy.async_ratio = 0: weights are pushed in "
                        "the background, but every step waits for the newest ones (on-policy); set "
