@@ -117,7 +117,7 @@ def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: i
     rendezvous variables set here): the same trainer, without the agent's 2-3 s of start and exit per run, which
     were more than half of a short run's wall time (the controller suite's 360 runs); several go through torchrun.
     ``warm``: the one process is forked from ``WARM`` (the imports done once; one process only, and ``env`` must
-    not change what torch reads when it is imported)."""
+    not change what torch reads when it is imported; started fresh where CUDA would not survive the fork)."""
     train = ["--job.config_file", config, "--job.dump_folder", out, *overrides]
     port = str(free_port())
     if nproc == 1:
@@ -127,9 +127,8 @@ def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: i
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "torchtitan_flux.train", *train]
-    if warm and nproc == 1:
-        p = WARM.run(train, {**os.environ, **env})
-    else:
+    p = WARM.run(train, {**os.environ, **env}) if warm and nproc == 1 else None
+    if p is None:
         p = run_child(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-6000:])
@@ -143,13 +142,14 @@ def run_training(out: str, *overrides: str, config: str = DEBUG_CONFIG, nproc: i
 # A training run forked from a process that has imported the trainer (``warm_server``): the imports (3.5 s of a
 # one-process run's 6 s of start and exit on 2 cores, beside the engines' fork server's 2.5 s on the other core)
 # are done once, not once a run: the controller suite's 400 runs. The run itself is the trainer ``python -m
-# torchtitan_flux.train`` starts (``runpy``, its own session, stdin /dev/null); ``tests/integration/
-# test_bench_warm.py`` checks it trains bit-identically. Invariant: the server forks from its only thread and runs
-# no torch op (no thread pool exists to be lost in the child: the engines' fork server's rule); it dies with its
-# starter, a run in progress with it (SIGTERM: the trainer stops its engines).
-_WARM_IMPORTS = ("torchtitan_flux.train", "torchtitan_flux.run.trainer", "torchtitan_flux.run.config_file",
-                 "torchtitan_flux.run.validation", "torchtitan_flux.run.resume", "torchtitan_flux.run.leftovers",
-                 "torchtitan.tools.logging")
+# torchtitan_flux.train`` starts (``runpy``, its own session, stdin /dev/null, ``sys.path`` as ``-m`` sets it);
+# ``tests/integration/test_bench_warm.py`` checks it trains bit-identically. Invariants: the server runs no torch op
+# and initialises no CUDA before it forks (the threads ``import torch`` and the allocator start hold no lock a run
+# needs: the engines' fork server forks after the same imports); where CUDA was initialised by the imports the
+# server says so and every run starts fresh; the server dies with its starter, a run in progress with it (SIGTERM:
+# the trainer stops its engines).
+_WARM_IMPORTS = ("torchtitan_flux.run.trainer", "torchtitan_flux.run.config_file", "torchtitan_flux.run.validation",
+                 "torchtitan_flux.run.resume", "torchtitan_flux.run.leftovers", "torchtitan.tools.logging")
 _PDEATHSIG = 1  # prctl's PR_SET_PDEATHSIG
 
 
@@ -165,12 +165,15 @@ def _forked_run(request: dict, server: int) -> None:
         prctl(_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != server:  # the server died before the line above
             os._exit(1)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_TRUNC),
+                                (2, request["stderr"], os.O_WRONLY | os.O_TRUNC)):
+            opened = os.open(path, flags)
+            os.dup2(opened, fd)
+            os.close(opened)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(ROOT)
+        sys.path[:] = [ROOT, *(p for p in sys.path if p not in ("", os.path.dirname(os.path.abspath(__file__))))]
         sys.argv = ["torchtitan_flux.train", *request["argv"]]
         runpy.run_module("torchtitan_flux.train", run_name="__main__", alter_sys=True)  # ends with os._exit
     except BaseException:  # noqa: BLE001 - this child must never return into the server's loop
@@ -180,25 +183,35 @@ def _forked_run(request: dict, server: int) -> None:
 
 
 def warm_server() -> None:
-    """The process behind ``WarmStarter``: imports once, then per request line on stdin (JSON: argv, env, stdout,
-    stderr) forks a run and answers ``{"pid": P}``, then ``{"rc": R}`` when it ends; exits at EOF."""
+    """The process behind ``WarmStarter``: imports once and answers ``{"ready": bool}``, then per request line on
+    stdin (JSON: argv, env, stdout, stderr) forks a run and answers ``{"pid": P}``, then ``{"rc": R}`` when it
+    ends; exits at EOF."""
     import gc
     import importlib
 
     from torchtitan_flux.engine.forkserver import prctl
 
     prctl(_PDEATHSIG, signal.SIGKILL)  # with the benchmark; its run then gets SIGTERM (``_forked_run``)
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch.cuda.is_available() without a CUDA context
     from torchtitan_flux.patches import apply_patches
 
     apply_patches()
     for name in _WARM_IMPORTS:
         importlib.import_module(name)
+    import torch
+
+    ready = not torch.cuda.is_initialized()  # a forked child could not use CUDA
+    print(json.dumps({"ready": ready}), flush=True)
+    if not ready:
+        return
     gc.freeze()  # the imports' objects: never scanned again, so a run's collections write none of their pages
+    me = os.getpid()
     for line in sys.stdin:
+        request = json.loads(line)
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            _forked_run(json.loads(line), os.getppid())
+            _forked_run(request, me)
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
@@ -222,18 +235,20 @@ class WarmStarter:
 
     def __init__(self) -> None:
         self.server: subprocess.Popen | None = None
+        self.usable = True  # False once the server said its imports initialised CUDA
         self.log = tempfile.TemporaryFile()  # the server's own stderr: shown if it dies
 
-    def _server(self) -> subprocess.Popen:
-        if self.server is None or self.server.poll() is not None:
+    def _server(self) -> subprocess.Popen | None:
+        if self.usable and (self.server is None or self.server.poll() is not None):
             here = os.path.dirname(os.path.abspath(__file__))
             code = f"import sys; sys.path.insert(0, {here!r}); import common; common.warm_server()"
             self.server = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, stderr=self.log, text=True,
                                            start_new_session=True)
-        return self.server
+            self.usable = self._answer("ready")
+        return self.server if self.usable else None
 
-    def _answer(self, key: str) -> int:
+    def _answer(self, key: str):
         line = self.server.stdout.readline()
         if not line:
             self.log.seek(0)
@@ -241,20 +256,26 @@ class WarmStarter:
                              + self.log.read().decode(errors="replace")[-4000:])
         return json.loads(line)[key]
 
-    def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-        """Train ``python -m torchtitan_flux.train ARGV`` with ``env``, forked; a signal to this process stops the
-        run as ``run_child`` stops a child (``stop_group``'s SIGTERM, grace, SIGKILL)."""
+    def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess | None:
+        """Train ``python -m torchtitan_flux.train ARGV`` with ``env``, forked; None where runs cannot be forked
+        (CUDA initialised by the imports: start it fresh). A signal to this process stops the run as ``run_child``
+        stops a child (``stop_group``'s SIGTERM, grace, SIGKILL) and the server with it."""
         stop_children_on_signals()
         server = self._server()
+        if server is None:
+            return None
         with tempfile.NamedTemporaryFile() as out, tempfile.NamedTemporaryFile() as err:
-            server.stdin.write(json.dumps({"argv": argv, "env": env, "stdout": out.name, "stderr": err.name}) + "\n")
-            server.stdin.flush()
-            pid = self._answer("pid")
+            pid = None
             try:
+                server.stdin.write(json.dumps({"argv": argv, "env": env, "stdout": out.name, "stderr": err.name})
+                                   + "\n")
+                server.stdin.flush()
+                pid = self._answer("pid")
                 rc = self._answer("rc")
             except BaseException:
-                _stop_session(pid)
-                server.kill()
+                if pid is not None:
+                    _stop_session(pid)
+                server.kill()  # a run it started before its pid was read: SIGTERM by its parent's death
                 server.wait()
                 raise
             return subprocess.CompletedProcess(argv, rc, out.read().decode(errors="replace"),

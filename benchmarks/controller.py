@@ -3,7 +3,8 @@
 Modes (each for ``--seeds`` rollout seeds, interleaved):
   sync        weight_sync.async_weight_update = false (on-policy)
   fixed-gN    async, async_ratio 1, off_policy.max_version_gap = N  (N in --gaps)
-  adaptive    async, controller on (config defaults), max_version_gap = --adaptive-gap, target --target
+  adaptive    async, controller on with --law (pid; throughput with --suite), max_version_gap = --adaptive-gap,
+              target --target (pid)
   NAME        the same with extra overrides, for each --variant NAME=OVERRIDES (e.g. another ema_alpha)
 
 Reports per mode: median steps/s, final reward (mean of the last 10 steps), mean version gap, median time to

@@ -345,7 +345,8 @@ class OffPolicy:
 
     max_version_gap: Annotated[int, Range(ge=1)] = 1
     """No sample older than this many policy versions is trained on, nor does generation run further ahead. With
-    ``adaptive_async.enabled`` and the default ``target_staleness`` use 3 or more (validation warns)."""
+    ``adaptive_async.enabled`` give the law room: 4-8 for "throughput" (at 1 it has nothing to choose), 3 or more for
+    "pid" with its default ``target_staleness`` (validation warns about both)."""
 
     async_ratio: Annotated[float | None, Range(ge=0, le=1, note="unset: follows weight_sync.async_weight_update")] = None
     """The fixed async ratio without the controller: 0 is synchronous and on-policy, 1 lets generation run
@@ -448,9 +449,10 @@ class AdaptiveAsync:
 
     controller: str = "throughput"
     """"throughput" (runs as far ahead as keeps the trainer fed, bounded by ``ess_floor``: ``rl/throughput.py``; the
-    default: ahead of "pid" on five of six workloads side by side, docs/controller.md), "pid" (steers the staleness
-    to ``target_staleness``), or "package.module:Class": a ``rl.controller.ControlLaw`` built as
-    ``Class(adaptive_async)``."""
+    default: ahead of "pid" on five of six workloads side by side, docs/controller.md; its decisions follow measured
+    times, so its runs are not bit-reproducible), "pid" (steers the staleness to ``target_staleness``), or
+    "package.module:Class": a ``rl.controller.ControlLaw`` built as ``Class(adaptive_async)``. A checkpoint resumes
+    under the law that saved it only."""
 
     starve_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.1
     """"throughput": the smoothed rollout wait, as a fraction of the step, above which the lookahead rises a step

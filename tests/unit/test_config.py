@@ -781,6 +781,12 @@ def test_default_version_gap_is_real_and_the_controller_says_when_it_needs_more(
     assert fixed.off_policy.max_version_gap == 1 and fixed.off_policy.async_ratio is None  # unset: follows
     assert any("has nothing to choose" in m for m in warnings("--adaptive_async.enabled", "true"))
     assert not warnings("--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "8")
+    tuned = ("--adaptive_async.enabled", "true", "--off_policy.max_version_gap", "8", "--adaptive_async.kp", "2",
+             "--adaptive_async.phase_schedule.warmup.steps", "5")
+    assert [m for m in warnings(*tuned) if "does not read them" in m] == [
+        "adaptive_async.kp, adaptive_async.phase_schedule set, but adaptive_async.controller = \"throughput\" (the "
+        "default) does not read them; set adaptive_async.controller = \"pid\" for the staleness law they tune"]
+    assert not warnings(*tuned, "--adaptive_async.controller", "pid")
     pid = ("--adaptive_async.enabled", "true", "--adaptive_async.controller", "pid")
     assert any("raise off_policy.max_version_gap to 3" in m for m in warnings(*pid))
     explicit = parse(*pid, "--off_policy.max_version_gap", "3")

@@ -235,3 +235,20 @@ def test_the_guard_reads_the_trained_batchs_ess_fraction():
         c.after_push(fed(0.05, 0.0), TRAIN_S, 0.0, 0.0)
     assert c.lookahead == 1
 
+
+
+def test_a_checkpoint_of_the_other_law_is_refused_in_one_line():
+    """The staleness law's ratio and forced sync would outlive it under the throughput law, which never clears them."""
+    from torchtitan_flux.errors import ConfigError
+
+    def of(law: str) -> OffPolicyControl:
+        return OffPolicyControl(OffPolicy(max_version_gap=4), AdaptiveAsync(enabled=True, controller=law),
+                                WeightSync(async_weight_update=True), 100)
+
+    for saved, now in (("pid", "throughput"), ("throughput", "pid")):
+        with pytest.raises(ConfigError, match=r"^adaptive_async.controller: the checkpoint was saved by"):
+            of(now).load_state_dict(of(saved).state_dict())
+    for law in ("pid", "throughput"):  # the same law resumes
+        of(law).load_state_dict(of(law).state_dict())
+    off = OffPolicyControl(OffPolicy(max_version_gap=4), AdaptiveAsync(), WeightSync(async_weight_update=True), 100)
+    of("throughput").load_state_dict(off.state_dict())  # saved with no law: the law starts afresh

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan_flux.errors import ConfigError
 from torchtitan_flux.rl.controller import AdaptiveAsyncController, StalenessSample
 from torchtitan_flux.rl.throughput import ThroughputLaw
 
@@ -218,6 +219,14 @@ class OffPolicyControl:
                 **{k: p.state_dict() if p is not None else None for k, p in parts.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``ConfigError`` for a checkpoint of the other adaptive law (its ratio and forced-sync state would outlive
+        it: the throughput law never clears them)."""
+        laws = {"controller": "a staleness law (\"pid\" or a ControlLaw class)", "throughput": "\"throughput\""}
+        saved = next((laws[k] for k in laws if state[k] is not None), None)
+        now = laws["controller"] if self.controller is not None else laws["throughput"] if self.throughput else None
+        if saved and now and saved != now:
+            raise ConfigError(f"adaptive_async.controller: the checkpoint was saved by {saved} and this run has {now}; "
+                              "allowed: the law the checkpoint was saved with, or a new job.dump_folder")
         self.async_ratio, self.force_sync = float(state["async_ratio"]), bool(state["force_sync"])
         self.carry, self.discarded_rollouts = float(state["admit_carry"]), int(state["discarded_rollouts"])
         parts = ((self.controller, "controller"), (self.cadence, "cadence"), (self.depth, "pipeline_depth"),

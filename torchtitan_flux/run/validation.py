@@ -363,6 +363,13 @@ def validate_config(job_config: Any) -> None:
     _validate_torchtitan_fields(job_config)
     if a.enabled and not by_throughput and (hint := staleness_out_of_reach(a, o.max_version_gap)):
         logger.warning(hint)
+    pid_only = [f.name for f in dataclasses.fields(a)  # what the throughput law does not read, set by the user
+                if f.name not in ("enabled", "controller", "ema_alpha", "starve_fraction", "ess_floor")
+                and getattr(a, f.name) != (f.default if f.default is not dataclasses.MISSING else f.default_factory())]
+    if by_throughput and pid_only:
+        logger.warning(f"adaptive_async.{', adaptive_async.'.join(pid_only)} set, but adaptive_async.controller = "
+                       "\"throughput\" (the default) does not read them; set adaptive_async.controller = \"pid\" "
+                       "for the staleness law they tune")
     if by_throughput and o.max_version_gap == 1:
         logger.warning("adaptive_async.controller = \"throughput\" with off_policy.max_version_gap = 1 has nothing to "
                        "choose (its lookahead is whole steps in [1, max_version_gap]); raise off_policy.max_version_gap "
