@@ -449,8 +449,8 @@ class AdaptiveAsync:
 
     controller: str = "throughput"
     """"throughput" (runs as far ahead as keeps the trainer fed, bounded by ``ess_floor``: ``rl/throughput.py``; the
-    default: ahead of "pid" on five of six workloads side by side, docs/controller.md; its decisions follow measured
-    times, so its runs are not bit-reproducible), "pid" (steers the staleness to ``target_staleness``), or
+    default: ahead of "pid" on the worst workload in two 10-seed runs side by side, docs/controller.md; its
+    decisions follow measured times, so its runs are not bit-reproducible), "pid" (steers the staleness to ``target_staleness``), or
     "package.module:Class": a ``rl.controller.ControlLaw`` built as ``Class(adaptive_async)``. A checkpoint resumes
     under the law that saved it only."""
 
